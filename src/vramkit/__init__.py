@@ -1,0 +1,80 @@
+"""vramkit: train and run models that are bigger than the GPU in front of you.
+
+The public API is re-exported here, grouped by area. Names are resolved lazily (PEP 562), so
+``import vramkit`` imports no submodule until a name is used: it initializes no CUDA context,
+imports no JAX and calls no NVML (``tests/test_import.py`` proves it).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# name -> submodule that defines it. Grouped by area; __all__ is derived from it.
+_EXPORTS: dict[str, str] = {}
+
+
+def _export(module: str, *names: str) -> None:
+    for name in names:
+        _EXPORTS[name] = module
+
+
+# errors and units
+_export("vramkit.errors", "VramkitError", "ConfigError", "DeviceError", "DeviceMismatchError",
+        "NvmlError", "JaxUnavailableError", "TooLateError", "PoolExhaustedError",
+        "InvalidBlockError")
+_export("vramkit.units", "parse_size", "format_size")
+
+# devices: what hardware there is
+_export("vramkit.devices.nvml", "query_nvml", "NvmlSnapshot", "NvmlDevice", "NvmlProcess")
+_export("vramkit.devices.info", "DeviceInfo", "DeviceCapabilities", "DeviceType",
+        "DeviceDetector", "detect_devices", "resolve_visible_devices")
+_export("vramkit.devices.selection", "is_cuda_available", "list_cuda_devices", "select_device",
+        "select_devices", "select_precision", "PrecisionChoice")
+# devices: how it is configured
+_export("vramkit.devices.manager", "DeviceManager", "DeviceConfiguration", "MemoryStrategy",
+        "get_device_manager", "has_gpu", "get_default_device", "print_device_info",
+        "configure_for_generative_models")
+_export("vramkit.devices.jax_backend", "JAXDeviceManager")
+_export("vramkit.devices.torch_backend", "Device", "can_access_peer", "to_device",
+        "ensure_same_device", "distribute_batch")
+_export("vramkit.devices.env", "setup_cuda_memory_management", "get_gpu_memory_info",
+        "log_memory_usage", "clear_cuda_cache", "GpuMemoryInfo", "allocator_settings")
+
+# memory: where the bytes are
+_export("vramkit.memory.pool", "MemoryPool", "PoolConfig", "PoolStats", "Block")
+_export("vramkit.memory.stats", "allocator_stats", "AllocatorStats", "CudaAllocator")
+_export("vramkit.memory.profiler", "MemoryProfiler", "MemorySnapshot", "MemoryReport",
+        "MemoryStats", "with_memory_tracking", "LeakDetector")
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vramkit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # cache: later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # static analysers see the real definitions
+    from vramkit.devices.env import *  # noqa: F403
+    from vramkit.devices.info import *  # noqa: F403
+    from vramkit.devices.jax_backend import *  # noqa: F403
+    from vramkit.devices.manager import *  # noqa: F403
+    from vramkit.devices.nvml import *  # noqa: F403
+    from vramkit.devices.selection import *  # noqa: F403
+    from vramkit.devices.torch_backend import *  # noqa: F403
+    from vramkit.errors import *  # noqa: F403
+    from vramkit.memory.pool import *  # noqa: F403
+    from vramkit.memory.profiler import *  # noqa: F403
+    from vramkit.memory.stats import *  # noqa: F403
+    from vramkit.units import *  # noqa: F403

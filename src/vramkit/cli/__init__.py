@@ -1,0 +1,1 @@
+"""The ``vramkit`` command line."""

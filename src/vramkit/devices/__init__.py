@@ -1,0 +1,1 @@
+"""Devices: what hardware there is (NVML, PyTorch, JAX, joined by UUID) and how it is configured."""

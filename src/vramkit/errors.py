@@ -1,0 +1,143 @@
+"""The vramkit error hierarchy.
+
+Every error carries a ``hint``: one sentence on what to try next. ``str(err)`` shows the
+message followed by the hint, so a traceback alone tells the user what to do.
+
+Out-of-memory conditions are detected by exception *type* (``torch.OutOfMemoryError`` and
+friends, see :mod:`vramkit.memory.recovery`), never by matching message strings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ConfigError",
+    "DeviceError",
+    "DeviceMismatchError",
+    "InvalidBlockError",
+    "JaxUnavailableError",
+    "NvmlError",
+    "PoolExhaustedError",
+    "TooLateError",
+    "VramkitError",
+]
+
+
+class VramkitError(Exception):
+    """Base class of every error raised by vramkit.
+
+    Args:
+        message: what went wrong.
+        hint: what to try next (defaults to the class's ``default_hint``).
+    """
+
+    default_hint: str = "See the vramkit documentation for this feature."
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint if hint is not None else self.default_hint
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keep errors picklable across processes (torchrun, multiprocessing).
+        return (_rebuild, (type(self), self.__dict__.copy()))
+
+
+def _rebuild(cls: type[VramkitError], state: dict[str, Any]) -> VramkitError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, state.get("message", ""))
+    err.__dict__.update(state)
+    return err
+
+
+class ConfigError(VramkitError, ValueError):
+    """An invalid configuration value. Also a ``ValueError``, so generic handlers catch it."""
+
+    default_hint = "Check the value against the documented range of this setting."
+
+
+class DeviceError(VramkitError):
+    """A device that does not exist, is not visible, or cannot do what was asked."""
+
+    default_hint = "Run `vramkit info` to see the devices this process can see."
+
+
+class DeviceMismatchError(DeviceError):
+    """Tensors or modules that must share a device do not.
+
+    Args:
+        expected: the device that was required.
+        got: the device that was found.
+        what: optional name of the offending tensor or argument.
+    """
+
+    def __init__(self, expected: object, got: object, what: str | None = None,
+                 hint: str | None = None) -> None:
+        self.expected = expected
+        self.got = got
+        self.what = what
+        subject = f"{what} is" if what else "got a tensor"
+        super().__init__(
+            f"device mismatch: expected {expected}, {subject} on {got}",
+            hint or "Move the tensor with vramkit.to_device(t, device) or tensor.to(device) first.",
+        )
+
+
+class NvmlError(DeviceError):
+    """NVML (the NVIDIA management library) is missing or failed."""
+
+    default_hint = ("Install the NVIDIA driver and make libnvidia-ml.so visible to this process "
+                    "(in containers: run with the NVIDIA container toolkit).")
+
+
+class JaxUnavailableError(VramkitError, ImportError):
+    """A JAX feature was asked for but JAX is not installed."""
+
+    default_hint = "Install the extra: pip install 'vramkit[jax]'."
+
+
+class TooLateError(VramkitError):
+    """A setting that can no longer take effect, because the backend it configures already started.
+
+    Args:
+        setting: the name of the setting (an environment variable or an option).
+        reason: why it is too late.
+    """
+
+    def __init__(self, setting: str, reason: str, hint: str | None = None) -> None:
+        self.setting = setting
+        self.reason = reason
+        super().__init__(
+            f"{setting} can no longer take effect: {reason}",
+            hint or "Apply this setting at the start of the program, before any CUDA or JAX work "
+                    "(or set it in the environment before launching Python).",
+        )
+
+
+class PoolExhaustedError(VramkitError, MemoryError):
+    """A memory pool cannot satisfy a request without exceeding its ``max_size`` cap.
+
+    Args:
+        requested: bytes requested.
+        stats: the pool's statistics at the time of failure (a ``PoolStats``), if known.
+    """
+
+    def __init__(self, message: str, requested: int, stats: object | None = None,
+                 hint: str | None = None) -> None:
+        self.requested = requested
+        self.stats = stats
+        super().__init__(
+            message,
+            hint or "Free blocks you no longer need, raise PoolConfig.max_size, or call "
+                    "pool.defragment() if fragmentation is high.",
+        )
+
+
+class InvalidBlockError(VramkitError):
+    """A pool block handle used after it was freed, freed twice, or given to the wrong pool."""
+
+    default_hint = "Each block may be freed once; do not keep tensors from a freed block."

@@ -1,0 +1,1 @@
+"""Memory: pools (device arena, pinned host pool), allocator statistics, the memory profiler."""

@@ -1,0 +1,113 @@
+"""Byte sizes: ``"24GiB"`` <-> ``25769803776``.
+
+Binary units (KiB, MiB, GiB, TiB, PiB) are powers of 1024; decimal units (kB, KB, MB, GB, TB, PB)
+are powers of 1000, as the SI and IEC define them. ``"24G"`` (a bare letter, as in ``ulimit`` and
+PyTorch's allocator settings) means GiB.
+
+>>> parse_size("24GiB")
+25769803776
+>>> parse_size("1.5 GB")
+1500000000
+>>> format_size(25769803776)
+'24.0 GiB'
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+__all__ = ["format_size", "parse_size"]
+
+_UNITS: dict[str, int] = {
+    "": 1, "b": 1, "byte": 1, "bytes": 1,
+    "k": 1024, "kib": 1024, "kb": 1000,
+    "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
+    "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
+    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
+    "p": 1024**5, "pib": 1024**5, "pb": 1000**5,
+}
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: str | int | float) -> int:
+    """Parse a byte size into an integer number of bytes.
+
+    Args:
+        value: an int (bytes), a float with no fractional byte, or a string such as ``"24GiB"``,
+            ``"1.5 GB"``, ``"512 MiB"``, ``"4096"``, ``"8G"``.
+
+    Returns:
+        The size in bytes (>= 0).
+
+    Raises:
+        ValueError: for negative sizes, fractional bytes, NaN/inf, booleans, or strings that are
+            not a number followed by a known unit.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"invalid size {value!r}: a boolean is not a size")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"invalid size {value!r}: sizes cannot be negative")
+        return value
+    if isinstance(value, float):
+        return _whole_bytes(value, value)
+    if not isinstance(value, str):
+        raise ValueError(f"invalid size {value!r}: expected an int or a string like '24GiB'")
+    match = _SIZE_RE.match(value)
+    if match is None:
+        raise ValueError(
+            f"invalid size {value!r}: expected a number and a unit, like '24GiB', '1.5 GB' or "
+            "'4096' (units: B, KiB, MiB, GiB, TiB, kB, MB, GB, TB, or K/M/G/T for binary)")
+    number, unit = match.groups()
+    factor = _UNITS.get(unit.lower())
+    if factor is None:
+        raise ValueError(
+            f"invalid size {value!r}: unknown unit {unit!r} (use B, KiB, MiB, GiB, TiB, kB, MB, "
+            "GB, TB, or K/M/G/T for binary)")
+    # Integers are parsed exactly (no float rounding for large byte counts).
+    if re.fullmatch(r"[0-9]+", number):
+        return int(number) * factor
+    return _whole_bytes(float(number) * factor, value)
+
+
+def _whole_bytes(amount: float, original: object) -> int:
+    if not math.isfinite(amount):
+        raise ValueError(f"invalid size {original!r}: not a finite number")
+    if amount < 0:
+        raise ValueError(f"invalid size {original!r}: sizes cannot be negative")
+    rounded = round(amount)
+    if abs(amount - rounded) > 1e-6 * max(1.0, amount):
+        raise ValueError(f"invalid size {original!r}: not a whole number of bytes")
+    return int(rounded)
+
+
+def format_size(nbytes: int | float, *, binary: bool = True, precision: int = 1) -> str:
+    """Format a byte count for humans.
+
+    Args:
+        nbytes: the size in bytes (negative values are shown with a minus sign, for deltas).
+        binary: powers of 1024 with IEC names (default) or powers of 1000 with SI names.
+        precision: digits after the decimal point for scaled units.
+
+    >>> format_size(1536)
+    '1.5 KiB'
+    >>> format_size(1500000000, binary=False)
+    '1.5 GB'
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)):
+        raise ValueError(f"invalid byte count {nbytes!r}")
+    if isinstance(nbytes, float) and not math.isfinite(nbytes):
+        raise ValueError(f"invalid byte count {nbytes!r}")
+    sign = "-" if nbytes < 0 else ""
+    amount = float(abs(nbytes))
+    base = 1024.0 if binary else 1000.0
+    names = ("KiB", "MiB", "GiB", "TiB", "PiB") if binary else ("kB", "MB", "GB", "TB", "PB")
+    if amount < base:
+        return f"{sign}{int(amount)} B"
+    for name in names:
+        amount /= base
+        if amount < base or name == names[-1]:
+            return f"{sign}{amount:.{precision}f} {name}"
+    raise AssertionError("unreachable")

@@ -69,7 +69,13 @@ def parse_size(value: str | int | float) -> int:
     # Integers are parsed exactly (no float rounding for large byte counts).
     if re.fullmatch(r"[0-9]+", number):
         return int(number) * factor
-    return _whole_bytes(float(number) * factor, value)
+    amount = float(number) * factor
+    if factor == 1:
+        return _whole_bytes(amount, value)
+    # A fraction of a scaled unit ("1.3 GiB") rounds to the nearest byte.
+    if not math.isfinite(amount):
+        raise ValueError(f"invalid size {value!r}: not a finite number")
+    return int(round(amount))
 
 
 def _whole_bytes(amount: float, original: object) -> int:

@@ -1,0 +1,755 @@
+"""Device configuration: :class:`DeviceManager`, :class:`DeviceConfiguration` and memory strategies.
+
+A :class:`DeviceManager` detects the devices of this process (through a detector, by default
+:class:`vramkit.devices.info.SystemDetector`) and *applies* a :class:`DeviceConfiguration` when it
+is created (pass ``apply=False`` to only look):
+
+1. ``environment_variables`` are written to ``os.environ`` before detection, so that e.g.
+   ``CUDA_VISIBLE_DEVICES`` shapes what is detected. A variable that a backend already read
+   (``CUDA_*``/``PYTORCH_*`` once CUDA is initialized in PyTorch, ``XLA_*`` once the JAX backend
+   started, ``JAX_*`` once JAX is imported) raises :class:`~vramkit.errors.TooLateError`
+   unless it already has the requested value.
+2. The memory strategy caps PyTorch through ``torch.cuda.set_per_process_memory_fraction`` on
+   every managed GPU (only when there is a GPU; this initializes CUDA).
+3. If JAX is installed, the same fraction and ``preallocate`` go to JAX through
+   ``XLA_CLIENT_MEM_FRACTION`` (or the legacy name on old jaxlib) and
+   ``XLA_PYTHON_CLIENT_PREALLOCATE``, before its backend starts; a different value after it
+   started raises :class:`~vramkit.errors.TooLateError`.
+4. ``enable_x64`` / ``enable_jit`` go to JAX through ``jax.config.update`` when JAX is already
+   imported or when :attr:`DeviceManager.jax_manager` is used, and through ``JAX_ENABLE_X64`` /
+   ``JAX_DISABLE_JIT`` for a later import otherwise. JAX is never imported just for this.
+
+``preallocate`` defaults to False: PyTorch is vramkit's engine, and JAX reserving 75% of every GPU
+at start-up would starve it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import numbers
+import os
+import sys
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import IO, TYPE_CHECKING, Any, cast
+
+from vramkit.devices.info import DeviceCapabilities, DeviceInfo, DeviceType
+from vramkit.devices.jax_backend import (
+    JAX_DISABLE_JIT_ENV,
+    JAX_ENABLE_X64_ENV,
+    JAX_MEM_FRACTION_ENV,
+    JAX_PREALLOCATE_ENV,
+    LEGACY_JAX_MEM_FRACTION_ENV,
+    JAXDeviceManager,
+    apply_jax_flags,
+    apply_jax_memory_settings,
+    installed_jax_version,
+    jax_backend_initialized,
+    jax_imported,
+    jax_installed,
+)
+from vramkit.errors import ConfigError, DeviceError, JaxUnavailableError, TooLateError
+
+if TYPE_CHECKING:
+    import torch
+    from rich.console import Console
+
+__all__ = [
+    "KNOWN_PLATFORMS",
+    "DeviceConfiguration",
+    "DeviceManager",
+    "MemoryStrategy",
+    "configure_for_generative_models",
+    "get_default_device",
+    "get_device_manager",
+    "has_gpu",
+    "print_device_info",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Platforms ``platform_priority`` may name. "gpu" is any GPU, "cuda"/"rocm" one vendor's.
+KNOWN_PLATFORMS = ("cuda", "gpu", "cpu", "tpu", "rocm")
+
+#: Parameter-count thresholds of :meth:`DeviceManager.optimize_for_model_size` (Artifex).
+SMALL_MODEL_PARAMS = 1_000_000
+MEDIUM_MODEL_PARAMS = 100_000_000
+
+# Variables that fields of DeviceConfiguration own; two ways to set one thing would conflict.
+_FIELD_OWNED_ENV = {
+    JAX_MEM_FRACTION_ENV: "memory_strategy / memory_fraction",
+    LEGACY_JAX_MEM_FRACTION_ENV: "memory_strategy / memory_fraction",
+    JAX_PREALLOCATE_ENV: "preallocate",
+    JAX_ENABLE_X64_ENV: "enable_x64",
+    JAX_DISABLE_JIT_ENV: "enable_jit",
+}
+
+
+class MemoryStrategy(str, enum.Enum):
+    """How much of each GPU's total memory a process may use (Artifex strategies).
+
+    ``CONSERVATIVE`` 0.60 (shared GPUs), ``BALANCED`` 0.75 (default), ``AGGRESSIVE`` 0.90
+    (dedicated GPUs), ``CUSTOM`` (the fraction given in ``DeviceConfiguration.memory_fraction``).
+    """
+
+    CONSERVATIVE = "conservative"
+    BALANCED = "balanced"
+    AGGRESSIVE = "aggressive"
+    CUSTOM = "custom"
+
+    @property
+    def default_fraction(self) -> float | None:
+        """The strategy's fraction of total GPU memory; None for ``CUSTOM``."""
+        return _STRATEGY_FRACTIONS.get(self)
+
+    @classmethod
+    def parse(cls, value: MemoryStrategy | str) -> MemoryStrategy:
+        """Accept a strategy or its name (``"balanced"``, ``"BALANCED"``).
+
+        Args:
+            value: a :class:`MemoryStrategy` or its name, case-insensitive.
+
+        Returns:
+            The strategy.
+
+        Raises:
+            ConfigError: an unknown name or a value of another type.
+        """
+        if isinstance(value, MemoryStrategy):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.strip().lower())
+            except ValueError:
+                pass
+        names = ", ".join(s.value for s in cls)
+        raise ConfigError(f"unknown memory strategy {value!r}", f"Use one of: {names}.")
+
+
+_STRATEGY_FRACTIONS = {
+    MemoryStrategy.CONSERVATIVE: 0.60,
+    MemoryStrategy.BALANCED: 0.75,
+    MemoryStrategy.AGGRESSIVE: 0.90,
+}
+
+
+def _validate_fraction(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"memory_fraction must be a number, got {value!r}",
+                          "Pass a float in (0, 1], e.g. 0.8.")
+    fraction = float(value)
+    if math.isnan(fraction) or not 0.0 < fraction <= 1.0:
+        raise ConfigError(f"memory_fraction must be in (0, 1], got {value!r}",
+                          "Pass a float in (0, 1], e.g. 0.8 for 80% of each GPU.")
+    return fraction
+
+
+def _validate_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        # A string like "false" is truthy; accepting it would silently invert the setting.
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _validate_platforms(value: object) -> tuple[str, ...]:
+    items = (value,) if isinstance(value, str) else value
+    if not isinstance(items, Iterable):
+        raise ConfigError(f"platform_priority must be a sequence of names, got {value!r}",
+                          f"Use names from {KNOWN_PLATFORMS}, e.g. ('cuda', 'cpu').")
+    platforms: list[str] = []
+    for item in items:
+        name = item.strip().lower() if isinstance(item, str) else item
+        if name not in KNOWN_PLATFORMS:
+            raise ConfigError(f"unknown platform {item!r} in platform_priority",
+                              f"Use names from {KNOWN_PLATFORMS}.")
+        if name in platforms:
+            raise ConfigError(f"platform {name!r} appears twice in platform_priority")
+        platforms.append(name)
+    if not platforms:
+        raise ConfigError("platform_priority is empty", "Use e.g. ('cuda', 'cpu').")
+    return tuple(platforms)
+
+
+def _validate_env(value: object) -> Mapping[str, str]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"environment_variables must be a mapping, got {type(value).__name__}")
+    checked: dict[str, str] = {}
+    for key, val in value.items():
+        if not isinstance(key, str) or not key or "=" in key or "\0" in key:
+            raise ConfigError(f"invalid environment variable name {key!r}")
+        if not isinstance(val, str) or "\0" in val:
+            raise ConfigError(f"environment variable {key} must be a string, got {val!r}",
+                              "Pass values as strings, e.g. '1' or 'false'.")
+        if key in _FIELD_OWNED_ENV:
+            raise ConfigError(f"{key} is set through DeviceConfiguration.{_FIELD_OWNED_ENV[key]}",
+                              f"Remove {key} from environment_variables and use "
+                              f"{_FIELD_OWNED_ENV[key]} instead.")
+        checked[key] = val
+    return MappingProxyType(dict(sorted(checked.items())))
+
+
+@dataclass(frozen=True)
+class DeviceConfiguration:
+    """How devices are configured; validated on creation, applied by :class:`DeviceManager`.
+
+    Args:
+        memory_strategy: a :class:`MemoryStrategy` or its name (default ``BALANCED``, 0.75).
+        memory_fraction: for ``CUSTOM``, the fraction of each GPU's total memory in (0, 1]
+            (required); for a named strategy None or exactly the strategy's fraction. After
+            creation it always holds the effective fraction.
+        enable_x64: 64-bit types in JAX (default False).
+        enable_jit: JIT compilation in JAX (default True; False sets ``jax_disable_jit``).
+        platform_priority: device platforms in order of preference, from
+            :data:`KNOWN_PLATFORMS` (default ``("cuda", "cpu")``).
+        environment_variables: variables written to ``os.environ`` before any backend starts
+            (default none); stored read-only.
+        preallocate: whether JAX reserves its memory fraction up front (default False).
+
+    Raises:
+        ConfigError: any invalid value.
+    """
+
+    memory_strategy: MemoryStrategy = MemoryStrategy.BALANCED
+    memory_fraction: float | None = None
+    enable_x64: bool = False
+    enable_jit: bool = True
+    platform_priority: tuple[str, ...] = ("cuda", "cpu")
+    environment_variables: Mapping[str, str] = field(default_factory=dict)
+    preallocate: bool = False
+
+    def __post_init__(self) -> None:
+        strategy = MemoryStrategy.parse(self.memory_strategy)
+        if strategy is MemoryStrategy.CUSTOM:
+            if self.memory_fraction is None:
+                raise ConfigError("MemoryStrategy.CUSTOM needs memory_fraction",
+                                  "Pass memory_fraction in (0, 1], e.g. 0.8.")
+            fraction = _validate_fraction(self.memory_fraction)
+        else:
+            fraction = _STRATEGY_FRACTIONS[strategy]
+            if self.memory_fraction is not None and not math.isclose(
+                    _validate_fraction(self.memory_fraction), fraction, abs_tol=1e-12):
+                raise ConfigError(
+                    f"memory_fraction={self.memory_fraction!r} contradicts "
+                    f"{strategy.name} ({fraction})",
+                    "Use MemoryStrategy.CUSTOM for your own fraction, or config.with_strategy() "
+                    "to change the strategy of an existing configuration.")
+        # Frozen dataclass: normalise through object.__setattr__ so fields hold clean values.
+        object.__setattr__(self, "memory_strategy", strategy)
+        object.__setattr__(self, "memory_fraction", fraction)
+        object.__setattr__(self, "enable_x64", _validate_bool("enable_x64", self.enable_x64))
+        object.__setattr__(self, "enable_jit", _validate_bool("enable_jit", self.enable_jit))
+        object.__setattr__(self, "preallocate", _validate_bool("preallocate", self.preallocate))
+        object.__setattr__(self, "platform_priority", _validate_platforms(self.platform_priority))
+        object.__setattr__(self, "environment_variables",
+                           _validate_env(self.environment_variables))
+
+    def __hash__(self) -> int:
+        return hash((self.memory_strategy, self.memory_fraction, self.enable_x64,
+                     self.enable_jit, self.platform_priority,
+                     tuple(self.environment_variables.items()), self.preallocate))
+
+    @property
+    def effective_fraction(self) -> float:
+        """The fraction of each GPU's total memory in force (same as ``memory_fraction``)."""
+        # __post_init__ replaced None with the strategy's fraction.
+        return cast(float, self.memory_fraction)
+
+    def with_strategy(self, memory_strategy: MemoryStrategy | str,
+                      memory_fraction: float | None = None) -> DeviceConfiguration:
+        """A copy with another strategy (and fraction, for ``CUSTOM``), other fields kept.
+
+        Args:
+            memory_strategy: the new strategy or its name.
+            memory_fraction: the fraction for ``CUSTOM`` (default None).
+
+        Returns:
+            A new configuration.
+        """
+        data = self.to_dict()
+        data["memory_strategy"] = MemoryStrategy.parse(memory_strategy).value
+        data["memory_fraction"] = memory_fraction
+        return DeviceConfiguration.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; :meth:`from_dict` restores an equal configuration.
+
+        Returns:
+            Field name -> plain value (strategy by name, tuples as lists).
+        """
+        return {
+            "memory_strategy": self.memory_strategy.value,
+            "memory_fraction": self.memory_fraction,
+            "enable_x64": self.enable_x64,
+            "enable_jit": self.enable_jit,
+            "platform_priority": list(self.platform_priority),
+            "environment_variables": dict(self.environment_variables),
+            "preallocate": self.preallocate,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DeviceConfiguration:
+        """Build a configuration from :meth:`to_dict` output (missing keys take defaults).
+
+        Args:
+            data: field name -> value.
+
+        Returns:
+            The validated configuration.
+
+        Raises:
+            ConfigError: unknown keys or invalid values.
+        """
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown DeviceConfiguration keys {unknown}",
+                              f"Known keys: {sorted(known)}.")
+        kwargs = dict(data)
+        if "platform_priority" in kwargs and not isinstance(kwargs["platform_priority"], str):
+            kwargs["platform_priority"] = tuple(kwargs["platform_priority"])
+        return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Applying environment variables
+# --------------------------------------------------------------------------------------------
+
+def _torch_cuda_initialized() -> bool:
+    torch_module = sys.modules.get("torch")
+    if torch_module is None:
+        return False  # PyTorch not imported: it cannot have read anything yet
+    return bool(torch_module.cuda.is_initialized())
+
+
+def _too_late_reason(name: str) -> str | None:
+    if name.startswith(("CUDA_", "PYTORCH_")) and _torch_cuda_initialized():
+        return "PyTorch already initialized CUDA"
+    if name.startswith("CUDA_") and jax_backend_initialized():
+        return "the JAX backend already started"
+    if name.startswith("XLA_") and jax_backend_initialized():
+        return "the JAX backend already started"
+    if name.startswith(("JAX_", "TF_")) and jax_imported():
+        return "JAX is already imported (it reads JAX_* variables on import)"
+    return None
+
+
+def _apply_environment_variables(variables: Mapping[str, str]) -> None:
+    # Check every variable first so that a refusal leaves the environment untouched.
+    for name, value in variables.items():
+        if os.environ.get(name) == value:
+            continue
+        reason = _too_late_reason(name)
+        if reason is not None:
+            raise TooLateError(name, f"{reason}; it read {name}={os.environ.get(name)!r} and "
+                                     f"{value!r} was requested")
+    for name, value in variables.items():
+        os.environ[name] = value
+    if variables:
+        logger.debug("environment variables applied: %s", dict(variables))
+
+
+# --------------------------------------------------------------------------------------------
+# DeviceManager
+# --------------------------------------------------------------------------------------------
+
+class DeviceManager:
+    """Detects this process's devices and applies a :class:`DeviceConfiguration`.
+
+    Args:
+        config: the configuration (default ``DeviceConfiguration()``: BALANCED, 0.75).
+        detector: any object with ``detect_capabilities() -> DeviceCapabilities`` and
+            optionally ``list_devices() -> Sequence[DeviceInfo]`` (default
+            :class:`vramkit.devices.info.SystemDetector`).
+        apply: apply the configuration now (default True); see the module docstring for what
+            that does. With False the manager only reports; :meth:`apply_configuration`
+            applies later.
+
+    Raises:
+        ConfigError: ``config`` or ``detector`` of the wrong type.
+        TooLateError: a setting can no longer take effect.
+        DeviceError: the detector reports GPUs that PyTorch cannot configure.
+    """
+
+    def __init__(self, config: DeviceConfiguration | None = None, detector: Any = None, *,
+                 apply: bool = True) -> None:
+        config = DeviceConfiguration() if config is None else config
+        if not isinstance(config, DeviceConfiguration):
+            raise ConfigError(f"config must be a DeviceConfiguration, got {type(config).__name__}",
+                              "Build one with DeviceConfiguration(...) or "
+                              "DeviceConfiguration.from_dict(...).")
+        self._config = config
+        self._apply = bool(apply)
+        self._jax_manager: JAXDeviceManager | None = None
+        self._precision: Any = None
+        if self._apply:
+            # Before detection: CUDA_VISIBLE_DEVICES and friends decide what is detected.
+            _apply_environment_variables(config.environment_variables)
+        if detector is None:
+            from vramkit.devices.info import SystemDetector
+
+            detector = SystemDetector()
+        if not callable(getattr(detector, "detect_capabilities", None)):
+            raise ConfigError(f"detector {detector!r} has no detect_capabilities() method",
+                              "Pass an object with detect_capabilities() -> DeviceCapabilities.")
+        self._detector = detector
+        capabilities = detector.detect_capabilities()
+        if not isinstance(capabilities, DeviceCapabilities):
+            raise DeviceError(f"detector returned {type(capabilities).__name__}, "
+                              "not DeviceCapabilities")
+        self._capabilities = capabilities
+        list_devices = getattr(detector, "list_devices", None)
+        self._devices: tuple[DeviceInfo, ...] = (
+            tuple(list_devices()) if callable(list_devices) else ())
+        if self._apply:
+            self.apply_configuration()
+
+    # -- what there is ------------------------------------------------------------------------
+
+    @property
+    def config(self) -> DeviceConfiguration:
+        """The configuration this manager applies."""
+        return self._config
+
+    @property
+    def capabilities(self) -> DeviceCapabilities:
+        """Capabilities reported by the detector."""
+        return self._capabilities
+
+    @property
+    def devices(self) -> tuple[DeviceInfo, ...]:
+        """The detector's device records (empty when it has no ``list_devices()``)."""
+        return self._devices
+
+    @property
+    def has_gpu(self) -> bool:
+        """Whether at least one GPU is available."""
+        return (self._capabilities.device_type is DeviceType.GPU
+                and self._capabilities.device_count > 0)
+
+    @property
+    def device_count(self) -> int:
+        """Number of compute devices of the detected type."""
+        return self._capabilities.device_count
+
+    @property
+    def gpu_count(self) -> int:
+        """Number of GPUs (0 without one)."""
+        return self._capabilities.device_count if self.has_gpu else 0
+
+    @property
+    def gpu_ids(self) -> tuple[int, ...]:
+        """CUDA ordinals of the managed GPUs (from the device records, else 0..gpu_count-1)."""
+        if not self.has_gpu:
+            return ()
+        if self._devices:
+            return tuple(d.device_id for d in self._devices)
+        return tuple(range(self.gpu_count))
+
+    @property
+    def precision(self) -> Any:
+        """Mixed-precision choice made by :func:`configure_for_generative_models`, else None."""
+        return self._precision
+
+    # -- applying -----------------------------------------------------------------------------
+
+    def apply_configuration(self) -> None:
+        """Apply the memory strategy and JAX flags (done on creation unless ``apply=False``).
+
+        Raises:
+            TooLateError: JAX already started with other memory settings, or an environment
+                variable can no longer take effect.
+            DeviceError: PyTorch cannot set the memory fraction on a reported GPU.
+        """
+        fraction = self._config.effective_fraction
+        _apply_environment_variables(self._config.environment_variables)
+        if jax_installed():
+            apply_jax_memory_settings(fraction, self._config.preallocate)
+        apply_jax_flags(self._config.enable_x64, self._config.enable_jit)
+        self._apply_torch_memory_fraction(fraction)
+        self._apply = True
+
+    def _apply_torch_memory_fraction(self, fraction: float) -> None:
+        if not self.has_gpu:
+            return
+        import torch
+
+        for device_id in self.gpu_ids:
+            try:
+                torch.cuda.set_per_process_memory_fraction(fraction, device_id)
+            except (RuntimeError, AssertionError, ValueError) as err:
+                # A CPU-only PyTorch build raises AssertionError here; report it as a device error.
+                raise DeviceError(
+                    f"cannot cap PyTorch memory on GPU {device_id}: {err}",
+                    "Install a CUDA build of PyTorch, check CUDA_VISIBLE_DEVICES, or pass "
+                    "apply=False to only inspect devices.") from err
+        logger.info("PyTorch memory fraction %.3f set on GPUs %s", fraction, self.gpu_ids)
+
+    # -- choosing -----------------------------------------------------------------------------
+
+    def get_default_device(self) -> torch.device:
+        """The device to compute on: the first platform in ``platform_priority`` available.
+
+        ``"cuda"`` needs an NVIDIA GPU with a CUDA (non-ROCm) PyTorch, ``"rocm"`` a ROCm
+        build, ``"gpu"`` either; ``"tpu"`` is skipped (PyTorch has no TPU device without
+        torch_xla); ``"cpu"`` always matches. Without a match this falls back to the CPU.
+
+        Returns:
+            ``torch.device("cuda", first managed GPU)`` or ``torch.device("cpu")``.
+        """
+        import torch
+
+        rocm_build = getattr(torch.version, "hip", None) is not None
+        for platform in self._config.platform_priority:
+            if platform in ("cuda", "gpu", "rocm") and self.has_gpu:
+                if platform == "gpu" or (platform == "rocm") == rocm_build:
+                    return torch.device("cuda", self.gpu_ids[0])
+            elif platform == "cpu":
+                return torch.device("cpu")
+        logger.info("no device for platform_priority %s; falling back to CPU",
+                    self._config.platform_priority)
+        return torch.device("cpu")
+
+    def optimize_for_model_size(self, n_params: int) -> DeviceConfiguration:
+        """A configuration whose strategy suits a model of ``n_params`` parameters.
+
+        Below 1M parameters CONSERVATIVE, below 100M BALANCED, otherwise AGGRESSIVE (Artifex
+        guidelines). Other fields are kept. The manager itself is unchanged; create a new
+        :class:`DeviceManager` with the result to use it.
+
+        Args:
+            n_params: number of parameters (>= 0).
+
+        Returns:
+            A new :class:`DeviceConfiguration`.
+
+        Raises:
+            ConfigError: ``n_params`` is not a non-negative integer.
+        """
+        if isinstance(n_params, bool) or not isinstance(n_params, int) or n_params < 0:
+            raise ConfigError(f"n_params must be a non-negative int, got {n_params!r}")
+        if n_params < SMALL_MODEL_PARAMS:
+            strategy = MemoryStrategy.CONSERVATIVE
+        elif n_params < MEDIUM_MODEL_PARAMS:
+            strategy = MemoryStrategy.BALANCED
+        else:
+            strategy = MemoryStrategy.AGGRESSIVE
+        return self._config.with_strategy(strategy)
+
+    @property
+    def jax_manager(self) -> JAXDeviceManager:
+        """The :class:`JAXDeviceManager`, created (and JAX imported) on first access.
+
+        On first access ``enable_x64`` / ``enable_jit`` are applied through ``jax.config``
+        (unless the manager was created with ``apply=False``).
+
+        Raises:
+            JaxUnavailableError: JAX is not installed.
+        """
+        if self._jax_manager is None:
+            if not jax_installed():
+                raise JaxUnavailableError("DeviceManager.jax_manager needs JAX, which is not "
+                                          "installed")
+            if self._apply:
+                apply_jax_flags(self._config.enable_x64, self._config.enable_jit,
+                                import_jax=True)
+            self._jax_manager = JAXDeviceManager(self._config.platform_priority)
+        return self._jax_manager
+
+    # -- reporting ----------------------------------------------------------------------------
+
+    def get_device_info(self) -> dict[str, Any]:
+        """A summary of devices, configuration and versions (JSON-ready).
+
+        Returns:
+            A dict with keys ``backend``, ``default_device``, ``device_type``,
+            ``device_count``, ``gpu_count``, ``gpu_ids``, ``memory_strategy``,
+            ``memory_fraction``, ``preallocate``, ``platform_priority``, ``total_memory_mb``,
+            ``compute_capability``, ``supports_mixed_precision``, ``supports_distributed``,
+            ``devices`` (one dict per GPU) and ``versions`` (torch, cuda, driver, jax).
+        """
+        import torch
+
+        default = self.get_default_device()
+        caps = self._capabilities
+        if default.type == "cuda":
+            backend = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+        else:
+            backend = default.type
+        return {
+            "backend": backend,
+            "default_device": str(default),
+            "device_type": caps.device_type.value,
+            "device_count": self.device_count,
+            "gpu_count": self.gpu_count,
+            "gpu_ids": list(self.gpu_ids),
+            "memory_strategy": self._config.memory_strategy.value,
+            "memory_fraction": self._config.effective_fraction,
+            "preallocate": self._config.preallocate,
+            "platform_priority": list(self._config.platform_priority),
+            "total_memory_mb": caps.total_memory_mb,
+            "compute_capability": caps.compute_capability,
+            "supports_mixed_precision": caps.supports_mixed_precision,
+            "supports_distributed": caps.supports_distributed,
+            "devices": [
+                {"device_id": d.device_id, "name": d.name, "uuid": d.uuid,
+                 "total_memory": d.total_memory,
+                 "compute_capability": "{}.{}".format(*d.compute_capability)}
+                for d in self._devices
+            ],
+            "versions": {
+                "torch": torch.__version__,
+                "cuda": caps.cuda_version or torch.version.cuda,
+                "driver": caps.driver_version,
+                # Package metadata, so that reporting never imports (and starts) JAX.
+                "jax": installed_jax_version("jax"),
+            },
+        }
+
+    def __repr__(self) -> str:
+        return (f"DeviceManager(device_type={self._capabilities.device_type.value!r}, "
+                f"gpu_count={self.gpu_count}, "
+                f"memory_strategy={self._config.memory_strategy.value!r}, "
+                f"memory_fraction={self._config.effective_fraction})")
+
+
+# --------------------------------------------------------------------------------------------
+# Shared instance and convenience functions
+# --------------------------------------------------------------------------------------------
+
+_shared_manager: DeviceManager | None = None
+_shared_lock = threading.Lock()
+
+
+def get_device_manager(config: DeviceConfiguration | None = None, force_reinit: bool = False,
+                       *, detector: Any = None) -> DeviceManager:
+    """The process-wide :class:`DeviceManager`, created (and applied) on first call.
+
+    Args:
+        config: configuration for a new shared manager (default: keep the existing one, or
+            ``DeviceConfiguration()`` when there is none).
+        force_reinit: replace the shared manager with a new one built from ``config``
+            (default False).
+        detector: detector for a newly created manager (default ``SystemDetector``).
+
+    Returns:
+        The shared manager.
+
+    Raises:
+        ConfigError: ``config`` differs from the shared manager's and ``force_reinit`` is
+            False (it would otherwise be ignored).
+    """
+    global _shared_manager
+    with _shared_lock:
+        current = _shared_manager
+        if current is not None and not force_reinit:
+            if config is not None and config != current.config:
+                raise ConfigError(
+                    "the shared DeviceManager already exists with another configuration "
+                    f"({current.config.memory_strategy.value}, "
+                    f"fraction {current.config.effective_fraction})",
+                    "Pass force_reinit=True to replace it, or create your own "
+                    "DeviceManager(config).")
+            return current
+        _shared_manager = DeviceManager(config, detector=detector)
+        return _shared_manager
+
+
+def _manager_for_query() -> DeviceManager:
+    # Queries use the shared manager when there is one; otherwise they look without applying
+    # anything, so that asking "is there a GPU?" never caps memory or touches the environment.
+    with _shared_lock:
+        current = _shared_manager
+    return current if current is not None else DeviceManager(apply=False)
+
+
+def has_gpu() -> bool:
+    """Whether this process has a GPU (shared manager, or detection without side effects).
+
+    Returns:
+        True when at least one GPU is available.
+    """
+    return _manager_for_query().has_gpu
+
+
+def get_default_device() -> torch.device:
+    """The default compute device (see :meth:`DeviceManager.get_default_device`).
+
+    Returns:
+        A ``torch.device``; the CPU when there is no GPU.
+    """
+    return _manager_for_query().get_default_device()
+
+
+def print_device_info(manager: DeviceManager | None = None, *, file: IO[str] | None = None,
+                      console: Console | None = None) -> None:
+    """Print devices, configuration and versions as a table.
+
+    Args:
+        manager: the manager to describe (default: the shared one, or a detection-only one).
+        file: text stream to write to (default stdout); ignored when ``console`` is given.
+        console: a ``rich.console.Console`` to print on (default: a new one on ``file``).
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    info = (manager or _manager_for_query()).get_device_info()
+    table = Table(title="vramkit devices", show_header=False)
+    table.add_column("setting", style="bold")
+    table.add_column("value")
+    for key in ("backend", "default_device", "device_type", "device_count", "gpu_count",
+                "memory_strategy", "memory_fraction", "preallocate", "platform_priority",
+                "total_memory_mb", "compute_capability", "supports_mixed_precision"):
+        table.add_row(key.replace("_", " "), str(info[key]))
+    for name, version in info["versions"].items():
+        table.add_row(f"{name} version", str(version) if version else "-")
+    for dev in info["devices"]:
+        table.add_row(f"cuda:{dev['device_id']}",
+                      f"{dev['name']} ({dev['total_memory'] / 2**30:.1f} GiB, "
+                      f"sm {dev['compute_capability']}, {dev['uuid'] or 'no uuid'})")
+    (console or Console(file=file)).print(table)
+
+
+def configure_for_generative_models(
+        memory_strategy: MemoryStrategy | str = MemoryStrategy.BALANCED,
+        enable_mixed_precision: bool = True, *, memory_fraction: float | None = None,
+        detector: Any = None) -> DeviceManager:
+    """A :class:`DeviceManager` set up for training/sampling generative models.
+
+    Applies ``memory_strategy`` with preallocation off and JIT on, and, when a GPU exists and
+    ``enable_mixed_precision`` is True, picks the mixed precision through
+    :func:`vramkit.devices.selection.select_precision` (available as ``manager.precision``;
+    None means full fp32).
+
+    Args:
+        memory_strategy: strategy or its name (default BALANCED).
+        enable_mixed_precision: choose a reduced-precision dtype for the GPU (default True).
+        memory_fraction: fraction for ``MemoryStrategy.CUSTOM`` (default None).
+        detector: device detector (default ``SystemDetector``).
+
+    Returns:
+        A new, applied :class:`DeviceManager`.
+    """
+    config = DeviceConfiguration(memory_strategy=memory_strategy,
+                                 memory_fraction=memory_fraction, enable_jit=True,
+                                 preallocate=False)
+    manager = DeviceManager(config, detector=detector)
+    if _validate_bool("enable_mixed_precision", enable_mixed_precision) and manager.has_gpu:
+        from vramkit.devices.selection import select_precision
+
+        manager._precision = select_precision(_primary_device_record(manager))
+        logger.info("mixed precision for generative models: %s", manager._precision)
+    return manager
+
+
+def _primary_device_record(manager: DeviceManager) -> Any:
+    # The record of the default device when the detector listed it (no CUDA query needed),
+    # else the torch.device itself.
+    default = manager.get_default_device()
+    for record in manager.devices:
+        if default.type == "cuda" and record.device_id == default.index:
+            return record
+    return default

@@ -12,8 +12,14 @@ from rich.console import Console
 
 
 def console(stderr: bool = False) -> Console:
-    """A rich console on stdout (or stderr); plain text when not a terminal."""
-    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+    """A rich console on stdout (or stderr).
+
+    When the stream is not a terminal (a pipe, a log file, CI), rich would assume 80 columns and
+    cut the wide device tables; 200 columns keeps UUIDs whole.
+    """
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() else 200
+    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=width)
 
 
 def to_jsonable(value: Any) -> Any:

@@ -1,0 +1,54 @@
+"""`vramkit select` prints a CUDA_VISIBLE_DEVICES value from NVML, never touching CUDA."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.devices.fakes import GiB, forbid_cuda, install_fake_nvml, make_gpu
+from vramkit.cli.main import main
+
+
+@pytest.fixture
+def four_gpus(monkeypatch: pytest.MonkeyPatch) -> list:
+    gpus = [make_gpu(0, memory_used=70 * GiB), make_gpu(1, memory_used=5 * GiB),
+            make_gpu(2, memory_used=40 * GiB), make_gpu(3, memory_used=1 * GiB,
+                                                        utilization=(95, 50))]
+    install_fake_nvml(monkeypatch, gpus)
+    forbid_cuda(monkeypatch)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    return gpus
+
+
+def test_select_prints_uuids_of_most_free(four_gpus: list,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["select", "-n", "2"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out == f"{four_gpus[3].uuid},{four_gpus[1].uuid}"
+
+
+def test_select_filters_and_json(four_gpus: list, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["select", "-n", "2", "--min-free", "30GiB", "--max-util", "50", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [d["nvml_index"] for d in data["devices"]] == [1, 2]
+    assert data["cuda_visible_devices"] == f"{four_gpus[1].uuid},{four_gpus[2].uuid}"
+
+
+def test_select_indices(four_gpus: list, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["select", "-n", "1", "--indices"]) == 0
+    assert capsys.readouterr().out.strip() == "3"
+
+
+def test_select_not_enough_devices_is_an_error(four_gpus: list,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["select", "-n", "3", "--min-free", "50GiB"]) == 1
+    err = capsys.readouterr().err
+    assert "only 2 of 4 qualify" in err
+    assert "hint:" in err
+
+
+def test_select_bad_size_is_an_error(four_gpus: list, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["select", "--min-free", "lots"]) == 1
+    assert "invalid size" in capsys.readouterr().err

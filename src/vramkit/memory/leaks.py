@@ -1,0 +1,572 @@
+"""Leak detection across training steps: is memory growing step after step, and what holds it?
+
+:class:`LeakDetector` takes one reading per step boundary (``detector.step()`` at the end of each
+training step) and judges the series with :class:`GrowthTracker`.
+
+What is measured:
+
+- **CUDA** (``device`` is a CUDA device): ``torch.cuda.memory_allocated`` at each boundary (exact,
+  no host sync). With ``record_stacks=True`` the detector turns on PyTorch's allocator history in
+  ``"state"`` mode (every live block remembers the Python stack that allocated it) and groups the
+  blocks that appeared after the baseline by stack (``torch.cuda.memory._snapshot``).
+- **CPU**: bytes of live torch tensor storages created after the baseline, found by walking the
+  garbage collector's objects (``gc.get_objects``) at each boundary. To keep this fast, the
+  baseline objects are moved to the permanent generation with ``gc.freeze()`` (``freeze_baseline``)
+  so later walks only visit objects created since; ``stop()`` calls ``gc.unfreeze()``. Tensors held
+  only from C++ (for example saved tensors of an autograd graph kept alive by ``total += loss``) are
+  invisible to this walk; host RSS is reported next to it for that case. With ``record_stacks=True``
+  a ``TorchDispatchMode`` stays active between ``start()`` and ``stop()`` and records the creating
+  Python stack of every new storage (a few microseconds per op).
+
+The verdict rule (:class:`GrowthTracker`): readings of the first ``warmup_steps`` steps are ignored
+(optimizer state, caches and lazy buffers appear then). After that, memory is leaking when either
+
+1. the latest ``window`` readings grow on their *floor* (the suffix minimum, so a temporary spike
+   does not count as growth): the floor rose in at least two thirds of the window's steps and by
+   at least ``threshold_bytes_per_step`` per step on average; or
+2. with at least ``3 * window`` readings, the least-squares slope of all readings since warm-up
+   is at least ``threshold_bytes_per_step`` (this finds a steady leak under noise too large for
+   a short window).
+
+Fluctuations whose range stays below ``threshold_bytes_per_step * (window - 1)`` can never satisfy
+rule 1, and their long-run slope tends to zero. With the defaults (warm-up 1, window 4, 256 KiB) a
+steady 1 MiB/step leak is reported at step 5. ``first_leak_step`` keeps the first step at which
+the rule held, even if the growth later stopped.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import math
+import os
+import sys
+import threading
+import weakref
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import Any
+
+from vramkit.errors import ConfigError
+from vramkit.memory.stats import host_rss, read_memory_stats, resolve_cuda_index
+
+__all__ = ["GrowthTracker", "LeakDetector", "LeakSuspect", "LeakVerdict", "assess_growth"]
+
+logger = logging.getLogger(__name__)
+
+_STACK_UNKNOWN = ("<stack not recorded>",)
+# Frames from these trees are the machinery, not the code that leaks.
+_SKIP_PATH_PARTS = (f"{os.sep}torch{os.sep}", f"{os.sep}vramkit{os.sep}memory{os.sep}",
+                    f"{os.sep}contextlib.py", f"{os.sep}runpy.py")
+
+
+@dataclass(frozen=True)
+class LeakSuspect:
+    """Memory that appeared after the baseline and is still alive, grouped by allocating stack.
+
+    Attributes:
+        stack: formatted frames, innermost first (``"file.py:12 in step"``).
+        bytes: total bytes of the group.
+        count: number of storages (CPU) or allocator blocks (CUDA) in the group.
+        example: one member, described (``"float32[262144]"`` or ``"block of 1.0 MiB"``).
+    """
+
+    stack: tuple[str, ...]
+    bytes: int
+    count: int
+    example: str = ""
+
+
+@dataclass(frozen=True)
+class LeakVerdict:
+    """The judgement of a :class:`LeakDetector` (or of a profiler's step readings).
+
+    Attributes:
+        leak: whether memory is growing now, by the rule in the module docstring.
+        conclusive: ``False`` while fewer than ``warmup_steps + window`` readings exist.
+        bytes_per_step: least-squares growth per step after warm-up (0.0 without two readings).
+        growth_bytes: last reading minus the baseline reading.
+        steps: readings taken.
+        first_leak_step: the first step at which the rule held, ``None`` if never.
+        metric: what was read (``"cuda_allocated"``, ``"cpu_tensor_bytes"``, ``"host_rss"``).
+        threshold_bytes_per_step: the rule's threshold.
+        suspects: the largest groups of surviving allocations (only from ``report()``).
+    """
+
+    leak: bool
+    conclusive: bool
+    bytes_per_step: float
+    growth_bytes: int
+    steps: int
+    first_leak_step: int | None
+    metric: str
+    threshold_bytes_per_step: int
+    suspects: tuple[LeakSuspect, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (suspect stacks as lists)."""
+        return {
+            "leak": self.leak, "conclusive": self.conclusive,
+            "bytes_per_step": self.bytes_per_step, "growth_bytes": self.growth_bytes,
+            "steps": self.steps, "first_leak_step": self.first_leak_step, "metric": self.metric,
+            "threshold_bytes_per_step": self.threshold_bytes_per_step,
+            "suspects": [{"stack": list(s.stack), "bytes": s.bytes, "count": s.count,
+                          "example": s.example} for s in self.suspects],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LeakVerdict:
+        """Inverse of :meth:`to_dict`."""
+        suspects = tuple(LeakSuspect(tuple(s["stack"]), int(s["bytes"]), int(s["count"]),
+                                     s.get("example", "")) for s in data.get("suspects", ()))
+        return cls(leak=bool(data["leak"]), conclusive=bool(data["conclusive"]),
+                   bytes_per_step=float(data["bytes_per_step"]),
+                   growth_bytes=int(data["growth_bytes"]), steps=int(data["steps"]),
+                   first_leak_step=data.get("first_leak_step"), metric=str(data["metric"]),
+                   threshold_bytes_per_step=int(data["threshold_bytes_per_step"]),
+                   suspects=suspects)
+
+
+def _check_rule(warmup_steps: int, window: int, threshold: int) -> None:
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ConfigError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 3:
+        raise ConfigError(f"window must be an int >= 3, got {window!r}",
+                          "Three readings is the least that tells growth from a single spike.")
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold <= 0:
+        raise ConfigError(f"threshold_bytes_per_step must be an int > 0, got {threshold!r}")
+
+
+class GrowthTracker:
+    """Incremental form of the verdict rule (see the module docstring); O(window) per reading.
+
+    Args:
+        warmup_steps: readings ignored at the start (default 1).
+        window: readings per judged window, >= 3 (default 4).
+        threshold_bytes_per_step: least mean floor growth per step that counts (default 256 KiB).
+    """
+
+    def __init__(self, warmup_steps: int = 1, window: int = 4,
+                 threshold_bytes_per_step: int = 256 * 1024) -> None:
+        _check_rule(warmup_steps, window, threshold_bytes_per_step)
+        self.warmup_steps = warmup_steps
+        self.window = window
+        self.threshold = threshold_bytes_per_step
+        self._recent: deque[int] = deque(maxlen=window)
+        self.steps = 0
+        self.baseline: int | None = None
+        self.last: int | None = None
+        self.first_leak_step: int | None = None
+        self.leaking = False
+        # running sums for the least-squares slope (constant memory over long runs)
+        self._n = 0
+        self._sx = self._sy = self._sxx = self._sxy = 0.0
+
+    def add(self, value: int) -> None:
+        """Record the reading of the step that just ended."""
+        self.steps += 1
+        if self.steps <= self.warmup_steps:
+            return
+        if self.baseline is None:
+            self.baseline = value
+        self.last = value
+        x = float(self._n)
+        self._n += 1
+        self._sx += x
+        self._sy += value
+        self._sxx += x * x
+        self._sxy += x * value
+        self._recent.append(value)
+        self.leaking = (len(self._recent) == self.window
+                        and _window_leaks(self._recent, self.threshold)) \
+            or (self._n >= 3 * self.window and self.slope >= self.threshold)
+        if self.leaking and self.first_leak_step is None:
+            self.first_leak_step = self.steps
+
+    @property
+    def slope(self) -> float:
+        """Least-squares bytes per step over the readings after warm-up."""
+        n = self._n
+        denom = n * self._sxx - self._sx * self._sx
+        if n < 2 or denom == 0:
+            return 0.0
+        return (n * self._sxy - self._sx * self._sy) / denom
+
+    def verdict(self, metric: str, suspects: Sequence[LeakSuspect] = ()) -> LeakVerdict:
+        """The current :class:`LeakVerdict` for readings of ``metric``."""
+        return LeakVerdict(
+            leak=self.leaking,
+            conclusive=self.steps >= self.warmup_steps + self.window,
+            bytes_per_step=self.slope,
+            growth_bytes=0 if self.baseline is None or self.last is None
+            else self.last - self.baseline,
+            steps=self.steps, first_leak_step=self.first_leak_step, metric=metric,
+            threshold_bytes_per_step=self.threshold, suspects=tuple(suspects))
+
+
+def _window_leaks(values: Iterable[int], threshold: int) -> bool:
+    series = list(values)
+    floors = series[:]
+    for i in range(len(floors) - 2, -1, -1):
+        floors[i] = min(floors[i], floors[i + 1])
+    rises = sum(1 for a, b in itertools.pairwise(floors) if b > a)
+    steps = len(floors) - 1
+    mean_rise = (floors[-1] - floors[0]) / steps
+    return rises >= math.ceil(2 * steps / 3) and mean_rise >= threshold
+
+
+def assess_growth(values: Sequence[int], metric: str, *, warmup_steps: int = 1, window: int = 4,
+                  threshold_bytes_per_step: int = 256 * 1024) -> LeakVerdict:
+    """Judge a finished series of step-boundary readings with the rule of :class:`GrowthTracker`.
+
+    Args:
+        values: one reading per step, in order.
+        metric: what the readings are (stored in the verdict).
+        warmup_steps, window, threshold_bytes_per_step: as for :class:`GrowthTracker`.
+
+    Returns:
+        The :class:`LeakVerdict` (without suspects).
+    """
+    tracker = GrowthTracker(warmup_steps, window, threshold_bytes_per_step)
+    for value in values:
+        tracker.add(int(value))
+    return tracker.verdict(metric)
+
+
+# --- stacks ------------------------------------------------------------------------------------
+
+_machinery_cache: dict[str, bool] = {}
+
+
+def _is_machinery(filename: str) -> bool:
+    known = _machinery_cache.get(filename)
+    if known is None:
+        known = _machinery_cache[filename] = any(part in filename for part in _SKIP_PATH_PARTS)
+    return known
+
+
+def format_frames(frames: Iterable[tuple[str, int, str]], depth: int) -> tuple[str, ...]:
+    """Innermost-first ``(filename, line, name)`` frames -> up to ``depth`` user frames."""
+    out: list[str] = []
+    for filename, line, name in frames:
+        if _is_machinery(filename):
+            continue
+        out.append(f"{filename}:{line} in {name}")
+        if len(out) >= depth:
+            break
+    return tuple(out) or _STACK_UNKNOWN
+
+
+def _python_stack(depth: int) -> tuple[tuple[str, int, str], ...]:
+    """The caller's user frames, innermost first, unformatted (formatting waits for a report)."""
+    frame: FrameType | None = sys._getframe(2)
+    frames = []
+    # Walk a bounded number of frames: deep framework stacks would make every op slow.
+    for _ in range(depth + 32):
+        if frame is None or len(frames) >= depth:
+            break
+        code = frame.f_code
+        if not _is_machinery(code.co_filename):
+            frames.append((code.co_filename, frame.f_lineno, code.co_name))
+        frame = frame.f_back
+    return tuple(frames)
+
+
+def _make_stack_recorder(depth: int) -> Any:
+    """A TorchDispatchMode that remembers the creating stack of each new CPU storage."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class _StorageStackRecorder(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stacks: weakref.WeakKeyDictionary[Any, tuple[tuple[str, int, str], ...]] = \
+                weakref.WeakKeyDictionary()
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            stack: tuple[tuple[str, int, str], ...] | None = None
+            for item in tree_flatten(out)[0]:
+                if not isinstance(item, torch.Tensor) or item.device.type != "cpu":
+                    continue
+                storage = item.untyped_storage()
+                if storage in self.stacks:
+                    continue  # a view or an in-place result: the storage already has a stack
+                if stack is None:
+                    stack = _python_stack(depth)
+                self.stacks[storage] = stack
+            return out
+
+    return _StorageStackRecorder()
+
+
+# --- CUDA allocator history (shared with the profiler's trace mode) ----------------------------
+
+_history_lock = threading.Lock()
+_history_requests: dict[int, tuple[str, int]] = {}
+_history_next_token = 0
+
+
+def acquire_memory_history(mode: str, max_entries: int = 100_000) -> int:
+    """Turn on ``torch.cuda.memory._record_memory_history`` for one user; returns a token.
+
+    Several users (a leak detector in ``"state"`` mode, a profiler trace in ``"all"`` mode) can
+    hold it at once: the strongest request wins and the last release turns it off.
+
+    Args:
+        mode: ``"state"`` (live blocks keep stacks) or ``"all"`` (plus an event trace).
+        max_entries: trace entries kept in ``"all"`` mode (default 100000).
+    """
+    global _history_next_token
+    import torch
+
+    with _history_lock:
+        _history_next_token += 1
+        token = _history_next_token
+        _history_requests[token] = (mode, max_entries)
+        _apply_history(torch)
+    return token
+
+
+def release_memory_history(token: int) -> None:
+    """Give back a token from :func:`acquire_memory_history` (unknown tokens are ignored)."""
+    import torch
+
+    with _history_lock:
+        if _history_requests.pop(token, None) is None:
+            return
+        _apply_history(torch)
+
+
+def _apply_history(torch: Any) -> None:
+    if not _history_requests:
+        torch.cuda.memory._record_memory_history(enabled=None)
+        return
+    modes = [m for m, _ in _history_requests.values()]
+    mode = "all" if "all" in modes else "state"
+    entries = max(e for _, e in _history_requests.values())
+    torch.cuda.memory._record_memory_history(enabled=mode, context="alloc", stacks="python",
+                                             max_entries=entries)
+
+
+def _block_frames(block: dict[str, Any]) -> list[tuple[str, int, str]]:
+    return [(str(f.get("filename", "?")), int(f.get("line", 0)), str(f.get("name", "?")))
+            for f in block.get("frames", ())]
+
+
+def _cuda_live_blocks(index: int) -> list[dict[str, Any]]:
+    import torch
+
+    snapshot = torch.cuda.memory._snapshot()
+    return [block for segment in snapshot.get("segments", ()) if segment.get("device") == index
+            for block in segment.get("blocks", ()) if block.get("state") == "active_allocated"]
+
+
+# --- the detector ------------------------------------------------------------------------------
+
+_freeze_owner: LeakDetector | None = None
+
+
+class LeakDetector:
+    """Watch memory at step boundaries and report growth and the allocations that survive.
+
+    Call :meth:`step` at the end of every training step. :meth:`start` (implicit at the first
+    ``step()``) begins stack recording; :meth:`stop` ends it (and undoes ``gc.freeze``). Usable as
+    a context manager.
+
+    Args:
+        device: the device whose memory is watched: a CUDA device (readings are
+            ``torch.cuda.memory_allocated``) or ``"cpu"`` (readings are live tensor storage bytes).
+            Default ``None``: the current CUDA device when CUDA is available, else the CPU.
+        warmup_steps: steps ignored before the baseline (default 1).
+        window: readings per judged window, >= 3 (default 4); with the defaults a steady leak is
+            reported at step 5.
+        threshold_bytes_per_step: least growth per step that counts as a leak (default 256 KiB).
+        record_stacks: record allocating stacks for the suspects (default ``True``; on CUDA this
+            is PyTorch's allocator history, on CPU a dispatch mode active until ``stop()``).
+        stack_depth: user frames kept per stack (default 6).
+        max_suspects: groups kept in ``report()`` (default 10).
+        freeze_baseline: on CPU, ``gc.freeze()`` the baseline objects so each step's walk only
+            visits new objects (default ``True``; skipped when something else already froze).
+    """
+
+    def __init__(self, device: Any = None, *, warmup_steps: int = 1, window: int = 4,
+                 threshold_bytes_per_step: int = 256 * 1024, record_stacks: bool = True,
+                 stack_depth: int = 6, max_suspects: int = 10,
+                 freeze_baseline: bool = True) -> None:
+        _check_rule(warmup_steps, window, threshold_bytes_per_step)
+        if isinstance(stack_depth, bool) or not isinstance(stack_depth, int) or stack_depth < 1:
+            raise ConfigError(f"stack_depth must be an int >= 1, got {stack_depth!r}")
+        if isinstance(max_suspects, bool) or not isinstance(max_suspects, int) \
+                or max_suspects < 1:
+            raise ConfigError(f"max_suspects must be an int >= 1, got {max_suspects!r}")
+        self._index = resolve_cuda_index(device)
+        self.device = "cpu" if self._index is None else f"cuda:{self._index}"
+        self.metric = "cpu_tensor_bytes" if self._index is None else "cuda_allocated"
+        self.record_stacks = record_stacks
+        self.stack_depth = stack_depth
+        self.max_suspects = max_suspects
+        self.freeze_baseline = freeze_baseline
+        self._tracker = GrowthTracker(warmup_steps, window, threshold_bytes_per_step)
+        self._started = False
+        self._history_token: int | None = None
+        self._recorder: Any = None
+        self._baseline_taken = False
+        self._baseline_storages: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._baseline_blocks: set[int] = set()
+        self._froze = False
+        self._tensor_types: dict[type, bool] = {}
+        self.readings: list[int] = []
+        self.rss_readings: list[int] = []
+
+    # lifecycle ------------------------------------------------------------------------------
+    def start(self) -> LeakDetector:
+        """Begin watching (stack recording on); takes the baseline now if ``warmup_steps == 0``."""
+        if self._started:
+            return self
+        self._started = True
+        if self.record_stacks:
+            if self._index is not None:
+                self._history_token = acquire_memory_history("state")
+            else:
+                self._recorder = _make_stack_recorder(self.stack_depth)
+                self._recorder.__enter__()
+        if self._tracker.warmup_steps == 0:
+            self._take_baseline()
+        return self
+
+    def stop(self) -> None:
+        """Stop stack recording and undo ``gc.freeze``; readings and verdict stay available."""
+        global _freeze_owner
+        if self._recorder is not None:
+            self._recorder.__exit__(None, None, None)
+            self._recorder = None
+        if self._history_token is not None:
+            release_memory_history(self._history_token)
+            self._history_token = None
+        if self._froze:
+            gc.unfreeze()
+            self._froze = False
+            _freeze_owner = None
+        self._started = False
+
+    def __enter__(self) -> LeakDetector:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    # readings -------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Record the reading at the end of a training step (starts the detector if needed)."""
+        if not self._started:
+            self.start()
+        value = self._read()
+        self._tracker.add(value)
+        self.readings.append(value)
+        if not self._baseline_taken and self._tracker.steps >= self._tracker.warmup_steps:
+            # the last warm-up step ends here: what is alive now is the baseline
+            self._take_baseline()
+        rss = host_rss()
+        if rss is not None:
+            self.rss_readings.append(rss)
+
+    def _read(self) -> int:
+        if self._index is not None:
+            return int(read_memory_stats(self._index).get("allocated_bytes.all.current", 0))
+        if not self._baseline_taken:
+            return 0
+        return sum(self._new_cpu_storages().values())
+
+    def _take_baseline(self) -> None:
+        global _freeze_owner
+        self._baseline_taken = True
+        if self._index is not None:
+            if self.record_stacks:
+                self._baseline_blocks = {int(b["address"]) for b in _cuda_live_blocks(self._index)}
+            return
+        gc.collect()
+        for tensor in self._live_tensors():
+            self._baseline_storages.add(tensor.untyped_storage())
+        if self.freeze_baseline and _freeze_owner is None and gc.get_freeze_count() == 0:
+            gc.freeze()
+            self._froze = True
+            _freeze_owner = self
+
+    def _live_tensors(self) -> list[Any]:
+        import torch
+
+        objects = gc.get_objects()
+        # type() rather than isinstance: some lazy proxy objects run code on __class__ lookups;
+        # set and list comprehensions keep this walk in C as much as Python allows.
+        memo = self._tensor_types
+        for kind in {type(obj) for obj in objects} - memo.keys():
+            memo[kind] = issubclass(kind, torch.Tensor)
+        tensor_types = {kind for kind, is_tensor in memo.items() if is_tensor}
+        return [obj for obj in objects
+                if type(obj) in tensor_types and obj.device.type == "cpu"]
+
+    def _new_cpu_storages(self) -> dict[Any, int]:
+        """Live CPU storages created after the baseline -> bytes (each storage counted once)."""
+        seen: dict[Any, int] = {}
+        for tensor in self._live_tensors():
+            storage = tensor.untyped_storage()
+            if storage in seen or storage in self._baseline_storages:
+                continue
+            seen[storage] = int(storage.nbytes())
+        return seen
+
+    # verdicts -------------------------------------------------------------------------------
+    def verdict(self) -> LeakVerdict:
+        """The current verdict from the readings (cheap; no suspects)."""
+        return self._tracker.verdict(self.metric)
+
+    def report(self) -> LeakVerdict:
+        """The verdict plus the surviving allocations grouped by stack, largest first."""
+        return self._tracker.verdict(self.metric, self.suspects())
+
+    def suspects(self) -> list[LeakSuspect]:
+        """Allocations made after the baseline that are still alive, grouped by stack."""
+        if not self._baseline_taken:
+            return []
+        groups: dict[tuple[str, ...], list[Any]] = {}
+        if self._index is not None:
+            if not self.record_stacks:
+                return []
+            for block in _cuda_live_blocks(self._index):
+                if int(block["address"]) in self._baseline_blocks:
+                    continue
+                stack = format_frames(_block_frames(block), self.stack_depth)
+                entry = groups.setdefault(stack, [0, 0, ""])
+                entry[0] += int(block.get("size", 0))
+                entry[1] += 1
+                entry[2] = entry[2] or f"block of {int(block.get('size', 0))} B"
+        else:
+            stacks = self._recorder.stacks if self._recorder is not None else {}
+            examples: dict[Any, str] = {}
+            for tensor in self._live_tensors():
+                storage = tensor.untyped_storage()
+                if storage not in examples:
+                    examples[storage] = f"{str(tensor.dtype).replace('torch.', '')}" \
+                                        f"{list(tensor.shape)}"
+            for storage, nbytes in self._new_cpu_storages().items():
+                raw = stacks.get(storage)
+                stack = format_frames(raw, self.stack_depth) if raw else _STACK_UNKNOWN
+                entry = groups.setdefault(stack, [0, 0, ""])
+                entry[0] += nbytes
+                entry[1] += 1
+                entry[2] = entry[2] or examples.get(storage, "")
+        ranked = sorted(groups.items(), key=lambda kv: kv[1][0], reverse=True)
+        return [LeakSuspect(stack, int(b), int(c), str(e))
+                for stack, (b, c, e) in ranked[: self.max_suspects]]
+
+    def __repr__(self) -> str:
+        v = self.verdict()
+        return (f"LeakDetector(device={self.device!r}, steps={v.steps}, leak={v.leak}, "
+                f"bytes_per_step={v.bytes_per_step:.0f})")

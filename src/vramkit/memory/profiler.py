@@ -1,0 +1,745 @@
+"""The memory profiler: a background sampler, phase marks, per-module attribution, leak detection.
+
+:class:`MemoryProfiler` runs a daemon thread that reads, every ``sample_interval`` seconds:
+
+- the CUDA caching allocator (allocated, reserved, active bytes and the allocator's own peak
+  watermark) with one ``memory_stats`` call, which is host-side bookkeeping (no sync);
+- NVML's figure for this process (memory held outside PyTorch shows here). NVML is slower (a
+  few milliseconds per query), so it is read every ``nvml_interval`` seconds (default 0.5 s) and
+  the samples in between carry the last value;
+- bytes reserved by live pinned host pools (:func:`vramkit.memory.pool.live_pools`);
+- the host resident set size (psutil).
+
+On a CPU-only machine ``allocated``/``reserved``/``active`` are 0 (PyTorch exposes no CPU
+allocator statistics) and ``host_rss`` carries the signal: the report's ``metric`` is then
+``"host_rss"``.
+
+Peaks between samples are not lost on CUDA: every reading also takes the allocator's peak
+watermark, and when it rose since the previous reading the peak is attributed to the step, phase
+and module of that interval. ``reset_peak=True`` (default) resets the watermark at ``start()``
+(``torch.cuda.reset_peak_memory_stats``) so it covers the profiled region only.
+
+:meth:`MemoryProfiler.attach` adds forward (and full backward) hooks on every submodule; each
+hook takes a reading, so the report can name the modules that keep the most activation memory and
+the module in which the peak happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import os
+import pickle
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from vramkit.errors import ConfigError, DeviceError
+from vramkit.memory.leaks import (
+    LeakDetector,
+    LeakVerdict,
+    acquire_memory_history,
+    assess_growth,
+    release_memory_history,
+)
+from vramkit.memory.report import (
+    MemoryReport,
+    MemorySnapshot,
+    ModuleMemory,
+    PeakPoint,
+    PhasePeak,
+    save_report,
+)
+from vramkit.memory.stats import (
+    MemoryStats,
+    cuda_ready,
+    nvml_process_memory,
+    read_memory_stats,
+    reset_cuda_peak,
+    resolve_cuda_index,
+    with_memory_tracking,
+)
+
+__all__ = ["LeakDetector", "MemoryProfiler", "MemoryReport", "MemorySnapshot", "MemoryStats",
+           "with_memory_tracking"]
+
+logger = logging.getLogger(__name__)
+
+_ZERO = (0, 0, 0, 0, 0)
+_NVML_GIVE_UP_AFTER = 3  # consecutive None answers: NVML is not there, stop asking
+
+
+def _read_cuda(index: int) -> tuple[int, int, int, int, int]:
+    """(allocated, reserved, active, peak allocated, peak reserved) for one device.
+
+    Uses the nested dict PyTorch builds in C++ (what ``memory_stats`` flattens in Python), which
+    is several times cheaper than the public call; falls back to it if the private one moves.
+    """
+    import torch
+
+    try:
+        raw = torch._C._cuda_memoryStats(index)
+        alloc, res, act = raw["allocated_bytes"]["all"], raw["reserved_bytes"]["all"], \
+            raw["active_bytes"]["all"]
+        return (int(alloc["current"]), int(res["current"]), int(act["current"]),
+                int(alloc["peak"]), int(res["peak"]))
+    except (AttributeError, KeyError, TypeError):
+        flat = torch.cuda.memory_stats(index)
+        return (int(flat.get("allocated_bytes.all.current", 0)),
+                int(flat.get("reserved_bytes.all.current", 0)),
+                int(flat.get("active_bytes.all.current", 0)),
+                int(flat.get("allocated_bytes.all.peak", 0)),
+                int(flat.get("reserved_bytes.all.peak", 0)))
+
+
+def _reset_cuda_peak(index: int) -> None:
+    reset_cuda_peak(index)
+
+
+def _check_positive(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+class _ModuleStat:
+    __slots__ = ("act_max", "act_total", "bwd_max", "calls", "peak_hits", "type_name")
+
+    def __init__(self, type_name: str) -> None:
+        self.type_name = type_name
+        self.calls = self.act_max = self.act_total = self.bwd_max = self.peak_hits = 0
+
+
+class _Peak:
+    """A running maximum with the context of the reading that set it."""
+
+    __slots__ = ("module", "phase", "step", "t", "value")
+
+    def __init__(self) -> None:
+        self.value, self.t, self.step = 0, 0.0, 0
+        self.phase: str | None = None
+        self.module: str | None = None
+
+    def offer(self, value: int, t: float, ctx: tuple[int, str | None, str | None]) -> bool:
+        if value <= self.value:
+            return False
+        self.value, self.t = value, t
+        self.step, self.phase, self.module = ctx
+        return True
+
+    def point(self) -> PeakPoint:
+        return PeakPoint(self.value, self.t, self.step, self.phase, self.module)
+
+
+class MemoryProfiler:
+    """Sample memory in the background and attribute it to steps, phases and modules.
+
+    Use as a context manager or with :meth:`start` / :meth:`stop`. :meth:`start` begins a fresh
+    session (history and aggregates are cleared).
+
+    Args:
+        device: the CUDA device whose allocator is read (see
+            :func:`vramkit.memory.stats.resolve_cuda_index`); ``"cpu"`` or a machine without CUDA
+            reads host memory only. Default ``None``: the current CUDA device, else the CPU.
+        sample_interval: seconds between background samples, > 0 (default 0.01).
+        nvml_interval: seconds between NVML and pinned-pool readings, > 0 (default 0.5).
+        max_history: snapshots kept (oldest dropped first; peaks, means and phase peaks are
+            kept exactly regardless), >= 1 (default 1_000_000, about 150 MB at most).
+        reset_peak: reset the CUDA allocator's peak watermark at ``start()`` so between-sample
+            peaks of the profiled region are caught (default ``True``; turn off if your own code
+            reads ``torch.cuda.max_memory_allocated`` across the region).
+        trace: record PyTorch's allocation history with Python stacks from ``start()`` (CUDA
+            only; see :meth:`save_trace`). Default ``False``.
+        trace_max_entries: allocation events kept by the trace (default 100_000).
+        detect_leaks: ``True`` to run a :class:`LeakDetector` on this device at every
+            :meth:`step`, or a detector to use. Default ``False``: the report's leak verdict then
+            judges the step-boundary readings of ``metric`` (no suspects).
+        pid: sample another process (host RSS of it and its children, NVML); torch figures are
+            then 0. Default ``None``: this process.
+        top_modules: modules listed in the report (default 10).
+
+    Raises:
+        ConfigError: for a bad interval or count.
+        DeviceError: ``trace=True`` without a CUDA device.
+    """
+
+    def __init__(self, device: Any = None, sample_interval: float = 0.01, *,
+                 nvml_interval: float = 0.5, max_history: int = 1_000_000,
+                 reset_peak: bool = True, trace: bool = False,
+                 trace_max_entries: int = 100_000,
+                 detect_leaks: bool | LeakDetector = False, pid: int | None = None,
+                 top_modules: int = 10) -> None:
+        self.sample_interval = _check_positive("sample_interval", sample_interval)
+        self.nvml_interval = _check_positive("nvml_interval", nvml_interval)
+        for name, value in (("max_history", max_history), ("top_modules", top_modules),
+                            ("trace_max_entries", trace_max_entries)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0):
+            raise ConfigError(f"pid must be a positive int, got {pid!r}")
+        self.pid = pid
+        self._external = pid is not None and pid != os.getpid()
+        index = resolve_cuda_index(device)
+        self.device = "cpu" if index is None else f"cuda:{index}"
+        self._index = None if self._external else index
+        self.metric = "host_rss" if self._index is None else "allocated"
+        if trace and self._index is None:
+            raise DeviceError("trace=True needs a CUDA device in this process: PyTorch records "
+                              "allocation history only for its CUDA allocator",
+                              "Drop trace=True on the CPU; the sampled timeline still works.")
+        self.max_history = max_history
+        self.reset_peak = reset_peak
+        self.trace_on_start = trace
+        self.trace_max_entries = trace_max_entries
+        self.top_modules = top_modules
+        if isinstance(detect_leaks, LeakDetector):
+            self._leak_detector: LeakDetector | None = detect_leaks
+        else:
+            self._leak_detector = LeakDetector(self.device) if detect_leaks else None
+        self._lock = threading.Lock()
+        self._stop_event = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self._handles: list[Any] = []
+        self._names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self._local = threading.local()
+        self._phase: str | None = None
+        self._module: str | None = None
+        self._trace_token: int | None = None
+        self._trace_snapshot: dict[str, Any] | None = None
+        self._leak_report: LeakVerdict | None = None
+        self._reset_session()
+
+    # session state --------------------------------------------------------------------------
+    def _reset_session(self) -> None:
+        self._history: deque[MemorySnapshot] = deque(maxlen=self.max_history)
+        self._dropped = 0
+        self._step = 0
+        self._t0 = time.perf_counter()
+        self._started_at = time.time()
+        self._stopped_at: float | None = None
+        self._peak = {k: _Peak() for k in ("allocated", "reserved", "host_rss", "metric")}
+        self._watermark = (0, 0)  # allocator peak watermark at the last reading
+        self._peak_nvml: int | None = None
+        self._peak_pinned = 0
+        self._samples = 0
+        self._sums = [0.0, 0.0, 0.0, 0]  # allocated, reserved, host_rss, readings with rss
+        self._phase_peaks: dict[str, list[Any]] = {}
+        self._modules: dict[str, _ModuleStat] = {}
+        self._step_values: list[int] = []
+        self._last_rss: int | None = None
+        self._last_nvml: int | None = None
+        self._nvml_due = 0.0
+        self._nvml_misses = 0
+        self._last_pinned = 0
+        self._live_pools: Any = None
+        self._counters0: dict[str, Any] = {}
+        self._counters1: dict[str, Any] | None = None
+        self._warned = False
+        self._rss_process: Any = None
+
+    @property
+    def running(self) -> bool:
+        """Whether a session is in progress."""
+        return self._running
+
+    @property
+    def history(self) -> list[MemorySnapshot]:
+        """The snapshots of the current (or last) session, oldest first."""
+        with self._lock:
+            return list(self._history)
+
+    @property
+    def current_phase(self) -> str | None:
+        """The phase set by the last :meth:`mark`."""
+        return self._phase
+
+    @property
+    def steps(self) -> int:
+        """Steps marked in the current (or last) session."""
+        return self._step
+
+    def start(self) -> MemoryProfiler:
+        """Start a fresh session and the sampler thread (no-op if already running)."""
+        if self._running:
+            logger.debug("MemoryProfiler.start(): already running")
+            return self
+        self._reset_session()
+        self._trace_snapshot = None
+        self._leak_report = None
+        if self._index is not None and cuda_ready():
+            if self.reset_peak:
+                _reset_cuda_peak(self._index)
+            reading = _read_cuda(self._index)
+            self._watermark = (reading[3], reading[4])
+        self._counters0 = read_memory_stats(self._index)
+        if self.trace_on_start:
+            self._trace_token = acquire_memory_history("all", self.trace_max_entries)
+        if self._leak_detector is not None:
+            self._leak_detector.start()
+        self._running = True
+        self._record("start", full=True)
+        self._stop_event.clear()
+        self._thread = threading.Thread(target=self._run, name="vramkit-memory-profiler",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> MemoryReport:
+        """Stop sampling and return the session's :meth:`report` (no-op if not running)."""
+        if not self._running:
+            return self.report()
+        self._stop_event.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._record("stop", full=True)
+        self._running = False
+        self._stopped_at = time.perf_counter()
+        self._counters1 = read_memory_stats(self._index)
+        if self._trace_token is not None:
+            import torch
+
+            # Keep the trace: releasing the history may drop the recorded events.
+            self._trace_snapshot = torch.cuda.memory._snapshot()
+            release_memory_history(self._trace_token)
+            self._trace_token = None
+        if self._leak_detector is not None:
+            self._leak_report = self._leak_detector.report()
+            self._leak_detector.stop()
+        return self.report()
+
+    def __enter__(self) -> MemoryProfiler:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        deadline = time.perf_counter()
+        while not self._stop_event.is_set():
+            try:
+                self._record("sample", full=True)
+            except Exception as err:  # a failing reader must not kill the training run
+                if not self._warned:
+                    logger.warning("memory sampling failed (%s); continuing", err)
+                    self._warned = True
+            deadline += self.sample_interval
+            delay = deadline - time.perf_counter()
+            if delay < 0:  # fell behind (a long GIL hold): resume the cadence, no burst
+                deadline, delay = time.perf_counter(), 0.0
+            if self._stop_event.wait(delay):
+                break
+
+    # readings -------------------------------------------------------------------------------
+    def _read_rss(self) -> int | None:
+        try:
+            import psutil
+        except ImportError:
+            return None
+        try:
+            if self._rss_process is None:
+                self._rss_process = psutil.Process(self.pid if self.pid else os.getpid())
+            rss = int(self._rss_process.memory_info().rss)
+            if self._external:
+                for child in self._rss_process.children(recursive=True):
+                    with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                        rss += int(child.memory_info().rss)
+            return rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+
+    def _read_nvml(self, now: float) -> int | None:
+        if now < self._nvml_due or self._nvml_misses >= _NVML_GIVE_UP_AFTER:
+            return self._last_nvml
+        self._nvml_due = now + self.nvml_interval
+        pids = [self.pid] if self._external else [None]
+        if self._external:
+            with contextlib.suppress(Exception):
+                import psutil
+
+                pids += [c.pid for c in psutil.Process(self.pid).children(recursive=True)]
+        total: int | None = None
+        for pid in pids:
+            used = nvml_process_memory(pid)
+            if used is not None:
+                total = (total or 0) + used
+        self._nvml_misses = 0 if total is not None else self._nvml_misses + 1
+        if total is None and self._nvml_misses >= _NVML_GIVE_UP_AFTER:
+            logger.debug("NVML gave no process figure %d times; no longer asking",
+                         _NVML_GIVE_UP_AFTER)
+        self._last_nvml = total
+        return total
+
+    def _read_pinned(self) -> int:
+        if self._external:
+            return 0
+        if self._live_pools is None:
+            try:
+                from vramkit.memory.pool import live_pools
+
+                self._live_pools = live_pools
+            except (ImportError, AttributeError):
+                self._live_pools = False
+        if self._live_pools is False:
+            return 0
+        total = 0
+        try:
+            for pool in self._live_pools():
+                # MemoryPool says "pinned" in .kind (its .pinned is a factory classmethod)
+                kind = getattr(pool, "kind", None)
+                flag = getattr(pool, "pinned", None)
+                pinned = kind == "pinned" if isinstance(kind, str) else flag is True
+                if pinned:
+                    total += int(pool.stats().reserved)
+        except Exception as err:  # a pool mid-teardown must not stop sampling
+            logger.debug("reading pinned pools failed: %s", err)
+            return self._last_pinned
+        return total
+
+    def _record(self, kind: str, *, full: bool) -> int:
+        """Take one reading, update the aggregates; returns the value of ``metric``."""
+        now = time.perf_counter() - self._t0
+        alloc, reserved, active, peak_a, peak_r = (
+            _read_cuda(self._index) if self._index is not None and cuda_ready() else _ZERO)
+        rss = self._read_rss() if (full or self._index is None) else self._last_rss
+        if full:
+            nvml = self._read_nvml(now)
+            pinned = self._last_pinned = self._read_pinned()
+        else:
+            nvml, pinned = self._last_nvml, self._last_pinned
+        with self._lock:
+            # The allocator's watermark tells of a peak between readings only when it rose since
+            # the previous reading; that peak belongs to the context of this interval.
+            alloc_high, reserved_high = alloc, reserved
+            if peak_a > self._watermark[0]:
+                alloc_high = max(alloc, peak_a)
+            if peak_r > self._watermark[1]:
+                reserved_high = max(reserved, peak_r)
+            self._watermark = (max(peak_a, self._watermark[0]), max(peak_r, self._watermark[1]))
+            self._last_rss = rss
+            ctx = (self._step, self._phase, self._module)
+            self._peak["allocated"].offer(alloc_high, now, ctx)
+            self._peak["reserved"].offer(reserved_high, now, ctx)
+            if rss is not None:
+                self._peak["host_rss"].offer(rss, now, ctx)
+            metric_high = alloc_high if self._index is not None else (rss or 0)
+            if self._peak["metric"].offer(metric_high, now, ctx) and ctx[2] is not None:
+                stat = self._modules.get(ctx[2].removesuffix(" [backward]"))
+                if stat is not None:
+                    stat.peak_hits += 1
+            if nvml is not None:
+                self._peak_nvml = max(self._peak_nvml or 0, nvml)
+            self._peak_pinned = max(self._peak_pinned, pinned)
+            if self._phase is not None:
+                entry = self._phase_peaks.setdefault(self._phase, [0, 0, None, 0])
+                entry[0] = max(entry[0], alloc_high)
+                entry[1] = max(entry[1], reserved_high)
+                if rss is not None:
+                    entry[2] = max(entry[2] or 0, rss)
+                entry[3] += 1
+            if kind == "sample":
+                self._samples += 1
+                self._sums[0] += alloc
+                self._sums[1] += reserved
+                if rss is not None:
+                    self._sums[2] += rss
+                    self._sums[3] += 1
+            if kind != "module":
+                if len(self._history) == self.max_history:
+                    self._dropped += 1
+                self._history.append(MemorySnapshot(
+                    timestamp=now, allocated=alloc, reserved=reserved, active=active,
+                    nvml_used=nvml, host_rss=rss, phase=self._phase, pinned=pinned,
+                    step=self._step, module=self._module, kind=kind))
+        return alloc if self._index is not None else (rss or 0)
+
+    # phases and steps -----------------------------------------------------------------------
+    def mark(self, phase: str | None) -> None:
+        """Enter ``phase`` (``"forward"``, ``"backward"``, ``"optimizer"``, ...; ``None`` clears).
+
+        The reading taken here closes the previous phase, so a peak since the last reading is
+        attributed to the phase it happened in.
+        """
+        if phase is not None and not isinstance(phase, str):
+            raise ConfigError(f"phase must be a string or None, got {phase!r}")
+        if self._running:
+            self._record("mark", full=False)
+        self._phase = phase
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Mark ``name`` for the duration of a ``with`` block, then restore the previous phase."""
+        previous = self._phase
+        self.mark(name)
+        try:
+            yield
+        finally:
+            self.mark(previous)
+
+    def step(self) -> None:
+        """Mark the end of a training step (and step the leak detector, if any)."""
+        if self._running:
+            value = self._record("step", full=False)
+            self._step_values.append(value)
+        self._step += 1
+        if self._leak_detector is not None and self._running:
+            self._leak_detector.step()
+
+    mark_step = step
+
+    # module attribution ---------------------------------------------------------------------
+    def attach(self, model: Any = None, *, backward: bool = True) -> MemoryProfiler:
+        """Add hooks that take a reading at entry and exit of every module.
+
+        Args:
+            model: an ``nn.Module`` (hooks on it and every submodule), or ``None`` for PyTorch's
+                global module hooks (every module that runs; names come from the outermost
+                module that ran). Default ``None``.
+            backward: also add full backward (pre-)hooks (default ``True``). They wrap module
+                inputs and outputs in autograd functions, which PyTorch refuses when a following
+                op modifies an output in place (``nn.ReLU(inplace=True)``): pass ``False`` then.
+
+        Returns:
+            ``self``; :meth:`detach` removes every hook.
+        """
+        import torch.nn as nn
+        from torch.nn.modules import module as module_api
+
+        if model is None:
+            self._handles += [
+                module_api.register_module_forward_pre_hook(self._global_pre),
+                module_api.register_module_forward_hook(self._global_post, always_call=True)]
+            if backward:
+                self._handles += [
+                    module_api.register_module_full_backward_pre_hook(self._global_bwd_pre),
+                    module_api.register_module_full_backward_hook(self._global_bwd_post)]
+            return self
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
+        for name, module in model.named_modules():
+            label = name or type(model).__name__
+            self._names[module] = label
+            enter = functools.partial(self._enter, label, type(module).__name__)
+            leave = functools.partial(self._leave, label, False)
+            self._handles.append(module.register_forward_pre_hook(
+                lambda _m, _a, _enter=enter: _enter(False)))
+            self._handles.append(module.register_forward_hook(
+                lambda _m, _a, _o, _leave=leave: _leave(), always_call=True))
+            if backward:
+                self._handles.append(module.register_full_backward_pre_hook(
+                    lambda _m, _g, _enter=enter: _enter(True)))
+                self._handles.append(module.register_full_backward_hook(
+                    lambda _m, _gi, _go, _label=label: self._leave(_label, True)))
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook added by :meth:`attach`."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    @property
+    def hook_count(self) -> int:
+        """Hooks currently installed by :meth:`attach`."""
+        return len(self._handles)
+
+    def _stack(self) -> list[tuple[str, int]]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _name_of(self, module: Any) -> tuple[str, str]:
+        name = self._names.get(module)
+        if name is None and not self._stack():
+            # an outermost module: name its whole tree once
+            root = type(module).__name__
+            for sub_name, sub in module.named_modules():
+                self._names.setdefault(sub, sub_name or root)
+            name = self._names.get(module)
+        return name or type(module).__name__, type(module).__name__
+
+    def _global_pre(self, module: Any, _args: Any) -> None:
+        self._enter(*self._name_of(module), False)
+
+    def _global_post(self, module: Any, _args: Any, _out: Any) -> None:
+        self._leave(self._name_of(module)[0], False)
+
+    def _global_bwd_pre(self, module: Any, _grad_out: Any) -> None:
+        self._enter(*self._name_of(module), True)
+
+    def _global_bwd_post(self, module: Any, _grad_in: Any, _grad_out: Any) -> None:
+        self._leave(self._name_of(module)[0], True)
+
+    def _enter(self, name: str, type_name: str, backward: bool) -> None:
+        if not self._running:
+            return
+        value = self._record("module", full=False)  # closes the interval of the enclosing module
+        label = f"{name} [backward]" if backward else name
+        with self._lock:
+            if name not in self._modules:
+                self._modules[name] = _ModuleStat(type_name)
+            if not backward:
+                self._modules[name].calls += 1
+        self._stack().append((label, value))
+        self._module = label
+
+    def _leave(self, name: str, backward: bool) -> None:
+        if not self._running:
+            return
+        value = self._record("module", full=False)  # closes this module's own interval
+        label = f"{name} [backward]" if backward else name
+        stack = self._stack()
+        for depth in range(len(stack) - 1, -1, -1):
+            if stack[depth][0] == label:
+                entry_value = stack[depth][1]
+                del stack[depth:]  # children that raised without an exit hook go too
+                break
+        else:
+            return
+        delta = value - entry_value
+        with self._lock:
+            stat = self._modules.get(name)
+            if stat is not None:
+                if backward:
+                    stat.bwd_max = max(stat.bwd_max, delta)
+                else:
+                    stat.act_max = max(stat.act_max, delta)
+                    stat.act_total += max(delta, 0)
+        self._module = stack[-1][0] if stack else None
+
+    # tracing --------------------------------------------------------------------------------
+    def _require_cuda(self, what: str) -> None:
+        if self._index is None:
+            raise DeviceError(f"{what} needs a CUDA device in this process (profiler device is "
+                              f"{self.device})",
+                              "Allocation traces come from PyTorch's CUDA allocator; on the CPU "
+                              "use the sampled report (save_profile).")
+
+    @contextlib.contextmanager
+    def trace(self, path: str | Path | None = None) -> Iterator[None]:
+        """Record PyTorch's allocation history (with Python stacks) for a ``with`` block.
+
+        Args:
+            path: where to write the snapshot pickle on exit (open it at pytorch.org/memory_viz);
+                ``None`` (default) writes nothing.
+
+        Raises:
+            DeviceError: without a CUDA device.
+        """
+        self._require_cuda("profiler.trace()")
+        import torch
+
+        token = acquire_memory_history("all", self.trace_max_entries)
+        try:
+            yield
+        finally:
+            try:
+                if path is not None:
+                    torch.cuda.memory._dump_snapshot(str(path))
+            finally:
+                release_memory_history(token)
+
+    def save_trace(self, path: str | Path) -> Path:
+        """Write the allocation history recorded with ``trace=True`` as a memory_viz pickle.
+
+        While running this is ``torch.cuda.memory._dump_snapshot``; after :meth:`stop` it writes
+        the snapshot taken at stop.
+
+        Raises:
+            DeviceError: without a CUDA device.
+            ConfigError: when no trace was recorded (``trace=False``).
+        """
+        self._require_cuda("save_trace()")
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if self._trace_token is not None:
+            import torch
+
+            torch.cuda.memory._dump_snapshot(str(target))
+        elif self._trace_snapshot is not None:
+            with open(target, "wb") as fh:
+                pickle.dump(self._trace_snapshot, fh)
+        else:
+            raise ConfigError("no allocation trace was recorded",
+                              "Create the profiler with trace=True, or use profiler.trace(path).")
+        return target
+
+    # reports --------------------------------------------------------------------------------
+    def report(self) -> MemoryReport:
+        """The :class:`MemoryReport` of the current (running) or last session."""
+        end = self._counters1 if self._counters1 is not None and not self._running \
+            else read_memory_stats(self._index)
+        start = self._counters0
+        on_cuda = self._index is not None
+
+        def delta(key: str) -> int | None:
+            return int(end.get(key, 0)) - int(start.get(key, 0)) if on_cuda else None
+
+        end_alloc = int(end.get("allocated_bytes.all.current", 0))
+        end_reserved = int(end.get("reserved_bytes.all.current", 0))
+        fragmentation = inactive_ratio = None
+        if on_cuda:
+            fragmentation = 1.0 - end_alloc / end_reserved if end_reserved > 0 else 0.0
+            inactive_ratio = int(end.get("inactive_split_bytes.all.current", 0)) / end_reserved \
+                if end_reserved > 0 else 0.0
+        outside = None
+        if self._last_nvml is not None and not self._external:
+            outside = self._last_nvml - _reserved_all_devices()
+        if self._leak_detector is not None:
+            leak = self._leak_report if not self._running and self._leak_report is not None \
+                else self._leak_detector.report()
+        else:
+            leak = assess_growth(self._step_values, self.metric) if self._step_values else None
+        finished = self._stopped_at if self._stopped_at is not None and not self._running \
+            else time.perf_counter()
+        with self._lock:
+            samples, sums = self._samples, list(self._sums)
+            rss_peak = self._peak["host_rss"]
+            modules = sorted(self._modules.items(), key=lambda kv: kv[1].act_max, reverse=True)
+            return MemoryReport(
+                device=self.device, metric=self.metric, started_at=self._started_at,
+                duration_s=finished - self._t0, sample_interval=self.sample_interval,
+                num_samples=samples, steps=self._step, peak=self._peak["metric"].point(),
+                peak_allocated=self._peak["allocated"].point(),
+                peak_reserved=self._peak["reserved"].point(),
+                peak_host_rss=rss_peak.point() if rss_peak.value > 0 else None,
+                peak_nvml_used=self._peak_nvml, peak_pinned=self._peak_pinned,
+                mean_allocated=sums[0] / samples if samples else 0.0,
+                mean_reserved=sums[1] / samples if samples else 0.0,
+                mean_host_rss=sums[2] / sums[3] if sums[3] else None,
+                phase_peaks={name: PhasePeak(a, r, rss, n)
+                             for name, (a, r, rss, n) in self._phase_peaks.items()},
+                top_modules=tuple(
+                    ModuleMemory(name, s.type_name, s.calls, s.act_max, s.act_total,
+                                 s.bwd_max, s.peak_hits)
+                    for name, s in modules[: self.top_modules]),
+                num_allocations=delta("allocation.all.allocated"),
+                alloc_retries=delta("num_alloc_retries"), ooms=delta("num_ooms"),
+                fragmentation=fragmentation, inactive_split_ratio=inactive_ratio,
+                outside_torch=outside, leak=leak, history=tuple(self._history),
+                history_dropped=self._dropped)
+
+    def save_profile(self, path: str | Path) -> Path:
+        """Write :meth:`report` to ``path`` (``.json``, ``.html`` or ``.png`` by suffix)."""
+        return save_report(self.report(), path)
+
+    def __repr__(self) -> str:
+        return (f"MemoryProfiler(device={self.device!r}, sample_interval={self.sample_interval},"
+                f" running={self._running}, snapshots={len(self._history)})")
+
+
+def _reserved_all_devices() -> int:
+    from vramkit.memory.stats import allocator_stats
+
+    return allocator_stats("cpu", include_nvml=False).reserved_all_devices

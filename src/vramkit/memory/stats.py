@@ -1,0 +1,482 @@
+"""Allocator statistics: what PyTorch's CUDA caching allocator, NVML and the host report.
+
+:func:`allocator_stats` reads one frozen :class:`AllocatorStats` record from
+``torch.cuda.memory_stats`` (current and peak allocated/reserved/active bytes, inactive split
+bytes, requested bytes, allocation retries, OOMs, ``cudaMalloc`` counts), adds the NVML figure
+for this process (memory the driver charges to the process, which includes the CUDA context,
+cuBLAS workspaces and anything allocated outside PyTorch) and the host RSS.
+
+Reading never initializes CUDA: when this process has not touched CUDA yet the torch figures are
+zero, which is the truth (nothing has been allocated). On a CPU-only machine the record holds
+zeros and ``None`` and nothing raises.
+
+:class:`CudaAllocator` is the EriDiffusion-style accessor object (``current_allocated()``,
+``peak_allocated()``, ``reset_peak()``) over the same figures, and
+:func:`with_memory_tracking` measures one call (re-exported by :mod:`vramkit.memory.profiler`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from vramkit.errors import ConfigError, DeviceError
+
+__all__ = ["AllocatorStats", "CudaAllocator", "MemoryStats", "allocator_stats",
+           "with_memory_tracking"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+# torch.cuda.memory_stats keys, read once per call (the function builds the whole dict anyway).
+_KEYS = {
+    "allocated": "allocated_bytes.all.current",
+    "peak_allocated": "allocated_bytes.all.peak",
+    "reserved": "reserved_bytes.all.current",
+    "peak_reserved": "reserved_bytes.all.peak",
+    "active": "active_bytes.all.current",
+    "peak_active": "active_bytes.all.peak",
+    "inactive_split": "inactive_split_bytes.all.current",
+    "requested": "requested_bytes.all.current",
+    "num_alloc_retries": "num_alloc_retries",
+    "num_ooms": "num_ooms",
+    "num_device_allocs": "num_device_alloc",
+    "num_device_frees": "num_device_free",
+    "segments": "segment.all.current",
+    "allocations_total": "allocation.all.allocated",
+    "allocated_bytes_total": "allocated_bytes.all.allocated",
+}
+
+
+@dataclass(frozen=True)
+class AllocatorStats:
+    """One reading of the CUDA caching allocator, NVML and host memory.
+
+    Torch figures are bytes for one device (``device``); they are 0 when CUDA is not available or
+    not initialized in this process (``cuda_initialized`` says which).
+
+    Attributes:
+        device: ``"cuda:N"`` or ``"cpu"``.
+        cuda_initialized: whether this process had initialized CUDA when the record was read.
+        allocated / peak_allocated: bytes in live tensors (now / peak since the last reset).
+        reserved / peak_reserved: bytes the caching allocator holds from the driver.
+        active / peak_active: allocated bytes plus blocks waiting for a stream to finish.
+        inactive_split: cached-but-free bytes inside split segments (unusable for big requests).
+        requested: bytes callers asked for (``allocated`` is rounded up from this).
+        num_alloc_retries: times the allocator freed its cache and retried a ``cudaMalloc``.
+        num_ooms: out-of-memory errors the allocator raised.
+        num_device_allocs / num_device_frees: ``cudaMalloc`` / ``cudaFree`` calls.
+        segments: segments (``cudaMalloc`` blocks) currently held.
+        allocations_total: cumulative allocation count (``allocation.all.allocated``).
+        allocated_bytes_total: cumulative bytes allocated (``allocated_bytes.all.allocated``).
+        reserved_all_devices: reserved bytes summed over every device this process initialized.
+        nvml_process_used: GPU bytes NVML charges to this process over all GPUs, ``None`` when
+            NVML is unavailable or was not asked.
+        host_rss: resident set size of this process in bytes, ``None`` without psutil.
+    """
+
+    device: str
+    cuda_initialized: bool
+    allocated: int = 0
+    peak_allocated: int = 0
+    reserved: int = 0
+    peak_reserved: int = 0
+    active: int = 0
+    peak_active: int = 0
+    inactive_split: int = 0
+    requested: int = 0
+    num_alloc_retries: int = 0
+    num_ooms: int = 0
+    num_device_allocs: int = 0
+    num_device_frees: int = 0
+    segments: int = 0
+    allocations_total: int = 0
+    allocated_bytes_total: int = 0
+    reserved_all_devices: int = 0
+    nvml_process_used: int | None = None
+    host_rss: int | None = None
+
+    @property
+    def fragmentation(self) -> float:
+        """``1 - allocated / reserved``: share of reserved memory not holding tensors (0 if none)."""
+        if self.reserved <= 0:
+            return 0.0
+        return max(0.0, 1.0 - self.allocated / self.reserved)
+
+    @property
+    def inactive_split_ratio(self) -> float:
+        """``inactive_split / reserved``: share of reserved memory stranded in split blocks."""
+        if self.reserved <= 0:
+            return 0.0
+        return self.inactive_split / self.reserved
+
+    @property
+    def outside_torch(self) -> int | None:
+        """GPU bytes this process holds outside PyTorch's allocator (context, cuBLAS, NCCL, ...).
+
+        ``nvml_process_used - reserved_all_devices``; ``None`` when NVML gave no figure.
+        """
+        if self.nvml_process_used is None:
+            return None
+        return self.nvml_process_used - self.reserved_all_devices
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields plus the derived figures, as JSON-ready types."""
+        data = dataclasses.asdict(self)
+        data["fragmentation"] = self.fragmentation
+        data["inactive_split_ratio"] = self.inactive_split_ratio
+        data["outside_torch"] = self.outside_torch
+        return data
+
+
+def resolve_cuda_index(device: Any = None) -> int | None:
+    """The CUDA ordinal ``device`` names, or ``None`` for the CPU.
+
+    Args:
+        device: ``None`` (the current CUDA device when CUDA is initialized, else 0 when CUDA is
+            available, else the CPU), an int ordinal, ``"cuda"``, ``"cuda:N"``, ``"cpu"`` or a
+            ``torch.device``. Default ``None``.
+
+    Returns:
+        The ordinal, or ``None`` when the device is the CPU or CUDA is not available.
+
+    Raises:
+        ConfigError: for a negative ordinal or an unparseable device string.
+        DeviceError: for a CUDA ordinal this process cannot see.
+    """
+    import torch
+
+    if device is None:
+        if not torch.cuda.is_available():
+            return None
+        return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+    if isinstance(device, bool):
+        raise ConfigError(f"invalid device {device!r}")
+    if isinstance(device, int):
+        index: int | None = device
+        kind = "cuda"
+    else:
+        try:
+            parsed = torch.device(device)
+        except (RuntimeError, TypeError) as err:
+            raise ConfigError(f"invalid device {device!r}: {err}",
+                              "Use 'cpu', 'cuda', 'cuda:N' or an integer ordinal.") from err
+        kind, index = parsed.type, parsed.index
+    if kind == "cpu":
+        return None
+    if kind != "cuda":
+        raise ConfigError(f"unsupported device {device!r}: only 'cpu' and CUDA devices are "
+                          "measured")
+    if index is not None and index < 0:
+        raise ConfigError(f"invalid device ordinal {index}: ordinals are >= 0")
+    if not torch.cuda.is_available():
+        return None
+    if index is None:
+        index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise DeviceError(f"cuda:{index} does not exist: this process sees {count} CUDA "
+                          "device(s)")
+    return index
+
+
+def cuda_ready() -> bool:
+    """Whether this process has initialized CUDA (reading stats then costs no initialization)."""
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_initialized())
+
+
+def read_memory_stats(index: int | None) -> dict[str, Any]:
+    """``torch.cuda.memory_stats(index)``, or ``{}`` on the CPU or before CUDA is initialized."""
+    if index is None or not cuda_ready():
+        return {}
+    import torch
+
+    return torch.cuda.memory_stats(index)
+
+
+def host_rss(pid: int | None = None) -> int | None:
+    """Resident set size of a process (default: this one), or ``None`` without psutil.
+
+    Args:
+        pid: the process id; ``None`` (default) means this process.
+
+    Returns:
+        Bytes, or ``None`` when psutil is missing or the process is gone.
+    """
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        return int(psutil.Process(pid if pid is not None else os.getpid()).memory_info().rss)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def nvml_process_memory(pid: int | None = None) -> int | None:
+    """NVML's GPU bytes for a process via :func:`vramkit.devices.nvml.process_memory`, or ``None``.
+
+    Imported lazily so importing this module never touches NVML.
+    """
+    try:
+        from vramkit.devices.nvml import process_memory
+    except ImportError:
+        return None
+    return process_memory(pid)
+
+
+def reset_cuda_peak(index: int) -> None:
+    """``torch.cuda.reset_peak_memory_stats(index)``: peaks restart from the current figures."""
+    import torch
+
+    torch.cuda.reset_peak_memory_stats(index)
+
+
+def _reserved_all_devices() -> int:
+    import torch
+
+    if not cuda_ready():
+        return 0
+    return sum(int(torch.cuda.memory_reserved(i)) for i in range(torch.cuda.device_count()))
+
+
+def allocator_stats(device: Any = None, *, include_nvml: bool = True) -> AllocatorStats:
+    """Read the allocator, NVML and host figures for ``device`` without initializing CUDA.
+
+    Args:
+        device: see :func:`resolve_cuda_index`; default ``None`` (current CUDA device, or CPU).
+        include_nvml: query NVML for this process's GPU memory (default ``True``; NVML takes a
+            few milliseconds, so pass ``False`` in tight loops).
+
+    Returns:
+        An :class:`AllocatorStats`. Torch figures are 0 on the CPU and before CUDA is initialized.
+    """
+    index = resolve_cuda_index(device)
+    stats = read_memory_stats(index)
+    values = {field: int(stats.get(key, 0)) for field, key in _KEYS.items()}
+    return AllocatorStats(
+        device="cpu" if index is None else f"cuda:{index}",
+        cuda_initialized=cuda_ready(),
+        reserved_all_devices=_reserved_all_devices(),
+        nvml_process_used=nvml_process_memory() if include_nvml else None,
+        host_rss=host_rss(),
+        **values,
+    )
+
+
+class CudaAllocator:
+    """Accessors for one CUDA device's caching allocator (EriDiffusion ``CudaAllocator``).
+
+    Figures are 0 when CUDA is unavailable or not initialized (no CUDA memory has been allocated);
+    nothing here initializes CUDA.
+
+    Args:
+        device: see :func:`resolve_cuda_index`; default ``None`` (the current CUDA device).
+    """
+
+    def __init__(self, device: Any = None) -> None:
+        self._index = resolve_cuda_index(device)
+
+    @property
+    def device(self) -> str:
+        """``"cuda:N"``, or ``"cpu"`` when CUDA is not available."""
+        return "cpu" if self._index is None else f"cuda:{self._index}"
+
+    def _read(self, key: str) -> int:
+        return int(read_memory_stats(self._index).get(key, 0))
+
+    def current_allocated(self) -> int:
+        """Bytes held by live tensors on this device now."""
+        return self._read(_KEYS["allocated"])
+
+    def peak_allocated(self) -> int:
+        """Largest ``current_allocated()`` since the process started or the last :meth:`reset_peak`."""
+        return self._read(_KEYS["peak_allocated"])
+
+    def current_reserved(self) -> int:
+        """Bytes the caching allocator holds from the driver now."""
+        return self._read(_KEYS["reserved"])
+
+    def peak_reserved(self) -> int:
+        """Largest ``current_reserved()`` since the last reset."""
+        return self._read(_KEYS["peak_reserved"])
+
+    def reset_peak(self) -> None:
+        """Reset the device's peak counters to the current values (no-op before CUDA init)."""
+        if self._index is None or not cuda_ready():
+            return
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(self._index)
+
+    def stats(self, *, include_nvml: bool = False) -> AllocatorStats:
+        """The full :class:`AllocatorStats` record for this device.
+
+        Args:
+            include_nvml: also query NVML (default ``False``: the accessors stay cheap).
+        """
+        return allocator_stats(self.device if self._index is not None else "cpu",
+                               include_nvml=include_nvml)
+
+    def __repr__(self) -> str:
+        return f"CudaAllocator(device={self.device!r})"
+
+
+# --- with_memory_tracking ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Memory used by one call (EriDiffusion ``MemoryStats``), from :func:`with_memory_tracking`.
+
+    On CUDA every figure comes from the caching allocator's counters (exact, no sync). On the CPU
+    ``peak_allocated``, ``start_allocated`` and ``end_allocated`` are host RSS (the whole
+    process, sampled every millisecond), and ``total_allocated`` / ``num_allocations`` count the
+    torch CPU tensor storages that ops created during the call (a dispatch mode sees each op);
+    numpy arrays and Python objects are not counted.
+
+    Attributes:
+        name: the operation name passed in.
+        device: ``"cuda:N"`` or ``"cpu"``.
+        peak_allocated: peak bytes during the call (absolute, including what existed before).
+        total_allocated: bytes allocated during the call, freed or not.
+        num_allocations: allocations during the call.
+        start_allocated / end_allocated: the figure before and after the call.
+        duration_s: wall time of the call.
+        source: ``"cuda_allocator"`` or ``"host_rss+cpu_dispatch"``.
+    """
+
+    name: str
+    device: str
+    peak_allocated: int
+    total_allocated: int
+    num_allocations: int
+    start_allocated: int
+    end_allocated: int
+    duration_s: float
+    source: str
+
+    @property
+    def peak_delta(self) -> int:
+        """How far the call raised the figure above its starting value."""
+        return self.peak_allocated - self.start_allocated
+
+
+def with_memory_tracking(name: str, fn: Callable[..., _T], *args: Any,
+                         **kwargs: Any) -> tuple[_T, MemoryStats]:
+    """Run ``fn(*args, **kwargs)`` and measure its memory (EriDiffusion API).
+
+    On CUDA this resets the device's peak counters (``torch.cuda.reset_peak_memory_stats``) so
+    the peak belongs to this call. See :class:`MemoryStats` for what the CPU figures mean.
+
+    Args:
+        name: a label for logs and the returned record.
+        fn: the callable.
+        *args, **kwargs: passed to ``fn``.
+
+    Returns:
+        ``(result, MemoryStats)``.
+    """
+    index = resolve_cuda_index(None)
+    started = time.perf_counter()
+    if index is not None:
+        if cuda_ready():
+            reset_cuda_peak(index)
+        before = read_memory_stats(index)
+        result = fn(*args, **kwargs)
+        after = read_memory_stats(index)
+        stats = MemoryStats(
+            name=name, device=f"cuda:{index}",
+            peak_allocated=int(after.get("allocated_bytes.all.peak", 0)),
+            total_allocated=int(after.get("allocated_bytes.all.allocated", 0))
+            - int(before.get("allocated_bytes.all.allocated", 0)),
+            num_allocations=int(after.get("allocation.all.allocated", 0))
+            - int(before.get("allocation.all.allocated", 0)),
+            start_allocated=int(before.get("allocated_bytes.all.current", 0)),
+            end_allocated=int(after.get("allocated_bytes.all.current", 0)),
+            duration_s=time.perf_counter() - started, source="cuda_allocator")
+    else:
+        counter = _make_allocation_counter()
+        with _RssPeakSampler() as rss, counter:
+            result = fn(*args, **kwargs)
+        stats = MemoryStats(
+            name=name, device="cpu", peak_allocated=rss.peak, total_allocated=counter.bytes,
+            num_allocations=counter.count, start_allocated=rss.start, end_allocated=rss.end,
+            duration_s=time.perf_counter() - started, source="host_rss+cpu_dispatch")
+    logger.debug("%s: peak %d B, %d allocations, %d B allocated", name, stats.peak_allocated,
+                 stats.num_allocations, stats.total_allocated)
+    return result, stats
+
+
+class _RssPeakSampler:
+    """Host RSS at entry and exit and its peak, polled every ``interval`` seconds in between."""
+
+    def __init__(self, interval: float = 0.001) -> None:
+        import psutil
+
+        self._process = psutil.Process(os.getpid())
+        self._interval = interval
+        self._stop = threading.Event()
+        self.start = self.end = self.peak = 0
+        self._thread: threading.Thread | None = None
+
+    def _rss(self) -> int:
+        return int(self._process.memory_info().rss)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.peak = max(self.peak, self._rss())
+
+    def __enter__(self) -> _RssPeakSampler:
+        self.start = self.peak = self._rss()
+        self._thread = threading.Thread(target=self._poll, name="vramkit-rss-peak", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end = self._rss()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.peak = max(self.peak, self.end)
+
+
+def _make_allocation_counter() -> Any:
+    """A TorchDispatchMode counting CPU storages created by ops (not views or in-place results)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class _AllocationCounter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr()
+                      for t in tree_flatten((args, kwargs or {}))[0]
+                      if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
+            for item in tree_flatten(out)[0]:
+                if not isinstance(item, torch.Tensor) or item.device.type != "cpu":
+                    continue
+                storage = item.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr in inputs or (ptr == 0 and storage.nbytes() == 0):
+                    continue
+                inputs.add(ptr)  # an op returning one new storage twice counts it once
+                self.count += 1
+                self.bytes += int(storage.nbytes())
+            return out
+
+    return _AllocationCounter()

@@ -1,0 +1,220 @@
+"""LeakDetector on host tensors, and the verdict rule."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from vramkit.errors import ConfigError
+from vramkit.memory.leaks import GrowthTracker, LeakDetector, LeakVerdict, assess_growth
+from vramkit.memory.profiler import LeakDetector as ReexportedLeakDetector
+
+MIB = 1 << 20
+
+
+def test_profiler_reexports_leak_detector() -> None:
+    assert ReexportedLeakDetector is LeakDetector
+
+
+# --- the rule ----------------------------------------------------------------------------------
+
+def test_steady_growth_is_a_leak() -> None:
+    verdict = assess_growth([i * MIB for i in range(1, 6)], "x")
+    assert verdict.leak and verdict.conclusive
+    assert verdict.first_leak_step == 5
+    assert verdict.bytes_per_step == pytest.approx(MIB)
+    assert verdict.growth_bytes == 3 * MIB  # step 2 -> step 5 (step 1 is warm-up)
+
+
+def test_flat_series_is_clean() -> None:
+    verdict = assess_growth([10 * MIB] * 50, "x")
+    assert not verdict.leak and verdict.conclusive and verdict.bytes_per_step == 0.0
+
+
+def test_single_spike_is_not_growth() -> None:
+    values = [10 * MIB] * 10 + [50 * MIB] + [10 * MIB] * 10
+    assert not assess_growth(values, "x").leak
+    # a spike on the very last reading raises the floor once only
+    assert not assess_growth([10 * MIB] * 10 + [50 * MIB], "x").leak
+
+
+def test_noise_below_the_threshold_never_triggers() -> None:
+    import random
+
+    rng = random.Random(0)
+    kib = 1024
+    values = [100 * MIB + rng.randint(-350 * kib, 350 * kib) for _ in range(1000)]
+    verdict = assess_growth(values, "x")
+    assert not verdict.leak and verdict.first_leak_step is None
+
+
+def test_noise_on_top_of_a_leak_is_still_a_leak() -> None:
+    import random
+
+    rng = random.Random(1)
+    values = [100 * MIB + i * MIB + rng.randint(0, MIB // 4) for i in range(12)]
+    assert assess_growth(values, "x").leak
+
+
+def test_long_run_slope_finds_a_leak_under_large_noise() -> None:
+    import random
+
+    rng = random.Random(2)
+    values = [i * MIB + rng.randint(-3 * MIB, 3 * MIB) for i in range(60)]
+    verdict = assess_growth(values, "x")
+    assert verdict.leak
+    assert verdict.bytes_per_step == pytest.approx(MIB, rel=0.2)
+
+
+def test_growth_that_stopped_is_no_longer_a_leak_but_is_remembered() -> None:
+    values = [i * MIB for i in range(1, 7)] + [6 * MIB] * 200
+    verdict = assess_growth(values, "x")
+    assert not verdict.leak
+    assert verdict.first_leak_step == 5
+
+
+def test_warmup_growth_is_ignored() -> None:
+    values = [0, 500 * MIB] + [500 * MIB] * 20
+    assert not assess_growth(values, "x", warmup_steps=2).leak
+    # without warm-up allowance the same jump shows in the first window
+    assert assess_growth([0, 0, 500 * MIB, 1000 * MIB, 1500 * MIB], "x", warmup_steps=0).leak
+
+
+def test_threshold_is_respected() -> None:
+    slow = [i * 100_000 for i in range(20)]  # ~98 KiB per step
+    assert not assess_growth(slow, "x").leak
+    assert assess_growth(slow, "x", threshold_bytes_per_step=50_000).leak
+
+
+def test_window_sets_how_many_steps_are_needed() -> None:
+    values = [i * MIB for i in range(1, 6)]
+    assert assess_growth(values, "x", window=4).leak
+    longer = assess_growth(values, "x", window=6)
+    assert not longer.leak and not longer.conclusive
+
+
+@pytest.mark.parametrize("kwargs", [{"window": 2}, {"warmup_steps": -1},
+                                    {"threshold_bytes_per_step": 0}, {"window": 3.5}])
+def test_bad_rule_settings(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        GrowthTracker(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        LeakDetector("cpu", **kwargs)  # type: ignore[arg-type]
+
+
+def test_verdict_round_trips_through_dict() -> None:
+    verdict = assess_growth([i * MIB for i in range(8)], "cpu_tensor_bytes")
+    assert LeakVerdict.from_dict(verdict.to_dict()) == verdict
+
+
+# --- the detector on host tensors --------------------------------------------------------------
+
+def _leak_one_mib(store: list[torch.Tensor]) -> None:
+    store.append(torch.ones(MIB // 4))  # 1 MiB of float32
+
+
+def _train_step(w: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+    loss = (w @ w).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def test_catches_a_host_tensor_leak_within_five_steps() -> None:
+    store: list[torch.Tensor] = []
+    w = torch.randn(32, 32, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.01)
+    with LeakDetector("cpu") as detector:
+        flagged_at = None
+        for step in range(1, 6):
+            _train_step(w, opt)
+            _leak_one_mib(store)
+            detector.step()
+            if flagged_at is None and detector.verdict().leak:
+                flagged_at = step
+        report = detector.report()
+    assert flagged_at is not None and flagged_at <= 5
+    assert report.leak and report.metric == "cpu_tensor_bytes"
+    assert report.bytes_per_step == pytest.approx(MIB, rel=0.05)
+    top = report.suspects[0]
+    assert any("_leak_one_mib" in frame for frame in top.stack), top
+    assert top.bytes >= 4 * MIB and top.count >= 4
+    assert top.example == f"float32[{MIB // 4}]"
+
+
+def test_no_leak_over_1000_clean_steps() -> None:
+    w = torch.randn(32, 32, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.01, momentum=0.9)  # momentum: state made in step 1
+    with LeakDetector("cpu") as detector:
+        for _ in range(1000):
+            _train_step(w, opt)
+            detector.step()
+        verdict = detector.verdict()
+    assert not verdict.leak and verdict.conclusive and verdict.steps == 1000
+    assert verdict.growth_bytes == 0
+
+
+def test_freeze_baseline_knob_and_cleanup() -> None:
+    assert gc.get_freeze_count() == 0
+    with LeakDetector("cpu", freeze_baseline=True) as detector:
+        detector.step()
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    store: list[torch.Tensor] = []
+    with LeakDetector("cpu", freeze_baseline=False) as detector:
+        for _ in range(5):
+            _leak_one_mib(store)
+            detector.step()
+            assert gc.get_freeze_count() == 0
+        assert detector.verdict().leak  # the full walk finds the same leak, only slower
+
+
+def test_without_stacks_suspects_are_grouped_as_unknown() -> None:
+    store: list[torch.Tensor] = []
+    with LeakDetector("cpu", record_stacks=False) as detector:
+        for _ in range(5):
+            _leak_one_mib(store)
+            detector.step()
+        suspects = detector.report().suspects
+    assert suspects[0].stack == ("<stack not recorded>",)
+    assert suspects[0].bytes >= 4 * MIB
+
+
+def _leak_site_a(store: list[torch.Tensor]) -> None:
+    store.append(torch.zeros(MIB // 4))
+
+
+def _leak_site_b(store: list[torch.Tensor]) -> None:
+    store.append(torch.zeros(MIB // 2))
+
+
+def test_suspects_grouped_by_stack_and_limited() -> None:
+    store: list[torch.Tensor] = []
+    with LeakDetector("cpu", max_suspects=1, stack_depth=1) as detector:
+        for _ in range(5):
+            _leak_site_a(store)
+            _leak_site_b(store)
+            detector.step()
+        suspects = detector.report().suspects
+    assert len(suspects) == 1
+    assert len(suspects[0].stack) == 1 and "_leak_site_b" in suspects[0].stack[0]
+    with LeakDetector("cpu") as detector:
+        for _ in range(5):
+            _leak_site_a(store)
+            _leak_site_b(store)
+            detector.step()
+        names = [s.stack[0] for s in detector.report().suspects[:2]]
+    assert any("_leak_site_a" in n for n in names) and any("_leak_site_b" in n for n in names)
+
+
+def test_views_of_baseline_tensors_are_not_counted() -> None:
+    base = torch.ones(MIB)
+    views: list[torch.Tensor] = []
+    with LeakDetector("cpu") as detector:
+        for _ in range(6):
+            views.append(base[:10])  # a new tensor object, but no new storage
+            detector.step()
+        assert not detector.verdict().leak
+        assert detector.readings[-1] == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from vramkit.errors import (
     InvalidBlockError,
     PoolExhaustedError,
 )
-from vramkit.memory import _arena
+from vramkit.memory import _arena, _segments
 from vramkit.memory import pool as pool_module
 from vramkit.memory._arena import Arena, PoolLedger, fit_segment
 from vramkit.memory.pool import Block, MemoryPool, PoolConfig, PoolStats, live_pools
@@ -609,6 +610,176 @@ def test_concurrent_allocate_and_free_keep_stats_exact() -> None:
     assert not errors
     assert stats.allocated == 0 and stats.num_allocations == stats.num_frees == 1200
     assert stats.free == stats.reserved
+
+
+# -- pinned pools, registration path (fake CUDA runtime) --------------------------------------
+
+
+class FakeCudart:
+    """Stands in for torch.cuda.cudart(): records register/unregister calls in a shared log."""
+
+    def __init__(self, log: list[tuple[str, int]], fail_with: int = 0) -> None:
+        self.log, self.fail_with = log, fail_with
+        self.registered: dict[int, int] = {}
+        self.register_calls: list[tuple[int, int, int]] = []
+        self.unregister_calls: list[int] = []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        self.register_calls.append((ptr, size, flags))
+        if self.fail_with:
+            return self.fail_with
+        assert ptr not in self.registered
+        self.registered[ptr] = size
+        self.log.append(("register", ptr))
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.unregister_calls.append(ptr)
+        self.log.append(("unregister", ptr))
+        return 0 if self.registered.pop(ptr, None) is not None else 713  # not registered
+
+
+class FakeEvent:
+    complete = True  # class-wide switch: False keeps freed pinned blocks pending
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] | None = None
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return FakeEvent.complete
+
+    def synchronize(self) -> None:
+        if self.log is not None:
+            self.log.append(("synchronize", 0))
+
+
+class FakeStream:
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeCudart, list[tuple[str, int]]]:
+    """A pinned pool can be built without a GPU: CUDA 'available', a fake runtime and events.
+
+    Every mapping a pinned segment gets is watched: ("freed", base) is logged when it is unmapped.
+    """
+    log: list[tuple[str, int]] = []
+    cudart = FakeCudart(log)
+    stream = FakeStream()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(FakeEvent, "complete", True)
+    real_mmap = _segments._anonymous_mmap
+    watched: list[object] = []
+
+    def watched_mmap(size: int) -> object:
+        mapping = real_mmap(size)
+        base = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
+        watched.append(weakref.ref(mapping, lambda _: log.append(("freed", base))))
+        return mapping
+
+    monkeypatch.setattr(_segments, "_anonymous_mmap", watched_mmap)
+    return cudart, log
+
+
+def test_pinned_segments_are_registered_at_their_exact_size(fake_cuda: tuple) -> None:
+    cudart, _ = fake_cuda
+    size = 3 * MiB + KiB
+    pool = MemoryPool.pinned(PoolConfig(initial_size=size, growth_factor=1.0))
+    assert pool.stats().reserved == size  # no power-of-two rounding
+    ((ptr, registered, flags),) = cudart.register_calls
+    assert (registered, flags) == (size, 0) and ptr % 4096 == 0
+    block = pool.allocate(size + 1)  # grows by one more exact (aligned) segment
+    assert cudart.register_calls[1][1] == size + 512 == pool.stats().reserved - size
+    assert block.data_ptr == cudart.register_calls[1][0]
+
+
+def test_capped_pinned_pool_holds_a_block_as_large_as_the_cap(fake_cuda: tuple) -> None:
+    pool = MemoryPool.pinned(PoolConfig(max_size="3MiB"))
+    block = pool.allocate(3 * MiB)  # power-of-two segments could hold at most 2 MiB
+    assert pool.stats().reserved == 3 * MiB and block.nbytes == 3 * MiB
+    with pytest.raises(PoolExhaustedError) as info:
+        pool.allocate(KiB)
+    assert "power" not in (info.value.hint or "")
+
+
+def test_trim_unregisters_before_the_memory_is_freed(fake_cuda: tuple) -> None:
+    cudart, log = fake_cuda
+    pool = MemoryPool.pinned(PoolConfig(growth_factor=1.0))
+    keep = pool.allocate(4096)
+    pool.allocate(64 * KiB).free()
+    (_, ptr_keep), (_, ptr_trim) = [e for e in log if e[0] == "register"]
+    assert pool.trim() == 64 * KiB and pool.stats().segments == 1
+    gc.collect()
+    assert cudart.unregister_calls == [ptr_trim]
+    assert log.index(("unregister", ptr_trim)) < log.index(("freed", ptr_trim))
+    pool.trim()
+    pool.clear(force=True)  # the remaining segment, once
+    assert cudart.unregister_calls == [ptr_trim, ptr_keep] and not cudart.registered
+    del pool, keep
+    gc.collect()  # the finalizer finds nothing left to unregister
+    assert cudart.unregister_calls == [ptr_trim, ptr_keep]
+
+
+def test_pool_garbage_collection_unregisters_after_pending_copies(fake_cuda: tuple) -> None:
+    cudart, log = fake_cuda
+    pool = MemoryPool.pinned(PoolConfig(growth_factor=1.0))
+    pool.allocate(4096).free()
+    block = pool.allocate(8192)  # a second segment
+    FakeEvent.complete = False
+    block.free()  # a (fake) non-blocking copy may still read it: pending
+    ((*_, events),) = pool._book.pending
+    for event in events:
+        event.log = log
+    ptrs = [ptr for kind, ptr in log if kind == "register"]
+    assert pool.stats().pending == 8192 and len(ptrs) == 2
+    del pool, block
+    gc.collect()
+    assert sorted(cudart.unregister_calls) == sorted(ptrs) and not cudart.registered
+    first_unregister = min(log.index(("unregister", p)) for p in ptrs)
+    assert log.index(("synchronize", 0)) < first_unregister
+    for ptr in ptrs:
+        assert log.index(("unregister", ptr)) < log.index(("freed", ptr))
+
+
+def test_registration_failure_is_a_device_error(fake_cuda: tuple) -> None:
+    cudart, log = fake_cuda
+    cudart.fail_with = 2  # cudaErrorMemoryAllocation
+    pool = MemoryPool.pinned()
+    with pytest.raises(DeviceError, match="cudaHostRegister") as info:
+        pool.allocate(4096)
+    assert "max_size" in info.value.hint
+    gc.collect()
+    assert pool.stats().reserved == 0 and not cudart.registered
+    assert [kind for kind, _ in log] == ["freed"]  # the mapping was not kept
+
+
+def test_pinned_pool_falls_back_to_power_of_two_segments(
+        fake_cuda: tuple, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A torch whose cudart lacks cudaHostRegister: pinned memory from torch's host allocator,
+    # which rounds to powers of two (stood in for by pageable memory on this CPU-only machine).
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: object())
+    monkeypatch.setattr(_segments.PowerOfTwoPinnedSegments, "_raw",
+                        lambda self, n: torch.empty(n, dtype=torch.uint8))
+    emptied: list[bool] = []
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: emptied.append(True), raising=False)
+    with caplog.at_level(logging.WARNING, logger=_segments.__name__):
+        pool = MemoryPool.pinned(PoolConfig(initial_size="3MiB"))
+    assert "power of two" in caplog.text
+    assert pool.stats().reserved == 4 * MiB
+    capped = MemoryPool.pinned(PoolConfig(max_size="3MiB"))
+    with pytest.raises(PoolExhaustedError) as info:
+        capped.allocate(3 * MiB)
+    assert "powers of two" in info.value.hint
+    pool.trim()
+    assert emptied == [True]
 
 
 # -- pure parts: arena, ledger, segment sizing -----------------------------------------------

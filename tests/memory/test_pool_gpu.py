@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from vramkit.errors import ConfigError, DeviceError
+from vramkit.memory import _segments
 from vramkit.memory.pool import MemoryPool, PoolConfig
 
 pytestmark = pytest.mark.gpu
@@ -107,16 +108,44 @@ def test_cuda_trim_returns_memory_to_the_driver() -> None:
     assert pool.stats().reserved == 0
 
 
-def test_pinned_pool_memory_is_page_locked() -> None:
-    pool = MemoryPool.pinned(PoolConfig(initial_size="3MiB"))
-    assert pool.stats().reserved == 4 * MiB  # a power of two, as PyTorch really pins it
+class RecordingCudart:
+    """Wraps the real torch.cuda.cudart() and records cudaHostUnregister calls."""
+
+    def __init__(self, real: object) -> None:
+        self.real = real
+        self.unregistered: list[int] = []
+
+    def cudaHostUnregister(self, ptr: int) -> object:
+        self.unregistered.append(ptr)
+        return self.real.cudaHostUnregister(ptr)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.real, name)
+
+
+def _recording_pinned_pool(config: PoolConfig) -> tuple[MemoryPool, RecordingCudart]:
+    pool = MemoryPool.pinned(config)
+    backend = pool._backend
+    assert isinstance(backend, _segments.RegisteredPinnedSegments), \
+        "this PyTorch has no cudaHostRegister in torch.cuda.cudart()"
+    backend.cudart = recording = RecordingCudart(backend.cudart)
+    return pool, recording
+
+
+def test_pinned_pool_reserves_exact_bytes_and_is_page_locked() -> None:
+    size = 3 * MiB + 1024  # a multiple of the 512-byte alignment: reserved exactly
+    pool = MemoryPool.pinned(PoolConfig(initial_size=size))
+    assert isinstance(pool._backend, _segments.RegisteredPinnedSegments)
+    assert pool.stats().reserved == size and pool.segment_sizes() == {0: size}
     block = pool.allocate(MiB)
     assert block.tensor.is_pinned() and block.view((1024,), torch.float32).is_pinned()
     assert pool.tensor((1024,)).is_pinned()
     block.free()
+    odd = MemoryPool.pinned(PoolConfig(initial_size=size + 1))
+    assert odd.stats().reserved == size + 512  # rounded only to the alignment
 
 
-def test_pinned_copies_overlap_compute() -> None:
+def test_pinned_copy_is_asynchronous_and_overlaps_compute() -> None:
     pool = MemoryPool.pinned()
     count = 16 * MiB  # float32 elements: 64 MiB
     block = pool.allocate(count * 4)
@@ -124,18 +153,58 @@ def test_pinned_copies_overlap_compute() -> None:
     host.fill_(1.0)
     device = torch.empty(count, device="cuda")
     compute, copy = torch.cuda.Stream(), torch.cuda.Stream()
-    with torch.cuda.stream(compute):
-        torch.cuda._sleep(4 * SLEEP_CYCLES)
     with torch.cuda.stream(copy):
-        device.copy_(host, non_blocking=True)
+        torch.cuda._sleep(SLEEP_CYCLES)
+        device.copy_(host, non_blocking=True)  # queued behind the sleep on its stream
         copied = torch.cuda.Event()
         copied.record(copy)
+    # From pageable memory the copy would have waited for the sleep before returning.
+    assert not copied.query(), "copy_ from pool memory blocked the host"
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(4 * SLEEP_CYCLES)
     block.record_stream(copy)
     _wait(copied)
     assert not compute.query(), "the copy did not run while the compute kernel was busy"
     block.free()
     torch.cuda.synchronize()
     assert device.sum().item() == float(count)
+
+
+def test_pinned_trim_unregisters_the_released_segment() -> None:
+    pool, cudart = _recording_pinned_pool(PoolConfig(growth_factor=1.0))
+    keep = pool.allocate(MiB)
+    spare = pool.allocate(2 * MiB)
+    address, stale_view = spare.data_ptr, spare.tensor
+    assert stale_view.is_pinned()
+    spare.free()
+    torch.cuda.current_stream().synchronize()  # the free's event completes: nothing pending
+    assert pool.trim() == 2 * MiB
+    assert cudart.unregistered == [address] and pool.stats().segments == 1
+    # Unregistered, yet still mapped: a stale view reads plain host memory, never freed memory.
+    assert not stale_view.is_pinned() and int(stale_view[0]) >= 0
+    assert keep.tensor.is_pinned()
+    keep.free()
+
+
+def test_pinned_pool_garbage_collection_unregisters() -> None:
+    pool, cudart = _recording_pinned_pool(PoolConfig())
+    block = pool.allocate(MiB)
+    view = block.tensor
+    block.free()
+    del block, pool
+    gc.collect()
+    assert len(cudart.unregistered) == 1 and not view.is_pinned()
+    view.fill_(7)  # the memory outlives its registration
+
+
+def test_pinned_pool_falls_back_to_power_of_two_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_segments, "host_register_api", lambda: None)
+    pool = MemoryPool.pinned(PoolConfig(initial_size="3MiB"))
+    assert isinstance(pool._backend, _segments.PowerOfTwoPinnedSegments)
+    assert pool.stats().reserved == 4 * MiB  # a power of two, as PyTorch really pins it
+    block = pool.allocate(MiB)
+    assert block.tensor.is_pinned()
+    block.free()
 
 
 def test_pinned_free_waits_for_the_current_stream() -> None:

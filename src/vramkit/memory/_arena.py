@@ -729,9 +729,12 @@ def fit_segment(kind: str, request: int, target: int, room: int | None,
     """Size of the next segment: ``target`` rounded the way the backing allocator rounds, but at
     most ``room`` (None: no cap) and at least ``request``; ``None`` when that is impossible.
 
-    Pinned segments are powers of two, because PyTorch's pinned allocator rounds every allocation
-    up to one: using the whole power keeps ``reserved`` equal to the bytes really pinned. CUDA
-    segments above 1 MiB are multiples of 2 MiB, PyTorch's rounding for large blocks.
+    ``kind`` is the segment backend's sizing rule: ``"pinned"`` (the fallback pinned backend,
+    ``torch.empty(pin_memory=True)``) gives powers of two, because PyTorch's caching host
+    allocator rounds every allocation up to one: using the whole power keeps ``reserved`` equal
+    to the bytes really pinned. ``"cuda"`` gives multiples of 2 MiB above 1 MiB, PyTorch's
+    rounding for large device blocks. ``"cpu"`` (plain host memory, and pinned memory registered
+    with ``cudaHostRegister``) rounds only to ``alignment``.
     """
     if kind == "pinned":
         size = pow2_ceil(max(target, alignment))

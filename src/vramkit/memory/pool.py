@@ -7,10 +7,15 @@ compaction and leak reports.
 
 How it works:
 
-* **Segments.** The pool asks PyTorch for memory a segment at a time: one
-  ``torch.empty(n, dtype=uint8)`` on the device, or one ``torch.empty(n, pin_memory=True)`` for
-  pinned host pools (never per-tensor pinning). When it needs more it grows the reserved total by
-  ``growth_factor`` (at least by the request), never past ``max_size``.
+* **Segments.** The pool obtains memory a segment at a time (:mod:`vramkit.memory._segments`):
+  one ``torch.empty(n, dtype=uint8)`` on the device; for pinned host pools one host buffer of
+  exactly ``n`` bytes (an anonymous mmap) page-locked with ``cudaHostRegister`` -- never
+  per-tensor pinning, and no power-of-two rounding (PyTorch versions without
+  ``torch.cuda.cudart().cudaHostRegister`` fall back to ``torch.empty(n, pin_memory=True)``
+  sized in powers of two). When it needs more it grows the reserved total by ``growth_factor``
+  (at least by the request), never past ``max_size``. A pinned segment is unregistered when it
+  is released (only ever when it holds no live or pending block), and a finalizer unregisters
+  what is left when the pool is garbage collected or the interpreter exits.
 * **Sub-allocation.** Blocks are carved best-fit from the segments' free ranges with splitting and
   coalescing (:class:`vramkit.memory._arena.Arena`, O(log n) per operation). Repeated sizes take
   an exact-size fast path: a freed block is first kept in a per-size cache (at most
@@ -44,7 +49,6 @@ import math
 import operator
 import threading
 import time
-import traceback
 import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -69,6 +73,12 @@ from vramkit.memory._arena import (
     capture_stack,
     fit_segment,
     pow2_ceil,
+)
+from vramkit.memory._block import AllocRecord, Block, CudaBlockBuffer, Segment, shape_tuple
+from vramkit.memory._segments import (
+    PowerOfTwoPinnedSegments,
+    make_segment_backend,
+    register_finalizer,
 )
 from vramkit.units import format_size
 
@@ -101,218 +111,11 @@ def live_pools() -> list[MemoryPool]:
     """
     return list(_LIVE_POOLS)
 
-# The public home of the config and records is this module (they live in _arena, torch-free).
-for _public in (AllocationTracker, DefragmentResult, LiveBlock, PoolConfig, PoolStats):
+
+# The public home of the config, records and handles is this module (they live in private ones).
+for _public in (AllocationTracker, Block, DefragmentResult, LiveBlock, PoolConfig, PoolStats):
     _public.__module__ = __name__
 del _public
-
-
-# --------------------------------------------------------------------------------------------
-# Segments and block handles
-# --------------------------------------------------------------------------------------------
-
-
-class _Segment:
-    """One piece of memory obtained from PyTorch; blocks are byte ranges inside it."""
-
-    __slots__ = ("base_ptr", "id", "size", "storage")
-
-    def __init__(self, segment_id: int, storage: torch.Tensor, size: int) -> None:
-        self.id = segment_id
-        self.storage = storage  # 1-D uint8 tensor of exactly ``size`` bytes
-        self.size = size
-        self.base_ptr = storage.data_ptr()
-
-
-class _Alloc:
-    """The pool's record of one allocation; a :class:`Block` is the user's handle to it."""
-
-    __slots__ = ("auto_free", "capacity", "created", "freed", "nbytes", "offset", "relocatable",
-                 "segment", "serial", "stack", "streams")
-
-    def __init__(self, serial: int, segment: _Segment, offset: int, capacity: int, nbytes: int,
-                 relocatable: bool, created: float,
-                 stack: traceback.StackSummary | None) -> None:
-        self.serial = serial
-        self.segment = segment
-        self.offset = offset
-        self.capacity = capacity
-        self.nbytes = nbytes
-        self.relocatable = relocatable
-        self.created = created
-        self.stack = stack
-        self.freed = False
-        self.auto_free = False  # owned by a pool.tensor(): release on GC is not a leak
-        self.streams: list[Any] | None = None
-
-
-class Block:
-    """A handle to ``nbytes`` of pool memory (FLAME ``allocation``, BitNet ``buffer``).
-
-    The handle stays valid across :meth:`MemoryPool.defragment`: a relocatable block may move, so
-    derive tensors from the handle (``block.view(...)``) after compaction; views obtained before
-    compaction point at the old location and are invalid. Free it with :meth:`free` (or
-    ``pool.free(block)``); a handle dropped without ``free`` is returned by its finalizer and
-    counted in ``PoolStats.leaked_frees``.
-    """
-
-    __slots__ = ("_pool", "_rec")
-
-    def __init__(self) -> None:
-        raise TypeError("Blocks are created by MemoryPool.allocate()")
-
-    def __del__(self) -> None:
-        try:
-            rec = self._rec
-        except AttributeError:  # never initialized (direct construction was refused)
-            return
-        if not rec.freed:
-            self._pool._dropped.append(rec)  # processed under the pool's lock at its next call
-
-    # -- where it is --------------------------------------------------------------------
-
-    @property
-    def pool(self) -> MemoryPool:
-        """The pool the block came from."""
-        return self._pool
-
-    @property
-    def device(self) -> torch.device:
-        """The device of the memory (``cpu`` for host pools)."""
-        return self._pool.device
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes requested."""
-        return self._rec.nbytes
-
-    @property
-    def capacity(self) -> int:
-        """Bytes reserved for the block: ``nbytes`` rounded up to the pool's alignment."""
-        return self._rec.capacity
-
-    @property
-    def offset(self) -> int:
-        """Byte offset inside its segment (changes when :meth:`MemoryPool.defragment` moves it)."""
-        return self._live_rec().offset
-
-    @property
-    def segment(self) -> int:
-        """Id of the segment holding the block."""
-        return self._live_rec().segment.id
-
-    @property
-    def data_ptr(self) -> int:
-        """Address of the first byte."""
-        rec = self._live_rec()
-        return rec.segment.base_ptr + rec.offset
-
-    @property
-    def relocatable(self) -> bool:
-        """Whether :meth:`MemoryPool.defragment` may move the block."""
-        return self._rec.relocatable
-
-    @property
-    def freed(self) -> bool:
-        """Whether the block was freed (its memory may belong to someone else now)."""
-        return self._rec.freed
-
-    # -- using it -----------------------------------------------------------------------
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        """A 1-D ``uint8`` view of the block's ``nbytes``."""
-        rec = self._live_rec()
-        return rec.segment.storage[rec.offset:rec.offset + rec.nbytes]
-
-    def view(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        """A tensor of ``shape`` and ``dtype`` over the block's first bytes.
-
-        Args:
-            shape: the tensor shape; its bytes must fit in ``nbytes``.
-            dtype: element type (default ``torch.uint8``).
-
-        Returns:
-            A view sharing the block's memory (contents are whatever the block holds).
-
-        Raises:
-            ConfigError: when the shape does not fit or the offset is not aligned for ``dtype``.
-            InvalidBlockError: when the block was freed.
-        """
-        rec = self._live_rec()
-        dims = _shape_tuple(shape)
-        itemsize = dtype.itemsize
-        need = math.prod(dims) * itemsize
-        if need > rec.nbytes:
-            raise ConfigError(f"a {tuple(dims)} {dtype} view needs {need} bytes but the block has "
-                              f"{rec.nbytes}", hint="Allocate a larger block.")
-        if rec.offset % itemsize:
-            raise ConfigError(f"block offset {rec.offset} is not aligned for {dtype}",
-                              hint="Use a PoolConfig.alignment of at least the element size.")
-        raw = rec.segment.storage[rec.offset:rec.offset + need]
-        return raw.view(dtype).view(dims)
-
-    def record_stream(self, stream: Any) -> None:
-        """Declare that work on ``stream`` uses this block (PyTorch ``Tensor.record_stream``).
-
-        When the block is freed, an event is recorded on ``stream`` and the memory is not handed
-        out again until that event has completed. A no-op on plain host pools, which have no
-        streams.
-
-        Args:
-            stream: a ``torch.cuda.Stream`` on the pool's device (any CUDA stream for pinned
-                pools).
-
-        Raises:
-            InvalidBlockError: when the block was freed.
-            DeviceMismatchError: when the stream is on another device.
-        """
-        rec = self._live_rec()
-        self._pool._check_stream(stream)
-        if self._pool.kind == "cpu":
-            return
-        with self._pool._lock:
-            if rec.streams is None:
-                rec.streams = [stream]
-            elif all(s != stream for s in rec.streams):
-                rec.streams.append(stream)
-
-    def free(self) -> None:
-        """Return the block to its pool (same as ``pool.free(block)``)."""
-        self._pool.free(self)
-
-    def _live_rec(self) -> _Alloc:
-        rec = self._rec
-        if rec.freed:
-            raise InvalidBlockError(f"use of a freed block ({rec.nbytes} bytes)")
-        return rec
-
-    def __repr__(self) -> str:
-        rec = self._rec
-        state = "freed" if rec.freed else f"segment={rec.segment.id} offset={rec.offset}"
-        return (f"Block(nbytes={rec.nbytes}, {state}, device={self._pool.device}, "
-                f"relocatable={rec.relocatable})")
-
-
-def _shape_tuple(shape: Sequence[int] | int) -> tuple[int, ...]:
-    dims = (shape,) if isinstance(shape, int) else tuple(shape)
-    for d in dims:
-        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-            raise ConfigError(f"invalid shape {shape!r}: dimensions must be ints >= 0")
-    return dims
-
-
-class _CudaBlockBuffer:
-    """A ``__cuda_array_interface__`` exporter that keeps its block alive while torch uses it."""
-
-    __slots__ = ("__cuda_array_interface__", "block")
-
-    def __init__(self, block: Block, ptr: int, nbytes: int) -> None:
-        self.block = block
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3,
-            "strides": None,
-        }
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,16 +154,20 @@ class MemoryPool:
         self.device, self.kind = _resolve_device(device, pinned)
         self._lock = threading.Lock()
         self._book = PoolLedger(config.max_cached_buffers, config.cleanup_interval)
-        self._segments: dict[int, _Segment] = {}
+        self._segments: dict[int, Segment] = {}
         self._segment_ids = itertools.count()
         self._serials = itertools.count()
-        self._live: dict[int, _Alloc] = {}
-        self._dropped: deque[_Alloc] = deque()  # appended by Block.__del__ without the lock
+        self._live: dict[int, AllocRecord] = {}
+        self._dropped: deque[AllocRecord] = deque()  # appended by Block.__del__ without the lock
         self._trackers: list[AllocationTracker] = []  # replaced, never mutated: read unlocked
         self._mem_pool: Any = None
         self._alignment = config.alignment
         self._align_mask = config.alignment - 1
         self._tracking = config.enable_memory_tracking
+        self._backend = make_segment_backend(self.kind, self.device, config.alignment)
+        # Pinned registrations must be undone while the memory is still held (weakref.finalize,
+        # not __del__: it also runs at interpreter exit).
+        register_finalizer(self, self._backend, self._book)
         if config.initial_size:
             with self._lock:
                 if self._grow_locked(self._aligned(config.initial_size)) is None:
@@ -373,9 +180,13 @@ class MemoryPool:
     def pinned(cls, config: PoolConfig | None = None) -> MemoryPool:
         """A pool of page-locked host memory, for fast asynchronous host<->device copies.
 
-        Segments come from ``torch.empty(n, pin_memory=True)``. PyTorch's pinned allocator rounds
-        every allocation up to a power of two, so pinned segments are sized as powers of two and
-        the pool uses all of it: ``reserved`` is what is really pinned.
+        Each segment is one host buffer of exactly its size (rounded only to
+        ``PoolConfig.alignment``), page-locked with ``cudaHostRegister``, so ``reserved`` is the
+        number of bytes really pinned and a capped pool can hold any block up to ``max_size``.
+        Segments are unregistered when trimmed or cleared and when the pool is garbage collected.
+        On a PyTorch whose ``torch.cuda.cudart()`` lacks ``cudaHostRegister`` the pool warns and
+        falls back to ``torch.empty(n, pin_memory=True)``, whose allocator rounds every
+        allocation up to a power of two; segments are then sized as powers of two.
 
         Args:
             config: the pool's settings (default ``PoolConfig()``).
@@ -424,8 +235,8 @@ class MemoryPool:
             else:
                 segment_id, offset = self._carve_locked(capacity, nbytes)
                 hit = False
-            rec = _Alloc(next(self._serials), self._segments[segment_id], offset, capacity, nbytes,
-                         relocatable, now, stack)
+            rec = AllocRecord(next(self._serials), self._segments[segment_id], offset, capacity,
+                              nbytes, relocatable, now, stack)
             self._live[rec.serial] = rec
             # PoolLedger.allocated_block, inlined: this is the hot path.
             book.allocated += capacity
@@ -487,7 +298,7 @@ class MemoryPool:
         Returns:
             An uninitialized tensor on the pool's device (page-locked for pinned pools).
         """
-        dims = _shape_tuple(shape)
+        dims = shape_tuple(shape)
         nbytes = math.prod(dims) * dtype.itemsize
         if nbytes == 0:
             return torch.empty(dims, dtype=dtype, device=self.device)
@@ -504,7 +315,7 @@ class MemoryPool:
         ptr = block.data_ptr
         if self.kind == "cuda":
             try:
-                return torch.as_tensor(_CudaBlockBuffer(block, ptr, nbytes), device=self.device)
+                return torch.as_tensor(CudaBlockBuffer(block, ptr, nbytes), device=self.device)
             except (RuntimeError, TypeError) as exc:
                 raise DeviceError(f"cannot wrap pool memory as a CUDA tensor: {exc}",
                                   hint="Install numpy (PyTorch needs it for "
@@ -538,8 +349,9 @@ class MemoryPool:
     def trim(self) -> int:
         """Give empty segments back: cached blocks return to the arena first, then every segment
         with no live or pending block is released. CUDA pools then call
-        ``torch.cuda.empty_cache()`` and pinned pools ``torch._C._host_emptyCache()`` (when
-        present) so the bytes go back to the driver.
+        ``torch.cuda.empty_cache()`` so the bytes go back to the driver; pinned segments are
+        unregistered (``cudaHostUnregister``) and unmapped once no tensor views them (on the
+        power-of-two fallback, ``torch._C._host_emptyCache()`` returns them).
 
         Returns:
             Bytes released.
@@ -547,16 +359,11 @@ class MemoryPool:
         with self._lock:
             if self._dropped:
                 self._drain_dropped_locked()
-            self._book.flush_cache()
-            if self._book.pending:
+            if self._book.pending:  # first, so reclaimed ranges are flushed from the cache too
                 self._book.reclaim_pending(_clock())
+            self._book.flush_cache()
             _, released = self._release_empty_segments_locked()
-        if self.kind == "cuda":
-            torch.cuda.empty_cache()
-        elif self.kind == "pinned":
-            host_empty_cache = getattr(torch._C, "_host_emptyCache", None)
-            if host_empty_cache is not None:
-                host_empty_cache()
+        self._backend.empty_cache()
         return released
 
     def clear(self, force: bool = False) -> None:
@@ -583,7 +390,7 @@ class MemoryPool:
             self._live.clear()
             self._wait_pending_before_release_locked()
             for segment in self._segments.values():
-                self._drop_segment_storage(segment)
+                self._backend.release(segment)
             self._segments.clear()
             self._book.clear()
 
@@ -695,7 +502,7 @@ class MemoryPool:
         if self.kind == "cuda" and torch.device(device) != self.device:
             raise DeviceMismatchError(self.device, torch.device(device), what="stream")
 
-    def _release_locked(self, rec: _Alloc, now: float) -> None:
+    def _release_locked(self, rec: AllocRecord, now: float) -> None:
         rec.freed = True
         del self._live[rec.serial]
         book = self._book
@@ -781,58 +588,38 @@ class MemoryPool:
             raise RuntimeError("internal error: a new segment does not fit the request")
         return place
 
-    def _grow_locked(self, capacity: int) -> _Segment | None:
+    def _grow_locked(self, capacity: int) -> Segment | None:
         book, cap = self._book, self.config.max_size
         room = None if cap is None else cap - book.reserved
         if self._segments:
             target = max(capacity, math.ceil(book.reserved * (self.config.growth_factor - 1.0)))
         else:
             target = max(capacity, self.config.initial_size)
-        size = fit_segment(self.kind, capacity, target, room, self._alignment)
+        sizing = self._backend.sizing
+        size = fit_segment(sizing, capacity, target, room, self._alignment)
         if size is None:
             return None
         try:
-            storage = self._new_storage(size)
+            storage = self._backend.new_storage(size)
         except torch.OutOfMemoryError:
-            smaller = fit_segment(self.kind, capacity, capacity, room, self._alignment)
+            smaller = fit_segment(sizing, capacity, capacity, room, self._alignment)
             if smaller is None or smaller >= size:
                 raise
             logger.info("%s: growing by %s ran out of device memory; trying %s", self,
                         format_size(size), format_size(smaller))
             size = smaller
-            storage = self._new_storage(size)
-        segment = _Segment(next(self._segment_ids), storage, size)
+            storage = self._backend.new_storage(size)
+        segment = Segment(next(self._segment_ids), storage, size)
         self._segments[segment.id] = segment
         book.add_segment(segment.id, size)
         logger.debug("%s: new segment %d of %s", self, segment.id, format_size(size))
         return segment
 
-    def _new_storage(self, size: int) -> torch.Tensor:
-        def raw(n: int) -> torch.Tensor:
-            if self.kind == "cuda":
-                return torch.empty(n, dtype=torch.uint8, device=self.device)
-            return torch.empty(n, dtype=torch.uint8, pin_memory=self.kind == "pinned")
-
-        storage = raw(size)
-        if storage.data_ptr() % self._alignment:  # host memory is only 64-byte aligned: pad
-            del storage
-            padded = raw(size + self._alignment)
-            start = (-padded.data_ptr()) % self._alignment
-            storage = padded[start:start + size]
-        return storage
-
-    def _drop_segment_storage(self, segment: _Segment) -> None:
-        if self.kind == "cuda" and segment.storage is not None:
-            # Blocks were used on the current stream: PyTorch must not hand the memory out
-            # to another stream before that work is done.
-            segment.storage.record_stream(torch.cuda.current_stream(self.device))
-        segment.storage = None  # type: ignore[assignment]
-
     def _release_empty_segments_locked(self) -> tuple[int, int]:
         count = released = 0
         for segment_id in self._book.arena.empty_segments():
             released += self._book.remove_segment(segment_id)
-            self._drop_segment_storage(self._segments.pop(segment_id))
+            self._backend.release(self._segments.pop(segment_id))
             count += 1
         if count:
             logger.debug("%s: released %d empty segments (%s)", self, count, format_size(released))
@@ -840,9 +627,9 @@ class MemoryPool:
 
     def _defragment_locked(self) -> DefragmentResult:
         book = self._book
-        book.flush_cache()
-        if book.pending:
+        if book.pending:  # first, so reclaimed ranges are flushed from the cache too
             book.reclaim_pending(_clock())
+        book.flush_cache()
         movable = sorted((r for r in self._live.values() if r.relocatable),
                          key=lambda r: (r.segment.id, r.offset))
         if movable and self.kind == "pinned":
@@ -867,7 +654,7 @@ class MemoryPool:
                      format_size(moved_bytes), format_size(released))
         return DefragmentResult(moved, moved_bytes, count, released)
 
-    def _move_bytes(self, source: _Segment, source_offset: int, target: _Segment,
+    def _move_bytes(self, source: Segment, source_offset: int, target: Segment,
                     target_offset: int, nbytes: int, streams: list[Any] | None) -> None:
         if streams and self.kind == "cuda":
             current = torch.cuda.current_stream(self.device)
@@ -905,9 +692,9 @@ class MemoryPool:
         hint = None
         if cap is not None and capacity > cap:
             hint = f"Raise PoolConfig.max_size to at least {format_size(capacity)}."
-        elif self.kind == "pinned" and cap is not None:
-            hint = ("Pinned segments are powers of two (PyTorch's pinned allocator rounds every "
-                    "allocation up to one); free blocks or raise max_size to at least "
+        elif isinstance(self._backend, PowerOfTwoPinnedSegments) and cap is not None:
+            hint = ("Pinned segments are powers of two on this PyTorch (no cudaHostRegister in "
+                    "torch.cuda.cudart()); free blocks or raise max_size to at least "
                     f"{format_size(stats.reserved + pow2_ceil(capacity))}.")
         elif stats.pending:
             hint = ("Some freed blocks still wait for their streams; free earlier, or raise "

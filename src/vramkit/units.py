@@ -75,7 +75,7 @@ def parse_size(value: str | int | float) -> int:
     # A fraction of a scaled unit ("1.3 GiB") rounds to the nearest byte.
     if not math.isfinite(amount):
         raise ValueError(f"invalid size {value!r}: not a finite number")
-    return int(round(amount))
+    return round(amount)
 
 
 def _whole_bytes(amount: float, original: object) -> int:

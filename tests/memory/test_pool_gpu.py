@@ -42,6 +42,9 @@ def test_pending_block_is_not_reused_before_its_stream_finishes() -> None:
     block = pool.allocate(MiB)
     address = block.data_ptr
     block.tensor.fill_(1)
+    # Load the reduction kernel now: CUDA loads kernels lazily on first use, and that load
+    # waits for the device, which would let the spin below finish before the checks.
+    block.tensor.sum()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -23,7 +23,6 @@ import contextlib
 import logging
 import os
 import threading
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
@@ -60,10 +59,13 @@ class _NotATensorError(ConfigError, TypeError):
     default_hint = "Pass torch.Tensor objects (or a dict/list/tuple of them where documented)."
 
 
-# Streams created through Device.new_stream, per CUDA ordinal. Weak references: a stream the caller
-# dropped no longer counts toward is_idle() and is not kept alive by us.
+# Streams created through Device.new_stream, per CUDA ordinal, keyed by the raw cudaStream_t.
+# Strong references on purpose: torch's stream objects do not clear weak references when they
+# die (a WeakSet handed back a freed object and is_idle() crashed in stream.query() on the H200),
+# and the streams themselves come from torch's fixed per-device pool and are never destroyed, so
+# keying by handle keeps this bounded (at most the pool's size per device and priority).
 _streams_lock = threading.Lock()
-_streams_by_ordinal: dict[int, weakref.WeakSet[Any]] = {}
+_streams_by_ordinal: dict[int, dict[int, Any]] = {}
 
 
 def _list_cuda_devices() -> list[DeviceInfo]:
@@ -286,7 +288,7 @@ class Device:
         self.validate()
         stream = torch.cuda.Stream(device=self.torch_device, priority=priority)
         with _streams_lock:
-            _streams_by_ordinal.setdefault(self._cuda_ordinal(), weakref.WeakSet()).add(stream)
+            _streams_by_ordinal.setdefault(self._cuda_ordinal(), {})[stream.cuda_stream] = stream
         return stream
 
     @contextlib.contextmanager
@@ -343,7 +345,7 @@ class Device:
             return True
         index = self.validate()._cuda_ordinal()
         with _streams_lock:
-            tracked = list(_streams_by_ordinal.get(index, ()))
+            tracked = list(_streams_by_ordinal.get(index, {}).values())
         streams = [*tracked, torch.cuda.current_stream(index), torch.cuda.default_stream(index)]
         return all(s.query() for s in streams)
 

@@ -579,20 +579,6 @@ class PoolLedger:
 
     # -- allocation side --------------------------------------------------------------------
 
-    def allocated_block(self, capacity: int, nbytes: int, relocatable: bool, hit: bool) -> None:
-        """Count a successful allocation."""
-        self.allocated += capacity
-        self.requested += nbytes
-        if self.allocated > self.peak_allocated:
-            self.peak_allocated = self.allocated
-        self.num_allocations += 1
-        if hit:
-            self.cache_hits += 1
-        else:
-            self.cache_misses += 1
-        if relocatable:
-            self.relocatable_live += 1
-
     def freed_block(self, capacity: int, nbytes: int, relocatable: bool) -> None:
         """Count a block leaving the live set (its range is returned separately)."""
         self.allocated -= capacity

@@ -238,7 +238,7 @@ class MemoryPool:
             rec = AllocRecord(next(self._serials), self._segments[segment_id], offset, capacity,
                               nbytes, relocatable, now, stack)
             self._live[rec.serial] = rec
-            # PoolLedger.allocated_block, inlined: this is the hot path.
+            # Counted inline (not through a PoolLedger method): this is the hot path.
             book.allocated += capacity
             book.requested += nbytes
             if book.allocated > book.peak_allocated:

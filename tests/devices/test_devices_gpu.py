@@ -6,23 +6,19 @@ Run on a GPU machine:
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
+from tests._child import run_child
 from vramkit.devices.info import detect_devices, normalize_uuid, resolve_visible_devices
 from vramkit.devices.nvml import NvmlDevice, normalize_pci_bus_id, process_memory, query_nvml
 from vramkit.devices.selection import select_device, select_devices, select_precision
 
 pytestmark = pytest.mark.gpu
 
-_SRC = Path(__file__).resolve().parents[2] / "src"
 MiB = 1024**2
 
 
@@ -37,13 +33,7 @@ def _nvidia_smi(*fields: str) -> list[list[str]]:
 
 
 def _run_child(code: str, env_changes: dict[str, str]) -> dict:
-    env = os.environ.copy()
-    env.update(env_changes)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_SRC), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=180, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(code, env=env_changes)  # type: ignore[no-any-return]
 
 
 def _whole_gpus() -> list[NvmlDevice]:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests._child import run_child
 from vramkit.devices import env
 from vramkit.devices.env import (
     ALLOC_CONF_VAR,
@@ -33,7 +32,6 @@ from vramkit.devices.env import (
 )
 from vramkit.errors import ConfigError, DeviceError, TooLateError
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 _REAL_RUNTIME_SETTER = env._runtime_setter  # saved before the autouse fixture replaces it
 GiB = 1 << 30
 
@@ -413,13 +411,8 @@ def test_fresh_python_reads_the_settings(tmp_path: Path) -> None:
         print(json.dumps({"variable": allocator_env_var(), "result": result["value"],
                           "child": child.stdout.strip()}))
     """)
-    environment = {k: v for k, v in os.environ.items()
-                   if k not in (ALLOC_CONF_VAR, LEGACY_ALLOC_CONF_VAR)}
-    environment["PYTHONPATH"] = str(SRC) + os.pathsep + environment.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=environment, timeout=120, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_child(script, drop=(ALLOC_CONF_VAR, LEGACY_ALLOC_CONF_VAR), timeout=120,
+                       cwd=tmp_path)
     expected = "backend:native,expandable_segments:True,garbage_collection_threshold:0.7"
     assert report["variable"] == ALLOC_CONF_VAR  # torch 2.13 here
     assert report["result"] == expected

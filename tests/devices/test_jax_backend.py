@@ -8,20 +8,16 @@ environment-variable checks need, and keeps JAX out of the pytest process.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests._child import run_child
+
 if importlib.util.find_spec("jax") is None:  # checked without importing JAX here
     pytest.skip("JAX is not installed", allow_module_level=True)
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 
 _CLEARED = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION",
             "XLA_PYTHON_CLIENT_PREALLOCATE", "JAX_ENABLE_X64", "JAX_DISABLE_JIT",
@@ -54,15 +50,10 @@ result = {}
 
 def run_jax_script(body: str, timeout: float = 120) -> dict[str, Any]:
     """Run ``body`` after the prelude in a fresh interpreter; return its ``result`` dict."""
-    env = {k: v for k, v in os.environ.items() if k not in _CLEARED}
-    env.update(PYTHONPATH=str(SRC), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    script = _PRELUDE + textwrap.dedent(body) + "\nprint('RESULT=' + json.dumps(result))\n"
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT="))
-    return json.loads(line[len("RESULT="):])
+    script = _PRELUDE + textwrap.dedent(body) + "\nprint(json.dumps(result))\n"
+    return run_child(script, drop=_CLEARED, timeout=timeout,  # type: ignore[no-any-return]
+                     env={"JAX_PLATFORMS": "cpu",
+                          "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
 
 
 def test_distribute_data_uneven_and_custom_targets() -> None:

@@ -11,19 +11,15 @@ Run on a GPU machine::
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests._child import run_child
+
 pytestmark = pytest.mark.gpu
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 
 _CLEARED = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION",
             "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR", "JAX_PLATFORMS",
@@ -39,14 +35,8 @@ result = {}
 
 def run_script(body: str, timeout: float = 300) -> dict[str, Any]:
     """Run ``body`` after the prelude in a fresh interpreter; return its ``result`` dict."""
-    env = {k: v for k, v in os.environ.items() if k not in _CLEARED}
-    env["PYTHONPATH"] = str(SRC)
-    script = _PRELUDE + textwrap.dedent(body) + "\nprint('RESULT=' + json.dumps(result))\n"
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT="))
-    return json.loads(line[len("RESULT="):])
+    script = _PRELUDE + textwrap.dedent(body) + "\nprint(json.dumps(result))\n"
+    return run_child(script, drop=_CLEARED, timeout=timeout)  # type: ignore[no-any-return]
 
 
 _TORCH_FRACTION_BODY = """

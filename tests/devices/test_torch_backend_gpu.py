@@ -8,17 +8,12 @@ cycles, about a second here) so that work queued behind it is certainly still pe
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests._child import run_child
 from vramkit.devices.env import (
     ALLOC_CONF_VAR,
     LEGACY_ALLOC_CONF_VAR,
@@ -30,7 +25,6 @@ from vramkit.errors import DeviceError
 
 pytestmark = pytest.mark.gpu
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 MiB = 1 << 20
 SPIN_CYCLES = 2_000_000_000  # ~1 s at H200 clocks; far longer than any host-side step below
 
@@ -198,13 +192,8 @@ def test_memory_info_matches_torch() -> None:
 
 def run_fresh(script: str) -> dict[str, Any]:
     """Run ``script`` in a new interpreter without inherited allocator variables; parse its JSON."""
-    environment = {k: v for k, v in os.environ.items()
-                   if k not in (ALLOC_CONF_VAR, LEGACY_ALLOC_CONF_VAR)}
-    environment["PYTHONPATH"] = str(SRC) + os.pathsep + environment.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True,
-                          text=True, env=environment, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return run_child(script, drop=(ALLOC_CONF_VAR, LEGACY_ALLOC_CONF_VAR),  # type: ignore[no-any-return]
+                     timeout=300)
 
 
 def test_settings_before_cuda_init_take_effect() -> None:

@@ -389,3 +389,26 @@ def test_jax_without_gpu_backend_leaves_ids_empty(monkeypatch: pytest.MonkeyPatc
     install_fake_torch_cuda(monkeypatch, [gpu])
     install_fake_jax(monkeypatch, [], gpu_backend=False)
     assert [i.jax_id for i in detect_devices(include_jax=True, env={})] == [None]
+
+
+def test_system_detector_detects_once_for_capabilities_and_listing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # DeviceManager asks for capabilities, then for the list: one detection must serve both.
+    import vramkit.devices.info as info_module
+
+    calls: list[int] = []
+    real = info_module.detect_devices
+
+    def counting(**kwargs: object) -> list:
+        calls.append(1)
+        return real(**kwargs)  # type: ignore[arg-type]
+
+    install_fake_nvml(monkeypatch, [make_gpu(0)])
+    install_fake_torch_cuda(monkeypatch, [make_gpu(0)])
+    monkeypatch.setattr(info_module, "detect_devices", counting)
+    detector = info_module.SystemDetector()
+    caps = detector.detect_capabilities()
+    devices = detector.list_devices()
+    assert caps.device_count == len(devices) == 1 and len(calls) == 1
+    detector.list_devices()  # later listings detect afresh
+    assert len(calls) == 2

@@ -179,8 +179,8 @@ def test_custom_fraction(fraction: float) -> None:
 def test_invalid_configuration_raises_config_error_with_hint(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ConfigError) as info:
         DeviceConfiguration(**kwargs)
-    assert isinstance(info.value, ValueError)
-    assert info.value.hint
+    # A hint written for this mistake, not the class's generic fallback.
+    assert info.value.hint and info.value.hint != ConfigError.default_hint
 
 
 def test_platform_priority_normalised() -> None:
@@ -618,3 +618,11 @@ def test_manager_neither_imports_jax_nor_initializes_cuda() -> None:
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ok")
+
+
+
+def test_shared_manager_refuses_a_detector_it_would_ignore(isolated: list) -> None:
+    first = get_device_manager(detector=FakeDetector(2))
+    with pytest.raises(ConfigError, match="detector only applies to a new one"):
+        get_device_manager(detector=FakeDetector(1))
+    assert get_device_manager() is first and first.gpu_count == 2

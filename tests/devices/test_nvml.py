@@ -155,6 +155,18 @@ def test_process_memory_sums_over_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     assert process_memory() == 5 * GiB  # C+G on GPU 0 counted once
     assert process_memory(1) == 9 * GiB
     assert process_memory(424242) == 0
+    assert process_memory([me, 1]) == 14 * GiB  # several PIDs, one NVML session
+
+
+def test_process_memory_counts_mig_instances_not_the_aggregate(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # In MIG mode the parent's process list aggregates its instances (with privileges): reading
+    # both would count the same process twice.
+    me = os.getpid()
+    migs = [FakeMig(mig_uuid(0, 0), processes=[(me, 2 * GiB)]),
+            FakeMig(mig_uuid(0, 1), gpu_instance_id=2, processes=[(me, 1 * GiB)])]
+    install_fake_nvml(monkeypatch, [make_gpu(0, mig=migs, processes=[(me, 3 * GiB)])])
+    assert process_memory() == 3 * GiB
 
 
 def test_process_memory_unknown_or_unavailable_is_none(monkeypatch: pytest.MonkeyPatch) -> None:

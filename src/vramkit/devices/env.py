@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from vramkit.devices._runtime import cuda_initialized, current_cuda_ordinal
 from vramkit.errors import ConfigError, TooLateError
 from vramkit.units import format_size
 
@@ -259,11 +260,6 @@ def _loaded_backend() -> str | None:
     return str(torch.cuda.get_allocator_backend())
 
 
-def _cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_initialized())
-
-
 def _set_tf32(enabled: bool) -> None:
     import torch
 
@@ -359,7 +355,7 @@ def setup_cuda_memory_management(
             f"Set {variables[0]}=backend:{requested['backend']} before importing torch, or call "
             "setup_cuda_memory_management before the first `import torch`.")
     setter = _runtime_setter() if torch_loaded and (changed & _RUNTIME_OPTIONS) else None
-    if torch_loaded and (changed & _RUNTIME_OPTIONS) and setter is None and _cuda_initialized():
+    if torch_loaded and (changed & _RUNTIME_OPTIONS) and setter is None and cuda_initialized():
         raise TooLateError(
             ", ".join(sorted(changed & _RUNTIME_OPTIONS)),
             "CUDA is already initialized and this torch cannot change allocator settings at run "
@@ -418,7 +414,7 @@ def allocator_settings() -> dict[str, Any]:
         "value": raw,
         "options": _parse_conf(raw, chosen) if raw else {},
         "variables": values,
-        "cuda_initialized": _cuda_initialized(),
+        "cuda_initialized": cuda_initialized(),
         "backend": None,
         "in_effect": None,
     }
@@ -504,7 +500,7 @@ def get_gpu_memory_info(device: DeviceLike | None = None) -> GpuMemoryInfo:
     if device is None:
         if not torch.cuda.is_available():
             return _host_memory_info()
-        target = Device.cuda(torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
+        target = Device.cuda(current_cuda_ordinal())
         try:
             return _cuda_memory_info(target)
         except RuntimeError as err:  # a GPU that is listed but cannot be used (busy, broken driver)
@@ -563,7 +559,7 @@ def clear_cuda_cache(device: DeviceLike | None = None) -> int:
         Bytes of reserved memory released (reserved before minus after, never negative).
     """
     gc.collect()
-    if not _cuda_initialized():
+    if not cuda_initialized():
         return 0
     import torch
 

@@ -415,15 +415,13 @@ def _device_info(ordinal: int, props: Any, nvml: NvmlDevice | None,
 
 def _torch_cuda() -> Any | None:
     """``torch.cuda`` when torch is importable and CUDA usable, else ``None``."""
-    try:
-        import torch
-    except ImportError:
+    from vramkit.devices._runtime import is_cuda_available
+
+    if not is_cuda_available():
         return None
-    try:
-        return torch.cuda if torch.cuda.is_available() else None
-    except RuntimeError as err:  # a broken driver can raise here instead of returning False
-        logger.debug("torch.cuda.is_available() failed: %s", err)
-        return None
+    import torch
+
+    return torch.cuda
 
 
 def detect_devices(
@@ -596,6 +594,9 @@ class SystemDetector:
                  env: Mapping[str, str] | None = None) -> None:
         self.include_jax = include_jax
         self.env = env
+        # The devices found by the last detect_capabilities(), handed to the list_devices()
+        # call that follows it (DeviceManager asks for both), so one detection serves both.
+        self._pending_devices: list[DeviceInfo] | None = None
 
     def _snapshot(self) -> NvmlSnapshot:
         from vramkit.devices.nvml import query_nvml
@@ -603,7 +604,14 @@ class SystemDetector:
         return query_nvml(include_processes=False)
 
     def list_devices(self) -> list[DeviceInfo]:
-        """The CUDA devices of this process (see :func:`detect_devices`)."""
+        """The CUDA devices of this process (see :func:`detect_devices`).
+
+        Right after :meth:`detect_capabilities` this returns the devices that call detected
+        (once); otherwise it detects afresh.
+        """
+        devices, self._pending_devices = self._pending_devices, None
+        if devices is not None:
+            return devices
         return detect_devices(include_jax=self.include_jax, snapshot=self._snapshot(),
                               env=self.env)
 
@@ -611,4 +619,5 @@ class SystemDetector:
         """A :class:`DeviceCapabilities` summary of :meth:`list_devices`."""
         snapshot = self._snapshot()
         devices = detect_devices(include_jax=self.include_jax, snapshot=snapshot, env=self.env)
+        self._pending_devices = devices
         return summarize_capabilities(devices, snapshot)

@@ -30,13 +30,13 @@ import logging
 import math
 import numbers
 import os
-import sys
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import IO, TYPE_CHECKING, Any, cast
 
+from vramkit.devices._runtime import cuda_initialized
 from vramkit.devices.info import DeviceCapabilities, DeviceInfo, DeviceType
 from vramkit.devices.jax_backend import (
     JAX_DISABLE_JIT_ENV,
@@ -53,6 +53,7 @@ from vramkit.devices.jax_backend import (
     jax_installed,
 )
 from vramkit.errors import ConfigError, DeviceError, JaxUnavailableError, TooLateError
+from vramkit.units import format_size
 
 if TYPE_CHECKING:
     import torch
@@ -151,7 +152,9 @@ def _validate_fraction(value: object) -> float:
 def _validate_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         # A string like "false" is truthy; accepting it would silently invert the setting.
-        raise ConfigError(f"{name} must be True or False, got {value!r}")
+        raise ConfigError(f"{name} must be True or False, got {value!r}",
+                          f"Pass a Python bool ({name}=True); strings such as 'false' are "
+                          "truthy and are refused rather than misread.")
     return value
 
 
@@ -167,7 +170,8 @@ def _validate_platforms(value: object) -> tuple[str, ...]:
             raise ConfigError(f"unknown platform {item!r} in platform_priority",
                               f"Use names from {KNOWN_PLATFORMS}.")
         if name in platforms:
-            raise ConfigError(f"platform {name!r} appears twice in platform_priority")
+            raise ConfigError(f"platform {name!r} appears twice in platform_priority",
+                              "List each platform once (names are case-insensitive).")
         platforms.append(name)
     if not platforms:
         raise ConfigError("platform_priority is empty", "Use e.g. ('cuda', 'cpu').")
@@ -176,11 +180,13 @@ def _validate_platforms(value: object) -> tuple[str, ...]:
 
 def _validate_env(value: object) -> Mapping[str, str]:
     if not isinstance(value, Mapping):
-        raise ConfigError(f"environment_variables must be a mapping, got {type(value).__name__}")
+        raise ConfigError(f"environment_variables must be a mapping, got {type(value).__name__}",
+                          "Pass a dict of names to string values, e.g. {'XLA_FLAGS': '...'}.")
     checked: dict[str, str] = {}
     for key, val in value.items():
         if not isinstance(key, str) or not key or "=" in key or "\0" in key:
-            raise ConfigError(f"invalid environment variable name {key!r}")
+            raise ConfigError(f"invalid environment variable name {key!r}",
+                              "Names are non-empty strings without '='.")
         if not isinstance(val, str) or "\0" in val:
             raise ConfigError(f"environment variable {key} must be a string, got {val!r}",
                               "Pass values as strings, e.g. '1' or 'false'.")
@@ -318,15 +324,8 @@ class DeviceConfiguration:
 # Applying environment variables
 # --------------------------------------------------------------------------------------------
 
-def _torch_cuda_initialized() -> bool:
-    torch_module = sys.modules.get("torch")
-    if torch_module is None:
-        return False  # PyTorch not imported: it cannot have read anything yet
-    return bool(torch_module.cuda.is_initialized())
-
-
 def _too_late_reason(name: str) -> str | None:
-    if name.startswith(("CUDA_", "PYTORCH_")) and _torch_cuda_initialized():
+    if name.startswith(("CUDA_", "PYTORCH_")) and cuda_initialized():
         return "PyTorch already initialized CUDA"
     if name.startswith("CUDA_") and jax_backend_initialized():
         return "the JAX backend already started"
@@ -530,7 +529,9 @@ class DeviceManager:
             ConfigError: ``n_params`` is not a non-negative integer.
         """
         if isinstance(n_params, bool) or not isinstance(n_params, int) or n_params < 0:
-            raise ConfigError(f"n_params must be a non-negative int, got {n_params!r}")
+            raise ConfigError(f"n_params must be a non-negative int, got {n_params!r}",
+                              "Pass the parameter count, e.g. sum(p.numel() for p in "
+                              "model.parameters()).")
         if n_params < SMALL_MODEL_PARAMS:
             strategy = MemoryStrategy.CONSERVATIVE
         elif n_params < MEDIUM_MODEL_PARAMS:
@@ -646,6 +647,11 @@ def get_device_manager(config: DeviceConfiguration | None = None, force_reinit: 
     with _shared_lock:
         current = _shared_manager
         if current is not None and not force_reinit:
+            if detector is not None:
+                raise ConfigError(
+                    "the shared DeviceManager already exists; a detector only applies to a new one",
+                    "Pass force_reinit=True to rebuild it with this detector, or create your "
+                    "own DeviceManager(detector=...).")
             if config is not None and config != current.config:
                 raise ConfigError(
                     "the shared DeviceManager already exists with another configuration "
@@ -708,7 +714,7 @@ def print_device_info(manager: DeviceManager | None = None, *, file: IO[str] | N
         table.add_row(f"{name} version", str(version) if version else "-")
     for dev in info["devices"]:
         table.add_row(f"cuda:{dev['device_id']}",
-                      f"{dev['name']} ({dev['total_memory'] / 2**30:.1f} GiB, "
+                      f"{dev['name']} ({format_size(dev['total_memory'])}, "
                       f"sm {dev['compute_capability']}, {dev['uuid'] or 'no uuid'})")
     (console or Console(file=file)).print(table)
 

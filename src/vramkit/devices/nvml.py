@@ -29,7 +29,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -357,23 +357,11 @@ def _read_device(pynvml: Any, handle: Any, index: int, *, include_processes: boo
 
 def _with_mig_devices(pynvml: Any, handle: Any, parent: NvmlDevice, *,
                       include_processes: bool) -> NvmlDevice:
-    count = _optional_call(pynvml, "nvmlDeviceGetMaxMigDeviceCount", handle) or 0
     migs: list[NvmlDevice] = []
-    for slot in range(int(count)):
-        try:
-            mig_handle = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
-        except pynvml.NVMLError as err:
-            # Empty slots answer NOT_FOUND: the GPU has fewer instances than its maximum.
-            if _nvml_error_value(err) != _NVML_ERROR_NOT_FOUND:
-                logger.debug("MIG slot %d of GPU %d unreadable: %s", slot, parent.index, err)
-            continue
+    for mig_handle in _mig_handles(pynvml, handle, parent.index):
         migs.append(_read_device(pynvml, mig_handle, parent.index, parent=parent,
                                  mig_index=len(migs), include_processes=include_processes))
-    return _replace(parent, mig_devices=tuple(migs))
-
-
-def _replace(record: NvmlDevice, **changes: Any) -> NvmlDevice:
-    return dataclasses.replace(record, **changes)
+    return dataclasses.replace(parent, mig_devices=tuple(migs))
 
 
 def _cuda_version_string(version: int | None) -> str | None:
@@ -433,27 +421,34 @@ def _query(pynvml: Any, *, include_processes: bool) -> NvmlSnapshot:
     )
 
 
-def process_memory(pid: int | None = None) -> int | None:
-    """GPU memory used by one process, summed over all GPUs (and MIG instances).
+def process_memory(pid: int | Iterable[int] | None = None) -> int | None:
+    """GPU memory used by one or more processes, summed over all GPUs (and MIG instances).
 
     Counts NVML's running compute and graphics processes; a process listed in both lists of one
-    GPU counts once. Inside a container without ``--pid=host`` NVML reports host PIDs, so this
-    returns 0 for a PID it cannot see.
+    GPU counts once. On a GPU in MIG mode the instances are read (the parent's lists aggregate
+    them, so reading both would count a process twice); the parent is read only when no
+    instance handle is available. Inside a container without ``--pid=host`` NVML reports host
+    PIDs, so this returns 0 for a PID it cannot see. All PIDs are read in one NVML session.
 
     Args:
-        pid: the process id (default: this process, ``os.getpid()``).
+        pid: a process id or several (default: this process, ``os.getpid()``).
 
     Returns:
-        Bytes used; 0 when the process holds no GPU memory; ``None`` when NVML is unavailable or
-        NVML lists the process without a memory figure.
+        Bytes used; 0 when the processes hold no GPU memory; ``None`` when NVML is unavailable
+        or lists one of them without a memory figure.
     """
     from vramkit.errors import NvmlError
 
-    target = os.getpid() if pid is None else int(pid)
+    if pid is None:
+        targets = {os.getpid()}
+    elif isinstance(pid, int):
+        targets = {pid}
+    else:
+        targets = {int(p) for p in pid}
     try:
         with nvml_session() as pynvml:
             try:
-                return _sum_process_memory(pynvml, target)
+                return _sum_process_memory(pynvml, targets)
             except pynvml.NVMLError as err:
                 logger.debug("process_memory: NVML query failed: %s", err)
                 return None
@@ -462,29 +457,31 @@ def process_memory(pid: int | None = None) -> int | None:
         return None
 
 
-def _sum_process_memory(pynvml: Any, pid: int) -> int | None:
+def _sum_process_memory(pynvml: Any, pids: set[int]) -> int | None:
     total = 0
     for index in range(int(pynvml.nvmlDeviceGetCount())):
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        handles = [handle]
         mode = _optional_call(pynvml, "nvmlDeviceGetMigMode", handle)
-        if mode is not None and mode[0] == _NVML_DEVICE_MIG_ENABLE:
-            handles.extend(_mig_handles(pynvml, handle))
+        mig = mode is not None and mode[0] == _NVML_DEVICE_MIG_ENABLE
+        handles = (_mig_handles(pynvml, handle, index) if mig else []) or [handle]
         for one in handles:
             for proc in _read_processes(pynvml, one):
-                if proc.pid == pid:
+                if proc.pid in pids:
                     if proc.used_memory is None:
                         return None
                     total += proc.used_memory
     return total
 
 
-def _mig_handles(pynvml: Any, handle: Any) -> list[Any]:
+def _mig_handles(pynvml: Any, handle: Any, gpu_index: int) -> list[Any]:
+    """Handles of the MIG instances of a GPU in MIG mode, in slot order."""
     out = []
     count = _optional_call(pynvml, "nvmlDeviceGetMaxMigDeviceCount", handle) or 0
     for slot in range(int(count)):
         try:
             out.append(pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot))
-        except pynvml.NVMLError:
-            continue
+        except pynvml.NVMLError as err:
+            # Empty slots answer NOT_FOUND: the GPU has fewer instances than its maximum.
+            if _nvml_error_value(err) != _NVML_ERROR_NOT_FOUND:
+                logger.debug("MIG slot %d of GPU %d unreadable: %s", slot, gpu_index, err)
     return out

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from vramkit.devices._runtime import is_cuda_available
 from vramkit.devices.info import (
     DeviceInfo,
     VisibleDevice,
@@ -46,24 +47,6 @@ logger = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------------------------
 # listing
-
-
-def is_cuda_available() -> bool:
-    """Whether PyTorch can use at least one CUDA device in this process.
-
-    Returns:
-        ``torch.cuda.is_available()``; ``False`` when torch is missing or the check raises.
-        (This asks the CUDA driver for a device count; it creates no CUDA context.)
-    """
-    try:
-        import torch
-    except ImportError:
-        return False
-    try:
-        return bool(torch.cuda.is_available())
-    except RuntimeError as err:
-        logger.debug("torch.cuda.is_available() raised: %s", err)
-        return False
 
 
 def list_cuda_devices(*, include_jax: bool = False) -> list[DeviceInfo]:
@@ -135,8 +118,8 @@ def _candidates(snapshot: NvmlSnapshot | None,
     return visible
 
 
-def _rank(candidates: Sequence[VisibleDevice], policy: str) -> list[VisibleDevice]:
-    key = _check_policy(policy)
+def _rank(candidates: Sequence[VisibleDevice],
+          key: Callable[[NvmlDevice], tuple[int, ...]]) -> list[VisibleDevice]:
     # Stable sort on the policy key, ties going to the lower CUDA ordinal.
     return sorted(candidates, key=lambda v: (tuple(-k for k in key(v.device)), v.cuda_ordinal))
 
@@ -195,8 +178,8 @@ def select_device(policy: str = "most_free_memory", *, snapshot: NvmlSnapshot | 
         vramkit.errors.ConfigError: unknown policy, or a malformed ``CUDA_VISIBLE_DEVICES``.
         vramkit.errors.DeviceError: no GPU visible.
     """
-    _check_policy(policy)
-    best = _rank(_candidates(snapshot, env), policy)[0]
+    key = _check_policy(policy)
+    best = _rank(_candidates(snapshot, env), key)[0]
     reason = f"{policy}: {best.device.name} (NVML {best.device.index}), " \
              f"{_describe(best.device, policy)}"
     logger.debug("select_device -> cuda:%d (%s)", best.cuda_ordinal, reason)
@@ -283,8 +266,8 @@ def select_devices(count: int, *, min_free_memory: int | str | None = None,
                           "Ask for at least one device.")
     min_free = _parse_min_free(min_free_memory)
     max_util = _check_utilization(max_utilization)
-    _check_policy(policy)
-    ranked = _rank(_candidates(snapshot, env), policy)
+    key = _check_policy(policy)
+    ranked = _rank(_candidates(snapshot, env), key)
     qualified: list[VisibleDevice] = []
     rejected: list[str] = []
     for visible in ranked:

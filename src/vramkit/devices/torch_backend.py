@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 
 import torch
 
+from vramkit.devices._runtime import current_cuda_ordinal
 from vramkit.errors import ConfigError, DeviceError, DeviceMismatchError
 
 if TYPE_CHECKING:
@@ -203,7 +204,7 @@ class Device:
                 "Use a CPU or CUDA device.")
         if device.index is not None:
             return cls.cuda(device.index)
-        return cls.cuda(torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
+        return cls.cuda(current_cuda_ordinal())
 
     # -- properties -------------------------------------------------------------------------------
 
@@ -530,7 +531,8 @@ def distribute_batch(batch: Batch, devices: Sequence[DeviceLike], *,
             "least one row", "Use a larger batch or fewer devices.")
     base, extra = divmod(rows, len(targets))
     sizes = [base + 1 if i < extra else base for i in range(len(targets))]
-    return [_build_chunk(batch, index, sizes, target, non_blocking)
+    parts = {id(leaf): leaf.split(sizes) for _, leaf in leaves}  # split each tensor once
+    return [_build_chunk(batch, index, parts, target, non_blocking)
             for index, target in enumerate(targets)]
 
 
@@ -551,14 +553,14 @@ def _collect_leaves(node: Any, path: str, out: list[tuple[str, torch.Tensor]]) -
             "Keep non-tensor metadata out of the batch you distribute.")
 
 
-def _build_chunk(node: Any, index: int, sizes: list[int], target: Device,
-                 non_blocking: bool) -> Any:
+def _build_chunk(node: Any, index: int, parts: dict[int, tuple[torch.Tensor, ...]],
+                 target: Device, non_blocking: bool) -> Any:
     if isinstance(node, torch.Tensor):
-        return to_device(node.split(sizes)[index], target, non_blocking=non_blocking)
+        return to_device(parts[id(node)][index], target, non_blocking=non_blocking)
     if isinstance(node, Mapping):
-        return {key: _build_chunk(value, index, sizes, target, non_blocking)
+        return {key: _build_chunk(value, index, parts, target, non_blocking)
                 for key, value in node.items()}
-    items = [_build_chunk(value, index, sizes, target, non_blocking) for value in node]
+    items = [_build_chunk(value, index, parts, target, non_blocking) for value in node]
     if isinstance(node, tuple):
         return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
     return items

@@ -70,10 +70,10 @@ _streams_by_ordinal: dict[int, dict[int, Any]] = {}
 
 
 def _list_cuda_devices() -> list[DeviceInfo]:
-    # Imported lazily: selection.py may call NVML, which import must never do.
-    from vramkit.devices.selection import list_cuda_devices
+    # The joined NVML + torch records (one detection); a seam the CPU tests replace.
+    from vramkit.devices.info import detect_devices
 
-    return list(list_cuda_devices())
+    return detect_devices()
 
 
 def _visible_devices_note() -> str:

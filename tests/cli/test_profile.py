@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,7 +68,9 @@ def test_in_process_run_writes_reports_and_returns_exit_code(
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
     out = tmp_path / "out"
-    code = _run(["--out", str(out), "--interval", "0.005", "--", "python", str(script), "3"])
+    # --device cpu: the script's activations live on the CPU, also on a GPU machine
+    code = _run(["--out", str(out), "--interval", "0.005", "--device", "cpu", "--",
+                 "python", str(script), "3"])
     assert code == 3
     for name in ("report.json", "report.html", "report.png"):
         assert (out / name).stat().st_size > 0
@@ -77,6 +81,7 @@ def test_in_process_run_writes_reports_and_returns_exit_code(
     modules = {m["name"]: m for m in data["top_modules"]}
     assert modules["1"]["type"] == "Wide" and modules["1"]["activation_bytes"] >= 24 * 2**20
     assert data["num_samples"] >= 1
+    assert data["sample_interval"] == 0.005 and data["device"] == "cpu"
     html = (out / "report.html").read_text()
     assert "<svg" in html and "http://" not in html and "https://" not in html
     assert sys.argv[0] != str(script)  # argv restored
@@ -111,11 +116,12 @@ def test_subprocess_mode_samples_the_child(tmp_path: Path) -> None:
     script.write_text("import time\nblob = bytearray(64 * 2**20)\ntime.sleep(0.3)\n"
                       "raise SystemExit(4)\n")
     out = tmp_path / "o"
-    code = _run(["--out", str(out), "--interval", "0.01", "--subprocess", "--",
+    code = _run(["--out", str(out), "--interval", "0.02", "--subprocess", "--",
                  sys.executable, str(script)])
     assert code == 4
     data = json.loads((out / "report.json").read_text())
     assert data["metric"] == "host_rss" and data["num_samples"] >= 3
+    assert data["sample_interval"] == 0.02
     assert data["peak_host_rss"]["value"] >= 64 * 2**20  # the child's memory, not ours + 0
 
 
@@ -126,3 +132,45 @@ def test_errors(tmp_path: Path) -> None:
         _run(["--out", str(tmp_path), "--", "python", str(tmp_path / "missing.py")])
     with pytest.raises(ConfigError):
         _run(["--out", str(tmp_path), "--interval", "0", "--", "python", "x.py"])
+
+
+def test_subprocess_device_labels_the_report(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # pretend cuda:3 exists: from outside the child only the label can follow --device
+    monkeypatch.setattr(profiler_mod, "resolve_cuda_index",
+                        lambda device=None: 3 if device == "cuda:3" else None)
+    out = tmp_path / "o"
+    assert _run(["--out", str(out), "--device", "cuda:3", "--subprocess", "--",
+                 sys.executable, "-c", "pass"]) == 0
+    data = json.loads((out / "report.json").read_text())
+    assert data["device"] == "cuda:3" and data["metric"] == "host_rss"
+
+
+def test_bad_device_starts_no_child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[object] = []
+    monkeypatch.setattr(profile_cli.subprocess, "Popen",
+                        lambda *a, **k: started.append(a))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        _run(["--out", str(tmp_path), "--device", "mps", "--subprocess", "--",
+              sys.executable, "-c", "pass"])
+    assert started == []
+
+
+def test_child_is_killed_when_profiling_fails(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    children: list[subprocess.Popen[bytes]] = []
+    real_popen = subprocess.Popen
+
+    def popen(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        children.append(real_popen(*args, **kwargs))
+        return children[-1]
+
+    def refuse(self: Any) -> None:
+        raise RuntimeError("sampler failed to start")
+
+    monkeypatch.setattr(profile_cli.subprocess, "Popen", popen)
+    monkeypatch.setattr(profiler_mod.MemoryProfiler, "start", refuse)
+    with pytest.raises(RuntimeError):
+        _run(["--out", str(tmp_path), "--subprocess", "--",
+              sys.executable, "-c", "import time; time.sleep(60)"])
+    assert len(children) == 1 and children[0].returncode is not None  # killed and waited

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import gc
+import json
 
 import pytest
 import torch
 
 from vramkit.errors import ConfigError
-from vramkit.memory.leaks import GrowthTracker, LeakDetector, LeakVerdict, assess_growth
+from vramkit.memory.leaks import (
+    GrowthTracker,
+    LeakDetector,
+    LeakSuspect,
+    LeakVerdict,
+    assess_growth,
+)
 from vramkit.memory.profiler import LeakDetector as ReexportedLeakDetector
 
 MIB = 1 << 20
@@ -107,6 +114,16 @@ def test_bad_rule_settings(kwargs: dict[str, object]) -> None:
 def test_verdict_round_trips_through_dict() -> None:
     verdict = assess_growth([i * MIB for i in range(8)], "cpu_tensor_bytes")
     assert LeakVerdict.from_dict(verdict.to_dict()) == verdict
+
+
+def test_verdict_with_suspects_round_trips_through_json() -> None:
+    suspects = (LeakSuspect(("a.py:1 in f", "b.py:2 in g"), 4 * MIB, 4, "float32[8]"),
+                LeakSuspect(("<stack not recorded>",), MIB, 1))
+    verdict = LeakVerdict(True, True, float(MIB), 3 * MIB, 5, 5, "cpu_tensor_bytes", 262144,
+                          suspects)
+    data = json.loads(json.dumps(verdict.to_dict()))
+    assert data["suspects"][0]["stack"] == ["a.py:1 in f", "b.py:2 in g"]
+    assert LeakVerdict.from_dict(data) == verdict
 
 
 # --- the detector on host tensors --------------------------------------------------------------
@@ -218,3 +235,39 @@ def test_views_of_baseline_tensors_are_not_counted() -> None:
             detector.step()
         assert not detector.verdict().leak
         assert detector.readings[-1] == 0
+
+
+def test_detector_rule_settings_are_the_ones_used() -> None:
+    store: list[torch.Tensor] = []
+    with LeakDetector("cpu", window=6, record_stacks=False) as detector:
+        for _ in range(5):
+            _leak_one_mib(store)
+            detector.step()
+        verdict = detector.verdict()
+        assert not verdict.conclusive and not verdict.leak  # the default window would judge
+        for _ in range(2):
+            _leak_one_mib(store)
+            detector.step()
+        assert detector.verdict().conclusive and detector.verdict().leak
+    store.clear()
+    with LeakDetector("cpu", threshold_bytes_per_step=2 * MIB, record_stacks=False) as detector:
+        for _ in range(6):
+            _leak_one_mib(store)
+            detector.step()
+        verdict = detector.verdict()
+        assert verdict.conclusive and not verdict.leak
+        assert verdict.threshold_bytes_per_step == 2 * MIB
+    store.clear()
+    with LeakDetector("cpu", warmup_steps=3, record_stacks=False) as detector:
+        for _ in range(6):
+            _leak_one_mib(store)
+            detector.step()
+        assert not detector.verdict().conclusive  # 3 warm-up steps + a window of 4
+        _leak_one_mib(store)
+        detector.step()
+        assert detector.verdict().conclusive and detector.verdict().leak
+
+
+def test_cpu_detector_refuses_a_handed_in_reading() -> None:
+    with LeakDetector("cpu", record_stacks=False) as detector, pytest.raises(ConfigError):
+        detector.step(123)

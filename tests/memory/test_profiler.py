@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 import time
@@ -13,8 +14,10 @@ import torch
 from torch import nn
 
 from vramkit.errors import ConfigError, DeviceError
+from vramkit.memory import leaks as leaks_mod
 from vramkit.memory import profiler as profiler_mod
 from vramkit.memory import stats as stats_mod
+from vramkit.memory.leaks import LeakDetector
 from vramkit.memory.profiler import (
     MemoryProfiler,
     MemoryReport,
@@ -124,32 +127,55 @@ def test_nvml_is_no_longer_asked_when_absent(monkeypatch: pytest.MonkeyPatch) ->
     assert profiler.report().peak_nvml_used is None
 
 
-def test_pinned_pools_are_summed(monkeypatch: pytest.MonkeyPatch) -> None:
-    class Pool:
-        def __init__(self, pinned: bool, reserved: int) -> None:
-            self.pinned = pinned
-            self._reserved = reserved
+class _FakePool:
+    """Like MemoryPool: ``.kind`` names the memory; counts ``stats()`` calls."""
 
-        def stats(self) -> Any:
-            return types.SimpleNamespace(reserved=self._reserved)
+    def __init__(self, kind: str, reserved: int, calls: list[str] | None = None) -> None:
+        self.kind = kind
+        self._reserved = reserved
+        self._calls = calls if calls is not None else []
 
-    class KindPool(Pool):
-        """Like MemoryPool: .kind names the memory, .pinned is a factory method."""
+    def stats(self) -> Any:
+        self._calls.append("stats")
+        return types.SimpleNamespace(reserved=self._reserved)
 
-        def __init__(self, kind: str, reserved: int) -> None:
-            super().__init__(False, reserved)
-            self.kind = kind
-            self.pinned = lambda: None  # type: ignore[assignment]
+
+def _fake_pool_module(monkeypatch: pytest.MonkeyPatch, pools: list[_FakePool],
+                      calls: list[str]) -> None:
+    def live_pools() -> list[_FakePool]:
+        calls.append("live_pools")
+        return pools
 
     fake = types.ModuleType("vramkit.memory.pool")
-    fake.live_pools = lambda: [Pool(True, 3 * MIB), Pool(False, 50 * MIB), Pool(True, MIB),
-                               KindPool("pinned", 2 * MIB), KindPool("cuda", 70 * MIB),
-                               KindPool("cpu", 90 * MIB)]
+    fake.live_pools = live_pools  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "vramkit.memory.pool", fake)
+
+
+def test_pinned_pools_are_summed(monkeypatch: pytest.MonkeyPatch) -> None:
+    pools = [_FakePool("pinned", 3 * MIB), _FakePool("cuda", 50 * MIB),
+             _FakePool("pinned", MIB), _FakePool("pinned", 2 * MIB),
+             _FakePool("cuda", 70 * MIB), _FakePool("cpu", 90 * MIB)]
+    _fake_pool_module(monkeypatch, pools, [])
     with MemoryProfiler("cpu", sample_interval=0.002) as profiler:
         time.sleep(0.02)
     assert profiler.report().peak_pinned == 6 * MIB
     assert profiler.history[-1].pinned == 6 * MIB
+
+
+def test_pinned_pools_are_read_at_the_nvml_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    pools = [_FakePool("pinned", 4 * MIB, calls), _FakePool("cuda", 8 * MIB, calls)]
+    _fake_pool_module(monkeypatch, pools, calls)
+    counts = []
+    for nvml_interval in (0.005, 10.0):
+        calls.clear()
+        with MemoryProfiler("cpu", sample_interval=0.002, nvml_interval=nvml_interval) as prof:
+            time.sleep(0.1)
+        assert prof.report().num_samples >= 10
+        assert all(s.pinned == 4 * MIB for s in prof.history)  # carried between readings
+        counts.append((calls.count("live_pools"), calls.count("stats")))
+    assert counts[1] == (1, 1)  # only the pinned pool's stats() are read, once
+    assert counts[0][0] > 3
 
 
 def test_marks_phases_and_steps() -> None:
@@ -280,17 +306,56 @@ def test_global_hooks_name_modules_from_the_root() -> None:
     assert profiler.hook_count == 0
 
 
+_KEPT_IN_BACKWARD: list[torch.Tensor] = []
+
+
+class _KeepInBackward(torch.autograd.Function):
+    """Identity whose backward keeps a 64 MiB tensor alive (in ``_KEPT_IN_BACKWARD``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        # > 32 MiB: glibc maps it fresh, so the host RSS rises by its size once it is written
+        _KEPT_IN_BACKWARD.append(torch.ones(16 * MIB))
+        return grad
+
+
+class _BackwardHog(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _KeepInBackward.apply(x)
+
+
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 def test_backward_hooks_record_backward() -> None:
-    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 1))
-    profiler = MemoryProfiler("cpu", sample_interval=0.05)
+    model = nn.Sequential(nn.Linear(64, 256), _BackwardHog(), nn.Tanh(), nn.Linear(256, 1))
+    profiler = MemoryProfiler("cpu", sample_interval=10.0)
     profiler.attach(model)
-    with profiler:
-        model(torch.randn(512, 64)).sum().backward()
-    profiler.detach()
+    try:
+        with profiler:
+            model(torch.randn(512, 64)).sum().backward()
+    finally:
+        profiler.detach()
+        _KEPT_IN_BACKWARD.clear()
     report = profiler.report()
     assert all(m.calls == 1 for m in report.top_modules)
     assert model[0].weight.grad is not None
+    by_name = {m.name: m for m in report.top_modules}
+    assert by_name["1"].backward_bytes >= 32 * MIB
+
+
+def test_top_modules_limits_the_report() -> None:
+    model = _model()
+    profiler = MemoryProfiler("cpu", sample_interval=10.0, top_modules=1)
+    profiler.attach(model, backward=False)
+    try:
+        with profiler:
+            model(torch.randn(4, 8))
+    finally:
+        profiler.detach()
+    assert len(profiler.report().top_modules) == 1
 
 
 def test_report_fields_on_cpu() -> None:
@@ -313,6 +378,15 @@ def test_trace_needs_cuda() -> None:
         pass
     with pytest.raises(DeviceError):
         profiler.save_trace("x.pickle")
+
+
+def test_detect_leaks_uses_the_given_detector() -> None:
+    detector = LeakDetector("cpu", record_stacks=False)
+    with MemoryProfiler("cpu", sample_interval=10.0, detect_leaks=detector) as profiler:
+        for _ in range(3):
+            profiler.step()
+    assert len(detector.readings) == 3
+    assert profiler.report().leak is not None and profiler.report().leak.steps == 3
 
 
 def test_detect_leaks_mode_finds_a_host_leak() -> None:
@@ -352,11 +426,11 @@ class _FakeAllocator:
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _FakeAllocator:
     fake = _FakeAllocator(peak_before=10_000)
     monkeypatch.setattr(profiler_mod, "resolve_cuda_index", lambda device=None: 0)
-    monkeypatch.setattr(profiler_mod, "cuda_ready", lambda: True)
-    monkeypatch.setattr(profiler_mod, "_read_cuda", fake.read)
-    monkeypatch.setattr(profiler_mod, "_reset_cuda_peak", fake.reset)
+    monkeypatch.setattr(profiler_mod, "cuda_initialized", lambda: True)
+    monkeypatch.setattr(profiler_mod, "read_cuda_figures", fake.read)
+    monkeypatch.setattr(profiler_mod, "reset_cuda_peak", fake.reset)
     monkeypatch.setattr(profiler_mod, "read_memory_stats", fake.flat)
-    monkeypatch.setattr(profiler_mod, "_reserved_all_devices", lambda: 1000)
+    monkeypatch.setattr(profiler_mod, "reserved_all_devices", lambda: 1000)
     return fake
 
 
@@ -400,9 +474,97 @@ def test_watermark_attributed_to_the_innermost_module(fake_cuda: _FakeAllocator)
     assert {m.name: m.peak_hits for m in report.top_modules}["1"] == 1
 
 
+def test_cuda_initialization_is_checked_until_seen(fake_cuda: _FakeAllocator,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[bool] = []
+
+    def initialized() -> bool:
+        asked.append(True)
+        return True
+
+    monkeypatch.setattr(profiler_mod, "cuda_initialized", initialized)
+    with MemoryProfiler(0, sample_interval=10.0) as profiler:
+        for _ in range(5):
+            profiler.mark("forward")
+    assert len(asked) == 1
+    assert len(profiler.history) >= 7  # start, 5 marks, stop (+ samples)
+
+
+def test_cuda_leak_detector_gets_the_profilers_reading(fake_cuda: _FakeAllocator,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    own_reads: list[int] = []
+    monkeypatch.setattr(leaks_mod, "resolve_cuda_index", lambda device=None: 0)
+    monkeypatch.setattr(leaks_mod, "cuda_initialized", lambda: True)
+    monkeypatch.setattr(leaks_mod, "read_cuda_figures",
+                        lambda index: own_reads.append(index) or (0, 0, 0, 0, 0))
+    detector = LeakDetector(0, record_stacks=False)
+    with MemoryProfiler(0, sample_interval=10.0, detect_leaks=detector) as profiler:
+        for step in range(6):
+            fake_cuda.current = 100 + step * MIB
+            profiler.step()
+    assert own_reads == []  # the allocator was read once per step, by the profiler
+    assert detector.readings == [100 + step * MIB for step in range(6)]
+    leak = profiler.report().leak
+    assert leak is not None and leak.leak and leak.metric == "cuda_allocated"
+    detector.step()  # called alone it reads the allocator itself
+    assert own_reads == [0]
+
+
+def test_trace_max_entries_reaches_the_memory_history(fake_cuda: _FakeAllocator,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    recorded: list[dict[str, Any]] = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda **kwargs: recorded.append(kwargs))
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"segments": []})
+    profiler = MemoryProfiler(0, sample_interval=10.0, trace=True, trace_max_entries=1234)
+    with profiler:
+        pass
+    assert recorded[0]["enabled"] == "all" and recorded[0]["max_entries"] == 1234
+    assert recorded[-1]["enabled"] is None  # released at stop
+    recorded.clear()
+    with MemoryProfiler(0, trace_max_entries=77).trace():
+        pass
+    assert recorded[0]["max_entries"] == 77
+
+
+def test_external_pid_asks_nvml_once_for_the_process_tree(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[object] = []
+
+    def fake_nvml(pid: object = None) -> int:
+        calls.append(set(pid) if pid is not None else None)  # type: ignore[call-overload]
+        return MIB
+
+    monkeypatch.setattr(profiler_mod, "nvml_process_memory", fake_nvml)
+    grandchild = "import time; time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c",
+                              f"import subprocess, sys, time; subprocess.Popen([sys.executable, "
+                              f"'-c', {grandchild!r}]); time.sleep(30)"])
+    try:
+        import psutil
+
+        _wait_for(lambda: psutil.Process(child.pid).children())
+        kids = {c.pid for c in psutil.Process(child.pid).children(recursive=True)}
+        with MemoryProfiler(sample_interval=0.005, nvml_interval=10.0, pid=child.pid) as prof:
+            time.sleep(0.03)
+    finally:
+        for proc in psutil.Process(child.pid).children(recursive=True):
+            proc.kill()
+        child.kill()
+        child.wait()
+    assert calls == [{child.pid} | kids]
+    assert prof.report().peak_nvml_used == MIB and prof.metric == "host_rss"
+
+
 # --- with_memory_tracking ----------------------------------------------------------------------
 
-def test_with_memory_tracking_on_cpu() -> None:
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend this machine has no CUDA device (so CPU expectations hold on a GPU machine too)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_with_memory_tracking_on_cpu(no_cuda: None) -> None:
     def work(n: int, *, scale: float) -> float:
         a = torch.ones(n)  # 16 MiB
         b = a * scale  # 16 MiB
@@ -419,7 +581,7 @@ def test_with_memory_tracking_on_cpu() -> None:
     assert stats.source == "host_rss+cpu_dispatch"
 
 
-def test_with_memory_tracking_counts_nothing_for_views() -> None:
+def test_with_memory_tracking_counts_nothing_for_views(no_cuda: None) -> None:
     base = torch.ones(1024)
     _, stats = with_memory_tracking("views", lambda: base.view(32, 32).t())
     assert stats.num_allocations == 0 and stats.total_allocated == 0
@@ -432,7 +594,7 @@ def test_with_memory_tracking_on_fake_cuda(monkeypatch: pytest.MonkeyPatch) -> N
                 "allocation.all.allocated": 9, "allocated_bytes.all.peak": 4000}]
     resets: list[int] = []
     monkeypatch.setattr(stats_mod, "resolve_cuda_index", lambda device=None: 0)
-    monkeypatch.setattr(stats_mod, "cuda_ready", lambda: True)
+    monkeypatch.setattr(stats_mod, "cuda_initialized", lambda: True)
     monkeypatch.setattr(stats_mod, "reset_cuda_peak", resets.append)
     monkeypatch.setattr(stats_mod, "read_memory_stats", lambda index: figures.pop(0))
     result, stats = with_memory_tracking("op", lambda: "done")

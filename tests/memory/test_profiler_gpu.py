@@ -11,7 +11,12 @@ from torch import nn
 
 from vramkit.memory.leaks import LeakDetector
 from vramkit.memory.profiler import MemoryProfiler, with_memory_tracking
-from vramkit.memory.stats import CudaAllocator, allocator_stats
+from vramkit.memory.stats import (
+    CudaAllocator,
+    allocator_stats,
+    read_cuda_figures,
+    reserved_all_devices,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -139,6 +144,34 @@ def test_leak_detector_clean_cuda_loop() -> None:
             detector.step()
         verdict = detector.verdict()
     assert not verdict.leak and verdict.conclusive and verdict.steps == 1000
+
+
+def test_fast_reader_matches_memory_stats() -> None:
+    device = _device()
+    block = torch.empty(8 * MIB, dtype=torch.uint8, device=device)
+    flat = torch.cuda.memory_stats(device)
+    figures = read_cuda_figures(device.index)
+    assert figures == (flat["allocated_bytes.all.current"], flat["reserved_bytes.all.current"],
+                       flat["active_bytes.all.current"], flat["allocated_bytes.all.peak"],
+                       flat["reserved_bytes.all.peak"])
+    assert reserved_all_devices() == sum(torch.cuda.memory_reserved(i)
+                                         for i in range(torch.cuda.device_count()))
+    del block
+
+
+def test_profiler_hands_its_reading_to_a_cuda_leak_detector() -> None:
+    device = _device()
+    detector = LeakDetector(device, record_stacks=False)
+    store: list[torch.Tensor] = []
+    expected: list[int] = []
+    with MemoryProfiler(device, sample_interval=0.01, detect_leaks=detector) as profiler:
+        for _ in range(6):
+            _leak_cuda(store, device)
+            expected.append(torch.cuda.memory_allocated(device))
+            profiler.step()
+    assert detector.readings == expected
+    leak = profiler.report().leak
+    assert leak is not None and leak.leak and leak.metric == "cuda_allocated"
 
 
 def test_with_memory_tracking_on_cuda() -> None:

@@ -7,7 +7,16 @@ import torch
 
 from vramkit.errors import ConfigError
 from vramkit.memory import stats as stats_mod
-from vramkit.memory.stats import AllocatorStats, CudaAllocator, allocator_stats, resolve_cuda_index
+from vramkit.memory.stats import (
+    AllocatorStats,
+    CudaAllocator,
+    allocator_stats,
+    fragmentation_ratios,
+    host_rss,
+    read_cuda_figures,
+    reserved_all_devices,
+    resolve_cuda_index,
+)
 
 _FAKE = {
     "allocated_bytes.all.current": 600, "allocated_bytes.all.peak": 900,
@@ -25,13 +34,21 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Pretend cuda:0 exists, is initialized and reports _FAKE."""
     figures = dict(_FAKE)
     monkeypatch.setattr(stats_mod, "resolve_cuda_index", lambda device=None: 0)
-    monkeypatch.setattr(stats_mod, "cuda_ready", lambda: True)
+    monkeypatch.setattr(stats_mod, "cuda_initialized", lambda: True)
     monkeypatch.setattr(stats_mod, "read_memory_stats", lambda index: figures)
-    monkeypatch.setattr(stats_mod, "_reserved_all_devices", lambda: 1000)
+    monkeypatch.setattr(stats_mod, "reserved_all_devices", lambda: 1000)
     return figures
 
 
-def test_cpu_record_has_zeros_and_host_rss(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend this machine has no CUDA device (so CPU expectations hold on a GPU machine too)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(stats_mod, "cuda_initialized", lambda: False)
+
+
+def test_cpu_record_has_zeros_and_host_rss(monkeypatch: pytest.MonkeyPatch,
+                                           no_cuda: None) -> None:
     monkeypatch.setattr(stats_mod, "nvml_process_memory", lambda pid=None: None)
     record = allocator_stats()
     assert isinstance(record, AllocatorStats)
@@ -100,7 +117,7 @@ def test_cuda_allocator_accessors(fake_cuda: dict[str, int],
     assert "cuda:0" in repr(allocator)
 
 
-def test_cuda_allocator_on_cpu_is_zero() -> None:
+def test_cuda_allocator_on_cpu_is_zero(no_cuda: None) -> None:
     allocator = CudaAllocator()
     assert allocator.device == "cpu"
     assert allocator.current_allocated() == allocator.peak_allocated() == 0
@@ -119,3 +136,52 @@ def test_cpu_and_absent_cuda_resolve_to_none() -> None:
     if not torch.cuda.is_available():
         assert resolve_cuda_index("cuda:0") is None
         assert resolve_cuda_index(0) is None
+
+
+def test_fragmentation_ratios() -> None:
+    assert fragmentation_ratios(600, 1000, 100) == pytest.approx((0.4, 0.1))
+    assert fragmentation_ratios(0, 0, 0) == (0.0, 0.0)
+
+
+def test_host_rss_holds_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[int] = []
+    real = stats_mod.psutil.Process
+
+    def counting(pid: int) -> object:
+        made.append(pid)
+        return real(pid)
+
+    monkeypatch.setattr(stats_mod.psutil, "Process", counting)
+    monkeypatch.setattr(stats_mod, "_own_rss", None)
+    readings = [host_rss() for _ in range(3)]
+    assert all(r is not None and r > 1 << 20 for r in readings)
+    assert len(made) == 1
+
+
+def test_read_cuda_figures_fast_path_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    nested = {name: {"all": {"current": cur, "peak": peak}}
+              for name, cur, peak in (("allocated_bytes", 600, 900),
+                                      ("reserved_bytes", 1000, 1200),
+                                      ("active_bytes", 650, 950))}
+    flat_calls: list[int] = []
+
+    def flat(index: int) -> dict[str, int]:
+        flat_calls.append(index)
+        return _FAKE
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", flat)
+    monkeypatch.setattr(torch._C, "_cuda_memoryStats", lambda index: nested, raising=False)
+    assert read_cuda_figures(0) == (600, 1000, 650, 900, 1200)
+    assert flat_calls == []
+    monkeypatch.delattr(torch._C, "_cuda_memoryStats", raising=False)
+    assert read_cuda_figures(1) == (600, 1000, 650, 900, 1200)
+    assert flat_calls == [1]
+
+
+def test_reserved_all_devices_sums_every_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stats_mod, "cuda_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(stats_mod, "read_cuda_figures", lambda i: (0, 100 * (i + 1), 0, 0, 0))
+    assert reserved_all_devices() == 600
+    monkeypatch.setattr(stats_mod, "cuda_initialized", lambda: False)
+    assert reserved_all_devices() == 0

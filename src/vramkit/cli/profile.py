@@ -9,7 +9,8 @@ PyTorch's CUDA allocator directly (exact allocated/reserved figures and between-
 and, through PyTorch's global module hooks, names the modules that hold the most activation
 memory. Anything else (``torchrun ...``, a shell script), or any target with ``--subprocess``,
 runs as a child process sampled from outside (host RSS of the child and its descendants, NVML
-process memory); torch figures are then 0.
+process memory); torch figures are then 0, and ``--device`` only labels the report (the child's
+allocator cannot be read from here).
 
 In-process caveats: the script runs as ``__main__`` of a runpy namespace, so code that pickles
 classes defined in the script for ``multiprocessing`` spawn workers should use ``--subprocess``.
@@ -139,25 +140,37 @@ def run_in_process(target: PythonTarget) -> int:
         sys.argv, sys.path[:] = saved_argv, saved_path
 
 
+def _wait_for_child(proc: subprocess.Popen[bytes]) -> int:
+    while True:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:  # the child got the same SIGINT; wait for it to finish
+            continue
+
+
 def _run_child(command: list[str], interval: float, device: str | None) -> tuple[int, Any]:
     from vramkit.memory.profiler import MemoryProfiler
 
+    # Settings are checked before the child exists: a bad --device must not leave it running.
+    # (The pid is known only after the start, so the sampling profiler is made afterwards.)
+    MemoryProfiler(device=device, sample_interval=interval)
     try:
         proc = subprocess.Popen(command)
     except OSError as err:
         raise ConfigError(f"cannot start {command[0]!r}: {err}",
                           "Check the command after '--'.") from err
-    profiler = MemoryProfiler(device=device, sample_interval=interval, pid=proc.pid)
-    profiler.start()
     try:
-        while True:
-            try:
-                code = proc.wait()
-                break
-            except KeyboardInterrupt:  # the child got the same SIGINT; wait for it to finish
-                continue
-    finally:
-        report = profiler.stop()
+        profiler = MemoryProfiler(device=device, sample_interval=interval, pid=proc.pid)
+        profiler.start()
+        try:
+            code = _wait_for_child(proc)
+        finally:
+            report = profiler.stop()
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        raise
     return (128 - code if code < 0 else code), report
 
 
@@ -210,7 +223,7 @@ def run_profile(args: argparse.Namespace) -> int:
     if not command:
         raise ConfigError("no command to profile",
                           "Usage: vramkit profile [--out DIR] -- python train.py ARGS")
-    if args.interval is None or not args.interval > 0:
+    if not args.interval > 0:  # also catches NaN
         raise ConfigError(f"--interval must be > 0 seconds, got {args.interval}")
     target = None if args.subprocess else parse_target(command)
     if target is None:
@@ -251,7 +264,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print the summary as JSON instead of tables")
     parser.add_argument("--device", default=None,
-                        help="CUDA device to read (default: the current one, else CPU)")
+                        help="CUDA device to read (default: the current one, else CPU); with "
+                             "--subprocess or a non-Python command it only labels the report")
     parser.add_argument("--subprocess", action="store_true",
                         help="run even Python scripts as a child process (no module hooks)")
     parser.add_argument("--no-modules", action="store_true",

@@ -5,8 +5,9 @@ training step) and judges the series with :class:`GrowthTracker`.
 
 What is measured:
 
-- **CUDA** (``device`` is a CUDA device): ``torch.cuda.memory_allocated`` at each boundary (exact,
-  no host sync). With ``record_stacks=True`` the detector turns on PyTorch's allocator history in
+- **CUDA** (``device`` is a CUDA device): the caching allocator's allocated bytes at each boundary
+  (exact, no host sync; read through the fast :func:`vramkit.memory.stats.read_cuda_figures`, or
+  handed in by a :class:`~vramkit.memory.profiler.MemoryProfiler` that already read them). With ``record_stacks=True`` the detector turns on PyTorch's allocator history in
   ``"state"`` mode (every live block remembers the Python stack that allocated it) and groups the
   blocks that appeared after the baseline by stack (``torch.cuda.memory._snapshot``).
 - **CPU**: bytes of live torch tensor storages created after the baseline, found by walking the
@@ -14,7 +15,8 @@ What is measured:
   baseline objects are moved to the permanent generation with ``gc.freeze()`` (``freeze_baseline``)
   so later walks only visit objects created since; ``stop()`` calls ``gc.unfreeze()``. Tensors held
   only from C++ (for example saved tensors of an autograd graph kept alive by ``total += loss``) are
-  invisible to this walk; host RSS is reported next to it for that case. With ``record_stacks=True``
+  invisible to this walk; a :class:`~vramkit.memory.profiler.MemoryProfiler` on the CPU judges
+  host RSS at its steps, which does show that case. With ``record_stacks=True``
   a ``TorchDispatchMode`` stays active between ``start()`` and ``stop()`` and records the creating
   Python stack of every new storage (a few microseconds per op).
 
@@ -36,6 +38,7 @@ the rule held, even if the growth later stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -50,8 +53,9 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
 
+from vramkit.devices._runtime import cuda_initialized
 from vramkit.errors import ConfigError
-from vramkit.memory.stats import host_rss, read_memory_stats, resolve_cuda_index
+from vramkit.memory.stats import read_cuda_figures, resolve_cuda_index
 
 __all__ = ["GrowthTracker", "LeakDetector", "LeakSuspect", "LeakVerdict", "assess_growth"]
 
@@ -107,15 +111,8 @@ class LeakVerdict:
     suspects: tuple[LeakSuspect, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (suspect stacks as lists)."""
-        return {
-            "leak": self.leak, "conclusive": self.conclusive,
-            "bytes_per_step": self.bytes_per_step, "growth_bytes": self.growth_bytes,
-            "steps": self.steps, "first_leak_step": self.first_leak_step, "metric": self.metric,
-            "threshold_bytes_per_step": self.threshold_bytes_per_step,
-            "suspects": [{"stack": list(s.stack), "bytes": s.bytes, "count": s.count,
-                          "example": s.example} for s in self.suspects],
-        }
+        """JSON-ready dict (``json`` writes the suspect and stack tuples as lists)."""
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LeakVerdict:
@@ -260,7 +257,7 @@ def format_frames(frames: Iterable[tuple[str, int, str]], depth: int) -> tuple[s
     return tuple(out) or _STACK_UNKNOWN
 
 
-def _python_stack(depth: int) -> tuple[tuple[str, int, str], ...]:
+def python_stack(depth: int) -> tuple[tuple[str, int, str], ...]:
     """The caller's user frames, innermost first, unformatted (formatting waits for a report)."""
     frame: FrameType | None = sys._getframe(2)
     frames = []
@@ -298,7 +295,7 @@ def _make_stack_recorder(depth: int) -> Any:
                 if storage in self.stacks:
                     continue  # a view or an in-place result: the storage already has a stack
                 if stack is None:
-                    stack = _python_stack(depth)
+                    stack = python_stack(depth)
                 self.stacks[storage] = stack
             return out
 
@@ -399,7 +396,8 @@ class LeakDetector:
                  threshold_bytes_per_step: int = 256 * 1024, record_stacks: bool = True,
                  stack_depth: int = 6, max_suspects: int = 10,
                  freeze_baseline: bool = True) -> None:
-        _check_rule(warmup_steps, window, threshold_bytes_per_step)
+        # GrowthTracker validates the rule settings it is given, so the checked values are the used ones
+        self._tracker = GrowthTracker(warmup_steps, window, threshold_bytes_per_step)
         if isinstance(stack_depth, bool) or not isinstance(stack_depth, int) or stack_depth < 1:
             raise ConfigError(f"stack_depth must be an int >= 1, got {stack_depth!r}")
         if isinstance(max_suspects, bool) or not isinstance(max_suspects, int) \
@@ -412,17 +410,14 @@ class LeakDetector:
         self.stack_depth = stack_depth
         self.max_suspects = max_suspects
         self.freeze_baseline = freeze_baseline
-        self._tracker = GrowthTracker(warmup_steps, window, threshold_bytes_per_step)
         self._started = False
         self._history_token: int | None = None
         self._recorder: Any = None
         self._baseline_taken = False
         self._baseline_storages: weakref.WeakSet[Any] = weakref.WeakSet()
         self._baseline_blocks: set[int] = set()
-        self._froze = False
         self._tensor_types: dict[type, bool] = {}
         self.readings: list[int] = []
-        self.rss_readings: list[int] = []
 
     # lifecycle ------------------------------------------------------------------------------
     def start(self) -> LeakDetector:
@@ -449,9 +444,8 @@ class LeakDetector:
         if self._history_token is not None:
             release_memory_history(self._history_token)
             self._history_token = None
-        if self._froze:
+        if _freeze_owner is self:
             gc.unfreeze()
-            self._froze = False
             _freeze_owner = None
         self._started = False
 
@@ -463,23 +457,33 @@ class LeakDetector:
         self.stop()
 
     # readings -------------------------------------------------------------------------------
-    def step(self) -> None:
-        """Record the reading at the end of a training step (starts the detector if needed)."""
+    def step(self, value: int | None = None) -> None:
+        """Record the reading at the end of a training step (starts the detector if needed).
+
+        Args:
+            value: on a CUDA detector, the allocated bytes of its device that the caller just
+                read (a profiler passes its own reading so the allocator is read once per step);
+                ``None`` (default) reads them here.
+
+        Raises:
+            ConfigError: ``value`` given to a CPU detector (its reading is a walk over live
+                tensors that only the detector can take).
+        """
+        if value is not None and self._index is None:
+            raise ConfigError("a CPU LeakDetector takes its own readings: call step() without "
+                              "a value")
         if not self._started:
             self.start()
-        value = self._read()
-        self._tracker.add(value)
-        self.readings.append(value)
+        reading = self._read() if value is None else int(value)
+        self._tracker.add(reading)
+        self.readings.append(reading)
         if not self._baseline_taken and self._tracker.steps >= self._tracker.warmup_steps:
             # the last warm-up step ends here: what is alive now is the baseline
             self._take_baseline()
-        rss = host_rss()
-        if rss is not None:
-            self.rss_readings.append(rss)
 
     def _read(self) -> int:
         if self._index is not None:
-            return int(read_memory_stats(self._index).get("allocated_bytes.all.current", 0))
+            return read_cuda_figures(self._index)[0] if cuda_initialized() else 0
         if not self._baseline_taken:
             return 0
         return sum(self._new_cpu_storages().values())
@@ -496,7 +500,6 @@ class LeakDetector:
             self._baseline_storages.add(tensor.untyped_storage())
         if self.freeze_baseline and _freeze_owner is None and gc.get_freeze_count() == 0:
             gc.freeze()
-            self._froze = True
             _freeze_owner = self
 
     def _live_tensors(self) -> list[Any]:

@@ -7,7 +7,8 @@
 - NVML's figure for this process (memory held outside PyTorch shows here). NVML is slower (a
   few milliseconds per query), so it is read every ``nvml_interval`` seconds (default 0.5 s) and
   the samples in between carry the last value;
-- bytes reserved by live pinned host pools (:func:`vramkit.memory.pool.live_pools`);
+- bytes reserved by live pinned host pools (:func:`vramkit.memory.pool.live_pools`), read on
+  the NVML cadence (``nvml_interval``) too, with the samples in between carrying the last value;
 - the host resident set size (psutil).
 
 On a CPU-only machine ``allocated``/``reserved``/``active`` are 0 (PyTorch exposes no CPU
@@ -41,12 +42,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from vramkit.devices._runtime import cuda_initialized
 from vramkit.errors import ConfigError, DeviceError
 from vramkit.memory.leaks import (
+    GrowthTracker,
     LeakDetector,
     LeakVerdict,
     acquire_memory_history,
-    assess_growth,
     release_memory_history,
 )
 from vramkit.memory.report import (
@@ -58,10 +60,14 @@ from vramkit.memory.report import (
     save_report,
 )
 from vramkit.memory.stats import (
+    _KEYS,
+    HostRssReader,
     MemoryStats,
-    cuda_ready,
+    fragmentation_ratios,
     nvml_process_memory,
+    read_cuda_figures,
     read_memory_stats,
+    reserved_all_devices,
     reset_cuda_peak,
     resolve_cuda_index,
     with_memory_tracking,
@@ -74,33 +80,6 @@ logger = logging.getLogger(__name__)
 
 _ZERO = (0, 0, 0, 0, 0)
 _NVML_GIVE_UP_AFTER = 3  # consecutive None answers: NVML is not there, stop asking
-
-
-def _read_cuda(index: int) -> tuple[int, int, int, int, int]:
-    """(allocated, reserved, active, peak allocated, peak reserved) for one device.
-
-    Uses the nested dict PyTorch builds in C++ (what ``memory_stats`` flattens in Python), which
-    is several times cheaper than the public call; falls back to it if the private one moves.
-    """
-    import torch
-
-    try:
-        raw = torch._C._cuda_memoryStats(index)
-        alloc, res, act = raw["allocated_bytes"]["all"], raw["reserved_bytes"]["all"], \
-            raw["active_bytes"]["all"]
-        return (int(alloc["current"]), int(res["current"]), int(act["current"]),
-                int(alloc["peak"]), int(res["peak"]))
-    except (AttributeError, KeyError, TypeError):
-        flat = torch.cuda.memory_stats(index)
-        return (int(flat.get("allocated_bytes.all.current", 0)),
-                int(flat.get("reserved_bytes.all.current", 0)),
-                int(flat.get("active_bytes.all.current", 0)),
-                int(flat.get("allocated_bytes.all.peak", 0)),
-                int(flat.get("reserved_bytes.all.peak", 0)))
-
-
-def _reset_cuda_peak(index: int) -> None:
-    reset_cuda_peak(index)
 
 
 def _check_positive(name: str, value: object) -> float:
@@ -160,8 +139,10 @@ class MemoryProfiler:
             only; see :meth:`save_trace`). Default ``False``.
         trace_max_entries: allocation events kept by the trace (default 100_000).
         detect_leaks: ``True`` to run a :class:`LeakDetector` on this device at every
-            :meth:`step`, or a detector to use. Default ``False``: the report's leak verdict then
-            judges the step-boundary readings of ``metric`` (no suspects).
+            :meth:`step`, or a detector to use (a CUDA detector on the profiler's device is
+            handed the profiler's reading instead of reading the allocator again). Default
+            ``False``: the report's leak verdict then judges the step-boundary readings of
+            ``metric`` (no suspects).
         pid: sample another process (host RSS of it and its children, NVML); torch figures are
             then 0. Default ``None``: this process.
         top_modules: modules listed in the report (default 10).
@@ -191,6 +172,9 @@ class MemoryProfiler:
         self.device = "cpu" if index is None else f"cuda:{index}"
         self._index = None if self._external else index
         self.metric = "host_rss" if self._index is None else "allocated"
+        self._cuda_seen = False  # CUDA, once initialized, stays so: stop asking then
+        self._rss_reader = HostRssReader(pid if self._external else None,
+                                         include_children=self._external)
         if trace and self._index is None:
             raise DeviceError("trace=True needs a CUDA device in this process: PyTorch records "
                               "allocation history only for its CUDA allocator",
@@ -226,7 +210,7 @@ class MemoryProfiler:
         self._t0 = time.perf_counter()
         self._started_at = time.time()
         self._stopped_at: float | None = None
-        self._peak = {k: _Peak() for k in ("allocated", "reserved", "host_rss", "metric")}
+        self._peak = {k: _Peak() for k in ("allocated", "reserved", "host_rss")}
         self._watermark = (0, 0)  # allocator peak watermark at the last reading
         self._peak_nvml: int | None = None
         self._peak_pinned = 0
@@ -234,17 +218,16 @@ class MemoryProfiler:
         self._sums = [0.0, 0.0, 0.0, 0]  # allocated, reserved, host_rss, readings with rss
         self._phase_peaks: dict[str, list[Any]] = {}
         self._modules: dict[str, _ModuleStat] = {}
-        self._step_values: list[int] = []
+        self._step_growth = GrowthTracker()  # the verdict without a detector, kept incrementally
         self._last_rss: int | None = None
         self._last_nvml: int | None = None
         self._nvml_due = 0.0
         self._nvml_misses = 0
         self._last_pinned = 0
-        self._live_pools: Any = None
+        self._pinned_due = 0.0
         self._counters0: dict[str, Any] = {}
         self._counters1: dict[str, Any] | None = None
         self._warned = False
-        self._rss_process: Any = None
 
     @property
     def running(self) -> bool:
@@ -275,10 +258,10 @@ class MemoryProfiler:
         self._reset_session()
         self._trace_snapshot = None
         self._leak_report = None
-        if self._index is not None and cuda_ready():
+        if self._index is not None and self._cuda_ready():
             if self.reset_peak:
-                _reset_cuda_peak(self._index)
-            reading = _read_cuda(self._index)
+                reset_cuda_peak(self._index)
+            reading = read_cuda_figures(self._index)
             self._watermark = (reading[3], reading[4])
         self._counters0 = read_memory_stats(self._index)
         if self.trace_on_start:
@@ -341,38 +324,18 @@ class MemoryProfiler:
                 break
 
     # readings -------------------------------------------------------------------------------
-    def _read_rss(self) -> int | None:
-        try:
-            import psutil
-        except ImportError:
-            return None
-        try:
-            if self._rss_process is None:
-                self._rss_process = psutil.Process(self.pid if self.pid else os.getpid())
-            rss = int(self._rss_process.memory_info().rss)
-            if self._external:
-                for child in self._rss_process.children(recursive=True):
-                    with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                        rss += int(child.memory_info().rss)
-            return rss
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            return None
+    def _cuda_ready(self) -> bool:
+        """Whether this profiler's allocator can be read (cached once CUDA is initialized)."""
+        if not self._cuda_seen and self._index is not None and cuda_initialized():
+            self._cuda_seen = True
+        return self._cuda_seen
 
     def _read_nvml(self, now: float) -> int | None:
         if now < self._nvml_due or self._nvml_misses >= _NVML_GIVE_UP_AFTER:
             return self._last_nvml
         self._nvml_due = now + self.nvml_interval
-        pids = [self.pid] if self._external else [None]
-        if self._external:
-            with contextlib.suppress(Exception):
-                import psutil
-
-                pids += [c.pid for c in psutil.Process(self.pid).children(recursive=True)]
-        total: int | None = None
-        for pid in pids:
-            used = nvml_process_memory(pid)
-            if used is not None:
-                total = (total or 0) + used
+        # the child processes of an external target hold GPU memory too: one query for them all
+        total = nvml_process_memory(self._rss_reader.pids() if self._external else None)
         self._nvml_misses = 0 if total is not None else self._nvml_misses + 1
         if total is None and self._nvml_misses >= _NVML_GIVE_UP_AFTER:
             logger.debug("NVML gave no process figure %d times; no longer asking",
@@ -380,41 +343,33 @@ class MemoryProfiler:
         self._last_nvml = total
         return total
 
-    def _read_pinned(self) -> int:
-        if self._external:
-            return 0
-        if self._live_pools is None:
-            try:
-                from vramkit.memory.pool import live_pools
+    def _read_pinned(self, now: float) -> int:
+        if self._external or now < self._pinned_due:
+            return self._last_pinned
+        self._pinned_due = now + self.nvml_interval
+        from vramkit.memory.pool import live_pools
 
-                self._live_pools = live_pools
-            except (ImportError, AttributeError):
-                self._live_pools = False
-        if self._live_pools is False:
-            return 0
         total = 0
         try:
-            for pool in self._live_pools():
-                # MemoryPool says "pinned" in .kind (its .pinned is a factory classmethod)
-                kind = getattr(pool, "kind", None)
-                flag = getattr(pool, "pinned", None)
-                pinned = kind == "pinned" if isinstance(kind, str) else flag is True
-                if pinned:
+            for pool in live_pools():
+                if pool.kind == "pinned":
                     total += int(pool.stats().reserved)
         except Exception as err:  # a pool mid-teardown must not stop sampling
             logger.debug("reading pinned pools failed: %s", err)
             return self._last_pinned
+        self._last_pinned = total
         return total
 
     def _record(self, kind: str, *, full: bool) -> int:
         """Take one reading, update the aggregates; returns the value of ``metric``."""
         now = time.perf_counter() - self._t0
+        index = self._index
         alloc, reserved, active, peak_a, peak_r = (
-            _read_cuda(self._index) if self._index is not None and cuda_ready() else _ZERO)
-        rss = self._read_rss() if (full or self._index is None) else self._last_rss
+            read_cuda_figures(index) if index is not None and self._cuda_ready() else _ZERO)
+        rss = self._rss_reader.read() if (full or index is None) else self._last_rss
         if full:
             nvml = self._read_nvml(now)
-            pinned = self._last_pinned = self._read_pinned()
+            pinned = self._read_pinned(now)
         else:
             nvml, pinned = self._last_nvml, self._last_pinned
         with self._lock:
@@ -428,12 +383,11 @@ class MemoryProfiler:
             self._watermark = (max(peak_a, self._watermark[0]), max(peak_r, self._watermark[1]))
             self._last_rss = rss
             ctx = (self._step, self._phase, self._module)
-            self._peak["allocated"].offer(alloc_high, now, ctx)
+            alloc_rose = self._peak["allocated"].offer(alloc_high, now, ctx)
             self._peak["reserved"].offer(reserved_high, now, ctx)
-            if rss is not None:
-                self._peak["host_rss"].offer(rss, now, ctx)
-            metric_high = alloc_high if self._index is not None else (rss or 0)
-            if self._peak["metric"].offer(metric_high, now, ctx) and ctx[2] is not None:
+            rss_rose = rss is not None and self._peak["host_rss"].offer(rss, now, ctx)
+            metric_rose = alloc_rose if index is not None else rss_rose
+            if metric_rose and ctx[2] is not None:
                 stat = self._modules.get(ctx[2].removesuffix(" [backward]"))
                 if stat is not None:
                     stat.peak_hits += 1
@@ -441,7 +395,9 @@ class MemoryProfiler:
                 self._peak_nvml = max(self._peak_nvml or 0, nvml)
             self._peak_pinned = max(self._peak_pinned, pinned)
             if self._phase is not None:
-                entry = self._phase_peaks.setdefault(self._phase, [0, 0, None, 0])
+                entry = self._phase_peaks.get(self._phase)
+                if entry is None:
+                    entry = self._phase_peaks[self._phase] = [0, 0, None, 0]
                 entry[0] = max(entry[0], alloc_high)
                 entry[1] = max(entry[1], reserved_high)
                 if rss is not None:
@@ -461,7 +417,7 @@ class MemoryProfiler:
                     timestamp=now, allocated=alloc, reserved=reserved, active=active,
                     nvml_used=nvml, host_rss=rss, phase=self._phase, pinned=pinned,
                     step=self._step, module=self._module, kind=kind))
-        return alloc if self._index is not None else (rss or 0)
+        return alloc if index is not None else (rss or 0)
 
     # phases and steps -----------------------------------------------------------------------
     def mark(self, phase: str | None) -> None:
@@ -488,12 +444,17 @@ class MemoryProfiler:
 
     def step(self) -> None:
         """Mark the end of a training step (and step the leak detector, if any)."""
-        if self._running:
-            value = self._record("step", full=False)
-            self._step_values.append(value)
+        if not self._running:
+            self._step += 1
+            return
+        value = self._record("step", full=False)
+        self._step_growth.add(value)
         self._step += 1
-        if self._leak_detector is not None and self._running:
-            self._leak_detector.step()
+        detector = self._leak_detector
+        if detector is not None:
+            # A CUDA detector on this device reads the very figure just read: hand it over.
+            same = self._index is not None and detector.device == self.device
+            detector.step(value if same else None)
 
     mark_step = step
 
@@ -683,24 +644,24 @@ class MemoryProfiler:
         start = self._counters0
         on_cuda = self._index is not None
 
-        def delta(key: str) -> int | None:
-            return int(end.get(key, 0)) - int(start.get(key, 0)) if on_cuda else None
+        def figure(counters: dict[str, Any], field: str) -> int:
+            return int(counters.get(_KEYS[field], 0))
 
-        end_alloc = int(end.get("allocated_bytes.all.current", 0))
-        end_reserved = int(end.get("reserved_bytes.all.current", 0))
+        def delta(field: str) -> int | None:
+            return figure(end, field) - figure(start, field) if on_cuda else None
+
         fragmentation = inactive_ratio = None
         if on_cuda:
-            fragmentation = 1.0 - end_alloc / end_reserved if end_reserved > 0 else 0.0
-            inactive_ratio = int(end.get("inactive_split_bytes.all.current", 0)) / end_reserved \
-                if end_reserved > 0 else 0.0
+            fragmentation, inactive_ratio = fragmentation_ratios(
+                figure(end, "allocated"), figure(end, "reserved"), figure(end, "inactive_split"))
         outside = None
         if self._last_nvml is not None and not self._external:
-            outside = self._last_nvml - _reserved_all_devices()
+            outside = self._last_nvml - reserved_all_devices()
         if self._leak_detector is not None:
             leak = self._leak_report if not self._running and self._leak_report is not None \
                 else self._leak_detector.report()
         else:
-            leak = assess_growth(self._step_values, self.metric) if self._step_values else None
+            leak = self._step_growth.verdict(self.metric) if self._step_growth.steps else None
         finished = self._stopped_at if self._stopped_at is not None and not self._running \
             else time.perf_counter()
         with self._lock:
@@ -710,7 +671,8 @@ class MemoryProfiler:
             return MemoryReport(
                 device=self.device, metric=self.metric, started_at=self._started_at,
                 duration_s=finished - self._t0, sample_interval=self.sample_interval,
-                num_samples=samples, steps=self._step, peak=self._peak["metric"].point(),
+                num_samples=samples, steps=self._step,
+                peak=self._peak["allocated" if on_cuda else "host_rss"].point(),
                 peak_allocated=self._peak["allocated"].point(),
                 peak_reserved=self._peak["reserved"].point(),
                 peak_host_rss=rss_peak.point() if rss_peak.value > 0 else None,
@@ -724,7 +686,7 @@ class MemoryProfiler:
                     ModuleMemory(name, s.type_name, s.calls, s.act_max, s.act_total,
                                  s.bwd_max, s.peak_hits)
                     for name, s in modules[: self.top_modules]),
-                num_allocations=delta("allocation.all.allocated"),
+                num_allocations=delta("allocations_total"),
                 alloc_retries=delta("num_alloc_retries"), ooms=delta("num_ooms"),
                 fragmentation=fragmentation, inactive_split_ratio=inactive_ratio,
                 outside_torch=outside, leak=leak, history=tuple(self._history),
@@ -737,9 +699,3 @@ class MemoryProfiler:
     def __repr__(self) -> str:
         return (f"MemoryProfiler(device={self.device!r}, sample_interval={self.sample_interval},"
                 f" running={self._running}, snapshots={len(self._history)})")
-
-
-def _reserved_all_devices() -> int:
-    from vramkit.memory.stats import allocator_stats
-
-    return allocator_stats("cpu", include_nvml=False).reserved_all_devices

@@ -17,15 +17,19 @@ zeros and ``None`` and nothing raises.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import psutil
+
+from vramkit.devices._runtime import cuda_initialized
 from vramkit.errors import ConfigError, DeviceError
 
 __all__ = ["AllocatorStats", "CudaAllocator", "MemoryStats", "allocator_stats",
@@ -35,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-# torch.cuda.memory_stats keys, read once per call (the function builds the whole dict anyway).
+# torch.cuda.memory_stats keys: the one table every reader of the flat dict uses.
 _KEYS = {
     "allocated": "allocated_bytes.all.current",
     "peak_allocated": "allocated_bytes.all.peak",
@@ -79,7 +83,7 @@ class AllocatorStats:
         reserved_all_devices: reserved bytes summed over every device this process initialized.
         nvml_process_used: GPU bytes NVML charges to this process over all GPUs, ``None`` when
             NVML is unavailable or was not asked.
-        host_rss: resident set size of this process in bytes, ``None`` without psutil.
+        host_rss: resident set size of this process in bytes (``None`` if the OS refused to tell).
     """
 
     device: str
@@ -106,16 +110,12 @@ class AllocatorStats:
     @property
     def fragmentation(self) -> float:
         """``1 - allocated / reserved``: share of reserved memory not holding tensors (0 if none)."""
-        if self.reserved <= 0:
-            return 0.0
-        return max(0.0, 1.0 - self.allocated / self.reserved)
+        return fragmentation_ratios(self.allocated, self.reserved, self.inactive_split)[0]
 
     @property
     def inactive_split_ratio(self) -> float:
         """``inactive_split / reserved``: share of reserved memory stranded in split blocks."""
-        if self.reserved <= 0:
-            return 0.0
-        return self.inactive_split / self.reserved
+        return fragmentation_ratios(self.allocated, self.reserved, self.inactive_split)[1]
 
     @property
     def outside_torch(self) -> int | None:
@@ -134,6 +134,22 @@ class AllocatorStats:
         data["inactive_split_ratio"] = self.inactive_split_ratio
         data["outside_torch"] = self.outside_torch
         return data
+
+
+def fragmentation_ratios(allocated: int, reserved: int, inactive_split: int) -> tuple[float, float]:
+    """``(1 - allocated / reserved, inactive_split / reserved)``; both 0.0 when nothing is reserved.
+
+    Args:
+        allocated: bytes in live tensors.
+        reserved: bytes the caching allocator holds.
+        inactive_split: cached-but-free bytes inside split segments.
+
+    Returns:
+        ``(fragmentation, inactive_split_ratio)``.
+    """
+    if reserved <= 0:
+        return 0.0, 0.0
+    return max(0.0, 1.0 - allocated / reserved), inactive_split / reserved
 
 
 def resolve_cuda_index(device: Any = None) -> int | None:
@@ -187,50 +203,110 @@ def resolve_cuda_index(device: Any = None) -> int | None:
     return index
 
 
-def cuda_ready() -> bool:
-    """Whether this process has initialized CUDA (reading stats then costs no initialization)."""
-    import torch
-
-    return bool(torch.cuda.is_available() and torch.cuda.is_initialized())
-
-
 def read_memory_stats(index: int | None) -> dict[str, Any]:
     """``torch.cuda.memory_stats(index)``, or ``{}`` on the CPU or before CUDA is initialized."""
-    if index is None or not cuda_ready():
+    if index is None or not cuda_initialized():
         return {}
     import torch
 
     return torch.cuda.memory_stats(index)
 
 
-def host_rss(pid: int | None = None) -> int | None:
-    """Resident set size of a process (default: this one), or ``None`` without psutil.
+def read_cuda_figures(index: int) -> tuple[int, int, int, int, int]:
+    """(allocated, reserved, active, peak allocated, peak reserved) bytes of one CUDA device.
+
+    The fast reader for loops: it takes the nested dict PyTorch builds in C++ (what
+    ``torch.cuda.memory_stats`` flattens in Python, several times slower) and falls back to the
+    public call if the private one moves. The caller checks that CUDA is initialized
+    (:func:`vramkit.devices._runtime.cuda_initialized`); this does not, to stay cheap.
 
     Args:
-        pid: the process id; ``None`` (default) means this process.
+        index: the CUDA ordinal.
 
     Returns:
-        Bytes, or ``None`` when psutil is missing or the process is gone.
+        The five figures, in bytes.
     """
+    import torch
+
     try:
-        import psutil
-    except ImportError:
-        return None
-    try:
-        return int(psutil.Process(pid if pid is not None else os.getpid()).memory_info().rss)
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
+        raw = torch._C._cuda_memoryStats(index)
+        alloc, res, act = (raw["allocated_bytes"]["all"], raw["reserved_bytes"]["all"],
+                           raw["active_bytes"]["all"])
+        return (int(alloc["current"]), int(res["current"]), int(act["current"]),
+                int(alloc["peak"]), int(res["peak"]))
+    except (AttributeError, KeyError, TypeError):
+        flat = torch.cuda.memory_stats(index)
+        return tuple(int(flat.get(_KEYS[name], 0)) for name in  # type: ignore[return-value]
+                     ("allocated", "reserved", "active", "peak_allocated", "peak_reserved"))
 
 
-def nvml_process_memory(pid: int | None = None) -> int | None:
-    """NVML's GPU bytes for a process via :func:`vramkit.devices.nvml.process_memory`, or ``None``.
+class HostRssReader:
+    """Resident set size of one process, optionally plus its descendants.
 
-    Imported lazily so importing this module never touches NVML.
+    Holds the ``psutil.Process`` (made at the first reading), so repeated readings cost one
+    ``/proc`` read each.
+
+    Args:
+        pid: the process; ``None`` (default) means this process.
+        include_children: add the RSS of every live descendant (default ``False``).
     """
-    try:
-        from vramkit.devices.nvml import process_memory
-    except ImportError:
-        return None
+
+    def __init__(self, pid: int | None = None, *, include_children: bool = False) -> None:
+        self.pid = os.getpid() if pid is None else pid
+        self.include_children = include_children
+        self._process: psutil.Process | None = None
+
+    def _proc(self) -> psutil.Process:
+        if self._process is None:
+            self._process = psutil.Process(self.pid)
+        return self._process
+
+    def read(self) -> int | None:
+        """Bytes resident now, or ``None`` when the process is gone or not readable."""
+        try:
+            process = self._proc()
+            rss = int(process.memory_info().rss)
+            if self.include_children:
+                for child in process.children(recursive=True):
+                    with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                        rss += int(child.memory_info().rss)
+            return rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+
+    def pids(self) -> set[int]:
+        """The process id plus, with ``include_children``, those of its live descendants."""
+        pids = {self.pid}
+        if self.include_children:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                pids.update(child.pid for child in self._proc().children(recursive=True))
+        return pids
+
+
+_own_rss: HostRssReader | None = None
+
+
+def host_rss() -> int | None:
+    """Resident set size of this process in bytes (``None`` only if the OS refuses to tell)."""
+    global _own_rss
+    reader = _own_rss
+    if reader is None or reader.pid != os.getpid():  # a forked child must not read its parent
+        reader = _own_rss = HostRssReader()
+    return reader.read()
+
+
+def nvml_process_memory(pid: int | Iterable[int] | None = None) -> int | None:
+    """NVML's GPU bytes for one or more processes, summed (one NVML session), or ``None``.
+
+    Args:
+        pid: a process id, several, or ``None`` (default) for this process.
+
+    Returns:
+        See :func:`vramkit.devices.nvml.process_memory` (imported lazily so importing this
+        module never touches NVML).
+    """
+    from vramkit.devices.nvml import process_memory
+
     return process_memory(pid)
 
 
@@ -241,12 +317,13 @@ def reset_cuda_peak(index: int) -> None:
     torch.cuda.reset_peak_memory_stats(index)
 
 
-def _reserved_all_devices() -> int:
+def reserved_all_devices() -> int:
+    """Bytes PyTorch's caching allocator reserves, summed over every device (0 before CUDA init)."""
+    if not cuda_initialized():
+        return 0
     import torch
 
-    if not cuda_ready():
-        return 0
-    return sum(int(torch.cuda.memory_reserved(i)) for i in range(torch.cuda.device_count()))
+    return sum(read_cuda_figures(i)[1] for i in range(torch.cuda.device_count()))
 
 
 def allocator_stats(device: Any = None, *, include_nvml: bool = True) -> AllocatorStats:
@@ -265,8 +342,8 @@ def allocator_stats(device: Any = None, *, include_nvml: bool = True) -> Allocat
     values = {field: int(stats.get(key, 0)) for field, key in _KEYS.items()}
     return AllocatorStats(
         device="cpu" if index is None else f"cuda:{index}",
-        cuda_initialized=cuda_ready(),
-        reserved_all_devices=_reserved_all_devices(),
+        cuda_initialized=cuda_initialized(),
+        reserved_all_devices=reserved_all_devices(),
         nvml_process_used=nvml_process_memory() if include_nvml else None,
         host_rss=host_rss(),
         **values,
@@ -312,11 +389,9 @@ class CudaAllocator:
 
     def reset_peak(self) -> None:
         """Reset the device's peak counters to the current values (no-op before CUDA init)."""
-        if self._index is None or not cuda_ready():
+        if self._index is None or not cuda_initialized():
             return
-        import torch
-
-        torch.cuda.reset_peak_memory_stats(self._index)
+        reset_cuda_peak(self._index)
 
     def stats(self, *, include_nvml: bool = False) -> AllocatorStats:
         """The full :class:`AllocatorStats` record for this device.
@@ -324,8 +399,7 @@ class CudaAllocator:
         Args:
             include_nvml: also query NVML (default ``False``: the accessors stay cheap).
         """
-        return allocator_stats(self.device if self._index is not None else "cpu",
-                               include_nvml=include_nvml)
+        return allocator_stats(self.device, include_nvml=include_nvml)
 
     def __repr__(self) -> str:
         return f"CudaAllocator(device={self.device!r})"
@@ -388,20 +462,24 @@ def with_memory_tracking(name: str, fn: Callable[..., _T], *args: Any,
     index = resolve_cuda_index(None)
     started = time.perf_counter()
     if index is not None:
-        if cuda_ready():
+        if cuda_initialized():
             reset_cuda_peak(index)
         before = read_memory_stats(index)
         result = fn(*args, **kwargs)
         after = read_memory_stats(index)
+
+        def figure(counters: dict[str, Any], field: str) -> int:
+            return int(counters.get(_KEYS[field], 0))
+
         stats = MemoryStats(
             name=name, device=f"cuda:{index}",
-            peak_allocated=int(after.get("allocated_bytes.all.peak", 0)),
-            total_allocated=int(after.get("allocated_bytes.all.allocated", 0))
-            - int(before.get("allocated_bytes.all.allocated", 0)),
-            num_allocations=int(after.get("allocation.all.allocated", 0))
-            - int(before.get("allocation.all.allocated", 0)),
-            start_allocated=int(before.get("allocated_bytes.all.current", 0)),
-            end_allocated=int(after.get("allocated_bytes.all.current", 0)),
+            peak_allocated=figure(after, "peak_allocated"),
+            total_allocated=figure(after, "allocated_bytes_total")
+            - figure(before, "allocated_bytes_total"),
+            num_allocations=figure(after, "allocations_total")
+            - figure(before, "allocations_total"),
+            start_allocated=figure(before, "allocated"),
+            end_allocated=figure(after, "allocated"),
             duration_s=time.perf_counter() - started, source="cuda_allocator")
     else:
         counter = _make_allocation_counter()
@@ -420,16 +498,14 @@ class _RssPeakSampler:
     """Host RSS at entry and exit and its peak, polled every ``interval`` seconds in between."""
 
     def __init__(self, interval: float = 0.001) -> None:
-        import psutil
-
-        self._process = psutil.Process(os.getpid())
         self._interval = interval
         self._stop = threading.Event()
         self.start = self.end = self.peak = 0
         self._thread: threading.Thread | None = None
 
-    def _rss(self) -> int:
-        return int(self._process.memory_info().rss)
+    @staticmethod
+    def _rss() -> int:
+        return host_rss() or 0
 
     def _poll(self) -> None:
         while not self._stop.wait(self._interval):

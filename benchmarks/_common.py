@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vramkit.devices.nvml import query_nvml
+
 __all__ = [
     "add_common_args",
     "environment",
@@ -71,17 +73,8 @@ def _cpu_model() -> str:
 
 
 def _driver_version() -> str | None:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            version = pynvml.nvmlSystemGetDriverVersion()
-        finally:
-            pynvml.nvmlShutdown()
-        return version.decode() if isinstance(version, bytes) else str(version)
-    except Exception:  # NVML is optional here: the header just omits the driver
-        return None
+    # query_nvml never raises for a missing or failing NVML: the header then omits the driver.
+    return query_nvml(include_processes=False).driver_version
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -125,6 +125,14 @@ def test_initial_size_is_reserved_eagerly() -> None:
     assert make_pool().stats().reserved == 0
 
 
+def test_initial_size_sizes_the_first_segment_after_a_trim() -> None:
+    pool = make_pool(initial_size="64KiB")
+    pool.allocate(4096).free()
+    assert pool.trim() == 64 * KiB and pool.stats().reserved == 0
+    block = pool.allocate(4096)  # the request (or growth from 0 reserved) would be 4 KiB
+    assert pool.segment_sizes() == {1: 64 * KiB} and block.segment == 1
+
+
 def test_live_pools_tracks_pools_weakly() -> None:
     pool = make_pool()
     assert any(p is pool for p in live_pools())
@@ -240,6 +248,29 @@ def test_cached_blocks_expire_after_cleanup_interval(clock: FakeClock) -> None:
     clock.now += 10
     c.free()  # free also expires
     assert pool.stats().cache_expired == 3
+
+
+def test_cache_buckets_do_not_accumulate_distinct_sizes(clock: FakeClock) -> None:
+    pool = make_pool(cleanup_interval=5.0, initial_size="1MiB")  # never grows (growth flushes)
+    for i in range(1, 33):
+        pool.allocate(512 * i).free()
+    assert len(pool._book.cache) == 32
+    clock.now += 6
+    pool.allocate(100).free()  # expiry returns every stale bucket; only this size's is left
+    assert list(pool._book.cache) == [512]
+    held = [pool.allocate(512 * i) for i in range(2, 33)]  # misses: the buckets are gone
+    for block in held:
+        block.free()
+    held = [pool.allocate(512 * i) for i in range(2, 33)]  # hits empty those 31 buckets
+    assert pool.stats().cache_hits == 31
+    clock.now += 6
+    pool.allocate(100).free()  # buckets emptied by hits go at the next expiry too
+    assert list(pool._book.cache) == [512]
+    for block in held:
+        block.free()
+    assert len(pool._book.cache) == 32
+    pool.trim()  # flushing the cache forgets the buckets as well
+    assert pool._book.cache == {}
 
 
 def test_cleanup_interval_knob_matters(clock: FakeClock) -> None:
@@ -748,6 +779,46 @@ def test_pool_garbage_collection_unregisters_after_pending_copies(fake_cuda: tup
         assert log.index(("unregister", ptr)) < log.index(("freed", ptr))
 
 
+def test_pending_block_is_reused_once_its_events_complete(fake_cuda: tuple) -> None:
+    pool = MemoryPool.pinned(PoolConfig(growth_factor=1.0))
+    FakeEvent.complete = False
+    block = pool.allocate(4096)
+    address = block.data_ptr
+    block.free()  # a (fake) non-blocking copy may still read it: pending
+    other = pool.allocate(4096)
+    assert other.data_ptr != address
+    FakeEvent.complete = True
+    reused = pool.allocate(4096)  # the miss reclaims the completed block: it becomes a hit
+    assert reused.data_ptr == address
+    stats = pool.stats()
+    assert stats.pending == 0 and (stats.cache_hits, stats.cache_misses) == (1, 2)
+
+
+def test_cache_hits_do_not_query_pending_events(fake_cuda: tuple,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    queried: list[object] = []
+
+    def counting_query(self: FakeEvent) -> bool:
+        queried.append(self)
+        return FakeEvent.complete
+
+    monkeypatch.setattr(FakeEvent, "query", counting_query)
+    pool = MemoryPool.pinned(PoolConfig(growth_factor=1.0))
+    big = pool.allocate(8192)
+    pool.allocate(4096).free()
+    assert pool.stats().cached == 4096  # its event completed: reclaimed into the cache
+    FakeEvent.complete = False
+    big.free()  # stays pending
+    queried.clear()
+    hit = pool.allocate(4096)
+    assert queried == []  # the fast path never looks at pending blocks
+    miss = pool.allocate(4096)
+    assert queried  # a miss does, before carving or growing
+    stats = pool.stats()
+    assert stats.pending == 8192 and stats.cache_hits == 1
+    assert hit.data_ptr != miss.data_ptr
+
+
 def test_registration_failure_is_a_device_error(fake_cuda: tuple) -> None:
     cudart, log = fake_cuda
     cudart.fail_with = 2  # cudaErrorMemoryAllocation
@@ -795,7 +866,8 @@ def test_arena_best_fit_split_and_coalesce() -> None:
     arena.give(0, 30, 30)
     arena.give(0, 0, 10)
     arena.give(0, 60, 40)
-    assert arena.segment_is_empty(0) and arena.num_free_ranges == 1
+    # One free range spanning the whole segment: everything coalesced back.
+    assert arena.empty_segments() == [0] and arena.largest_free == arena.total_free == 100
     with pytest.raises(ValueError):
         arena.give(0, 0, 10)  # already free
     with pytest.raises(ValueError):

@@ -78,15 +78,23 @@ def test_cuda_defragment_moves_bytes_on_device() -> None:
     mover = pool.allocate(3 * MiB, relocatable=True)
     pattern = torch.randint(0, 256, (3 * MiB,), dtype=torch.uint8, device="cuda")
     mover.tensor.copy_(pattern)
+    # Load every kernel used below now: CUDA loads kernels lazily on first use, and that load
+    # waits for the device, which would let the spin finish before compaction starts.
+    expected = pattern + 1
+    pattern.clone().add_(1)  # the in-place kernel the side stream runs
+    torch.equal(expected, pattern)  # (the same tensor twice may skip the kernels)
+    torch.cuda._sleep(1)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        mover.tensor.add_(1)  # the compaction copy must wait for this
+        torch.cuda._sleep(SLEEP_CYCLES)
+        mover.tensor.add_(1)  # the compaction copy must wait for this, queued after the spin
     mover.record_stream(side)
     gap.free()
+    assert not side.query(), "the side-stream kernel finished too early for this test"
     result = pool.defragment()
     assert result.moved_blocks == 1 and mover.offset == 0
-    assert torch.equal(mover.tensor, pattern + 1)
+    assert torch.equal(mover.tensor, expected)
 
 
 def test_cuda_pool_tensor_returns_on_gc() -> None:

@@ -43,23 +43,53 @@ class PoolMachine(RuleBasedStateMachine):
             defrag_threshold=threshold, alignment=alignment, initial_size=initial,
             cleanup_interval=5.0))
 
+    # Large sizes (up to 5/8 of the cap) make refusals common enough to check them.
     @rule(nbytes=st.one_of(st.integers(1, 4096), st.integers(4097, 40000),
-                           st.sampled_from([512, 1024, 3000])),
+                           st.integers(40001, 160000), st.sampled_from([512, 1024, 3000])),
           relocatable=st.booleans(), seed=st.integers(0, 250))
     def allocate(self, nbytes: int, relocatable: bool, seed: int) -> None:
         assert self.pool is not None
+        sizes_before = self.pool.segment_sizes()
+        defrags_before = self.pool.stats().defragmentations
         try:
             block = self.pool.allocate(nbytes, relocatable=relocatable)
         except PoolExhaustedError as exc:
-            # Only refused when it really cannot fit: the live bytes plus this block would not
-            # fit under the cap, or the layout is fragmented and not all live blocks can move.
-            stats = exc.stats
-            assert stats is not None and stats.reserved <= MAX_SIZE
+            self.check_refusal_is_genuine(exc, nbytes, sizes_before, defrags_before)
             return
         pattern = (torch.arange(nbytes, dtype=torch.int64) * 7 + seed).remainder_(256)
         pattern = pattern.to(torch.uint8)
         block.tensor.copy_(pattern)
         self.live.append((block, pattern))
+
+    def check_refusal_is_genuine(self, exc: PoolExhaustedError, nbytes: int,
+                                 sizes_before: dict[int, int], defrags_before: int) -> None:
+        """A refusal must follow the pool's rule, step by step, or it is spurious.
+
+        Before refusing, the pool flushes the cache (cached blocks may coalesce into a fit),
+        compacts when relocatable blocks are live and fragmentation exceeds defrag_threshold,
+        releases empty segments, and fails only when growing by the request would pass the cap.
+        """
+        assert self.pool is not None
+        config = self.pool.config
+        stats = exc.stats
+        assert stats is not None and exc.requested == nbytes
+        cap = -(-nbytes // config.alignment) * config.alignment
+        # No free range fits, and a segment of the request would pass the cap (a host pool
+        # grows by at least the request whenever that much room is left).
+        assert stats.largest_free_block < cap and stats.reserved + cap > MAX_SIZE
+        assert stats.cached == 0 and stats.pending == 0  # the cache was flushed into the arena
+        # Every segment holds a live block: no empty segment was left unreleased.
+        sizes = self.pool.segment_sizes()
+        assert set(sizes) <= {block.segment for block, _ in self.live}
+        relocatable_live = any(block.relocatable for block, _ in self.live)
+        if relocatable_live and stats.defragmentations == defrags_before:
+            # Not compacted: fragmentation was at most the threshold when the pool decided, i.e.
+            # after the flush and before the segments it released at the end.
+            released = [size for segment, size in sizes_before.items() if segment not in sizes]
+            usable = stats.free + sum(released)
+            largest = max([stats.largest_free_block, *released])
+            fragmentation = 1.0 - largest / usable if usable else 0.0
+            assert fragmentation <= config.defrag_threshold
 
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 1000))

@@ -27,15 +27,15 @@ from __future__ import annotations
 import math
 import os
 import threading
-import traceback
 from bisect import bisect_left, insort
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from types import TracebackType
 from typing import Any
 
 from vramkit.errors import ConfigError
+from vramkit.memory.leaks import format_frames, python_stack
 from vramkit.units import format_size, parse_size
 
 __all__ = [
@@ -46,12 +46,17 @@ __all__ = [
     "PoolConfig",
     "PoolLedger",
     "PoolStats",
+    "RawStack",
     "capture_stack",
     "fit_segment",
+    "format_stack",
     "pow2_ceil",
 ]
 
 _STACK_DEPTH = 12  # frames kept per allocation stack: enough to find the caller, cheap to store
+
+# ``(filename, line, function)`` per frame, innermost first, unformatted (leaks.py's format).
+RawStack = tuple[tuple[str, int, str], ...]
 _MEMORY_DEBUG_ENV = "VRAMKIT_MEMORY_DEBUG"
 _CUDA_LARGE_ROUND = 2 << 20  # PyTorch rounds CUDA allocations above 1 MiB to 2 MiB multiples
 
@@ -107,10 +112,6 @@ class Arena:
         del self._segments[segment]
         return size
 
-    def segment_is_empty(self, segment: int) -> bool:
-        """Whether every byte of ``segment`` is free."""
-        return self._by_start.get((segment, 0)) == self._segments[segment]
-
     def empty_segments(self) -> list[int]:
         """Ids of segments whose bytes are all free, in creation order."""
         return [s for s, size in self._segments.items() if self._by_start.get((s, 0)) == size]
@@ -118,6 +119,11 @@ class Arena:
     def segments(self) -> dict[int, int]:
         """A copy of ``{segment id: size}``."""
         return dict(self._segments)
+
+    @property
+    def num_segments(self) -> int:
+        """Number of segments."""
+        return len(self._segments)
 
     # -- allocation -------------------------------------------------------------------------
 
@@ -198,16 +204,6 @@ class Arena:
         """Size of the largest free range (0 when none)."""
         return self._by_size[-1][0] if self._by_size else 0
 
-    @property
-    def num_free_ranges(self) -> int:
-        """Number of free ranges."""
-        return len(self._by_size)
-
-    def free_ranges(self) -> Iterator[tuple[int, int, int]]:
-        """Free ranges as ``(segment, offset, size)`` in address order."""
-        for (segment, offset), size in sorted(self._by_start.items()):
-            yield segment, offset, size
-
     # -- internals --------------------------------------------------------------------------
 
     def _insert(self, segment: int, offset: int, size: int) -> None:
@@ -225,8 +221,6 @@ class Arena:
         del self._by_start[(segment, offset)]
         del self._by_end[(segment, offset + size)]
         self._total_free -= size
-
-
 
 
 def _tracking_from_env() -> bool:
@@ -450,7 +444,8 @@ class LiveBlock:
         offset: byte offset in the segment.
         age: seconds since it was allocated.
         relocatable: whether compaction may move it.
-        stack: formatted allocation stack (innermost last) when tracking was on, else ``None``.
+        stack: the allocation stack as ``"file.py:12 in fn"`` lines (innermost last) when
+            tracking was on, else ``None``.
     """
 
     nbytes: int
@@ -466,7 +461,7 @@ class LiveBlock:
                 f"alive {self.age:.1f} s")
         if not self.stack:
             return head + " (set VRAMKIT_MEMORY_DEBUG=1 to record where it was allocated)"
-        return head + ", allocated at:\n" + "".join(self.stack).rstrip("\n")
+        return head + ", allocated at:\n" + "\n".join(f"  {line}" for line in self.stack)
 
 
 @dataclass(frozen=True)
@@ -486,13 +481,26 @@ class DefragmentResult:
     released_bytes: int
 
 
-def capture_stack() -> traceback.StackSummary:
-    """The caller's stack without the pool's own frames (cheap enough for debug mode only)."""
-    stack = traceback.extract_stack(limit=_STACK_DEPTH + 8)
-    while stack and ("vramkit/memory/pool.py" in stack[-1].filename.replace("\\", "/")
-                     or "vramkit/memory/_arena.py" in stack[-1].filename.replace("\\", "/")):
-        stack.pop()
-    return traceback.StackSummary.from_list(stack[-_STACK_DEPTH:])
+def capture_stack() -> RawStack:
+    """The allocating code's frames, without the pool's (or torch's) own, left unformatted.
+
+    Formatting waits until a report asks for it (:func:`format_stack`), so recording costs one
+    bounded frame walk per allocation. It is the leak detector's walker, so both skip the same
+    machinery frames (vramkit.memory, torch, contextlib, runpy).
+    """
+    return python_stack(_STACK_DEPTH)
+
+
+def format_stack(stack: RawStack) -> tuple[str, ...]:
+    """``"file.py:12 in step"`` lines of a :func:`capture_stack` result, innermost last.
+
+    Args:
+        stack: a raw stack, innermost first.
+
+    Returns:
+        Up to 12 formatted frames in traceback order (innermost last).
+    """
+    return tuple(reversed(format_frames(stack, _STACK_DEPTH)))
 
 
 class AllocationTracker:
@@ -503,12 +511,12 @@ class AllocationTracker:
     """
 
     def __init__(self, on_stop: Callable[[AllocationTracker], None]) -> None:
-        self._records: list[tuple[int, traceback.StackSummary]] = []
+        self._records: list[tuple[int, RawStack]] = []
         self._lock = threading.Lock()
         self._on_stop = on_stop
         self.active = True
 
-    def _add(self, nbytes: int, stack: traceback.StackSummary) -> None:
+    def _add(self, nbytes: int, stack: RawStack) -> None:
         with self._lock:
             self._records.append((nbytes, stack))
 
@@ -521,7 +529,7 @@ class AllocationTracker:
         """
         with self._lock:
             records = list(self._records)
-        return [(nbytes, stack.format()) for nbytes, stack in records]
+        return [(nbytes, list(format_stack(stack))) for nbytes, stack in records]
 
     def stop(self) -> None:
         """Stop recording (idempotent); recorded allocations stay readable."""
@@ -568,7 +576,6 @@ class PoolLedger:
         self.allocated = self.requested = self.reserved = 0
         self.peak_allocated = self.peak_reserved = 0
         self.relocatable_live = 0
-        self.segments: dict[int, int] = {}
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -624,6 +631,7 @@ class PoolLedger:
         """Return cached ranges unused for ``interval`` seconds to the arena."""
         horizon = now - self.interval
         next_expiry = math.inf
+        emptied = []
         for capacity, bucket in self.cache.items():
             while bucket and bucket[0][2] <= horizon:  # oldest on the left (hits pop the right)
                 segment, offset, _ = bucket.popleft()
@@ -632,6 +640,11 @@ class PoolLedger:
                 self.arena.give(segment, offset, capacity)
             if bucket:
                 next_expiry = min(next_expiry, bucket[0][2] + self.interval)
+            else:
+                emptied.append(capacity)
+        # Drop empty buckets, or a workload of ever-new sizes grows the dict without bound.
+        for capacity in emptied:
+            del self.cache[capacity]
         self.next_expiry = next_expiry
 
     def flush_cache(self) -> None:
@@ -640,6 +653,7 @@ class PoolLedger:
             while bucket:
                 segment, offset, _ = bucket.pop()
                 self.arena.give(segment, offset, capacity)
+        self.cache.clear()
         self.cached_bytes = 0
         self.next_expiry = math.inf
 
@@ -648,7 +662,6 @@ class PoolLedger:
     def add_segment(self, segment: int, size: int) -> None:
         """Register a new, all-free segment."""
         self.arena.add_segment(segment, size)
-        self.segments[segment] = size
         self.reserved += size
         if self.reserved > self.peak_reserved:
             self.peak_reserved = self.reserved
@@ -656,14 +669,12 @@ class PoolLedger:
     def remove_segment(self, segment: int) -> int:
         """Forget an empty segment; returns its size."""
         size = self.arena.remove_segment(segment)
-        del self.segments[segment]
         self.reserved -= size
         return size
 
     def clear(self) -> None:
         """Forget every segment, cached and pending range (``clear(force=True)``)."""
         self.arena = Arena()
-        self.segments.clear()
         self.cache.clear()
         self.pending.clear()
         self.cached_bytes = self.pending_bytes = 0
@@ -690,7 +701,7 @@ class PoolLedger:
             num_allocations=self.num_allocations, num_frees=self.num_frees,
             cache_hits=self.cache_hits, cache_misses=self.cache_misses,
             fragmentation=self.fragmentation(), largest_free_block=self.largest_free(),
-            segments=len(self.segments), requested=self.requested,
+            segments=self.arena.num_segments, requested=self.requested,
             free=self.reserved - self.allocated, cached=self.cached_bytes,
             pending=self.pending_bytes, live_blocks=live_blocks,
             leaked_frees=self.leaked_frees, cache_expired=self.cache_expired,

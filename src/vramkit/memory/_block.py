@@ -7,13 +7,13 @@
 from __future__ import annotations
 
 import math
-import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vramkit.errors import ConfigError, InvalidBlockError
+from vramkit.memory._arena import RawStack
 
 if TYPE_CHECKING:
     from vramkit.memory.pool import MemoryPool
@@ -24,12 +24,12 @@ __all__ = ["AllocRecord", "Block", "CudaBlockBuffer", "Segment", "shape_tuple"]
 class Segment:
     """One piece of memory obtained from PyTorch; blocks are byte ranges inside it."""
 
-    __slots__ = ("base_ptr", "id", "size", "storage")
+    __slots__ = ("base_ptr", "id", "storage")
 
-    def __init__(self, segment_id: int, storage: torch.Tensor, size: int) -> None:
+    def __init__(self, segment_id: int, storage: torch.Tensor) -> None:
         self.id = segment_id
-        self.storage = storage  # 1-D uint8 tensor of exactly ``size`` bytes
-        self.size = size
+        # 1-D uint8 tensor; its size lives in the ledger's arena, the one place sizes are kept.
+        self.storage = storage
         self.base_ptr = storage.data_ptr()
 
 
@@ -41,7 +41,7 @@ class AllocRecord:
 
     def __init__(self, serial: int, segment: Segment, offset: int, capacity: int, nbytes: int,
                  relocatable: bool, created: float,
-                 stack: traceback.StackSummary | None) -> None:
+                 stack: RawStack | None) -> None:
         self.serial = serial
         self.segment = segment
         self.offset = offset

@@ -25,7 +25,9 @@ How it works:
 * **Stream-ordered reuse.** Like PyTorch's allocator, the pool assumes a device block is used on
   the stream that is current when it is freed; use on other streams is declared with
   :meth:`Block.record_stream`. At free time an event is recorded on each declared stream and the
-  block stays *pending* -- skipped, never waited for -- until every event has completed. Pinned
+  block stays *pending* -- skipped, never waited for -- until every event has completed (the
+  events are queried when an allocation misses the exact-size cache, and by ``stats``, ``trim``
+  and ``defragment``; a cache hit never pays for them). Pinned
   pools also record an event on the current stream at every free, because a non-blocking copy
   from host memory may still be reading the block. Plain host pools have no streams:
   ``record_stream`` is a no-op there.
@@ -72,6 +74,7 @@ from vramkit.memory._arena import (
     PoolStats,
     capture_stack,
     fit_segment,
+    format_stack,
     pow2_ceil,
 )
 from vramkit.memory._block import AllocRecord, Block, CudaBlockBuffer, Segment, shape_tuple
@@ -170,7 +173,8 @@ class MemoryPool:
         register_finalizer(self, self._backend, self._book)
         if config.initial_size:
             with self._lock:
-                if self._grow_locked(self._aligned(config.initial_size)) is None:
+                initial = (config.initial_size + self._align_mask) & ~self._align_mask
+                if self._grow_locked(initial) is None:
                     raise ConfigError("PoolConfig.initial_size does not fit under max_size once "
                                       "rounded to this pool's segment sizes")
         _LIVE_POOLS.add(self)
@@ -223,11 +227,14 @@ class MemoryPool:
             if self._dropped:
                 self._drain_dropped_locked()
             now = _clock()
-            if book.pending:
-                book.reclaim_pending(now)
             if now >= book.next_expiry:
                 book.expire(now)
             bucket = book.cache.get(capacity)
+            if not bucket and book.pending:
+                # Only on a miss: querying every pending block's events costs too much for the
+                # fast path, and a reclaimed block of this size may still turn the miss into a hit.
+                book.reclaim_pending(now)
+                bucket = book.cache.get(capacity)
             if bucket:  # exact-size fast path
                 segment_id, offset, _ = bucket.pop()
                 book.cached_bytes -= capacity
@@ -428,7 +435,7 @@ class MemoryPool:
             recs = [r for r in self._live.values() if now - r.created >= min_age]
         return [LiveBlock(nbytes=r.nbytes, capacity=r.capacity, segment=r.segment.id,
                           offset=r.offset, age=now - r.created, relocatable=r.relocatable,
-                          stack=tuple(r.stack.format()) if r.stack is not None else None)
+                          stack=format_stack(r.stack) if r.stack is not None else None)
                 for r in recs]
 
     def track_allocations(self) -> AllocationTracker:
@@ -449,7 +456,7 @@ class MemoryPool:
     def segment_sizes(self) -> dict[int, int]:
         """``{segment id: bytes}`` of the segments currently reserved."""
         with self._lock:
-            return dict(self._book.segments)
+            return self._book.arena.segments()
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[Any]:
@@ -546,16 +553,13 @@ class MemoryPool:
                 continue
             if not rec.auto_free:
                 self._book.leaked_frees += 1
-                where = "".join(rec.stack.format()) if rec.stack is not None else \
-                    "(set VRAMKIT_MEMORY_DEBUG=1 to record allocation stacks)\n"
+                where = "\n".join(format_stack(rec.stack)) if rec.stack is not None else \
+                    "(set VRAMKIT_MEMORY_DEBUG=1 to record allocation stacks)"
                 logger.warning("%s: a %d-byte block was dropped without free(); returned by its "
                                "finalizer. Allocated at:\n%s", self, rec.nbytes, where)
             self._release_locked(rec, _clock())
 
     # -- internals: growth and compaction ---------------------------------------------------
-
-    def _aligned(self, nbytes: int) -> int:
-        return (nbytes + self._align_mask) & ~self._align_mask
 
     def _carve_locked(self, capacity: int, nbytes: int) -> tuple[int, int]:
         place = self._book.arena.take(capacity)
@@ -609,7 +613,7 @@ class MemoryPool:
                         format_size(size), format_size(smaller))
             size = smaller
             storage = self._backend.new_storage(size)
-        segment = Segment(next(self._segment_ids), storage, size)
+        segment = Segment(next(self._segment_ids), storage)
         self._segments[segment.id] = segment
         book.add_segment(segment.id, size)
         logger.debug("%s: new segment %d of %s", self, segment.id, format_size(size))

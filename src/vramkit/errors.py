@@ -18,6 +18,7 @@ __all__ = [
     "InvalidBlockError",
     "JaxUnavailableError",
     "NvmlError",
+    "OffloadError",
     "PoolExhaustedError",
     "TooLateError",
     "VramkitError",
@@ -141,3 +142,11 @@ class InvalidBlockError(VramkitError):
     """A pool block handle used after it was freed, freed twice, or given to the wrong pool."""
 
     default_hint = "Each block may be freed once; do not keep tensors from a freed block."
+
+
+class OffloadError(VramkitError):
+    """Offloading or block swapping cannot do what was asked (a missing block, a detached swapper,
+    a module layout it cannot handle)."""
+
+    default_hint = ("Check the block names or patterns against model.named_modules(), and call "
+                    "swapper.detach() only once.")

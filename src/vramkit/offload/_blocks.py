@@ -1,0 +1,216 @@
+"""Finding a model's repeated blocks and choosing which of them to swap.
+
+Shared by :class:`vramkit.offload.swap.BlockSwapper` and
+:func:`vramkit.checkpointing.enable_gradient_checkpointing`: both work on *blocks*, the repeated
+units of a network (transformer blocks, UNet stages) that sit in ``nn.ModuleList`` or
+``nn.Sequential`` containers.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vramkit.errors import ConfigError, OffloadError
+
+__all__ = [
+    "BlockScheduleEntry",
+    "BlockSpec",
+    "find_blocks",
+    "module_bytes",
+    "natural_key",
+    "spread_evenly",
+]
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+_MIN_SHARE = 0.01  # a container holding less than 1% of the model's bytes is not a block stack
+
+
+def natural_key(name: str) -> tuple[object, ...]:
+    """A sort key that orders ``"blocks.2"`` before ``"blocks.10"`` (numbers compare as numbers).
+
+    Example:
+        >>> sorted(["blocks.10", "blocks.2", "blocks.1"], key=natural_key)
+        ['blocks.1', 'blocks.2', 'blocks.10']
+    """
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part)
+                 for part in re.split(r"(\d+)", name) if part)
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Bytes held by a module's parameters and buffers (shared tensors counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in _tensors(module):
+        key = id(tensor)
+        if key not in seen:
+            seen.add(key)
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _tensors(module: nn.Module) -> Iterable[torch.Tensor]:
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """A block as the scheduler sees it: its qualified name and size in bytes."""
+
+    name: str
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"a block needs a non-empty name, got {self.name!r}")
+        if isinstance(self.nbytes, bool) or not isinstance(self.nbytes, int) or self.nbytes < 0:
+            raise ConfigError(f"block {self.name!r}: nbytes must be an int >= 0, "
+                              f"got {self.nbytes!r}")
+
+
+@dataclass(frozen=True)
+class BlockScheduleEntry:
+    """One block of a swap schedule (seed ``BlockScheduleEntry``).
+
+    Attributes:
+        index: position in execution order.
+        name: qualified module name (``"transformer_blocks.3"``).
+        nbytes: bytes of the block's parameters and buffers.
+        swapped: whether the block lives on the host and is streamed into a GPU slot.
+    """
+
+    index: int
+    name: str
+    nbytes: int
+    swapped: bool
+
+
+def find_blocks(model: nn.Module,
+                blocks: str | Sequence[str] = "auto") -> list[tuple[str, nn.Module]]:
+    """The model's blocks as ``(qualified name, module)`` pairs in execution order.
+
+    Args:
+        model: any ``nn.Module``.
+        blocks: ``"auto"`` (default) finds the stacks of repeated blocks: the outermost
+            ``nn.ModuleList`` / ``nn.Sequential`` containers with at least two children of one
+            class that hold at least 1% of the model's bytes; every child with parameters becomes
+            a block. Containers are taken in registration order (diffusers' Flux:
+            ``transformer_blocks`` then ``single_transformer_blocks``) and children by index.
+            Otherwise a sequence of names or ``fnmatch`` patterns: a name of a container means
+            its children, a name of any other module means that module; results are ordered
+            by registration order of the model (numbers compare as numbers).
+
+    Returns:
+        A list of ``(name, module)``; the same module never appears twice.
+
+    Raises:
+        OffloadError: when nothing matches (the message lists candidate containers).
+        ConfigError: for a ``blocks`` argument of the wrong type.
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(blocks, str) and blocks == "auto":
+        found = _auto_blocks(model)
+        if not found:
+            raise OffloadError(
+                f"found no stack of repeated blocks in {type(model).__name__}",
+                hint="Name the blocks yourself, e.g. blocks=['layers'] or ['blocks.*'].")
+        return found
+    if isinstance(blocks, str):
+        blocks = [blocks]
+    if not isinstance(blocks, Sequence) or not all(isinstance(b, str) for b in blocks):
+        raise ConfigError(f"blocks must be 'auto' or a sequence of names/patterns, got {blocks!r}")
+    return _named_blocks(model, list(blocks))
+
+
+def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    total = module_bytes(model)
+    found: list[tuple[str, nn.Module]] = []
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, _CONTAINERS) or not name:
+            continue
+        if any(name == t or name.startswith(t + ".") for t in taken):
+            continue
+        children = [(n, c) for n, c in module.named_children() if module_bytes(c) > 0]
+        if len(children) < 2:
+            continue
+        counts = Counter(type(c) for _, c in children)
+        if counts.most_common(1)[0][1] < 2:
+            continue
+        if total and module_bytes(module) < _MIN_SHARE * total:
+            continue
+        taken.append(name)
+        found.extend((f"{name}.{n}", c) for n, c in children)
+    return found
+
+
+def _named_blocks(model: nn.Module, patterns: list[str]) -> list[tuple[str, nn.Module]]:
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    modules = dict(model.named_modules())
+    chosen: dict[str, nn.Module] = {}
+    for pattern in patterns:
+        matched = [n for n in modules if n and (n == pattern or fnmatch.fnmatchcase(n, pattern))]
+        if not matched:
+            containers = [n for n, m in modules.items() if isinstance(m, _CONTAINERS) and n]
+            raise OffloadError(f"no module matches {pattern!r}",
+                               hint=f"Containers in this model: {containers[:12]}")
+        for name in matched:
+            module = modules[name]
+            if isinstance(module, _CONTAINERS):
+                for child_name, child in module.named_children():
+                    chosen[f"{name}.{child_name}"] = child
+            else:
+                chosen[name] = module
+    # A block nested inside another chosen block would be swapped twice: keep the outer one.
+    names = sorted(chosen, key=lambda n: (order.get(n, math.inf), natural_key(n)))
+    kept: list[str] = []
+    for name in names:
+        if not any(name.startswith(k + ".") for k in kept):
+            kept.append(name)
+    seen: set[int] = set()
+    result = []
+    for name in kept:
+        module = chosen[name]
+        if id(module) not in seen:
+            seen.add(id(module))
+            result.append((name, module))
+    return result
+
+
+def spread_evenly(sizes: Sequence[int], count: int) -> list[int]:
+    """Indices of ``count`` blocks spread evenly over the cumulative bytes of ``sizes``.
+
+    Block ``i`` is picked when its byte midpoint is nearest to one of ``count`` evenly spaced
+    targets, so swapped bytes are spread among resident ones (which hide their transfers) rather
+    than bunched together. Returns sorted indices.
+    """
+    n = len(sizes)
+    if count <= 0:
+        return []
+    if count >= n:
+        return list(range(n))
+    weights = list(sizes) if sum(sizes) else [1] * n
+    total = sum(weights)
+    # Integer arithmetic: block i's doubled midpoint is 2*acc_i + w_i (over 2*total), target k's
+    # is (2k + 1)/count, so exact ties (n a multiple of count) break the same way every time.
+    mids2 = []
+    acc = 0
+    for w in weights:
+        mids2.append(2 * acc + w)
+        acc += w
+    chosen: list[int] = []
+    free = set(range(n))
+    for k in range(count):
+        best = min(free, key=lambda i: (abs(mids2[i] * count - (2 * k + 1) * total), i))
+        free.discard(best)
+        chosen.append(best)
+    return sorted(chosen)

@@ -1,0 +1,197 @@
+"""Copy streams and events for offloading, with a host stand-in that records what it was asked.
+
+Every offloader (the block swapper, activation offload, the CPU-offloaded optimizer) moves bytes
+through :func:`transfer_streams` for its device, so they share one host->device and one
+device->host stream per GPU: their copies queue behind each other instead of competing for the
+PCIe link, which is the copy budget they share.
+
+On a CPU device the same interface runs synchronously (copies happen at once, events are always
+complete) and can keep a log of every record/wait/copy, which is how the event and slot ordering
+is unit-tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["CudaStreams", "HostStreams", "StreamOp", "Streams", "transfer_streams"]
+
+
+@dataclass
+class StreamOp:
+    """One logged operation of :class:`HostStreams`: ``kind`` is record/wait/copy/sync."""
+
+    kind: str
+    stream: str
+    event: int | None = None
+    what: str = ""
+
+
+class Streams:
+    """The interface both backends implement (CUDA streams, or a synchronous host stand-in)."""
+
+    device: torch.device
+    h2d: Any
+    d2h: Any
+
+    def current(self) -> Any:
+        raise NotImplementedError
+
+    def event(self) -> Any:
+        raise NotImplementedError
+
+    def record(self, event: Any, stream: Any) -> None:
+        raise NotImplementedError
+
+    def wait(self, stream: Any, event: Any) -> None:
+        raise NotImplementedError
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, what: str = "") -> None:
+        raise NotImplementedError
+
+    def done(self, event: Any) -> bool:
+        raise NotImplementedError
+
+    def synchronize(self, event: Any) -> None:
+        raise NotImplementedError
+
+    def on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        raise NotImplementedError
+
+
+class CudaStreams(Streams):
+    """Dedicated host->device and device->host streams on one CUDA device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        with torch.cuda.device(device):
+            self.h2d = torch.cuda.Stream(device)
+            self.d2h = torch.cuda.Stream(device)
+
+    def current(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def event(self) -> Any:
+        return torch.cuda.Event()
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.record(stream)
+
+    def wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, what: str = "") -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def done(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def synchronize(self, event: Any) -> None:
+        event.synchronize()
+
+    def on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+
+@dataclass(eq=False)
+class _HostStream:
+    name: str
+
+
+@dataclass(eq=False)
+class _HostEvent:
+    id: int
+    recorded: int = 0  # how many times it was recorded
+
+
+@dataclass
+class HostStreams(Streams):
+    """Synchronous stand-in on the CPU: copies run at once, events are complete when recorded.
+
+    Args:
+        device: a CPU device.
+        log: when a list, every operation is appended to it as a :class:`StreamOp`.
+    """
+
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    log: list[StreamOp] | None = None
+
+    def __post_init__(self) -> None:
+        self.h2d = _HostStream("h2d")
+        self.d2h = _HostStream("d2h")
+        self._compute = _HostStream("compute")
+        self._stack: list[_HostStream] = []
+        self._ids = 0
+
+    def current(self) -> Any:
+        return self._stack[-1] if self._stack else self._compute
+
+    def event(self) -> Any:
+        self._ids += 1
+        return _HostEvent(self._ids)
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.recorded += 1
+        self._log("record", stream, event)
+
+    def wait(self, stream: Any, event: Any) -> None:
+        self._log("wait", stream, event)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, what: str = "") -> None:
+        self._log("copy", stream, None, what)
+        dst.copy_(src)
+
+    def done(self, event: Any) -> bool:
+        return True
+
+    def synchronize(self, event: Any) -> None:
+        self._log("sync", self.current(), event)
+
+    @contextlib.contextmanager
+    def on(self, stream: Any) -> Iterator[Any]:
+        self._stack.append(stream)
+        try:
+            yield stream
+        finally:
+            self._stack.pop()
+
+    def _log(self, kind: str, stream: Any, event: Any, what: str = "") -> None:
+        if self.log is not None:
+            self.log.append(StreamOp(kind, stream.name, event.id if event is not None else None,
+                                     what))
+
+
+_SHARED: dict[torch.device, Streams] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def transfer_streams(device: torch.device | str) -> Streams:
+    """The process-wide copy streams of ``device`` (created on first use).
+
+    Args:
+        device: a CUDA device (``cuda:N``; plain ``cuda`` means the current device) or ``cpu``.
+
+    Returns:
+        :class:`CudaStreams` for a CUDA device, :class:`HostStreams` for the CPU.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _SHARED_LOCK:
+        streams = _SHARED.get(device)
+        if streams is None:
+            if device.type == "cuda":
+                streams = CudaStreams(device)
+            elif device.type == "cpu":
+                streams = HostStreams(device)
+            else:
+                raise ValueError(f"no copy streams for device type {device.type!r}")
+            _SHARED[device] = streams
+        return streams

@@ -1,0 +1,1119 @@
+"""BlockSwapper on the CPU: configuration, scheduling, event/slot ordering, identical results to
+no swapping, inference, detach/restore, sizes and statistics.
+
+The swapper runs with ``device="cpu"``: masters live in a plain host pool, slots in a host
+arena, and the copy streams are the synchronous :class:`HostStreams`. Ordering tests give the
+swapper a logging ``HostStreams`` and add ``acquire``/``release`` markers to its log, so the
+exact sequence of copies, waits and records is checked against what a GPU would need.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from vramkit.checkpointing import enable_gradient_checkpointing, is_checkpointed
+from vramkit.errors import ConfigError, OffloadError
+from vramkit.offload import swap as swap_module
+from vramkit.offload._blocks import BlockSpec, spread_evenly
+from vramkit.offload._transfer import HostStreams, StreamOp
+from vramkit.offload.swap import BlockScheduleEntry, BlockSwapper, SwapConfig, SwapStats
+
+D = 32
+MIN = 1024  # min_param_bytes for the tests: Linear weights (>= 8 KiB) swap, biases/norms stay
+
+# --------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------
+
+
+class MLPBlock(nn.Module):
+    """Pre-norm residual MLP with optional dropout and a LoRA adapter on fc1; counts calls."""
+
+    def __init__(self, dim: int = D, hidden: int | None = None, dropout: float = 0.0,
+                 lora: bool = False) -> None:
+        super().__init__()
+        hidden = hidden or 2 * dim
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.drop = nn.Dropout(dropout)
+        if lora:
+            self.lora_a = nn.Parameter(torch.randn(4, dim) * 0.1)
+            self.lora_b = nn.Parameter(torch.randn(hidden, 4) * 0.1)
+        else:
+            self.lora_a = self.lora_b = None
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        self.calls += 1
+        h = self.norm(x)
+        z = self.fc1(h)
+        if self.lora_a is not None:
+            z = z + (h @ self.lora_a.t()) @ self.lora_b.t()
+        # fc2 through a transposed view: autograd then saves a view of the slot's memory, not
+        # the leaf Parameter, which is what the swapper's saved-tensor hooks must handle.
+        out = x + self.drop(F.gelu(z)) @ self.fc2.weight.t() + self.fc2.bias
+        return out * scale if scale is not None else out
+
+
+class Net(nn.Module):
+    """inp -> blocks (in ``order``) -> out."""
+
+    def __init__(self, n: int = 4, dim: int = D, dropout: float = 0.0, lora: bool = False,
+                 order: list[int] | None = None, hiddens: list[int] | None = None) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(
+            MLPBlock(dim, hiddens[i] if hiddens else None, dropout, lora) for i in range(n))
+        self.out = nn.Linear(dim, dim)
+        self.order = list(order) if order is not None else list(range(n))
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.inp(x)
+        for i in self.order:
+            x = self.blocks[i](x) if scale is None else self.blocks[i](x, scale=scale)
+        return self.out(x)
+
+
+def _net(seed: int = 0, **kwargs: Any) -> Net:
+    torch.manual_seed(seed)
+    return Net(**kwargs)
+
+
+def _frozen_blocks(model: Net) -> Net:
+    """Blocks frozen, inp/out trainable: everything large in the blocks swaps."""
+    model.blocks.requires_grad_(False)
+    return model
+
+
+def _lora_only(model: Net) -> Net:
+    """Frozen base with trainable LoRA adapters: nothing before block 0 requires grad."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith(("lora_a", "lora_b")))
+    return model
+
+
+def _is_placeholder(t: torch.Tensor) -> bool:
+    return t.numel() > 1 and all(s == 0 for s in t.stride())
+
+
+def _host_of(swapper: BlockSwapper) -> dict[int, nn.Parameter]:
+    """Module Parameter id -> its host parameter (trainable="cpu")."""
+    return {id(e.tensor): e.host_param for b in swapper.blocks for e in b.trainable_entries
+            if e.host_param is not None}
+
+
+def _grads(model: nn.Module, swapper: BlockSwapper | None = None) -> dict[str, torch.Tensor]:
+    host = _host_of(swapper) if swapper is not None else {}
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            g = host[id(p)].grad if id(p) in host else p.grad
+            assert g is not None, f"{name} got no gradient"
+            out[name] = g.detach().clone()
+    return out
+
+
+def _assert_same_grads(model: nn.Module, ref: nn.Module,
+                       swapper: BlockSwapper | None = None) -> None:
+    got, want = _grads(model, swapper), _grads(ref)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def _optimizer(model: nn.Module, swapper: BlockSwapper | None = None,
+               lr: float = 0.05) -> torch.optim.Optimizer:
+    host = _host_of(swapper) if swapper is not None else {}
+    params = [host.get(id(p), p) for p in model.parameters() if p.requires_grad]
+    return torch.optim.SGD(params, lr=lr)
+
+
+def _swap(model: nn.Module, **config: Any) -> BlockSwapper:
+    config.setdefault("min_param_bytes", MIN)
+    return BlockSwapper(model, config=SwapConfig(**config), device="cpu")
+
+
+X = torch.randn(8, D, generator=torch.Generator().manual_seed(42))
+
+
+# --------------------------------------------------------------------------------------------
+# Logging streams and traces
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def log(monkeypatch: pytest.MonkeyPatch) -> list[StreamOp]:
+    """Swappers created in the test get a HostStreams that logs every op into this list."""
+    ops: list[StreamOp] = []
+    streams = HostStreams(log=ops)
+    monkeypatch.setattr(swap_module, "transfer_streams", lambda device: streams)
+    return ops
+
+
+def _mark(swapper: BlockSwapper, log: list[StreamOp]) -> None:
+    """Log acquire/release markers, so ops can be attributed to the block being acquired."""
+    acquire, release = swapper._acquire, swapper._release
+
+    def marked_acquire(block: Any, *, backward: bool) -> None:
+        log.append(StreamOp("acquire", "compute", None, block.name))
+        acquire(block, backward=backward)
+
+    def marked_release(block: Any, *, backward: bool) -> None:
+        log.append(StreamOp("release", "compute", None, block.name))
+        release(block, backward=backward)
+
+    swapper._acquire = marked_acquire  # type: ignore[method-assign]
+    swapper._release = marked_release  # type: ignore[method-assign]
+
+
+@dataclass
+class Trace:
+    acquired: list[str] = field(default_factory=list)  # block per acquisition, in order
+    copies: list[str] = field(default_factory=list)  # h2d slot fills, in order
+    on_demand: list[str] = field(default_factory=list)  # fills issued inside an acquire
+
+
+def _contents(swapper: BlockSwapper) -> dict[int, str]:
+    """What each slot holds now (the starting point of a trace taken after a log.clear())."""
+    return {s.index: s.block.name for s in swapper._slots if s.block is not None}
+
+
+def _trace(log: list[StreamOp], swapper: BlockSwapper,
+           contents: dict[int, str] | None = None) -> Trace:
+    """Replay the log against the slot protocol; assert every invariant a GPU relies on.
+
+    ``contents`` is what the slots held when the log starts (empty for a fresh swapper).
+    """
+    slots = swapper._slots
+    free_of = {s.free_event.id: s.index for s in slots}
+    loaded_of = {s.loaded_event.id: s.index for s in slots}
+    contents = dict(contents or {})
+    locked: set[int] = set()
+    free_recorded = set(range(len(slots)))  # never used, or released since last use
+    acquiring: str | None = None
+    trace = Trace()
+    for i, op in enumerate(log):
+        if op.kind == "acquire":
+            assert acquiring is None, "nested acquire"
+            acquiring = op.what
+        elif op.kind == "copy" and op.stream == "h2d":
+            wait, record = log[i - 1], log[i + 1]
+            # The copy stream waits for the slot's free event before overwriting it...
+            assert (wait.kind, wait.stream) == ("wait", "h2d") and wait.event in free_of, op
+            slot = free_of[wait.event]
+            assert slot in free_recorded, f"slot {slot} refilled before its free event"
+            assert slot not in locked, f"slot {slot} loaded while locked"
+            # ...and records the slot's loaded event right after the copy.
+            assert (record.kind, record.stream) == ("record", "h2d")
+            assert loaded_of.get(record.event) == slot
+            contents[slot] = op.what
+            trace.copies.append(op.what)
+            if acquiring is not None:
+                trace.on_demand.append(op.what)
+        elif op.kind == "wait" and op.stream == "compute" and op.event in loaded_of:
+            slot = loaded_of[op.event]
+            # Compute waits on the loaded event of the slot that holds the acquired block.
+            assert acquiring is not None and contents.get(slot) == acquiring, (op, contents)
+            assert slot not in locked
+            locked.add(slot)
+            free_recorded.discard(slot)
+            trace.acquired.append(acquiring)
+            acquiring = None
+        elif op.kind == "record" and op.stream == "compute" and op.event in free_of:
+            slot = free_of[op.event]
+            assert slot in locked
+            locked.discard(slot)
+            free_recorded.add(slot)
+    assert acquiring is None and not locked
+    return trace
+
+
+def _step(model: nn.Module, x: torch.Tensor = X) -> torch.Tensor:
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss
+
+
+def _names(*indices: int) -> list[str]:
+    return [f"blocks.{i}" for i in indices]
+
+
+# --------------------------------------------------------------------------------------------
+# SwapConfig
+# --------------------------------------------------------------------------------------------
+
+
+def test_config_defaults_and_lookahead() -> None:
+    config = SwapConfig()
+    assert config.max_gpu_blocks is None and config.max_gpu_bytes is None
+    # Default lookahead R: when a block releases its slot, the next R blocks should be loaded.
+    assert (config.num_slots, config.prefetch, config.lookahead) == (2, None, 2)
+    assert config.checkpointing is None and config.trainable == "resident"
+    assert config.min_param_bytes == 65536 and config.swap_buffers and config.preserve_rng_state
+    assert SwapConfig(num_slots=4).lookahead == 4
+    assert SwapConfig(num_slots=4, prefetch=4).lookahead == 4
+    assert SwapConfig(num_slots=4, prefetch=0).lookahead == 0
+    assert SwapConfig(num_slots=4, prefetch=2).lookahead == 2
+    assert SwapConfig(max_gpu_bytes="2KiB").max_gpu_bytes == 2048
+    assert SwapConfig(max_gpu_bytes=100).max_gpu_bytes == 100
+    with pytest.raises(AttributeError):
+        config.num_slots = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"max_gpu_blocks": -1}, {"max_gpu_blocks": 1.5}, {"max_gpu_blocks": True},
+    {"max_gpu_blocks": "2"},
+    {"max_gpu_bytes": "lots"}, {"max_gpu_bytes": [1]},
+    {"num_slots": 0}, {"num_slots": True}, {"num_slots": 2.0},
+    {"prefetch": -1}, {"prefetch": 3}, {"num_slots": 3, "prefetch": 4}, {"prefetch": True},
+    {"prefetch": 0.5},
+    {"checkpointing": "yes"}, {"checkpointing": 2},
+    {"min_param_bytes": -1}, {"min_param_bytes": True}, {"min_param_bytes": 1.0},
+    {"trainable": "gpu"}, {"trainable": None},
+    {"swap_buffers": 1}, {"preserve_rng_state": "no"},
+])
+def test_config_rejects_bad_values(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError) as info:
+        SwapConfig(**kwargs)
+    assert isinstance(info.value, ValueError)
+    assert "SwapConfig." in info.value.message
+
+
+def test_swapper_rejects_bad_arguments() -> None:
+    with pytest.raises(ConfigError):
+        BlockSwapper(_net(), config={"num_slots": 2}, device="cpu")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        BlockSwapper("model", device="cpu")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        BlockSwapper(_net(), device="meta")
+    with pytest.raises(OffloadError):
+        BlockSwapper(_net(), blocks=["nothing.*"], device="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_cuda_device_without_cuda_is_a_config_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        BlockSwapper(_net())
+    assert "device='cpu'" in info.value.hint
+
+
+# --------------------------------------------------------------------------------------------
+# create_schedule
+# --------------------------------------------------------------------------------------------
+
+
+def _swapped(schedule: list[BlockScheduleEntry]) -> list[int]:
+    return [e.index for e in schedule if e.swapped]
+
+
+def test_schedule_by_count() -> None:
+    specs = [BlockSpec(f"blocks.{i}", 100) for i in range(8)]
+    schedule = BlockSwapper.create_schedule(specs, 6)
+    assert [e.index for e in schedule] == list(range(8))
+    assert [e.name for e in schedule] == [s.name for s in specs]
+    assert _swapped(schedule) == [1, 5]  # two swapped, spread among the resident ones
+    assert _swapped(BlockSwapper.create_schedule(specs, 0)) == list(range(8))
+    assert _swapped(BlockSwapper.create_schedule(specs, 8)) == []
+    assert _swapped(BlockSwapper.create_schedule(specs, 20)) == []
+
+
+def test_schedule_without_limits_swaps_everything() -> None:
+    specs = [(f"b.{i}", 10 * (i + 1)) for i in range(5)]
+    schedule = BlockSwapper.create_schedule(specs)
+    assert all(e.swapped for e in schedule)
+    assert [e.nbytes for e in schedule] == [10, 20, 30, 40, 50]
+
+
+def test_schedule_by_bytes_is_the_smallest_set_that_fits() -> None:
+    sizes = [100] * 10
+    # 4 swapped: 6 resident (600) + 2 slots (200) = 800 fits; 3 swapped needs 700 + 200.
+    schedule = BlockSwapper.create_schedule([(f"b.{i}", s) for i, s in enumerate(sizes)],
+                                            max_gpu_bytes=800)
+    assert len(_swapped(schedule)) == 4
+    schedule = BlockSwapper.create_schedule([(f"b.{i}", s) for i, s in enumerate(sizes)],
+                                            max_gpu_bytes=800, num_slots=3)
+    assert len(_swapped(schedule)) == 5  # 500 + 3 * 100
+    assert not any(e.swapped for e in BlockSwapper.create_schedule(
+        [(f"b.{i}", s) for i, s in enumerate(sizes)], max_gpu_bytes="1000B"))
+
+
+def test_schedule_with_both_limits_takes_the_stricter() -> None:
+    specs = [(f"b.{i}", 100) for i in range(10)]
+    by_count = BlockSwapper.create_schedule(specs, 8, max_gpu_bytes=10_000)
+    assert len(_swapped(by_count)) == 2
+    by_bytes = BlockSwapper.create_schedule(specs, 9, max_gpu_bytes=800)
+    assert len(_swapped(by_bytes)) == 4
+
+
+def test_schedule_orders_plain_names_numerically() -> None:
+    names = ["blocks.10", "blocks.2", "blocks.1", "blocks.0"]
+    schedule = BlockSwapper.create_schedule(names, 3)
+    assert [e.name for e in schedule] == ["blocks.0", "blocks.1", "blocks.2", "blocks.10"]
+    assert len(_swapped(schedule)) == 1
+
+
+def test_schedule_accepts_modules() -> None:
+    mods = [nn.Linear(4, 4), nn.Linear(4, 8)]
+    schedule = BlockSwapper.create_schedule(mods, 1)
+    assert [(e.name, e.nbytes) for e in schedule] == [("0", 80), ("1", 160)]
+
+
+@pytest.mark.parametrize("blocks", ["blocks", nn.Linear(2, 2), [1, 2], [("a",)]])
+def test_schedule_rejects_bad_blocks(blocks: Any) -> None:
+    with pytest.raises(ConfigError):
+        BlockSwapper.create_schedule(blocks, 1)
+
+
+def test_schedule_impossible_budget_raises() -> None:
+    specs = [("a", 100), ("b", 300)]
+    # Resident: 400; one swapped: 100 + 2 * 300; all swapped: 2 * 300.
+    with pytest.raises(OffloadError) as info:
+        BlockSwapper.create_schedule(specs, max_gpu_bytes=399)
+    assert "num_slots" in info.value.hint
+    with pytest.raises(OffloadError):
+        BlockSwapper.create_schedule(specs, max_gpu_bytes=299, num_slots=1)
+    assert _swapped(BlockSwapper.create_schedule(specs, max_gpu_bytes=400)) == []
+    assert _swapped(BlockSwapper.create_schedule(specs, 0, max_gpu_bytes=600)) == [0, 1]
+
+
+def test_schedule_mixed_sizes_counts_the_largest_swapped_block() -> None:
+    sizes = [100, 1000, 100, 1000, 100, 100]
+    specs = [(f"b.{i}", s) for i, s in enumerate(sizes)]
+    seen = set()
+    for budget in (2000, 2300, 2400):
+        chosen = _swapped(BlockSwapper.create_schedule(specs, max_gpu_bytes=budget))
+        resident = sum(s for i, s in enumerate(sizes) if i not in chosen)
+        assert resident + 2 * max((sizes[i] for i in chosen), default=0) <= budget
+        seen.add(tuple(chosen))
+    assert len(seen) == 3  # each budget gives a different swapped set
+
+
+@given(st.lists(st.integers(min_value=1, max_value=10_000), min_size=1, max_size=16),
+       st.integers(min_value=0, max_value=200_000), st.integers(min_value=1, max_value=4),
+       st.one_of(st.none(), st.integers(min_value=0, max_value=16)))
+@settings(max_examples=150, deadline=None)
+def test_schedule_property(sizes: list[int], budget: int, slots: int,
+                           max_blocks: int | None) -> None:
+    specs = [(f"b.{i}", s) for i, s in enumerate(sizes)]
+    try:
+        schedule = BlockSwapper.create_schedule(specs, max_blocks, max_gpu_bytes=budget,
+                                                num_slots=slots)
+    except OffloadError:
+        assert slots * max(sizes) > budget  # only when even all-swapped does not fit
+        return
+    chosen = _swapped(schedule)
+    assert chosen == spread_evenly(sizes, len(chosen))
+    resident = sum(s for i, s in enumerate(sizes) if i not in chosen)
+    assert resident + slots * max((sizes[i] for i in chosen), default=0) <= budget
+    if max_blocks is not None:
+        assert len(sizes) - len(chosen) <= max_blocks
+    floor = 0 if max_blocks is None else max(0, len(sizes) - max_blocks)
+    if len(chosen) > floor:  # one fewer swapped block would not fit the bytes
+        fewer = spread_evenly(sizes, len(chosen) - 1)
+        over = sum(s for i, s in enumerate(sizes) if i not in fewer) + slots * max(
+            (sizes[i] for i in fewer), default=0)
+        assert over > budget
+
+
+def test_schedule_validates_its_arguments() -> None:
+    specs = [("a", 1), ("b", 1)]
+    with pytest.raises(ConfigError):
+        BlockSwapper.create_schedule(specs, -1)
+    with pytest.raises(ConfigError):
+        BlockSwapper.create_schedule(specs, None, max_gpu_bytes=10, num_slots=0)
+
+
+def test_swapper_schedule_and_numeric_block_order() -> None:
+    model = _frozen_blocks(_net(n=12, dim=16))
+    swapper = _swap(model, max_gpu_blocks=6, min_param_bytes=0)
+    assert [e.name for e in swapper.schedule] == _names(*range(12))
+    assert swapper.swapped_names == [e.name for e in swapper.schedule if e.swapped]
+    assert len(swapper.swapped_names) == 6
+    for entry in swapper.schedule:
+        if not entry.swapped:  # resident blocks are never repointed
+            assert not any(_is_placeholder(p) for p in model.blocks[entry.index].parameters())
+    assert "6/12 blocks swapped" in repr(swapper) and "attached" in repr(swapper)
+    swapper.detach()
+    assert "detached" in repr(swapper)
+
+
+def test_swapper_byte_budget() -> None:
+    model = _frozen_blocks(_net(n=6))
+    probe = _swap(model)
+    block_bytes = probe.blocks[0].nbytes
+    probe.detach()
+    # Room for 3 resident blocks plus 2 slots: 3 swapped.
+    budget = 5 * block_bytes + 6 * 1000  # slack for small resident tensors of swapped blocks
+    swapper = _swap(model, max_gpu_bytes=budget)
+    assert len(swapper.swapped_names) == 3
+    swapper.detach()
+
+
+# --------------------------------------------------------------------------------------------
+# Event and slot ordering
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_slot_protocol_and_copy_counts(log: list[StreamOp], checkpointing: bool) -> None:
+    model = _frozen_blocks(_net())
+    swapper = _swap(model, checkpointing=checkpointing)
+    assert len(swapper._slots) == 2 and swapper.swapped_names == _names(0, 1, 2, 3)
+    _mark(swapper, log)
+    expected_acquired = _names(0, 1, 2, 3, 3, 2, 1, 0)
+
+    _step(model)
+    first = _trace(log, swapper)
+    assert first.acquired == expected_acquired
+    # Forward loads S=4 blocks, backward S-R=2 (the last two stay across the turn).
+    assert first.copies == _names(0, 1, 2, 3, 1, 0)
+    assert first.on_demand == _names(0)  # only the very first acquire waits for a load
+    stats = swapper.stats()
+    assert (stats.loads, stats.on_demand, stats.prefetched) == (6, 1, 5)
+    assert (stats.acquisitions, stats.hits) == (8, 7)
+
+    for _ in range(2):
+        log.clear()
+        swapper.reset_stats()
+        before = _contents(swapper)
+        assert sorted(before.values()) == _names(0, 1)  # prefetched for the next forward
+        _step(model)
+        steady = _trace(log, swapper, before)
+        assert steady.acquired == expected_acquired
+        # Blocks 0 and 1 were prefetched by the previous backward: hits.
+        assert steady.copies == _names(2, 3, 1, 0)
+        assert steady.on_demand == []
+        stats = swapper.stats()
+        assert (stats.loads, stats.on_demand, stats.hits) == (4, 0, 8)
+        assert stats.h2d_bytes == 4 * swapper.blocks[0].nbytes
+
+    # Block j is issued ahead: when block j - lookahead releases its slot, before j's acquire.
+    ahead = swapper.config.lookahead
+    kinds = [(op.kind, op.what) for op in log]
+    for j in (2, 3):
+        released = kinds.index(("release", f"blocks.{j - ahead}"))
+        issued = kinds.index(("copy", f"blocks.{j}"))
+        needed = kinds.index(("acquire", f"blocks.{j}"))
+        assert released < issued < needed
+    swapper.detach()
+
+
+def test_order_is_learnt_from_the_forward(log: list[StreamOp]) -> None:
+    order = [2, 0, 3, 1]
+    model = _frozen_blocks(_net(order=order))
+    swapper = _swap(model)
+    _mark(swapper, log)
+    _step(model)
+    first = _trace(log, swapper)
+    seq = _names(*order)
+    assert first.acquired == seq + seq[::-1]
+    assert swapper.stats().on_demand > 1  # registration order mispredicts the first pass
+    for step in range(3):
+        log.clear()
+        swapper.reset_stats()
+        before = _contents(swapper)
+        _step(model)
+        trace = _trace(log, swapper, before)
+        assert trace.acquired == seq + seq[::-1]
+        assert len(trace.on_demand) <= (1 if step == 0 else 0), step
+        if step:  # steady state: prefetch follows the observed order
+            assert trace.copies == [seq[2], seq[3], seq[1], seq[0]]
+    swapper.detach()
+
+
+def test_first_backward_already_follows_the_observed_order() -> None:
+    model = _frozen_blocks(_net(order=[2, 0, 3, 1]))
+    swapper = _swap(model)
+    _step(model)
+    swapper.reset_stats()
+    _step(model)
+    assert swapper.stats().on_demand == 0
+    swapper.detach()
+
+
+def test_prefetch_zero_loads_every_miss_on_demand(log: list[StreamOp]) -> None:
+    model = _frozen_blocks(_net())
+    swapper = _swap(model, prefetch=0)
+    _mark(swapper, log)
+    for _ in range(2):
+        _step(model)
+    trace = _trace(log, swapper)
+    assert trace.copies == trace.on_demand  # nothing issued ahead
+    stats = swapper.stats()
+    assert stats.prefetched == 0
+    assert stats.loads == stats.on_demand == stats.acquisitions - stats.hits > 0
+    swapper.detach()
+
+
+@pytest.mark.parametrize(("prefetch", "ahead"), [(1, _names(1)), (2, _names(1, 2))])
+def test_lookahead_controls_blocks_issued_ahead(log: list[StreamOp], prefetch: int,
+                                                ahead: list[str]) -> None:
+    model = _frozen_blocks(_net())
+    swapper = _swap(model, num_slots=3, prefetch=prefetch)
+    _mark(swapper, log)
+    _step(model)
+    _trace(log, swapper)
+    kinds = [(op.kind, op.what) for op in log]
+    start = kinds.index(("release", "blocks.0"))
+    end = kinds.index(("acquire", "blocks.1"))
+    assert [w for k, w in kinds[start:end] if k == "copy"] == ahead
+    swapper.detach()
+
+
+def test_more_slots_keep_more_blocks_across_steps(log: list[StreamOp]) -> None:
+    model = _frozen_blocks(_net())
+    swapper = _swap(model, num_slots=3, prefetch=2)
+    assert len(swapper._slots) == 3
+    _mark(swapper, log)
+    _step(model)
+    log.clear()
+    swapper.reset_stats()
+    before = _contents(swapper)
+    _step(model)
+    trace = _trace(log, swapper, before)
+    assert trace.on_demand == []
+    assert swapper.stats().loads == 2  # 2 * (S - R) with S=4, R=3
+    swapper.detach()
+
+
+def test_trainable_cpu_offloads_gradients_after_the_block(log: list[StreamOp]) -> None:
+    model = _net()
+    swapper = _swap(model, trainable="cpu")
+    _mark(swapper, log)
+    _step(model)
+    d2h = [op for op in log if op.kind == "copy" and op.stream == "d2h"]
+    per_block = len(swapper.blocks[0].trainable_entries)
+    assert [op.what for op in d2h] == [n for n in _names(3, 2, 1, 0) for _ in range(per_block)]
+    for i, op in enumerate(log):
+        if op.kind == "copy" and op.stream == "d2h":
+            # The d2h stream waited for an event recorded on compute after the block's backward.
+            waits = [o for o in log[:i] if o.kind == "wait" and o.stream == "d2h"]
+            assert waits and any(o.kind == "record" and o.stream == "compute"
+                                 and o.event == waits[-1].event for o in log[:i])
+    stats = swapper.stats()
+    assert stats.d2h_bytes == sum(e.nbytes for b in swapper.blocks for e in b.trainable_entries)
+    # The device gradient is dropped once it is on its way to the host.
+    assert all(e.tensor.grad is None for b in swapper.blocks for e in b.trainable_entries)
+    swapper.detach()
+
+
+# --------------------------------------------------------------------------------------------
+# Identical results to no swapping
+# --------------------------------------------------------------------------------------------
+
+
+def _train_and_compare(model: Net, swapper: BlockSwapper, ref: Net, steps: int = 3,
+                       x: torch.Tensor = X, scale: torch.Tensor | None = None) -> None:
+    opt, ref_opt = _optimizer(model, swapper), _optimizer(ref)
+    cpu = swapper.config.trainable == "cpu"
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        loss = model(x, scale).square().mean()
+        loss.backward()
+        torch.manual_seed(100 + step)
+        ref_loss = ref(x, scale).square().mean()
+        ref_loss.backward()
+        assert torch.equal(loss, ref_loss), step
+        if cpu:
+            swapper.sync_gradients()
+        _assert_same_grads(model, ref, swapper)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    with torch.no_grad():  # the updated weights are what inference sees
+        model.eval()
+        ref.eval()
+        assert torch.equal(model(x, scale), ref(x, scale))
+        model.train()
+        ref.train()
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("keep", [0, 2, 4])
+def test_training_matches_the_unswapped_model(mode: str, checkpointing: bool, keep: int) -> None:
+    ref = _net(dropout=0.1, lora=mode == "lora")
+    if mode == "lora":
+        _lora_only(ref)
+    model = copy.deepcopy(ref)
+    ids = {name: id(p) for name, p in model.named_parameters()}
+    swapper = _swap(model, max_gpu_blocks=keep, checkpointing=checkpointing,
+                    trainable="cpu" if mode == "full" else "resident")
+    assert len(swapper.swapped_names) == 4 - keep
+    _train_and_compare(model, swapper, ref)
+    swapper.detach()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        assert id(p) == ids[name]
+        assert p.device == q.device and not _is_placeholder(p)
+        assert torch.equal(p, q), name  # trained values come back
+        assert p.requires_grad == q.requires_grad
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_gradient_accumulation_of_host_gradients(set_to_none: bool) -> None:
+    ref = _net()
+    model = copy.deepcopy(ref)
+    swapper = _swap(model, trainable="cpu")
+    opt, ref_opt = _optimizer(model, swapper), _optimizer(ref)
+    for _ in range(2):  # two optimizer steps of two micro-batches each
+        for micro in (X, X.flip(0) * 0.5):
+            model(micro).square().mean().backward()
+            ref(micro).square().mean().backward()
+        swapper.sync_gradients()
+        _assert_same_grads(model, ref, swapper)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        ref_opt.zero_grad(set_to_none=set_to_none)
+    swapper.detach()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_trainable_knob_decides_what_swaps() -> None:
+    model = _net()  # every parameter trainable
+    resident = _swap(model, trainable="resident")
+    assert resident.stats().swapped_blocks == 0 and resident.host_parameters() == []
+    resident.detach()
+    cpu = _swap(model, trainable="cpu")
+    assert cpu.stats().swapped_blocks == 4
+    hosts = cpu.host_parameters()
+    assert len(hosts) == 8 and all(h.requires_grad and h.grad is not None for h in hosts)
+    cpu.detach()
+
+
+class TupleBlock(nn.Module):
+    """Takes a kwarg tensor, returns a tuple with a dict of mixed leaves and a passthrough."""
+
+    def __init__(self, dim: int = D) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, *, t: torch.Tensor,
+                tag: str = "") -> tuple[Any, ...]:
+        h = self.fc2(F.silu(self.fc1(x + ctx))) * t
+        return x + h, ctx, {"aux": t * 2, "n": 3, "tag": tag, "ids": x.argmax(-1)}
+
+
+class TupleNet(nn.Module):
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(TupleBlock() for _ in range(n))
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x, ctx, extra = block(x, ctx, t=t, tag=f"b{i}")
+            assert extra["n"] == 3 and extra["tag"] == f"b{i}"
+            assert extra["ids"].dtype == torch.long and not extra["ids"].requires_grad
+            t = extra["aux"] / 2
+        return x
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_structured_outputs_kwargs_and_passthrough(checkpointing: bool) -> None:
+    torch.manual_seed(0)
+    ref = TupleNet().requires_grad_(False)
+    model = copy.deepcopy(ref)
+    swapper = _swap(model, min_param_bytes=0, checkpointing=checkpointing)
+    assert len(swapper.swapped_names) == 4
+
+    def leaves() -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(1)
+        return [torch.randn(8, D, generator=g).requires_grad_(),
+                torch.randn(8, D, generator=g).requires_grad_(),
+                torch.rand(8, 1, generator=g).requires_grad_()]
+
+    mine, theirs = leaves(), leaves()
+    for _ in range(2):
+        out = model(*mine)
+        want = ref(*theirs)
+        assert torch.equal(out, want)
+        out.square().mean().backward()
+        want.square().mean().backward()
+        for a, b in zip(mine, theirs, strict=True):
+            assert torch.equal(a.grad, b.grad)  # input, passthrough context and kwarg tensor
+    swapper.detach()
+
+
+def test_lora_gradients_reach_blocks_whose_inputs_need_no_grad() -> None:
+    ref = _lora_only(_net(lora=True))
+    model = copy.deepcopy(ref)
+    swapper = _swap(model)  # inp is frozen: X -> block 0 carries no grad; only the anchor does
+    assert swapper._anchor is not None
+    _step(model)
+    _step(ref)
+    _assert_same_grads(model, ref)
+    assert all(model.blocks[i].lora_a.grad.abs().sum() > 0 for i in range(4))
+    swapper.detach()
+
+
+def test_frozen_leading_blocks_get_no_backward() -> None:
+    model = _net()
+    model.requires_grad_(False)
+    for block in model.blocks[2:]:
+        block.requires_grad_(True)
+    swapper = _swap(model, trainable="cpu")
+    for b in model.blocks:
+        b.calls = 0
+    _step(model)
+    # Blocks 0 and 1 are frozen and see no grad-requiring input: forward only.
+    assert swapper.stats().acquisitions == 4 + 2
+    swapper.detach()
+
+
+def test_a_block_called_twice_per_forward() -> None:
+    ref = _frozen_blocks(_net(order=[0, 1, 0, 2, 3, 1]))
+    model = copy.deepcopy(ref)
+    for checkpointing in (False, True):
+        swapper = _swap(model, checkpointing=checkpointing)
+        _train_and_compare(model, swapper, ref, steps=2)
+        swapper.detach()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("n", [3, 4])
+def test_two_forwards_then_one_backward(checkpointing: bool, n: int) -> None:
+    # The second forward puts blocks in other slots than the first did (n=3): backward must
+    # read each call's weights from wherever its block is now, not from the slot it ran in.
+    ref = _frozen_blocks(_net(n=n))
+    model = copy.deepcopy(ref)
+    swapper = _swap(model, checkpointing=checkpointing)
+    for m in (model, ref):
+        (m(X).square().mean() + m(X.flip(0)).abs().mean()).backward()
+    _assert_same_grads(model, ref)
+    swapper.detach()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_autocast_matches(checkpointing: bool) -> None:
+    ref = _frozen_blocks(_net())
+    model = copy.deepcopy(ref)
+    swapper = _swap(model, checkpointing=checkpointing)
+    for m in (model, ref):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(X)
+        out.float().square().mean().backward()
+    _assert_same_grads(model, ref)
+    swapper.detach()
+
+
+def test_checkpointing_knob_recomputes_swapped_blocks() -> None:
+    def calls_per_step(model: Net, **config: Any) -> list[int]:
+        swapper = _swap(model, **config)
+        for b in model.blocks:
+            b.calls = 0
+        _step(model)
+        swapper.detach()
+        return [b.calls for b in model.blocks]
+
+    model = _frozen_blocks(_net())
+    assert calls_per_step(model, checkpointing=True) == [2, 2, 2, 2]
+    assert calls_per_step(model, checkpointing=False) == [1, 1, 1, 1]
+    assert calls_per_step(model) == [1, 1, 1, 1]  # None follows the blocks: not marked
+    probe = _swap(model, max_gpu_blocks=2)
+    swapped = [e.swapped for e in probe.schedule]
+    probe.detach()
+    assert sum(swapped) == 2  # only swapped blocks go through the swapper's recompute
+    assert calls_per_step(model, checkpointing=True, max_gpu_blocks=2) == [
+        2 if s else 1 for s in swapped]
+    enable_gradient_checkpointing(model)
+    assert calls_per_step(model) == [2, 2, 2, 2]  # None: marked blocks recompute
+    assert calls_per_step(model, checkpointing=False) == [1, 1, 1, 1]
+    assert all(is_checkpointed(b) for b in model.blocks)  # the marks survive detach
+
+
+def test_composes_with_enable_gradient_checkpointing() -> None:
+    ref = _lora_only(_net(dropout=0.2, lora=True))
+    model = copy.deepcopy(ref)
+    enable_gradient_checkpointing(model)
+    wrappers = [b.__dict__["forward"] for b in model.blocks]
+    swapper = _swap(model, max_gpu_blocks=2)
+    _train_and_compare(model, swapper, ref, steps=2)
+    swapper.detach()
+    assert [b.__dict__["forward"] for b in model.blocks] == wrappers
+
+
+def test_preserve_rng_state_replays_dropout() -> None:
+    ref = _lora_only(_net(dropout=0.5, lora=True))
+    model = copy.deepcopy(ref)
+    swapper = _swap(model, checkpointing=True, preserve_rng_state=False)
+    torch.manual_seed(7)
+    loss = _step(model)
+    torch.manual_seed(7)
+    ref_loss = _step(ref)
+    assert torch.equal(loss, ref_loss)  # forward masks are the same...
+    got, want = _grads(model), _grads(ref)
+    assert any(not torch.equal(got[n], want[n]) for n in want)  # ...recomputed ones are not
+    swapper.detach()
+
+
+def test_retain_graph_through_a_non_checkpointed_block_is_an_error() -> None:
+    model = _frozen_blocks(_net())
+    swapper = _swap(model, checkpointing=False)
+    loss = model(X).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(OffloadError) as info:
+        loss.backward()
+    assert "retain_graph" in info.value.hint
+    swapper.detach()
+
+
+# --------------------------------------------------------------------------------------------
+# Inference
+# --------------------------------------------------------------------------------------------
+
+
+def test_inference_matches_and_wraps_around() -> None:
+    ref = _frozen_blocks(_net()).eval()
+    ref.requires_grad_(False)
+    model = copy.deepcopy(ref)
+    swapper = _swap(model)
+    with torch.no_grad():
+        want = ref(X)
+        assert torch.equal(model(X), want)
+    first = swapper.stats()
+    assert first.on_demand == 1
+    assert first.loads > 4  # the last block's release loads the next call's first blocks
+    swapper.reset_stats()
+    assert torch.equal(swapper.forward_with_swapping(X), want)
+    again = swapper.stats()
+    assert again.on_demand == 0 and again.hits == again.acquisitions == 4
+    # A custom forward_fn; grad mode is off inside.
+    out = swapper.forward_with_swapping(X, lambda v: model(v) if not torch.is_grad_enabled()
+                                        else None)
+    assert torch.equal(out, want) and not out.requires_grad
+    # Frozen model with grad enabled: no graph needed, same result.
+    assert torch.equal(model(X), want)
+    assert swapper.stats().on_demand == 0
+    swapper.detach()
+
+
+def test_inference_between_training_steps() -> None:
+    ref = _lora_only(_net(lora=True))
+    model = copy.deepcopy(ref)
+    swapper = _swap(model)
+    opt, ref_opt = _optimizer(model), _optimizer(ref)
+    for _ in range(2):
+        _step(model)
+        _step(ref)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        with torch.no_grad():
+            assert torch.equal(swapper.forward_with_swapping(X), ref(X))
+    _step(model)
+    _step(ref)
+    _assert_same_grads(model, ref)
+    swapper.detach()
+
+
+# --------------------------------------------------------------------------------------------
+# detach / restore
+# --------------------------------------------------------------------------------------------
+
+
+def test_detach_restores_the_model() -> None:
+    ref = _frozen_blocks(_net())
+    model = copy.deepcopy(ref)
+    ids = [id(p) for p in model.parameters()] + [id(b) for b in model.buffers()]
+    calls: list[str] = []
+    handles = [model.blocks[1].register_forward_pre_hook(lambda m, a: calls.append("pre")),
+               model.blocks[1].register_forward_hook(lambda m, a, o: o * 2)]
+    handles.append(ref.blocks[1].register_forward_hook(lambda m, a, o: o * 2))
+    swapper = _swap(model)
+    assert all("forward" in b.__dict__ for b in model.blocks)
+    swapped_forward = model.blocks[0].forward
+    assert torch.equal(_step(model), _step(ref))  # the user's hooks run under swapping
+    _assert_same_grads(model, ref)
+    assert calls == ["pre"]
+    swapper.detach()
+    assert [id(p) for p in model.parameters()] + [id(b) for b in model.buffers()] == ids
+    for b in model.blocks:
+        assert "forward" not in b.__dict__
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert p.device == q.device and torch.equal(p, q) and not _is_placeholder(p)
+        assert p.is_contiguous()
+    assert torch.equal(model(X), ref(X))  # a normal module again; hooks still registered
+    assert calls == ["pre", "pre"]
+    assert torch.equal(model.blocks[2](X), ref.blocks[2](X))
+    with pytest.raises(OffloadError):
+        swapped_forward(X)  # a kept reference to the swapper's forward refuses to run
+    with pytest.raises(OffloadError):
+        swapper.detach()
+    for h in handles:
+        h.remove()
+    again = _swap(model)  # the model can be swapped again
+    assert torch.equal(model(X), ref(X))
+    again.detach()
+
+
+def test_detach_restores_a_preexisting_instance_forward() -> None:
+    ref = _frozen_blocks(_net())
+    block = ref.blocks[2]
+    block.forward = types.MethodType(lambda self, x: MLPBlock.forward(self, x) * 0.5, block)
+    model = copy.deepcopy(ref)  # the copy's instance forward is bound to the copied block
+    own = model.blocks[2].__dict__["forward"]
+    swapper = _swap(model)
+    assert model.blocks[2].__dict__["forward"] is not own
+    assert torch.equal(_step(model), _step(ref))  # the instance forward is what runs
+    swapper.detach()
+    assert model.blocks[2].__dict__["forward"] is own
+    assert torch.equal(model(X), ref(X))
+
+
+def test_context_manager_detaches() -> None:
+    model = _frozen_blocks(_net())
+    with _swap(model) as swapper:
+        _step(model)
+        assert isinstance(swapper, BlockSwapper)
+    assert all("forward" not in b.__dict__ for b in model.blocks)
+    with pytest.raises(OffloadError):
+        swapper.detach()
+    with _swap(model) as inner:
+        inner.detach()  # detaching inside the block is fine; exit does not raise
+    with pytest.raises(RuntimeError), _swap(model):
+        raise RuntimeError("boom")
+    assert all("forward" not in b.__dict__ for b in model.blocks)
+
+
+# --------------------------------------------------------------------------------------------
+# What swaps: sizes, buffers, tied weights, statistics
+# --------------------------------------------------------------------------------------------
+
+
+def test_min_param_bytes_keeps_small_tensors_resident() -> None:
+    model = _frozen_blocks(_net())
+    swapper = _swap(model)
+    _step(model)
+    assert {e.attr for b in swapper.blocks for e in b.entries} == {"weight"}
+    evicted = 0
+    for block in model.blocks:
+        for name, p in block.named_parameters():
+            small = p.numel() * p.element_size() < MIN
+            if small:
+                assert not _is_placeholder(p), name
+            evicted += _is_placeholder(p)
+    assert evicted == 4  # blocks 2 and 3 are out of the slots: their two weights each
+    swapper.detach()
+    everything = _swap(model, min_param_bytes=0)
+    assert {e.attr for b in everything.blocks for e in b.entries} == {"weight", "bias"}
+    everything.detach()
+
+
+class BufferBlock(MLPBlock):
+    def __init__(self, dim: int = D) -> None:
+        super().__init__(dim)
+        self.register_buffer("proj", torch.randn(dim, dim))
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x) @ self.proj * 0.2
+
+
+@pytest.mark.parametrize("swap_buffers", [True, False])
+def test_swap_buffers(swap_buffers: bool) -> None:
+    torch.manual_seed(0)
+    ref = Net()
+    ref.blocks = nn.ModuleList(BufferBlock() for _ in range(4))
+    _frozen_blocks(ref)
+    model = copy.deepcopy(ref)
+    swapper = _swap(model, swap_buffers=swap_buffers)
+    assert any(not e.is_param for b in swapper.blocks for e in b.entries) == swap_buffers
+    _train_and_compare(model, swapper, ref, steps=2)
+    assert any(_is_placeholder(b.proj) for b in model.blocks) == swap_buffers
+    swapper.detach()
+    assert all(torch.equal(b.proj, r.proj) for b, r in zip(model.blocks, ref.blocks, strict=True))
+
+
+def test_tied_weights_across_blocks_stay_resident() -> None:
+    ref = _frozen_blocks(_net())
+    ref.blocks[3].fc1.weight = ref.blocks[0].fc1.weight
+    model = copy.deepcopy(ref)
+    tied = model.blocks[0].fc1.weight
+    assert tied is model.blocks[3].fc1.weight
+    swapper = _swap(model)
+    assert all(e.tensor is not tied for b in swapper.blocks for e in b.entries)
+    _train_and_compare(model, swapper, ref)
+    assert not _is_placeholder(tied) and tied is model.blocks[3].fc1.weight
+    swapper.detach()
+    assert model.blocks[0].fc1.weight is model.blocks[3].fc1.weight
+
+
+def test_submodule_shared_by_two_blocks() -> None:
+    ref = _frozen_blocks(_net())
+    ref.blocks[2].fc1 = ref.blocks[0].fc1
+    model = copy.deepcopy(ref)
+    swapper = _swap(model)
+    try:
+        assert torch.equal(model(X), ref(X))
+    finally:
+        swapper.detach()
+    assert torch.equal(model.blocks[0].fc1.weight, ref.blocks[0].fc1.weight)
+
+
+def test_host_update_through_data_is_seen() -> None:
+    ref = _net()
+    model = copy.deepcopy(ref)
+    swapper = _swap(model, trainable="cpu")
+    _step(model)
+    _step(ref)
+    swapper.sync_gradients()
+    host = _host_of(swapper)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            h = host.get(id(p), p)
+            h.data.add_(h.grad, alpha=-0.1)
+            q.data.add_(q.grad, alpha=-0.1)
+    try:
+        assert torch.equal(model(X), ref(X))
+    finally:
+        swapper.detach()
+
+
+def test_stats_sizes() -> None:
+    dim = 36  # 36x72 float weights: 10368 bytes, not a multiple of the 512-byte alignment
+    hiddens = [2 * dim, 4 * dim, 2 * dim, 4 * dim]
+    model = _frozen_blocks(_net(dim=dim, hiddens=hiddens))
+    swapper = _swap(model, num_slots=3, max_gpu_blocks=1)
+    stats = swapper.stats()
+    assert isinstance(stats, SwapStats)
+    swapped = [model.blocks[int(n.split(".")[1])] for n in swapper.swapped_names]
+    assert stats.blocks == 4 and stats.swapped_blocks == len(swapped) == 3
+    expected = sum(p.numel() * p.element_size() for b in swapped for p in b.parameters()
+                   if p.numel() * p.element_size() >= MIN)
+    assert stats.swapped_bytes == expected
+    assert expected < stats.pinned_bytes <= 1.05 * expected  # alignment, nothing more
+    largest = max(b.nbytes for b in swapper.blocks)
+    assert largest == 2 * -(-dim * 4 * dim * 4 // 512) * 512
+    assert stats.slot_bytes == 3 * largest
+    resident = [b for i, b in enumerate(model.blocks) if b not in swapped]
+    small = sum(p.numel() * p.element_size() for b in swapped for p in b.parameters()
+                if p.numel() * p.element_size() < MIN)
+    assert stats.resident_block_bytes == sum(
+        p.numel() * p.element_size() for b in resident for p in b.parameters()) + small
+    assert stats.loads == stats.hits == stats.acquisitions == stats.h2d_bytes == 0
+    model(torch.randn(2, dim)).sum().backward()
+    stats = swapper.stats()
+    # Three slots for three swapped blocks: each is loaded once and stays for backward.
+    assert (stats.loads, stats.on_demand, stats.acquisitions, stats.hits) == (3, 1, 6, 5)
+    assert stats.h2d_bytes == sum(b.nbytes for b in swapper.blocks)
+    assert stats.d2h_bytes == 0 and stats.enqueue_seconds > 0
+    assert stats.as_dict()["loads"] == stats.loads
+    swapper.reset_stats()
+    after = swapper.stats()
+    assert after.loads == after.h2d_bytes == 0 and after.swapped_bytes == stats.swapped_bytes
+    swapper.detach()
+

@@ -1,0 +1,784 @@
+"""Activation offload: saved activations go to pinned host memory in forward and come back ahead
+of use in backward.
+
+Training keeps every tensor that autograd saves for backward on the GPU from the moment the
+forward pass produces it until backward consumes it; for long sequences those saved activations
+dwarf the weights. :class:`ActivationOffloader` installs a
+``torch.autograd.graph.saved_tensors_hooks`` pair that moves them out of the way:
+
+* **pack** (forward, at save time): the copy stream ``d2h`` of :func:`transfer_streams` waits on
+  an event recorded on the compute stream, copies the tensor asynchronously into a block of a
+  pinned :class:`~vramkit.memory.pool.MemoryPool` and records a "stored" event. The offloader
+  keeps the device tensor until ``max_inflight_bytes`` of newer copies are queued behind it; then
+  the compute stream waits (a GPU-side wait) on its "stored" event and the tensor is let go, so the
+  caching allocator reuses the memory in stream order. (``record_stream`` plus dropping the
+  reference at once would look cheaper, but the allocator then frees the memory only when the
+  *host* sees the copy complete, and the host runs ahead of the GPU by most of a forward pass:
+  the peak would not go down.) The pool is created on first use, owned by the offloader and
+  reused across steps: blocks freed in backward return to the pool's exact-size cache, so a
+  steady-state step allocates no new pinned memory.
+* **unpack** (backward, reverse order): a tensor whose device memory is still held (the last
+  ones of the forward pass) is used as it is. A prefetched one: the compute stream waits on its
+  "loaded" event. Otherwise its host->device copy is issued now (an *on-demand* load), and in
+  all cases the next ``prefetch`` offloaded tensors in reverse pack order are issued as well, so
+  the tensors that backward asks for next are already on their way. Each host block is freed
+  right after its copy is issued (``record_stream(h2d)``: the pinned pool reuses it only once
+  the copy is done); the block of a tensor used as it was stays until autograd drops the saved
+  tensor, so a second backward (``retain_graph=True``) can reload it.
+
+Nothing on these paths synchronizes the host with the GPU. All copies go through the process-wide
+streams of :func:`~vramkit.offload._transfer.transfer_streams`, the ones the block swapper uses,
+so activation traffic and weight swaps share one copy queue per direction (the PCIe budget).
+
+What stays on the device (counted in :meth:`ActivationOffloader.stats`): parameters and views of
+parameters (they are resident anyway), tensors smaller than ``min_bytes`` (not worth a copy),
+tensors on another device, tensor subclasses / non-strided layouts / conjugate or negative views,
+and tensors that do not fit under ``max_pinned_bytes``. The same tensor saved twice (``x * x``)
+is copied once. Dense tensors come back with their exact strides; overlapping ones (``expand``)
+are copied as their storage span and rebuilt with the same strides; views with gaps (a slice of
+a wider tensor) are copied compactly and come back contiguous (same values, other strides).
+
+Composition:
+
+* ``torch.utils.checkpoint`` (non-reentrant) installs its own saved-tensor hooks inside the
+  checkpointed region; nested hooks resolve innermost-first, so the region's tensors are
+  recomputed (not offloaded) and everything outside it is offloaded by this class. The
+  checkpoint keeps its region's *inputs* alive itself, outside saved-tensor hooks, so they stay
+  on the GPU. (The reentrant variant saves its inputs through ``save_for_backward``: those are
+  offloaded.)
+* :class:`~vramkit.offload.swap.BlockSwapper` installs its own hooks while a non-checkpointed
+  swapped block runs: tensors saved inside a swapped block's region are handled by the swapper,
+  those outside (non-block layers, resident blocks, the inputs a checkpointed swapped block saves
+  with ``save_for_backward``) by this class. Both use the same copy streams.
+
+On a CPU device (``device="cpu"``) everything runs the same way with synchronous copies
+(:class:`~vramkit.offload._transfer.HostStreams`) into a plain host pool. That saves no memory --
+the tensors were on the host already -- and exists to exercise the mechanics (ordering,
+deduplication, pool reuse, caps) without a GPU. ``device=None`` means the current CUDA device and
+raises :class:`~vramkit.errors.DeviceError` when CUDA is unavailable.
+
+Typical use: create the offloader once and enter it around every step's forward pass, so the
+pinned pool is reused; backward may run inside or outside the ``with`` block::
+
+    offloader = ActivationOffloader(ActivationOffloadConfig(min_bytes="1MiB", prefetch=2))
+    for batch in loader:
+        with offloader:
+            loss = model(batch)
+        loss.backward()
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from vramkit.errors import ConfigError, DeviceError, OffloadError, PoolExhaustedError
+from vramkit.memory.pool import Block, MemoryPool, PoolConfig
+from vramkit.offload._transfer import Streams, transfer_streams
+from vramkit.units import format_size, parse_size
+
+__all__ = [
+    "ActivationOffloadConfig",
+    "ActivationOffloadStats",
+    "ActivationOffloader",
+    "offload_activations",
+]
+
+logger = logging.getLogger(__name__)
+
+# A forward pass saves many tensors of a handful of sizes; the pool's per-size cache must hold a
+# whole step's worth of one size, or blocks spill into the arena and are re-carved every step.
+_POOL_CACHED_PER_SIZE = 4096
+# Pinned segments are page-locked host RAM: grow gently so the pool does not overshoot the
+# step's need by the 2x a doubling policy can leave behind.
+_POOL_GROWTH_FACTOR = 1.25
+_POOL_ALIGNMENT = 512
+
+
+@dataclass(frozen=True)
+class ActivationOffloadConfig:
+    """Settings of an :class:`ActivationOffloader`.
+
+    Args:
+        min_bytes: tensors whose copy would be smaller than this stay on the device (a copy has
+            a fixed cost of a few microseconds; small tensors free little memory). An int or a
+            size string. Default ``"1MiB"``.
+        prefetch: how many offloaded tensors ahead (in reverse pack order) backward brings back
+            beyond the one it asks for. ``0`` loads each tensor only when backward needs it.
+            Default ``2``.
+        max_pinned_bytes: cap on the pinned pool (bytes or a size string). Tensors that would
+            take the pool past it stay on the device (counted in
+            :attr:`ActivationOffloadStats.kept_over_cap`). ``None`` (default): no cap.
+        max_inflight_bytes: how many bytes of offloaded tensors may keep their device memory
+            while their device->host copy runs. Beyond it the compute stream waits (on the GPU,
+            not the host) for the oldest copies so their memory can be reused: when the forward
+            pass outruns the copy link this trades forward time for memory. ``0`` waits for
+            every copy right after issuing it. The tensors still held when backward starts are
+            used from the device without a round trip. Default ``"256MiB"``.
+
+    Raises:
+        ConfigError: for a negative size or prefetch, or a value of the wrong type.
+    """
+
+    min_bytes: int | str = "1MiB"
+    prefetch: int = 2
+    max_pinned_bytes: int | str | None = None
+    max_inflight_bytes: int | str = "256MiB"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "min_bytes", _size_field("min_bytes", self.min_bytes))
+        object.__setattr__(self, "max_inflight_bytes",
+                           _size_field("max_inflight_bytes", self.max_inflight_bytes))
+        prefetch = self.prefetch
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError(f"ActivationOffloadConfig.prefetch must be an int >= 0, got "
+                              f"{prefetch!r}", hint="2 keeps two tensors in flight ahead of "
+                                                    "backward; 0 disables prefetching.")
+        if self.max_pinned_bytes is not None:
+            cap = _size_field("max_pinned_bytes", self.max_pinned_bytes)
+            if cap <= 0:
+                raise ConfigError(f"ActivationOffloadConfig.max_pinned_bytes must be > 0, got "
+                                  f"{self.max_pinned_bytes!r}",
+                                  hint="Use None for no cap.")
+            object.__setattr__(self, "max_pinned_bytes", cap)
+
+
+def _size_field(name: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"ActivationOffloadConfig.{name} must be a size, got {value!r}")
+    if isinstance(value, str):
+        try:
+            value = parse_size(value)
+        except ValueError as exc:
+            raise ConfigError(f"ActivationOffloadConfig.{name}: {exc}",
+                              hint="Use bytes or a size string such as '1MiB'.") from None
+    if not isinstance(value, int):
+        raise ConfigError(f"ActivationOffloadConfig.{name} must be an int or a size string, got "
+                          f"{type(value).__name__}")
+    if value < 0:
+        raise ConfigError(f"ActivationOffloadConfig.{name} must be >= 0, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class ActivationOffloadStats:
+    """What an :class:`ActivationOffloader` did since creation or :meth:`reset_stats`.
+
+    Attributes:
+        offloaded_tensors: saved tensors copied to the host.
+        offloaded_bytes: bytes copied device->host.
+        deduplicated: saves that reused an already offloaded copy (the same tensor saved twice).
+        kept_tensors: saved tensors left on the device, for any reason below.
+        kept_bytes: their bytes.
+        kept_small: kept because smaller than ``min_bytes``.
+        kept_parameters: kept because they are parameters or views of parameters.
+        kept_unsupported: kept because on another device, a tensor subclass, not strided, or a
+            conjugate/negative view.
+        kept_over_cap: kept because the pinned pool was at ``max_pinned_bytes``.
+        released: offloaded tensors whose device memory was let go after the compute stream
+            waited for their copy (the rest were used by backward straight from the device).
+        prefetch_hits: first unpacks that found their tensor already on its way back.
+        on_demand_loads: first unpacks that had to start the copy themselves.
+        device_hits: first unpacks of tensors whose device memory was still held (the last
+            ``max_inflight_bytes`` of a forward pass): no host->device copy.
+        loaded_bytes: bytes copied host->device.
+        pinned_bytes: pinned (or host-pool) bytes held by offloaded tensors now.
+        pinned_peak_bytes: the highest ``pinned_bytes``.
+    """
+
+    offloaded_tensors: int = 0
+    offloaded_bytes: int = 0
+    deduplicated: int = 0
+    kept_tensors: int = 0
+    kept_bytes: int = 0
+    kept_small: int = 0
+    kept_parameters: int = 0
+    kept_unsupported: int = 0
+    kept_over_cap: int = 0
+    released: int = 0
+    prefetch_hits: int = 0
+    on_demand_loads: int = 0
+    device_hits: int = 0
+    loaded_bytes: int = 0
+    pinned_bytes: int = 0
+    pinned_peak_bytes: int = 0
+
+    @property
+    def prefetch_hit_rate(self) -> float:
+        """``prefetch_hits / (prefetch_hits + on_demand_loads)`` (0.0 before any load)."""
+        loads = self.prefetch_hits + self.on_demand_loads
+        return self.prefetch_hits / loads if loads else 0.0
+
+
+class _Counters:
+    """Mutable counterparts of :class:`ActivationOffloadStats` (updated under the offloader lock)."""
+
+    __slots__ = ("deduplicated", "device_hits", "kept_bytes", "kept_over_cap", "kept_parameters",
+                 "kept_small", "kept_unsupported", "loaded_bytes", "offloaded_bytes",
+                 "offloaded_tensors", "on_demand_loads", "pinned_bytes", "pinned_peak_bytes",
+                 "prefetch_hits", "released")
+
+    def __init__(self, pinned_bytes: int = 0) -> None:
+        for name in self.__slots__:
+            setattr(self, name, 0)
+        self.pinned_bytes = self.pinned_peak_bytes = pinned_bytes
+
+    def snapshot(self) -> ActivationOffloadStats:
+        kept = self.kept_small + self.kept_parameters + self.kept_unsupported + self.kept_over_cap
+        return ActivationOffloadStats(
+            offloaded_tensors=self.offloaded_tensors, offloaded_bytes=self.offloaded_bytes,
+            deduplicated=self.deduplicated, kept_tensors=kept, kept_bytes=self.kept_bytes,
+            kept_small=self.kept_small, kept_parameters=self.kept_parameters,
+            kept_unsupported=self.kept_unsupported, kept_over_cap=self.kept_over_cap,
+            released=self.released, prefetch_hits=self.prefetch_hits,
+            on_demand_loads=self.on_demand_loads, device_hits=self.device_hits,
+            loaded_bytes=self.loaded_bytes, pinned_bytes=self.pinned_bytes,
+            pinned_peak_bytes=self.pinned_peak_bytes)
+
+
+# States of an offloaded tensor.
+_IN_FLIGHT = 0  # device->host copy issued; the offloader still holds the device tensor
+_ON_HOST = 1  # the compute stream waited for the copy and the device tensor was let go
+_ORIGINAL = 2  # unpacked while still held: backward got the original tensor, the host copy stays
+_LOADED = 3  # copied back host->device; the host block is freed
+
+
+class _Held:
+    """An in-flight device tensor, owned by the offloader's queue (never by its handle: a
+    tensor saved as its own op's output references that op's node, which references the handle,
+    and a handle referencing the tensor would close a cycle the garbage collector cannot see)."""
+
+    __slots__ = ("__weakref__", "handle", "nbytes", "tensor")
+
+    def __init__(self, handle: _Offloaded, tensor: torch.Tensor, nbytes: int) -> None:
+        self.handle = weakref.ref(handle)
+        self.tensor: torch.Tensor | None = tensor
+        self.nbytes = nbytes
+
+
+class _Offloaded:
+    """The packed form of one offloaded saved tensor (what autograd keeps instead of it).
+
+    ``span`` elements starting at the tensor's storage offset were copied; the tensor is rebuilt
+    as ``span_tensor.as_strided(shape, stride)``. A handle dropped before backward used it (a
+    graph freed without backward through it) or after its original tensor was used hands what
+    it holds back to the offloader, which releases it at its next operation: inside a
+    garbage-collection pass the pool's lock may be held, and the compute stream must first wait
+    for a copy still writing a device tensor.
+    """
+
+    __slots__ = ("__weakref__", "block", "capacity", "dtype", "held", "index", "loaded", "nbytes",
+                 "owner", "result", "shape", "source", "span", "state", "stored", "stride",
+                 "unpacked", "version")
+
+    def __init__(self, owner: ActivationOffloader, index: int, tensor: torch.Tensor,
+                 shape: tuple[int, ...], stride: tuple[int, ...], span: int, block: Block) -> None:
+        self.owner = owner
+        self.index = index
+        self.shape = shape
+        self.stride = stride
+        self.span = span
+        self.dtype = tensor.dtype
+        self.nbytes = span * tensor.element_size()
+        self.block: Block | None = block
+        self.capacity = block.capacity
+        self.source = weakref.ref(tensor)
+        self.version = tensor._version
+        self.held: weakref.ref[_Held] | None = None
+        self.stored: Any = None
+        self.loaded: Any = None
+        self.result: torch.Tensor | None = None  # the host->device copy, once loaded
+        self.state = _IN_FLIGHT
+        self.unpacked = False
+
+    def __del__(self) -> None:
+        try:
+            orphans = self.owner._orphans
+        except AttributeError:  # interpreter shutdown
+            return
+        if self.block is not None:
+            orphans.append((self.block, self.capacity, None, None))
+            self.block = None
+        if self.state == _LOADED and not self.unpacked:
+            # Prefetched, never used: the host->device copy may still be writing the tensor.
+            orphans.append((None, 0, self.result, self.loaded))
+
+
+def _layout(t: torch.Tensor) -> tuple[int, bool]:
+    """``(elements to copy, keep strides)`` for a strided tensor.
+
+    Its storage span (from the first to the last element it addresses) when that is no larger
+    than the tensor itself -- dense tensors in any dimension order, and overlapping ones such as
+    ``expand`` results -- so the copy can be rebuilt with identical strides; otherwise (a view
+    with gaps) the element count, copied compactly.
+    """
+    numel = t.numel()
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if n > 1)
+    if span <= numel:
+        return span, True
+    return numel, False
+
+
+class ActivationOffloader:
+    """Offloads saved activations to pinned host memory and prefetches them back in backward.
+
+    Use it as a context manager around the forward pass; create it once and enter it every step
+    so its pinned pool is reused (see the module docstring for what is offloaded and how).
+
+    Args:
+        config: the settings (default ``ActivationOffloadConfig()``).
+        device: the CUDA device whose activations are offloaded (``None``, the default: the
+            current CUDA device), or ``"cpu"`` to run the mechanics on the host (no memory is
+            saved; for tests and CPU-only machines).
+        streams: the copy streams to use (default: the shared ``transfer_streams(device)``);
+            tests pass a ``HostStreams(log=[])`` to observe the order of copies and events.
+
+    Raises:
+        ConfigError: for a config of the wrong type.
+        DeviceError: when the device is not a CUDA device or the CPU, or CUDA is unavailable.
+    """
+
+    def __init__(self, config: ActivationOffloadConfig | None = None, *,
+                 device: str | int | torch.device | None = None,
+                 streams: Streams | None = None) -> None:
+        if config is None:
+            config = ActivationOffloadConfig()
+        elif not isinstance(config, ActivationOffloadConfig):
+            raise ConfigError(f"config must be an ActivationOffloadConfig, got "
+                              f"{type(config).__name__}")
+        self.config = config
+        self.device = _resolve_device(device)
+        self._cuda = self.device.type == "cuda"
+        if streams is not None and torch.device(streams.device) != self.device:
+            raise DeviceError(f"streams are for {streams.device}, the offloader for {self.device}",
+                              hint="Pass the streams of the offloader's device, or none.")
+        self._streams = streams if streams is not None else transfer_streams(self.device)
+        self._pool: MemoryPool | None = None
+        self._lock = threading.RLock()
+        self._counters = _Counters()
+        # Offloaded tensors in pack order (weak: autograd owns them); index i lives at
+        # position i - _first_index. Prefetch walks it downwards from the unpacked tensor.
+        self._order: list[weakref.ref[_Offloaded]] = []
+        self._first_index = 0
+        self._next_index = 0
+        # Device tensors whose copy may still run, oldest first, and their bytes.
+        self._in_flight: deque[_Held] = deque()
+        self._in_flight_bytes = 0
+        # The same tensor saved twice within one forward: key -> (tensor ref, handle ref).
+        self._seen: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor],
+                                                weakref.ref[_Offloaded]]] = {}
+        # (block, capacity, tensor, event) left by dead handles; appended without the lock.
+        self._orphans: deque[tuple[Block | None, int, torch.Tensor | None, Any]] = deque()
+        # Originals handed to backward, by handle index, until the handle dies (or the next
+        # forward starts: a graph kept with retain_graph then reloads from its host copy).
+        self._originals: dict[int, torch.Tensor] = {}
+        self._hooks: Any = None
+
+    # -- context manager ---------------------------------------------------------------------
+
+    def __enter__(self) -> ActivationOffloader:
+        if self._hooks is not None:
+            raise OffloadError("this ActivationOffloader is already active",
+                               hint="Enter an offloader once at a time (nesting it is "
+                                    "meaningless: the innermost hooks win).")
+        with self._lock:
+            self._trim_order()
+            self._originals.clear()
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        self._hooks = hooks
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        # In-flight copies stay as they are: the last tensors saved are the first backward
+        # needs, and if their device memory is still held they are used without a round trip.
+        hooks, self._hooks = self._hooks, None
+        self._seen.clear()
+        if hooks is not None:
+            hooks.__exit__(exc_type, exc, tb)
+
+    @property
+    def active(self) -> bool:
+        """Whether the hooks are installed (inside the ``with`` block)."""
+        return self._hooks is not None
+
+    # -- observation ---------------------------------------------------------------------------
+
+    @property
+    def pool(self) -> MemoryPool | None:
+        """The pinned (CUDA) or host (CPU) pool of offloaded bytes; ``None`` before first use."""
+        return self._pool
+
+    @property
+    def streams(self) -> Streams:
+        """The copy streams in use."""
+        return self._streams
+
+    def stats(self) -> ActivationOffloadStats:
+        """A snapshot of the counters.
+
+        Returns:
+            An :class:`ActivationOffloadStats`.
+        """
+        with self._lock:
+            self._free_orphans()
+            return self._counters.snapshot()
+
+    def reset_stats(self) -> None:
+        """Zero every counter; the peak restarts from the bytes held now."""
+        with self._lock:
+            self._counters = _Counters(self._counters.pinned_bytes)
+
+    def trim(self) -> int:
+        """Give memory back: device tensors still held for their copy (the compute stream waits
+        for those copies), what dropped graphs left behind, and the pool's unused segments.
+
+        Returns:
+            Bytes released by the pool (0 before the pool exists).
+        """
+        with self._lock:
+            self._release_in_flight(0)
+            self._originals.clear()
+            self._free_orphans()
+            self._trim_order()
+            pool = self._pool
+        return pool.trim() if pool is not None else 0
+
+    def __repr__(self) -> str:
+        c = self._counters
+        return (f"ActivationOffloader(device={self.device}, active={self.active}, offloaded="
+                f"{c.offloaded_tensors} ({format_size(c.offloaded_bytes)}), pinned="
+                f"{format_size(c.pinned_bytes)})")
+
+    # -- pack: forward -------------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        reason = self._keep_reason(t)
+        if reason is not None:
+            with self._lock:
+                setattr(self._counters, reason, getattr(self._counters, reason) + 1)
+                self._counters.kept_bytes += t.numel() * t.element_size()
+            return t
+        span, keep_strides = _layout(t)
+        nbytes = span * t.element_size()
+        if nbytes < self.config.min_bytes or nbytes == 0:
+            with self._lock:
+                self._counters.kept_small += 1
+                self._counters.kept_bytes += nbytes
+            return t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
+               t.dtype, t._version)
+        with self._lock:
+            if self._orphans:
+                self._free_orphans()
+            seen = self._seen.get(key)
+            if seen is not None:
+                source, handle = seen[0](), seen[1]()
+                # The original still alive means its memory was not reused by another tensor.
+                if source is not None and handle is not None:
+                    self._counters.deduplicated += 1
+                    return handle
+            handle = self._offload(t, span, keep_strides, nbytes)
+            if handle is None:
+                self._counters.kept_over_cap += 1
+                self._counters.kept_bytes += nbytes
+                return t
+            self._seen[key] = (handle.source, weakref.ref(handle))
+            held = _Held(handle, t, nbytes)
+            handle.held = weakref.ref(held)
+            self._in_flight.append(held)
+            self._in_flight_bytes += nbytes
+            self._release_in_flight(self.config.max_inflight_bytes)
+            return handle
+
+    def _keep_reason(self, t: torch.Tensor) -> str | None:
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return "kept_parameters"
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.device != self.device \
+                or t.is_conj() or t.is_neg() or t.is_quantized:
+            return "kept_unsupported"
+        return None
+
+    def _offload(self, t: torch.Tensor, span: int, keep_strides: bool,
+                 nbytes: int) -> _Offloaded | None:
+        """Start the device->host copy of ``t``; ``None`` when the pinned cap leaves no room."""
+        counters = self._counters
+        cap = self.config.max_pinned_bytes
+        capacity = -(-nbytes // _POOL_ALIGNMENT) * _POOL_ALIGNMENT
+        if cap is not None and counters.pinned_bytes + capacity > cap:
+            return None
+        pool = self._pool if self._pool is not None else self._create_pool()
+        try:
+            block = pool.allocate(nbytes)
+        except PoolExhaustedError:
+            # Under the cap by our count, but blocks whose host->device copy is still running
+            # (pending in the pool) or fragmentation fill it: keep this one on the device.
+            return None
+        streams = self._streams
+        shape = tuple(t.shape)
+        host = block.view((span,), t.dtype)
+        if keep_strides:
+            stride = tuple(t.stride())
+            source = t.detach().as_strided((span,), (1,), t.storage_offset())
+        else:
+            stride = _contiguous_strides(shape)
+            source = t.detach()
+            host = host.view(shape)
+        d2h = streams.d2h
+        ready = streams.event()
+        streams.record(ready, streams.current())
+        streams.wait(d2h, ready)
+        index = self._next_index
+        with torch.no_grad():
+            streams.copy(host, source, d2h, f"d2h:{index}")
+        stored = streams.event()
+        streams.record(stored, d2h)
+        if self._cuda:
+            # Freed (after backward or with a dropped graph) only once the copy into it is done.
+            block.record_stream(d2h)
+        handle = _Offloaded(self, index, t, shape, stride, span, block)
+        handle.stored = stored
+        self._next_index = index + 1
+        originals = self._originals
+        self._order.append(weakref.ref(handle, lambda _, i=index: originals.pop(i, None)))
+        counters.offloaded_tensors += 1
+        counters.offloaded_bytes += nbytes
+        counters.pinned_bytes += block.capacity
+        if counters.pinned_bytes > counters.pinned_peak_bytes:
+            counters.pinned_peak_bytes = counters.pinned_bytes
+        return handle
+
+    def _release_in_flight(self, limit: int) -> None:
+        """Let go of the oldest device tensors until at most ``limit`` bytes are held.
+
+        The compute stream waits (on the GPU) for each one's copy first, so the caching allocator
+        may hand the memory to the next kernel at once, in stream order. (``record_stream`` would
+        instead hold the memory until the *host* sees the copy complete, and the host runs far
+        ahead of the GPU during a forward pass: nothing would be freed before its end.) A tensor
+        whose handle is gone needs no wait: nobody will read its host copy.
+        """
+        in_flight, streams = self._in_flight, self._streams
+        compute = None
+        while self._in_flight_bytes > limit and in_flight:
+            held = in_flight.popleft()
+            self._in_flight_bytes -= held.nbytes
+            handle = held.handle()
+            if held.tensor is not None and handle is not None and handle.state == _IN_FLIGHT:
+                if compute is None:
+                    compute = streams.current()
+                streams.wait(compute, handle.stored)
+                handle.state = _ON_HOST
+                self._counters.released += 1
+            held.tensor = None
+
+    def _create_pool(self) -> MemoryPool:
+        config = PoolConfig(max_size=self.config.max_pinned_bytes,
+                            growth_factor=_POOL_GROWTH_FACTOR,
+                            max_cached_buffers=_POOL_CACHED_PER_SIZE, alignment=_POOL_ALIGNMENT,
+                            defrag_threshold=1.0)
+        pool = MemoryPool.pinned(config) if self._cuda else MemoryPool("cpu", config)
+        self._pool = pool
+        logger.debug("%s: created %s", self, pool)
+        return pool
+
+    # -- unpack: backward ----------------------------------------------------------------------
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Offloaded):
+            return packed  # kept on the device
+        handle = packed
+        with self._lock:
+            if self._orphans:
+                self._free_orphans()
+            source = handle.source()
+            if source is not None and source._version != handle.version:
+                raise OffloadError(
+                    f"a tensor of shape {list(handle.shape)} saved for backward was modified in "
+                    f"place after it was offloaded (version {handle.version} -> "
+                    f"{source._version})",
+                    hint="Autograd needs the value it saved: avoid the in-place operation, or "
+                         "clone the tensor before modifying it.")
+            if not handle.unpacked:
+                handle.unpacked = True
+                if handle.state == _IN_FLIGHT:
+                    self._counters.device_hits += 1
+                    original = self._take_original(handle)
+                    self._prefetch_below(handle.index)
+                    return original
+                if handle.state == _ON_HOST:
+                    self._counters.on_demand_loads += 1
+                    self._load(handle)
+                else:
+                    self._counters.prefetch_hits += 1
+                self._prefetch_below(handle.index)
+            elif handle.state == _ORIGINAL:  # unpacked again (saved twice, or retain_graph)
+                original = self._originals.get(handle.index)
+                if original is not None:
+                    return original
+                self._load(handle)  # the original is gone; the host copy was kept for this
+            result, loaded = handle.result, handle.loaded
+        if result is None:  # pragma: no cover - every path above sets it
+            raise OffloadError("internal error: an offloaded tensor has no device copy")
+        self._streams.wait(self._streams.current(), loaded)
+        return result
+
+    def _take_original(self, handle: _Offloaded) -> torch.Tensor:
+        """Backward wants a tensor whose device memory is still held: use it, skip the copies.
+
+        The queue lets go of it (backward owns it now). The host block stays until the handle
+        dies, in case backward asks again after the original is gone (``retain_graph``).
+        """
+        held = handle.held() if handle.held is not None else None
+        original = held.tensor if held is not None else None
+        if held is not None:
+            held.tensor = None
+            self._in_flight_bytes -= held.nbytes
+            held.nbytes = 0
+        if original is None:  # pragma: no cover - an in-flight handle's tensor is queued
+            raise OffloadError("internal error: an in-flight tensor left the queue")
+        if self._cuda:
+            # Backward frees it whenever it likes; the copy may still be reading it and the host
+            # copy must stay valid for a reload. Only the last tensors of a forward pass take
+            # this (host-timed) path, and their copies are nearly done by then.
+            original.record_stream(self._streams.d2h)
+        handle.state = _ORIGINAL
+        # Kept for further unpacks of the same handle (a tensor saved by several nodes) until
+        # the handle dies -- by the offloader, not the handle (see _Held).
+        self._originals[handle.index] = original
+        return original
+
+    def _load(self, handle: _Offloaded) -> None:
+        """Issue the host->device copy of ``handle`` and free its host block (stream-ordered)."""
+        block = handle.block
+        if block is None:  # pragma: no cover - a live handle on the host holds its block
+            raise OffloadError("internal error: an offloaded tensor lost its host copy")
+        streams = self._streams
+        h2d = streams.h2d
+        compute = streams.current()
+        # Allocated on the compute stream, which will use and free it; h2d writes it only after
+        # the compute stream's earlier work, which may still use the memory's previous owner.
+        flat = torch.empty((handle.span,), dtype=handle.dtype, device=self.device)
+        allocated = streams.event()
+        streams.record(allocated, compute)
+        streams.wait(h2d, allocated)
+        streams.wait(h2d, handle.stored)
+        streams.copy(flat, block.view((handle.span,), handle.dtype), h2d, f"h2d:{handle.index}")
+        loaded = streams.event()
+        streams.record(loaded, h2d)
+        if self._cuda:
+            block.record_stream(h2d)
+        block.free()
+        handle.block = None
+        handle.stored = None
+        handle.loaded = loaded
+        if handle.span == math.prod(handle.shape) and \
+                handle.stride == _contiguous_strides(handle.shape):
+            handle.result = flat.view(handle.shape)
+        else:
+            handle.result = flat.as_strided(handle.shape, handle.stride)
+        handle.state = _LOADED
+        counters = self._counters
+        counters.loaded_bytes += handle.nbytes
+        counters.pinned_bytes -= handle.capacity
+
+    def _prefetch_below(self, index: int) -> None:
+        """Make sure the next ``prefetch`` not-yet-unpacked tensors below ``index`` are coming."""
+        need = self.config.prefetch
+        order = self._order
+        position = index - self._first_index - 1
+        while need > 0 and position >= 0:
+            handle = order[position]()
+            position -= 1
+            if handle is None or handle.unpacked:
+                continue
+            if handle.state == _ON_HOST:
+                self._load(handle)
+            need -= 1  # still held on the device counts as ready
+
+    # -- housekeeping (under the lock) ---------------------------------------------------------
+
+    def _free_orphans(self) -> None:
+        orphans, streams = self._orphans, self._streams
+        while orphans:
+            block, capacity, tensor, loaded = orphans.popleft()
+            if block is not None:
+                block.free()
+                self._counters.pinned_bytes -= capacity
+            if tensor is not None:
+                streams.wait(streams.current(), loaded)
+                del tensor  # now in stream order after the copy that wrote it
+
+    def _trim_order(self) -> None:
+        order = self._order
+        dead = 0
+        while dead < len(order) and order[dead]() is None:
+            dead += 1
+        if dead:
+            del order[:dead]
+            self._first_index += dead
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    step = 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _resolve_device(device: str | int | torch.device | None) -> torch.device:
+    if device is None:
+        if not torch.cuda.is_available():
+            raise DeviceError("activation offload needs a CUDA device and none is available",
+                              hint="Pass device='cpu' to run the offload mechanics on the host "
+                                   "(no memory is saved there).")
+        return torch.device("cuda", torch.cuda.current_device())
+    if isinstance(device, bool):
+        raise ConfigError(f"invalid device {device!r}")
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise DeviceError(f"invalid device {device!r}: {exc}") from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise DeviceError(f"activation offload supports CUDA devices and 'cpu', not "
+                          f"{device.type!r}")
+    if not torch.cuda.is_available():
+        raise DeviceError(f"cannot offload activations of {device}: CUDA is not available",
+                          hint="Pass device='cpu' to run the offload mechanics on the host.")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if not 0 <= index < torch.cuda.device_count():
+        raise DeviceError(f"cannot offload activations of cuda:{index}: this process sees "
+                          f"{torch.cuda.device_count()} CUDA device(s)")
+    return torch.device("cuda", index)
+
+
+def offload_activations(config: ActivationOffloadConfig | None = None, *,
+                        device: str | int | torch.device | None = None) -> ActivationOffloader:
+    """An :class:`ActivationOffloader`, to use as a context manager around a forward pass.
+
+    ``with offload_activations(): loss = model(x)`` works for one step; for a training loop,
+    keep the returned object and enter it every step, so its pinned pool is reused.
+
+    Args:
+        config: the settings (default ``ActivationOffloadConfig()``).
+        device: the CUDA device (default: the current one) or ``"cpu"`` for the host mechanics.
+
+    Returns:
+        A new, inactive :class:`ActivationOffloader`.
+    """
+    return ActivationOffloader(config, device=device)

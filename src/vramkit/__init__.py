@@ -24,7 +24,7 @@ def _export(module: str, *names: str) -> None:
 # errors and units
 _export("vramkit.errors", "VramkitError", "ConfigError", "DeviceError", "DeviceMismatchError",
         "NvmlError", "JaxUnavailableError", "TooLateError", "PoolExhaustedError",
-        "InvalidBlockError")
+        "InvalidBlockError", "OffloadError")
 _export("vramkit.units", "parse_size", "format_size")
 
 # devices: what hardware there is
@@ -49,6 +49,21 @@ _export("vramkit.memory.stats", "allocator_stats", "AllocatorStats", "CudaAlloca
 _export("vramkit.memory.profiler", "MemoryProfiler", "MemorySnapshot", "MemoryReport",
         "MemoryStats", "with_memory_tracking", "LeakDetector")
 
+# offload: moving weights, activations and optimizer state
+_export("vramkit.offload.swap", "BlockSwapper", "SwapConfig", "SwapStats", "BlockScheduleEntry")
+_export("vramkit.offload.cpu", "CPUOffloadManager", "CPUOffloadConfig", "CPUOffloadStats",
+        "LoadHandle")
+_export("vramkit.offload.activations", "ActivationOffloader", "ActivationOffloadConfig",
+        "ActivationOffloadStats", "offload_activations")
+_export("vramkit.offload.optimizer", "CPUOffloadOptimizer", "OptimizerOffloadStats")
+_export("vramkit.checkpointing", "enable_gradient_checkpointing",
+        "disable_gradient_checkpointing", "is_checkpointed", "unwrapped_forward", "checkpoint",
+        "checkpoint_with_pool", "GradientCheckpointer", "SDXLGradientCheckpoint")
+
+# models and the demo
+_export("vramkit.models.dit", "DiT", "DiTConfig")
+_export("vramkit.demo", "run_demo", "DemoConfig", "DemoResult")
+
 __all__ = ["__version__", *_EXPORTS]
 
 
@@ -66,6 +81,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static analysers see the real definitions
+    from vramkit.checkpointing import *  # noqa: F403
+    from vramkit.demo import *  # noqa: F403
     from vramkit.devices.env import *  # noqa: F403
     from vramkit.devices.info import *  # noqa: F403
     from vramkit.devices.jax_backend import *  # noqa: F403
@@ -77,4 +94,9 @@ if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.memory.pool import *  # noqa: F403
     from vramkit.memory.profiler import *  # noqa: F403
     from vramkit.memory.stats import *  # noqa: F403
+    from vramkit.models.dit import *  # noqa: F403
+    from vramkit.offload.activations import *  # noqa: F403
+    from vramkit.offload.cpu import *  # noqa: F403
+    from vramkit.offload.optimizer import *  # noqa: F403
+    from vramkit.offload.swap import *  # noqa: F403
     from vramkit.units import *  # noqa: F403

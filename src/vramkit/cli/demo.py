@@ -1,0 +1,214 @@
+"""``vramkit demo``: fine-tune a diffusion transformer larger than a memory budget.
+
+``vramkit demo [--budget SIZE] [--model-size PRESET|SIZE] [--steps N] [--batch-size N] [--json]
+[--report PATH] [--no-baseline] [--device cpu|cuda]`` plans block swapping and checkpointing for
+the budget, trains LoRA adapters of a DiT under it with a progress bar, then prints what was
+swapped and checkpointed, the peak memory against the budget, the step time against the same
+model fully resident, the loss, and where the profile report went. The work is done by
+:func:`vramkit.demo.run_demo`; this module parses arguments and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from vramkit.errors import ConfigError
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``demo`` sub-command to the ``vramkit`` parser."""
+    parser = subparsers.add_parser(
+        "demo", help="train a model larger than a memory budget (block swapping)",
+        description="Fine-tune LoRA adapters of a diffusion transformer (Flux-style DiT) that is "
+                    "larger than a memory budget, on synthetic data: vramkit swaps blocks "
+                    "between pinned host memory and the GPU and checkpoints when activations "
+                    "would not fit. Without a GPU it runs a small CPU configuration with a "
+                    "simulated budget.")
+    parser.add_argument("--budget", metavar="SIZE", default=None,
+                        help="device memory to train in, e.g. 4GiB (default: 4 GiB on a GPU; "
+                             "simulated on a CPU: 85%% of the weights or what the plan needs)")
+    parser.add_argument("--model-size", metavar="PRESET|SIZE", default=None,
+                        help="a DiT preset (tiny, small, base, large, xl) or a weight size such "
+                             "as 6GiB (default: 1.5x the budget on a GPU, 'small' on a CPU)")
+    parser.add_argument("--steps", metavar="N", default=None,
+                        help="training steps (default: 20 on a GPU, 10 on a CPU)")
+    parser.add_argument("--batch-size", metavar="N", default=None,
+                        help="samples per step (default: 2)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="where to train (default: cuda when a GPU is visible)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object instead of tables (no progress bar)")
+    parser.add_argument("--report", metavar="PATH", default=None,
+                        help="profile report to write (.html, .json or .png; default "
+                             "vramkit-demo-report.html; '' writes none)")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="do not time the model fully resident")
+    parser.set_defaults(func=run)
+
+
+def _positive_int(option: str, text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"{option} must be a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise ConfigError(f"{option} must be >= 1, got {value}")
+    return value
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`vramkit.demo.DemoConfig` of parsed arguments.
+
+    Raises:
+        ConfigError: for a bad --budget, --model-size, --steps or --batch-size.
+    """
+    from vramkit.demo import DEFAULT_REPORT, DemoConfig
+
+    return DemoConfig(
+        budget=args.budget, model_size=args.model_size,
+        steps=_positive_int("--steps", args.steps),
+        batch_size=_positive_int("--batch-size", args.batch_size),
+        device=args.device, baseline=not args.no_baseline,
+        report=DEFAULT_REPORT if args.report is None else args.report)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan, train, and print the results; returns the exit code."""
+    from vramkit.cli._output import print_json
+    from vramkit.demo import plan_demo, run_demo
+
+    config = config_from_args(args)
+    plan = plan_demo(config)
+    if args.json:
+        print_json(run_demo(config, plan=plan).to_dict())
+        return 0
+    from vramkit.cli._output import console
+
+    con = console()
+    _print_plan(con, plan)
+    with _ProgressBar(con) as bar:
+        result = run_demo(config, plan=plan, progress=bar.update)
+    _print_result(con, result)
+    return 0
+
+
+class _ProgressBar:
+    """A transient rich progress bar fed by :class:`vramkit.demo.DemoProgress` reports."""
+
+    def __init__(self, con: Any) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self.progress = Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[step_time]}/step"),
+            TimeElapsedColumn(), console=con, transient=True)
+        self.tasks: dict[str, Any] = {}
+        self.building = self.progress.add_task("building the model", total=None, loss="-",
+                                               step_time="-")
+
+    def __enter__(self) -> _ProgressBar:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def update(self, event: Any) -> None:
+        if event.stage == "build":  # built; pinning host masters and placing the rest next
+            self.progress.update(self.building, description="setting up block swapping")
+            return
+        self.progress.update(self.building, visible=False)
+        labels = {"train": "training (swapped)", "baseline": "baseline (fully resident)"}
+        task = self.tasks.get(event.stage)
+        if task is None:
+            task = self.tasks[event.stage] = self.progress.add_task(
+                labels.get(event.stage, event.stage), total=event.total, loss="-",
+                step_time="-")
+        if event.loss is not None and event.step_seconds is not None:
+            self.progress.update(task, completed=event.step, loss=f"{event.loss:.4f}",
+                                 step_time=f"{event.step_seconds * 1000:.0f} ms")
+
+
+def _print_plan(con: Any, plan: Any) -> None:
+    from vramkit.units import format_size
+
+    cfg = plan.dit_config
+    if plan.simulated and not plan.gpu_found:
+        con.print("[bold]No GPU found: running the small CPU configuration[/bold] "
+                  "(the budget is simulated: planned, not enforced).")
+    elif plan.simulated:
+        con.print("Running on the CPU (--device cpu): the budget is simulated.")
+    else:
+        con.print(f"GPU: {plan.device_name} ({plan.device}); the budget is enforced with "
+                  "torch.cuda.set_per_process_memory_fraction.")
+    ratio = plan.model_bytes / plan.budget_bytes
+    name = plan.model_name
+    if name.startswith("for_bytes("):
+        name = f"sized for {name[len('for_bytes('):-1]}"
+    con.print(f"Model: DiT {name} (hidden {cfg.hidden_size}, {cfg.num_double_blocks} double + "
+              f"{cfg.num_single_blocks} single-stream blocks), "
+              f"{cfg.num_parameters() / 1e6:,.1f} M parameters ({format_size(plan.model_bytes)} "
+              f"{cfg.dtype}, {cfg.num_tokens} tokens/sample); LoRA rank {plan.lora_rank}: "
+              f"{plan.trainable_params:,} trainable parameters.")
+    con.print(f"Budget: {format_size(plan.budget_bytes)} (the weights are {ratio:.2f}x the "
+              f"budget). Plan: swap {plan.planned_swapped_blocks} of {plan.num_blocks} blocks "
+              f"through {plan.num_slots} slots; checkpointing "
+              f"{'on' if plan.checkpointing else 'off'}: {plan.checkpointing_reason}.")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+def _print_result(con: Any, result: Any) -> None:
+    from rich.table import Table
+
+    from vramkit.units import format_size
+
+    plan = result.plan
+    table = Table(title="vramkit demo", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    host = "host memory" if plan.simulated else "pinned host memory"
+    table.add_row("swapped", f"{result.swapped_blocks} of {result.total_blocks} blocks, "
+                             f"{format_size(result.swapped_bytes)} in {host}; "
+                             f"{plan.num_slots} device slots, {format_size(result.slot_bytes)}")
+    table.add_row("checkpointed", f"{len(result.checkpointed_blocks)} of {result.total_blocks} "
+                                  "blocks" + ("" if result.checkpointed_blocks else
+                                              " (activations fit without it)"))
+    verdict = "under" if result.under_budget else "OVER"
+    source = ("measured, torch.cuda.max_memory_allocated" if result.peak_source == "measured"
+              else "planned: weights on the device + slots + optimizer + estimated activations; "
+                   "simulated on the CPU")
+    table.add_row("peak memory", f"{format_size(result.peak_bytes)} of "
+                                 f"{format_size(plan.budget_bytes)} budget: {verdict} budget "
+                                 f"({source})")
+    speed = f"{_ms(result.median_step_seconds)} median"
+    if result.baseline_median_step_seconds is not None:
+        speed += (f"; fully resident {_ms(result.baseline_median_step_seconds)}: "
+                  f"{result.slowdown:.2f}x")
+    else:
+        speed += f"; no baseline: {result.baseline_skipped}"
+    table.add_row("step time", speed)
+    loss = f"{result.loss_first:.4f} -> {result.loss_last:.4f} over {len(result.losses)} steps"
+    if result.baseline_max_loss_diff is not None:
+        loss += f" (fully resident run: max difference {result.baseline_max_loss_diff:.3g})"
+    table.add_row("loss", loss)
+    t = result.transfers
+    table.add_row("transfers", f"{t['loads']} block loads ({t['prefetched']} prefetched, "
+                               f"{t['on_demand']} on demand), {format_size(t['h2d_bytes'])} "
+                               "host -> device")
+    table.add_row("report", result.report_path or f"none ({result.report_skipped})")
+    con.print(table)

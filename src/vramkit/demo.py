@@ -1,0 +1,936 @@
+"""The ``vramkit demo`` job: fine-tune a diffusion transformer that is larger than a memory budget.
+
+What it does, in order:
+
+1. **Choose a configuration.** On a GPU (default when one is visible) the budget is 4 GiB (at
+   most half of the free memory) and the model is a bfloat16 :class:`~vramkit.models.dit.DiT`
+   of about 1.5x the budget, trained at 1024 image tokens. On a CPU the model is the ``small``
+   preset in float32 and the budget is *simulated*: nothing enforces it, the planned device
+   bytes are compared against it.
+2. **Plan** (on the meta device, before any weight exists): the model's bytes by part, the
+   bytes of LoRA adapters and their AdamW state, and the activation bytes -- measured by running
+   the model's forward on meta tensors and summing the tensors autograd saves, by block. The
+   budget minus a safety margin minus everything that must stay on the device is the room for
+   blocks. **Checkpointing** is turned on when, without it, the activations leave no room for
+   ``num_slots`` slots of the largest block; then only block inputs are kept and one block at a
+   time is recomputed. The room left is ``SwapConfig.max_gpu_bytes``: the swapper keeps as many
+   blocks resident as fit and streams the others through its slot ring.
+3. **Train** ``steps`` steps of LoRA fine-tuning (rank-``lora_rank`` adapters on the attention
+   projections of every block, float32, AdamW; the base weights are frozen, as in a real LoRA
+   fine-tune, so they travel host->device only) on one fixed synthetic flow-matching batch
+   (a few-image fine-tune, so the loss visibly falls), under the
+   :class:`~vramkit.memory.profiler.MemoryProfiler`. On CUDA the budget is enforced with
+   ``torch.cuda.set_per_process_memory_fraction`` (restored afterwards).
+4. **Baseline**: the same model, fully resident, same checkpointing, same adapters and data, when
+   it fits on the device; its median step time gives the swapping overhead, its losses the check
+   that swapping computes the same thing.
+
+Step times come from CUDA events (or ``time.perf_counter`` on the CPU); the host stays at most one
+step ahead of the GPU (a step's loss is read while the next step is already queued), so the
+swapper's copy stream is not drained by the demo itself. The first step (order learning, cuBLAS
+start-up) is left out of the median when there are two or more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from vramkit.errors import ConfigError, OffloadError
+from vramkit.models.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
+from vramkit.units import format_size, parse_size
+
+__all__ = [
+    "DEFAULT_REPORT",
+    "DemoConfig",
+    "DemoPlan",
+    "DemoProgress",
+    "DemoResult",
+    "LoRALinear",
+    "add_lora_adapters",
+    "plan_demo",
+    "run_demo",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Where the profile report goes unless ``DemoConfig.report`` says otherwise.
+DEFAULT_REPORT = "vramkit-demo-report.html"
+GPU_DEFAULT_BUDGET = 4 * 2**30
+GPU_MODEL_FACTOR = 1.5  # the default GPU model is this many times the budget
+GPU_IMAGE_SIZE = 64  # latent side of the default GPU model: 1024 image tokens (Flux at 512 px)
+CPU_PRESET = "small"
+_CPU_BUDGET_FACTOR = 0.85  # the simulated CPU budget is at least this fraction of the weights
+_DEFAULT_STEPS = {"cuda": 20, "cpu": 10}
+_DEFAULT_BATCH = 2
+# Layers that get LoRA adapters: the fused qkv and output projections of both streams of a
+# double block, and the fused (qkv + MLP in) / (attention + MLP out) layers of a single block --
+# the attention layers LoRA trainers for Flux adapt.
+LORA_TARGETS = ("qkv", "proj", "linear1", "linear2")
+# Margin of the budget kept free: allocator fragmentation, cuBLAS/attention workspaces and
+# temporaries the activation estimate does not see. The CUDA context lies outside the budget.
+_MARGIN_FRACTION = {"cuda": 0.10, "cpu": 0.05}
+_MARGIN_FIXED = {"cuda": 256 * 2**20, "cpu": 0}
+_ALIGN = 512  # the swapper packs tensors at 512-byte offsets
+_MIN_PARAM_BYTES = 64 * 1024  # SwapConfig.min_param_bytes default: smaller tensors stay resident
+_ADAMW_STATE_FACTOR = 3  # a gradient plus exp_avg and exp_avg_sq per trainable parameter
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """What ``vramkit demo`` runs; ``None`` fields are chosen for the device.
+
+    Args:
+        budget: device memory the training may use (bytes or a string such as ``"4GiB"``).
+            Default: 4 GiB on a GPU (at most half its free memory); on a CPU, simulated: 85% of
+            the weights, or more when the plan needs it to keep a few blocks resident.
+        model_size: a :class:`DiTConfig` preset name (``tiny`` ... ``xl``) or a weight size
+            (``"6GiB"``) for :meth:`DiTConfig.for_bytes`. Default: 1.5 x the budget in bfloat16
+            on a GPU, the ``small`` preset (float32) on a CPU.
+        steps: training steps (>= 1). Default 20 on a GPU, 10 on a CPU.
+        batch_size: samples per step (>= 1). Default 2.
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Default: CUDA when available.
+        baseline: also time the model fully resident (default ``True``).
+        report: path of the profile report (``.html``, ``.json`` or ``.png``); ``None`` or ``""``
+            writes none. Default ``vramkit-demo-report.html``.
+        lora_rank: rank of the LoRA adapters (default 16).
+        learning_rate: AdamW learning rate of the adapters (default 3e-3).
+        num_slots: the swapper's GPU slot ring (default 2).
+        seed: seed of the weights, adapters and data (default 0).
+
+    Raises:
+        ConfigError: for any value out of range.
+    """
+
+    budget: int | str | None = None
+    model_size: str | int | None = None
+    steps: int | None = None
+    batch_size: int | None = None
+    device: str | None = None
+    baseline: bool = True
+    report: str | Path | None = DEFAULT_REPORT
+    lora_rank: int = 16
+    learning_rate: float = 3e-3
+    num_slots: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:
+            try:
+                budget = parse_size(self.budget)
+            except (ValueError, TypeError) as exc:
+                raise ConfigError(f"invalid budget {self.budget!r}: {exc}",
+                                  hint="Give a size such as 4GiB, 1500MB or 2G.") from None
+            if budget <= 0:
+                raise ConfigError("the budget must be > 0 bytes", hint="Try --budget 4GiB.")
+            object.__setattr__(self, "budget", budget)
+        if self.model_size is not None:
+            object.__setattr__(self, "model_size", _check_model_size(self.model_size))
+        if self.steps is not None:
+            _check_int("steps", self.steps, 1)
+        if self.batch_size is not None:
+            _check_int("batch_size", self.batch_size, 1)
+        if self.device is not None:
+            try:
+                dev = torch.device(self.device)
+            except (RuntimeError, TypeError):
+                dev = None
+            if dev is None or dev.type not in ("cpu", "cuda"):
+                raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not isinstance(self.baseline, bool):
+            raise ConfigError(f"baseline must be a bool, got {self.baseline!r}")
+        if self.report is not None:
+            if not isinstance(self.report, (str, Path)):
+                raise ConfigError(f"report must be a path or None, got {self.report!r}")
+            if str(self.report) == "":
+                object.__setattr__(self, "report", None)
+            elif Path(self.report).suffix.lower() not in (".html", ".htm", ".json", ".png"):
+                raise ConfigError(f"cannot write a profile report as {str(self.report)!r}",
+                                  hint="Use a path ending in .html, .json or .png, or '' for "
+                                       "no report.")
+        _check_int("lora_rank", self.lora_rank, 1)
+        _check_int("num_slots", self.num_slots, 1)
+        _check_int("seed", self.seed, 0)
+        lr = self.learning_rate
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) \
+                or lr <= 0:
+            raise ConfigError(f"learning_rate must be a finite number > 0, got {lr!r}")
+
+
+def _check_model_size(value: object) -> str | int:
+    if isinstance(value, str) and value in DiTConfig.preset_names():
+        return value
+    try:
+        size = parse_size(value)  # type: ignore[arg-type]
+    except (ValueError, TypeError):
+        raise ConfigError(f"invalid model size {value!r}",
+                          hint=f"Use a preset ({', '.join(DiTConfig.preset_names())}) or a "
+                               "weight size such as 6GiB.") from None
+    if size <= 0:
+        raise ConfigError("the model size must be > 0 bytes")
+    return size
+
+
+# -- LoRA adapters ---------------------------------------------------------------------------
+
+
+class LoRALinear(nn.Module):
+    """A frozen ``nn.Linear`` plus a trainable low-rank update ``up @ down`` (float32).
+
+    ``up`` starts at zero, so the adapted layer starts equal to the base layer (as in LoRA).
+
+    Args:
+        base: the layer to adapt; its parameters are frozen.
+        rank: rank of the update.
+        generator: random source of ``down`` (N(0, 1/in_features)). Default: the global RNG.
+    """
+
+    def __init__(self, base: nn.Linear, rank: int, generator: torch.Generator | None = None
+                 ) -> None:
+        super().__init__()
+        self.base = base
+        base.requires_grad_(False)
+        device = base.weight.device
+        self.down = nn.Parameter(torch.empty(rank, base.in_features, device=device))
+        self.up = nn.Parameter(torch.zeros(base.out_features, rank, device=device))
+        if device.type != "meta":
+            values = torch.randn(self.down.shape, generator=generator)
+            with torch.no_grad():
+                self.down.copy_(values.mul_(base.in_features ** -0.5))
+        self.scaling = 1.0  # alpha = rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        delta = F.linear(F.linear(x.to(self.down.dtype), self.down), self.up)
+        return out + (delta * self.scaling).to(out.dtype)
+
+
+def add_lora_adapters(model: nn.Module, block_names: list[str], rank: int, *,
+                      seed: int = 0) -> list[nn.Parameter]:
+    """Freeze ``model`` and wrap the ``LORA_TARGETS`` layers of the named blocks in LoRA.
+
+    Args:
+        model: the model (any device, ``meta`` included).
+        block_names: qualified names of the blocks to adapt.
+        rank: adapter rank.
+        seed: seed of the adapters' initial values. Default 0.
+
+    Returns:
+        The trainable parameters (the adapters), in block order.
+    """
+    model.requires_grad_(False)
+    generator = torch.Generator().manual_seed(seed)
+    params: list[nn.Parameter] = []
+    for block_name in block_names:
+        block = model.get_submodule(block_name)
+        targets = [(name, mod) for name, mod in block.named_modules()
+                   if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] in LORA_TARGETS]
+        for name, linear in targets:
+            parent_name, _, attr = name.rpartition(".")
+            parent = block.get_submodule(parent_name) if parent_name else block
+            adapter = LoRALinear(linear, rank, generator)
+            setattr(parent, attr, adapter)
+            params += [adapter.down, adapter.up]
+    return params
+
+
+# -- planning --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DemoPlan:
+    """The resolved configuration and memory plan (computed on the meta device).
+
+    Attributes:
+        device: where training runs (``"cpu"``, ``"cuda:0"`` ...).
+        device_name: the GPU's name, or ``"cpu"``.
+        gpu_found: whether a CUDA GPU was visible.
+        simulated: the budget is not enforced, only planned against (CPU runs).
+        model_name: the preset name, or ``"for_bytes(<size>)"``.
+        model_config: the :class:`DiTConfig` as a dict.
+        steps / batch_size / lora_rank / learning_rate / num_slots / seed: training settings.
+        model_bytes: bytes of the base weights.
+        num_blocks: blocks found (double and single stream).
+        block_bytes: swappable bytes of all blocks (frozen tensors >= 64 KiB, 512-aligned).
+        largest_block_bytes: swappable bytes of the largest block.
+        outside_block_bytes: parameters outside the blocks (embedders, final layer).
+        block_resident_bytes: small and trainable tensors of blocks (never swapped).
+        trainable_params / trainable_bytes: LoRA adapter parameters and their bytes.
+        optimizer_bytes: their gradients plus AdamW states.
+        activation_bytes_full / activation_bytes_checkpointed: estimated activation bytes
+            (saved tensors plus one block of backward temporaries) without / with checkpointing.
+        budget_bytes / margin_bytes: the budget and the part of it kept free.
+        minimum_budget_bytes: the smallest budget the plan accepts (everything swapped,
+            checkpointing on).
+        checkpointing / checkpointing_reason: the decision and why.
+        max_gpu_bytes: ``SwapConfig.max_gpu_bytes`` (resident blocks plus slots).
+        planned_swapped_blocks: blocks the schedule swaps.
+    """
+
+    device: str
+    device_name: str
+    gpu_found: bool
+    simulated: bool
+    model_name: str
+    model_config: dict[str, Any]
+    steps: int
+    batch_size: int
+    lora_rank: int
+    learning_rate: float
+    num_slots: int
+    seed: int
+    model_bytes: int
+    num_blocks: int
+    block_bytes: int
+    largest_block_bytes: int
+    outside_block_bytes: int
+    block_resident_bytes: int
+    trainable_params: int
+    trainable_bytes: int
+    optimizer_bytes: int
+    activation_bytes_full: int
+    activation_bytes_checkpointed: int
+    budget_bytes: int
+    margin_bytes: int
+    minimum_budget_bytes: int
+    checkpointing: bool
+    checkpointing_reason: str
+    max_gpu_bytes: int
+    planned_swapped_blocks: int
+
+    @property
+    def dit_config(self) -> DiTConfig:
+        """``model_config`` as a :class:`DiTConfig`."""
+        return DiTConfig.from_dict(self.model_config)
+
+
+def _resolve_device(requested: str | None) -> tuple[torch.device, str, bool]:
+    from vramkit.devices._runtime import is_cuda_available
+
+    gpu = is_cuda_available()
+    if requested is None:
+        requested = "cuda" if gpu else "cpu"
+    device = torch.device(requested)
+    if device.type == "cpu":
+        return device, "cpu", gpu
+    if not gpu:
+        raise ConfigError("--device cuda was asked for, but PyTorch sees no CUDA GPU",
+                          hint="Run `vramkit info` to see why, or use --device cpu.")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"no CUDA device {index}: {torch.cuda.device_count()} visible")
+    return torch.device("cuda", index), torch.cuda.get_device_name(index), gpu
+
+
+def _model_config(config: DemoConfig, device: torch.device, budget: int | None) -> tuple[DiTConfig, str]:
+    size = config.model_size
+    on_gpu = device.type == "cuda"
+    if isinstance(size, str):
+        return DiTConfig.preset(size), size
+    dtype = "bfloat16" if on_gpu else "float32"
+    overrides = {"image_size": GPU_IMAGE_SIZE} if on_gpu else {}
+    if size is None:
+        if not on_gpu:
+            return DiTConfig.preset(CPU_PRESET), CPU_PRESET
+        assert budget is not None  # the GPU budget is chosen before the model
+        size = int(budget * GPU_MODEL_FACTOR)
+    return DiTConfig.for_bytes(size, dtype, **overrides), f"for_bytes({format_size(size)})"
+
+
+def _block_names(model: nn.Module) -> list[str]:
+    from vramkit.offload._blocks import find_blocks
+
+    return [name for name, _ in find_blocks(model)]
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _swappable_bytes(block: nn.Module) -> tuple[int, int]:
+    """(bytes the swapper would swap, bytes it keeps resident) of one block, by its rules."""
+    swappable = resident = 0
+    for t in list(block.parameters()) + list(block.buffers()):
+        nbytes = _tensor_bytes(t)
+        if t.requires_grad or nbytes < _MIN_PARAM_BYTES:
+            resident += nbytes
+        else:
+            swappable += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    return swappable, resident
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    # The StorageImpl address: views of one tensor share it, so a storage counts once.
+    return t.untyped_storage()._cdata
+
+
+class _SavedBytes:
+    """Bytes of the distinct storages autograd saves, attributed to the block running."""
+
+    def __init__(self, model: nn.Module, block_names: list[str]) -> None:
+        self.param_keys = {_storage_key(p) for p in model.parameters()}
+        self.seen: set[int] = set()
+        self.per_block = dict.fromkeys(block_names, 0)
+        self.inputs = dict.fromkeys(block_names, 0)
+        self.current: str | None = None
+        self.outside = 0
+        # Held until the estimate is done: a freed storage's address could be reused by a new
+        # one, which would then be taken for a tensor already counted. (Meta: costs nothing.)
+        self.alive: list[torch.Tensor] = []
+
+    def add_bytes(self, nbytes: int) -> None:
+        if self.current is None:
+            self.outside += nbytes
+        else:
+            self.per_block[self.current] += nbytes
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in self.param_keys and key not in self.seen:
+            self.seen.add(key)
+            self.alive.append(t)
+            self.add_bytes(t.untyped_storage().nbytes())
+        return t
+
+
+class _FusedAttentionOnMeta(TorchFunctionMode):
+    """Account attention as the fused kernels training uses (flash / memory-efficient on CUDA,
+    flash on the CPU) save it: q, k, v, the output and a float32 log-sum-exp per query. On meta
+    tensors ``scaled_dot_product_attention`` takes the math path, whose saved L x L attention
+    matrices would inflate the estimate many times over at long sequences."""
+
+    def __init__(self, saved: _SavedBytes) -> None:
+        super().__init__()
+        self.saved = saved
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+        # A zero-valued link keeps the output in the graph without saving anything.
+        out = out + (q.sum() + k.sum() + v.sum()) * 0
+        for t in (q, k, v, out):
+            self.saved.pack(t)
+        self.saved.add_bytes(math.prod(q.shape[:-1]) * 4)  # log-sum-exp
+        return out
+
+
+def estimate_activations(model: nn.Module, config: DiTConfig, batch_size: int,
+                         block_names: list[str]) -> tuple[int, int]:
+    """Activation bytes of one training step, without and with block checkpointing.
+
+    Runs ``model`` (on the meta device: no memory, no compute) on a batch of meta tensors and
+    sums the distinct storages autograd saves for backward, by block; parameters are left out,
+    and attention is counted as the fused kernels save it. Without checkpointing: all saved
+    tensors. With it: what is saved outside the blocks plus each block's inputs, plus one
+    block's saved tensors (the block being recomputed). Both add one block's saved tensors for
+    backward temporaries (activation gradients).
+
+    Args:
+        model: the model on the meta device (adapters included).
+        config: its config.
+        batch_size: samples per step.
+        block_names: the blocks (as the swapper finds them).
+
+    Returns:
+        ``(full, checkpointed)`` in bytes.
+    """
+    saved = _SavedBytes(model, block_names)
+    handles = []
+    for name in block_names:
+        block = model.get_submodule(name)
+
+        def enter(_m: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
+            saved.current = name
+            saved.inputs[name] = sum(_tensor_bytes(a) for a in args
+                                     if isinstance(a, torch.Tensor) and a.dim() == 3)
+
+        def leave(_m: nn.Module, _args: Any, _out: Any) -> None:
+            saved.current = None
+
+        handles += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
+    batch = synthetic_batch(config, batch_size, device="meta")
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), \
+                _FusedAttentionOnMeta(saved):
+            flow_matching_loss(model, batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    largest = max(saved.per_block.values(), default=0)
+    full = saved.outside + sum(saved.per_block.values()) + largest
+    checkpointed = saved.outside + sum(saved.inputs.values()) + 2 * largest
+    return full, checkpointed
+
+
+def _choose_budget(config: DemoConfig, device: torch.device) -> int | None:
+    """The GPU budget (given or default); ``None`` on the CPU until the model is known."""
+    if device.type != "cuda":
+        return config.budget  # type: ignore[return-value]
+    free, total = torch.cuda.mem_get_info(device)
+    if config.budget is None:
+        return min(GPU_DEFAULT_BUDGET, free // 2)
+    budget = int(config.budget)  # type: ignore[arg-type]
+    if budget > free:
+        raise ConfigError(
+            f"--budget {format_size(budget)} is more than the free memory of {device} "
+            f"({format_size(free)} of {format_size(total)})",
+            hint="Lower --budget, or free the GPU (see `vramkit info`).")
+    return budget
+
+
+def plan_demo(config: DemoConfig | None = None) -> DemoPlan:
+    """Resolve ``config`` for this machine and plan the memory, without building weights.
+
+    Args:
+        config: the demo settings (default :class:`DemoConfig()`).
+
+    Returns:
+        The :class:`DemoPlan`.
+
+    Raises:
+        ConfigError: for a device that is not there, a budget larger than the free GPU memory,
+            or a budget below the plan's minimum (the message gives the minimum).
+    """
+    from vramkit.offload.swap import BlockSwapper
+
+    config = config or DemoConfig()
+    device, device_name, gpu_found = _resolve_device(config.device)
+    kind = device.type
+    budget = _choose_budget(config, device)
+    dit_config, model_name = _model_config(config, device, budget)
+    steps = config.steps or _DEFAULT_STEPS[kind]
+    batch_size = config.batch_size or _DEFAULT_BATCH
+
+    meta = DiT(dit_config, device="meta")
+    names = _block_names(meta)
+    adapters = add_lora_adapters(meta, names, config.lora_rank)
+    trainable_params = sum(p.numel() for p in adapters)
+    trainable_bytes = sum(_tensor_bytes(p) for p in adapters)
+    optimizer_bytes = _ADAMW_STATE_FACTOR * trainable_bytes
+    sizes = [_swappable_bytes(meta.get_submodule(n)) for n in names]
+    block_bytes = [s for s, _ in sizes]
+    block_resident = sum(r for _, r in sizes)  # adapters included
+    in_blocks = {id(p) for n in names for p in meta.get_submodule(n).parameters()}
+    outside_bytes = sum(_tensor_bytes(p) for p in meta.parameters() if id(p) not in in_blocks)
+    act_full, act_ckpt = estimate_activations(meta, dit_config, batch_size, names)
+    fixed = outside_bytes + block_resident + optimizer_bytes
+    largest = max(block_bytes, default=0)
+    slots = config.num_slots * largest
+    frac, const = _MARGIN_FRACTION[kind], _MARGIN_FIXED[kind]
+    minimum = math.ceil((fixed + act_ckpt + slots + const) / (1 - frac))
+    if budget is None:
+        # Simulated CPU budget: below the weights (as on a GPU, the model must not fit), and
+        # above the minimum by a quarter of the other blocks' bytes, so that some blocks stay
+        # resident and some are swapped. Rounded up to whole MiB.
+        rest = max(sum(block_bytes) - slots, 0)
+        budget = max(int(_CPU_BUDGET_FACTOR * dit_config.weight_bytes()),
+                     math.ceil((fixed + act_ckpt + slots + rest // 4 + const) / (1 - frac)))
+        budget = -(-budget // 2**20) * 2**20
+    margin = int(budget * frac) + const
+    if budget < minimum:
+        raise ConfigError(
+            f"a budget of {format_size(budget)} cannot train this model: it needs at least "
+            f"{format_size(minimum)} ({config.num_slots} slots of the largest block "
+            f"{format_size(largest)}, {format_size(fixed)} of weights outside the swapped "
+            f"blocks, adapters and optimizer state, {format_size(act_ckpt)} of activations "
+            f"with checkpointing, {format_size(margin)} margin)",
+            hint=f"Raise --budget to {format_size(minimum)} or more, or pick a smaller "
+                 "--model-size or --batch-size.")
+    room_full = budget - margin - fixed - act_full
+    if room_full >= slots:
+        checkpointing = False
+        room = room_full
+        reason = (f"activations without checkpointing (~{format_size(act_full)}) fit beside "
+                  f"the weights' minimum ({config.num_slots} slots)")
+    else:
+        checkpointing = True
+        room = budget - margin - fixed - act_ckpt
+        reason = (f"activations without checkpointing (~{format_size(act_full)}) would leave "
+                  f"no room for {config.num_slots} slots; with it ~{format_size(act_ckpt)}")
+    logger.debug("demo plan: %s model, %s budget, %s for blocks, checkpointing %s (%s)",
+                 format_size(dit_config.weight_bytes()), format_size(budget), format_size(room),
+                 checkpointing, reason)
+    schedule = BlockSwapper.create_schedule(list(zip(names, block_bytes, strict=True)),
+                                            max_gpu_bytes=room, num_slots=config.num_slots)
+    return DemoPlan(
+        device=str(device), device_name=device_name, gpu_found=gpu_found,
+        simulated=kind != "cuda", model_name=model_name, model_config=dit_config.to_dict(),
+        steps=steps, batch_size=batch_size, lora_rank=config.lora_rank,
+        learning_rate=float(config.learning_rate), num_slots=config.num_slots, seed=config.seed,
+        model_bytes=dit_config.weight_bytes(), num_blocks=len(names),
+        block_bytes=sum(block_bytes), largest_block_bytes=largest,
+        outside_block_bytes=outside_bytes, block_resident_bytes=block_resident,
+        trainable_params=trainable_params, trainable_bytes=trainable_bytes,
+        optimizer_bytes=optimizer_bytes, activation_bytes_full=act_full,
+        activation_bytes_checkpointed=act_ckpt, budget_bytes=budget, margin_bytes=margin,
+        minimum_budget_bytes=minimum, checkpointing=checkpointing,
+        checkpointing_reason=reason, max_gpu_bytes=room,
+        planned_swapped_blocks=sum(e.swapped for e in schedule))
+
+
+# -- running ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DemoProgress:
+    """One progress report of :func:`run_demo`.
+
+    Attributes:
+        stage: ``"build"`` (making the model), ``"train"`` (under swapping) or ``"baseline"``
+            (fully resident).
+        step: steps finished in this stage (0: the stage starts).
+        total: steps of this stage (0 for ``"build"``).
+        loss: loss of the step just finished, else ``None``.
+        step_seconds: its duration, else ``None``.
+    """
+
+    stage: str
+    step: int
+    total: int
+    loss: float | None = None
+    step_seconds: float | None = None
+
+
+ProgressCallback = Callable[[DemoProgress], None]
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    """Everything ``vramkit demo`` reports (``--json`` prints :meth:`to_dict`).
+
+    Attributes:
+        plan: the :class:`DemoPlan` it ran.
+        swapped_blocks / total_blocks / swapped_names: what the swapper swapped.
+        swapped_bytes / slot_bytes / pinned_bytes / resident_block_bytes: its sizes
+            (:class:`vramkit.offload.swap.SwapStats`).
+        checkpointed_blocks: blocks run under gradient checkpointing.
+        transfers: the swapper's counters (loads, prefetched, on_demand, hits, h2d_bytes, ...).
+        peak_bytes: peak device memory of the swapped run: measured
+            (``torch.cuda.max_memory_allocated`` above what the process held before) on CUDA;
+            planned on the CPU (weights kept on the device + slots + optimizer + estimated
+            activations), since nothing measures a simulated device.
+        peak_source: ``"measured"`` or ``"planned (simulated)"``.
+        peak_reserved_bytes: the allocator's reserved peak above what the process held before
+            (CUDA only).
+        peak_breakdown: the planned parts of the peak, in bytes.
+        under_budget: ``peak_bytes <= budget``.
+        losses / step_seconds: per step of the swapped run.
+        median_step_seconds: median step time (the first step left out when there are two or
+            more: it learns the block order and starts the libraries).
+        baseline_median_step_seconds: the same for the fully resident model, or ``None``.
+        baseline_skipped: why there is no baseline, or ``None``.
+        slowdown: swapped / resident median step time, or ``None``.
+        baseline_losses / baseline_max_loss_diff: the resident run's losses and the largest
+            difference to the swapped run's (same adapters, same data).
+        report_path: the profile report written, or ``None``; ``report_skipped`` says why not.
+        build_seconds / wall_seconds: model construction time and the whole run's time.
+    """
+
+    plan: DemoPlan
+    swapped_blocks: int
+    total_blocks: int
+    swapped_names: list[str]
+    swapped_bytes: int
+    slot_bytes: int
+    pinned_bytes: int
+    resident_block_bytes: int
+    checkpointed_blocks: list[str]
+    transfers: dict[str, Any]
+    peak_bytes: int
+    peak_source: str
+    peak_reserved_bytes: int | None
+    peak_breakdown: dict[str, int]
+    under_budget: bool
+    losses: list[float]
+    step_seconds: list[float]
+    median_step_seconds: float
+    baseline_median_step_seconds: float | None
+    baseline_skipped: str | None
+    slowdown: float | None
+    baseline_losses: list[float] = field(default_factory=list)
+    baseline_max_loss_diff: float | None = None
+    report_path: str | None = None
+    report_skipped: str | None = None
+    build_seconds: float = 0.0
+    wall_seconds: float = 0.0
+
+    @property
+    def loss_first(self) -> float:
+        """Loss of the first step."""
+        return self.losses[0]
+
+    @property
+    def loss_last(self) -> float:
+        """Loss of the last step."""
+        return self.losses[-1]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The result as JSON-ready data (the plan nested under ``"plan"``)."""
+        data = asdict(self)
+        data["loss_first"] = self.loss_first
+        data["loss_last"] = self.loss_last
+        return data
+
+
+class _StepTimer:
+    """Step durations: CUDA events on the compute stream, or the host clock on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self, step: int) -> float:
+        """Duration of ``step`` (waits for its end on CUDA: the next step is already queued)."""
+        start, end = self.marks[step], self.marks[step + 1]
+        if self.cuda:
+            end.synchronize()
+            return start.elapsed_time(end) / 1000.0
+        return end - start
+
+
+def _median_step(step_seconds: list[float]) -> float:
+    timed = step_seconds[1:] if len(step_seconds) >= 2 else step_seconds
+    return statistics.median(timed)
+
+
+def _train(model: nn.Module, params: list[nn.Parameter], plan: DemoPlan, device: torch.device,
+           stage: str, profiler: Any, progress: ProgressCallback | None
+           ) -> tuple[list[float], list[float]]:
+    """``plan.steps`` AdamW steps of ``params`` on seeded synthetic batches; (losses, seconds)."""
+    dit_config = plan.dit_config
+    optimizer = torch.optim.AdamW(params, lr=plan.learning_rate, weight_decay=0.0)
+    # One fixed batch, as in a few-image (DreamBooth-style) LoRA fine-tune: the loss falls
+    # visibly within a few steps, and both runs see the same data.
+    generator = torch.Generator(device=device).manual_seed(plan.seed)
+    batch = synthetic_batch(dit_config, plan.batch_size, generator=generator, device=device)
+    timer = _StepTimer(device)
+    losses: list[torch.Tensor] = []
+    seconds: list[float] = []
+    label = "swapped" if stage == "train" else "resident"
+
+    def mark(phase: str | None) -> None:
+        if profiler is not None:
+            profiler.mark(None if phase is None else f"{label} {phase}")
+
+    def report(step: int) -> None:
+        seconds.append(timer.seconds(step))
+        if progress is not None:
+            progress(DemoProgress(stage, step + 1, plan.steps, float(losses[step]),
+                                  seconds[step]))
+
+    if progress is not None:
+        progress(DemoProgress(stage, 0, plan.steps))
+    timer.mark()
+    for step in range(plan.steps):
+        mark("forward")
+        loss = flow_matching_loss(model, batch)
+        mark("backward")
+        loss.backward()
+        mark("optimizer")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        timer.mark()
+        if profiler is not None:
+            profiler.step()
+        losses.append(loss.detach())
+        if step >= 1:  # the previous step: the host stays one step ahead of the device
+            report(step - 1)
+    report(plan.steps - 1)
+    mark(None)
+    return [float(v) for v in losses], seconds
+
+
+@contextlib.contextmanager
+def _memory_cap(device: torch.device, budget: int) -> Iterator[tuple[int, int]]:
+    """Cap this process's CUDA allocator at what it holds now plus ``budget``; yields the bytes
+    (allocated, reserved) before, and restores the previous fraction on exit."""
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    before = get_fraction(device) if get_fraction is not None else 1.0  # torch < 2.9: no getter
+    held = torch.cuda.memory_reserved(device)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (held + budget) / total), device)
+    try:
+        torch.cuda.reset_peak_memory_stats(device)
+        yield torch.cuda.memory_allocated(device), held
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before, device)
+
+
+def _make_profiler(plan: DemoPlan, report: str | Path | None) -> tuple[Any, str | None]:
+    if report is None:
+        return None, "no report asked for"
+    try:
+        from vramkit.memory.profiler import MemoryProfiler
+    except ImportError as exc:  # the profiler is optional for the demo
+        return None, f"memory profiler unavailable: {exc}"
+    # The demo reads the CUDA peak itself, so the profiler must not reset it.
+    return MemoryProfiler(device=plan.device, sample_interval=0.02, reset_peak=False), None
+
+
+def _build_model(plan: DemoPlan) -> tuple[DiT, list[nn.Parameter], list[str]]:
+    model = DiT(plan.dit_config, seed=plan.seed, device="cpu")
+    names = _block_names(model)
+    adapters = add_lora_adapters(model, names, plan.lora_rank, seed=plan.seed)
+    return model, adapters, names
+
+
+def _baseline(model: nn.Module, adapters: list[nn.Parameter], initial: list[torch.Tensor],
+              plan: DemoPlan, device: torch.device, profiler: Any,
+              progress: ProgressCallback | None
+              ) -> tuple[list[float] | None, list[float], str | None]:
+    """The same training fully resident: (step seconds or None, losses, why skipped or None)."""
+    activations = (plan.activation_bytes_checkpointed if plan.checkpointing
+                   else plan.activation_bytes_full)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(device)
+        need = (plan.model_bytes + plan.trainable_bytes + plan.optimizer_bytes + activations
+                + _MARGIN_FIXED["cuda"])
+        if need > free:
+            return None, [], (f"the model does not fit on {device} fully resident (needs about "
+                              f"{format_size(need)}, {format_size(free)} free)")
+    with torch.no_grad():
+        for param, value in zip(adapters, initial, strict=True):
+            param.copy_(value)
+    try:
+        model.to(device)
+        losses, seconds = _train(model, adapters, plan, device, "baseline", profiler, progress)
+    except torch.OutOfMemoryError:
+        return None, [], f"out of memory on {device} with the model fully resident"
+    return seconds, losses, None
+
+
+def run_demo(config: DemoConfig | None = None, *, plan: DemoPlan | None = None,
+             progress: ProgressCallback | None = None) -> DemoResult:
+    """Train a DiT larger than the budget under block swapping; see the module docstring.
+
+    Args:
+        config: the demo settings (default :class:`DemoConfig()`). When ``plan`` is given only
+            its ``report`` and ``baseline`` are read.
+        plan: a plan from :func:`plan_demo` (default: planned here from ``config``).
+        progress: called after the model is built, when a training stage starts and after
+            every step.
+
+    Returns:
+        The :class:`DemoResult`.
+
+    Raises:
+        ConfigError: see :func:`plan_demo`.
+        OffloadError: when the swapped run runs out of memory under the budget.
+    """
+    from vramkit.checkpointing import enable_gradient_checkpointing
+    from vramkit.offload.swap import BlockSwapper, SwapConfig
+
+    config = config or DemoConfig()
+    plan = plan or plan_demo(config)
+    device = torch.device(plan.device)
+    started = time.perf_counter()
+    model, adapters, _ = _build_model(plan)
+    initial_adapters = [p.detach().clone() for p in adapters]
+    build_seconds = time.perf_counter() - started
+    if progress is not None:
+        progress(DemoProgress("build", 0, 0))
+    checkpointed = enable_gradient_checkpointing(model) if plan.checkpointing else []
+    profiler, report_skipped = _make_profiler(plan, config.report)
+    cuda = device.type == "cuda"
+    peak_reserved: int | None = None
+    swap_config = SwapConfig(max_gpu_bytes=plan.max_gpu_bytes, num_slots=plan.num_slots)
+    if profiler is not None:
+        profiler.start()
+    try:
+        with contextlib.ExitStack() as stack:
+            allocated_before, reserved_before = stack.enter_context(
+                _memory_cap(device, plan.budget_bytes)) if cuda else (0, 0)
+            try:
+                with BlockSwapper(model, config=swap_config, device=device) as swapper:
+                    losses, seconds = _train(model, adapters, plan, device, "train", profiler,
+                                             progress)
+                    stats = swapper.stats()
+                    swapped_names = swapper.swapped_names
+                    if cuda:
+                        peak = torch.cuda.max_memory_allocated(device) - allocated_before
+                        peak_reserved = torch.cuda.max_memory_reserved(device) - reserved_before
+            except torch.OutOfMemoryError as exc:
+                raise OffloadError(
+                    f"out of memory under the {format_size(plan.budget_bytes)} budget: {exc}",
+                    hint="Raise --budget, lower --batch-size, or report the plan (vramkit "
+                         "demo --json) if the budget should have been enough.") from None
+        if config.baseline:
+            baseline_seconds, baseline_losses, skipped = _baseline(
+                model, adapters, initial_adapters, plan, device, profiler, progress)
+        else:
+            baseline_seconds, baseline_losses, skipped = None, [], "not asked for (--no-baseline)"
+    finally:
+        report_path = None
+        if profiler is not None:
+            memory_report = profiler.stop()
+        if profiler is not None and config.report is not None:
+            try:
+                report_path = str(memory_report.save(config.report))
+            except ImportError as exc:  # .png without matplotlib: the run still stands
+                report_skipped = f"could not write {config.report}: {exc}"
+    breakdown = {
+        "weights_on_device": plan.outside_block_bytes + stats.resident_block_bytes,
+        "slots": stats.slot_bytes,
+        "optimizer": plan.optimizer_bytes,
+        "activations_estimate": (plan.activation_bytes_checkpointed if plan.checkpointing
+                                 else plan.activation_bytes_full),
+    }
+    if not cuda:
+        peak = sum(breakdown.values())
+    slowdown = None
+    if baseline_seconds is not None:
+        slowdown = _median_step(seconds) / _median_step(baseline_seconds)
+    diff = (max(abs(a - b) for a, b in zip(losses, baseline_losses, strict=True))
+            if baseline_losses else None)
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
+    return DemoResult(
+        plan=plan, swapped_blocks=stats.swapped_blocks, total_blocks=stats.blocks,
+        swapped_names=swapped_names,
+        swapped_bytes=stats.swapped_bytes, slot_bytes=stats.slot_bytes,
+        pinned_bytes=stats.pinned_bytes, resident_block_bytes=stats.resident_block_bytes,
+        checkpointed_blocks=checkpointed,
+        transfers={k: v for k, v in stats.as_dict().items()
+                   if k in ("loads", "prefetched", "on_demand", "hits", "h2d_bytes",
+                            "d2h_bytes", "acquisitions", "enqueue_seconds")},
+        peak_bytes=int(peak), peak_source="measured" if cuda else "planned (simulated)",
+        peak_reserved_bytes=peak_reserved, peak_breakdown=breakdown,
+        under_budget=peak <= plan.budget_bytes, losses=losses, step_seconds=seconds,
+        median_step_seconds=_median_step(seconds),
+        baseline_median_step_seconds=(None if baseline_seconds is None
+                                      else _median_step(baseline_seconds)),
+        baseline_skipped=skipped, slowdown=slowdown, baseline_losses=baseline_losses,
+        baseline_max_loss_diff=diff, report_path=report_path, report_skipped=report_skipped,
+        build_seconds=build_seconds, wall_seconds=time.perf_counter() - started)

@@ -1,0 +1,202 @@
+"""`vramkit.demo`: configuration checks, the memory plan, and short CPU runs of the demo."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from vramkit.demo import (
+    DemoConfig,
+    DemoProgress,
+    LoRALinear,
+    add_lora_adapters,
+    estimate_activations,
+    plan_demo,
+    run_demo,
+)
+from vramkit.errors import ConfigError
+from vramkit.models.dit import DiT, DiTConfig, synthetic_batch
+
+TINY = dict(model_size="tiny", device="cpu", report=None)
+
+
+def _tiny(**overrides: object) -> DemoConfig:
+    return DemoConfig(**{**TINY, **overrides})  # type: ignore[arg-type]
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field, value", [
+    ("budget", "lots"), ("budget", 0), ("budget", -5), ("model_size", "huge"),
+    ("model_size", "0MiB"), ("steps", 0), ("steps", 1.5), ("steps", True), ("batch_size", 0),
+    ("device", "tpu"), ("device", "banana"), ("baseline", "yes"), ("report", "out.txt"),
+    ("report", 3), ("lora_rank", 0), ("learning_rate", 0.0), ("learning_rate", math.nan),
+    ("num_slots", 0), ("seed", -1),
+])
+def test_config_rejects_bad_values(field: str, value: object) -> None:
+    with pytest.raises(ConfigError):
+        DemoConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_config_normalizes_sizes_and_report() -> None:
+    config = DemoConfig(budget="2MiB", model_size="3MiB", report="")
+    assert config.budget == 2 * 2**20
+    assert config.model_size == 3 * 2**20
+    assert config.report is None
+    assert DemoConfig(model_size="small").model_size == "small"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_gpu_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="no CUDA GPU"):
+        plan_demo(DemoConfig(device="cuda", report=None))
+
+
+# -- LoRA adapters -------------------------------------------------------------------------------
+
+
+def test_lora_adapters_start_at_the_base_model_and_are_the_only_trainable_params() -> None:
+    config = DiTConfig.preset("tiny")
+    model = DiT(config, seed=0)
+    batch = synthetic_batch(config, 2, generator=torch.Generator().manual_seed(0))
+    args = (batch["latents"], batch["timesteps"], batch["text"])
+    before = model(*args)
+    names = ["double_blocks.0", "single_blocks.1"]
+    adapters = add_lora_adapters(model, names, rank=4, seed=0)
+    # qkv + proj of both streams in a double block, linear1 + linear2 in a single block
+    assert len(adapters) == 2 * (4 + 2)
+    assert {id(p) for p in model.parameters() if p.requires_grad} == {id(p) for p in adapters}
+    assert isinstance(model.double_blocks[0].img_attn.qkv, LoRALinear)
+    assert not isinstance(model.double_blocks[1].img_attn.qkv, LoRALinear)
+    assert all(p.dtype == torch.float32 and p.shape[0 if p.shape[0] == 4 else 1] == 4
+               for p in adapters)
+    torch.testing.assert_close(model(*args), before, rtol=0, atol=0)  # up starts at zero
+    with torch.no_grad():
+        model.double_blocks[0].img_attn.qkv.up.fill_(0.1)
+    assert not torch.equal(model(*args), before)
+
+
+# -- the plan ----------------------------------------------------------------------------------
+
+
+def test_activation_estimate_counts_checkpointing_batch_and_fused_attention() -> None:
+    config = DiTConfig.preset("tiny", image_size=64)  # 1032 tokens: L x L matrices would dominate
+    model = DiT(config, device="meta")
+    names = [f"double_blocks.{i}" for i in range(2)] + [f"single_blocks.{i}" for i in range(2)]
+    add_lora_adapters(model, names, rank=4)
+    full1, ckpt1 = estimate_activations(model, config, 1, names)
+    full2, ckpt2 = estimate_activations(model, config, 2, names)
+    assert 0 < ckpt1 < full1
+    assert full2 == pytest.approx(2 * full1, rel=0.01)
+    assert ckpt2 == pytest.approx(2 * ckpt1, rel=0.05)  # the rope table does not scale
+    assert estimate_activations(model, config, 1, names) == (full1, ckpt1)  # deterministic
+    # The math path would save >= one float32 [B, heads, L, L] matrix per block.
+    attention_matrices = len(names) * config.num_heads * config.num_tokens ** 2 * 4
+    assert full1 < attention_matrices
+    # Above the hidden states the blocks see (one [B, L, hidden] float32 per block at least).
+    assert full1 > len(names) * config.num_tokens * config.hidden_size * 4
+
+
+def test_default_cpu_plan_swaps_some_blocks_and_checkpoints() -> None:
+    plan = plan_demo(DemoConfig(device="cpu", report=None))
+    assert plan.model_name == "small" and plan.simulated
+    assert plan.model_config["dtype"] == "float32"
+    assert plan.model_bytes > plan.budget_bytes  # the model does not fit the budget
+    assert 0 < plan.planned_swapped_blocks < plan.num_blocks
+    assert plan.checkpointing
+    assert plan.steps == 10 and plan.batch_size == 2
+
+
+def test_budget_sets_the_swapped_blocks_and_checkpointing() -> None:
+    tight = plan_demo(_tiny(batch_size=16))
+    roomy = plan_demo(_tiny(batch_size=16, budget=tight.budget_bytes * 2))
+    huge = plan_demo(_tiny(batch_size=16, budget="1GiB"))
+    assert tight.checkpointing and not huge.checkpointing
+    assert tight.planned_swapped_blocks > roomy.planned_swapped_blocks
+    assert huge.planned_swapped_blocks == 0
+    assert huge.max_gpu_bytes > roomy.max_gpu_bytes > tight.max_gpu_bytes
+
+
+def test_budget_below_the_minimum_is_a_clear_error() -> None:
+    minimum = plan_demo(_tiny()).minimum_budget_bytes
+    assert plan_demo(_tiny(budget=minimum)).planned_swapped_blocks == 4
+    with pytest.raises(ConfigError, match="needs at least") as info:
+        plan_demo(_tiny(budget=minimum - 1024))
+    assert "--budget" in info.value.hint
+
+
+def test_knobs_change_the_plan() -> None:
+    base = plan_demo(_tiny())
+    assert plan_demo(_tiny(lora_rank=32)).trainable_params == 2 * base.trainable_params
+    assert plan_demo(_tiny(steps=3)).steps == 3
+    bigger = plan_demo(_tiny(batch_size=4))
+    assert bigger.activation_bytes_full > base.activation_bytes_full
+    three = plan_demo(_tiny(num_slots=3, budget="64MiB"))
+    assert three.num_slots == 3
+    assert three.minimum_budget_bytes > plan_demo(_tiny(budget="64MiB")).minimum_budget_bytes
+    sized = plan_demo(_tiny(model_size="8MiB"))
+    assert sized.model_name.startswith("for_bytes")
+    assert sized.model_bytes == pytest.approx(8 * 2**20, rel=0.1)
+
+
+# -- runs --------------------------------------------------------------------------------------
+
+
+def test_run_demo_trains_under_swapping_like_the_resident_model(tmp_path: Path) -> None:
+    events: list[DemoProgress] = []
+    report = tmp_path / "demo.html"
+    config = _tiny(steps=3, batch_size=16, report=str(report))
+    plan = plan_demo(config)
+    assert plan.checkpointing
+    result = run_demo(config, plan=plan, progress=events.append)
+
+    assert result.swapped_blocks > 0 and result.swapped_blocks == plan.planned_swapped_blocks
+    assert result.total_blocks == 4
+    assert len(result.swapped_names) == result.swapped_blocks
+    assert result.checkpointed_blocks == ["double_blocks.0", "double_blocks.1",
+                                          "single_blocks.0", "single_blocks.1"]
+    assert result.slot_bytes == plan.num_slots * plan.largest_block_bytes
+    assert result.transfers["h2d_bytes"] > 0
+    assert result.peak_source.startswith("planned")
+    assert result.peak_bytes == sum(result.peak_breakdown.values())
+    assert result.under_budget and result.peak_bytes <= plan.budget_bytes
+    assert len(result.losses) == 3 and all(math.isfinite(v) for v in result.losses)
+    assert result.loss_last < result.loss_first
+    # Swapping computes exactly what the resident model computes.
+    assert result.baseline_losses == result.losses
+    assert result.baseline_max_loss_diff == 0.0
+    assert result.slowdown is not None and result.slowdown > 0
+    assert len(result.step_seconds) == 3 and result.median_step_seconds > 0
+    assert result.report_path == str(report) and report.read_text().lstrip().startswith("<")
+    assert [(e.stage, e.step) for e in events] == [
+        ("build", 0), ("train", 0), ("train", 1), ("train", 2), ("train", 3),
+        ("baseline", 0), ("baseline", 1), ("baseline", 2), ("baseline", 3)]
+    assert events[2].loss == result.losses[0]
+    assert events[2].step_seconds == result.step_seconds[0]
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["plan"]["budget_bytes"] == plan.budget_bytes
+    assert data["loss_first"] == result.losses[0]
+
+
+def test_run_demo_without_baseline_and_training_knobs() -> None:
+    result = run_demo(_tiny(steps=2, baseline=False))
+    assert result.baseline_median_step_seconds is None and result.slowdown is None
+    assert "no-baseline" in (result.baseline_skipped or "")
+    assert result.baseline_losses == [] and result.report_path is None
+    faster = run_demo(_tiny(steps=2, baseline=False, learning_rate=3e-2))
+    assert faster.losses[0] == result.losses[0]  # same weights and data
+    assert faster.losses[1] < result.losses[1]  # a larger step on the same batch
+    other_seed = run_demo(_tiny(steps=1, baseline=False, seed=1))
+    assert other_seed.losses[0] != result.losses[0]
+
+
+def test_plan_from_config_is_used_by_run_demo() -> None:
+    plan = plan_demo(_tiny(steps=1))
+    result = run_demo(_tiny(), plan=replace(plan, steps=2), progress=None)
+    assert len(result.losses) == 2

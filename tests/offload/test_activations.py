@@ -27,6 +27,7 @@ BIG = 4096
 def make_offloader(log: list[StreamOp] | None = None, **config: Any) -> ActivationOffloader:
     config.setdefault("min_bytes", 0)
     config.setdefault("max_inflight_bytes", 0)  # everything goes through the host
+    config.setdefault("prefetch_bytes", 0)  # the window counts tensors unless a test says so
     return ActivationOffloader(ActivationOffloadConfig(**config), device="cpu",
                                streams=HostStreams(log=log))
 
@@ -339,22 +340,116 @@ def test_trim_lets_go_of_held_tensors() -> None:
 # -- memory --------------------------------------------------------------------------------------
 
 
-def test_pool_is_reused_across_steps() -> None:
+def test_host_blocks_are_reused_across_steps_without_the_pool() -> None:
     model = make_model()
     x = torch.randn(8, 32)
     offloader = make_offloader()
-    reserved, misses = [], []
+    reserved, allocations = [], []
     for _ in range(5):
         train_step(model, x, offloader)
         pool = offloader.pool
         assert pool is not None
-        stats = pool.stats()
+        stats, ours = pool.stats(), offloader.stats()
         reserved.append(stats.reserved)
-        misses.append(stats.cache_misses)
-        assert stats.live_blocks == 0 and offloader.stats().pinned_bytes == 0
+        allocations.append(stats.num_allocations)
+        assert ours.pinned_bytes == 0
+        # Every block is kept as a spare for the next step, none went back to the pool.
+        assert stats.live_blocks > 0 and ours.spare_bytes == stats.allocated
     assert len(set(reserved)) == 1
-    assert len(set(misses)) == 1  # steps 2-5 were served from the cache: nothing new carved
-    assert offloader.stats().pinned_peak_bytes <= reserved[0]
+    assert len(set(allocations)) == 1  # steps 2-5 asked the pool for nothing
+    stats = offloader.stats()
+    assert stats.pool_allocations == stats.offloaded_tensors // 5
+    assert stats.reused_blocks == stats.offloaded_tensors - stats.pool_allocations
+    assert stats.pinned_peak_bytes <= reserved[0]
+    offloader.trim()
+    assert offloader.stats().spare_bytes == 0 and pool.stats().live_blocks == 0
+
+
+def test_reused_block_waits_for_its_last_load() -> None:
+    log: list[StreamOp] = []
+    offloader = make_offloader(log)
+    sin_chain(offloader, 3)
+    _, loaded = copy_events(log)
+    start = len(log)
+    sin_chain(offloader, 3)  # same sizes: all three blocks are reused
+    assert offloader.stats().reused_blocks == 3
+    second = log[start:]
+    copies = [i for i, op in enumerate(second) if op.kind == "copy" and op.stream == "d2h"]
+    # Before each device->host copy into a reused block, d2h waits (on the GPU) for the
+    # host->device copy that last read it; blocks come back oldest-freed first.
+    waited = [second[i - 3] for i in copies]
+    assert all(op.kind == "wait" and op.stream == "d2h" for op in waited)
+    assert [op.event for op in waited] == [loaded[2], loaded[1], loaded[0]]
+
+
+def test_spares_unused_for_a_forward_pass_go_back_to_the_pool() -> None:
+    offloader = make_offloader()
+    sin_chain(offloader, 3, size=256)
+    assert offloader.stats().spare_bytes == 3 * 1024
+    sin_chain(offloader, 2, size=128)  # other sizes: the 1 KiB spares are not used
+    assert offloader.stats().spare_bytes == 3 * 1024 + 2 * 512
+    sin_chain(offloader, 2, size=128)  # a whole forward pass went by: the 1 KiB ones are let go
+    stats = offloader.stats()
+    assert stats.spare_bytes == 2 * 512 and stats.reused_blocks == 2
+    assert offloader.pool is not None and offloader.pool.stats().live_blocks == 2
+
+
+def test_spares_go_back_to_a_capped_pool_when_it_needs_room() -> None:
+    offloader = make_offloader(max_pinned_bytes=3 * 1024)
+    sin_chain(offloader, 3, size=256)  # 3 x 1 KiB: the pool is at its cap, all of it spare
+    assert offloader.stats().spare_bytes == 3 * 1024
+    sin_chain(offloader, 2, size=384)  # 2 x 1.5 KiB fit only once the spares are given back
+    stats = offloader.stats()
+    assert stats.kept_over_cap == 0 and stats.offloaded_tensors == 5
+    assert stats.spare_bytes == 2 * 1536
+    assert offloader.pool is not None and offloader.pool.stats().reserved <= 3 * 1024
+
+
+def test_prefetch_bytes_window() -> None:
+    n, size = 8, 256  # 1 KiB each
+    log: list[StreamOp] = []
+    offloader = make_offloader(log, prefetch=1, prefetch_bytes=3 * size * 4)
+    sin_chain(offloader, n, size)
+    _, loaded = copy_events(log)
+    first_wait = position(log, lambda op: op.kind == "wait" and op.stream == "compute"
+                          and op.event == loaded[n - 1])
+    # One on demand, then three tensors' worth of bytes (more than prefetch=1 alone asks).
+    assert sum(op.what.startswith("h2d") for op in log[:first_wait]) == 1 + 3
+    assert offloader.stats().on_demand_loads == 1
+
+
+class SavesInForwardOrder(torch.autograd.Function):
+    """Saves three tensors; backward unpacks the oldest first (like attention's q, k, v)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b, c)
+        return a * b * c
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        a, b, c = ctx.saved_tensors
+        return grad * b * c, grad * a * c, grad * a * b
+
+
+def test_prefetch_covers_tensors_above_the_one_asked_for() -> None:
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        a = torch.sin(x)  # saves x (0)
+        y = SavesInForwardOrder.apply(a, a * 2.0, a * 3.0)  # saves a (1), b (2), c (3)
+        return torch.sin(y).sum()  # saves y (4)
+
+    x = torch.randn(256, requires_grad=True)
+    loss(x).backward()
+    expected, x.grad = x.grad, None
+    offloader = make_offloader(prefetch=1)
+    with offloader:
+        total = loss(x)
+    total.backward()
+    stats = offloader.stats()
+    # sin(y)'s backward loads y on demand and prefetches c; the node then asks for a (a miss),
+    # and the window must bring b next -- the tensor *above* a -- not x below it.
+    assert (stats.on_demand_loads, stats.prefetch_hits) == (2, 3)
+    assert torch.equal(x.grad, expected)
 
 
 def test_pinned_cap_keeps_the_rest_on_the_device() -> None:
@@ -383,6 +478,8 @@ def test_dropped_graph_returns_its_blocks() -> None:
     stats = offloader.stats()
     assert stats.pinned_bytes == 0
     assert offloader.pool is not None
+    assert stats.spare_bytes == 3 * 1024  # kept for the next step
+    offloader.trim()
     pool_stats = offloader.pool.stats()
     assert pool_stats.live_blocks == 0 and pool_stats.leaked_frees == 0
 
@@ -405,6 +502,7 @@ def test_prefetched_but_unused_tensors_are_let_go() -> None:
     # The compute stream waited for the unused copies before their memory could be reused.
     unused_waits = [op for op in log[before:] if op.kind == "wait" and op.stream == "compute"]
     assert {op.event for op in unused_waits} == {loaded[k] for k in range(3)}
+    offloader.trim()
     assert offloader.pool is not None and offloader.pool.stats().live_blocks == 0
 
 
@@ -503,9 +601,9 @@ def test_composes_with_the_block_swapper(checkpointed: bool) -> None:
         assert swapper.stats().swapped_blocks == 2
     finally:
         swapper.detach()
-    # Inside a swapped block the swapper's own hooks win: each swapped block's GELU input stays
-    # with it (non-checkpointed), or the block keeps only its input, which is offloaded here.
-    assert offloader.stats().offloaded_tensors == alone.stats().offloaded_tensors - 2
+    # The swapper passes every saved tensor that is not a slot weight on to the hooks active
+    # outside the block, so activations inside swapped blocks are offloaded as well.
+    assert offloader.stats().offloaded_tensors == alone.stats().offloaded_tensors
 
 
 # -- API and errors ------------------------------------------------------------------------------
@@ -523,8 +621,10 @@ def test_offload_activations_context() -> None:
     stats = offloader.stats()
     assert isinstance(stats, ActivationOffloadStats) and stats.offloaded_tensors == 1
     offloader.reset_stats()
-    assert offloader.stats() == ActivationOffloadStats()
+    # The block kept for the next step is a current quantity, not a counter.
+    assert offloader.stats() == ActivationOffloadStats(spare_bytes=1024)
     assert offloader.trim() >= 0
+    assert offloader.stats() == ActivationOffloadStats()
     assert "ActivationOffloader(device=cpu" in repr(offloader)
 
 
@@ -539,11 +639,14 @@ def test_config_sizes_parse() -> None:
     assert (config.min_bytes, config.max_pinned_bytes, config.max_inflight_bytes) == \
         (2048, 1 << 20, 0)
     assert ActivationOffloadConfig().min_bytes == 1 << 20
+    assert ActivationOffloadConfig().prefetch_bytes == 256 << 20
+    assert ActivationOffloadConfig(prefetch_bytes="1KiB").prefetch_bytes == 1024
 
 
 @pytest.mark.parametrize("kwargs", [
     {"min_bytes": -1}, {"min_bytes": "lots"}, {"min_bytes": 1.5}, {"min_bytes": True},
     {"prefetch": -1}, {"prefetch": 1.0}, {"prefetch": True},
+    {"prefetch_bytes": -1}, {"prefetch_bytes": "far"}, {"prefetch_bytes": None},
     {"max_pinned_bytes": 0}, {"max_pinned_bytes": "-1MiB"},
     {"max_inflight_bytes": -1}, {"max_inflight_bytes": None},
 ])

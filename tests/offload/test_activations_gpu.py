@@ -135,20 +135,30 @@ def test_pinned_pool_flat_over_50_steps() -> None:
     model = make_model(1024, 4)
     x = torch.randn(4096, 1024, device="cuda")
     offloader = ActivationOffloader(ActivationOffloadConfig(max_inflight_bytes="16MiB"))
-    reserved = []
+    reserved, segments, pool_allocations = [], [], []
     device_reserved = []
     for _ in range(50):
         step(model, x, offloader)
-        assert offloader.stats().pinned_bytes == 0
+        stats = offloader.stats()
+        assert stats.pinned_bytes == 0
         pool = offloader.pool
         assert pool is not None
         reserved.append(pool.stats().reserved)
+        segments.append(len(pool.segment_sizes()))
+        pool_allocations.append(stats.pool_allocations)
         device_reserved.append(torch.cuda.memory_reserved())
-    # The first steps may grow the pool while the previous backward's last copies are still
-    # pending; after that, nothing new.
-    assert len(set(reserved[10:])) == 1, reserved
+    # Host blocks are reused from the second step on (spares, ordered on the GPU): the pool is
+    # asked for nothing after the first step, so it never grows (no cudaHostRegister per step).
+    assert len(set(pool_allocations)) == 1, pool_allocations
+    assert len(set(reserved)) == 1 and len(set(segments)) == 1, (reserved, segments)
+    assert offloader.stats().reused_blocks == 49 * pool_allocations[0]
     assert len(set(device_reserved[10:])) == 1, device_reserved
     assert pool.stats().leaked_frees == 0
+    # The copies' destination is page-locked (else a "non_blocking" device->host copy is
+    # synchronous for the host).
+    probe = pool.allocate(4096)
+    assert probe.view((4096,)).is_pinned()
+    probe.free()
 
 
 def test_steady_state_step_never_syncs_the_host() -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
@@ -80,8 +81,19 @@ class BlockCall:
         args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
         return self.fn(*args, **kwargs)
 
-    def run_positional(self, *tensors: torch.Tensor) -> Any:
-        return self.run(tensors)
+    def detached_runner(self) -> Callable[..., Any]:
+        """``run`` as a function that does not reference this object: the checkpoint's unpack
+        hook (held by C++) keeps it alive, and a reference back to the call would form a cycle
+        the garbage collector cannot see when backward never runs."""
+        fn, leaves, is_tensor, spec = self.fn, self.leaves, self.is_tensor, self.in_spec
+
+        def run(*tensors: torch.Tensor) -> Any:
+            it = iter(tensors)
+            merged = [next(it) if t else x for x, t in zip(leaves, is_tensor, strict=False)]
+            args, kwargs = pytree.tree_unflatten(merged, spec)
+            return fn(*args, **kwargs)
+
+        return run
 
     def split_outputs(self, out: Any) -> list[torch.Tensor]:
         """The output's tensors; its structure and other leaves are kept for rebuild_outputs."""
@@ -123,7 +135,7 @@ class SwapBlockFunction(torch.autograd.Function):
                     # PyTorch's non-reentrant checkpoint keeps only the inputs, recomputes in
                     # backward (which runs while the block holds its slot) and stops the
                     # recomputation as soon as the saved tensors are rebuilt.
-                    out = torch_checkpoint(call.run_positional, *inputs, use_reentrant=False,
+                    out = torch_checkpoint(call.detached_runner(), *inputs, use_reentrant=False,
                                            preserve_rng_state=swapper.config.preserve_rng_state)
                 else:
                     out = call.run(inputs)
@@ -139,6 +151,7 @@ class SwapBlockFunction(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         call: BlockCall = ctx.call
         swapper, block = call.swapper, call.block

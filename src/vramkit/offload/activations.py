@@ -14,17 +14,22 @@ dwarf the weights. :class:`ActivationOffloader` installs a
   caching allocator reuses the memory in stream order. (``record_stream`` plus dropping the
   reference at once would look cheaper, but the allocator then frees the memory only when the
   *host* sees the copy complete, and the host runs ahead of the GPU by most of a forward pass:
-  the peak would not go down.) The pool is created on first use, owned by the offloader and
-  reused across steps: blocks freed in backward return to the pool's exact-size cache, so a
-  steady-state step allocates no new pinned memory.
+  the peak would not go down.) The pool is created on first use and owned by the offloader.
+  Host blocks are not returned to it between steps: a block whose host->device copy was issued
+  is kept as a *spare* and the next offload of the same size reuses it, its device->host copy
+  waiting (on the GPU) for that load. Handing it back to the pinned pool instead would park it
+  until the *host* sees the load complete -- a step later, as the host runs ahead -- so each
+  step's offloads would miss and grow the pool with slow ``cudaHostRegister`` calls. A steady
+  training loop takes pinned memory from the pool in its first step only; spares unused for a
+  whole forward pass (the shapes changed) go back to the pool, and :meth:`~ActivationOffloader.trim`
+  returns them all.
 * **unpack** (backward, reverse order): a tensor whose device memory is still held (the last
   ones of the forward pass) is used as it is. A prefetched one: the compute stream waits on its
-  "loaded" event. Otherwise its host->device copy is issued now (an *on-demand* load), and in
-  all cases the next ``prefetch`` offloaded tensors in reverse pack order are issued as well, so
-  the tensors that backward asks for next are already on their way. Each host block is freed
-  right after its copy is issued (``record_stream(h2d)``: the pinned pool reuses it only once
-  the copy is done); the block of a tensor used as it was stays until autograd drops the saved
-  tensor, so a second backward (``retain_graph=True``) can reload it.
+  "loaded" event. Otherwise its host->device copy is issued now (an *on-demand* load). In all
+  cases further tensors are issued until ``prefetch`` tensors and ``prefetch_bytes`` bytes are
+  on their way ahead of use, walking down the pack order from the newest tensor not yet asked
+  for. The block of a tensor used as it was stays until autograd drops the saved tensor, so a
+  second backward (``retain_graph=True``) can reload it.
 
 Nothing on these paths synchronizes the host with the GPU. All copies go through the process-wide
 streams of :func:`~vramkit.offload._transfer.transfer_streams`, the ones the block swapper uses,
@@ -112,9 +117,14 @@ class ActivationOffloadConfig:
         min_bytes: tensors whose copy would be smaller than this stay on the device (a copy has
             a fixed cost of a few microseconds; small tensors free little memory). An int or a
             size string. Default ``"1MiB"``.
-        prefetch: how many offloaded tensors ahead (in reverse pack order) backward brings back
-            beyond the one it asks for. ``0`` loads each tensor only when backward needs it.
-            Default ``2``.
+        prefetch: how many offloaded tensors backward keeps on their way back ahead of the
+            one it asks for (in reverse pack order). Default ``2``.
+        prefetch_bytes: how many bytes backward keeps on their way back ahead of use: it loads
+            further tensors until both ``prefetch`` tensors and ``prefetch_bytes`` bytes are
+            ahead. Counting bytes keeps the host->device link busy whatever the tensor sizes
+            (two small tensors are gone before the next copy starts). ``prefetch=0`` with
+            ``prefetch_bytes=0`` loads each tensor only when backward needs it. An int or a
+            size string; default ``"256MiB"`` (about 5 ms of PCIe Gen5 traffic).
         max_pinned_bytes: cap on the pinned pool (bytes or a size string). Tensors that would
             take the pool past it stay on the device (counted in
             :attr:`ActivationOffloadStats.kept_over_cap`). ``None`` (default): no cap.
@@ -131,6 +141,7 @@ class ActivationOffloadConfig:
 
     min_bytes: int | str = "1MiB"
     prefetch: int = 2
+    prefetch_bytes: int | str = "256MiB"
     max_pinned_bytes: int | str | None = None
     max_inflight_bytes: int | str = "256MiB"
 
@@ -138,6 +149,8 @@ class ActivationOffloadConfig:
         object.__setattr__(self, "min_bytes", _size_field("min_bytes", self.min_bytes))
         object.__setattr__(self, "max_inflight_bytes",
                            _size_field("max_inflight_bytes", self.max_inflight_bytes))
+        object.__setattr__(self, "prefetch_bytes",
+                           _size_field("prefetch_bytes", self.prefetch_bytes))
         prefetch = self.prefetch
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigError(f"ActivationOffloadConfig.prefetch must be an int >= 0, got "
@@ -193,6 +206,11 @@ class ActivationOffloadStats:
         loaded_bytes: bytes copied host->device.
         pinned_bytes: pinned (or host-pool) bytes held by offloaded tensors now.
         pinned_peak_bytes: the highest ``pinned_bytes``.
+        pool_allocations: host blocks taken from the pool (a steady training loop takes none
+            after its first step: see ``reused_blocks``).
+        reused_blocks: offloads that reused a host block a previous step freed, without a pool
+            call (the device->host copy waits on the GPU for the block's last host->device copy).
+        spare_bytes: host blocks kept now for reuse by the next forward pass.
     """
 
     offloaded_tensors: int = 0
@@ -211,6 +229,9 @@ class ActivationOffloadStats:
     loaded_bytes: int = 0
     pinned_bytes: int = 0
     pinned_peak_bytes: int = 0
+    pool_allocations: int = 0
+    reused_blocks: int = 0
+    spare_bytes: int = 0
 
     @property
     def prefetch_hit_rate(self) -> float:
@@ -225,14 +246,14 @@ class _Counters:
     __slots__ = ("deduplicated", "device_hits", "kept_bytes", "kept_over_cap", "kept_parameters",
                  "kept_small", "kept_unsupported", "loaded_bytes", "offloaded_bytes",
                  "offloaded_tensors", "on_demand_loads", "pinned_bytes", "pinned_peak_bytes",
-                 "prefetch_hits", "released")
+                 "pool_allocations", "prefetch_hits", "released", "reused_blocks")
 
     def __init__(self, pinned_bytes: int = 0) -> None:
         for name in self.__slots__:
             setattr(self, name, 0)
         self.pinned_bytes = self.pinned_peak_bytes = pinned_bytes
 
-    def snapshot(self) -> ActivationOffloadStats:
+    def snapshot(self, spare_bytes: int) -> ActivationOffloadStats:
         kept = self.kept_small + self.kept_parameters + self.kept_unsupported + self.kept_over_cap
         return ActivationOffloadStats(
             offloaded_tensors=self.offloaded_tensors, offloaded_bytes=self.offloaded_bytes,
@@ -242,7 +263,8 @@ class _Counters:
             released=self.released, prefetch_hits=self.prefetch_hits,
             on_demand_loads=self.on_demand_loads, device_hits=self.device_hits,
             loaded_bytes=self.loaded_bytes, pinned_bytes=self.pinned_bytes,
-            pinned_peak_bytes=self.pinned_peak_bytes)
+            pinned_peak_bytes=self.pinned_peak_bytes, pool_allocations=self.pool_allocations,
+            reused_blocks=self.reused_blocks, spare_bytes=spare_bytes)
 
 
 # States of an offloaded tensor.
@@ -276,9 +298,9 @@ class _Offloaded:
     for a copy still writing a device tensor.
     """
 
-    __slots__ = ("__weakref__", "block", "capacity", "dtype", "held", "index", "loaded", "nbytes",
-                 "owner", "result", "shape", "source", "span", "state", "stored", "stride",
-                 "unpacked", "version")
+    __slots__ = ("__weakref__", "ahead_bytes", "ahead_gen", "block", "capacity", "dtype", "held",
+                 "index", "loaded", "nbytes", "owner", "result", "shape", "source", "span", "state",
+                 "stored", "stride", "unpacked", "version")
 
     def __init__(self, owner: ActivationOffloader, index: int, tensor: torch.Tensor,
                  shape: tuple[int, ...], stride: tuple[int, ...], span: int, block: Block) -> None:
@@ -299,18 +321,23 @@ class _Offloaded:
         self.result: torch.Tensor | None = None  # the host->device copy, once loaded
         self.state = _IN_FLIGHT
         self.unpacked = False
+        # Counted in the prefetch window of generation ``ahead_gen`` with ``ahead_bytes``.
+        self.ahead_gen = -1
+        self.ahead_bytes = 0
 
     def __del__(self) -> None:
         try:
             orphans = self.owner._orphans
         except AttributeError:  # interpreter shutdown
             return
-        if self.block is not None:
-            orphans.append((self.block, self.capacity, None, None))
-            self.block = None
+        block, self.block = self.block, None
+        tensor = None
         if self.state == _LOADED and not self.unpacked:
             # Prefetched, never used: the host->device copy may still be writing the tensor.
-            orphans.append((None, 0, self.result, self.loaded))
+            tensor = self.result
+        if block is not None or tensor is not None or not self.unpacked:
+            orphans.append((block, self.capacity, tensor, self.loaded,
+                            -1 if self.unpacked else self.ahead_gen, self.ahead_bytes))
 
 
 def _layout(t: torch.Tensor) -> tuple[int, bool]:
@@ -376,8 +403,26 @@ class ActivationOffloader:
         # The same tensor saved twice within one forward: key -> (tensor ref, handle ref).
         self._seen: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor],
                                                 weakref.ref[_Offloaded]]] = {}
-        # (block, capacity, tensor, event) left by dead handles; appended without the lock.
-        self._orphans: deque[tuple[Block | None, int, torch.Tensor | None, Any]] = deque()
+        # (block, capacity, tensor, event, ahead generation, ahead bytes) left by dead handles;
+        # appended without the lock.
+        self._orphans: deque[tuple[Block | None, int, torch.Tensor | None, Any, int, int]] = \
+            deque()
+        # Host blocks whose copies are issued, kept for the next forward pass instead of going
+        # back to the pool: nbytes -> [(block, event of its last host->device copy or None,
+        # forward pass it was freed in)], oldest first. The pool would park a freed pinned block
+        # until the *host* sees its copy complete, and the host runs a step ahead of the GPU:
+        # every step's offloads would miss and grow the pool (cudaHostRegister). Reusing the
+        # block needs only a GPU-side wait of the next device->host copy on that event.
+        self._spares: dict[int, deque[tuple[Block, Any, int]]] = {}
+        self._spare_bytes = 0
+        self._forward_passes = 0
+        # Backward's prefetch window: the next pack index to consider (walking down; None until
+        # the first unpack after a forward), and what is loaded ahead of use in generation
+        # ``_ahead_gen`` (bumped when the window restarts).
+        self._cursor: int | None = None
+        self._ahead_gen = 0
+        self._ahead_count = 0
+        self._ahead_bytes = 0
         # Originals handed to backward, by handle index, until the handle dies (or the next
         # forward starts: a graph kept with retain_graph then reloads from its host copy).
         self._originals: dict[int, torch.Tensor] = {}
@@ -393,6 +438,9 @@ class ActivationOffloader:
         with self._lock:
             self._trim_order()
             self._originals.clear()
+            self._forward_passes += 1
+            self._release_spares(self._forward_passes - 1)
+            self._cursor = None
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         self._hooks = hooks
@@ -432,7 +480,7 @@ class ActivationOffloader:
         """
         with self._lock:
             self._free_orphans()
-            return self._counters.snapshot()
+            return self._counters.snapshot(self._spare_bytes)
 
     def reset_stats(self) -> None:
         """Zero every counter; the peak restarts from the bytes held now."""
@@ -441,7 +489,9 @@ class ActivationOffloader:
 
     def trim(self) -> int:
         """Give memory back: device tensors still held for their copy (the compute stream waits
-        for those copies), what dropped graphs left behind, and the pool's unused segments.
+        for those copies), what dropped graphs left behind, the host blocks kept for reuse, and
+        the pool's unused segments (segments whose blocks' copies the host has not yet seen
+        complete stay until a later ``trim``).
 
         Returns:
             Bytes released by the pool (0 before the pool exists).
@@ -450,6 +500,7 @@ class ActivationOffloader:
             self._release_in_flight(0)
             self._originals.clear()
             self._free_orphans()
+            self._release_spares(None)
             self._trim_order()
             pool = self._pool
         return pool.trim() if pool is not None else 0
@@ -517,12 +568,8 @@ class ActivationOffloader:
         capacity = -(-nbytes // _POOL_ALIGNMENT) * _POOL_ALIGNMENT
         if cap is not None and counters.pinned_bytes + capacity > cap:
             return None
-        pool = self._pool if self._pool is not None else self._create_pool()
-        try:
-            block = pool.allocate(nbytes)
-        except PoolExhaustedError:
-            # Under the cap by our count, but blocks whose host->device copy is still running
-            # (pending in the pool) or fragmentation fill it: keep this one on the device.
+        block, last_read = self._take_block(nbytes)
+        if block is None:
             return None
         streams = self._streams
         shape = tuple(t.shape)
@@ -535,6 +582,8 @@ class ActivationOffloader:
             source = t.detach()
             host = host.view(shape)
         d2h = streams.d2h
+        if last_read is not None:  # a reused block: its previous tensor's load must be done
+            streams.wait(d2h, last_read)
         ready = streams.event()
         streams.record(ready, streams.current())
         streams.wait(d2h, ready)
@@ -549,6 +598,7 @@ class ActivationOffloader:
         handle = _Offloaded(self, index, t, shape, stride, span, block)
         handle.stored = stored
         self._next_index = index + 1
+        self._cursor = None  # a new forward pass: backward's window starts from the top again
         originals = self._originals
         self._order.append(weakref.ref(handle, lambda _, i=index: originals.pop(i, None)))
         counters.offloaded_tensors += 1
@@ -581,6 +631,63 @@ class ActivationOffloader:
                 self._counters.released += 1
             held.tensor = None
 
+    def _take_block(self, nbytes: int) -> tuple[Block | None, Any]:
+        """A host block of ``nbytes`` and the event its last reader recorded (or ``None``).
+
+        A spare of that exact size first (the common case from the second step on: no pool call,
+        no event query); else a pool block. When the pool is at its cap, the spares go back to
+        it first. ``(None, None)`` when nothing fits.
+        """
+        bucket = self._spares.get(nbytes)
+        if bucket:
+            block, last_read, _ = bucket.popleft()
+            if not bucket:
+                del self._spares[nbytes]
+            self._spare_bytes -= block.capacity
+            self._counters.reused_blocks += 1
+            return block, last_read
+        pool = self._pool if self._pool is not None else self._create_pool()
+        try:
+            block = pool.allocate(nbytes)
+        except PoolExhaustedError:
+            if not self._spares:
+                # Under the cap by our count, but blocks whose host->device copy is still
+                # running (pending in the pool) or fragmentation fill it: keep it on the device.
+                return None, None
+            self._release_spares(None)
+            try:
+                block = pool.allocate(nbytes)
+            except PoolExhaustedError:
+                return None, None
+        self._counters.pool_allocations += 1
+        return block, None
+
+    def _recycle(self, block: Block, last_read: Any) -> None:
+        """Keep a block whose copies are issued for the next offload of the same size."""
+        bucket = self._spares.get(block.nbytes)
+        if bucket is None:
+            bucket = self._spares[block.nbytes] = deque()
+        bucket.append((block, last_read, self._forward_passes))
+        self._spare_bytes += block.capacity
+
+    def _release_spares(self, older_than: int | None) -> None:
+        """Give spares back to the pool: all (``None``), or those freed before forward pass
+        ``older_than`` (a whole forward pass went by without a use for them: the shapes
+        changed)."""
+        cuda, streams = self._cuda, self._streams
+        for nbytes in list(self._spares):
+            bucket = self._spares[nbytes]
+            while bucket and (older_than is None or bucket[0][2] < older_than):
+                block, _, _ = bucket.popleft()
+                self._spare_bytes -= block.capacity
+                if cuda:
+                    # The pool reuses it once the host sees both copy streams past this point.
+                    block.record_stream(streams.h2d)
+                    block.record_stream(streams.d2h)
+                block.free()
+            if not bucket:
+                del self._spares[nbytes]
+
     def _create_pool(self) -> MemoryPool:
         config = PoolConfig(max_size=self.config.max_pinned_bytes,
                             growth_factor=_POOL_GROWTH_FACTOR,
@@ -610,17 +717,20 @@ class ActivationOffloader:
                          "clone the tensor before modifying it.")
             if not handle.unpacked:
                 handle.unpacked = True
+                if handle.ahead_gen == self._ahead_gen:
+                    self._ahead_count -= 1
+                    self._ahead_bytes -= handle.ahead_bytes
                 if handle.state == _IN_FLIGHT:
                     self._counters.device_hits += 1
                     original = self._take_original(handle)
-                    self._prefetch_below(handle.index)
+                    self._prefetch(handle.index)
                     return original
                 if handle.state == _ON_HOST:
                     self._counters.on_demand_loads += 1
                     self._load(handle)
                 else:
                     self._counters.prefetch_hits += 1
-                self._prefetch_below(handle.index)
+                self._prefetch(handle.index)
             elif handle.state == _ORIGINAL:  # unpacked again (saved twice, or retain_graph)
                 original = self._originals.get(handle.index)
                 if original is not None:
@@ -675,9 +785,7 @@ class ActivationOffloader:
         streams.copy(flat, block.view((handle.span,), handle.dtype), h2d, f"h2d:{handle.index}")
         loaded = streams.event()
         streams.record(loaded, h2d)
-        if self._cuda:
-            block.record_stream(h2d)
-        block.free()
+        self._recycle(block, loaded)
         handle.block = None
         handle.stored = None
         handle.loaded = loaded
@@ -691,28 +799,56 @@ class ActivationOffloader:
         counters.loaded_bytes += handle.nbytes
         counters.pinned_bytes -= handle.capacity
 
-    def _prefetch_below(self, index: int) -> None:
-        """Make sure the next ``prefetch`` not-yet-unpacked tensors below ``index`` are coming."""
-        need = self.config.prefetch
-        order = self._order
-        position = index - self._first_index - 1
-        while need > 0 and position >= 0:
-            handle = order[position]()
-            position -= 1
-            if handle is None or handle.unpacked:
+    def _prefetch(self, index: int) -> None:
+        """Keep ``prefetch`` tensors and ``prefetch_bytes`` bytes on their way back ahead of use.
+
+        The window walks down the pack order from a cursor that starts at the newest tensor, not
+        from the one just unpacked: a backward node unpacks its saved tensors in *forward*
+        order (attention asks for q before k, v and its output), so the tensors above the one
+        asked for are needed next too. When backward asks for a tensor at or below the cursor
+        the window fell behind (or backward skipped part of the graph): its count restarts and
+        it goes on from the cursor, so the tensors between (that node's others) come first.
+        """
+        config = self.config
+        if config.prefetch == 0 and config.prefetch_bytes == 0:
+            return
+        cursor = self._cursor
+        if cursor is None or index <= cursor:
+            # A new backward pass, or one that outran its window: count afresh (tensors counted
+            # before and never asked for must not hold the window shut).
+            if cursor is None:
+                cursor = self._next_index - 1
+            self._ahead_gen += 1
+            self._ahead_count = self._ahead_bytes = 0
+        order, first, gen = self._order, self._first_index, self._ahead_gen
+        while (self._ahead_count < config.prefetch or self._ahead_bytes < config.prefetch_bytes) \
+                and cursor >= first:
+            handle = order[cursor - first]()
+            cursor -= 1
+            if handle is None or handle.unpacked or handle.ahead_gen == gen:
                 continue
             if handle.state == _ON_HOST:
                 self._load(handle)
-            need -= 1  # still held on the device counts as ready
+            # Still held on the device: ready, and it costs the link nothing.
+            nbytes = 0 if handle.state == _IN_FLIGHT else handle.nbytes
+            handle.ahead_gen, handle.ahead_bytes = gen, nbytes
+            self._ahead_count += 1
+            self._ahead_bytes += nbytes
+        self._cursor = cursor
 
     # -- housekeeping (under the lock) ---------------------------------------------------------
 
     def _free_orphans(self) -> None:
         orphans, streams = self._orphans, self._streams
         while orphans:
-            block, capacity, tensor, loaded = orphans.popleft()
+            block, capacity, tensor, loaded, ahead_gen, ahead_bytes = orphans.popleft()
+            if ahead_gen == self._ahead_gen:  # counted in the window, never unpacked
+                self._ahead_count -= 1
+                self._ahead_bytes -= ahead_bytes
             if block is not None:
-                block.free()
+                # Only its device->host copy touched it (a loaded block was recycled by
+                # _load): the next copy into it is on the same stream, so no event is needed.
+                self._recycle(block, None)
                 self._counters.pinned_bytes -= capacity
             if tensor is not None:
                 streams.wait(streams.current(), loaded)

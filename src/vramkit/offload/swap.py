@@ -247,9 +247,6 @@ class SwappedBlock:
         self.had_instance_forward = False
         self.checkpointed = False
         self.trainable_entries = [e for e in entries if e.trainable]
-        self.grad_dirty = False  # host gradients hold a value not yet consumed by a step
-        # The block joins the autograd graph even when its inputs need no gradient.
-        self.has_trainable = any(p.requires_grad for p in module.parameters())
 
     def __repr__(self) -> str:
         return f"SwappedBlock({self.name}, {format_size(self.nbytes)})"
@@ -416,6 +413,8 @@ class BlockSwapper:
             return False
         if tensor.requires_grad and self.config.trainable == "resident":
             return False
+        if not _dense(tensor):  # expanded or overlapping: no flat copy of its real bytes
+            return False
         return tensor.numel() * tensor.element_size() >= max(1, self.config.min_param_bytes)
 
     def _attach(self, found: list[tuple[str, nn.Module]]) -> None:
@@ -503,11 +502,8 @@ class BlockSwapper:
                 e.placeholder = placeholder_cache[e.dtype].expand(e.shape)
                 e.tensor.data = e.placeholder
                 if e.trainable:
-                    hp = nn.Parameter(view, requires_grad=True)
-                    assert block.grad_buffer is not None
-                    hp.grad = _typed_view(block.grad_buffer, e.offset, e)
-                    hp.grad.zero_()
-                    e.host_param = hp
+                    e.host_param = nn.Parameter(view, requires_grad=True)  # .grad set by
+                    # the first backward that produces one, as for any parameter
 
     def _host_pool(self, nbytes: int) -> MemoryPool:
         config = PoolConfig(initial_size=nbytes, max_size=nbytes, growth_factor=1.0,
@@ -534,8 +530,11 @@ class BlockSwapper:
             for block in self._blocks:
                 block.slot_views[i] = [_typed_view(slot.buffer, e.offset, e)
                                        for e in block.entries]
-        if any(b.has_trainable for b in self._blocks):
+
+    def _anchor_tensor(self) -> torch.Tensor:
+        if self._anchor is None:
             self._anchor = torch.zeros((), device=self.device, requires_grad=True)
+        return self._anchor
 
     def _wrap_forward(self, block: SwappedBlock) -> None:
         module = block.module
@@ -559,16 +558,22 @@ class BlockSwapper:
         if not self._attached:
             raise OffloadError(f"swapped block {block.name} called after detach()")
         self._observe(block)
-        anchor = self._anchor if block.has_trainable else None
-        needs_graph = torch.is_grad_enabled() and (
-            anchor is not None or any(
-                isinstance(t, torch.Tensor) and t.requires_grad
-                for t in _leaves(args, kwargs)))
+        grad_mode = torch.is_grad_enabled()
+        # Checked per call: adapters may be added or weights unfrozen after attaching.
+        trainable = grad_mode and any(p.requires_grad for p in block.module.parameters())
+        anchor = self._anchor_tensor() if trainable else None
+        needs_graph = grad_mode and (anchor is not None or any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in _leaves(args, kwargs)))
         if not needs_graph:
             self._training_pass = False
             self._acquire(block, backward=False)
             try:
-                return fn(*args, **kwargs)
+                if not grad_mode:
+                    return fn(*args, **kwargs)
+                # Grad mode with nothing to differentiate: anything autograd still saves from
+                # the slot (a requires-grad tensor hidden from pytree) must fail loudly.
+                with self._weight_hooks(block, forbid=True):
+                    return fn(*args, **kwargs)
             finally:
                 self._release(block, backward=False)
         self._training_pass = True
@@ -702,21 +707,38 @@ class BlockSwapper:
         return block.master._version if block.master is not None else 0
 
     @contextlib.contextmanager
-    def _weight_hooks(self, block: SwappedBlock) -> Iterator[None]:
+    def _weight_hooks(self, block: SwappedBlock, *, forbid: bool = False) -> Iterator[None]:
+        """Saved-tensor hooks for a block call: tensors in the slot become :class:`WeightRef`
+        handles (or, with ``forbid``, an error); every other tensor goes to the hooks that were
+        active outside the block (activation offload, a parent-level checkpoint), so those keep
+        working inside swapped blocks."""
         slot = block.slot
-        assert slot is not None
+        if slot is None:
+            raise OffloadError(f"swapped block {block.name} runs without a slot")
         base = slot.buffer.data_ptr()
         end = base + block.nbytes
         device = self.device
+        outer = _outer_saved_tensor_hooks()
+        outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
         def pack(t: torch.Tensor) -> Any:
             if t.device == device and base <= t.data_ptr() < end:
+                if forbid:
+                    raise OffloadError(
+                        f"autograd saved a weight of swapped block {block.name} although the "
+                        "call looked like it needed no gradient",
+                        hint="Pass tensors that require grad as plain arguments (or in "
+                             "lists/tuples/dicts) of the block's forward.")
                 return WeightRef(block, t.data_ptr() - base, t.shape, tuple(t.stride()), t.dtype)
+            if outer_pack is not None:
+                return _OuterSaved(outer_pack(t))
             return t
 
         def unpack(saved: Any) -> torch.Tensor:
             if isinstance(saved, WeightRef):
                 return self._weight_from_slot(saved)
+            if isinstance(saved, _OuterSaved) and outer_unpack is not None:
+                return outer_unpack(saved.value)
             return saved
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
@@ -734,16 +756,16 @@ class BlockSwapper:
                                 flat.storage_offset() + ref.offset // itemsize)
 
     def _before_block_backward(self, block: SwappedBlock) -> None:
-        """Gradient accumulation for host-stepped weights: when the host gradient already holds
-        a value (not zeroed since the last step), start the GPU gradient from it."""
-        if not block.grad_dirty:
+        """Gradients accumulate as PyTorch's do: while a host gradient holds a value (not set to
+        None by ``zero_grad``), start the GPU gradient from it, so backward adds to it."""
+        pending = [(e, e.host_param.grad) for e in block.trainable_entries
+                   if e.host_param is not None and e.host_param.grad is not None]
+        if not pending:
             return
         if block.grad_event is not None:  # the previous device->host copy must land first
             self.streams.wait(self.streams.current(), block.grad_event)
-        for e in block.trainable_entries:
-            hp = e.host_param
-            if hp is not None and hp.grad is not None:
-                e.tensor.grad = hp.grad.to(self.device, non_blocking=True)
+        for e, grad in pending:
+            e.tensor.grad = grad.to(self.device, non_blocking=True)
 
     def _after_block_backward(self, block: SwappedBlock) -> None:
         if not block.trainable_entries:
@@ -752,24 +774,25 @@ class BlockSwapper:
         ready = streams.event()
         streams.record(ready, streams.current())
         streams.wait(streams.d2h, ready)
-        assert block.grad_buffer is not None
+        if block.grad_buffer is None:
+            raise OffloadError(f"swapped block {block.name} has no gradient buffer")
+        copied = False
         for e in block.trainable_entries:
             grad = e.tensor.grad
             hp = e.host_param
-            assert hp is not None
+            if grad is None or hp is None:
+                continue  # no gradient this step: the host gradient keeps its state
             target = _typed_view(block.grad_buffer, e.offset, e)
-            if hp.grad is None:
-                hp.grad = target
-            if grad is None:
-                continue
             streams.copy(target, grad, streams.d2h, block.name)
+            hp.grad = target
             if grad.device.type == "cuda":
                 grad.record_stream(streams.d2h)
             e.tensor.grad = None
             self._counters["d2h_bytes"] += e.nbytes
-        block.grad_event = streams.event()
-        streams.record(block.grad_event, streams.d2h)
-        block.grad_dirty = True
+            copied = True
+        if copied:
+            block.grad_event = streams.event()
+            streams.record(block.grad_event, streams.d2h)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -800,7 +823,6 @@ class BlockSwapper:
             if block.grad_event is not None:
                 self.streams.synchronize(block.grad_event)
                 block.grad_event = None
-            block.grad_dirty = False
             # A gradient set to None by zero_grad() is re-attached at the next backward.
         for slot in self._slots:
             self.streams.synchronize(slot.loaded_event)
@@ -950,6 +972,35 @@ def _unwrapped_forward(module: nn.Module) -> tuple[Callable[..., Any], bool]:
     if is_checkpointed(module):
         return unwrapped_forward(module), True
     return module.forward, False
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's elements cover its memory exactly once (any dimension order)."""
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True),
+                               key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class _OuterSaved:
+    """A tensor saved through the hooks that were active outside the swapped block."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _outer_saved_tensor_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:  # older PyTorch: outer hooks do not reach inside swapped blocks
+        return None
+    return top(False)
 
 
 def _leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:

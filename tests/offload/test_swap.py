@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from vramkit.checkpointing import enable_gradient_checkpointing, is_checkpointed
-from vramkit.errors import ConfigError, OffloadError
+from vramkit.errors import ConfigError, DeviceError, OffloadError
 from vramkit.offload import swap as swap_module
 from vramkit.offload._blocks import BlockSpec, spread_evenly
 from vramkit.offload._transfer import HostStreams, StreamOp
@@ -302,8 +302,8 @@ def test_swapper_rejects_bad_arguments() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
-def test_cuda_device_without_cuda_is_a_config_error() -> None:
-    with pytest.raises(ConfigError) as info:
+def test_cuda_device_without_cuda_is_a_device_error() -> None:
+    with pytest.raises(DeviceError) as info:
         BlockSwapper(_net())
     assert "device='cpu'" in info.value.hint
 

@@ -20,7 +20,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["CudaStreams", "HostStreams", "StreamOp", "Streams", "transfer_streams"]
+from vramkit.errors import ConfigError, DeviceError
+
+__all__ = ["CudaStreams", "HostStreams", "StreamOp", "Streams", "resolve_offload_device",
+           "transfer_streams"]
 
 
 @dataclass
@@ -195,3 +198,40 @@ def transfer_streams(device: torch.device | str) -> Streams:
                 raise ValueError(f"no copy streams for device type {device.type!r}")
             _SHARED[device] = streams
         return streams
+
+
+def resolve_offload_device(device: str | int | torch.device | None, owner: str) -> torch.device:
+    """The device an offloader computes on, checked once for all offloaders.
+
+    Args:
+        device: ``"cuda"``, ``"cuda:N"``, an int, a ``torch.device``, ``"cpu"``, or ``None``
+            (the current CUDA device).
+        owner: the offloader's name, for messages.
+
+    Returns:
+        ``cpu`` or ``cuda:N`` with an explicit index.
+
+    Raises:
+        ConfigError: for a value that is not a device, or a device type other than cuda/cpu.
+        DeviceError: when CUDA is not available or the index is out of range.
+    """
+    if isinstance(device, bool):
+        raise ConfigError(f"{owner}: invalid device {device!r}")
+    try:
+        resolved = (torch.device("cuda") if device is None else
+                    torch.device("cuda", device) if isinstance(device, int) else
+                    torch.device(device))
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"{owner}: invalid device {device!r}: {exc}") from None
+    if resolved.type == "cpu":
+        return torch.device("cpu")
+    if resolved.type != "cuda":
+        raise ConfigError(f"{owner} supports CUDA devices and 'cpu', not {resolved.type!r}")
+    if not torch.cuda.is_available():
+        raise DeviceError(f"{owner} cannot use {resolved}: CUDA is not available",
+                          hint=f"Pass device='cpu' to run {owner} on the host.")
+    index = resolved.index if resolved.index is not None else torch.cuda.current_device()
+    if not 0 <= index < torch.cuda.device_count():
+        raise DeviceError(f"{owner} cannot use cuda:{index}: this process sees "
+                          f"{torch.cuda.device_count()} CUDA device(s)")
+    return torch.device("cuda", index)

@@ -88,7 +88,7 @@ from torch import nn
 
 from vramkit.errors import ConfigError, DeviceError, OffloadError, PoolExhaustedError
 from vramkit.memory.pool import Block, MemoryPool, PoolConfig
-from vramkit.offload._transfer import Streams, transfer_streams
+from vramkit.offload._transfer import Streams, resolve_offload_device, transfer_streams
 from vramkit.units import format_size, parse_size
 
 __all__ = [
@@ -383,7 +383,7 @@ class ActivationOffloader:
             raise ConfigError(f"config must be an ActivationOffloadConfig, got "
                               f"{type(config).__name__}")
         self.config = config
-        self.device = _resolve_device(device)
+        self.device = resolve_offload_device(device, "activation offload")
         self._cuda = self.device.type == "cuda"
         if streams is not None and torch.device(streams.device) != self.device:
             raise DeviceError(f"streams are for {streams.device}, the offloader for {self.device}",
@@ -871,36 +871,6 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
-
-
-def _resolve_device(device: str | int | torch.device | None) -> torch.device:
-    if device is None:
-        if not torch.cuda.is_available():
-            raise DeviceError("activation offload needs a CUDA device and none is available",
-                              hint="Pass device='cpu' to run the offload mechanics on the host "
-                                   "(no memory is saved there).")
-        return torch.device("cuda", torch.cuda.current_device())
-    if isinstance(device, bool):
-        raise ConfigError(f"invalid device {device!r}")
-    if isinstance(device, int):
-        device = torch.device("cuda", device)
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise DeviceError(f"invalid device {device!r}: {exc}") from None
-    if device.type == "cpu":
-        return torch.device("cpu")
-    if device.type != "cuda":
-        raise DeviceError(f"activation offload supports CUDA devices and 'cpu', not "
-                          f"{device.type!r}")
-    if not torch.cuda.is_available():
-        raise DeviceError(f"cannot offload activations of {device}: CUDA is not available",
-                          hint="Pass device='cpu' to run the offload mechanics on the host.")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if not 0 <= index < torch.cuda.device_count():
-        raise DeviceError(f"cannot offload activations of cuda:{index}: this process sees "
-                          f"{torch.cuda.device_count()} CUDA device(s)")
-    return torch.device("cuda", index)
 
 
 def offload_activations(config: ActivationOffloadConfig | None = None, *,

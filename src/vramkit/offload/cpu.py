@@ -61,9 +61,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from vramkit.errors import ConfigError, DeviceError, OffloadError
+from vramkit.errors import ConfigError, OffloadError
 from vramkit.memory.pool import Block, MemoryPool, PoolConfig
-from vramkit.offload._transfer import Streams, transfer_streams
+from vramkit.offload._transfer import Streams, resolve_offload_device, transfer_streams
 from vramkit.units import format_size, parse_size
 
 __all__ = ["CPUOffloadConfig", "CPUOffloadManager", "CPUOffloadStats", "LoadHandle"]
@@ -285,7 +285,7 @@ class CPUOffloadManager:
         elif not isinstance(config, CPUOffloadConfig):
             raise ConfigError(f"config must be a CPUOffloadConfig, got {type(config).__name__}")
         self.config = config
-        self.device = _resolve_device(device)
+        self.device = resolve_offload_device(device, "CPUOffloadManager")
         if pinned_pool is not None:
             _check_pool(pinned_pool, self.device, config)
         self._host_pool = pinned_pool
@@ -821,28 +821,6 @@ class CPUOffloadManager:
             else:
                 self._host_pool = MemoryPool("cpu", pool_config)
         return self._host_pool
-
-
-def _resolve_device(device: str | int | torch.device) -> torch.device:
-    if isinstance(device, bool):
-        raise ConfigError(f"invalid device {device!r}")
-    try:
-        resolved = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ConfigError(f"invalid device {device!r}: {exc}") from None
-    if resolved.type == "cpu":
-        return torch.device("cpu")
-    if resolved.type != "cuda":
-        raise ConfigError(f"CPUOffloadManager supports CUDA devices and 'cpu', not "
-                          f"{resolved.type!r}")
-    if not torch.cuda.is_available():
-        raise DeviceError(f"cannot offload to {resolved}: CUDA is not available",
-                          hint="Use CPUOffloadManager('cpu') on machines without a GPU.")
-    index = resolved.index if resolved.index is not None else torch.cuda.current_device()
-    if not 0 <= index < torch.cuda.device_count():
-        raise DeviceError(f"cannot offload to cuda:{index}: this process sees "
-                          f"{torch.cuda.device_count()} CUDA device(s)")
-    return torch.device("cuda", index)
 
 
 def _check_pool(pool: object, device: torch.device, config: CPUOffloadConfig) -> None:

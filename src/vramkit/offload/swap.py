@@ -60,7 +60,7 @@ from vramkit.offload._blocks import (
     spread_evenly,
 )
 from vramkit.offload._swap_function import BlockCall, SwapBlockFunction, WeightRef
-from vramkit.offload._transfer import Streams, transfer_streams
+from vramkit.offload._transfer import Streams, resolve_offload_device, transfer_streams
 from vramkit.units import format_size, parse_size
 
 __all__ = ["BlockScheduleEntry", "BlockSwapper", "SwapConfig", "SwapStats"]
@@ -293,7 +293,7 @@ class BlockSwapper:
             raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}")
         self.model = model
         self.config = config
-        self.device = _resolve_device(device)
+        self.device = resolve_offload_device(device, "BlockSwapper")
         self.streams = transfer_streams(self.device)
         self._attached = False
         found = find_blocks(model, blocks)
@@ -928,19 +928,6 @@ class BlockSwapper:
 
 
 # -- helpers -----------------------------------------------------------------------------------
-
-
-def _resolve_device(device: str | int | torch.device) -> torch.device:
-    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("BlockSwapper(device='cuda') needs CUDA, which is not available",
-                              hint="Pass device='cpu' to run the swapper on the CPU.")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    elif dev.type != "cpu":
-        raise ConfigError(f"BlockSwapper supports cuda and cpu devices, got {dev}")
-    return dev
 
 
 def _as_specs(blocks: Sequence[BlockSpec | tuple[str, int] | nn.Module | str]) -> list[BlockSpec]:

@@ -24,7 +24,8 @@ def _export(module: str, *names: str) -> None:
 # errors and units
 _export("vramkit.errors", "VramkitError", "ConfigError", "DeviceError", "DeviceMismatchError",
         "NvmlError", "JaxUnavailableError", "TooLateError", "PoolExhaustedError",
-        "InvalidBlockError", "OffloadError")
+        "InvalidBlockError", "OffloadError", "QuantizationError", "SafetensorsFormatError",
+        "KernelError", "RecoveryError")
 _export("vramkit.units", "parse_size", "format_size")
 
 # devices: what hardware there is

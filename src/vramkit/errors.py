@@ -17,9 +17,13 @@ __all__ = [
     "DeviceMismatchError",
     "InvalidBlockError",
     "JaxUnavailableError",
+    "KernelError",
     "NvmlError",
     "OffloadError",
     "PoolExhaustedError",
+    "QuantizationError",
+    "RecoveryError",
+    "SafetensorsFormatError",
     "TooLateError",
     "VramkitError",
 ]
@@ -150,3 +154,57 @@ class OffloadError(VramkitError):
 
     default_hint = ("Check the block names or patterns against model.named_modules(), and call "
                     "swapper.detach() only once.")
+
+
+class QuantizationError(VramkitError):
+    """A tensor or layer cannot be quantized or dequantized as asked (an unsupported dtype, an
+    already-quantized layer, a file whose quantized layout is unknown)."""
+
+    default_hint = ("Check the quantization config: supported weight formats are int8, int4, nf4 "
+                    "and fp8, on floating-point tensors.")
+
+
+class SafetensorsFormatError(VramkitError, ValueError):
+    """A safetensors file (or a sharded checkpoint's index) is malformed.
+
+    Args:
+        path: the file at fault.
+        tensor: the tensor at fault, when one is.
+    """
+
+    default_hint = ("The file is damaged or was not written as safetensors; re-download or "
+                    "re-save it (safetensors.torch.save_file).")
+
+    def __init__(self, message: str, path: object | None = None, tensor: str | None = None,
+                 hint: str | None = None) -> None:
+        self.path = None if path is None else str(path)
+        self.tensor = tensor
+        where = ""
+        if self.path is not None:
+            where = f"{self.path}: "
+        if tensor is not None:
+            where += f"tensor {tensor!r}: "
+        super().__init__(where + message, hint)
+
+
+class KernelError(VramkitError):
+    """A runtime-compiled CUDA kernel failed to compile or launch, or kernels are unavailable here
+    (no GPU, or the optional ``cuda-core`` package is missing).
+
+    Args:
+        log: the compiler log, for compile errors.
+    """
+
+    default_hint = ("Install the kernels extra (pip install 'vramkit[kernels]') on a machine with an "
+                    "NVIDIA GPU, and check the kernel source and launch configuration.")
+
+    def __init__(self, message: str, hint: str | None = None, log: str | None = None) -> None:
+        self.log = log
+        super().__init__(message if not log else f"{message}\n{log}", hint)
+
+
+class RecoveryError(VramkitError, MemoryError):
+    """Out-of-memory recovery gave up (the micro-batch is already 1, or every attempt failed)."""
+
+    default_hint = ("Lower the memory need another way: enable gradient checkpointing, block "
+                    "swapping (BlockSwapper) or a quantized base model.")

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.function import once_differentiable
-from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from vramkit.errors import OffloadError
+from vramkit.offload import _tree
 
 if TYPE_CHECKING:
     from vramkit.offload.swap import BlockSwapper, SwappedBlock
@@ -56,12 +56,13 @@ class BlockCall:
                  "is_tensor", "leaves", "out_is_tensor", "out_leaves", "out_spec", "swapper")
 
     def __init__(self, swapper: BlockSwapper, block: SwappedBlock, fn: Callable[..., Any],
-                 args: tuple[Any, ...], kwargs: dict[str, Any], checkpointed: bool) -> None:
+                 leaves: list[Any], in_spec: Any, checkpointed: bool) -> None:
+        """``leaves`` and ``in_spec``: ``_tree.flatten((args, kwargs))`` of the call."""
         self.swapper = swapper
         self.block = block
         self.fn = fn
         self.checkpointed = checkpointed
-        leaves, self.in_spec = pytree.tree_flatten((args, kwargs))
+        self.in_spec = in_spec
         self.is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
         # Non-tensor leaves are kept here; tensor leaves travel through Function.apply.
         self.leaves = [None if t else x for x, t in zip(leaves, self.is_tensor, strict=False)]
@@ -71,14 +72,10 @@ class BlockCall:
         self.inner_inputs: list[torch.Tensor] | None = None
         self.inner_outputs: list[torch.Tensor] | None = None
 
-    def tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-        leaves = pytree.tree_leaves((args, kwargs))
-        return [x for x, t in zip(leaves, self.is_tensor, strict=True) if t]
-
     def run(self, tensors: Sequence[torch.Tensor]) -> Any:
         it = iter(tensors)
         leaves = [next(it) if t else x for x, t in zip(self.leaves, self.is_tensor, strict=False)]
-        args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
+        args, kwargs = _tree.unflatten(leaves, self.in_spec)
         return self.fn(*args, **kwargs)
 
     def detached_runner(self) -> Callable[..., Any]:
@@ -90,14 +87,14 @@ class BlockCall:
         def run(*tensors: torch.Tensor) -> Any:
             it = iter(tensors)
             merged = [next(it) if t else x for x, t in zip(leaves, is_tensor, strict=False)]
-            args, kwargs = pytree.tree_unflatten(merged, spec)
+            args, kwargs = _tree.unflatten(merged, spec)
             return fn(*args, **kwargs)
 
         return run
 
     def split_outputs(self, out: Any) -> list[torch.Tensor]:
         """The output's tensors; its structure and other leaves are kept for rebuild_outputs."""
-        leaves, self.out_spec = pytree.tree_flatten(out)
+        leaves, self.out_spec = _tree.flatten(out)
         self.out_is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
         self.out_leaves = [None if t else x for x, t in zip(leaves, self.out_is_tensor, strict=False)]
         return [x for x, t in zip(leaves, self.out_is_tensor, strict=True) if t]
@@ -105,7 +102,7 @@ class BlockCall:
     def rebuild_outputs(self, tensors: Sequence[torch.Tensor]) -> Any:
         it = iter(tensors)
         merged = [next(it) if t else x for x, t in zip(self.out_leaves, self.out_is_tensor, strict=False)]
-        return pytree.tree_unflatten(merged, self.out_spec)
+        return _tree.unflatten(merged, self.out_spec)
 
 
 def _detach_like(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

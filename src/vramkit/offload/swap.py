@@ -51,6 +51,7 @@ from torch import nn
 
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.memory.pool import MemoryPool, PoolConfig
+from vramkit.offload import _tree
 from vramkit.offload._blocks import (
     BlockScheduleEntry,
     BlockSpec,
@@ -310,6 +311,8 @@ class BlockSwapper:
         self._slots: list[_Slot] = []
         self._order: list[SwappedBlock] = []
         self._position: dict[int, int] = {}
+        self._upcoming_cache: dict[tuple[int, bool, bool], list[SwappedBlock]] = {}
+        self._trainable_cache: dict[int, bool] = {}
         self._observed: list[SwappedBlock] = []
         self._observed_ids: set[int] = set()
         self._direction = "forward"
@@ -559,11 +562,11 @@ class BlockSwapper:
             raise OffloadError(f"swapped block {block.name} called after detach()")
         self._observe(block)
         grad_mode = torch.is_grad_enabled()
-        # Checked per call: adapters may be added or weights unfrozen after attaching.
-        trainable = grad_mode and any(p.requires_grad for p in block.module.parameters())
+        trainable = grad_mode and self._has_trainable(block)
         anchor = self._anchor_tensor() if trainable else None
+        leaves, spec = _tree.flatten((args, kwargs)) if grad_mode else ([], None)
         needs_graph = grad_mode and (anchor is not None or any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in _leaves(args, kwargs)))
+            isinstance(t, torch.Tensor) and t.requires_grad for t in leaves))
         if not needs_graph:
             self._training_pass = False
             self._acquire(block, backward=False)
@@ -577,17 +580,31 @@ class BlockSwapper:
             finally:
                 self._release(block, backward=False)
         self._training_pass = True
-        call = BlockCall(self, block, fn, args, kwargs, block.checkpointed)
-        tensors = call.tensors(args, kwargs)
+        call = BlockCall(self, block, fn, leaves, spec, block.checkpointed)
+        tensors = [x for x, t in zip(leaves, call.is_tensor, strict=True) if t]
         outs = SwapBlockFunction.apply(call, anchor, *tensors)
         return call.rebuild_outputs(list(outs))
+
+    def _has_trainable(self, block: SwappedBlock) -> bool:
+        """Whether the block has a parameter that requires grad. Re-read at the start of every
+        pass (adapters may be added or weights unfrozen between steps) and cached within it:
+        walking the module's parameters on every call costs tens of microseconds."""
+        cached = self._trainable_cache.get(id(block))
+        if cached is None:
+            cached = any(p.requires_grad for p in block.module.parameters())
+            self._trainable_cache[id(block)] = cached
+        return cached
 
     def _observe(self, block: SwappedBlock) -> None:
         """Learn the forward order: a block seen twice (or after backward) starts a new pass."""
         if self._direction == "backward":
             self._observed, self._observed_ids = [], set()
+            self._trainable_cache.clear()
         elif id(block) in self._observed_ids:
             self._commit_order()
+            self._trainable_cache.clear()
+        elif not self._observed:
+            self._trainable_cache.clear()
         self._direction = "forward"
         self._observed.append(block)
         self._observed_ids.add(id(block))
@@ -597,6 +614,7 @@ class BlockSwapper:
                 self._observed != self._order:
             self._order = list(self._observed)
             self._position = {id(b): i for i, b in enumerate(self._order)}
+            self._upcoming_cache.clear()
         self._observed = []
         self._observed_ids = set()
 
@@ -637,12 +655,22 @@ class BlockSwapper:
 
     def _upcoming(self, block: SwappedBlock, backward: bool) -> list[SwappedBlock]:
         """The next ``lookahead`` distinct blocks needed after ``block`` in the predicted order
-        (``block`` itself when it is needed again next: the forward->backward turn)."""
+        (``block`` itself when it is needed again next: the forward->backward turn). Cached per
+        order: this runs after every block call, and building the sequence is O(blocks)."""
+        pos = self._position.get(id(block))
+        if pos is None:
+            return []
+        key = (pos, backward, self._training_pass)
+        cached = self._upcoming_cache.get(key)
+        if cached is None:
+            cached = self._upcoming_cache[key] = self._compute_upcoming(pos, backward)
+        return cached
+
+    def _compute_upcoming(self, pos: int, backward: bool) -> list[SwappedBlock]:
         k = self.config.lookahead
         order = self._order
         n = len(order)
-        pos = self._position.get(id(block))
-        if not k or pos is None or not n:
+        if not k or not n:
             return []
         out: list[SwappedBlock] = []
         if backward:
@@ -990,7 +1018,3 @@ def _outer_saved_tensor_hooks() -> tuple[Callable[..., Any], Callable[..., Any]]
     return top(False)
 
 
-def _leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    from torch.utils import _pytree as pytree
-
-    return pytree.tree_leaves((args, kwargs))

@@ -222,3 +222,21 @@ def test_detach_restores_devices_identity_and_values() -> None:
         pid, device, value = before[name]
         assert id(p) == pid and p.device == device and torch.equal(p.detach(), value), name
     assert all("forward" not in b.__dict__ for b in model.blocks)
+
+
+def test_swap_copies_are_counted_in_performance_stats() -> None:
+    from vramkit.kernels.stats import performance_stats
+
+    torch.manual_seed(0)
+    model = _frozen_base(_Net(d=256, n=6, lora=True))
+    swapper = BlockSwapper(model, config=SwapConfig(max_gpu_blocks=2, trainable="resident"))
+    x = torch.randn(2, 16, 256, device="cuda")
+    _warm(model, x)
+    stats = performance_stats()
+    stats.reset()
+    swapper.reset_stats()
+    model(x).square().mean().backward()
+    torch.cuda.synchronize()
+    snap = stats.snapshot(torch.cuda.current_device())
+    assert snap.bytes_h2d == swapper.stats().h2d_bytes > 0
+    swapper.detach()

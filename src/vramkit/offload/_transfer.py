@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from vramkit.errors import ConfigError, DeviceError
+from vramkit.kernels.stats import record_transfer
 
 __all__ = ["CudaStreams", "HostStreams", "StreamOp", "Streams", "resolve_offload_device",
            "transfer_streams"]
@@ -73,6 +74,7 @@ class CudaStreams(Streams):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
         with torch.cuda.device(device):
             self.h2d = torch.cuda.Stream(device)
             self.d2h = torch.cuda.Stream(device)
@@ -92,6 +94,9 @@ class CudaStreams(Streams):
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, what: str = "") -> None:
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
+        if dst.is_cuda != src.is_cuda:  # counted in vramkit.kernels.performance_stats()
+            record_transfer("h2d" if dst.is_cuda else "d2h", dst.numel() * dst.element_size(),
+                            self._index)
 
     def done(self, event: Any) -> bool:
         return bool(event.query())

@@ -62,6 +62,7 @@ import torch
 from torch import nn
 
 from vramkit.errors import ConfigError, OffloadError
+from vramkit.kernels.layout import aligned_offsets
 from vramkit.memory.pool import Block, MemoryPool, PoolConfig
 from vramkit.offload._transfer import Streams, resolve_offload_device, transfer_streams
 from vramkit.units import format_size, parse_size
@@ -70,7 +71,6 @@ __all__ = ["CPUOffloadConfig", "CPUOffloadManager", "CPUOffloadStats", "LoadHand
 
 logger = logging.getLogger(__name__)
 
-_TENSOR_ALIGN = 256  # byte offset of each tensor inside a host master: DMA- and dtype-aligned
 _WRITEBACK_POLICIES = ("modified", "trainable")
 
 
@@ -397,11 +397,9 @@ class CPUOffloadManager:
         return list(by_id.values())
 
     def _allocate_masters(self, records: list[_Record]) -> Block | None:
-        offsets: list[int] = []
-        total = 0
-        for record in records:
-            offsets.append(total)
-            total += -(-record.nbytes // _TENSOR_ALIGN) * _TENSOR_ALIGN
+        # Each tensor starts at calculate_alignment(its size): 256 bytes (DMA- and every
+        # dtype's alignment) for all but tiny tensors, which pack tighter.
+        offsets, total = aligned_offsets(record.nbytes for record in records)
         if total == 0:
             for record in records:
                 record.master = torch.empty(record.tensor.shape, dtype=record.tensor.dtype)

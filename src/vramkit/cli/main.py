@@ -16,7 +16,7 @@ from vramkit import __version__
 from vramkit.errors import VramkitError
 
 # Sub-command modules, in the order `vramkit --help` lists them.
-_COMMAND_MODULES = ("info", "select", "profile", "demo")
+_COMMAND_MODULES = ("info", "select", "profile", "inspect", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,201 @@
+"""``vramkit inspect FILE_OR_DIR [--json] [--top N] [--list]``: what is in a checkpoint.
+
+Reads only the headers (no tensor data) of a ``.safetensors`` file, a Hugging Face sharded
+directory or a ``*.safetensors.index.json``, and prints the tensor count, parameters, bytes per
+dtype, the largest tensors, and the memory the weights would need stored in bf16, fp8, int8 and
+int4. Malformed files are reported as ``SafetensorsFormatError`` (exit code 1).
+
+Memory estimates. Floating-point tensors with two or more dimensions (Linear/Conv weights,
+embeddings) are counted in the quantized format; 1-D tensors (norms, biases) are counted in
+bf16 and integer/bool tensors as stored. Bytes per element of each quantized format, scales
+included, are *measured* by quantizing a 16x1024 sample with :mod:`vramkit.quant` when it
+imports; otherwise this arithmetic is used (per row of ``cols`` elements, groups of 64):
+fp8 ``cols + 4`` (one fp32 scale per row), int8 ``cols + 4 * ceil(cols / 64)`` (fp32 scale per
+block), int4 ``ceil(cols / 2) + 4 * ceil(cols / 64)`` (packed nibbles, fp16 scale and zero point
+per group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import math
+from typing import Any
+
+__all__ = ["inspect_checkpoint", "register", "run"]
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("bf16", "fp8", "int8", "int4")
+_GROUP = 64
+_SAMPLE_SHAPE = (16, 1024)  # ratios depend on the row length; few rows keep int4's search fast
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``inspect`` sub-command to the ``vramkit`` parser."""
+    parser = subparsers.add_parser(
+        "inspect", help="list a safetensors checkpoint's tensors and memory needs",
+        description="Read the headers of a .safetensors file, a sharded checkpoint directory or "
+                    "a *.safetensors.index.json (no tensor data is read) and print its tensors, "
+                    "dtypes, total bytes, the largest tensors, and the memory the weights need "
+                    "in bf16, fp8, int8 and int4.")
+    parser.add_argument("path", metavar="FILE_OR_DIR", help="checkpoint file, index or directory")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--top", metavar="N", type=int, default=10,
+                        help="how many of the largest tensors to show (default 10)")
+    parser.add_argument("--list", action="store_true",
+                        help="list every tensor in the table output (JSON always lists them)")
+    parser.set_defaults(func=run)
+
+
+@functools.cache
+def _format_bytes_per_element() -> tuple[dict[str, float] | None, str]:
+    """Measured bytes/element of fp8/int8/int4 from vramkit.quant, or None when unavailable."""
+    try:
+        import torch
+
+        from vramkit.quant.formats import quantize_tensor
+    except ImportError as err:
+        logger.debug("vramkit.quant unavailable (%s): using arithmetic ratios", err)
+        return None, "arithmetic"
+    generator = torch.Generator().manual_seed(0)
+    sample = torch.randn(_SAMPLE_SHAPE, generator=generator)
+    ratios = {}
+    try:
+        for fmt in ("fp8", "int8", "int4"):
+            ratios[fmt] = quantize_tensor(sample, fmt).nbytes / sample.numel()
+    except Exception as err:  # a broken quant install must not break inspect: fall back
+        logger.debug("measuring quantized sizes failed (%s): using arithmetic ratios", err)
+        return None, "arithmetic"
+    return ratios, "measured"
+
+
+def _quantized_bytes(fmt: str, shape: tuple[int, ...], ratios: dict[str, float] | None) -> int:
+    numel = math.prod(shape)
+    if ratios is not None:
+        return math.ceil(numel * ratios[fmt])
+    rows = shape[0]
+    cols = numel // rows if rows else 0
+    groups = math.ceil(cols / _GROUP)
+    per_row = {"fp8": cols + 4, "int8": cols + 4 * groups,
+               "int4": math.ceil(cols / 2) + 4 * groups}[fmt]
+    return rows * per_row
+
+
+def inspect_checkpoint(path: str) -> dict[str, Any]:
+    """Everything ``vramkit inspect`` reports, as a JSON-ready dict.
+
+    Args:
+        path: a ``.safetensors`` file, a sharded directory or a ``*.safetensors.index.json``.
+
+    Returns:
+        ``path``, ``files``, ``num_tensors``, ``parameters``, ``total_bytes``, ``dtypes``
+        (code -> tensors/parameters/bytes), ``tensors`` (name, dtype, shape, bytes, file; in
+        file order), ``memory`` (format -> bytes), ``ratio_source`` and ``metadata``.
+
+    Raises:
+        SafetensorsFormatError: for a malformed checkpoint.
+    """
+    from vramkit.io.lazy import LazySafetensors
+
+    with LazySafetensors.open(path) as checkpoint:
+        entries = checkpoint.entries()
+        files = [str(f) for f in checkpoint.files]
+        metadata = checkpoint.metadata
+    ratios, source = _format_bytes_per_element()
+    dtypes: dict[str, dict[str, int]] = {}
+    memory = dict.fromkeys(FORMATS, 0)
+    tensors = []
+    for entry in entries:
+        info = dtypes.setdefault(entry.dtype_code, {"tensors": 0, "parameters": 0, "bytes": 0})
+        info["tensors"] += 1
+        info["parameters"] += entry.numel
+        info["bytes"] += entry.nbytes
+        tensors.append({"name": entry.name, "dtype": entry.dtype_code, "shape": list(entry.shape),
+                        "bytes": entry.nbytes, "file": entry.path.name})
+        floating = entry.dtype.is_floating_point
+        for fmt in FORMATS:
+            if not floating:
+                memory[fmt] += entry.nbytes
+            elif fmt == "bf16" or len(entry.shape) < 2 or entry.numel == 0:
+                memory[fmt] += entry.numel * 2
+            else:
+                memory[fmt] += _quantized_bytes(fmt, entry.shape, ratios)
+    return {
+        "path": str(path),
+        "files": files,
+        "num_tensors": len(entries),
+        "parameters": sum(e.numel for e in entries),
+        "total_bytes": sum(e.nbytes for e in entries),
+        "dtypes": dtypes,
+        "tensors": tensors,
+        "memory": memory,
+        "ratio_source": source,
+        "bytes_per_element": ratios,
+        "metadata": metadata,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Inspect the checkpoint and print JSON or tables; returns the exit code."""
+    from vramkit.errors import ConfigError
+
+    if args.top < 0:
+        raise ConfigError(f"--top must be >= 0, got {args.top}")
+    report = inspect_checkpoint(args.path)
+    largest = sorted(report["tensors"], key=lambda t: t["bytes"], reverse=True)[:args.top]
+    if args.json:
+        from vramkit.cli._output import print_json
+
+        print_json({**report, "largest": largest})
+        return 0
+    _print_tables(report, largest, args.list)
+    return 0
+
+
+def _print_tables(report: dict[str, Any], largest: list[dict[str, Any]], list_all: bool) -> None:
+    from rich.table import Table
+
+    from vramkit.cli._output import console
+    from vramkit.units import format_size
+
+    con = console()
+    files = report["files"]
+    con.print(f"[bold]{report['path']}[/bold]: {report['num_tensors']} tensors in {len(files)} "
+              f"file(s), {report['parameters']:,} parameters, "
+              f"{format_size(report['total_bytes'])}")
+    dtypes = Table(title="dtypes")
+    for column in ("dtype", "tensors", "parameters", "bytes"):
+        dtypes.add_column(column, justify="left" if column == "dtype" else "right")
+    for code, info in sorted(report["dtypes"].items(), key=lambda kv: -kv[1]["bytes"]):
+        dtypes.add_row(code, str(info["tensors"]), f"{info['parameters']:,}",
+                       format_size(info["bytes"]))
+    con.print(dtypes)
+    if largest:
+        con.print(_tensor_table(f"largest {len(largest)} tensors", largest))
+    memory = Table(title=f"weights memory by storage format ({report['ratio_source']} ratios; "
+                         "1-D tensors in bf16)")
+    memory.add_column("format")
+    memory.add_column("bytes", justify="right")
+    memory.add_column("vs. stored", justify="right")
+    for fmt, nbytes in report["memory"].items():
+        ratio = nbytes / report["total_bytes"] if report["total_bytes"] else 0.0
+        memory.add_row(fmt, format_size(nbytes), f"{ratio:.2f}x")
+    con.print(memory)
+    if list_all:
+        con.print(_tensor_table("all tensors", report["tensors"]))
+
+
+def _tensor_table(title: str, tensors: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    from vramkit.units import format_size
+
+    table = Table(title=title)
+    for column in ("name", "dtype", "shape", "bytes"):
+        table.add_column(column, justify="right" if column == "bytes" else "left")
+    for tensor in tensors:
+        table.add_row(tensor["name"], tensor["dtype"], str(tensor["shape"]),
+                      format_size(tensor["bytes"]))
+    return table

@@ -1,0 +1,15 @@
+"""Loading large safetensors checkpoints: lazy, sharded, streaming, direct to GPU, quantizing.
+
+* :mod:`vramkit.io.lazy` -- :class:`~vramkit.io.lazy.LazySafetensors`: open a file, a Hugging
+  Face sharded directory or a ``*.safetensors.index.json`` as one logical checkpoint; names,
+  shapes, dtypes and metadata without reading data; tensors and slices read on demand.
+* :mod:`vramkit.io.loader` -- :class:`~vramkit.io.loader.MemoryEfficientLoader`:
+  ``load_safetensors``, ``load_with_dtype_conversion``, ``stream_weights`` (bounded memory) and
+  ``load_into`` (fills a module built on the meta device, optionally quantizing tensor by tensor).
+  To a CUDA device, file bytes go through double-buffered pinned staging buffers while the
+  previous chunk copies host->device on the shared copy stream.
+* The header parser (:mod:`vramkit.io._header`) validates every field itself and reports any
+  malformed input as :class:`vramkit.errors.SafetensorsFormatError`.
+
+Nothing here touches CUDA at import time. See ``docs/loading.md``.
+"""

@@ -1,0 +1,386 @@
+"""Parsing and validating safetensors headers and Hugging Face shard indexes.
+
+A safetensors file is ``<u64 little-endian N><N bytes of JSON header><data>``. The header maps
+each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the
+start of the data) plus an optional ``"__metadata__"`` dict of strings.
+
+Everything that can be wrong with such a file is checked here, before any tensor byte is read,
+and reported as :class:`vramkit.errors.SafetensorsFormatError` naming the file and, where there
+is one, the tensor. The header length is checked against the file size and a 100 MB cap before
+anything is allocated for it, so a hostile length can neither exhaust memory nor hang the reader.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import struct
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vramkit.errors import SafetensorsFormatError
+
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "SAFETENSORS_DTYPES",
+    "SafetensorsHeader",
+    "ShardIndex",
+    "TensorEntry",
+    "parse_header",
+    "read_header",
+    "read_index",
+]
+
+logger = logging.getLogger(__name__)
+
+MAX_HEADER_BYTES = 100 * 1000 * 1000  # the limit the safetensors format itself sets (100 MB)
+MAX_INDEX_BYTES = 100 * 1000 * 1000
+
+_REPAIR_HINT = ("The file is damaged or was not written as safetensors; re-download it or re-save "
+                "it with safetensors.torch.save_file.")
+
+
+def _dtype_table() -> dict[str, torch.dtype]:
+    # Every safetensors dtype named explicitly; the optional ones exist only in newer torch builds.
+    table: dict[str, torch.dtype] = {
+        "F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+        "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+        "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+        "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+        "C64": torch.complex64,
+    }
+    optional = {"U16": "uint16", "U32": "uint32", "U64": "uint64",
+                "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+                "F8_E8M0": "float8_e8m0fnu"}
+    for code, attr in optional.items():
+        dtype = getattr(torch, attr, None)
+        if isinstance(dtype, torch.dtype):
+            table[code] = dtype
+    return table
+
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = _dtype_table()
+"""safetensors dtype code -> torch dtype, for every code this torch build can represent."""
+
+TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+# Codes the format defines whose element is not a whole byte (or that torch lacks): named in the
+# error so the user knows the file is valid but unsupported here.
+_KNOWN_UNSUPPORTED = ("F4", "F6_E2M3", "F6_E3M2", "U16", "U32", "U64", "F8_E4M3FNUZ",
+                      "F8_E5M2FNUZ", "F8_E8M0")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file, as its header describes it.
+
+    Args:
+        name: the tensor's name.
+        dtype_code: the safetensors dtype code (``"BF16"``...).
+        dtype: the matching torch dtype.
+        shape: the tensor's shape.
+        begin: first byte, relative to the start of the data section.
+        end: one past the last byte, relative to the start of the data section.
+        data_start: absolute file offset of the data section (``8 + header length``).
+        path: the file holding the tensor.
+    """
+
+    name: str
+    dtype_code: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    data_start: int
+    path: Path
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data."""
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def file_offset(self) -> int:
+        """Absolute offset of the first data byte in the file."""
+        return self.data_start + self.begin
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A validated safetensors header.
+
+    Args:
+        path: the file.
+        file_size: its size in bytes.
+        header_length: the JSON header's length in bytes.
+        tensors: name -> :class:`TensorEntry`, in data-offset order.
+        metadata: the ``__metadata__`` strings (empty when absent).
+    """
+
+    path: Path
+    file_size: int
+    header_length: int
+    tensors: dict[str, TensorEntry]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def data_start(self) -> int:
+        """Absolute offset of the data section."""
+        return 8 + self.header_length
+
+
+def _fail(path: Path | str, message: str, tensor: str | None = None,
+          hint: str | None = None) -> SafetensorsFormatError:
+    return SafetensorsFormatError(message, path=path, tensor=tensor, hint=hint or _REPAIR_HINT)
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json.loads would silently keep the last of two equal keys; a tensor named twice is damage.
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _load_json(raw: bytes, path: Path | str, what: str) -> Any:
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
+    except _DuplicateKey as dup:
+        raise _fail(path, f"the {what} names {dup.key!r} twice", tensor=dup.key) from None
+    except UnicodeDecodeError as err:
+        raise _fail(path, f"the {what} is not UTF-8 text ({err.reason} at byte {err.start})") \
+            from None
+    except RecursionError:
+        raise _fail(path, f"the {what} JSON is nested too deeply") from None
+    except ValueError as err:  # JSONDecodeError, and int literals beyond Python's digit limit
+        raise _fail(path, f"the {what} is not valid JSON ({err})") from None
+
+
+def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
+    """Read and validate the header of a safetensors file without reading any tensor data.
+
+    Args:
+        path: the ``.safetensors`` file.
+
+    Returns:
+        The validated :class:`SafetensorsHeader`.
+
+    Raises:
+        SafetensorsFormatError: for any malformed header (see :func:`parse_header`), a file
+            shorter than 8 bytes, a header length beyond the file or over 100 MB.
+        FileNotFoundError: when the file does not exist.
+    """
+    path = Path(path)
+    with open(path, "rb") as handle:
+        file_size = os.fstat(handle.fileno()).st_size
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise _fail(path, f"truncated file: {file_size} bytes, shorter than the 8-byte header "
+                              "length")
+        (header_length,) = struct.unpack("<Q", prefix)
+        _check_header_length(path, header_length, file_size)
+        raw = handle.read(header_length)
+    if len(raw) != header_length:  # the file shrank while we read it
+        raise _fail(path, f"truncated file: header needs {header_length} bytes, read {len(raw)}")
+    return parse_header(raw, file_size, path)
+
+
+def _check_header_length(path: Path, header_length: int, file_size: int) -> None:
+    if header_length > MAX_HEADER_BYTES:
+        raise _fail(path, f"header length {header_length} bytes is over the 100 MB limit of the "
+                          "format")
+    if 8 + header_length > file_size:
+        raise _fail(path, f"header length {header_length} bytes runs beyond the end of the "
+                          f"{file_size}-byte file (truncated file?)")
+
+
+def parse_header(raw: bytes, file_size: int, path: str | os.PathLike[str]) -> SafetensorsHeader:
+    """Validate a header's JSON bytes against the file they came from.
+
+    Checks: valid UTF-8 JSON object; each entry a dict with a known ``dtype``, a ``shape`` of
+    non-negative ints and ``data_offsets`` ``[begin, end]`` with ``begin <= end``; the byte count
+    equals ``prod(shape) * itemsize``; sorted by offset, the tensors start at 0, neither overlap
+    nor leave gaps, and end exactly at the end of the file; ``__metadata__`` maps strings to
+    strings.
+
+    Args:
+        raw: the header bytes (without the 8-byte length).
+        file_size: the size of the whole file.
+        path: the file, for messages.
+
+    Returns:
+        The validated :class:`SafetensorsHeader`.
+
+    Raises:
+        SafetensorsFormatError: naming the file and tensor at fault.
+    """
+    path = Path(path)
+    if sys.byteorder != "little":  # pragma: no cover - no big-endian CI machine
+        raise _fail(path, "safetensors data is little-endian; this host is big-endian",
+                    hint="Load the file on a little-endian machine.")
+    header_length = len(raw)
+    _check_header_length(path, header_length, file_size)
+    document = _load_json(raw, path, "header")
+    if not isinstance(document, dict):
+        raise _fail(path, f"the header is a JSON {type(document).__name__}, not an object")
+    data_start = 8 + header_length
+    data_size = file_size - data_start
+    metadata = _parse_metadata(document.pop("__metadata__", None), path)
+    entries = [_parse_entry(name, value, data_start, path) for name, value in document.items()]
+    entries.sort(key=lambda e: (e.begin, e.end))
+    position = 0
+    for entry in entries:
+        if entry.end > data_size:
+            raise _fail(path, f"data_offsets [{entry.begin}, {entry.end}] run past the "
+                              f"{data_size}-byte data section (truncated file?)", entry.name)
+        if entry.begin < position:
+            raise _fail(path, f"data_offsets [{entry.begin}, {entry.end}] overlap the previous "
+                              f"tensor, which ends at {position}", entry.name)
+        if entry.begin > position:
+            raise _fail(path, f"a gap of {entry.begin - position} bytes before this tensor: data "
+                              f"offsets must be contiguous (previous end {position})", entry.name)
+        position = entry.end
+    if position != data_size:
+        raise _fail(path, f"the tensors cover {position} bytes but the data section has "
+                          f"{data_size}: {data_size - position} trailing bytes belong to no "
+                          "tensor")
+    tensors = {entry.name: entry for entry in entries}
+    return SafetensorsHeader(path, file_size, header_length, tensors, metadata)
+
+
+def _parse_metadata(value: Any, path: Path) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _fail(path, f"__metadata__ is a JSON {type(value).__name__}, not an object of "
+                          "strings")
+    for key, item in value.items():
+        if not isinstance(item, str):
+            raise _fail(path, f"__metadata__[{key!r}] is a JSON {type(item).__name__}, not a "
+                              "string")
+    return dict(value)
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_entry(name: str, value: Any, data_start: int, path: Path) -> TensorEntry:
+    if not isinstance(value, dict):
+        raise _fail(path, f"the entry is a JSON {type(value).__name__}, not an object with "
+                          "dtype, shape and data_offsets", name)
+    missing = [key for key in ("dtype", "shape", "data_offsets") if key not in value]
+    if missing:
+        raise _fail(path, f"the entry lacks {', '.join(missing)}", name)
+    code = value["dtype"]
+    if not isinstance(code, str):
+        raise _fail(path, f"dtype is a JSON {type(code).__name__}, not a string", name)
+    dtype = SAFETENSORS_DTYPES.get(code)
+    if dtype is None:
+        if code in _KNOWN_UNSUPPORTED:
+            raise _fail(path, f"dtype {code!r} is valid safetensors but not supported by this "
+                              f"PyTorch ({torch.__version__})", name,
+                        hint="Upgrade PyTorch, or convert the tensor to a supported dtype.")
+        raise _fail(path, f"unknown dtype {code!r}; known: {', '.join(sorted(SAFETENSORS_DTYPES))}",
+                    name)
+    shape = value["shape"]
+    if not isinstance(shape, list) or not all(_is_index(d) and d >= 0 for d in shape):
+        raise _fail(path, f"shape {shape!r} is not a list of non-negative integers", name)
+    offsets = value["data_offsets"]
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(_is_index(o) and o >= 0 for o in offsets)):
+        raise _fail(path, f"data_offsets {offsets!r} is not a pair of non-negative integers", name)
+    begin, end = offsets
+    if begin > end:
+        raise _fail(path, f"data_offsets [{begin}, {end}] end before they begin", name)
+    expected = math.prod(shape) * dtype.itemsize
+    if expected != end - begin:
+        raise _fail(path, f"shape {shape} of {code} needs {expected} bytes but data_offsets "
+                          f"[{begin}, {end}] hold {end - begin}", name)
+    return TensorEntry(name, code, dtype, tuple(shape), begin, end, data_start, path)
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """A Hugging Face ``*.safetensors.index.json``: which shard file holds which tensor.
+
+    Args:
+        path: the index file.
+        weight_map: tensor name -> shard path (resolved next to the index).
+        metadata: the index's ``"metadata"`` object (e.g. ``total_size``), or empty.
+    """
+
+    path: Path
+    weight_map: dict[str, Path]
+    metadata: dict[str, Any]
+
+    @property
+    def shards(self) -> list[Path]:
+        """The shard files, each once, in the order the index first names them."""
+        return list(dict.fromkeys(self.weight_map.values()))
+
+
+def read_index(path: str | os.PathLike[str]) -> ShardIndex:
+    """Read and validate a sharded checkpoint's index file.
+
+    Args:
+        path: the ``*.safetensors.index.json`` file.
+
+    Returns:
+        The :class:`ShardIndex`, with shard paths resolved relative to the index.
+
+    Raises:
+        SafetensorsFormatError: for invalid JSON, a missing or malformed ``weight_map``, a tensor
+            named twice, a shard path leaving the index's directory, or a shard that does not
+            exist.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    if size > MAX_INDEX_BYTES:
+        raise _fail(path, f"index file of {size} bytes is over the 100 MB limit")
+    document = _load_json(path.read_bytes(), path, "index")
+    if not isinstance(document, dict) or not isinstance(document.get("weight_map"), dict):
+        raise _fail(path, "the index has no \"weight_map\" object mapping tensor names to shard "
+                          "files")
+    metadata = document.get("metadata") or {}
+    if not isinstance(metadata, Mapping):
+        raise _fail(path, f"\"metadata\" is a JSON {type(metadata).__name__}, not an object")
+    root = path.parent
+    weight_map: dict[str, Path] = {}
+    resolved: dict[str, Path] = {}
+    for name, shard in document["weight_map"].items():
+        if not isinstance(shard, str) or not shard:
+            raise _fail(path, f"weight_map entry is {shard!r}, not a shard file name", name)
+        if shard not in resolved:
+            shard_path = Path(shard)
+            if shard_path.is_absolute() or ".." in shard_path.parts:
+                raise _fail(path, f"shard {shard!r} is outside the checkpoint directory", name,
+                            hint="Shard names in weight_map must be relative to the index file.")
+            full = root / shard_path
+            if not full.is_file():
+                raise _fail(path, f"the index points to shard {shard!r}, which does not exist in "
+                                  f"{root}", name,
+                            hint="Download every shard the index lists (a partial download?).")
+            resolved[shard] = full
+        weight_map[name] = resolved[shard]
+    return ShardIndex(path, weight_map, dict(metadata))

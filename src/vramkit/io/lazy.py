@@ -1,0 +1,533 @@
+"""LazySafetensors: one logical checkpoint (a file or Hugging Face shards), read on demand.
+
+``LazySafetensors.open(path)`` parses every header once (no tensor data is read) and answers
+names, shapes, dtypes and metadata. Tensors and slices are read when asked, each straight into
+its own freshly allocated tensor: a slice along the first dimension reads only the bytes of the
+rows it needs.
+
+Each file is opened once and kept open (one descriptor, and one read-only memory map in mmap
+mode) until :meth:`LazySafetensors.close`. Two read modes:
+
+* ``use_mmap=True`` (default): bytes are copied out of a shared read-only mapping; the pages a
+  read touched are released from this process's mapping afterwards (``MADV_DONTNEED``), so
+  streaming a file larger than RAM does not grow the resident set (the page cache keeps them).
+* ``use_mmap=False``: positional reads (``os.preadv``) straight into the destination memory, for
+  network filesystems and machines where mapping a file larger than RAM fails.
+
+Returned tensors never alias the file: they stay valid after :meth:`close`, and writing to
+them does not change the file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import math
+import mmap
+import os
+import re
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from vramkit.errors import ConfigError, SafetensorsFormatError
+from vramkit.io._header import (
+    SafetensorsHeader,
+    ShardIndex,
+    TensorEntry,
+    read_header,
+    read_index,
+)
+
+__all__ = ["LazySafetensors", "ReadThreads", "TensorSlice", "resolve_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+_PAGE = mmap.PAGESIZE
+_MIN_PARALLEL_PIECE = 4 << 20  # below this, splitting a read across threads costs more than it saves
+
+
+def _natural_key(path: Path) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.name)]
+
+
+def resolve_checkpoint(path: str | os.PathLike[str]) -> tuple[Path | None, list[Path]]:
+    """Find the files of a checkpoint given as a file, an index file or a directory.
+
+    A directory with one ``*.safetensors.index.json`` is read through that index; without one,
+    every ``*.safetensors`` file in it is a shard (in natural name order).
+
+    Args:
+        path: a ``.safetensors`` file, a ``*.safetensors.index.json`` or a directory.
+
+    Returns:
+        ``(index_path or None, [safetensors files])``; the file list is empty for an index (its
+        shards come from the index).
+
+    Raises:
+        FileNotFoundError: when ``path`` does not exist.
+        SafetensorsFormatError: for a directory with several index files or no safetensors file.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no such checkpoint: {path}")
+    if path.is_dir():
+        indexes = sorted(path.glob("*.safetensors.index.json"))
+        if len(indexes) > 1:
+            names = ", ".join(p.name for p in indexes)
+            raise SafetensorsFormatError(f"the directory holds several index files ({names})",
+                                         path=path, hint="Pass the index file of the checkpoint "
+                                                         "you want instead of the directory.")
+        if indexes:
+            return indexes[0], []
+        files = sorted((p for p in path.glob("*.safetensors") if p.is_file()), key=_natural_key)
+        if not files:
+            raise SafetensorsFormatError("the directory holds no .safetensors file", path=path,
+                                         hint="Point at the model's weights directory.")
+        return None, files
+    if path.name.endswith(".json"):
+        return path, []
+    return None, [path]
+
+
+class ReadThreads:
+    """Threads that split large reads (positional reads and page-cache copies release the GIL).
+
+    Args:
+        threads: how many reads run at once; 1 reads in the calling thread.
+    """
+
+    def __init__(self, threads: int) -> None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ConfigError(f"read threads must be an int >= 1, got {threads!r}")
+        self.threads = threads
+        self._executor = (ThreadPoolExecutor(threads, thread_name_prefix="vramkit-read")
+                          if threads > 1 else None)
+
+    def run(self, jobs: Sequence[Callable[[], None]]) -> None:
+        """Run ``jobs`` (on the threads when there are several) and re-raise the first error."""
+        if self._executor is None or len(jobs) < 2:
+            for job in jobs:
+                job()
+            return
+        futures = [self._executor.submit(job) for job in jobs]
+        for future in futures:
+            future.result()
+
+    def close(self) -> None:
+        """Stop the threads."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def __enter__(self) -> ReadThreads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _FileReader:
+    """One open checkpoint file: a descriptor, and a read-only memory map in mmap mode."""
+
+    def __init__(self, path: Path, use_mmap: bool) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._size = os.fstat(self._fd).st_size
+        self._map: mmap.mmap | None = None
+        if use_mmap and self._size > 0:
+            self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    @property
+    def mode(self) -> str:
+        return "mmap" if self._map is not None else "pread"
+
+    def read_into(self, dst: torch.Tensor, offset: int, threads: ReadThreads | None = None) -> None:
+        """Fill the contiguous CPU uint8 tensor ``dst`` with file bytes from ``offset``.
+
+        Args:
+            dst: 1-D contiguous ``uint8`` CPU tensor (pinned or pageable).
+            offset: absolute file offset.
+            threads: when given, large reads are split across its threads.
+        """
+        nbytes = dst.numel()
+        if nbytes == 0:
+            return
+        if self._map is not None:
+            # Touching mapped pages past a shrunken file's end is SIGBUS, not an exception.
+            self._size = min(len(self._map), os.fstat(self._fd).st_size)
+        if offset + nbytes > self._size:
+            raise SafetensorsFormatError(f"read of {nbytes} bytes at {offset} runs past the end of "
+                                         f"the {self._size}-byte file (did it change after it "
+                                         "was opened?)", path=self.path)
+        if threads is not None and threads.threads > 1 and nbytes >= 2 * _MIN_PARALLEL_PIECE:
+            piece = max(_MIN_PARALLEL_PIECE, -(-nbytes // threads.threads))
+            piece = -(-piece // _PAGE) * _PAGE
+            threads.run([functools.partial(self._read_range, dst[start:start + piece],
+                                           offset + start)
+                         for start in range(0, nbytes, piece)])
+        else:
+            self._read_range(dst, offset)
+        with self._lock:
+            self.bytes_read += nbytes
+
+    def _read_range(self, dst: torch.Tensor, offset: int) -> None:
+        nbytes = dst.numel()
+        if self._map is not None:
+            with warnings.catch_warnings():
+                # the mapping is read-only; the view is only ever a copy source
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset)
+            dst.copy_(src)
+            del src
+            # Drop this process's page references (the page cache keeps the data): without it a
+            # streamed file larger than RAM would count fully in our resident set.
+            start = offset - offset % _PAGE
+            self._map.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
+            return
+        buffer = (ctypes.c_char * nbytes).from_address(dst.data_ptr())
+        view = memoryview(buffer).cast("B")
+        done = 0
+        while done < nbytes:
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise SafetensorsFormatError(f"unexpected end of file at byte {offset + done}",
+                                             path=self.path)
+            done += got
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a frombuffer view is still alive; the GC closes it later
+                pass
+            self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class LazySafetensors:
+    """A safetensors checkpoint (one file or several shards) opened without reading tensor data.
+
+    Create it with :meth:`open`. Use as a context manager, or call :meth:`close`, to release the
+    open files.
+
+    Args:
+        headers: the validated header of every file, in read order.
+        index: the shard index, when the checkpoint came with one.
+        use_mmap: read through a memory map (default) or positional reads.
+        source: the path the checkpoint was opened from (for messages).
+    """
+
+    def __init__(self, headers: Sequence[SafetensorsHeader], *, index: ShardIndex | None = None,
+                 use_mmap: bool = True, source: Path | None = None) -> None:
+        self._headers = list(headers)
+        self.index = index
+        self.use_mmap = bool(use_mmap)
+        self.source = source if source is not None else self._headers[0].path
+        self._entries: dict[str, TensorEntry] = {}
+        for header in self._headers:
+            for name, entry in header.tensors.items():
+                other = self._entries.get(name)
+                if other is not None:
+                    raise SafetensorsFormatError(
+                        f"the tensor is stored in two shards, {other.path.name} and "
+                        f"{entry.path.name}", path=self.source, tensor=name,
+                        hint="The shards come from different checkpoints; download them again.")
+                self._entries[name] = entry
+        if index is not None:
+            self._check_index(index)
+        self._readers: dict[Path, _FileReader] = {}
+        self._closed_bytes_read = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, use_mmap: bool = True) -> LazySafetensors:
+        """Open a checkpoint and parse its headers (no tensor data is read).
+
+        Args:
+            path: a ``.safetensors`` file, a ``*.safetensors.index.json`` (Hugging Face sharded
+                layout), or a directory holding either.
+            use_mmap: read tensor bytes through a memory map (default ``True``) or with
+                positional reads (``False``: network filesystems, files larger than RAM).
+
+        Returns:
+            The opened checkpoint.
+
+        Raises:
+            SafetensorsFormatError: for any malformed file or index (file and tensor named).
+            FileNotFoundError: when the path does not exist.
+        """
+        index_path, files = resolve_checkpoint(path)
+        index = read_index(index_path) if index_path is not None else None
+        if index is not None:
+            files = index.shards
+        headers = [read_header(file) for file in files]
+        return cls(headers, index=index, use_mmap=use_mmap, source=Path(path))
+
+    def _check_index(self, index: ShardIndex) -> None:
+        for name, shard in index.weight_map.items():
+            entry = self._entries.get(name)
+            if entry is None:
+                raise SafetensorsFormatError(f"the index maps the tensor to {shard.name}, which "
+                                             "does not hold it", path=index.path, tensor=name)
+            if entry.path != shard:
+                raise SafetensorsFormatError(f"the index maps the tensor to {shard.name} but it is "
+                                             f"stored in {entry.path.name}", path=index.path,
+                                             tensor=name)
+        extra = [name for name in self._entries if name not in index.weight_map]
+        if extra:
+            logger.warning("%s: %d tensor(s) are in the shards but not in the index's weight_map "
+                           "(e.g. %r); loading them too", index.path, len(extra), extra[0])
+
+    # -- what is in it --------------------------------------------------------------------
+
+    @property
+    def files(self) -> list[Path]:
+        """The safetensors files of the checkpoint, in read order."""
+        return [header.path for header in self._headers]
+
+    @property
+    def headers(self) -> list[SafetensorsHeader]:
+        """The validated header of each file."""
+        return list(self._headers)
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The ``__metadata__`` strings of the files, merged (the first file wins)."""
+        merged: dict[str, str] = {}
+        for header in reversed(self._headers):
+            merged.update(header.metadata)
+        return merged
+
+    def tensor_names(self) -> list[str]:
+        """Every tensor name, in read order (file by file, by data offset)."""
+        return list(self._entries)
+
+    def entry(self, name: str) -> TensorEntry:
+        """The header record of ``name`` (dtype, shape, file, offsets).
+
+        Raises:
+            KeyError: when the checkpoint holds no such tensor.
+        """
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise KeyError(f"{self.source}: no tensor named {name!r}") from None
+
+    def entries(self, names: Sequence[str] | None = None) -> list[TensorEntry]:
+        """Header records of ``names`` (default all), in read order."""
+        if names is None:
+            return list(self._entries.values())
+        wanted = set(names)
+        for name in wanted:
+            self.entry(name)
+        return [e for n, e in self._entries.items() if n in wanted]
+
+    def shape(self, name: str) -> torch.Size:
+        """The shape of ``name``."""
+        return torch.Size(self.entry(name).shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The torch dtype of ``name``."""
+        return self.entry(name).dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data in the whole checkpoint."""
+        return sum(entry.nbytes for entry in self._entries.values())
+
+    @property
+    def bytes_read(self) -> int:
+        """Tensor bytes read from the files so far (slices count only what they read)."""
+        return self._closed_bytes_read + sum(reader.bytes_read
+                                             for reader in list(self._readers.values()))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    # -- reading --------------------------------------------------------------------------
+
+    def reader(self, path: Path) -> _FileReader:
+        """The open reader of one of the checkpoint's files (opened on first use)."""
+        with self._lock:
+            reader = self._readers.get(path)
+            if reader is None:
+                reader = self._readers[path] = _FileReader(path, self.use_mmap)
+            return reader
+
+    def read_bytes(self, entry: TensorEntry, dst: torch.Tensor, start: int = 0,
+                   threads: ReadThreads | None = None) -> None:
+        """Copy bytes ``[start, start + dst.numel())`` of a tensor's data into ``dst``.
+
+        Args:
+            entry: the tensor (from :meth:`entry`).
+            dst: a contiguous 1-D ``uint8`` CPU tensor.
+            start: byte offset inside the tensor's data.
+            threads: threads to split large reads across (default: read in this thread).
+        """
+        if start < 0 or start + dst.numel() > entry.nbytes:
+            raise ConfigError(f"bytes [{start}, {start + dst.numel()}) are outside tensor "
+                              f"{entry.name!r} ({entry.nbytes} bytes)")
+        self.reader(entry.path).read_into(dst, entry.file_offset + start, threads)
+
+    def load_tensor(self, name: str, index: Any = None, *,
+                    threads: ReadThreads | None = None) -> torch.Tensor:
+        """Read one tensor (or a slice of it) into a new CPU tensor of its stored dtype.
+
+        Args:
+            name: the tensor's name.
+            index: ``None`` (default: the whole tensor), or basic indexing -- an int, a slice with
+                a positive step, ``...``, or a tuple of those. Only the rows covering the first
+                dimension's index are read from the file.
+            threads: threads to split large reads across (default: this thread).
+
+        Returns:
+            A tensor that does not alias the file.
+
+        Raises:
+            KeyError: for an unknown name.
+            ConfigError: for an index that is not supported (negative steps, tensors, too many
+                dimensions).
+        """
+        entry = self.entry(name)
+        if index is None:
+            return self._read_rows(entry, 0, entry.shape[0] if entry.shape else 1, threads)
+        return self._load_indexed(entry, index, threads)
+
+    def load_tensors(self, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """Read several tensors (default all), in file order.
+
+        Args:
+            names: the tensors to read (default all).
+
+        Returns:
+            name -> CPU tensor.
+        """
+        return {entry.name: self.load_tensor(entry.name) for entry in self.entries(names)}
+
+    def get_slice(self, name: str) -> TensorSlice:
+        """A handle whose ``[...]`` reads only the needed rows of ``name``."""
+        return TensorSlice(self, self.entry(name))
+
+    def _read_rows(self, entry: TensorEntry, row0: int, row1: int,
+                   threads: ReadThreads | None) -> torch.Tensor:
+        if not entry.shape:  # a 0-d tensor is one "row"
+            raw = torch.empty(entry.nbytes, dtype=torch.uint8)
+            self.read_bytes(entry, raw, 0, threads)
+            return raw.view(entry.dtype).view(())
+        row_bytes = math.prod(entry.shape[1:]) * entry.dtype.itemsize
+        raw = torch.empty((row1 - row0) * row_bytes, dtype=torch.uint8)
+        self.read_bytes(entry, raw, row0 * row_bytes, threads)
+        return raw.view(entry.dtype).view(row1 - row0, *entry.shape[1:])
+
+    def _load_indexed(self, entry: TensorEntry, index: Any,
+                      threads: ReadThreads | None) -> torch.Tensor:
+        parts = index if isinstance(index, tuple) else (index,)
+        if not entry.shape:
+            raise ConfigError(f"tensor {entry.name!r} is 0-dimensional and cannot be sliced")
+        for part in parts:
+            if not (part is Ellipsis or isinstance(part, slice)
+                    or (isinstance(part, int) and not isinstance(part, bool))):
+                raise ConfigError(f"unsupported index {part!r}: use ints, slices and ...",
+                                  hint="Load the tensor and index it with torch for advanced "
+                                       "indexing.")
+            if isinstance(part, slice) and part.step is not None and part.step <= 0:
+                raise ConfigError(f"slice step must be positive, got {part.step}")
+        if sum(part is not Ellipsis for part in parts) > len(entry.shape):
+            raise ConfigError(f"too many indices for tensor {entry.name!r} of shape "
+                              f"{list(entry.shape)}")
+        first = parts[0]
+        rows = entry.shape[0]
+        if first is Ellipsis:
+            return self._read_rows(entry, 0, rows, threads)[parts]
+        if isinstance(first, int):
+            row = first + rows if first < 0 else first
+            if not 0 <= row < rows:
+                raise IndexError(f"index {first} is out of range for dimension 0 of tensor "
+                                 f"{entry.name!r} (size {rows})")
+            return self._read_rows(entry, row, row + 1, threads)[(0, *parts[1:])].clone()
+        start, stop, step = first.indices(rows)
+        chosen = range(start, stop, step)
+        if not chosen:
+            return self._read_rows(entry, 0, 0, threads)[(slice(None), *parts[1:])]
+        row0, row1 = chosen[0], chosen[-1] + 1
+        block = self._read_rows(entry, row0, row1, threads)
+        result = block[(slice(0, row1 - row0, step), *parts[1:])]
+        return result if result.numel() == block.numel() else result.clone()
+
+    # -- lifetime -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the open files (tensors already read stay valid)."""
+        with self._lock:
+            readers, self._readers = self._readers, {}
+        for reader in readers.values():
+            self._closed_bytes_read += reader.bytes_read
+            reader.close()
+
+    def __enter__(self) -> LazySafetensors:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # never raise from a finalizer
+            pass
+
+    def __repr__(self) -> str:
+        return (f"LazySafetensors({str(self.source)!r}, {len(self._entries)} tensors, "
+                f"{len(self._headers)} file(s), {self.nbytes} bytes)")
+
+
+class TensorSlice:
+    """A lazily read tensor: ``handle[index]`` reads only the rows the index needs.
+
+    Args:
+        checkpoint: the open checkpoint.
+        entry: the tensor's header record.
+    """
+
+    def __init__(self, checkpoint: LazySafetensors, entry: TensorEntry) -> None:
+        self._checkpoint = checkpoint
+        self._entry = entry
+
+    @property
+    def shape(self) -> torch.Size:
+        """The full tensor's shape."""
+        return torch.Size(self._entry.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The stored dtype."""
+        return self._entry.dtype
+
+    def get_shape(self) -> list[int]:
+        """The full tensor's shape as a list (the ``safetensors`` slice API)."""
+        return list(self._entry.shape)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self._checkpoint.load_tensor(self._entry.name, index)
+
+    def __repr__(self) -> str:
+        return f"TensorSlice({self._entry.name!r}, {list(self._entry.shape)}, {self._entry.dtype})"

@@ -1,0 +1,263 @@
+"""Quantization format configs: one frozen, validated dataclass per weight format.
+
+Re-exported by :mod:`vramkit.quant.formats`; kept apart so the torch reference and the kernels can
+import them without importing :class:`~vramkit.quant.formats.QuantizedTensor`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Literal, TypeAlias
+
+from vramkit.errors import ConfigError
+
+__all__ = [
+    "FP8Config",
+    "Int4Config",
+    "Int8Config",
+    "NF4Config",
+    "QuantConfigT",
+    "QuantFormat",
+    "config_from_dict",
+    "format_config",
+]
+
+logger = logging.getLogger(__name__)
+
+# Most candidate scales a clipping search may try per group (each is one pass over the tensor).
+_MAX_CLIP_SEARCH = 64
+
+
+class QuantFormat(str, Enum):
+    """The weight formats vramkit stores."""
+
+    INT8 = "int8"
+    INT4 = "int4"
+    NF4 = "nf4"
+    FP8 = "fp8"
+
+
+def _check_size(owner: str, name: str, value: object, *, even: bool = False) -> None:
+    # bool is an int subclass: Int8Config(block_size=True) must not pass as 1
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{owner}.{name} must be a positive int, got {value!r}",
+                          hint=f"Use e.g. {name}=32 (a power of two is fastest on GPU).")
+    if even and value % 2:
+        raise ConfigError(f"{owner}.{name} must be even for a 4-bit format (two codes share a "
+                          f"byte), got {value}", hint=f"Use an even {name}, e.g. 32 or 64.")
+
+
+def _check_clip_search(owner: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_CLIP_SEARCH:
+        raise ConfigError(f"{owner}.clip_search must be an int in [1, {_MAX_CLIP_SEARCH}], "
+                          f"got {value!r}",
+                          hint="1 keeps the full range (absmax / min-max); 8 is the default.")
+
+
+def _check_bool(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{owner}.{name} must be a bool, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Int8Config:
+    """Block-wise absmax int8: symmetric codes in [-127, 127], one scale per block of a row.
+
+    Args:
+        block_size: elements per block along a row (default 32). Smaller blocks follow
+            heavy-tailed weights better; 32 with compact scales keeps memory at 0.516x of bf16.
+        compact_scales: store each block's scale as a uint8 log-step code relative to an fp32
+            per-row scale (default True: 1 byte per block) instead of an fp32 scale per block.
+    """
+
+    block_size: int = 32
+    compact_scales: bool = True
+
+    def __post_init__(self) -> None:
+        _check_size("Int8Config", "block_size", self.block_size)
+        _check_bool("Int8Config", "compact_scales", self.compact_scales)
+
+    @property
+    def format(self) -> QuantFormat:
+        """The format this config describes (``QuantFormat.INT8``)."""
+        return QuantFormat.INT8
+
+    @property
+    def group(self) -> int:
+        """Elements sharing one scale along a row."""
+        return self.block_size
+
+
+@dataclass(frozen=True)
+class Int4Config:
+    """Group-wise asymmetric int4: codes in [0, 15], a scale and an integer zero point per group.
+
+    Args:
+        group_size: elements per group along a row; even (default 32).
+        compact_scales: scales as uint8 log-step codes relative to an fp32 per-row scale and zero
+            points packed two per byte (default True: 1.5 bytes per group, 0.273x of bf16); False
+            stores fp32 scales and one uint8 zero point per group.
+        clip_search: candidate scales tried per group, each 2**(-1/16) smaller than the last
+            (default 8); the one with the least squared group error wins. 1 = plain min/max.
+    """
+
+    group_size: int = 32
+    compact_scales: bool = True
+    clip_search: int = 8
+
+    def __post_init__(self) -> None:
+        _check_size("Int4Config", "group_size", self.group_size, even=True)
+        _check_bool("Int4Config", "compact_scales", self.compact_scales)
+        _check_clip_search("Int4Config", self.clip_search)
+
+    @property
+    def format(self) -> QuantFormat:
+        """The format this config describes (``QuantFormat.INT4``)."""
+        return QuantFormat.INT4
+
+    @property
+    def group(self) -> int:
+        """Elements sharing one scale along a row."""
+        return self.group_size
+
+
+@dataclass(frozen=True)
+class NF4Config:
+    """4-bit NormalFloat (the QLoRA code table), block-wise absmax.
+
+    Args:
+        block_size: elements per block along a row; even (default 32).
+        double_quant: store the per-block scales as uint8 log-step codes relative to an fp32
+            scale per ``double_quant_block_size`` blocks (default True: 0.266x of bf16) instead
+            of one fp32 scale per block.
+        double_quant_block_size: scales per second-level block (default 256).
+        clip_search: candidate scales tried per block, each 2**(-1/16) smaller than the last
+            (default 8); the one with the least squared block error wins. 1 = plain absmax.
+    """
+
+    block_size: int = 32
+    double_quant: bool = True
+    double_quant_block_size: int = 256
+    clip_search: int = 8
+
+    def __post_init__(self) -> None:
+        _check_size("NF4Config", "block_size", self.block_size, even=True)
+        _check_bool("NF4Config", "double_quant", self.double_quant)
+        _check_size("NF4Config", "double_quant_block_size", self.double_quant_block_size)
+        _check_clip_search("NF4Config", self.clip_search)
+
+    @property
+    def format(self) -> QuantFormat:
+        """The format this config describes (``QuantFormat.NF4``)."""
+        return QuantFormat.NF4
+
+    @property
+    def group(self) -> int:
+        """Elements sharing one scale along a row."""
+        return self.block_size
+
+
+@dataclass(frozen=True)
+class FP8Config:
+    """float8 e4m3 with fp32 absmax scales per output channel (row) or per block of a row.
+
+    Args:
+        granularity: ``"channel"`` (default; one scale per row, the layout the fp8 GEMM takes)
+            or ``"block"`` (one scale per ``block_size`` elements of a row).
+        block_size: elements per block for ``granularity="block"`` (default 128).
+    """
+
+    granularity: Literal["channel", "block"] = "channel"
+    block_size: int = 128
+
+    def __post_init__(self) -> None:
+        if self.granularity not in ("channel", "block"):
+            raise ConfigError(f"FP8Config.granularity must be 'channel' or 'block', got "
+                              f"{self.granularity!r}")
+        _check_size("FP8Config", "block_size", self.block_size)
+
+    @property
+    def format(self) -> QuantFormat:
+        """The format this config describes (``QuantFormat.FP8``)."""
+        return QuantFormat.FP8
+
+
+QuantConfigT: TypeAlias = Int8Config | Int4Config | NF4Config | FP8Config
+
+_CONFIG_CLASSES: dict[QuantFormat, type[Any]] = {
+    QuantFormat.INT8: Int8Config,
+    QuantFormat.INT4: Int4Config,
+    QuantFormat.NF4: NF4Config,
+    QuantFormat.FP8: FP8Config,
+}
+_SIZE_FIELD: dict[QuantFormat, str] = {
+    QuantFormat.INT8: "block_size",
+    QuantFormat.INT4: "group_size",
+    QuantFormat.NF4: "block_size",
+    QuantFormat.FP8: "block_size",
+}
+
+
+def _parse_format(fmt: str | QuantFormat) -> QuantFormat:
+    if isinstance(fmt, QuantFormat):
+        return fmt
+    if isinstance(fmt, str):
+        try:
+            return QuantFormat(fmt.strip().lower())
+        except ValueError:
+            pass
+    supported = ", ".join(f.value for f in QuantFormat)
+    raise ConfigError(f"unknown quantization format {fmt!r}; supported: {supported}",
+                      hint="Pass one of the names above or an Int8Config/Int4Config/NF4Config/"
+                           "FP8Config instance.")
+
+
+def format_config(fmt: str | QuantFormat | QuantConfigT,
+                  group_size: int | None = None) -> QuantConfigT:
+    """Resolve a format name, enum member or config to a config.
+
+    Args:
+        fmt: ``"int8"``, ``"int4"``, ``"nf4"``, ``"fp8"``, a :class:`QuantFormat` or a config.
+        group_size: optional override of the group/block size (default None: keep the config's).
+            For fp8 it selects ``granularity="block"`` with that block size.
+
+    Returns:
+        The config.
+
+    Raises:
+        ConfigError: unknown format name or invalid group size.
+    """
+    if isinstance(fmt, Int8Config | Int4Config | NF4Config | FP8Config):
+        config: QuantConfigT = fmt
+    else:
+        config = _CONFIG_CLASSES[_parse_format(fmt)]()
+    if group_size is None:
+        return config
+    changes: dict[str, Any] = {_SIZE_FIELD[config.format]: group_size}
+    if isinstance(config, FP8Config):
+        changes["granularity"] = "block"
+    return dataclasses.replace(config, **changes)
+
+
+def config_from_dict(fmt: str, fields: dict[str, Any]) -> QuantConfigT:
+    """Rebuild a config from its format name and field values (the inverse of ``asdict``).
+
+    Args:
+        fmt: the format name.
+        fields: the dataclass fields.
+
+    Returns:
+        The config.
+
+    Raises:
+        ConfigError: unknown format, unknown field or invalid value.
+    """
+    cls = _CONFIG_CLASSES[_parse_format(fmt)]
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(fields) - known
+    if unknown:
+        raise ConfigError(f"unknown {cls.__name__} fields: {sorted(unknown)}")
+    return cls(**fields)

@@ -1,0 +1,228 @@
+"""Triton kernels for the quantized formats (imported only when a CUDA tensor is seen).
+
+One ``@triton.jit`` helper, :func:`_dequant_tile`, turns a ``[BLOCK_R, BLOCK_C]`` tile of any
+format back into fp32 exactly as :func:`vramkit.quant._reference.dequantize_rows` does (the same
+tables, the same order of fp32 multiplies), so the dequantize kernel matches the torch fallback bit
+for bit. The fused decode kernel reuses the helper to multiply the dequantized tile with a row of
+activations without writing the weight to memory.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from vramkit.quant import _reference
+
+__all__ = ["FORMAT_CODES", "dequantize", "fp8_rowwise", "fused_linear"]
+
+logger = logging.getLogger(__name__)
+
+FORMAT_CODES = {"int8": 0, "int4": 1, "nf4": 2, "fp8": 3}
+
+# Tile shapes, chosen for the bandwidth-bound shapes of Linear weights on Hopper: wide column
+# tiles so each program streams long contiguous rows.
+_DEQUANT_BLOCK_R = 8
+_DEQUANT_BLOCK_C = 256
+_GEMV_BLOCK_N = 16
+_GEMV_BLOCK_K = 256
+_ROWWISE_BLOCK_K = 1024
+
+
+@triton.jit
+def _dequant_tile(rows, cols, mask, data_ptr, scales_ptr, zeros_ptr, aux_ptr, log_table_ptr,
+                  nf4_ptr, data_stride, scale_stride, zero_stride, GROUP: tl.constexpr,
+                  DQ_BLOCK: tl.constexpr, FMT: tl.constexpr, COMPACT: tl.constexpr):
+    group = cols // GROUP
+    scale_index = rows * scale_stride + group
+    if COMPACT:
+        code = tl.load(scales_ptr + scale_index, mask=mask, other=0).to(tl.int32)
+        step = tl.load(log_table_ptr + code)
+        if FMT == 2:
+            reference = tl.load(aux_ptr + scale_index // DQ_BLOCK, mask=mask, other=1.0)
+        else:
+            reference = tl.load(aux_ptr + rows, mask=mask, other=1.0)
+        scale = reference * step
+    else:
+        scale = tl.load(scales_ptr + scale_index, mask=mask, other=0.0)
+    if FMT == 0:
+        codes8 = tl.load(data_ptr + rows * data_stride + cols, mask=mask, other=0)
+        values = codes8.to(tl.float32) * scale
+    elif FMT == 3:
+        # fp8 arrives as uint8 bits: a masked load then needs no fp8 "other" constant
+        bits = tl.load(data_ptr + rows * data_stride + cols, mask=mask, other=0)
+        values = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+    else:
+        byte = tl.load(data_ptr + rows * data_stride + cols // 2, mask=mask, other=0).to(tl.int32)
+        nibble = (byte >> ((cols % 2) * 4).to(tl.int32)) & 15
+        if FMT == 1:
+            if COMPACT:
+                zbyte = tl.load(zeros_ptr + rows * zero_stride + group // 2, mask=mask,
+                                other=0).to(tl.int32)
+                zero = (zbyte >> ((group % 2) * 4).to(tl.int32)) & 15
+            else:
+                zero = tl.load(zeros_ptr + rows * zero_stride + group, mask=mask,
+                               other=0).to(tl.int32)
+            values = (nibble - zero).to(tl.float32) * scale
+        else:
+            values = tl.load(nf4_ptr + nibble) * scale
+    return values
+
+
+@triton.jit
+def _dequant_kernel(out_ptr, data_ptr, scales_ptr, zeros_ptr, aux_ptr, log_table_ptr, nf4_ptr,
+                    n_rows, n_cols, data_stride, scale_stride, zero_stride,
+                    GROUP: tl.constexpr, DQ_BLOCK: tl.constexpr, FMT: tl.constexpr,
+                    COMPACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
+    cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)[None, :]
+    mask = (rows < n_rows) & (cols < n_cols)
+    values = _dequant_tile(rows, cols, mask, data_ptr, scales_ptr, zeros_ptr, aux_ptr,
+                           log_table_ptr, nf4_ptr, data_stride, scale_stride, zero_stride,
+                           GROUP, DQ_BLOCK, FMT, COMPACT)
+    tl.store(out_ptr + rows * n_cols + cols, values.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemv_kernel(y_ptr, x_ptr, bias_ptr, data_ptr, scales_ptr, zeros_ptr, aux_ptr,
+                 log_table_ptr, nf4_ptr, n_out, n_in, x_stride, data_stride, scale_stride,
+                 zero_stride, GROUP: tl.constexpr, DQ_BLOCK: tl.constexpr, FMT: tl.constexpr,
+                 COMPACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    token = tl.program_id(1).to(tl.int64)
+    out_idx = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rows = out_idx[:, None]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, n_in, BLOCK_K):
+        cols = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)[None, :]
+        mask = (rows < n_out) & (cols < n_in)
+        weight = _dequant_tile(rows, cols, mask, data_ptr, scales_ptr, zeros_ptr, aux_ptr,
+                               log_table_ptr, nf4_ptr, data_stride, scale_stride, zero_stride,
+                               GROUP, DQ_BLOCK, FMT, COMPACT)
+        x = tl.load(x_ptr + token * x_stride + cols, mask=cols < n_in, other=0.0)
+        acc += tl.sum(weight * x.to(tl.float32), axis=1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + out_idx, mask=out_idx < n_out, other=0.0).to(tl.float32)
+    tl.store(y_ptr + token * n_out + out_idx, acc.to(y_ptr.dtype.element_ty), mask=out_idx < n_out)
+
+
+@triton.jit
+def _fp8_rowwise_kernel(x_ptr, q_ptr, scale_ptr, n_cols, x_stride, FP8_MAX: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, n_cols, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * x_stride + cols, mask=cols < n_cols, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
+    for k0 in range(0, n_cols, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * x_stride + cols, mask=cols < n_cols, other=0.0)
+        q = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=cols < n_cols)
+    tl.store(scale_ptr + row, scale)
+
+
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cached = _TABLE_CACHE.get(device)
+    if cached is None:
+        cached = (_reference.log_scale_table(_reference.INT8_LOG_STEPS, device),
+                  _reference.log_scale_table(_reference.LOG4_STEPS, device),
+                  _reference.nf4_table(device))
+        _TABLE_CACHE[device] = cached
+    return cached
+
+
+_TABLE_CACHE: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _format_args(fmt: str, data: torch.Tensor, scales: torch.Tensor,
+                 zero_points: torch.Tensor | None, aux: torch.Tensor | None,
+                 compact: bool) -> tuple[list[object], dict[str, object]]:
+    int8_table, log4_table, nf4 = _tables(data.device)
+    if fmt == "fp8":
+        data = data.view(torch.uint8)
+    log_table = int8_table if fmt == "int8" else log4_table
+    pointers: list[object] = [data, scales, zero_points, aux, log_table, nf4]
+    strides = {"data_stride": data.stride(0), "scale_stride": scales.stride(0),
+               "zero_stride": zero_points.stride(0) if zero_points is not None else 0}
+    return pointers, {**strides, "FMT": FORMAT_CODES[fmt], "COMPACT": compact}
+
+
+def dequantize(fmt: str, data: torch.Tensor, scales: torch.Tensor,
+               zero_points: torch.Tensor | None, aux: torch.Tensor | None, *, group: int,
+               dq_block: int, compact: bool, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantize packed parts to a new ``[rows, cols]`` tensor of ``dtype``.
+
+    Args:
+        fmt: format name.
+        data, scales, zero_points: the record's tensors (contiguous rows).
+        aux: ``row_scales`` (int8/int4 compact) or ``scale_scales`` (nf4 double quant), else None.
+        group: elements per scale along a row (the padded row length for fp8 channel).
+        dq_block: nf4 double-quantization block (1 otherwise).
+        compact: whether scales are uint8 log-step codes.
+        cols: real row length.
+        dtype: output dtype.
+
+    Returns:
+        The dequantized ``[rows, cols]`` tensor.
+    """
+    rows = data.shape[0]
+    out = torch.empty((rows, cols), dtype=dtype, device=data.device)
+    pointers, kwargs = _format_args(fmt, data, scales, zero_points, aux, compact)
+    grid = (triton.cdiv(rows, _DEQUANT_BLOCK_R), triton.cdiv(cols, _DEQUANT_BLOCK_C))
+    _dequant_kernel[grid](out, *pointers, rows, cols, GROUP=group, DQ_BLOCK=dq_block,
+                          BLOCK_R=_DEQUANT_BLOCK_R, BLOCK_C=_DEQUANT_BLOCK_C, num_warps=4,
+                          **kwargs)
+    return out
+
+
+def fused_linear(x: torch.Tensor, fmt: str, data: torch.Tensor, scales: torch.Tensor,
+                 zero_points: torch.Tensor | None, aux: torch.Tensor | None,
+                 bias: torch.Tensor | None, *, group: int, dq_block: int, compact: bool,
+                 n_out: int) -> torch.Tensor:
+    """``x @ W.T + bias`` for few tokens, dequantizing W tile by tile in registers.
+
+    Args:
+        x: ``[tokens, in]`` activations with unit stride along ``in``.
+        fmt, data, scales, zero_points, aux, group, dq_block, compact: as for :func:`dequantize`.
+        bias: ``[out]`` or None.
+        n_out: output features (rows of W).
+
+    Returns:
+        ``[tokens, out]`` in ``x.dtype`` (fp32 accumulation).
+    """
+    tokens, n_in = x.shape
+    y = torch.empty((tokens, n_out), dtype=x.dtype, device=x.device)
+    pointers, kwargs = _format_args(fmt, data, scales, zero_points, aux, compact)
+    grid = (triton.cdiv(n_out, _GEMV_BLOCK_N), tokens)
+    _gemv_kernel[grid](y, x, bias, *pointers, n_out, n_in, x.stride(0), GROUP=group,
+                       DQ_BLOCK=dq_block, HAS_BIAS=bias is not None, BLOCK_N=_GEMV_BLOCK_N,
+                       BLOCK_K=_GEMV_BLOCK_K, num_warps=4, **kwargs)
+    return y
+
+
+def fp8_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``[tokens, in]`` activations per token to float8 e4m3 in one kernel.
+
+    Args:
+        x: 2-D activations with unit stride along the last dim.
+
+    Returns:
+        ``(codes [tokens, in] float8_e4m3fn, scales [tokens, 1] float32)`` with
+        ``x ~= codes * scales``.
+    """
+    tokens, n_in = x.shape
+    codes = torch.empty((tokens, n_in), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((tokens, 1), dtype=torch.float32, device=x.device)
+    _fp8_rowwise_kernel[(tokens,)](x, codes, scales, n_in, x.stride(0),
+                                   FP8_MAX=_reference.FP8_MAX, BLOCK_K=_ROWWISE_BLOCK_K,
+                                   num_warps=4)
+    return codes, scales

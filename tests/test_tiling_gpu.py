@@ -18,6 +18,16 @@ def vae_cuda() -> Any:
     return tiny_vae(seed=11).cuda()
 
 
+@pytest.fixture(autouse=True)
+def no_tf32() -> Any:
+    """Exactness is tested in true fp32: with TF32, cuDNN picks different algorithms (and
+    roundings) for a tile's shape than for the whole image's, which is not a tiling error."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 @pytest.mark.parametrize("storage", ["device", "host"])
 def test_exact_decode_on_gpu_matches_untiled_fp32(vae_cuda: Any, storage: str) -> None:
     z = torch.randn(2, 4, 40, 24, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
@@ -49,11 +59,13 @@ def test_chunked_attention_head_dim_512_bf16() -> None:
         torch.testing.assert_close(got.float(), expect, rtol=2e-2, atol=2e-2)
 
 
-def test_sdxl_vae_1024_bf16_exact_and_blended_memory() -> None:
+def test_sdxl_vae_1024_exact_fp32_and_blended_bf16_memory() -> None:
     diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(0)
-    vae = diffusers.AutoencoderKL(**sdxl_vae_config()).cuda().to(torch.bfloat16).eval()
-    z = torch.randn(1, 4, 128, 128, device="cuda", dtype=torch.bfloat16)
+    vae = diffusers.AutoencoderKL(**sdxl_vae_config()).cuda().eval()
+    z = torch.randn(1, 4, 128, 128, device="cuda")
+    # The issue's accuracy target (2/255, 45 dB at seams) in fp32, the SDXL VAE's usual dtype
+    # (in bf16 two different convolution algorithms already differ by several bf16 ulps).
     with torch.no_grad(), use_chunked_attention(vae):
         ref = vae.decode(z).sample
     exact = VAETiling(exact_groupnorm=True, exact_device_budget="256MiB")
@@ -61,6 +73,11 @@ def test_sdxl_vae_1024_bf16_exact_and_blended_memory() -> None:
         report = exact.seam_report(vae, z, reference=ref)
     assert exact.last_exact_stats.host_plane_bytes_peak > 0
     assert report.max_abs_error <= 2 / 255 and report.seam_psnr_db >= 45
+    del ref
+    vae = vae.to(torch.bfloat16)
+    z = z.to(torch.bfloat16)
+    with torch.no_grad(), use_chunked_attention(vae):
+        ref = vae.decode(z).sample
     blended = VAETiling(tile_size=256, overlap=32)
     weights = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

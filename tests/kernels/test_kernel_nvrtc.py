@@ -162,14 +162,14 @@ def test_cuda_core_is_really_missing_here() -> None:
 # A fake of cuda.bindings.nvrtc with the bindings' calling convention: status tuples, and output
 # buffers passed as bytes that the C side fills in place.
 
-OK, FAILED = "NVRTC_SUCCESS", "NVRTC_ERROR_COMPILATION"
+OK, FAILED, BAD_OPTION = "NVRTC_SUCCESS", "NVRTC_ERROR_COMPILATION", "NVRTC_ERROR_INVALID_OPTION"
 LOG = b"k.cu(3): error: identifier \"undefined_name\" is undefined\n"
 
 
 class FakeNvrtc:
-    nvrtcResult = SimpleNamespace(NVRTC_SUCCESS=OK)
+    nvrtcResult = SimpleNamespace(NVRTC_SUCCESS=OK, NVRTC_ERROR_INVALID_OPTION=BAD_OPTION)
 
-    def __init__(self, fail: bool = False, log: bytes = LOG) -> None:
+    def __init__(self, fail: bool | str = False, log: bytes = LOG) -> None:
         self.fail = fail
         self.log = log
         self.created: list[tuple[bytes, bytes]] = []
@@ -196,6 +196,8 @@ class FakeNvrtc:
                             options: list[bytes]) -> tuple[str]:
         assert count == len(options)
         self.options = list(options)
+        if isinstance(self.fail, str):
+            return (self.fail,)
         return (FAILED if self.fail else OK,)
 
     def nvrtcGetProgramLogSize(self, program: str) -> tuple[str, int]:
@@ -238,6 +240,14 @@ def test_compile_failure_raises_with_the_log(monkeypatch: pytest.MonkeyPatch) ->
     assert info.value.log == LOG.decode().rstrip("\n")
     assert "NVRTC_ERROR_COMPILATION" in info.value.message
     assert fake.destroyed == 1  # the program is destroyed on failure too
+
+
+def test_an_invalid_option_gets_an_option_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeNvrtc(fail=BAD_OPTION, log=b"nvrtc: error: unrecognized option -O3 found")
+    monkeypatch.setattr(_nvrtc, "_nvrtc", lambda: fake)
+    with pytest.raises(KernelError) as info:
+        compile_cubin("k", "source", ("-O3",), "sm_90")
+    assert "-O3" in info.value.hint and "extern" not in info.value.hint
 
 
 # ---------------------------------------------------------------------------- the cuda-core backend

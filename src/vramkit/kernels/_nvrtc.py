@@ -161,11 +161,17 @@ def compile_cubin(name: str, source: str, options: Sequence[str], arch: str) -> 
         log = log_buffer[:log_size].rstrip(b"\x00 \n").decode(errors="replace")
         if compiled != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             _, reason = nvrtc.nvrtcGetErrorString(compiled)
+            if compiled == getattr(nvrtc.nvrtcResult, "NVRTC_ERROR_INVALID_OPTION", None):
+                hint = (f"NVRTC refused one of the options {list(options)}: it takes nvcc-style "
+                        "front-end options such as -DNAME=VALUE, -std=c++17, --use_fast_math, "
+                        "-lineinfo (not host-compiler flags like -O3).")
+            else:
+                hint = ("Fix the CUDA C source (see the log above); kernels must be declared "
+                        "extern \"C\" __global__ to be found by name.")
             raise KernelError(
                 f"kernel {name!r} failed to compile for {arch} "
                 f"({reason.decode(errors='replace')}); compiler log:",
-                "Fix the CUDA C source (see the log above); kernels must be declared "
-                "extern \"C\" __global__ to be found by name.", log=log or "(empty log)")
+                hint, log=log or "(empty log)")
         if log:
             logger.info("NVRTC messages for %s:\n%s", name, log)
         result, size = nvrtc.nvrtcGetCUBINSize(program)

@@ -62,7 +62,8 @@ def _rows_cols(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
         return 1, 1
     if len(shape) == 1:
         return 1, int(shape[0])
-    return int(shape[0]), math.prod(int(s) for s in shape[1:])
+    # A list, not a generator: torch.compile (dynamo) cannot trace generator arguments.
+    return int(shape[0]), math.prod([int(s) for s in shape[1:]])
 
 
 def expected_layout(config: QuantConfigT,

@@ -1,0 +1,417 @@
+"""Quantize a whole model (or a state dict) with one config: :func:`quantize_model`.
+
+Example:
+    >>> config = QuantizationConfig("nf4", modules_to_not_quantize=["final_layer*"])  # doctest: +SKIP
+    >>> quantize_model(model, config)            # nn.Linear -> QuantizedLinear, in place  # doctest: +SKIP
+
+Module patterns (``modules_to_not_quantize``) are shell-style patterns (:func:`fnmatch.fnmatchcase`,
+case-sensitive) matched against qualified module names as ``model.named_modules()`` spells them
+(``"double_blocks.0.img_attn.qkv"``). A layer is skipped when its own name *or any ancestor's*
+matches, so ``"final_layer"`` skips everything inside ``final_layer`` and ``"*.proj"`` skips every
+module called ``proj``. For a state dict the module name of ``"a.b.weight"`` is ``"a.b"``.
+
+Order with adapters: quantize first, then attach LoRA (peft's ``lora_A``/``lora_B`` are
+``nn.Linear`` and would otherwise be quantized too, unless listed, e.g. ``"*lora_*"``).
+vramkit's :class:`~vramkit.demo.LoRALinear` keeps its adapters as plain parameters, so a model
+with those adapters may be quantized afterwards: its base layers are replaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from vramkit.errors import ConfigError, QuantizationError
+from vramkit.quant.formats import (
+    FP8Config,
+    QuantConfigT,
+    QuantFormat,
+    QuantizedTensor,
+    config_from_dict,
+    format_config,
+    quantize_tensor,
+)
+from vramkit.quant.linear import (
+    QuantizedConv2d,
+    QuantizedLinear,
+    _QuantizedWeightModule,
+    _release,
+    conv_geometry,
+)
+from vramkit.units import format_size
+
+__all__ = ["QuantizationConfig", "QuantoConfig", "model_bytes", "quantize_model", "sqnr_db"]
+
+logger = logging.getLogger(__name__)
+
+_ACTIVATION_DTYPES = ("fp8",)
+_FP8_GEMM_MULTIPLE = 16  # torch._scaled_mm needs in/out features divisible by 16
+# Linear layers that their owner reads through ``.weight`` (nn.MultiheadAttention's out_proj):
+# replacing them would break the owner.
+_NOT_REPLACEABLE: tuple[type[nn.Module], ...] = (nn.modules.linear.NonDynamicallyQuantizableLinear,)
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """What :func:`quantize_model` quantizes, and how (seed name: ``QuantoConfig``).
+
+    Args:
+        weights_dtype: ``"int8"``, ``"int4"``, ``"nf4"`` or ``"fp8"`` (or a
+            :class:`~vramkit.quant.formats.QuantFormat`, or a format config such as
+            ``NF4Config(double_quant=False)``).
+        activations_dtype: ``None`` (default: weight-only quantization, matmuls in the input's
+            dtype) or ``"fp8"``: inputs quantized per token to e4m3 and the fp8 GEMM used in
+            forward. Only with ``weights_dtype="fp8"`` in channel granularity; it runs on CUDA
+            GPUs of capability >= 8.9 (Hopper, Ada), elsewhere the forward raises
+            :class:`~vramkit.errors.QuantizationError`. Linear layers whose in/out features
+            are not multiples of 16 (which the fp8 GEMM cannot take) run weight-only.
+        modules_to_not_quantize: patterns of module names to keep in full precision (see the
+            module docstring; a single string counts as one pattern). Default none.
+        group_size: block/group size override for the format (int8/nf4/fp8-block blocks, int4
+            groups). Default None: the format's default (64; 128 for fp8 blocks).
+        min_sqnr_db: when set, a layer whose quantized weight has a signal-to-quantization-noise
+            ratio below this many dB stays in full precision (outlier-heavy layers). Default
+            None (quantize every selected layer).
+        quantize_conv: replace ``nn.Conv2d`` layers too (and quantize 4-D weights of a state
+            dict). Default True.
+
+    Raises:
+        ConfigError: for an unknown format, a bad group size, an unsupported
+            ``activations_dtype`` combination, or bad types.
+    """
+
+    weights_dtype: str | QuantFormat | QuantConfigT
+    activations_dtype: str | QuantFormat | None = None
+    modules_to_not_quantize: Sequence[str] = ()
+    group_size: int | None = None
+    min_sqnr_db: float | None = None
+    quantize_conv: bool = True
+
+    def __post_init__(self) -> None:
+        weight_format = self.weight_format()  # ConfigError for unknown names / bad sizes
+        patterns = self.modules_to_not_quantize
+        if isinstance(patterns, str):
+            patterns = (patterns,)
+        if not isinstance(patterns, Sequence) or not all(isinstance(p, str) for p in patterns):
+            raise ConfigError("QuantizationConfig.modules_to_not_quantize must be a sequence of "
+                              f"name patterns (str), got {self.modules_to_not_quantize!r}")
+        object.__setattr__(self, "modules_to_not_quantize", tuple(patterns))
+        activations = self.activations_dtype
+        if isinstance(activations, QuantFormat):
+            activations = activations.value
+        if activations is not None:
+            if activations not in _ACTIVATION_DTYPES:
+                raise ConfigError(f"QuantizationConfig.activations_dtype must be None or 'fp8', "
+                                  f"got {self.activations_dtype!r}")
+            if not (isinstance(weight_format, FP8Config)
+                    and weight_format.granularity == "channel"):
+                raise ConfigError(
+                    "activations_dtype='fp8' needs fp8 weights with per-channel scales, got "
+                    f"weights {weight_format!r}",
+                    hint="Use weights_dtype='fp8' (channel granularity is its default); "
+                         "int8/int4/nf4 weights run weight-only.")
+        object.__setattr__(self, "activations_dtype", activations)
+        if self.min_sqnr_db is not None and (
+                isinstance(self.min_sqnr_db, bool)
+                or not isinstance(self.min_sqnr_db, (int, float))
+                or not math.isfinite(self.min_sqnr_db)):
+            raise ConfigError(f"QuantizationConfig.min_sqnr_db must be a finite number of dB or "
+                              f"None, got {self.min_sqnr_db!r}")
+        if not isinstance(self.quantize_conv, bool):
+            raise ConfigError(f"QuantizationConfig.quantize_conv must be a bool, got "
+                              f"{self.quantize_conv!r}")
+
+    def weight_format(self) -> QuantConfigT:
+        """The resolved weight format config (name + ``group_size`` override)."""
+        if self.group_size is not None and (isinstance(self.group_size, bool)
+                                            or not isinstance(self.group_size, int)
+                                            or self.group_size <= 0):
+            raise ConfigError(f"QuantizationConfig.group_size must be a positive int or None, "
+                              f"got {self.group_size!r}")
+        return format_config(self.weights_dtype, self.group_size)
+
+    @property
+    def activation_fp8(self) -> bool:
+        """Whether forwards use the fp8 GEMM (``activations_dtype == "fp8"``)."""
+        return self.activations_dtype == "fp8"
+
+    def is_excluded(self, qualified_name: str) -> bool:
+        """Whether ``qualified_name`` or one of its ancestors matches ``modules_to_not_quantize``.
+
+        Args:
+            qualified_name: a dotted module name (``""`` is the root and never matches).
+
+        Returns:
+            True when the module must stay in full precision.
+        """
+        if not qualified_name or not self.modules_to_not_quantize:
+            return False
+        parts = qualified_name.split(".")
+        prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        return any(fnmatch.fnmatchcase(prefix, pattern)
+                   for prefix in prefixes for pattern in self.modules_to_not_quantize)
+
+    def should_quantize(self, qualified_name: str, module: nn.Module) -> bool:
+        """Whether :func:`quantize_model` replaces this module.
+
+        Args:
+            qualified_name: its name in ``model.named_modules()``.
+            module: the module.
+
+        Returns:
+            True for an ``nn.Linear`` (or ``nn.Conv2d`` with ``quantize_conv``) that no pattern
+            excludes; False for anything else, already-quantized layers included.
+        """
+        if isinstance(module, _QuantizedWeightModule) or isinstance(module, _NOT_REPLACEABLE):
+            return False
+        if not (isinstance(module, nn.Linear)
+                or (self.quantize_conv and isinstance(module, nn.Conv2d))):
+            return False
+        return not self.is_excluded(qualified_name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serializable dict (format configs as ``{"format": ..., **fields}``)."""
+        weights: Any = self.weights_dtype
+        if isinstance(weights, QuantFormat):
+            weights = weights.value
+        elif not isinstance(weights, str):
+            weights = {"format": weights.format.value, **dataclasses.asdict(weights)}
+        return {"weights_dtype": weights, "activations_dtype": self.activations_dtype,
+                "modules_to_not_quantize": list(self.modules_to_not_quantize),
+                "group_size": self.group_size, "min_sqnr_db": self.min_sqnr_db,
+                "quantize_conv": self.quantize_conv}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> QuantizationConfig:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ConfigError: for unknown keys or invalid values.
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - fields
+        if unknown:
+            raise ConfigError(f"unknown QuantizationConfig fields: {sorted(unknown)}")
+        values = dict(data)
+        weights = values.get("weights_dtype")
+        if isinstance(weights, Mapping):
+            fields = dict(weights)
+            values["weights_dtype"] = config_from_dict(str(fields.pop("format", "")), fields)
+        return cls(**values)
+
+
+QuantoConfig = QuantizationConfig  # the seed's name (EriDiffusion's QuantoConfig)
+
+
+def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio ``10 log10(||ref||² / ||ref - approx||²)`` in dB.
+
+    Args:
+        reference: the full-precision tensor.
+        approximation: its dequantized version (same shape).
+
+    Returns:
+        The SQNR (``inf`` for an exact copy, ``-inf`` for an all-zero reference with error).
+        Computed in float64 on the tensors' device; one host sync.
+    """
+    ref = reference.detach().to(torch.float64)
+    noise = (ref - approximation.detach().to(torch.float64).reshape(ref.shape)).square().sum()
+    signal = ref.square().sum()
+    noise_f, signal_f = float(noise), float(signal)
+    if noise_f == 0.0:
+        return math.inf
+    if signal_f == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal_f / noise_f)
+
+
+def model_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (each tensor counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _quantize_weight(name: str, weight: torch.Tensor, config: QuantizationConfig
+                     ) -> QuantizedTensor | None:
+    """The quantized weight, or None when ``min_sqnr_db`` keeps it in full precision."""
+    q = quantize_tensor(weight.detach(), config.weight_format())
+    if config.min_sqnr_db is not None:
+        quality = sqnr_db(weight, q.dequantize(torch.float32))
+        if quality < config.min_sqnr_db:
+            logger.info("keeping %s in full precision: SQNR %.1f dB < min_sqnr_db %.1f", name,
+                        quality, config.min_sqnr_db)
+            return None
+    return q
+
+
+def quantize_model(model_or_state_dict: nn.Module | Mapping[str, Any],
+                   config: QuantizationConfig) -> Any:
+    """Quantize the weights of a model (in place) or of a state dict (seed ``quantize_model``).
+
+    For a module, every ``nn.Linear`` (and ``nn.Conv2d`` with ``config.quantize_conv``) selected
+    by :meth:`QuantizationConfig.should_quantize` is replaced by a :class:`QuantizedLinear` /
+    :class:`QuantizedConv2d` holding only the packed weight; the original weight's storage is
+    released (its ``Parameter`` is emptied), so model bytes drop to about 0.52x (int8, fp8) or
+    0.27x (int4, nf4) of bf16. Biases are kept as they are (same ``Parameter`` objects).
+    Weights shared by several modules (tied embeddings) stay in full precision.
+
+    For a state dict, every floating 2-D tensor (4-D with ``quantize_conv``) whose key ends in
+    ``weight`` and whose module is not excluded becomes a :class:`QuantizedTensor`; other
+    entries are passed through. The input dict is not modified.
+
+    Args:
+        model_or_state_dict: an ``nn.Module`` with real (not meta) weights, or a mapping of
+            name -> tensor.
+        config: a :class:`QuantizationConfig`.
+
+    Returns:
+        The same module (a new :class:`QuantizedLinear`/:class:`QuantizedConv2d` when the module
+        itself is a bare ``nn.Linear``/``nn.Conv2d``), or a new dict
+        ``{name: QuantizedTensor | Tensor}``.
+
+    Raises:
+        ConfigError: when ``config`` is not a :class:`QuantizationConfig`.
+        QuantizationError: for an already-quantized layer or tensor that the config selects,
+            meta weights, or unsupported weight dtypes.
+    """
+    if not isinstance(config, QuantizationConfig):
+        raise ConfigError(f"config must be a QuantizationConfig, got {type(config).__name__}")
+    if isinstance(model_or_state_dict, nn.Module):
+        return _quantize_module(model_or_state_dict, config)
+    if isinstance(model_or_state_dict, Mapping):
+        return _quantize_state_dict(model_or_state_dict, config)
+    raise ConfigError(f"quantize_model needs an nn.Module or a state dict, got "
+                      f"{type(model_or_state_dict).__name__}")
+
+
+def _quantize_state_dict(state: Mapping[str, Any], config: QuantizationConfig
+                         ) -> dict[str, QuantizedTensor | torch.Tensor]:
+    ranks = (2, 4) if config.quantize_conv else (2,)
+    out: dict[str, QuantizedTensor | torch.Tensor] = {}
+    for key, value in state.items():
+        module_name, _, leaf = key.rpartition(".")
+        if isinstance(value, QuantizedTensor):
+            if leaf == "weight" and not config.is_excluded(module_name):
+                raise QuantizationError(f"{key} is already quantized",
+                                        hint="Quantize the float state dict, or exclude it with "
+                                             "modules_to_not_quantize.")
+            out[key] = value
+            continue
+        if (isinstance(value, torch.Tensor) and leaf == "weight" and value.dim() in ranks
+                and value.is_floating_point() and not config.is_excluded(module_name)):
+            _check_not_meta(key, value)
+            q = _quantize_weight(key, value, config)
+            out[key] = q if q is not None else value
+        else:
+            out[key] = value
+    return out
+
+
+def _check_not_meta(name: str, tensor: torch.Tensor) -> None:
+    if tensor.device.type == "meta":
+        raise QuantizationError(f"{name} is on the meta device: there is nothing to quantize",
+                                hint="Load the real weights first (or quantize the state dict "
+                                     "as it is loaded).")
+
+
+def _quantize_module(model: nn.Module, config: QuantizationConfig) -> nn.Module:
+    if isinstance(model, _QuantizedWeightModule):
+        raise QuantizationError(f"{type(model).__name__} is already quantized")
+    if config.should_quantize("", model):  # a bare layer: nothing to replace it in
+        replaced = _replace_layer("<root>", model, config)
+        return replaced if replaced is not None else model
+    before = model_bytes(model)
+    shared = _shared_weights(model)
+    # Every (parent, attribute) slot of each module: a module registered twice is replaced at
+    # both places by one quantized layer.
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for parent in model.modules():
+        for attr, child in parent._modules.items():
+            if child is not None:
+                slots.setdefault(id(child), []).append((parent, attr))
+    quantized = kept = 0
+    for name, module in list(model.named_modules()):
+        if not name:
+            continue
+        if isinstance(module, _QuantizedWeightModule):
+            if not config.is_excluded(name):
+                raise QuantizationError(
+                    f"{name} is already quantized ({type(module).__name__})",
+                    hint="quantize_model runs once per model; to quantize the remaining float "
+                         "layers list the quantized ones in modules_to_not_quantize.")
+            continue
+        if not config.should_quantize(name, module):
+            continue
+        if id(module.weight) in shared:
+            logger.info("keeping %s in full precision: its weight is shared (tied)", name)
+            kept += 1
+            continue
+        replacement = _replace_layer(name, module, config)
+        if replacement is None:
+            kept += 1
+            continue
+        for parent, attr in slots.get(id(module), []):
+            setattr(parent, attr, replacement)
+        quantized += 1
+    after = model_bytes(model)
+    logger.info("quantize_model: %d layers quantized to %s (%d kept in full precision); "
+                "parameters + buffers %s -> %s", quantized, _format_label(config), kept,
+                format_size(before), format_size(after))
+    return model
+
+
+def _format_label(config: QuantizationConfig) -> str:
+    label = config.weight_format().format.value
+    return label + ("+fp8-activations" if config.activation_fp8 else "")
+
+
+def _replace_layer(name: str, module: nn.Module, config: QuantizationConfig
+                   ) -> nn.Module | None:
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor):
+        return None
+    _check_not_meta(f"{name}.weight", weight)
+    if isinstance(module, nn.Conv2d):
+        q = _quantize_weight(name, weight, config)
+        if q is None:
+            return None
+        layer: nn.Module = QuantizedConv2d.from_quantized(q, module.bias, **conv_geometry(module))
+    else:
+        q = _quantize_weight(name, weight, config)
+        if q is None:
+            return None
+        # The fp8 GEMM takes in/out features that are multiples of 16; other layers run
+        # weight-only rather than failing at their first forward.
+        fp8_gemm = config.activation_fp8 and not (module.in_features % _FP8_GEMM_MULTIPLE
+                                                  or module.out_features % _FP8_GEMM_MULTIPLE)
+        if config.activation_fp8 and not fp8_gemm:
+            logger.info("%s (%d -> %d) runs weight-only: the fp8 GEMM needs features divisible "
+                        "by %d", name, module.in_features, module.out_features,
+                        _FP8_GEMM_MULTIPLE)
+        layer = QuantizedLinear.from_quantized(q, module.bias, activation_fp8=fp8_gemm)
+    layer.train(module.training)
+    _release(weight)
+    return layer
+
+
+def _shared_weights(model: nn.Module) -> set[int]:
+    """Ids of weights registered in more than one module (tied embeddings and heads)."""
+    owners: dict[int, set[int]] = {}
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None:
+                owners.setdefault(id(param), set()).add(id(module))
+    return {pid for pid, mods in owners.items() if len(mods) > 1}

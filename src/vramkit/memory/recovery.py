@@ -1,0 +1,954 @@
+"""Out-of-memory recovery: recognize an OOM, say which kind it is, and retry smaller.
+
+* :func:`is_oom_error` recognizes an out-of-memory error by its exception *type*, never by its
+  message: ``torch.OutOfMemoryError`` (raised by CUDA and by ROCm/HIP builds, which report
+  through the same CUDA caching allocator), the XPU/MPS classes where a torch build defines them,
+  Python's ``MemoryError`` and vramkit's :class:`~vramkit.errors.PoolExhaustedError`. PyTorch's
+  CPU allocator raises a plain ``RuntimeError`` when ``malloc`` fails (torch 2.13 has no type for
+  it); such an error is *not* recognized, because matching its text is what this module refuses
+  to do.
+* :func:`classify_oom` says why memory ran out -- capacity, fragmentation or memory held outside
+  PyTorch -- from the caching allocator's statistics, ``cudaMemGetInfo`` and NVML, with a hint.
+* :class:`MemoryRecovery` / :func:`train_with_memory_recovery` run one training step as
+  micro-batches; on OOM they free the failed attempt (outside the ``except`` block), halve the
+  micro-batch, double the accumulation (the effective batch stays the same) and remember the
+  size that worked for the following steps.
+* :func:`find_executable_batch_size` searches the largest batch size a function runs with.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import torch
+from torch import nn
+
+from vramkit.errors import ConfigError, PoolExhaustedError, RecoveryError
+from vramkit.units import format_size
+
+__all__ = [
+    "DeviceMemoryReading",
+    "MemoryRecovery",
+    "OomDiagnosis",
+    "OomEvent",
+    "RecoveryResult",
+    "batch_size_of",
+    "classify_oom",
+    "diagnose_memory",
+    "find_executable_batch_size",
+    "is_oom_error",
+    "read_device_memory",
+    "split_batch",
+    "train_with_memory_recovery",
+]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+OomKind = Literal["capacity", "fragmentation", "outside_pytorch"]
+
+# Thresholds of the classification, as fractions of the memory PyTorch may use on the device.
+# Cached-but-unallocated bytes above this share mean the allocator's cache is fragmented.
+_FRAGMENTED_SHARE = 0.10
+# Bytes held on the device outside this process's allocator above this share (besides the CUDA
+# context, a few hundred MiB) mean someone else holds the memory.
+_OUTSIDE_SHARE = 0.10
+
+_HINTS: dict[str, str] = {
+    "capacity": ("The step needs more memory than the device has: lower the batch size, enable "
+                 "gradient checkpointing, swap blocks (BlockSwapper), offload the optimizer "
+                 "(CPUOffloadOptimizer) or quantize the frozen weights."),
+    "fragmentation": ("Enough bytes are free but not in one piece: set "
+                      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the first CUDA "
+                      "call (vramkit.setup_cuda_memory_management), call torch.cuda.empty_cache() "
+                      "between phases, or preallocate fixed buffers with a MemoryPool."),
+    "outside_pytorch": ("Memory is held outside this process's PyTorch allocator (other "
+                        "processes, another framework such as JAX/CuPy, or a memory cap): check "
+                        "`vramkit info` / nvidia-smi, stop other jobs, or set "
+                        "XLA_PYTHON_CLIENT_PREALLOCATE=false when JAX shares the GPU."),
+    "host": ("The host ran out of memory: offload less to the CPU, use a smaller pinned pool "
+             "(PoolConfig.max_size), or load checkpoints lazily (vramkit.io)."),
+}
+
+
+# ------------------------------------------------------------------------------------------
+# Detection
+# ------------------------------------------------------------------------------------------
+
+
+def _oom_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [MemoryError]  # PoolExhaustedError is a MemoryError
+    for owner in (torch, getattr(torch, "cuda", None), getattr(torch, "xpu", None),
+                  getattr(torch, "mps", None)):
+        cls = getattr(owner, "OutOfMemoryError", None)
+        if isinstance(cls, type) and issubclass(cls, BaseException) and cls not in types:
+            types.append(cls)
+    return tuple(types)
+
+
+def is_oom_error(error: BaseException) -> bool:
+    """Whether ``error`` is an out-of-memory error, judged by its type only.
+
+    Recognized: ``torch.OutOfMemoryError`` (CUDA and ROCm/HIP), ``torch.xpu.OutOfMemoryError`` and
+    ``torch.mps.OutOfMemoryError`` when the torch build defines them, ``MemoryError`` (host) and
+    vramkit's :class:`~vramkit.errors.PoolExhaustedError`. A
+    :class:`~vramkit.errors.RecoveryError` (a ``MemoryError`` raised when recovery gave up) is
+    not a fresh OOM and returns ``False``, so nested recovery loops do not retry it.
+
+    Args:
+        error: any exception.
+
+    Returns:
+        ``True`` for the types above.
+    """
+    if isinstance(error, RecoveryError):
+        return False
+    return isinstance(error, _oom_types())
+
+
+# ------------------------------------------------------------------------------------------
+# Classification
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceMemoryReading:
+    """What one device's memory looked like when an OOM happened (bytes; ``None`` = unknown).
+
+    Attributes:
+        device: ``"cuda:N"``.
+        total: device memory (``cudaMemGetInfo``).
+        free: memory the driver could still hand out.
+        reserved: held by this process's caching allocator.
+        allocated: in live tensors of this process.
+        largest_cached_block: the largest free block inside the allocator's segments.
+        limit: the cap on ``reserved`` (``set_per_process_memory_fraction`` x total).
+        other_processes: memory NVML charges to other processes on this device.
+    """
+
+    device: str
+    total: int
+    free: int
+    reserved: int
+    allocated: int
+    largest_cached_block: int | None = None
+    limit: int | None = None
+    other_processes: int | None = None
+
+    @property
+    def cached_free(self) -> int:
+        """Reserved but unallocated bytes (the allocator's cache)."""
+        return max(0, self.reserved - self.allocated)
+
+    @property
+    def outside_pytorch(self) -> int:
+        """Device bytes in use that this process's allocator does not hold."""
+        return max(0, self.total - self.free - self.reserved)
+
+    @property
+    def usable(self) -> int:
+        """The most ``reserved`` may grow to: the cap, or the device size."""
+        return self.total if self.limit is None else min(self.total, self.limit)
+
+
+@dataclass(frozen=True)
+class OomDiagnosis:
+    """Why memory ran out. Holds no reference to the exception (its frames hold tensors).
+
+    Attributes:
+        kind: ``"capacity"`` (the work needs more than the device offers), ``"fragmentation"``
+            (enough bytes are free, not in one piece) or ``"outside_pytorch"`` (memory held by
+            other processes, other frameworks or non-PyTorch allocations in this process).
+        device: ``"cuda:N"``, ``"cpu"`` (host) or ``"pool"`` (a vramkit MemoryPool).
+        error_type: the exception's class name.
+        requested: bytes of the failed allocation, when known.
+        free / reserved / allocated / total / limit: the reading (see
+            :class:`DeviceMemoryReading`); ``None`` when unknown.
+        cached_free: reserved-but-unallocated bytes.
+        largest_free_block: the largest free block in the allocator's cache or the pool.
+        outside_pytorch: device bytes used outside this process's allocator.
+        other_processes: bytes NVML charges to other processes.
+        hint: what to try.
+    """
+
+    kind: OomKind
+    device: str
+    error_type: str
+    requested: int | None = None
+    free: int | None = None
+    reserved: int | None = None
+    allocated: int | None = None
+    total: int | None = None
+    limit: int | None = None
+    cached_free: int | None = None
+    largest_free_block: int | None = None
+    outside_pytorch: int | None = None
+    other_processes: int | None = None
+    hint: str = ""
+
+    def __str__(self) -> str:
+        def size(value: int | None) -> str:
+            return "?" if value is None else format_size(value)
+
+        return (f"{self.error_type} on {self.device}: {self.kind} (requested "
+                f"{size(self.requested)}, free {size(self.free)}, reserved "
+                f"{size(self.reserved)}, allocated {size(self.allocated)}, outside PyTorch "
+                f"{size(self.outside_pytorch)})\n  hint: {self.hint}")
+
+
+def diagnose_memory(reading: DeviceMemoryReading, requested: int | None = None,
+                    error_type: str = "OutOfMemoryError") -> OomDiagnosis:
+    """Classify an OOM from a memory reading (the pure part of :func:`classify_oom`).
+
+    Rules, in order (``growth`` = ``min(free, usable - reserved)``, the bytes ``reserved`` could
+    still grow by):
+
+    * **fragmentation** -- with ``requested`` known: ``requested <= cached_free + growth`` (the
+      bytes were there, split up). Unknown: ``cached_free >= 10%`` of ``usable`` and the largest
+      cached block (when known) is smaller than ``cached_free``.
+    * **outside_pytorch** -- memory held outside this allocator (``total - free - reserved``,
+      or NVML's figure for other processes, whichever is larger) is at least 10% of the device
+      and, with ``requested`` known, the request would fit under the cap if that memory were
+      free (unknown: ``reserved`` is below the cap minus that memory).
+    * **capacity** -- otherwise (hitting a ``set_per_process_memory_fraction`` cap is
+      capacity: the hint names the cap).
+
+    Args:
+        reading: the device's memory at the OOM.
+        requested: bytes of the failed allocation, if known (default ``None``).
+        error_type: the exception class name to record (default ``"OutOfMemoryError"``).
+
+    Returns:
+        The diagnosis, with a hint for its kind.
+    """
+    usable = reading.usable
+    growth = max(0, min(reading.free, usable - reading.reserved))
+    outside = reading.outside_pytorch
+    held_elsewhere = max(outside, reading.other_processes or 0)
+    significant = held_elsewhere >= _OUTSIDE_SHARE * reading.total
+    kind: OomKind
+    if requested is not None:
+        if requested <= reading.cached_free + growth:
+            kind = "fragmentation"
+        elif significant and requested <= reading.cached_free + max(
+                0, min(usable - reading.reserved, reading.free + held_elsewhere)):
+            kind = "outside_pytorch"
+        else:
+            kind = "capacity"
+    else:
+        largest = reading.largest_cached_block
+        if reading.cached_free >= _FRAGMENTED_SHARE * usable and (
+                largest is None or largest < reading.cached_free):
+            kind = "fragmentation"
+        elif significant and reading.reserved < usable - held_elsewhere:
+            kind = "outside_pytorch"
+        else:
+            kind = "capacity"
+    hint = _HINTS[kind]
+    if kind == "capacity" and reading.limit is not None and reading.limit < reading.total:
+        hint = (f"This process is capped at {format_size(usable)} of {format_size(reading.total)} "
+                "(torch.cuda.set_per_process_memory_fraction): raise the cap, or " +
+                hint[0].lower() + hint[1:])
+    return OomDiagnosis(
+        kind=kind, device=reading.device, error_type=error_type, requested=requested,
+        free=reading.free, reserved=reading.reserved, allocated=reading.allocated,
+        total=reading.total, limit=reading.limit, cached_free=reading.cached_free,
+        largest_free_block=reading.largest_cached_block, outside_pytorch=outside,
+        other_processes=reading.other_processes, hint=hint)
+
+
+def read_device_memory(index: int, *, use_nvml: bool = True,
+                       largest_block: bool = True) -> DeviceMemoryReading:
+    """Read one CUDA device's memory the way :func:`classify_oom` needs it.
+
+    Args:
+        index: CUDA ordinal.
+        use_nvml: ask NVML for other processes' memory on the device (default ``True``).
+        largest_block: walk ``torch.cuda.memory_snapshot()`` for the largest cached free block
+            (default ``True``; a few ms, fine after an OOM, not on a hot path).
+
+    Returns:
+        The reading.
+    """
+    free, total = torch.cuda.mem_get_info(index)
+    stats = torch.cuda.memory_stats(index)
+    reserved = int(stats.get("reserved_bytes.all.current", 0))
+    allocated = int(stats.get("allocated_bytes.all.current", 0))
+    limit = None
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if get_fraction is not None:
+        fraction = float(get_fraction(index))
+        if fraction < 1.0:
+            limit = int(fraction * total)
+    largest = _largest_cached_block(index) if largest_block else None
+    others = _other_processes_memory(index) if use_nvml else None
+    return DeviceMemoryReading(device=f"cuda:{index}", total=int(total), free=int(free),
+                               reserved=reserved, allocated=allocated,
+                               largest_cached_block=largest, limit=limit,
+                               other_processes=others)
+
+
+def _largest_cached_block(index: int) -> int | None:
+    try:
+        segments = torch.cuda.memory_snapshot()
+    except RuntimeError:  # allocator backends without snapshots (cudaMallocAsync)
+        return None
+    largest = 0
+    for segment in segments:
+        if segment.get("device") != index:
+            continue
+        for block in segment.get("blocks", ()):
+            if block.get("state") == "inactive":
+                largest = max(largest, int(block.get("size", 0)))
+    return largest
+
+
+def _other_processes_memory(index: int) -> int | None:
+    from vramkit.devices.nvml import query_nvml
+
+    try:
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        snapshot = query_nvml(include_processes=True)
+    except Exception as err:  # NVML trouble must not mask the OOM being diagnosed
+        logger.debug("NVML unavailable for OOM diagnosis: %s", err)
+        return None
+    device = snapshot.by_uuid(uuid) if snapshot.available else None
+    if device is None or not device.processes:
+        return None
+    pid = os.getpid()
+    if all(p.pid != pid for p in device.processes):
+        return None  # another PID namespace: we cannot tell our own entry from the others
+    sizes = [p.used_memory for p in device.processes if p.pid != pid]
+    if any(s is None for s in sizes):
+        return None
+    return int(sum(s for s in sizes if s is not None))
+
+
+_last_request: dict[int, int] = {}
+_observer_installed = False
+
+
+def _record_failed_request(*args: Any) -> None:
+    # Called by the CUDA allocator as (device, requested bytes, device allocated, device free);
+    # it must never raise (it runs inside the allocator's OOM path), hence *args.
+    try:
+        _last_request[int(args[0])] = int(args[1])
+    except (IndexError, TypeError, ValueError):
+        pass
+
+
+def _install_oom_observer() -> None:
+    """Have the CUDA allocator report each failed request's size (called after CUDA is up)."""
+    global _observer_installed
+    if _observer_installed:
+        return
+    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+    if attach is None:
+        return
+    try:
+        attach(_record_failed_request)
+        _observer_installed = True
+    except RuntimeError as err:
+        logger.debug("cannot attach the OOM observer: %s", err)
+
+
+def classify_oom(error: BaseException, device: Any = None, *, requested: int | None = None,
+                 use_nvml: bool = True) -> OomDiagnosis:
+    """Say why ``error`` (an OOM) happened: capacity, fragmentation or memory outside PyTorch.
+
+    Call it soon after the error, before memory is freed: it reads the current state.
+
+    Args:
+        error: an error :func:`is_oom_error` accepts.
+        device: the CUDA device it happened on (default ``None``: the current CUDA device).
+            Ignored for host errors and pool errors.
+        requested: bytes of the failed allocation. Default ``None``: the pool's figure for
+            :class:`~vramkit.errors.PoolExhaustedError`, else the size the CUDA allocator
+            reported to vramkit's OOM observer (installed by :class:`MemoryRecovery` and
+            :func:`find_executable_batch_size` on CUDA), else unknown.
+        use_nvml: ask NVML for other processes' usage (default ``True``).
+
+    Returns:
+        An :class:`OomDiagnosis`.
+
+    Raises:
+        ConfigError: when ``error`` is not an OOM.
+    """
+    if not is_oom_error(error):
+        raise ConfigError(f"not an out-of-memory error: {type(error).__name__}",
+                          hint="Check is_oom_error(e) before classifying.")
+    error_type = type(error).__name__
+    if isinstance(error, PoolExhaustedError):
+        return _classify_pool(error, requested, error_type)
+    if not isinstance(error, torch.OutOfMemoryError):
+        return _classify_host(requested, error_type)
+    from vramkit.memory.stats import resolve_cuda_index
+
+    index = resolve_cuda_index(device)
+    if index is None:
+        return OomDiagnosis(kind="capacity", device="cuda", error_type=error_type,
+                            requested=requested, hint=_HINTS["capacity"])
+    if requested is None:
+        requested = _last_request.pop(index, None)
+    reading = read_device_memory(index, use_nvml=use_nvml)
+    return diagnose_memory(reading, requested, error_type)
+
+
+def _classify_pool(error: PoolExhaustedError, requested: int | None,
+                   error_type: str) -> OomDiagnosis:
+    stats = error.stats
+    requested = error.requested if requested is None else requested
+    reserved = getattr(stats, "reserved", None)
+    allocated = getattr(stats, "allocated", None)
+    largest = getattr(stats, "largest_free_block", None)
+    free = None if reserved is None or allocated is None else reserved - allocated
+    fragmented = free is not None and largest is not None and largest < requested <= free
+    kind: OomKind = "fragmentation" if fragmented else "capacity"
+    hint = ("The pool has the bytes but not in one piece: call pool.defragment(), or free "
+            "long-lived blocks first." if fragmented else
+            "The pool reached PoolConfig.max_size: raise it, or free blocks you no longer need.")
+    return OomDiagnosis(kind=kind, device="pool", error_type=error_type, requested=requested,
+                        free=free, reserved=reserved, allocated=allocated, cached_free=free,
+                        largest_free_block=largest, hint=hint)
+
+
+def _classify_host(requested: int | None, error_type: str) -> OomDiagnosis:
+    import psutil
+
+    mem = psutil.virtual_memory()
+    rss = psutil.Process().memory_info().rss
+    outside = max(0, int(mem.total - mem.available - rss))
+    kind: OomKind = "capacity"
+    if requested is not None and requested <= mem.available + outside \
+            and outside >= _OUTSIDE_SHARE * mem.total and requested > mem.available:
+        kind = "outside_pytorch"
+    return OomDiagnosis(kind=kind, device="cpu", error_type=error_type, requested=requested,
+                        free=int(mem.available), allocated=int(rss), total=int(mem.total),
+                        outside_pytorch=outside, hint=_HINTS["host"])
+
+
+# ------------------------------------------------------------------------------------------
+# Freeing a failed attempt
+# ------------------------------------------------------------------------------------------
+
+
+def _release_cuda_cache(device: torch.device | None) -> None:
+    if device is not None and device.type == "cuda" and torch.cuda.is_initialized():
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()
+
+
+def _allocated(device: torch.device | None) -> int | None:
+    if device is not None and device.type == "cuda" and torch.cuda.is_initialized():
+        return int(torch.cuda.memory_allocated(device))  # a host-side counter: no sync
+    return None
+
+
+def _forget(error: BaseException) -> None:
+    """Cut the references that keep a failed attempt's tensors alive."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        current.__traceback__ = None
+        current = current.__cause__ or current.__context__
+
+
+def _resolve_device(device: Any) -> torch.device | None:
+    if device is None:
+        return None
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cuda", device)
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ConfigError(f"invalid device {device!r}: {err}") from None
+
+
+def _free_failed_attempt(error: BaseException, device: torch.device | None,
+                         params: list[torch.Tensor]) -> None:
+    """Drop the failed attempt's tensors: its traceback frames, partial gradients, the cache."""
+    _forget(error)
+    for param in params:
+        param.grad = None
+    gc.collect()
+    _release_cuda_cache(device)
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+# ------------------------------------------------------------------------------------------
+# Splitting a batch into micro-batches
+# ------------------------------------------------------------------------------------------
+
+
+def _batch_sizes(batch: Any, out: list[int]) -> None:
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() >= 1:
+            out.append(int(batch.shape[0]))
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            _batch_sizes(value, out)
+    elif isinstance(batch, (tuple, list)):
+        for value in batch:
+            _batch_sizes(value, out)
+
+
+def batch_size_of(batch: Any) -> int:
+    """The batch size of ``batch``: dim 0 of its tensors (all must agree).
+
+    Args:
+        batch: a tensor, or a mapping/tuple/list nesting tensors. Non-tensor leaves and 0-d
+            tensors are not batched (they are passed to every micro-batch as they are).
+
+    Returns:
+        The size of dim 0.
+
+    Raises:
+        ConfigError: when there is no batched tensor or dim-0 sizes disagree.
+    """
+    sizes: list[int] = []
+    _batch_sizes(batch, sizes)
+    if not sizes:
+        raise ConfigError("the batch holds no tensor with a batch dimension",
+                          hint="Pass a tensor, or a dict/tuple/list of tensors batched on dim 0.")
+    if len(set(sizes)) != 1:
+        raise ConfigError(f"the batch's tensors disagree on dim 0: sizes {sorted(set(sizes))}")
+    return sizes[0]
+
+
+def _take(batch: Any, start: int, stop: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop] if batch.dim() >= 1 else batch  # a view: no copy
+    if isinstance(batch, Mapping):
+        return {key: _take(value, start, stop) for key, value in batch.items()}
+    if isinstance(batch, tuple):
+        items = [_take(value, start, stop) for value in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else tuple(items)
+    if isinstance(batch, list):
+        return [_take(value, start, stop) for value in batch]
+    return batch
+
+
+def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
+    """Split ``batch`` along dim 0 into micro-batches of ``micro_batch_size`` (the last smaller).
+
+    Tensors become views (no copy); mappings become dicts, tuples (named tuples too) and lists
+    keep their type; other leaves and 0-d tensors are shared by every micro-batch.
+
+    Args:
+        batch: a tensor or a nesting of mappings/tuples/lists of tensors batched on dim 0.
+        micro_batch_size: rows per micro-batch, >= 1.
+
+    Returns:
+        ``ceil(batch_size / micro_batch_size)`` micro-batches, in order.
+    """
+    _check_int("micro_batch_size", micro_batch_size, 1)
+    total = batch_size_of(batch)
+    return [_take(batch, start, min(start + micro_batch_size, total))
+            for start in range(0, total, micro_batch_size)]
+
+
+# ------------------------------------------------------------------------------------------
+# Recovering a training step
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OomEvent:
+    """One OOM that :class:`MemoryRecovery` recovered from (or gave up on).
+
+    Attributes:
+        micro_batch_size: the micro-batch size of the failed attempt.
+        diagnosis: its :class:`OomDiagnosis`.
+        allocated_before: ``torch.cuda.memory_allocated`` when the attempt started (``None``
+            off CUDA).
+        allocated_after: the same after the failed attempt was freed.
+    """
+
+    micro_batch_size: int
+    diagnosis: OomDiagnosis
+    allocated_before: int | None
+    allocated_after: int | None
+
+
+@dataclass(frozen=True)
+class RecoveryResult:
+    """What one recovered step did.
+
+    Attributes:
+        loss: the batch loss (micro-batch losses weighted by their share of the batch), a
+            detached tensor on the loss's device (never synchronized); ``None`` when the step
+            function returned no tensor.
+        batch_size: rows in the batch (the effective batch).
+        micro_batch_size: the size that ran.
+        accumulation_steps: micro-batches the batch was split into.
+        attempts: tries this step took (1 = no OOM).
+        events: the OOMs of this step, in order.
+    """
+
+    loss: torch.Tensor | None
+    batch_size: int
+    micro_batch_size: int
+    accumulation_steps: int
+    attempts: int
+    events: tuple[OomEvent, ...] = ()
+
+
+class MemoryRecovery:
+    """Runs training steps as micro-batches and shrinks them on OOM, remembering what worked.
+
+    A step runs the batch as ``ceil(N / m)`` micro-batches of ``m`` rows (the last may be
+    smaller); each micro-batch's loss is weighted by its share of the batch, so the accumulated
+    gradient equals the full-batch gradient of a mean loss whatever ``m`` is. On an OOM the
+    failed attempt is freed (outside the ``except`` block: the exception's traceback is cut, the
+    attempt's gradients dropped, ``gc.collect()`` and ``torch.cuda.empty_cache()`` run), ``m``
+    is halved and the whole batch is run again. The size that worked is kept for later steps.
+
+    Gradients: when a step starts, gradients already on ``params`` (accumulated by earlier steps)
+    are set aside and the step accumulates into fresh ``.grad`` tensors; a failed attempt's
+    gradients are dropped (never half-accumulated); on success the set-aside gradients are added
+    back in place. While a step runs with pre-existing gradients, both gradient buffers exist:
+    call ``optimizer.zero_grad(set_to_none=True)`` before each step to avoid that.
+
+    Args:
+        params: the parameters whose gradients the step accumulates (an ``nn.Module`` means its
+            parameters); ``()`` for steps that produce no gradients.
+        attempts: tries per step, the first included (default 3): at most ``attempts - 1``
+            halvings.
+        micro_batch_size: the micro-batch size to start from (default ``None``: the batch size
+            of the first step). Larger batches are split from the first attempt.
+        min_micro_batch_size: give up rather than go below this (default 1).
+        run_backward: ``True`` (default): ``step_fn(micro_batch)`` returns the micro-batch's
+            mean loss and this object calls ``(loss * weight).backward()``. ``False``:
+            ``step_fn(micro_batch, weight)`` runs its own backward on ``loss * weight`` and
+            returns the (unweighted) loss or ``None``.
+        device: the device whose cache is emptied and whose allocator is read (default: the
+            first CUDA parameter's device, else none).
+        on_oom: called with each :class:`OomEvent` after the failed attempt was freed
+            (default ``None``).
+
+    Raises:
+        ConfigError: for invalid values.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor] | nn.Module, *, attempts: int = 3,
+                 micro_batch_size: int | None = None, min_micro_batch_size: int = 1,
+                 run_backward: bool = True, device: Any = None,
+                 on_oom: Callable[[OomEvent], None] | None = None) -> None:
+        self.attempts = _check_int("attempts", attempts, 1)
+        self.min_micro_batch_size = _check_int("min_micro_batch_size", min_micro_batch_size, 1)
+        if micro_batch_size is not None:
+            _check_int("micro_batch_size", micro_batch_size, self.min_micro_batch_size)
+        if not isinstance(run_backward, bool):
+            raise ConfigError(f"run_backward must be a bool, got {run_backward!r}")
+        if on_oom is not None and not callable(on_oom):
+            raise ConfigError("on_oom must be callable")
+        if isinstance(params, nn.Module):
+            params = params.parameters()
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params: list[torch.Tensor] = list(params)
+        if not all(isinstance(p, torch.Tensor) for p in self.params):
+            raise ConfigError("params must be tensors (or an nn.Module)")
+        self.run_backward = run_backward
+        self.on_oom = on_oom
+        self.device = _resolve_device(device)
+        if self.device is None:
+            self.device = next((p.device for p in self.params if p.device.type == "cuda"), None)
+        self.micro_batch_size = micro_batch_size
+        self.events: list[OomEvent] = []
+
+    def reset(self) -> None:
+        """Forget the settled micro-batch size: the next step starts from the whole batch."""
+        self.micro_batch_size = None
+
+    def step(self, step_fn: Callable[..., Any], batch: Any) -> RecoveryResult:
+        """Run one training step over ``batch``, recovering from OOM.
+
+        Args:
+            step_fn: see ``run_backward`` in the class docstring.
+            batch: a tensor or a nesting of dicts/tuples/lists of tensors batched on dim 0.
+
+        Returns:
+            A :class:`RecoveryResult`.
+
+        Raises:
+            RecoveryError: when the micro-batch reached ``min_micro_batch_size`` or every
+                attempt ran out of memory; gradients are then as they were before the step.
+            Any non-OOM error of ``step_fn`` (gradients restored likewise).
+        """
+        total = batch_size_of(batch)
+        micro = min(self.micro_batch_size or total, total)
+        if self.device is not None and self.device.type == "cuda" and torch.cuda.is_initialized():
+            _install_oom_observer()
+        saved = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        events: list[OomEvent] = []
+        tries = 0
+        while True:
+            tries += 1
+            before = _allocated(self.device)
+            error: BaseException | None = None
+            loss: torch.Tensor | None = None
+            try:
+                loss = self._attempt(step_fn, batch, total, micro)
+            except BaseException as exc:
+                if not is_oom_error(exc):
+                    self._restore(saved)
+                    raise
+                error = exc
+            if error is None:
+                break
+            # Out of the except block: the interpreter no longer pins the exception, so cutting
+            # its traceback releases the frames (and the activations they reference).
+            diagnosis = classify_oom(error, self.device)
+            _free_failed_attempt(error, self.device, self.params)
+            del error
+            event = OomEvent(micro, diagnosis, before, _allocated(self.device))
+            events.append(event)
+            self.events.append(event)
+            logger.warning("OOM at micro-batch %d of %d (%s)", micro, total, diagnosis.kind)
+            if self.on_oom is not None:
+                self.on_oom(event)
+            if micro <= self.min_micro_batch_size or tries >= self.attempts:
+                self._restore(saved)
+                why = (f"the micro-batch is already {micro}" if micro <= self.min_micro_batch_size
+                       else f"all {self.attempts} attempts ran out of memory")
+                raise RecoveryError(f"out of memory on a batch of {total}: {why}; last "
+                                    f"diagnosis: {diagnosis.kind}", hint=diagnosis.hint)
+            micro = max(self.min_micro_batch_size, micro // 2)
+        self._merge(saved)
+        self.micro_batch_size = micro
+        return RecoveryResult(loss=loss, batch_size=total, micro_batch_size=micro,
+                              accumulation_steps=math.ceil(total / micro), attempts=tries,
+                              events=tuple(events))
+
+    def _attempt(self, step_fn: Callable[..., Any], batch: Any, total: int,
+                 micro: int) -> torch.Tensor | None:
+        accumulated: torch.Tensor | None = None
+        for part in split_batch(batch, micro):
+            weight = batch_size_of(part) / total
+            if self.run_backward:
+                loss = step_fn(part)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise ConfigError("step_fn must return the micro-batch's scalar loss "
+                                      f"(got {type(loss).__name__})",
+                                      hint="Or pass run_backward=False and call backward "
+                                           "yourself on loss * weight.")
+                (loss * weight).backward()
+            else:
+                loss = step_fn(part, weight)
+            if isinstance(loss, torch.Tensor):
+                part_loss = loss.detach().reshape(()) * weight
+                accumulated = part_loss if accumulated is None else accumulated + part_loss
+            del loss
+        return accumulated
+
+    def _restore(self, saved: list[torch.Tensor | None]) -> None:
+        for param, grad in zip(self.params, saved, strict=True):
+            param.grad = grad
+
+    def _merge(self, saved: list[torch.Tensor | None]) -> None:
+        with torch.no_grad():
+            for param, old in zip(self.params, saved, strict=True):
+                if old is None:
+                    continue
+                if param.grad is not None:
+                    old.add_(param.grad)
+                param.grad = old
+
+    def __repr__(self) -> str:
+        return (f"MemoryRecovery(micro_batch_size={self.micro_batch_size}, "
+                f"attempts={self.attempts}, ooms={len(self.events)})")
+
+
+def train_with_memory_recovery(step_fn: Callable[..., Any], batch: Any, attempts: int = 3, *,
+                               params: Iterable[torch.Tensor] | nn.Module,
+                               recovery: MemoryRecovery | None = None,
+                               **options: Any) -> RecoveryResult:
+    """Run one training step over ``batch``, halving the micro-batch on OOM (seed function).
+
+    For several steps keep a :class:`MemoryRecovery` (pass it as ``recovery``) so later steps
+    start at the size that worked.
+
+    Args:
+        step_fn: ``step_fn(micro_batch) -> loss`` (see :class:`MemoryRecovery`).
+        batch: the batch.
+        attempts: tries, the first included (default 3); ignored when ``recovery`` is given.
+        params: the parameters the step computes gradients for (required, so a failed
+            attempt's partial gradients can be dropped).
+        recovery: a :class:`MemoryRecovery` to use and update (default: a new one).
+        **options: other :class:`MemoryRecovery` arguments when ``recovery`` is ``None``.
+
+    Returns:
+        A :class:`RecoveryResult`.
+
+    Raises:
+        RecoveryError: when recovery gives up.
+    """
+    if recovery is None:
+        recovery = MemoryRecovery(params, attempts=attempts, **options)
+    elif options:
+        raise ConfigError(f"options {sorted(options)} conflict with the given recovery object")
+    return recovery.step(step_fn, batch)
+
+
+# ------------------------------------------------------------------------------------------
+# Batch-size search
+# ------------------------------------------------------------------------------------------
+
+_MODES = ("power", "binsearch")
+
+
+class _BatchSizeSearch:
+    """The callable :func:`find_executable_batch_size` returns (see there)."""
+
+    def __init__(self, fn: Callable[..., _T], starting_batch_size: int, mode: str,
+                 headroom: float, device: torch.device | None) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.starting_batch_size = starting_batch_size
+        self.mode = mode
+        self.headroom = headroom
+        self.device = device
+        self.batch_size: int | None = None
+        self.probes: list[tuple[int, bool]] = []
+        self.diagnoses: list[OomDiagnosis] = []
+
+    def _probe(self, size: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
+        device = self.device
+        if device is None and torch.cuda.is_initialized():
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device is not None and device.type == "cuda":
+            _install_oom_observer()
+        error: BaseException | None = None
+        try:
+            result = self.fn(size, *args, **kwargs)
+        except BaseException as exc:
+            if not is_oom_error(exc):
+                raise
+            error = exc
+        self.probes.append((size, error is None))
+        if error is None:
+            return True, result
+        self.diagnoses.append(classify_oom(error, device))
+        _free_failed_attempt(error, device, [])
+        del error
+        logger.info("batch size %d ran out of memory", size)
+        return False, None
+
+    def _descend(self, size: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[int, Any, int | None]:
+        """Halve from ``size`` until a call runs: (size that ran, its result, smallest failure)."""
+        failed: int | None = None
+        while True:
+            ok, result = self._probe(size, args, kwargs)
+            if ok:
+                return size, result, failed
+            failed = size
+            if size == 1:
+                raise RecoveryError("even batch size 1 runs out of memory",
+                                    hint=self.diagnoses[-1].hint)
+            size //= 2
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if "batch_size" in kwargs:
+            raise ConfigError("do not pass batch_size: find_executable_batch_size passes it as "
+                              "the first argument")
+        self.probes = []
+        self.diagnoses = []
+        start = self.batch_size or self.starting_batch_size
+        ran, result, failed = self._descend(start, args, kwargs)
+        if failed is None:  # the first size ran: nothing says it is near the limit
+            self.batch_size = ran
+            return result
+        if self.mode == "binsearch":
+            low, high = ran, failed
+            while high - low > 1:
+                mid = (low + high) // 2
+                ok, mid_result = self._probe(mid, args, kwargs)
+                if ok:
+                    low, ran, result = mid, mid, mid_result
+                else:
+                    high = mid
+        chosen = max(1, math.floor(ran * (1.0 - self.headroom)))
+        if chosen != ran:
+            ok, result = self._probe(chosen, args, kwargs)
+            if not ok:
+                chosen, result, _ = self._descend(max(1, chosen // 2), args, kwargs)
+        self.batch_size = chosen
+        return result
+
+    def reset(self) -> None:
+        """Forget the size found: the next call starts from ``starting_batch_size``."""
+        self.batch_size = None
+
+
+def find_executable_batch_size(fn: Callable[..., Any] | None = None, *,
+                               starting_batch_size: int = 128, mode: str = "power",
+                               headroom: float = 0.05, device: Any = None) -> Any:
+    """Find the largest batch size ``fn(batch_size, *args, **kwargs)`` runs with.
+
+    Usable as ``@find_executable_batch_size(starting_batch_size=64)``, as a bare decorator, or
+    as a function ``find_executable_batch_size(fn, starting_batch_size=64)``; each returns a
+    callable that takes ``fn``'s other arguments, runs the search and returns ``fn``'s result.
+    The callable keeps the size it settled on (``.batch_size``; later calls start there,
+    ``.reset()`` forgets it), the probes of the last call (``.probes``: ``(size, ran)``) and
+    the OOM diagnoses (``.diagnoses``).
+
+    The search, with ``b`` the largest size that ran:
+
+    * ``"power"`` (default): try ``starting_batch_size`` and halve after each OOM; ``b`` is the
+      first size that runs.
+    * ``"binsearch"``: after the halving found ``b`` (with ``2b`` failing), bisect between them
+      for the largest size that runs. Every call in between is a probe, so ``fn`` should be one
+      training step, not a whole training run.
+
+    ``headroom``: when some probe ran out of memory (``b`` sits at the memory limit), the size
+    used is ``max(1, floor(b * (1 - headroom)))``, so data-dependent variation (longer
+    sequences, another allocation pattern) still fits; ``fn`` is called once more at that size
+    and its result returned (if even that fails, halving resumes below it). When the first size
+    runs, it is used as is. ``headroom=0`` returns the result of the run at ``b``.
+
+    Args:
+        fn: the function; its first positional parameter is the batch size.
+        starting_batch_size: the first size tried (default 128).
+        mode: ``"power"`` or ``"binsearch"`` (default ``"power"``).
+        headroom: fraction in ``[0, 1)`` to stay below the largest size that ran (default 0.05).
+        device: the device whose cache is emptied after an OOM (default: the current CUDA
+            device when CUDA is initialized).
+
+    Returns:
+        The searching callable, or a decorator when ``fn`` is ``None``.
+
+    Raises:
+        ConfigError: for invalid arguments.
+        RecoveryError: (from the callable) when batch size 1 runs out of memory.
+    """
+    _check_int("starting_batch_size", starting_batch_size, 1)
+    if mode not in _MODES:
+        raise ConfigError(f"mode must be one of {_MODES}, got {mode!r}")
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) \
+            or not 0.0 <= headroom < 1.0:
+        raise ConfigError(f"headroom must be a number in [0, 1), got {headroom!r}")
+    resolved = _resolve_device(device)
+
+    def decorate(function: Callable[..., Any]) -> _BatchSizeSearch:
+        if not callable(function):
+            raise ConfigError(f"fn must be callable, got {type(function).__name__}")
+        return _BatchSizeSearch(function, starting_batch_size, mode, float(headroom), resolved)
+
+    return decorate if fn is None else decorate(fn)

@@ -1,0 +1,453 @@
+"""CPU tests of vramkit.memory.recovery: OOM detection, classification, recovery, batch search.
+
+OOMs are simulated by raising real exception instances (torch.OutOfMemoryError etc.) from the
+step function; device state for classification comes from monkeypatched torch.cuda / NVML.
+"""
+
+from __future__ import annotations
+
+import collections
+import types
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from vramkit.devices.nvml import NvmlDevice, NvmlProcess, NvmlSnapshot
+from vramkit.errors import ConfigError, PoolExhaustedError, RecoveryError
+from vramkit.memory import recovery
+from vramkit.memory.recovery import (
+    DeviceMemoryReading,
+    MemoryRecovery,
+    batch_size_of,
+    classify_oom,
+    diagnose_memory,
+    find_executable_batch_size,
+    is_oom_error,
+    split_batch,
+    train_with_memory_recovery,
+)
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+# -- is_oom_error ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("error", [
+    torch.OutOfMemoryError("CUDA out of memory"),
+    torch.cuda.OutOfMemoryError("HIP out of memory"),  # ROCm raises the same class
+    MemoryError(),
+    PoolExhaustedError("pool full", requested=10),
+])
+def test_is_oom_error_by_type(error: BaseException) -> None:
+    assert is_oom_error(error)
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),  # text alone is not a type
+    ValueError("out of memory"),
+    RecoveryError("gave up"),  # a MemoryError, but not a fresh OOM
+    KeyboardInterrupt(),
+])
+def test_is_oom_error_rejects_other_types(error: BaseException) -> None:
+    assert not is_oom_error(error)
+
+
+@pytest.mark.parametrize("backend", ["xpu", "mps"])
+def test_is_oom_error_other_backends(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    fake_oom = type(f"{backend}OutOfMemoryError", (RuntimeError,), {})
+    module = getattr(torch, backend, None)
+    if module is None:
+        module = types.SimpleNamespace()
+        monkeypatch.setattr(torch, backend, module, raising=False)
+    assert not is_oom_error(fake_oom())
+    monkeypatch.setattr(module, "OutOfMemoryError", fake_oom, raising=False)
+    assert is_oom_error(fake_oom())
+
+
+# -- classification ---------------------------------------------------------------------------
+
+
+def _reading(**kw: int | None) -> DeviceMemoryReading:
+    base: dict = dict(device="cuda:0", total=80 * GiB, free=1 * GiB, reserved=78 * GiB,
+                      allocated=77 * GiB, largest_cached_block=256 * MiB)
+    base.update(kw)
+    return DeviceMemoryReading(**base)
+
+
+def test_diagnose_capacity() -> None:
+    d = diagnose_memory(_reading(), requested=4 * GiB)
+    assert d.kind == "capacity" and "batch" in d.hint
+    assert diagnose_memory(_reading()).kind == "capacity"
+
+
+def test_diagnose_fragmentation() -> None:
+    # 10 GiB cached but split into pieces below the 4 GiB request.
+    r = _reading(reserved=78 * GiB, allocated=68 * GiB, largest_cached_block=512 * MiB)
+    d = diagnose_memory(r, requested=4 * GiB)
+    assert d.kind == "fragmentation" and "expandable_segments" in d.hint
+    assert d.cached_free == 10 * GiB
+    assert diagnose_memory(r).kind == "fragmentation"  # request size unknown
+
+
+def test_diagnose_outside_pytorch() -> None:
+    # 30 GiB used on the device that this allocator does not hold.
+    r = _reading(reserved=48 * GiB, allocated=47 * GiB, free=2 * GiB)
+    assert r.outside_pytorch == 30 * GiB
+    d = diagnose_memory(r, requested=4 * GiB)
+    assert d.kind == "outside_pytorch" and "nvidia-smi" in d.hint
+    assert diagnose_memory(r).kind == "outside_pytorch"
+
+
+def test_diagnose_cap_is_capacity_with_a_hint() -> None:
+    # The driver has 59 GiB free, but this process is capped at 20 GiB (a simulated 20 GB card).
+    r = _reading(reserved=20 * GiB, allocated=20 * GiB, free=59 * GiB, limit=20 * GiB)
+    assert r.usable == 20 * GiB and r.outside_pytorch == 1 * GiB
+    d = diagnose_memory(r, requested=1 * GiB)
+    assert d.kind == "capacity" and "set_per_process_memory_fraction" in d.hint
+    # Without the cap the same reading would not have failed for lack of capacity.
+    assert "set_per_process_memory_fraction" not in diagnose_memory(
+        _reading(reserved=79 * GiB, allocated=79 * GiB, free=0), requested=1 * GiB).hint
+
+
+def test_diagnose_outside_respects_cap() -> None:
+    # Others hold 30 GiB, but the request would not fit under this process's cap even if they
+    # left: freeing them would not help, so it is capacity.
+    r = _reading(reserved=20 * GiB, allocated=20 * GiB, free=2 * GiB, limit=30 * GiB)
+    assert diagnose_memory(r, requested=12 * GiB).kind == "capacity"
+    assert diagnose_memory(r, requested=4 * GiB).kind == "outside_pytorch"
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, *, free: int, total: int, reserved: int,
+               allocated: int, largest: int, other_pid_bytes: int | None,
+               fraction: float = 1.0) -> None:
+    from vramkit.devices import nvml
+    from vramkit.memory import stats
+
+    monkeypatch.setattr(stats, "resolve_cuda_index", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda index=None: {
+        "reserved_bytes.all.current": reserved, "allocated_bytes.all.current": allocated})
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction",
+                        lambda index=None: fraction, raising=False)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [
+        {"device": 0, "blocks": [{"state": "inactive", "size": largest},
+                                 {"state": "active_allocated", "size": 40 * GiB}]}])
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: types.SimpleNamespace(uuid="GPU-0000"))
+    procs = [NvmlProcess(pid=__import__("os").getpid(), used_memory=reserved)]
+    if other_pid_bytes is not None:
+        procs.append(NvmlProcess(pid=999_999, used_memory=other_pid_bytes))
+    snap = NvmlSnapshot(available=True, devices=(
+        NvmlDevice(index=0, uuid="GPU-0000", name="fake", processes=tuple(procs)),))
+    monkeypatch.setattr(nvml, "query_nvml", lambda include_processes=True: snap)
+
+
+def test_classify_oom_capacity_from_torch_and_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, free=512 * MiB, total=80 * GiB, reserved=79 * GiB,
+               allocated=79 * GiB - 64 * MiB, largest=64 * MiB, other_pid_bytes=None)
+    d = classify_oom(torch.OutOfMemoryError("x"), requested=2 * GiB)
+    assert d.kind == "capacity" and d.device == "cuda:0" and d.other_processes == 0
+    assert d.largest_free_block == 64 * MiB and d.error_type == "OutOfMemoryError"
+
+
+def test_classify_oom_fragmentation_from_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, free=512 * MiB, total=80 * GiB, reserved=79 * GiB,
+               allocated=60 * GiB, largest=300 * MiB, other_pid_bytes=None)
+    d = classify_oom(torch.OutOfMemoryError("x"))
+    assert d.kind == "fragmentation" and d.largest_free_block == 300 * MiB
+
+
+def test_classify_oom_other_process_via_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, free=256 * MiB, total=80 * GiB, reserved=40 * GiB,
+               allocated=40 * GiB, largest=0, other_pid_bytes=39 * GiB)
+    d = classify_oom(torch.OutOfMemoryError("x"), requested=8 * GiB)
+    assert d.kind == "outside_pytorch" and d.other_processes == 39 * GiB
+
+
+def test_classify_oom_uses_observed_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, free=512 * MiB, total=80 * GiB, reserved=79 * GiB,
+               allocated=70 * GiB, largest=300 * MiB, other_pid_bytes=None)
+    recovery._record_failed_request(0, 50 * GiB, 0, 0)  # what the allocator observer reports
+    d = classify_oom(torch.OutOfMemoryError("x"))
+    assert d.requested == 50 * GiB and d.kind == "capacity"
+
+
+def test_classify_host_and_pool_errors() -> None:
+    d = classify_oom(MemoryError())
+    assert d.device == "cpu" and d.kind == "capacity" and d.total and d.total > 0
+    fragmented = types.SimpleNamespace(reserved=100, allocated=40, largest_free_block=20)
+    d = classify_oom(PoolExhaustedError("full", requested=50, stats=fragmented))
+    assert d.kind == "fragmentation" and d.requested == 50 and "defragment" in d.hint
+    full = types.SimpleNamespace(reserved=100, allocated=90, largest_free_block=10)
+    assert classify_oom(PoolExhaustedError("full", requested=50, stats=full)).kind == "capacity"
+    with pytest.raises(ConfigError):
+        classify_oom(ValueError("no"))
+
+
+# -- batch splitting --------------------------------------------------------------------------
+
+
+def test_split_batch_nested() -> None:
+    Pair = collections.namedtuple("Pair", "x y")
+    batch = {"x": torch.arange(10).reshape(5, 2), "pair": Pair(torch.arange(5), torch.ones(5)),
+             "list": [torch.zeros(5, 3)], "scale": torch.tensor(2.0), "name": "run"}
+    assert batch_size_of(batch) == 5
+    parts = split_batch(batch, 2)
+    assert [batch_size_of(p) for p in parts] == [2, 2, 1]
+    assert torch.equal(torch.cat([p["x"] for p in parts]), batch["x"])
+    assert isinstance(parts[0]["pair"], Pair) and isinstance(parts[0]["list"], list)
+    assert parts[2]["scale"] is batch["scale"] and parts[1]["name"] == "run"
+    assert parts[0]["x"].data_ptr() == batch["x"].data_ptr()  # views, no copies
+
+
+def test_split_batch_errors() -> None:
+    with pytest.raises(ConfigError):
+        batch_size_of({"a": torch.zeros(3), "b": torch.zeros(4)})
+    with pytest.raises(ConfigError):
+        batch_size_of({"a": 1})
+    with pytest.raises(ConfigError):
+        split_batch(torch.zeros(3), 0)
+
+
+# -- MemoryRecovery ---------------------------------------------------------------------------
+
+
+def _problem(seed: int = 0) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    batch = {"x": torch.randn(16, 6, dtype=torch.float64),
+             "y": torch.randn(16, 1, dtype=torch.float64)}
+    return model, batch
+
+
+def _full_grads(model: nn.Module, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(model(batch["x"]), batch["y"]).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+class _Capped:
+    """A step function that 'runs out of memory' above ``limit`` rows, after its backward."""
+
+    def __init__(self, model: nn.Module, limit: int) -> None:
+        self.model, self.limit, self.sizes = model, limit, []
+
+    def __call__(self, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+        rows = micro["x"].shape[0]
+        self.sizes.append(rows)
+        loss = nn.functional.mse_loss(self.model(micro["x"]), micro["y"])
+        if rows > self.limit:
+            # Leave partial gradients behind, as an OOM late in backward would.
+            loss.backward(retain_graph=True)
+            raise torch.OutOfMemoryError("simulated")
+        return loss
+
+
+def test_recovery_halves_and_matches_full_batch_gradient() -> None:
+    model, batch = _problem()
+    expected = _full_grads(model, batch)
+    step = _Capped(model, limit=5)
+    events = []
+    rec = MemoryRecovery(model, attempts=4, on_oom=events.append)
+    result = rec.step(step, batch)
+    assert step.sizes[:3] == [16, 8, 4]  # 16 fails, 8 fails, then 4 x 4
+    assert result.micro_batch_size == 4 and result.accumulation_steps == 4
+    assert result.attempts == 3 and len(result.events) == 2 == len(events)
+    assert [e.micro_batch_size for e in events] == [16, 8]
+    for p, g in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad, g)  # no half-accumulated leftovers
+    full_loss = nn.functional.mse_loss(model(batch["x"]), batch["y"]).detach()
+    torch.testing.assert_close(result.loss, full_loss)
+    # The next step starts at the size that worked.
+    model.zero_grad(set_to_none=True)
+    step.sizes.clear()
+    again = rec.step(step, batch)
+    assert again.attempts == 1 and step.sizes == [4, 4, 4, 4]
+
+
+def test_recovery_uneven_split_and_existing_grads() -> None:
+    model, batch = _problem(1)
+    batch = {k: v[:7] for k, v in batch.items()}
+    expected = _full_grads(model, batch)
+    previous = [torch.full_like(p, 0.5) for p in model.parameters()]
+    for p, g in zip(model.parameters(), previous, strict=True):
+        p.grad = g.clone()
+    old_storage = [p.grad for p in model.parameters()]
+    result = train_with_memory_recovery(_Capped(model, limit=3), batch, attempts=3, params=model)
+    assert result.micro_batch_size == 3 and result.accumulation_steps == 3  # 3 + 3 + 1 rows
+    for p, g, prev, old in zip(model.parameters(), expected, previous, old_storage, strict=True):
+        torch.testing.assert_close(p.grad, g + prev)
+        assert p.grad is old  # accumulated into the caller's gradient tensors in place
+
+
+def test_recovery_gives_up_at_one_and_restores_grads() -> None:
+    model, batch = _problem()
+    marker = [torch.full_like(p, 3.0) for p in model.parameters()]
+    for p, m in zip(model.parameters(), marker, strict=True):
+        p.grad = m
+    rec = MemoryRecovery(model, attempts=10)
+    with pytest.raises(RecoveryError, match="already 1"):
+        rec.step(_Capped(model, limit=0), batch)
+    assert len(rec.events) == 5  # 16, 8, 4, 2, 1
+    for p, m in zip(model.parameters(), marker, strict=True):
+        assert p.grad is m and torch.all(m == 3.0)
+
+
+def test_recovery_attempts_limit() -> None:
+    model, batch = _problem()
+    step = _Capped(model, limit=2)
+    with pytest.raises(RecoveryError, match="all 2 attempts"):
+        MemoryRecovery(model, attempts=2).step(step, batch)
+    assert step.sizes == [16, 8]
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_recovery_non_oom_error_propagates() -> None:
+    model, batch = _problem()
+
+    def broken(micro: dict[str, torch.Tensor]) -> torch.Tensor:
+        nn.functional.mse_loss(model(micro["x"]), micro["y"]).backward()
+        raise KeyError("bug")
+
+    with pytest.raises(KeyError):
+        MemoryRecovery(model).step(broken, batch)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_failed_attempt_memory_is_released_before_retry() -> None:
+    model, batch = _problem()
+    refs: list[weakref.ref] = []
+    alive_at_oom: list[bool] = []
+
+    def step(micro: dict[str, torch.Tensor]) -> torch.Tensor:
+        scratch = torch.empty(1024, 1024)  # held only by this frame
+        refs.append(weakref.ref(scratch))
+        loss = nn.functional.mse_loss(model(micro["x"]), micro["y"])
+        if micro["x"].shape[0] > 8:
+            raise torch.OutOfMemoryError("simulated")
+        return loss
+
+    rec = MemoryRecovery(model, on_oom=lambda e: alive_at_oom.append(refs[0]() is not None))
+    rec.step(step, batch)
+    assert alive_at_oom == [False]  # the traceback's frame no longer pins the tensor
+
+
+def test_run_backward_false_passes_weights() -> None:
+    model, batch = _problem(2)
+    expected = _full_grads(model, batch)
+    weights = []
+
+    def step(micro: dict[str, torch.Tensor], weight: float) -> torch.Tensor:
+        weights.append(weight)
+        loss = nn.functional.mse_loss(model(micro["x"]), micro["y"])
+        (loss * weight).backward()
+        return loss
+
+    result = MemoryRecovery(model, run_backward=False, micro_batch_size=4).step(step, batch)
+    assert weights == [0.25] * 4 and result.accumulation_steps == 4
+    for p, g in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad, g)
+
+
+def test_recovery_validation() -> None:
+    model, _ = _problem()
+    with pytest.raises(ConfigError):
+        MemoryRecovery(model, attempts=0)
+    with pytest.raises(ConfigError):
+        MemoryRecovery(model, micro_batch_size=0)
+    with pytest.raises(ConfigError):
+        MemoryRecovery(model, run_backward=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="scalar loss"):
+        MemoryRecovery(model).step(lambda micro: None, torch.zeros(2, 6))
+
+
+# -- find_executable_batch_size --------------------------------------------------------------
+
+
+def _fits(limit: int) -> tuple[list[int], object]:
+    calls: list[int] = []
+
+    def run(batch_size: int, tag: str = "") -> str:
+        calls.append(batch_size)
+        if batch_size > limit:
+            raise torch.OutOfMemoryError("simulated")
+        return f"{tag}{batch_size}"
+
+    return calls, run
+
+
+def test_power_mode_with_headroom() -> None:
+    calls, run = _fits(37)
+    search = find_executable_batch_size(run, starting_batch_size=128)
+    assert search(tag="bs") == "bs30"  # 32 ran, 5% below it -> floor(30.4)
+    assert calls == [128, 64, 32, 30] and search.batch_size == 30
+    assert search.probes == [(128, False), (64, False), (32, True), (30, True)]
+    assert all(d.kind == "capacity" for d in search.diagnoses)
+    calls.clear()
+    assert search() == "30" and calls == [30]  # settled: no new search, no further shrinking
+
+
+def test_power_mode_without_headroom_returns_first_success() -> None:
+    calls, run = _fits(37)
+    assert find_executable_batch_size(run, starting_batch_size=128, headroom=0)() == "32"
+    assert calls == [128, 64, 32]
+
+
+def test_binsearch_mode() -> None:
+    calls, run = _fits(37)
+    search = find_executable_batch_size(starting_batch_size=128, mode="binsearch",
+                                        headroom=0.0)(run)
+    assert search() == "37" and search.batch_size == 37
+    assert calls[:3] == [128, 64, 32] and max(b for b, ok in search.probes if ok) == 37
+    _, run2 = _fits(37)
+    with_margin = find_executable_batch_size(run2, starting_batch_size=128, mode="binsearch")
+    assert with_margin() == "35"  # floor(37 * 0.95)
+
+
+def test_first_size_that_runs_is_kept() -> None:
+    calls, run = _fits(1000)
+    assert find_executable_batch_size(run, starting_batch_size=64)() == "64" and calls == [64]
+
+
+def test_bare_decorator_and_reset() -> None:
+    calls: list[int] = []
+
+    @find_executable_batch_size
+    def run(batch_size: int) -> int:
+        calls.append(batch_size)
+        if batch_size > 100:
+            raise MemoryError
+        return batch_size
+
+    assert run() == 60 and run.__name__ == "run"  # 128 fails, 64 runs, 5% below: 60
+    run.reset()
+    calls.clear()
+    run()
+    assert calls[0] == 128
+
+
+def test_batch_size_search_errors() -> None:
+    _, run = _fits(0)
+    with pytest.raises(RecoveryError, match="batch size 1"):
+        find_executable_batch_size(run, starting_batch_size=4)()
+    _, ok = _fits(10)
+    with pytest.raises(ConfigError):
+        find_executable_batch_size(ok)(batch_size=3)
+    with pytest.raises(ConfigError):
+        find_executable_batch_size(ok, mode="linear")
+    with pytest.raises(ConfigError):
+        find_executable_batch_size(ok, headroom=1.0)
+    with pytest.raises(ConfigError):
+        find_executable_batch_size(ok, starting_batch_size=0)
+
+    def bug(batch_size: int) -> None:
+        raise ValueError("not memory")
+
+    with pytest.raises(ValueError):
+        find_executable_batch_size(bug)()

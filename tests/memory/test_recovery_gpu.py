@@ -19,6 +19,7 @@ pytestmark = pytest.mark.gpu
 
 WIDTH = 4096
 ROWS = 32768  # 512 MiB of fp32 input; activations of the full batch ~2.5 GiB
+_CAP: dict[str, float] = {}  # the memory fraction the fixture set
 
 
 def _model() -> nn.Module:
@@ -68,7 +69,8 @@ def capped() -> Iterator[tuple[nn.Module, dict[str, torch.Tensor]]]:
     total = torch.cuda.mem_get_info()[1]
     # The half batch needs half_extra; the full one about 2x its activations (+ the same weight
     # gradients): 1.5x leaves room on both sides.
-    torch.cuda.set_per_process_memory_fraction((base + 1.5 * half_extra) / total)
+    _CAP["fraction"] = (base + 1.5 * half_extra) / total
+    torch.cuda.set_per_process_memory_fraction(_CAP["fraction"])
     # Garbage from earlier code would be collected by the recovery's gc.collect() and make
     # "after" smaller than "before" for reasons unrelated to the failed attempt.
     gc.collect()
@@ -99,21 +101,28 @@ def test_real_oom_recovers_memory_and_effective_batch(
     assert first.diagnosis.kind in ("capacity", "fragmentation")
     assert first.diagnosis.limit is not None
     assert result.micro_batch_size * result.accumulation_steps == ROWS
-    grads = [p.grad.clone() for p in model.parameters()]
+    # Results and references go to the host: under the cap every GPU byte counts.
+    grads = [p.grad.cpu() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-
-    # Training continues at the settled size, same effective batch, no new OOM.
-    second = _batch(1)
-    again = recovery.step(lambda micro: _loss(model, micro), second)
-    assert again.attempts == 1 and again.micro_batch_size == result.micro_batch_size
-    grads2 = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-
     torch.cuda.set_per_process_memory_fraction(1.0)  # the reference needs the full batch at once
-    for got, want in zip(grads, _reference_grads(model, batch), strict=True):
+    reference = [g.cpu() for g in _reference_grads(model, batch)]
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(_CAP["fraction"])
+    for got, want in zip(grads, reference, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
-    for got, want in zip(grads2, _reference_grads(model, second), strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+    # Training continues at the settled size, same effective batch, no new OOM: a new batch
+    # in the same memory (a second 512 MiB batch would not fit the cap next to the first).
+    with torch.no_grad():
+        batch["x"].mul_(-0.5).add_(0.25)
+        batch["y"].mul_(2.0)
+    again = recovery.step(lambda micro: _loss(model, micro), batch)
+    assert again.attempts == 1 and again.micro_batch_size == result.micro_batch_size
+    grads2 = [p.grad.cpu() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    for got, want in zip(grads2, _reference_grads(model, batch), strict=True):
+        torch.testing.assert_close(got, want.cpu(), rtol=1e-4, atol=1e-6)
 
 
 def test_real_oom_batch_size_search(capped: tuple[nn.Module, dict[str, torch.Tensor]]) -> None:

@@ -42,9 +42,16 @@ logger = logging.getLogger(__name__)
 FUSED_MAX_TOKENS = 2
 
 
-@functools.lru_cache(maxsize=1)
+_TRITON_INSTALLED: list[bool] = []  # filled on first use
+
+
+@torch.compiler.assume_constant_result
 def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    # assume_constant_result: under torch.compile dynamo calls this once and bakes the answer
+    # into the graph instead of tracing importlib (which it refuses to trace).
+    if not _TRITON_INSTALLED:
+        _TRITON_INSTALLED.append(importlib.util.find_spec("triton") is not None)
+    return _TRITON_INSTALLED[0]
 
 
 def triton_available(device: torch.device | str) -> bool:

@@ -1,0 +1,292 @@
+"""AdamW8bit on the CPU: tracks torch AdamW, state size, knobs, checkpoints, errors."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from vramkit.errors import ConfigError
+from vramkit.optim.adamw8bit import AdamW8bit
+
+X = torch.randn(512, 32, generator=torch.Generator().manual_seed(1))
+Y = torch.sin(X @ torch.randn(32, 1, generator=torch.Generator().manual_seed(2)))
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    # Tiny tensors: extra threads only contend with the other test processes on this machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_mlp(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 96), nn.GELU(), nn.Linear(96, 96), nn.GELU(),
+                         nn.Linear(96, 1)).to(dtype)
+
+
+def regression_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> float:
+    idx = torch.randint(0, X.shape[0], (64,), generator=torch.Generator().manual_seed(step))
+    dtype = next(model.parameters()).dtype
+    loss = (model(X[idx].to(dtype)).float() - Y[idx]).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss.detach())
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, first: int = 0) -> float:
+    for step in range(first, first + steps):
+        regression_step(model, opt, step)
+    dtype = next(model.parameters()).dtype
+    with torch.no_grad():
+        return float((model(X.to(dtype)).float() - Y).pow(2).mean())
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize(("bits", "block_size", "loss_tol", "divergence_tol"),
+                         [(8, 256, 0.10, 0.12), (4, 128, 0.6, 1.0)])
+def test_tracks_torch_adamw_on_a_regression(bits: int, block_size: int, loss_tol: float,
+                                            divergence_tol: float) -> None:
+    start = flat(make_mlp())
+    with torch.no_grad():
+        initial_loss = float((make_mlp()(X) - Y).pow(2).mean())
+    for first_batch in (0, 1000):  # two data orders, same initial weights
+        model, ref = make_mlp(), make_mlp()
+        opt = AdamW8bit(model.parameters(), lr=3e-3, min_8bit_size=0, state_bits=bits,
+                        block_size=block_size)
+        loss = train(model, opt, 200, first=first_batch)
+        ref_loss = train(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3), 200,
+                         first=first_batch)
+        assert ref_loss < 0.2 * initial_loss  # the task is learnable: the bounds below are not vacuous
+        assert loss / ref_loss < 1 + loss_tol, (loss, ref_loss)
+        divergence = (flat(model) - flat(ref)).norm() / (flat(ref) - start).norm()
+        assert divergence < divergence_tol, divergence
+
+
+def test_states_dequantize_close_to_fp32_adam_step_by_step() -> None:
+    gen = torch.Generator().manual_seed(0)
+    shape = (64, 96)
+    p8 = torch.randn(shape, generator=gen).requires_grad_()
+    p32 = p8.detach().clone().requires_grad_()
+    opt8 = AdamW8bit([p8], lr=1e-2, min_8bit_size=0)
+    opt32 = torch.optim.AdamW([p32], lr=1e-2)
+    start = p32.detach().clone()
+    for _ in range(5):
+        # Heavy-tailed gradients spanning several decades, identical for both optimizers.
+        grad = torch.randn(shape, generator=gen) * torch.exp(3 * torch.randn(shape, generator=gen))
+        p8.grad, p32.grad = grad.clone(), grad.clone()
+        opt8.step()
+        opt32.step()
+        states = opt8.dequantized_state(p8)
+        ref = opt32.state[p32]
+        m_err = (states["exp_avg"] - ref["exp_avg"]).norm() / ref["exp_avg"].norm()
+        v_err = (states["exp_avg_sq"] - ref["exp_avg_sq"]).norm() / ref["exp_avg_sq"].norm()
+        assert m_err < 0.02 and v_err < 0.02, (m_err, v_err)
+        # Elementwise, an 8-bit update can be off by a fraction of lr where |g| is tiny
+        # relative to its block; overall the parameters move together.
+        assert (p8 - p32).norm() / (p32 - start).norm() < 0.1
+
+
+def test_full_precision_path_equals_torch_adamw_exactly() -> None:
+    a, b = make_mlp(), make_mlp()
+    train(a, AdamW8bit(a.parameters(), lr=3e-3, min_8bit_size=10**9), 20)
+    train(b, torch.optim.AdamW(b.parameters(), lr=3e-3, foreach=False), 20)
+    assert torch.equal(flat(a), flat(b))
+
+
+def test_quantization_changes_the_result() -> None:
+    # The quantized path is really taken: results differ (slightly) from fp32 states.
+    a, b = make_mlp(), make_mlp()
+    train(a, AdamW8bit(a.parameters(), lr=3e-3, min_8bit_size=0), 5)
+    train(b, AdamW8bit(b.parameters(), lr=3e-3, min_8bit_size=10**9), 5)
+    assert not torch.equal(flat(a), flat(b))
+
+
+def stepped(model: nn.Module, **kwargs: object) -> AdamW8bit:
+    opt = AdamW8bit(model.parameters(), lr=1e-3, **kwargs)  # type: ignore[arg-type]
+    regression_step(model, opt, 0)
+    return opt
+
+
+def test_min_8bit_size_keeps_small_tensors_in_fp32() -> None:
+    model = make_mlp()
+    opt = stepped(model, min_8bit_size=4096)
+    for p in model.parameters():
+        state = opt.state[p]
+        if p.numel() < 4096:
+            assert state["exp_avg"].dtype == torch.float32 and "exp_avg_codes" not in state
+        else:
+            assert state["exp_avg_codes"].dtype == torch.uint8 and "exp_avg" not in state
+    everything = stepped(make_mlp(), min_8bit_size=0)
+    assert all("exp_avg_codes" in s for s in everything.state.values())
+
+
+@pytest.mark.parametrize(("bits", "block_size"), [(8, 256), (8, 64), (4, 256), (4, 128)])
+def test_state_layout_follows_bits_and_block_size(bits: int, block_size: int) -> None:
+    p = torch.zeros(1000, requires_grad=True)
+    opt = AdamW8bit([p], min_8bit_size=0, state_bits=bits, block_size=block_size)
+    p.grad = torch.randn(1000)
+    opt.step()
+    blocks = -(-1000 // block_size)
+    state = opt.state[p]
+    assert state["exp_avg_absmax"].numel() == blocks == state["exp_avg_sq_sqrt_absmax"].numel()
+    assert state["exp_avg_codes"].numel() == blocks * block_size * bits // 8
+    assert state["exp_avg_sq_sqrt_codes"].numel() == blocks * block_size * bits // 8
+
+
+def test_state_bytes_per_parameter_on_a_dit() -> None:
+    # A realistic mix: large Linear weights plus small biases and norm scales kept in fp32.
+    from vramkit.models.dit import DiT, DiTConfig
+
+    config = DiTConfig.preset("base", num_double_blocks=1, num_single_blocks=1,
+                              dtype="float32")
+    model = DiT(config, seed=0)
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    for bits, limit in ((8, 2.1), (4, 1.1)):
+        opt = AdamW8bit(params, state_bits=bits)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        per_param = opt.state_bytes() / numel
+        assert per_param <= limit, (bits, per_param)
+        full = sum(v.nbytes for s in opt.state.values() for v in s.values()
+                   if isinstance(v, torch.Tensor) and v.dtype == torch.float32)
+        assert full > 0  # small tensors and scales are counted
+    for p in params:
+        p.grad = None
+
+
+def test_bf16_parameters_are_updated_in_fp32() -> None:
+    p = torch.zeros(5000, dtype=torch.bfloat16, requires_grad=True)
+    opt = AdamW8bit([p], lr=1e-3, weight_decay=0.0)
+    p.grad = torch.ones(5000, dtype=torch.bfloat16)
+    opt.step()
+    assert p.dtype == torch.bfloat16
+    torch.testing.assert_close(p.float(), torch.full((5000,), -1e-3), rtol=1e-2, atol=0)
+
+
+def test_state_dict_round_trip_continues_identically() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        model = make_mlp(dtype=dtype)
+        opt = AdamW8bit(model.parameters(), lr=3e-3, min_8bit_size=1000)
+        train(model, opt, 5)
+        saved_model = copy.deepcopy(model.state_dict())
+        saved_opt = copy.deepcopy(opt.state_dict())
+        train(model, opt, 5, first=5)
+
+        restored = make_mlp(seed=9, dtype=dtype)
+        restored.load_state_dict(saved_model)
+        opt2 = AdamW8bit(restored.parameters(), lr=3e-3, min_8bit_size=1000)
+        opt2.load_state_dict(saved_opt)
+        for state in opt2.state.values():
+            if "exp_avg_absmax" in state:
+                assert state["exp_avg_absmax"].dtype == torch.float32
+                assert state["exp_avg_codes"].dtype == torch.uint8
+        train(restored, opt2, 5, first=5)
+        assert torch.equal(flat(model), flat(restored)), dtype
+
+
+def test_loads_a_torch_adamw_state_dict() -> None:
+    a = make_mlp()
+    torch_opt = torch.optim.AdamW(a.parameters(), lr=3e-3, foreach=False)
+    train(a, torch_opt, 3)
+    b = copy.deepcopy(a)
+    opt8 = AdamW8bit(b.parameters(), lr=3e-3)
+    opt8.load_state_dict(torch_opt.state_dict())
+    train(a, torch_opt, 3, first=3)
+    train(b, opt8, 3, first=3)
+    assert torch.equal(flat(a), flat(b))  # fp32 moments continue as torch's
+
+
+def test_mismatched_state_dict_is_refused() -> None:
+    a = torch.zeros(5000, requires_grad=True)
+    opt = AdamW8bit([a], min_8bit_size=0)
+    a.grad = torch.ones(5000)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    b = torch.zeros(9000, requires_grad=True)
+    with pytest.raises(ConfigError, match="exp_avg"):
+        AdamW8bit([b], min_8bit_size=0).load_state_dict(saved)
+
+
+def test_gradients_override_accepts_a_wider_dtype() -> None:
+    p = torch.zeros(4096, dtype=torch.bfloat16, requires_grad=True)
+    q = torch.zeros(4096, dtype=torch.float32, requires_grad=True)
+    grad = torch.linspace(-1, 1, 4096)
+    opt_p = AdamW8bit([p], lr=1e-2)
+    opt_q = AdamW8bit([q], lr=1e-2)
+    opt_p.step(gradients={p: grad})
+    q.grad = grad.clone()
+    opt_q.step()
+    assert torch.equal(p, q.to(torch.bfloat16))
+    with pytest.raises(ConfigError, match="shape"):
+        opt_p.step(gradients={p: grad[:10]})
+
+
+def test_non_contiguous_parameter() -> None:
+    p = torch.randn(128, 64).t().detach().requires_grad_()
+    assert not p.is_contiguous()
+    ref = p.detach().contiguous().clone().requires_grad_()
+    grad = torch.randn(64, 128, generator=torch.Generator().manual_seed(3))
+    opt, opt_ref = AdamW8bit([p], min_8bit_size=0), AdamW8bit([ref], min_8bit_size=0)
+    p.grad, ref.grad = grad.clone(), grad.clone()
+    opt.step()
+    opt_ref.step()
+    assert torch.equal(p, ref)
+
+
+@pytest.mark.parametrize("kwargs", [{"lr": -1.0}, {"betas": (1.0, 0.9)}, {"betas": (0.9,)},
+                                    {"eps": -1e-8}, {"weight_decay": -0.1},
+                                    {"block_size": 0}, {"block_size": 63},
+                                    {"min_8bit_size": -1}, {"state_bits": 2},
+                                    {"state_bits": True}, {"lr": torch.tensor(1e-3)}])
+def test_invalid_hyperparameters_raise_config_error(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        AdamW8bit([torch.zeros(3, requires_grad=True)], **kwargs)  # type: ignore[arg-type]
+
+
+def test_invalid_parameters_raise_config_error() -> None:
+    with pytest.raises(ConfigError):
+        AdamW8bit(torch.zeros(3, requires_grad=True))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        AdamW8bit([])
+    with pytest.raises(ConfigError):
+        AdamW8bit([torch.zeros(3, dtype=torch.int64)])
+    opt = AdamW8bit([torch.zeros(3, requires_grad=True)])
+    with pytest.raises(ConfigError):
+        opt.add_param_group({"params": [torch.zeros(3, requires_grad=True)], "state_bits": 3})
+
+
+def test_sparse_gradient_is_refused() -> None:
+    p = torch.zeros(10, 4, requires_grad=True)
+    opt = AdamW8bit([p])
+    p.grad = torch.zeros(10, 4).to_sparse()
+    with pytest.raises(ConfigError, match="sparse"):
+        opt.step()
+
+
+def test_dequantized_state_needs_a_step() -> None:
+    p = torch.zeros(3, requires_grad=True)
+    with pytest.raises(ConfigError):
+        AdamW8bit([p]).dequantized_state(p)
+
+
+def test_per_group_learning_rate_is_honoured() -> None:
+    a = torch.zeros(5000, requires_grad=True)
+    b = torch.zeros(5000, requires_grad=True)
+    opt = AdamW8bit([{"params": [a]}, {"params": [b], "lr": 1e-1}], lr=1e-3, weight_decay=0.0)
+    a.grad, b.grad = torch.ones(5000), torch.ones(5000)
+    opt.step()
+    torch.testing.assert_close(a, torch.full((5000,), -1e-3), rtol=1e-3, atol=0)
+    torch.testing.assert_close(b, torch.full((5000,), -1e-1), rtol=1e-3, atol=0)

@@ -105,7 +105,7 @@ def describe(config: LaunchConfig) -> str:
 
 def elementwise(manager: KernelManager, n: int, args: argparse.Namespace) -> dict[str, Any]:
     device = manager.device
-    kernel = manager.ensure_kernel("scale_by_two", ELEMENTWISE, options=("-O3",))
+    kernel = manager.ensure_kernel("scale_by_two", ELEMENTWISE, options=())
     source = torch.randn(n, device=device)
     output = torch.empty_like(source)
     expected = source * 2
@@ -160,7 +160,7 @@ class _FixedBlock:
 def matmul(manager: KernelManager, m: int, n: int, k: int,
            args: argparse.Namespace) -> dict[str, Any]:
     device = manager.device
-    kernel = manager.ensure_kernel("tiled_sgemm", TILED_SGEMM, options=("-O3",))
+    kernel = manager.ensure_kernel("tiled_sgemm", TILED_SGEMM, options=())
     generator = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(m, k, device=device, generator=generator)
     b = torch.randn(k, n, device=device, generator=generator)

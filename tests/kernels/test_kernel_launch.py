@@ -173,7 +173,8 @@ def test_for_elements_uses_the_compute_capability_default() -> None:
 
 
 def test_for_elements_uses_the_kernel_occupancy_api() -> None:
-    kernel = FakeKernel(block=640)
+    # Registers cap occupancy: only the suggested 640 reaches 1920 resident threads per SM.
+    kernel = FakeKernel(block=640, resident={640: 3, 256: 4, 512: 2})
     config = LaunchConfig.for_elements(100_000, H200, kernel, shared_mem=1024)
     assert config.block == (640, 1, 1)
     assert config.grid == (157, 1, 1)
@@ -181,12 +182,21 @@ def test_for_elements_uses_the_kernel_occupancy_api() -> None:
     assert (-1, 1024) in kernel.queries
 
 
+def test_for_elements_prefers_the_smallest_block_at_full_occupancy() -> None:
+    # The API suggests the largest block with the best occupancy; 256 threads reach the same.
+    kernel = FakeKernel(block=1024, resident={1024: 2, 512: 4, 256: 8})
+    assert LaunchConfig.for_elements(1 << 24, H200, kernel).block == (256, 1, 1)
+    # ...unless the smaller blocks lose occupancy (say, a per-block shared-memory cost).
+    kernel = FakeKernel(block=1024, resident={1024: 2, 512: 2, 256: 2})
+    assert LaunchConfig.for_elements(1 << 24, H200, kernel).block == (1024, 1, 1)
+
+
 def test_for_elements_without_occupancy_answer_falls_back() -> None:
     assert LaunchConfig.for_elements(100_000, H200, FakeKernel(block=None)).block == (256, 1, 1)
 
 
 def test_for_elements_respects_the_kernel_thread_limit() -> None:
-    kernel = FakeKernel(block=1024, max_threads=384)
+    kernel = FakeKernel(block=1024, max_threads=384, resident={384: 5, 256: 6})
     assert LaunchConfig.for_elements(100_000, H200, kernel).block == (384, 1, 1)
 
 
@@ -229,17 +239,21 @@ def test_large_problem_gets_the_largest_full_occupancy_tile() -> None:
     assert config.shared_mem == (32 + 32) * 32 * 4
 
 
-def test_small_problem_trades_tile_size_for_blocks_per_sm() -> None:
-    # 512 x 512: 32-tiles give 256 blocks (< 4 x 132), 16-tiles give 1024.
+def test_large_tiles_once_every_sm_has_a_block() -> None:
+    # 512 x 512: 32-tiles give 256 blocks, enough for the 132 SMs (measured fastest).
     config = calculate_optimal_launch_params(512, 512, 512, H200)
-    assert config.block == (16, 16, 1)
-    assert config.num_blocks >= 4 * H200.multiprocessor_count
-    # A tiny problem cannot reach 4 blocks per SM: the tile giving the most blocks wins.
+    assert config.block == (32, 32, 1)
+    assert config.num_blocks >= H200.multiprocessor_count
+    # A tiny problem cannot cover the SMs: the tile reaching the most SMs wins.
     assert calculate_optimal_launch_params(40, 40, 40, H200).block == (8, 8, 1)
 
 
 def test_min_blocks_per_sm_changes_the_choice() -> None:
-    assert calculate_optimal_launch_params(512, 512, 512, H200,
+    # 32-byte elements: a 32x32x32 tile stages 64 KiB, room for 3 resident blocks on a
+    # 228 KiB SM, fewer than 4: the 16x16 tile (16 KiB) wins unless 1 block per SM is enough.
+    assert calculate_optimal_launch_params(4096, 4096, 4096, H200,
+                                           element_size=32).block == (16, 16, 1)
+    assert calculate_optimal_launch_params(4096, 4096, 4096, H200, element_size=32,
                                            min_blocks_per_sm=1).block == (32, 32, 1)
 
 

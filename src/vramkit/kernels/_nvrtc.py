@@ -139,7 +139,7 @@ def compile_cubin(name: str, source: str, options: Sequence[str], arch: str) -> 
     Args:
         name: the program name (shown in compiler messages as ``<name>.cu``).
         source: CUDA C++ source.
-        options: NVRTC options, passed as given (``"-O3"``, ``"--use_fast_math"``, ...).
+        options: NVRTC options, passed as given (``"--use_fast_math"``, ``"-DNAME=1"``, ...).
         arch: the real architecture, e.g. ``"sm_90"``.
 
     Returns:

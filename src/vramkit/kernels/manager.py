@@ -471,7 +471,7 @@ class KernelManager:
             name: the kernel's function name; declare it ``extern "C" __global__`` so the
                 symbol is not C++-mangled.
             source: CUDA C++ source defining it.
-            options: extra NVRTC options (``"-O3"``, ``"--use_fast_math"``, ``"-DTILE=16"``);
+            options: extra NVRTC options (``"--use_fast_math"``, ``"-DTILE=16"``, ``"-std=c++17"``);
                 the architecture is chosen from the device and may not be given (default none).
             disk_cache: read and write the on-disk cache (default ``True``); ``False`` always
                 compiles and writes nothing.

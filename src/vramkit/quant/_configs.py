@@ -7,6 +7,7 @@ import them without importing :class:`~vramkit.quant.formats.QuantizedTensor`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 from enum import Enum
@@ -62,6 +63,18 @@ def _check_bool(owner: str, name: str, value: object) -> None:
         raise ConfigError(f"{owner}.{name} must be a bool, got {value!r}")
 
 
+def _set_key(config: Any) -> None:
+    """Store the config's canonical JSON key on the (frozen) instance.
+
+    The GPU custom ops take the config as this string; computing it with ``json.dumps`` inside
+    a ``torch.compile``d region is untraceable, so it is computed once here, eagerly, and read
+    as a plain attribute (``config._key``) on the hot path.
+    """
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    object.__setattr__(config, "_key", json.dumps({"format": config.format.value, **fields},
+                                                  sort_keys=True))
+
+
 @dataclass(frozen=True)
 class Int8Config:
     """Block-wise absmax int8: symmetric codes in [-127, 127], one scale per block of a row.
@@ -79,7 +92,7 @@ class Int8Config:
     def __post_init__(self) -> None:
         _check_size("Int8Config", "block_size", self.block_size)
         _check_bool("Int8Config", "compact_scales", self.compact_scales)
-
+        _set_key(self)
     @property
     def format(self) -> QuantFormat:
         """The format this config describes (``QuantFormat.INT8``)."""
@@ -112,7 +125,7 @@ class Int4Config:
         _check_size("Int4Config", "group_size", self.group_size, even=True)
         _check_bool("Int4Config", "compact_scales", self.compact_scales)
         _check_clip_search("Int4Config", self.clip_search)
-
+        _set_key(self)
     @property
     def format(self) -> QuantFormat:
         """The format this config describes (``QuantFormat.INT4``)."""
@@ -148,7 +161,7 @@ class NF4Config:
         _check_bool("NF4Config", "double_quant", self.double_quant)
         _check_size("NF4Config", "double_quant_block_size", self.double_quant_block_size)
         _check_clip_search("NF4Config", self.clip_search)
-
+        _set_key(self)
     @property
     def format(self) -> QuantFormat:
         """The format this config describes (``QuantFormat.NF4``)."""
@@ -178,7 +191,7 @@ class FP8Config:
             raise ConfigError(f"FP8Config.granularity must be 'channel' or 'block', got "
                               f"{self.granularity!r}")
         _check_size("FP8Config", "block_size", self.block_size)
-
+        _set_key(self)
     @property
     def format(self) -> QuantFormat:
         """The format this config describes (``QuantFormat.FP8``)."""

@@ -27,6 +27,11 @@ FORMAT_CODES = {"int8": 0, "int4": 1, "nf4": 2, "fp8": 3}
 # tiles so each program streams long contiguous rows.
 _DEQUANT_BLOCK_R = 8
 _DEQUANT_BLOCK_C = 256
+# The grouped dequantize kernel: elements per program, and the smallest power-of-two sub-group
+# worth it (odd group sizes such as 24 or 6 take the per-element kernel).
+_GROUP_TILE_ELEMENTS = 4096
+_MIN_SUB = 16
+_MAX_SUB = 256
 _GEMV_BLOCK_N = 16
 _GEMV_BLOCK_K = 256
 _ROWWISE_BLOCK_K = 1024
@@ -89,6 +94,58 @@ def _dequant_kernel(out_ptr, data_ptr, scales_ptr, zeros_ptr, aux_ptr, log_table
 
 
 @triton.jit
+def _dequant_groups_kernel(out_ptr, data_ptr, scales_ptr, zeros_ptr, aux_ptr, log_table_ptr,
+                           nf4_ptr, n_sub, subs_per_row, n_cols, data_stride, scale_stride,
+                           zero_stride, SUB: tl.constexpr, SUBS_PER_GROUP: tl.constexpr,
+                           DQ_BLOCK: tl.constexpr, FMT: tl.constexpr, COMPACT: tl.constexpr,
+                           BLOCK_S: tl.constexpr):
+    # Tiles of BLOCK_S sub-groups x SUB elements (SUB: a power of two dividing the group), so
+    # every per-group quantity (scale code, row scale, zero point) is loaded once per sub-group
+    # and broadcast along it, instead of gathered once per element as _dequant_kernel does.
+    # The arithmetic is _dequant_tile's, in the same order: results are bit-identical.
+    sub = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    sub_ok = sub < n_sub
+    row = sub // subs_per_row
+    in_row = sub % subs_per_row
+    group = in_row // SUBS_PER_GROUP
+    scale_index = row * scale_stride + group
+    if COMPACT:
+        code = tl.load(scales_ptr + scale_index, mask=sub_ok, other=0).to(tl.int32)
+        step = tl.load(log_table_ptr + code)
+        if FMT == 2:
+            reference = tl.load(aux_ptr + scale_index // DQ_BLOCK, mask=sub_ok, other=1.0)
+        else:
+            reference = tl.load(aux_ptr + row, mask=sub_ok, other=1.0)
+        scale = reference * step
+    else:
+        scale = tl.load(scales_ptr + scale_index, mask=sub_ok, other=0.0)
+    cols = in_row[:, None] * SUB + tl.arange(0, SUB)[None, :]
+    mask = sub_ok[:, None] & (cols < n_cols)
+    rows = row[:, None].to(tl.int64)
+    if FMT == 0:
+        codes8 = tl.load(data_ptr + rows * data_stride + cols, mask=mask, other=0)
+        values = codes8.to(tl.float32) * scale[:, None]
+    elif FMT == 3:
+        bits = tl.load(data_ptr + rows * data_stride + cols, mask=mask, other=0)
+        values = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
+    else:
+        byte = tl.load(data_ptr + rows * data_stride + cols // 2, mask=mask, other=0).to(tl.int32)
+        nibble = (byte >> ((cols % 2) * 4)) & 15
+        if FMT == 1:
+            if COMPACT:
+                zbyte = tl.load(zeros_ptr + row * zero_stride + group // 2, mask=sub_ok,
+                                other=0).to(tl.int32)
+                zero = (zbyte >> ((group % 2) * 4)) & 15
+            else:
+                zero = tl.load(zeros_ptr + row * zero_stride + group, mask=sub_ok,
+                               other=0).to(tl.int32)
+            values = (nibble - zero[:, None]).to(tl.float32) * scale[:, None]
+        else:
+            values = tl.load(nf4_ptr + nibble) * scale[:, None]
+    tl.store(out_ptr + rows * n_cols + cols, values.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _gemv_kernel(y_ptr, x_ptr, bias_ptr, data_ptr, scales_ptr, zeros_ptr, aux_ptr,
                  log_table_ptr, nf4_ptr, n_out, n_in, x_stride, data_stride, scale_stride,
                  zero_stride, GROUP: tl.constexpr, DQ_BLOCK: tl.constexpr, FMT: tl.constexpr,
@@ -128,6 +185,12 @@ def _fp8_rowwise_kernel(x_ptr, q_ptr, scale_ptr, n_cols, x_stride, FP8_MAX: tl.c
         q = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=cols < n_cols)
     tl.store(scale_ptr + row, scale)
+
+
+def _sub_group(group: int) -> int:
+    """The largest power of two dividing ``group``, capped at ``_MAX_SUB``."""
+    sub = group & -group
+    return min(sub, _MAX_SUB)
 
 
 def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -177,6 +240,16 @@ def dequantize(fmt: str, data: torch.Tensor, scales: torch.Tensor,
     rows = data.shape[0]
     out = torch.empty((rows, cols), dtype=dtype, device=data.device)
     pointers, kwargs = _format_args(fmt, data, scales, zero_points, aux, compact)
+    sub = _sub_group(group)
+    if sub >= _MIN_SUB and rows * cols < 2**31:
+        padded = -(-cols // group) * group
+        subs_per_row = padded // sub
+        n_sub = rows * subs_per_row
+        block_s = max(1, _GROUP_TILE_ELEMENTS // sub)
+        _dequant_groups_kernel[(triton.cdiv(n_sub, block_s),)](
+            out, *pointers, n_sub, subs_per_row, cols, SUB=sub, SUBS_PER_GROUP=group // sub,
+            DQ_BLOCK=dq_block, BLOCK_S=block_s, num_warps=8, **kwargs)
+        return out
     grid = (triton.cdiv(rows, _DEQUANT_BLOCK_R), triton.cdiv(cols, _DEQUANT_BLOCK_C))
     _dequant_kernel[grid](out, *pointers, rows, cols, GROUP=group, DQ_BLOCK=dq_block,
                           BLOCK_R=_DEQUANT_BLOCK_R, BLOCK_C=_DEQUANT_BLOCK_C, num_warps=4,

@@ -103,10 +103,8 @@ def _aux(q: QuantizedTensor) -> torch.Tensor | None:
 
 
 def _config_key(config: QuantConfigT) -> str:
-    import dataclasses
-
-    return json.dumps({"format": config.format.value, **dataclasses.asdict(config)},
-                      sort_keys=True)
+    # Precomputed in the config's __post_init__: a plain attribute read traces under compile.
+    return config._key  # type: ignore[union-attr]
 
 
 @functools.lru_cache(maxsize=64)

@@ -64,10 +64,8 @@ def run_variant(name: str, swapped: int, gpu_optimizer: bool, args: argparse.Nam
         swapper = BlockSwapper(model, config=SwapConfig(
             max_gpu_blocks=args.blocks - swapped, trainable="cpu", checkpointing=args.ckpt),
             device=device)
-        resident = [p for p in model.parameters() if p.requires_grad and p.device == device
-                    and p.numel() > 0]
-        params = resident + swapper.host_parameters()
-        optimizer: Any = CPUOffloadOptimizer(params, torch.optim.AdamW, overlap=False, lr=LR)
+        optimizer: Any = CPUOffloadOptimizer(swapper.optimizer_parameters(), torch.optim.AdamW,
+                                             overlap=False, lr=LR)
     else:
         model.to(device)
         if args.ckpt:

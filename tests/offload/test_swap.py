@@ -1178,3 +1178,35 @@ def test_expanded_buffers_stay_resident_and_detach_restores_them() -> None:
     assert id(model.blocks[0].table) not in swapped
     swapper.detach()
     assert model.blocks[0].table.stride() == (0, 1)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_full_finetune_bf16_with_cpu_offload_optimizer(overlap: bool) -> None:
+    """trainable="cpu" with 16-bit weights: the swapper assigns host gradients (no autograd
+    accumulation, so no post-accumulate hook fires); CPUOffloadOptimizer must still step them."""
+    from vramkit.offload.optimizer import CPUOffloadOptimizer
+
+    ref = _net().to(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    swapper = _swap(model, trainable="cpu")
+    assert swapper.host_parameters()
+    params = swapper.optimizer_parameters()
+    host = swapper.host_parameters()
+    assert len(params) == len(list(ref.parameters())) and params[-len(host):] == host
+    opt = CPUOffloadOptimizer(params, torch.optim.AdamW, overlap=overlap, lr=1e-2)
+    ref_opt = CPUOffloadOptimizer(ref.parameters(), torch.optim.AdamW, overlap=overlap, lr=1e-2)
+    x = X.to(torch.bfloat16)
+    for _ in range(3):
+        model(x).float().square().mean().backward()
+        swapper.sync_gradients()
+        opt.step()
+        opt.zero_grad()
+        ref(x).float().square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert opt.stats().grads_transferred == ref_opt.stats().grads_transferred > 0
+    swapper.detach()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    opt.close()
+    ref_opt.close()

@@ -360,6 +360,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._check_open()
         if not self._offload_gradients:
             self._enqueue_resident_grads()
+        self._enqueue_assigned_host_grads()
         start = time.perf_counter()
         self._drain()
         self._wait_seconds += time.perf_counter() - start
@@ -664,6 +665,18 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 self._transfer_grad(slot, slot.param.grad, release=False)
             elif self._overlap:
                 self._enqueue(slot)
+
+    def _enqueue_assigned_host_grads(self) -> None:
+        """16-bit host parameters whose ``.grad`` was *assigned* rather than accumulated by
+        autograd -- the block swapper's host parameters (``SwapConfig(trainable="cpu")``) get
+        their gradients that way in ``sync_gradients()`` -- never fire the post-accumulate hook:
+        pick their gradients up here (a host-to-host copy into the fp32 master gradient)."""
+        for slot in self._slots:
+            if slot.in_place or slot.received or slot.param.device.type != "cpu":
+                continue
+            grad = slot.param.grad
+            if grad is not None:
+                self._transfer_grad(slot, grad, release=True)
 
     def _enqueue(self, slot: _Slot) -> None:
         with self._cond:

@@ -844,6 +844,23 @@ class BlockSwapper:
         return [e.host_param for b in self._blocks for e in b.trainable_entries
                 if e.host_param is not None]
 
+    def optimizer_parameters(self) -> list[nn.Parameter]:
+        """Every parameter an optimizer should step while attached: the model's trainable
+        parameters that are not swapped (on the device), then :meth:`host_parameters`.
+
+        The module's swapped Parameter objects hold zero-byte placeholders between calls, so an
+        optimizer must not be built over ``model.parameters()`` with ``trainable="cpu"``; with
+        ``trainable="resident"`` this is the model's trainable parameters.
+        """
+        swapped = {id(e.tensor) for b in self._blocks for e in b.trainable_entries}
+        seen: set[int] = set()
+        out: list[nn.Parameter] = []
+        for p in self.model.parameters():
+            if p.requires_grad and id(p) not in swapped and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out + self.host_parameters()
+
     def sync_gradients(self) -> None:
         """Wait (on the host) until every offloaded gradient has arrived and no copy still reads
         the masters: call it once per optimizer step, before stepping the host parameters."""

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from tests._tiling_models import sdxl_vae_config, tiny_vae
-from vramkit.tiling import VAETiling, chunked_attention, use_chunked_attention
+from vramkit.tiling import (
+    VAETiling,
+    chunked_attention,
+    release_host_buffers,
+    use_chunked_attention,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -68,11 +73,19 @@ def test_sdxl_vae_1024_exact_fp32_and_blended_bf16_memory() -> None:
     # (in bf16 two different convolution algorithms already differ by several bf16 ulps).
     with torch.no_grad(), use_chunked_attention(vae):
         ref = vae.decode(z).sample
-    exact = VAETiling(exact_groupnorm=True, exact_device_budget="256MiB")
+    exact = VAETiling(tile_size=128, exact_groupnorm=True, exact_device_budget="256MiB")
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
         report = exact.seam_report(vae, z, reference=ref)
-    assert exact.last_exact_stats.host_plane_bytes_peak > 0
+    stats = exact.last_exact_stats
+    assert stats.host_plane_bytes_peak > 0
     assert report.max_abs_error <= 2 / 255 and report.seam_psnr_db >= 45
+    # The cap is honest: budget (or the attention's keys+values, always on the device) + the
+    # output image + a bounded strip working set (24 strips' elements, see docs/tiling.md).
+    working_set = 24 * 128 * 128 * 256 * 4
+    extra = torch.cuda.max_memory_allocated() - baseline
+    assert extra <= max(256 << 20, stats.attention_kv_bytes) + ref.nbytes + working_set
     del ref
     vae = vae.to(torch.bfloat16)
     z = z.to(torch.bfloat16)
@@ -86,3 +99,21 @@ def test_sdxl_vae_1024_exact_fp32_and_blended_bf16_memory() -> None:
     assert out.shape == ref.shape and torch.isfinite(out).all()
     # one 256x256 tile's activations, not the 1024x1024 image's (the untiled decode needs ~5 GB)
     assert torch.cuda.max_memory_allocated() - weights < 1.5e9
+
+
+def test_exact_host_breakdown_and_buffer_reuse(vae_cuda: Any) -> None:
+    z = torch.randn(1, 4, 64, 48, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    tiling = VAETiling(tile_size=8, exact_groupnorm=True, exact_storage="host")
+    release_host_buffers()  # earlier tests' buffers would serve the first run
+    with torch.no_grad():
+        first = tiling.decode_tiled(vae_cuda, z)
+        first_stats = tiling.last_exact_stats
+        second = tiling.decode_tiled(vae_cuda, z)
+    stats = tiling.last_exact_stats
+    assert first_stats.host_bytes_newly_pinned > 0
+    assert stats.host_bytes_newly_pinned == 0  # the first run's pinned buffers were reused
+    assert stats.h2d_bytes == first_stats.h2d_bytes > stats.d2h_bytes > 0
+    timings = stats.timings()
+    assert timings is not None and len(timings["step_ms"]) == stats.steps
+    assert 0 <= timings["copy_wait_ms"] <= timings["steps_ms"] + 1e-3
+    torch.testing.assert_close(first, second)

@@ -14,20 +14,28 @@ plane, and accumulates the per-group count/mean/M2 of the strip for the next Gro
 parallel merge, in float64). Strips have no overlap, so every output pixel is computed once and
 the statistics come from each pixel exactly once.
 
-The parts that are global for another reason -- the mid block's self-attention over every latent
-pixel -- run untiled at latent resolution, with query-chunked attention
-(:class:`ChunkedAttnProcessor`) so a 512x512 latent (262k tokens, head dim 512) fits.
+The mid block's self-attention is global too: its keys and values for every latent pixel are
+computed strip by strip and kept on the device (the only global state), then each strip's queries
+attend to all of them (memory-efficient SDPA or query-chunked math, :func:`chunked_attention`).
+So the whole decoder (and encoder) is one program of steps, and every full-size intermediate is a
+plane under the same budget.
 
 Planes are stored ``(H, W, C)`` contiguous, so a full-width strip is one contiguous range: on the
-device when they fit the budget, otherwise in pinned host memory (one copy stream moves strips
-host<->device asynchronously, ordered by CUDA events; no host synchronisation in the loop).
+device while they fit the budget, otherwise in pinned host memory (reused across runs). Uploads
+and downloads run on two copy streams (both PCIe directions at once), ordered by CUDA events; the
+upload of a strip is enqueued before the compute stream needs it (prefetch), its output is
+downloaded while the next strip computes, and the CPU is kept at most ``_MAX_STRIPS_AHEAD`` strips
+ahead of the GPU so strip buffers stay bounded. :class:`ExactRunStats` records the bytes moved per
+step and, on CUDA, how long the compute stream waited for uploads.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,11 +50,13 @@ __all__ = [
     "ChunkedAttnProcessor",
     "ExactRunStats",
     "GroupStats",
+    "StepRecord",
     "chunked_attention",
     "exact_decode",
     "exact_encode",
     "group_stats",
     "merge_group_stats",
+    "release_host_buffers",
     "use_chunked_attention",
 ]
 
@@ -285,35 +295,97 @@ def use_chunked_attention(module: nn.Module, processor: ChunkedAttnProcessor | N
 
 
 # --------------------------------------------------------------------------------------------
-# Planes: full-size intermediates on the device or in pinned host memory
+# Run statistics
 # --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepRecord:
+    """What one step of an exact run did (one entry of :attr:`ExactRunStats.step_records`).
+
+    Args:
+        name: the layer, e.g. ``"up_blocks.3.resnets.0.conv2"``.
+        out_shape: ``(C, H, W)`` of the step's output plane.
+        out_on_host: whether that plane lives in pinned host memory.
+        strips: strips computed (an attention step counts its key/value and query passes).
+        h2d_bytes: bytes this step uploaded (strips read from host planes).
+        d2h_bytes: bytes this step downloaded (strips written to a host plane).
+    """
+
+    name: str
+    out_shape: tuple[int, int, int]
+    out_on_host: bool = False
+    strips: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
 
 
 @dataclass
 class ExactRunStats:
     """What one exact run did (reported by ``VAETiling.last_exact_stats``).
 
+    ``steps``, ``strips``, ``h2d_bytes`` and ``d2h_bytes`` are the sums over ``step_records``.
+
     Args:
-        steps: conv steps run tiled.
+        steps: steps run (convolutions, attention blocks).
         strips: strips computed, over all steps.
-        device_plane_bytes_peak: peak bytes of intermediates held on the compute device.
-        host_plane_bytes_peak: peak bytes of intermediates held in (pinned) host memory.
-        seam_rows: strip boundaries of every step, in output pixels of the final image.
+        device_plane_bytes_peak: peak bytes of intermediates (planes and the attention's keys
+            and values) held on the compute device.
+        host_plane_bytes_peak: peak bytes of planes held in pinned host memory.
+        attention_kv_bytes: bytes of the largest attention step's keys + values (on the device).
+        h2d_bytes: bytes copied host -> device.
+        d2h_bytes: bytes copied device -> host.
+        host_bytes_newly_pinned: pinned host bytes this run had to allocate (0 once a previous
+            run of the same shapes left its buffers in the cache).
+        seam_rows: strip boundaries of every step, in pixels of the image.
+        step_records: one :class:`StepRecord` per step, in order.
     """
 
     steps: int = 0
     strips: int = 0
     device_plane_bytes_peak: int = 0
     host_plane_bytes_peak: int = 0
+    attention_kv_bytes: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    host_bytes_newly_pinned: int = 0
     seam_rows: list[int] = field(default_factory=list)
+    step_records: list[StepRecord] = field(default_factory=list)
+    _step_events: list[tuple[Any, Any]] = field(default_factory=list, repr=False)
+    _wait_events: list[tuple[Any, Any]] = field(default_factory=list, repr=False)
+
+    def timings(self) -> dict[str, Any] | None:
+        """Where the compute stream's time went (CUDA runs only; ``None`` on the CPU).
+
+        Waits for the run to finish (a host synchronisation: call it after the run, not in a
+        loop).
+
+        Returns:
+            ``{"steps_ms": total, "copy_wait_ms": time the compute stream stalled waiting for
+            uploads, "step_ms": [per step]}``.
+        """
+        if not self._step_events:
+            return None
+        self._step_events[-1][1].synchronize()
+        step_ms = [start.elapsed_time(end) for start, end in self._step_events]
+        wait_ms = sum(start.elapsed_time(end) for start, end in self._wait_events)
+        return {"steps_ms": sum(step_ms), "copy_wait_ms": wait_ms, "step_ms": step_ms}
 
 
+# --------------------------------------------------------------------------------------------
+# Pinned host buffers, reused across runs
+# --------------------------------------------------------------------------------------------
+
+# Pinned buffers not in use, reused best-fit. Kept across runs on purpose: pinning gigabytes
+# (cudaHostRegister) costs ~1 s per 5 GB, far more than a decode's copies, and the pool's own
+# free path cannot help here: it only reuses a block once an event recorded at free time has
+# completed, which is never the case while the CPU runs ahead of the GPU, so every run grew it.
+_HOST_FREE: list[torch.Tensor] = []
+_HOST_LOCK = threading.Lock()
 _PINNED_POOL: Any = None
 
 
 def _pinned_pool() -> Any:
-    """The process-wide pinned pool for host planes (created on first use, kept for reuse:
-    pinning gigabytes costs far more than one decode's copies)."""
     global _PINNED_POOL
     if _PINNED_POOL is None:
         from vramkit.memory.pool import MemoryPool, PoolConfig
@@ -321,29 +393,75 @@ def _pinned_pool() -> Any:
     return _PINNED_POOL
 
 
+def _take_host_buffer(nbytes: int, pinned: bool) -> tuple[torch.Tensor, int]:
+    """A ``uint8`` host buffer of at least ``nbytes`` and the bytes newly allocated for it."""
+    if not pinned:
+        return torch.empty(nbytes, dtype=torch.uint8), nbytes
+    with _HOST_LOCK:
+        fits = [i for i, buf in enumerate(_HOST_FREE) if buf.numel() >= nbytes]
+        if fits:
+            best = min(fits, key=lambda i: _HOST_FREE[i].numel())
+            return _HOST_FREE.pop(best), 0
+    return _pinned_pool().tensor((nbytes,), torch.uint8), nbytes
+
+
+def _return_host_buffer(buffer: torch.Tensor, pinned: bool) -> None:
+    if pinned:
+        with _HOST_LOCK:
+            _HOST_FREE.append(buffer)
+
+
+def release_host_buffers() -> int:
+    """Give the pinned host buffers that exact runs keep for reuse back to the pinned pool.
+
+    Call it between runs (never during one) to return the host memory.
+
+    Returns:
+        The number of bytes released.
+    """
+    with _HOST_LOCK:
+        released = sum(buf.numel() for buf in _HOST_FREE)
+        _HOST_FREE.clear()
+    if _PINNED_POOL is not None:
+        _PINNED_POOL.trim()
+    return released
+
+
+# --------------------------------------------------------------------------------------------
+# Planes: full-size intermediates on the device or in pinned host memory
+# --------------------------------------------------------------------------------------------
+
+
 class _Plane:
     """One full-size ``(C, H, W)`` intermediate of one sample, stored ``(H, W, C)``."""
 
-    def __init__(self, data: torch.Tensor, on_host: bool, runner: _Runner) -> None:
+    def __init__(self, data: torch.Tensor, on_host: bool, runner: _Runner,
+                 buffer: torch.Tensor | None = None, counted: bool = False) -> None:
         self.data = data  # (H, W, C) or a strided (H, W, C) view of an NCHW tensor
         self.on_host = on_host
         self.runner = runner
+        self.buffer = buffer  # the host buffer behind ``data`` (returned on release)
+        self.counted = counted  # a device plane counted against the budget
         self.height, self.width, self.channels = data.shape
         self.nbytes = data.numel() * data.element_size()
 
     def read(self, y0: int, y1: int) -> torch.Tensor:
-        """Rows ``[y0, y1)`` as a ``(1, C, rows, W)`` tensor on the compute device."""
+        """Rows ``[y0, y1)`` as a ``(1, C, rows, W)`` (channels-last) tensor on the device."""
         rows = self.data[y0:y1]
         runner = self.runner
-        if self.on_host and runner.h2d_stream is not None:
-            with torch.cuda.stream(runner.h2d_stream):
-                rows = rows.to(runner.device, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(runner.h2d_stream)
-            runner.compute_stream.wait_event(ready)
-            rows.record_stream(runner.compute_stream)  # allocated on the copy stream
-        elif self.on_host:
-            rows = rows.to(runner.device)
+        if self.on_host:
+            runner.count_copy(rows.numel() * rows.element_size(), upload=True)
+            if runner.cuda:
+                # Enqueued on the upload stream as soon as the CPU gets here, up to
+                # _MAX_STRIPS_AHEAD strips before the compute stream needs it (prefetch).
+                with torch.cuda.stream(runner.h2d_stream):
+                    rows = rows.to(runner.device, non_blocking=True)
+                    ready = torch.cuda.Event()
+                    ready.record(runner.h2d_stream)
+                runner.wait_upload(ready)
+                rows.record_stream(runner.compute_stream)  # allocated on the copy stream
+            else:
+                rows = rows.to(runner.device)
         return rows.permute(2, 0, 1).unsqueeze(0)
 
     def write(self, y0: int, strip: torch.Tensor) -> None:
@@ -351,7 +469,9 @@ class _Plane:
         rows = strip[0].permute(1, 2, 0)
         dest = self.data[y0:y0 + rows.shape[0]]
         runner = self.runner
-        if self.on_host and runner.d2h_stream is not None:
+        if self.on_host:
+            runner.count_copy(rows.numel() * rows.element_size(), upload=False)
+        if self.on_host and runner.cuda:
             done = torch.cuda.Event()
             done.record(runner.compute_stream)
             runner.d2h_stream.wait_event(done)
@@ -366,8 +486,17 @@ class _Plane:
         return self.read(0, self.height)
 
 
+# The CPU may enqueue at most this many strips before the GPU finishes them. Enough to keep the
+# copy streams a strip or two ahead of the compute stream; a bound because the caching allocator
+# can only reuse a strip's buffers once the GPU is done with them, so an unbounded lead (a few
+# hundred microseconds of Python per strip against milliseconds of GPU work) would hold one set
+# of strip buffers per strip enqueued and break the device budget.
+_MAX_STRIPS_AHEAD = 3
+
+
 class _Runner:
-    """Allocates planes (device while under budget, else pinned host) and runs conv steps."""
+    """Allocates planes (device while under budget, else pinned host), moves strips, keeps the
+    run's statistics. Two copy streams (upload, download) so both PCIe directions run at once."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, storage: str,
                  device_budget: int | None, strip_elements: int) -> None:
@@ -378,67 +507,143 @@ class _Runner:
         self.stats = ExactRunStats()
         self.device_live = 0
         self.host_live = 0
-        self.retired_host_planes: list[_Plane] = []  # released, copies may still be in flight
-        cuda = device.type == "cuda"
-        # Two copy streams so the next strip's upload overlaps the previous strip's download.
-        self.h2d_stream = torch.cuda.Stream(device) if cuda else None
-        self.d2h_stream = torch.cuda.Stream(device) if cuda else None
-        self.compute_stream = torch.cuda.current_stream(device) if cuda else None
+        self.record: StepRecord | None = None
+        self.cuda = device.type == "cuda"
+        self._in_flight: collections.deque[tuple[Any, Any]] = collections.deque()
+        self._step_start: Any = None
+        if self.cuda:
+            self.compute_stream = torch.cuda.current_stream(device)
+            self.h2d_stream = torch.cuda.Stream(device)
+            self.d2h_stream = torch.cuda.Stream(device)
+            # Host buffers come from earlier runs: their copies (ordered before the compute
+            # stream by finish()) must be done before this run's copies touch them.
+            self.h2d_stream.wait_stream(self.compute_stream)
+            self.d2h_stream.wait_stream(self.compute_stream)
         if device_budget is None:
-            if cuda:
+            if self.cuda:
                 free, _total = torch.cuda.mem_get_info(device)
                 device_budget = free // 2  # the other half is for strips, weights, the caller
             else:
                 device_budget = 1 << 62  # "device" memory is host memory here
         self.device_budget = device_budget
 
+    # -- memory ------------------------------------------------------------------------------
+
     def new_plane(self, channels: int, height: int, width: int) -> _Plane:
         nbytes = channels * height * width * self.dtype.itemsize
         on_host = self.storage == "host" or (
             self.storage == "auto" and self.device_live + nbytes > self.device_budget)
-        if on_host:
-            if self.device.type == "cuda":
-                data = _pinned_pool().tensor((height, width, channels), self.dtype)
-            else:
-                data = torch.empty((height, width, channels), dtype=self.dtype)
-            self.host_live += nbytes
-            self.stats.host_plane_bytes_peak = max(self.stats.host_plane_bytes_peak,
-                                                   self.host_live)
-        else:
+        if not on_host:
             data = torch.empty((height, width, channels), dtype=self.dtype, device=self.device)
-            self.device_live += nbytes
-            self.stats.device_plane_bytes_peak = max(self.stats.device_plane_bytes_peak,
-                                                     self.device_live)
-        return _Plane(data, on_host, self)
+            self._device_delta(nbytes)
+            return _Plane(data, False, self, counted=True)
+        buffer, new = _take_host_buffer(nbytes, pinned=self.cuda)
+        self.stats.host_bytes_newly_pinned += new if self.cuda else 0
+        data = buffer[:nbytes].view(self.dtype).view(height, width, channels)
+        self.host_live += nbytes
+        self.stats.host_plane_bytes_peak = max(self.stats.host_plane_bytes_peak, self.host_live)
+        return _Plane(data, True, self, buffer)
+
+    def device_tensor(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A device tensor counted as an intermediate (attention keys/values): it always lives
+        on the device, and planes created while it is alive see that much less budget."""
+        tensor = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self._device_delta(tensor.numel() * tensor.element_size())
+        return tensor
+
+    def free_device(self, tensor: torch.Tensor) -> None:
+        self._device_delta(-tensor.numel() * tensor.element_size())
+
+    def _device_delta(self, nbytes: int) -> None:
+        self.device_live += nbytes
+        self.stats.device_plane_bytes_peak = max(self.stats.device_plane_bytes_peak,
+                                                 self.device_live)
 
     def release(self, plane: _Plane) -> None:
-        """Forget a plane. Device memory returns to the caching allocator (stream-ordered); a
-        host plane is kept until the next :meth:`end_step` barrier, because copies enqueued on
-        the copy streams may still read it."""
+        """Forget a plane. Device memory returns to the caching allocator (stream-ordered). A
+        host buffer is reusable at once: it is released after the last step reading it has
+        ended, and :meth:`end_step` ordered every later download (the only writes) after
+        every upload enqueued so far."""
         if plane.on_host:
             self.host_live -= plane.nbytes
-            self.retired_host_planes.append(plane)
+            if plane.buffer is not None:
+                _return_host_buffer(plane.buffer, pinned=self.cuda)
+        elif plane.counted:
+            self._device_delta(-plane.nbytes)
+        plane.data = plane.buffer = None  # type: ignore[assignment]
+
+    # -- copies, strips and steps -----------------------------------------------------------
+
+    def count_copy(self, nbytes: int, upload: bool) -> None:
+        if upload:
+            self.stats.h2d_bytes += nbytes
         else:
-            self.device_live -= plane.nbytes
+            self.stats.d2h_bytes += nbytes
+        if self.record is not None:
+            if upload:
+                self.record.h2d_bytes += nbytes
+            else:
+                self.record.d2h_bytes += nbytes
+
+    def wait_upload(self, ready: Any) -> None:
+        """Make the compute stream wait for an upload, timing the stall with two events."""
+        before = torch.cuda.Event(enable_timing=True)
+        before.record(self.compute_stream)
+        self.compute_stream.wait_event(ready)
+        after = torch.cuda.Event(enable_timing=True)
+        after.record(self.compute_stream)
+        self.stats._wait_events.append((before, after))
+
+    def begin_step(self, name: str, out: _Plane | None, shape: tuple[int, int, int]) -> None:
+        self.record = StepRecord(name, shape, out_on_host=bool(out is not None and out.on_host))
+        self.stats.step_records.append(self.record)
+        self.stats.steps += 1
+        if self.cuda:
+            self._step_start = torch.cuda.Event(enable_timing=True)
+            self._step_start.record(self.compute_stream)
+
+    def end_strip(self) -> None:
+        """Count a strip and bound how far the CPU runs ahead of the GPU (see
+        ``_MAX_STRIPS_AHEAD``): waits, on the host, for the strip that many strips back."""
+        self.stats.strips += 1
+        if self.record is not None:
+            self.record.strips += 1
+        if not self.cuda:
+            return
+        computed, downloaded = torch.cuda.Event(), torch.cuda.Event()
+        computed.record(self.compute_stream)
+        downloaded.record(self.d2h_stream)
+        self._in_flight.append((computed, downloaded))
+        if len(self._in_flight) > _MAX_STRIPS_AHEAD:
+            for event in self._in_flight.popleft():
+                event.synchronize()
 
     def end_step(self) -> None:
-        """Order the copy streams after each other, then let retired host planes go back to
-        the pinned pool: every later upload sees this step's downloads, and a reused host
-        buffer is only overwritten (on the download stream) after every upload from it."""
-        if self.h2d_stream is not None:
+        """Order the copy streams after each other: every later upload sees this step's
+        downloads, and a reused host buffer is only overwritten (on the download stream)
+        after every upload from it."""
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self.compute_stream)
+            self.stats._step_events.append((self._step_start, end))
             self.h2d_stream.wait_stream(self.d2h_stream)
             self.d2h_stream.wait_stream(self.h2d_stream)
-        self.retired_host_planes.clear()
+        self.record = None
 
     def finish(self) -> None:
         """Make the compute stream wait for every copy (no host synchronisation)."""
-        if self.h2d_stream is not None:
+        if self.cuda:
             self.compute_stream.wait_stream(self.h2d_stream)
             self.compute_stream.wait_stream(self.d2h_stream)
-        self.retired_host_planes.clear()
+        self._in_flight.clear()
 
     def strip_rows(self, width: int, channels: int) -> int:
         return max(1, self.strip_elements // max(1, width * channels))
+
+
+# --------------------------------------------------------------------------------------------
+# Steps
+# --------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -449,6 +654,7 @@ class _ConvStep:
     writes plane ``index + 1``.
     """
 
+    name: str
     source: int
     conv: nn.Conv2d
     norm: nn.GroupNorm | None = None
@@ -458,6 +664,26 @@ class _ConvStep:
     residual: int | None = None
     shortcut: nn.Conv2d | None = None
     output_scale: float = 1.0
+
+
+@dataclass
+class _AttnStep:
+    """A diffusers ``Attention`` over every pixel of its input plane (the VAE mid block):
+    keys and values of the whole plane on the device, queries a strip at a time."""
+
+    name: str
+    source: int
+    attn: nn.Module
+    query_chunk: int | None = None
+    max_score_bytes: int = 256 << 20
+    residual: int | None = None  # the attention's own residual is its source
+
+    @property
+    def norm(self) -> nn.GroupNorm:
+        return self.attn.group_norm
+
+
+_Step = _ConvStep | _AttnStep
 
 
 def _check_conv(conv: Any, what: str) -> nn.Conv2d:
@@ -476,9 +702,23 @@ def _check_act(act: Any, what: str) -> nn.Module:
     return act
 
 
-def _run_step(runner: _Runner, step: _ConvStep, planes: dict[int, _Plane],
-              stats: dict[int, GroupStats], out_plane: _Plane | None, stats_groups: int | None,
-              row_scale: int) -> tuple[_Plane, GroupStats | None]:
+def _normalise(x: torch.Tensor, scale_shift: tuple[torch.Tensor, torch.Tensor] | None,
+               act: nn.Module | None, dtype: torch.dtype) -> torch.Tensor:
+    """``act(x * scale + shift)`` in ``dtype``; the affine part in float32, on a private copy
+    (``x`` may be a view of a device plane), in place to keep one float32 strip alive."""
+    if scale_shift is not None:
+        xf = x.to(torch.float32, copy=True)
+        xf.mul_(scale_shift[0]).add_(scale_shift[1])
+        x = xf.to(dtype)
+        del xf
+        if isinstance(act, nn.SiLU):  # x is our own tensor now
+            return F.silu(x, inplace=True)
+    return act(x) if act is not None else x
+
+
+def _run_conv_step(runner: _Runner, step: _ConvStep, planes: dict[int, _Plane],
+                   stats: dict[int, GroupStats], out_plane: _Plane | None,
+                   stats_groups: int | None, row_scale: int) -> tuple[_Plane, GroupStats | None]:
     src = planes[step.source]
     conv = step.conv
     kh, kw = conv.kernel_size
@@ -492,6 +732,7 @@ def _run_step(runner: _Runner, step: _ConvStep, planes: dict[int, _Plane],
     out_w = (in_w + pad_w[0] + pad_w[1] - kw) // sw + 1
     if out_plane is None:
         out_plane = runner.new_plane(conv.out_channels, out_h, out_w)
+    runner.begin_step(step.name, out_plane, (conv.out_channels, out_h, out_w))
     scale_shift = None
     if step.norm is not None:
         scale_shift = _norm_scale_shift(step.norm, stats[step.source])
@@ -507,11 +748,7 @@ def _run_step(runner: _Runner, step: _ConvStep, planes: dict[int, _Plane],
         last = (y1 - 1) * sh - pad_top + kh
         lo, hi = max(first, 0), min(last, in_h)
         src_lo, src_hi = lo // up, (hi - 1) // up + 1
-        x = src.read(src_lo, src_hi)
-        if scale_shift is not None:
-            x = (x.float() * scale_shift[0] + scale_shift[1]).to(x.dtype)
-        if step.act is not None:
-            x = step.act(x)
+        x = _normalise(src.read(src_lo, src_hi), scale_shift, step.act, runner.dtype)
         if up > 1:
             x = F.interpolate(x, scale_factor=float(up), mode="nearest")
             x = x[:, :, lo - src_lo * up:hi - src_lo * up]
@@ -523,17 +760,87 @@ def _run_step(runner: _Runner, step: _ConvStep, planes: dict[int, _Plane],
             if step.shortcut is not None:
                 res = step.shortcut(res)
             out = res + out
+            del res
             if step.output_scale != 1.0:
                 out = out / step.output_scale
         if stats_groups is not None:
             merged = merge_group_stats(merged, group_stats(out, stats_groups))
         out_plane.write(y0, out)
-        runner.stats.strips += 1
-    runner.stats.steps += 1
+        del out
+        runner.end_strip()
+    runner.end_step()
     return out_plane, merged
 
 
-def _resnet_steps(resnet: nn.Module, source: int, first_index: int) -> list[_ConvStep]:
+def _run_attn_step(runner: _Runner, step: _AttnStep, planes: dict[int, _Plane],
+                   stats: dict[int, GroupStats], stats_groups: int | None, row_scale: int
+                   ) -> tuple[_Plane, GroupStats | None]:
+    """Self-attention over the whole plane: pass 1 projects every strip to keys and values
+    (kept on the device: the only global state), pass 2 runs each strip's queries against all
+    of them and adds the residual. Same arithmetic as ``ChunkedAttnProcessor``."""
+    src = planes[step.source]
+    attn = step.attn
+    channels, height, width = src.channels, src.height, src.width
+    heads = attn.heads
+    key_dim = attn.to_k.out_features // heads
+    value_dim = attn.to_v.out_features // heads
+    tokens = height * width
+    keys = runner.device_tensor((1, heads, tokens, key_dim))
+    values = runner.device_tensor((1, heads, tokens, value_dim))
+    runner.stats.attention_kv_bytes = max(runner.stats.attention_kv_bytes,
+                                          (keys.numel() + values.numel()) * keys.element_size())
+    out_channels = attn.to_out[0].out_features
+    out_plane = runner.new_plane(out_channels, height, width)
+    runner.begin_step(step.name, out_plane, (out_channels, height, width))
+    scale_shift = _norm_scale_shift(attn.group_norm, stats[step.source])
+    rows = runner.strip_rows(width, max(channels, attn.to_k.out_features))
+
+    def normalised_tokens(y0: int, y1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = src.read(y0, y1)
+        h = _normalise(x, scale_shift, None, runner.dtype)
+        return x, h.permute(0, 2, 3, 1).reshape(1, (y1 - y0) * width, channels)
+
+    for y0 in range(0, height, rows):
+        y1 = min(y0 + rows, height)
+        _, h = normalised_tokens(y0, y1)
+        n = (y1 - y0) * width
+        keys[:, :, y0 * width:y1 * width] = attn.to_k(h).view(1, n, heads, key_dim).transpose(1, 2)
+        values[:, :, y0 * width:y1 * width] = \
+            attn.to_v(h).view(1, n, heads, value_dim).transpose(1, 2)
+        del h
+        runner.end_strip()
+    merged: GroupStats | None = None
+    for y0 in range(0, height, rows):
+        y1 = min(y0 + rows, height)
+        if y0:
+            runner.stats.seam_rows.append(y0 * row_scale)
+        x, h = normalised_tokens(y0, y1)
+        n = (y1 - y0) * width
+        query = attn.to_q(h).view(1, n, heads, key_dim).transpose(1, 2)
+        del h
+        o = chunked_attention(query, keys, values, scale=attn.scale, query_chunk=step.query_chunk,
+                              max_score_bytes=step.max_score_bytes)
+        o = o.transpose(1, 2).reshape(1, n, heads * value_dim).to(query.dtype)
+        o = attn.to_out[1](attn.to_out[0](o))
+        o = o.view(1, y1 - y0, width, out_channels).permute(0, 3, 1, 2)
+        if attn.residual_connection:
+            o = o + x
+        o = o / attn.rescale_output_factor
+        del x
+        if stats_groups is not None:
+            merged = merge_group_stats(merged, group_stats(o, stats_groups))
+        out_plane.write(y0, o)
+        del o
+        runner.end_strip()
+    runner.end_step()
+    runner.free_device(keys)
+    runner.free_device(values)
+    del keys, values
+    return out_plane, merged
+
+
+def _resnet_steps(resnet: nn.Module, name: str, source: int, first_index: int
+                  ) -> list[_ConvStep]:
     """The two conv steps of a diffusers ``ResnetBlock2D`` (checked for what tiling supports)."""
     if getattr(resnet, "upsample", None) is not None or \
             getattr(resnet, "downsample", None) is not None or \
@@ -548,14 +855,39 @@ def _resnet_steps(resnet: nn.Module, source: int, first_index: int) -> list[_Con
         if shortcut.kernel_size != (1, 1) or shortcut.stride != (1, 1):
             raise ConfigError("exact tiling needs 1x1 resnet shortcuts")
     return [
-        _ConvStep(source, _check_conv(resnet.conv1, "conv1"), resnet.norm1, act),
-        _ConvStep(first_index + 1, _check_conv(resnet.conv2, "conv2"), resnet.norm2, act,
-                  residual=source, shortcut=shortcut,
+        _ConvStep(f"{name}.conv1", source, _check_conv(resnet.conv1, "conv1"), resnet.norm1, act),
+        _ConvStep(f"{name}.conv2", first_index + 1, _check_conv(resnet.conv2, "conv2"),
+                  resnet.norm2, act, residual=source, shortcut=shortcut,
                   output_scale=float(resnet.output_scale_factor)),
     ]
 
 
-def _run_program(runner: _Runner, steps: list[_ConvStep], planes: dict[int, _Plane],
+def _mid_block_steps(mid: nn.Module, name: str, source: int, first_index: int,
+                     attention: ChunkedAttnProcessor | None) -> list[_Step]:
+    """Steps of a diffusers ``UNetMidBlock2D``: resnet, then (attention, resnet) pairs."""
+    if not hasattr(mid, "resnets") or not hasattr(mid, "attentions"):
+        raise ConfigError(f"exact tiling needs a diffusers UNetMidBlock2D, got "
+                          f"{type(mid).__name__}")
+    steps: list[_Step] = _resnet_steps(mid.resnets[0], f"{name}.resnets.0", source, first_index)
+    current = first_index + len(steps)
+    processor = attention or ChunkedAttnProcessor()
+    for index, (attn, resnet) in enumerate(zip(mid.attentions, mid.resnets[1:], strict=True)):
+        if attn is not None:
+            if not isinstance(getattr(attn, "group_norm", None), nn.GroupNorm) or \
+                    getattr(attn, "spatial_norm", None) is not None or \
+                    getattr(attn, "norm_q", None) is not None or \
+                    getattr(attn, "norm_k", None) is not None or \
+                    getattr(attn, "is_cross_attention", False):
+                raise ConfigError("exact tiling supports VAE self-attention with a GroupNorm only")
+            steps.append(_AttnStep(f"{name}.attentions.{index}", current, attn,
+                                   processor.query_chunk, processor.max_score_bytes))
+            current = first_index + len(steps)
+        steps += _resnet_steps(resnet, f"{name}.resnets.{index + 1}", current, current)
+        current = first_index + len(steps)
+    return steps
+
+
+def _run_program(runner: _Runner, steps: list[_Step], planes: dict[int, _Plane],
                  stats: dict[int, GroupStats], final_plane: _Plane | None,
                  row_scales: list[int]) -> _Plane:
     """Run ``steps`` in order; plane ``i + 1`` is step ``i``'s output. Frees planes after their
@@ -570,12 +902,15 @@ def _run_program(runner: _Runner, steps: list[_ConvStep], planes: dict[int, _Pla
             groups_of[step.source] = step.norm.num_groups
     for index, step in enumerate(steps):
         target = index + 1
-        out_final = final_plane if index == len(steps) - 1 else None
-        planes[target], new_stats = _run_step(runner, step, planes, stats, out_final,
-                                              groups_of.get(target), row_scales[index])
+        if isinstance(step, _AttnStep):
+            planes[target], new_stats = _run_attn_step(runner, step, planes, stats,
+                                                       groups_of.get(target), row_scales[index])
+        else:
+            out_final = final_plane if index == len(steps) - 1 else None
+            planes[target], new_stats = _run_conv_step(runner, step, planes, stats, out_final,
+                                                       groups_of.get(target), row_scales[index])
         if new_stats is not None:
             stats[target] = new_stats
-        runner.end_step()
         for plane_index, last in last_use.items():
             if last == index and plane_index in planes:
                 runner.release(planes.pop(plane_index))
@@ -593,9 +928,10 @@ def _device_plane(tensor: torch.Tensor, runner: _Runner) -> _Plane:
 # --------------------------------------------------------------------------------------------
 
 
-def _decoder_program(decoder: nn.Module) -> tuple[list[_ConvStep], list[int]]:
-    """Conv steps of a diffusers ``Decoder`` after its mid block, and each step's output upscale
-    to final pixels (for seam positions)."""
+def _decoder_program(decoder: nn.Module, attention: ChunkedAttnProcessor | None
+                     ) -> tuple[list[_Step], list[int]]:
+    """Steps of a diffusers ``Decoder`` after ``post_quant_conv``, and each step's output
+    upscale to image pixels (for seam positions)."""
     for name in ("conv_in", "mid_block", "up_blocks", "conv_norm_out", "conv_act", "conv_out"):
         if not hasattr(decoder, name):
             raise ConfigError(f"exact tiling needs a diffusers-style Decoder (no {name!r})",
@@ -604,16 +940,17 @@ def _decoder_program(decoder: nn.Module) -> tuple[list[_ConvStep], list[int]]:
     if not isinstance(decoder.conv_norm_out, nn.GroupNorm):
         raise ConfigError("exact tiling needs GroupNorm in the decoder (SpatialNorm is not "
                           "supported)")
-    steps: list[_ConvStep] = []
-    scales: list[int] = []
-    current = 0
     remaining = sum(1 for b in decoder.up_blocks if getattr(b, "upsamplers", None))
-    for block in decoder.up_blocks:
+    steps: list[_Step] = [_ConvStep("conv_in", 0, _check_conv(decoder.conv_in, "conv_in"))]
+    steps += _mid_block_steps(decoder.mid_block, "mid_block", 1, 1, attention)
+    scales = [2 ** remaining] * len(steps)
+    current = len(steps)
+    for block_index, block in enumerate(decoder.up_blocks):
         if getattr(block, "attentions", None):
             raise ConfigError("exact tiling cannot tile attention inside up blocks")
-        for resnet in block.resnets:
-            pair = _resnet_steps(resnet, current, len(steps))
-            steps += pair
+        for resnet_index, resnet in enumerate(block.resnets):
+            steps += _resnet_steps(resnet, f"up_blocks.{block_index}.resnets.{resnet_index}",
+                                   current, len(steps))
             scales += [2 ** remaining] * 2
             current = len(steps)
         for upsampler in getattr(block, "upsamplers", None) or []:
@@ -622,40 +959,56 @@ def _decoder_program(decoder: nn.Module) -> tuple[list[_ConvStep], list[int]]:
                     not getattr(upsampler, "interpolate", True) or not upsampler.use_conv:
                 raise ConfigError("exact tiling supports nearest-x2 + conv upsamplers only")
             remaining -= 1
-            steps.append(_ConvStep(current, _check_conv(upsampler.conv, "an upsampler"),
-                                   upsample=True))
+            steps.append(_ConvStep(f"up_blocks.{block_index}.upsamplers.0", current,
+                                   _check_conv(upsampler.conv, "an upsampler"), upsample=True))
             scales.append(2 ** remaining)
             current = len(steps)
-    steps.append(_ConvStep(current, _check_conv(decoder.conv_out, "conv_out"),
+    steps.append(_ConvStep("conv_out", current, _check_conv(decoder.conv_out, "conv_out"),
                            decoder.conv_norm_out, _check_act(decoder.conv_act, "conv_act")))
     scales.append(1)
     return steps, scales
 
 
-def _encoder_program(encoder: nn.Module) -> tuple[list[_ConvStep], list[int]]:
-    """Conv steps of a diffusers ``Encoder`` before its mid block; scales are output downscale
-    factors of each step relative to the input image (used as negative seam scales: unused)."""
+def _encoder_program(encoder: nn.Module, attention: ChunkedAttnProcessor | None
+                     ) -> tuple[list[_Step], list[int]]:
+    """Steps of a diffusers ``Encoder`` (before ``quant_conv``), and each step's output
+    downscale from image pixels (for seam positions)."""
     for name in ("conv_in", "down_blocks", "mid_block", "conv_norm_out", "conv_act", "conv_out"):
         if not hasattr(encoder, name):
             raise ConfigError(f"exact tiling needs a diffusers-style Encoder (no {name!r})",
                               hint="Pass an AutoencoderKL or its .encoder, or use "
                                    "exact_groupnorm=False.")
-    steps: list[_ConvStep] = [_ConvStep(0, _check_conv(encoder.conv_in, "conv_in"))]
-    current = 1
-    for block in encoder.down_blocks:
+    if not isinstance(encoder.conv_norm_out, nn.GroupNorm):
+        raise ConfigError("exact tiling needs GroupNorm in the encoder")
+    steps: list[_Step] = [_ConvStep("conv_in", 0, _check_conv(encoder.conv_in, "conv_in"))]
+    scales = [1]
+    current, down = 1, 1
+    for block_index, block in enumerate(encoder.down_blocks):
         if getattr(block, "attentions", None):
             raise ConfigError("exact tiling cannot tile attention inside down blocks")
-        for resnet in block.resnets:
-            steps += _resnet_steps(resnet, current, len(steps))
+        for resnet_index, resnet in enumerate(block.resnets):
+            steps += _resnet_steps(resnet, f"down_blocks.{block_index}.resnets.{resnet_index}",
+                                   current, len(steps))
+            scales += [down] * 2
             current = len(steps)
-        for down in getattr(block, "downsamplers", None) or []:
-            conv = getattr(down, "conv", None)
-            if getattr(down, "norm", None) is not None or not getattr(down, "use_conv", False):
+        for down_sampler in getattr(block, "downsamplers", None) or []:
+            conv = getattr(down_sampler, "conv", None)
+            if getattr(down_sampler, "norm", None) is not None or \
+                    not getattr(down_sampler, "use_conv", False):
                 raise ConfigError("exact tiling supports conv downsamplers only")
-            extra = (0, 1, 0, 1) if down.padding == 0 else (0, 0, 0, 0)
-            steps.append(_ConvStep(current, _check_conv(conv, "a downsampler"), extra_pad=extra))
+            extra = (0, 1, 0, 1) if down_sampler.padding == 0 else (0, 0, 0, 0)
+            down *= 2
+            steps.append(_ConvStep(f"down_blocks.{block_index}.downsamplers.0", current,
+                                   _check_conv(conv, "a downsampler"), extra_pad=extra))
+            scales.append(down)
             current = len(steps)
-    return steps, [1] * len(steps)
+    mid = _mid_block_steps(encoder.mid_block, "mid_block", current, current, attention)
+    steps += mid
+    scales += [down] * len(mid)
+    steps.append(_ConvStep("conv_out", len(steps), _check_conv(encoder.conv_out, "conv_out"),
+                           encoder.conv_norm_out, _check_act(encoder.conv_act, "conv_act")))
+    scales.append(down)
+    return steps, scales
 
 
 def exact_decode(decoder: nn.Module, post_quant_conv: nn.Module | None, latents: torch.Tensor,
@@ -668,15 +1021,15 @@ def exact_decode(decoder: nn.Module, post_quant_conv: nn.Module | None, latents:
         post_quant_conv: the VAE's ``post_quant_conv`` (``None`` when it has none).
         latents: ``(B, C, h, w)`` on the decoder's device.
         storage: ``"auto"``, ``"device"`` or ``"host"`` for intermediates.
-        device_budget: bytes of intermediates allowed on the device in ``"auto"`` (``None``: half
-            the free device memory).
+        device_budget: bytes of intermediates (planes, attention keys/values) allowed on the
+            device in ``"auto"`` (``None``: half the free device memory).
         tile_size: strips hold about ``tile_size**2 * 256`` elements.
-        attention: the processor for the mid block (default ``ChunkedAttnProcessor()``).
+        attention: sets the mid block's query chunking (default ``ChunkedAttnProcessor()``).
 
     Returns:
         ``(image, stats)``: the image ``(B, C_out, H, W)`` and what the run did.
     """
-    steps, scales = _decoder_program(decoder)
+    steps, scales = _decoder_program(decoder, attention)
     weight = decoder.conv_out.weight
     device, dtype = weight.device, weight.dtype
     runner = _Runner(device, dtype, storage, device_budget,
@@ -690,15 +1043,9 @@ def exact_decode(decoder: nn.Module, post_quant_conv: nn.Module | None, latents:
             z = latents[index:index + 1]
             if post_quant_conv is not None:
                 z = post_quant_conv(z)
-            z = decoder.conv_in(z)
-            with use_chunked_attention(decoder.mid_block, attention):
-                z = decoder.mid_block(z, None)
-            norm = steps[0].norm
-            stats = {0: group_stats(z, norm.num_groups)} if norm is not None else {}
-            planes = {0: _device_plane(z, runner)}
+            _run_program(runner, steps, {0: _device_plane(z, runner)}, {},
+                         _device_plane(out[index:index + 1], runner), scales)
             del z
-            _run_program(runner, steps, planes, stats, _device_plane(out[index:index + 1], runner),
-                         scales)
         runner.finish()
     runner.stats.seam_rows = sorted(set(runner.stats.seam_rows))
     return out, runner.stats
@@ -707,8 +1054,8 @@ def exact_decode(decoder: nn.Module, post_quant_conv: nn.Module | None, latents:
 def exact_encode(encoder: nn.Module, quant_conv: nn.Module | None, image: torch.Tensor, *,
                  storage: str, device_budget: int | None, tile_size: int,
                  attention: ChunkedAttnProcessor | None = None) -> tuple[torch.Tensor, ExactRunStats]:
-    """Encode with GroupNorm statistics over the whole image; the latent-resolution tail (mid
-    block, output norm and conv, ``quant_conv``) runs untiled.
+    """Encode with GroupNorm statistics over the whole image; only ``quant_conv`` (1x1, on the
+    small latent) runs untiled.
 
     Args:
         encoder: a diffusers ``Encoder``.
@@ -723,7 +1070,7 @@ def exact_encode(encoder: nn.Module, quant_conv: nn.Module | None, image: torch.
         ``(moments, stats)``: the latent distribution parameters ``(B, 2*latent_channels, h, w)``
         (or the encoder output when it is not doubled) and what the run did.
     """
-    steps, scales = _encoder_program(encoder)
+    steps, scales = _encoder_program(encoder, attention)
     weight = encoder.conv_in.weight
     device, dtype = weight.device, weight.dtype
     runner = _Runner(device, dtype, storage, device_budget,
@@ -734,11 +1081,8 @@ def exact_encode(encoder: nn.Module, quant_conv: nn.Module | None, image: torch.
         for index in range(image.shape[0]):
             planes = {0: _device_plane(image[index:index + 1], runner)}
             last = _run_program(runner, steps, planes, {}, None, scales)
-            h = last.full()
+            h = last.full().contiguous()
             runner.release(last)
-            with use_chunked_attention(encoder.mid_block, attention):
-                h = encoder.mid_block(h)
-            h = encoder.conv_out(encoder.conv_act(encoder.conv_norm_out(h)))
             if quant_conv is not None:
                 h = quant_conv(h)
             results.append(h.contiguous())

@@ -39,9 +39,11 @@ from vramkit._tiling_exact import (
     ChunkedAttnProcessor,
     ExactRunStats,
     GroupStats,
+    StepRecord,
     chunked_attention,
     group_stats,
     merge_group_stats,
+    release_host_buffers,
     use_chunked_attention,
 )
 from vramkit.errors import ConfigError, VramkitError
@@ -52,6 +54,7 @@ __all__ = [
     "ExactRunStats",
     "GroupStats",
     "SeamReport",
+    "StepRecord",
     "TileSpan",
     "TilingHandle",
     "VAETiling",
@@ -60,6 +63,7 @@ __all__ = [
     "group_stats",
     "merge_group_stats",
     "plan_tiles",
+    "release_host_buffers",
     "seam_error",
     "use_chunked_attention",
 ]
@@ -283,7 +287,10 @@ class VAETiling:
             ``"host"`` (pinned host memory, async copies) or ``"auto"`` (default: on the device
             while they fit ``exact_device_budget``, the rest on the host).
         exact_device_budget: bytes (int or ``"2GiB"``) of intermediates ``"auto"`` may keep on
-            the device; ``None`` (default) means half the free device memory at call time.
+            the device: full-size planes, and the mid block's attention keys and values, which
+            are always on the device and count first. ``None`` (default) means half the free
+            device memory at call time. Peak device memory is about weights + this budget +
+            a working set of a few strips (see docs/tiling.md).
 
     Raises:
         ConfigError: on an invalid value.

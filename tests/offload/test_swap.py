@@ -23,6 +23,7 @@ from torch import nn
 
 from vramkit.checkpointing import enable_gradient_checkpointing, is_checkpointed
 from vramkit.errors import ConfigError, DeviceError, OffloadError
+from vramkit.kernels.layout import Random, Sequential, Strided
 from vramkit.offload import swap as swap_module
 from vramkit.offload._blocks import BlockSpec, spread_evenly
 from vramkit.offload._transfer import HostStreams, StreamOp
@@ -535,10 +536,18 @@ def test_order_is_learnt_from_the_forward(log: list[StreamOp]) -> None:
 def test_first_backward_already_follows_the_observed_order() -> None:
     model = _frozen_blocks(_net(order=[2, 0, 3, 1]))
     swapper = _swap(model)
+    assert swapper.stats().order_pattern == Sequential()  # container order until observed
     _step(model)
     swapper.reset_stats()
     _step(model)
     assert swapper.stats().on_demand == 0
+    assert swapper.stats().order_pattern == Random()  # the learnt order, analysed
+    assert swapper.stats().as_dict()["order_pattern"] == "random"
+    swapper.detach()
+    reverse = _frozen_blocks(_net(order=[3, 2, 1, 0]))
+    swapper = _swap(reverse)
+    _step(reverse)
+    assert swapper.stats().order_pattern == Strided(-1)
     swapper.detach()
 
 

@@ -34,6 +34,7 @@ import torch
 from vramkit.errors import ConfigError
 from vramkit.io._header import TensorEntry
 from vramkit.io.lazy import LazySafetensors, ReadThreads
+from vramkit.kernels.layout import align_up, calculate_alignment
 from vramkit.memory.pool import Block, MemoryPool
 from vramkit.offload._transfer import Streams
 
@@ -93,7 +94,9 @@ def plan_chunks(entries: Sequence[TensorEntry], chunk_bytes: int) -> Iterator[li
     for entry in entries:
         start = 0
         while True:
-            offset = -(-chunk.used // _ALIGN) * _ALIGN
+            # calculate_alignment: 256 bytes (a cudaMalloc's alignment, whole DMA bursts) for
+            # all but tiny pieces; always a multiple of 16, so the piece arithmetic holds.
+            offset = align_up(chunk.used, calculate_alignment(entry.nbytes - start))
             room = chunk_bytes - offset
             left = entry.nbytes - start
             if left == 0 and start == 0:  # an empty tensor: deliver it, use no room
@@ -173,7 +176,10 @@ class DeviceStager:
             progress: called with the number of bytes of each chunk once it is enqueued.
         """
         # A small load gets buffers just big enough for it (with each piece's alignment padding).
-        total = sum(-(-entry.nbytes // _ALIGN) * _ALIGN for entry in entries)
+        total = 0  # what plan_chunks would use in one unbounded chunk
+        for entry in entries:
+            total = align_up(total, calculate_alignment(entry.nbytes)) + entry.nbytes
+        total = align_up(total, _ALIGN)
         buffer_bytes = min(self.chunk_bytes, max(_ALIGN, total))
         count = min(self.num_buffers, max(1, math.ceil(total / buffer_bytes)))
         blocks: list[Block] = []

@@ -43,13 +43,21 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from vramkit.errors import ConfigError, OffloadError
+from vramkit.kernels.layout import (
+    Random,
+    Sequential,
+    Strided,
+    align_up,
+    analyze_access_pattern,
+    calculate_alignment,
+)
 from vramkit.memory.pool import MemoryPool, PoolConfig
 from vramkit.offload import _tree
 from vramkit.offload._blocks import (
@@ -170,6 +178,10 @@ class SwapStats:
         h2d_bytes / d2h_bytes: bytes copied host->device (weights) / device->host (gradients).
         enqueue_seconds: host time spent in acquire/release (enqueuing copies and events).
         acquisitions: blocks acquired (forward and backward).
+        order_pattern: how the learnt forward order walks the swapped blocks' model positions
+            (:func:`vramkit.kernels.layout.analyze_access_pattern`): ``Sequential()`` for a
+            plain front-to-back stack, ``Strided``/``Random`` when blocks are called out of
+            their container order (prefetch follows the learnt order either way).
     """
 
     blocks: int
@@ -186,9 +198,12 @@ class SwapStats:
     d2h_bytes: int
     acquisitions: int
     enqueue_seconds: float
+    order_pattern: Sequential | Strided | Random = field(default_factory=Sequential)
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        out = dict(self.__dict__)
+        out["order_pattern"] = type(self.order_pattern).__name__.lower()
+        return out
 
 
 @dataclass
@@ -429,19 +444,23 @@ class BlockSwapper:
                 self._resident_block_bytes += module_bytes(module)
                 continue
             entries: list[_Entry] = []
-            offset = 0
             for owner, attr, tensor, is_param in self._tensors_of(module):
                 if id(tensor) in shared or not self._is_swappable(tensor, is_param):
                     self._resident_block_bytes += tensor.numel() * tensor.element_size()
                     continue
                 nbytes = tensor.numel() * tensor.element_size()
-                entries.append(_Entry(owner, attr, is_param, tensor, offset, nbytes,
+                entries.append(_Entry(owner, attr, is_param, tensor, 0, nbytes,
                                       tensor.shape, tuple(tensor.stride()), tensor.dtype,
                                       tensor.device, bool(tensor.requires_grad)))
-                offset += _align(nbytes)
             if not entries:
                 continue  # nothing worth swapping: the block stays resident
-            block = SwappedBlock(entry.index, name, module, entries, offset)
+            # The flat master's layout: each tensor at calculate_alignment(its size), raised to
+            # _ALIGN so a slot view has the alignment an ordinary allocation would have.
+            offset = 0
+            for e in entries:
+                e.offset = align_up(offset, max(calculate_alignment(e.nbytes), _ALIGN))
+                offset = e.offset + e.nbytes
+            block = SwappedBlock(entry.index, name, module, entries, _align(offset))
             swapped_modules[id(module)] = block
             self._blocks.append(block)
         self._allocate_host(self._blocks)
@@ -897,7 +916,9 @@ class BlockSwapper:
             resident_block_bytes=self._resident_block_bytes,
             loads=c["loads"], prefetched=c["prefetched"], on_demand=c["on_demand"],
             hits=c["hits"], h2d_bytes=c["h2d_bytes"], d2h_bytes=c["d2h_bytes"],
-            acquisitions=c["acquisitions"], enqueue_seconds=self._enqueue_seconds)
+            acquisitions=c["acquisitions"], enqueue_seconds=self._enqueue_seconds,
+            order_pattern=analyze_access_pattern(
+                [self._blocks.index(b) for b in self._order]))
 
     def reset_stats(self) -> None:
         """Zero the transfer counters (sizes are kept)."""

@@ -17,6 +17,7 @@ import functools
 import importlib.util
 import json
 import logging
+from typing import Any
 
 import torch
 
@@ -63,8 +64,8 @@ def triton_available(device: torch.device | str) -> bool:
     Returns:
         True for CUDA devices when CUDA is usable and ``triton`` is importable.
     """
-    dev = torch.device(device)
-    return dev.type == "cuda" and torch.cuda.is_available() and _triton_installed()
+    dev = device if isinstance(device, torch.device) else torch.device(device)
+    return dev.type == "cuda" and _triton_installed() and torch.cuda.is_available()
 
 
 def has_fp8_gemm(device: torch.device | str) -> bool:
@@ -121,10 +122,13 @@ def _extras_for(config: QuantConfigT, aux: torch.Tensor | None) -> dict[str, tor
 
 # ------------------------------------------------------------------------------ custom ops
 
-@torch.library.custom_op("vramkit_quant::dequantize", mutates_args=())
-def _dequantize_op(data: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
-                   aux: torch.Tensor | None, config_key: str, cols: int,
-                   dtype: torch.dtype) -> torch.Tensor:
+# Each GPU entry point is a plain function (called directly in eager mode: the custom-op
+# dispatcher costs tens of microseconds of host time per call, and the quantized layers are
+# host-bound at small block sizes) wrapped as a torch custom op (used under torch.compile).
+
+def _dequantize_impl(data: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+                     aux: torch.Tensor | None, config_key: str, cols: int,
+                     dtype: torch.dtype) -> torch.Tensor:
     config = _config_from_key(config_key)
     if triton_available(data.device):
         from vramkit.quant import _triton
@@ -136,16 +140,22 @@ def _dequantize_op(data: torch.Tensor, scales: torch.Tensor, zero_points: torch.
                                       _extras_for(config, aux), cols, dtype)
 
 
+@torch.library.custom_op("vramkit_quant::dequantize", mutates_args=())
+def _dequantize_op(data: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+                   aux: torch.Tensor | None, config_key: str, cols: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    return _dequantize_impl(data, scales, zero_points, aux, config_key, cols, dtype)
+
+
 @_dequantize_op.register_fake
 def _(data: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
       aux: torch.Tensor | None, config_key: str, cols: int, dtype: torch.dtype) -> torch.Tensor:
     return data.new_empty((data.shape[0], cols), dtype=dtype)
 
 
-@torch.library.custom_op("vramkit_quant::fused_linear", mutates_args=())
-def _fused_linear_op(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
-                     zero_points: torch.Tensor | None, aux: torch.Tensor | None,
-                     bias: torch.Tensor | None, config_key: str, cols: int) -> torch.Tensor:
+def _fused_linear_impl(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
+                       zero_points: torch.Tensor | None, aux: torch.Tensor | None,
+                       bias: torch.Tensor | None, config_key: str, cols: int) -> torch.Tensor:
     config = _config_from_key(config_key)
     if triton_available(x.device):
         from vramkit.quant import _triton
@@ -159,6 +169,13 @@ def _fused_linear_op(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
     return torch.nn.functional.linear(x, weight, bias)
 
 
+@torch.library.custom_op("vramkit_quant::fused_linear", mutates_args=())
+def _fused_linear_op(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
+                     zero_points: torch.Tensor | None, aux: torch.Tensor | None,
+                     bias: torch.Tensor | None, config_key: str, cols: int) -> torch.Tensor:
+    return _fused_linear_impl(x, data, scales, zero_points, aux, bias, config_key, cols)
+
+
 @_fused_linear_op.register_fake
 def _(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
       zero_points: torch.Tensor | None, aux: torch.Tensor | None,
@@ -166,13 +183,22 @@ def _(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
     return x.new_empty((x.shape[0], data.shape[0]))
 
 
-@torch.library.custom_op("vramkit_quant::fp8_rowwise", mutates_args=())
-def _fp8_rowwise_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_rowwise_impl(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if triton_available(x.device):
         from vramkit.quant import _triton
 
         return _triton.fp8_rowwise(x.contiguous())
     return fp8_rowwise_reference(x)
+
+
+@torch.library.custom_op("vramkit_quant::fp8_rowwise", mutates_args=())
+def _fp8_rowwise_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fp8_rowwise_impl(x)
+
+
+def _op(op: Any, impl: Any) -> Any:
+    """The custom op while torch.compile traces, the plain function otherwise."""
+    return op if torch.compiler.is_compiling() else impl
 
 
 @_fp8_rowwise_op.register_fake
@@ -210,7 +236,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Te
     """
     out_dtype = q.dtype if dtype is None else dtype
     if triton_available(q.device):
-        flat = _dequantize_op(q.data, q.scales, q.zero_points, _aux(q), _config_key(q.config),
+        flat = _op(_dequantize_op, _dequantize_impl)(q.data, q.scales, q.zero_points, _aux(q), _config_key(q.config),
                               q.cols, out_dtype)
     else:
         flat = _reference.dequantize_rows(q.config, q.data, q.scales, q.zero_points, q.extras,
@@ -237,7 +263,7 @@ def _check_fp8_gemm(x: torch.Tensor, q: QuantizedTensor) -> None:
 
 def _fp8_matmul(x2d: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | None,
                 out_dtype: torch.dtype) -> torch.Tensor:
-    codes, x_scales = _fp8_rowwise_op(x2d)
+    codes, x_scales = _op(_fp8_rowwise_op, _fp8_rowwise_impl)(x2d)
     # row-wise scaled_mm takes weight scales as [1, out] and the weight column-major: W.t()
     y = torch._scaled_mm(codes, q.data.t(), scale_a=x_scales, scale_b=q.scales.reshape(1, -1),
                          out_dtype=torch.bfloat16, use_fast_accum=True)
@@ -282,7 +308,7 @@ def quantized_matmul(x: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | N
         y = _fp8_matmul(x2d, q, bias, x.dtype)
     elif triton_available(x.device) and (
             fused if fused is not None else x2d.shape[0] <= FUSED_MAX_TOKENS):
-        y = _fused_linear_op(x2d, q.data, q.scales, q.zero_points, _aux(q), bias,
+        y = _op(_fused_linear_op, _fused_linear_impl)(x2d, q.data, q.scales, q.zero_points, _aux(q), bias,
                              _config_key(q.config), n_in)
     else:
         y = torch.nn.functional.linear(x2d, dequantize(q, x.dtype), bias)

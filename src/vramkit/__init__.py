@@ -61,6 +61,34 @@ _export("vramkit.checkpointing", "enable_gradient_checkpointing",
         "disable_gradient_checkpointing", "is_checkpointed", "unwrapped_forward", "checkpoint",
         "checkpoint_with_pool", "GradientCheckpointer", "SDXLGradientCheckpoint")
 
+# quantization and low-memory optimizers
+_export("vramkit.quant.formats", "QuantFormat", "Int8Config", "Int4Config", "NF4Config",
+        "FP8Config", "QuantizedTensor", "quantize_tensor", "dequantize_tensor", "format_config")
+_export("vramkit.quant.linear", "QuantizedLinear", "QuantizedConv2d")
+_export("vramkit.quant.model", "QuantizationConfig", "QuantoConfig", "quantize_model")
+_export("vramkit.quant.report", "quantization_report", "QuantizationReport")
+_export("vramkit.quant.serialization", "save_quantized", "load_quantized",
+        "load_quantized_model")
+_export("vramkit.optim.adamw8bit", "AdamW8bit")
+_export("vramkit.optim.config", "Int8TrainingConfig", "Int8Training", "setup_int8_training")
+
+# loading checkpoints, tiling, presets, OOM recovery
+_export("vramkit.io.lazy", "LazySafetensors")
+_export("vramkit.io.loader", "MemoryEfficientLoader", "LoadStats", "load_into", "stream_weights")
+_export("vramkit.tiling", "VAETiling", "TilingHandle", "SeamReport", "seam_error")
+_export("vramkit.presets", "SDXLMemoryConfig", "FluxTrainingConfig", "optimize_sdxl_memory",
+        "optimize_flux_memory", "MemoryOptimization")
+_export("vramkit.memory.recovery", "is_oom_error", "classify_oom", "OomDiagnosis",
+        "MemoryRecovery", "train_with_memory_recovery", "find_executable_batch_size")
+
+# runtime-compiled kernels, launch configuration, statistics
+_export("vramkit.kernels.manager", "KernelManager", "CompiledKernel")
+_export("vramkit.kernels.launch", "LaunchConfig", "calculate_optimal_launch_params")
+_export("vramkit.kernels.stats", "memory_stats", "PerformanceStats", "performance_stats")
+_export("vramkit.kernels.layout", "analyze_access_pattern", "calculate_alignment")
+_export("vramkit.kernels.batch", "batch_matmul")
+_export("vramkit.devices.cuda_errors", "explain_cuda_error", "CudaErrorExplanation")
+
 # models and the demo
 _export("vramkit.models.dit", "DiT", "DiTConfig")
 _export("vramkit.demo", "run_demo", "DemoConfig", "DemoResult")
@@ -84,6 +112,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.checkpointing import *  # noqa: F403
     from vramkit.demo import *  # noqa: F403
+    from vramkit.devices.cuda_errors import *  # noqa: F403
     from vramkit.devices.env import *  # noqa: F403
     from vramkit.devices.info import *  # noqa: F403
     from vramkit.devices.jax_backend import *  # noqa: F403
@@ -92,12 +121,29 @@ if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.devices.selection import *  # noqa: F403
     from vramkit.devices.torch_backend import *  # noqa: F403
     from vramkit.errors import *  # noqa: F403
+    from vramkit.io.lazy import *  # noqa: F403
+    from vramkit.io.loader import *  # noqa: F403
+    from vramkit.kernels.batch import *  # noqa: F403
+    from vramkit.kernels.launch import *  # noqa: F403
+    from vramkit.kernels.layout import *  # noqa: F403
+    from vramkit.kernels.manager import *  # noqa: F403
+    from vramkit.kernels.stats import *  # noqa: F403
     from vramkit.memory.pool import *  # noqa: F403
     from vramkit.memory.profiler import *  # noqa: F403
+    from vramkit.memory.recovery import *  # noqa: F403
     from vramkit.memory.stats import *  # noqa: F403
     from vramkit.models.dit import *  # noqa: F403
     from vramkit.offload.activations import *  # noqa: F403
     from vramkit.offload.cpu import *  # noqa: F403
     from vramkit.offload.optimizer import *  # noqa: F403
     from vramkit.offload.swap import *  # noqa: F403
+    from vramkit.optim.adamw8bit import *  # noqa: F403
+    from vramkit.optim.config import *  # noqa: F403
+    from vramkit.presets import *  # noqa: F403
+    from vramkit.quant.formats import *  # noqa: F403
+    from vramkit.quant.linear import *  # noqa: F403
+    from vramkit.quant.model import *  # noqa: F403
+    from vramkit.quant.report import *  # noqa: F403
+    from vramkit.quant.serialization import *  # noqa: F403
+    from vramkit.tiling import *  # noqa: F403
     from vramkit.units import *  # noqa: F403

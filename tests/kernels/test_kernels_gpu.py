@@ -146,7 +146,16 @@ def test_occupancy_api_drives_for_elements(manager: KernelManager) -> None:
     assert suggested is not None and 32 <= suggested <= 1024 and suggested % 32 == 0
     assert kernel.max_active_blocks_per_multiprocessor(256) >= 1
     config = LaunchConfig.for_elements(10_000_000, DEVICE, kernel)
-    assert config.block == (min(suggested, kernel.max_threads_per_block), 1, 1)
+    block = config.block[0]
+    suggested = min(suggested, kernel.max_threads_per_block)
+    # The smallest block from 256 up with the suggested block's occupancy (resident threads).
+    assert 256 <= block <= suggested
+    assert kernel.max_active_blocks_per_multiprocessor(block) * block >= \
+        kernel.max_active_blocks_per_multiprocessor(suggested) * suggested
+    if block > 256:
+        smaller = block // 2
+        assert kernel.max_active_blocks_per_multiprocessor(smaller) * smaller < \
+            kernel.max_active_blocks_per_multiprocessor(suggested) * suggested
 
 
 def test_parameter_info_is_reported(manager: KernelManager) -> None:

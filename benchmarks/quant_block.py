@@ -45,6 +45,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, write_result
+from _timing import Timer
 from vramkit.demo import add_lora_adapters
 from vramkit.models.dit import DiTConfig, DoubleStreamBlock, rotary_embedding
 from vramkit.offload.swap import BlockSwapper, SwapConfig
@@ -103,27 +104,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if args.variants:
         s.variants = args.variants
     return s
-
-
-class Timer:
-    """CUDA events on a GPU (no host sync while recording); wall time on the CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def mark(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def ms(self, start: Any, end: Any) -> float:
-        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
 
 
 def cleanup(device: torch.device) -> None:

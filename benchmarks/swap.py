@@ -52,6 +52,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, write_result
 from _swap_models import Exchanger, TransformerStack, tokens_to_image_size
+from _timing import Timer
 from vramkit.checkpointing import disable_gradient_checkpointing, enable_gradient_checkpointing
 from vramkit.offload._blocks import find_blocks
 from vramkit.offload.swap import BlockSwapper, SwapConfig
@@ -111,27 +112,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if args.ckpt != "both":
         s.checkpointing = [args.ckpt == "on"]
     return s
-
-
-class Timer:
-    """CUDA events on a GPU (GPU time, no host sync while recording); wall time on the CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def mark(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def ms(self, start: Any, end: Any) -> float:
-        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
 
 
 @dataclass

@@ -47,6 +47,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except (MemoryError, RuntimeError) as err:
+        # CUDA failures (out of memory, a bad launch, an illegal address) get a short
+        # explanation and what to try; anything unrecognised propagates with its traceback.
+        from vramkit.devices.cuda_errors import CudaErrorKind, explain_cuda_error
+
+        explanation = explain_cuda_error(err)
+        if explanation.kind is CudaErrorKind.UNKNOWN:
+            raise
+        print(f"vramkit {args.command}: error: {err}\n{explanation}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

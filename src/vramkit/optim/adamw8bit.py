@@ -15,8 +15,11 @@ scales) keep fp32 ``exp_avg`` / ``exp_avg_sq``; :meth:`AdamW8bit.state_bytes` co
 Each step dequantizes a tensor's states a chunk of blocks at a time (so temporaries stay small
 for huge tensors), updates moments and parameter in fp32, and re-quantizes with fresh per-block
 absmax values. Parameters may be fp32, bf16 or fp16 (16-bit ones are updated in fp32 and rounded
-back), on the CPU or on CUDA; the step is vectorised torch ops and never synchronizes the host
-(the step counter lives on the CPU).
+back), on the CPU or on CUDA; the step never synchronizes the host (the step counter lives on the
+CPU). On CUDA with ``triton`` installed, the quantized update of a tensor is one fused kernel
+launch (:mod:`vramkit.optim._triton_adamw`, imported on the first CUDA step) that reproduces the
+rounding of the torch path; the torch path (vectorised ops) is the reference and the fallback
+(CPU, CUDA without triton, other dtypes, blocks over 4096 elements).
 
 Works as the inner optimizer of :class:`vramkit.offload.optimizer.CPUOffloadOptimizer`
 (``optimizer_class=AdamW8bit``), which then keeps 2 instead of 8 bytes of state per parameter in
@@ -26,6 +29,7 @@ host memory. Compared against bitsandbytes' and torchao's ``AdamW8bit`` in
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -53,6 +57,29 @@ _CHUNK_ELEMENTS = 1 << 22
 _QUANTIZED_KEYS = ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_sqrt_codes",
                    "exp_avg_sq_sqrt_absmax")
 _FULL_KEYS = ("exp_avg", "exp_avg_sq")
+# Dtypes and block sizes the fused kernel takes (mirrors _triton_adamw, which is not imported here
+# so that CPU-only use never imports triton).
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FUSED_MAX_BLOCK_SIZE = 4096
+# Tests set this to False to force the torch reference path on CUDA.
+_FUSED_KERNEL_ENABLED = True
+_TRITON_INSTALLED: list[bool] = []  # filled on first use
+
+
+def _triton_installed() -> bool:
+    if not _TRITON_INSTALLED:
+        _TRITON_INSTALLED.append(importlib.util.find_spec("triton") is not None)
+    return _TRITON_INSTALLED[0]
+
+
+def _use_fused_kernel(flat_param: torch.Tensor, flat_grad: torch.Tensor,
+                      block_size: int) -> bool:
+    """Whether the fused Triton step applies: CUDA tensors on one device, triton installed,
+    fp32/bf16/fp16 parameter and gradient, a block small enough for one program."""
+    return (_FUSED_KERNEL_ENABLED and flat_param.is_cuda
+            and flat_grad.device == flat_param.device
+            and flat_param.dtype in _FUSED_DTYPES and flat_grad.dtype in _FUSED_DTYPES
+            and block_size <= _FUSED_MAX_BLOCK_SIZE and _triton_installed())
 
 
 def _check_number(name: str, value: Any, low: float, high: float | None = None, *,
@@ -359,6 +386,12 @@ class AdamW8bit(torch.optim.Optimizer):
         r_codes, r_absmax = state["exp_avg_sq_sqrt_codes"], state["exp_avg_sq_sqrt_absmax"]
         m_book = codebook(SIGNED, bits, flat_param.device)
         r_book = codebook(UNSIGNED_NONZERO, bits, flat_param.device)
+        if _use_fused_kernel(flat_param, flat_grad, block_size):
+            from vramkit.optim import _triton_adamw  # triton is imported on the first CUDA step
+
+            _triton_adamw.fused_quantized_update(flat_param, flat_grad, state, m_book, r_book,
+                                                 hyper)
+            return
         numel, blocks = flat_param.numel(), m_absmax.numel()
         blocks_per_chunk = max(1, _CHUNK_ELEMENTS // block_size)
         for first in range(0, blocks, blocks_per_chunk):

@@ -327,6 +327,33 @@ def test_flux_quantized_base_keeps_lora() -> None:
     assert quant_model is not None
 
 
+@pytest.mark.parametrize("fmt", ["nf4", "fp8"])
+def test_flux_base_format_and_optimizer_hyperparameters_take_effect(fmt: str) -> None:
+    linear = pytest.importorskip("vramkit.quant.linear")
+    model = _flux()
+    handle = optimize_flux_memory(_plain(quantize_base_model=True, base_model_format=fmt,
+                                         learning_rate=3e-3, weight_decay=0.05), model,
+                                  device="cpu")
+    formats = {m.quantized_weight.format.value for m in model.modules()
+               if isinstance(m, linear.QuantizedLinear)}
+    assert formats == {fmt}
+    group = handle.optimizer.param_groups[0]
+    assert group["lr"] == 3e-3 and group["weight_decay"] == 0.05
+
+
+@pytest.mark.parametrize(("size", "expected"), [("max", 1), ("auto", None)])
+def test_sdxl_attention_slice_size_keywords(unet_reference: tuple, size: str,
+                                            expected: int | None) -> None:
+    unet = copy.deepcopy(unet_reference[0])
+    config = SDXLMemoryConfig(enable_attention_slicing=True, attention_slice_size=size)
+    optimize_sdxl_memory(config, types.SimpleNamespace(unet=unet, vae=None), device="cpu")
+    sizes = {p.slice_size for p in unet.attn_processors.values()}
+    if expected is not None:
+        assert sizes == {expected}  # "max": one head per slice
+    else:
+        assert all(s >= 1 for s in sizes) and sizes != {1}  # "auto": half the heads per slice
+
+
 def test_flux_needs_trainable_params_for_optimizer_options() -> None:
     with pytest.raises(ConfigError, match="trainable"):
         optimize_flux_memory(_plain(use_8bit_adam=True), _flux(lora=False), device="cpu")

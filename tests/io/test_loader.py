@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -283,3 +284,53 @@ def test_load_and_quantize_with_vramkit_quant(model_file: tuple[TinyModel, Path]
     assert error < 0.5
     assert not any(isinstance(m, nn.Linear) and m.weight.dtype.is_floating_point
                    for name, m in model.named_modules() if name.startswith("blocks"))
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.proj = nn.Linear(16, 32)
+        self.odd = nn.Linear(32, 24)  # 24 is not a multiple of 16: no fp8 GEMM
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.odd(self.proj(self.conv(x).mean(dim=(2, 3))))
+
+
+def test_load_and_quantize_honours_the_whole_config(tmp_path: Path) -> None:
+    """Same config, same model as quantize_model: convs, fp8 activations, refusing min_sqnr_db."""
+    from safetensors.torch import save_file
+
+    from vramkit.quant.linear import QuantizedConv2d, QuantizedLinear
+    from vramkit.quant.model import QuantizationConfig, quantize_model
+
+    torch.manual_seed(0)
+    reference = ConvNet()
+    path = tmp_path / "conv.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
+    config = QuantizationConfig("fp8", activations_dtype="fp8")
+    with torch.device("meta"):
+        model = ConvNet()
+    load_into(model, path, quantization=config)
+    expected = quantize_model(copy.deepcopy(reference), config)
+    assert isinstance(model.conv, QuantizedConv2d) and isinstance(model.proj, QuantizedLinear)
+    for name in ("conv", "proj", "odd"):
+        got, want = getattr(model, name), getattr(expected, name)
+        assert type(got) is type(want), name
+        assert got.quantized_weight.tensors().keys() == want.quantized_weight.tensors().keys()
+        for key, tensor in got.quantized_weight.tensors().items():
+            other = want.quantized_weight.tensors()[key]
+            if tensor.dtype.itemsize == 1:  # fp8 codes compare as bytes
+                tensor, other = tensor.view(torch.uint8), other.view(torch.uint8)
+            assert torch.equal(tensor, other), (name, key)
+    assert model.proj.activation_fp8 and expected.proj.activation_fp8
+    assert not model.odd.activation_fp8 and not expected.odd.activation_fp8
+    no_conv = QuantizationConfig("int8", quantize_conv=False)
+    with torch.device("meta"):
+        model = ConvNet()
+    load_into(model, path, quantization=no_conv)
+    assert isinstance(model.conv, nn.Conv2d) and isinstance(model.proj, QuantizedLinear)
+    with torch.device("meta"):
+        model = ConvNet()
+    with pytest.raises(ConfigError, match="min_sqnr_db"):
+        load_into(model, path, quantization=QuantizationConfig("int8", min_sqnr_db=30.0))

@@ -321,6 +321,18 @@ def test_tensors_on_another_device_are_refused(manager: KernelManager,
     assert backend.launches == []
 
 
+def test_non_contiguous_tensors_are_refused(manager: KernelManager,
+                                            backend: FakeBackend) -> None:
+    manager.ensure_kernel("scale", SOURCE)
+    strided = torch.empty(4, 6).t()
+    with pytest.raises(KernelError, match="non-contiguous") as info:
+        manager.launch("scale", LaunchConfig(1, 32), torch.empty(24), strided, 24)
+    assert "contiguous()" in info.value.hint
+    assert backend.launches == []
+    manager.launch("scale", LaunchConfig(1, 32), torch.empty(24), strided.contiguous(), 24)
+    assert len(backend.launches) == 1
+
+
 @pytest.mark.parametrize("value, match", [
     (2**31, "does not fit"), (-(2**31) - 1, "does not fit"), (True, "bool"),
     ("text", "unsupported type"), ([1, 2], "unsupported type"), (np.complex64(1), "no kernel"),

@@ -286,6 +286,17 @@ def test_recovery_uneven_split_and_existing_grads() -> None:
         assert p.grad is old  # accumulated into the caller's gradient tensors in place
 
 
+def test_options_next_to_a_recovery_object_are_refused() -> None:
+    model, batch = _problem(1)
+    recovery = MemoryRecovery(model, attempts=2)
+    with pytest.raises(ConfigError, match="attempts"):
+        train_with_memory_recovery(_Capped(model, limit=3), batch, attempts=5, params=model,
+                                   recovery=recovery)
+    with pytest.raises(ConfigError, match="min_micro_batch_size"):
+        train_with_memory_recovery(_Capped(model, limit=3), batch, params=model,
+                                   recovery=recovery, min_micro_batch_size=2)
+
+
 def test_recovery_gives_up_at_one_and_restores_grads() -> None:
     model, batch = _problem()
     marker = [torch.full_like(p, 3.0) for p in model.parameters()]

@@ -250,10 +250,13 @@ class MemoryEfficientLoader:
                 form module keys; other names are ignored (default: none).
             strict: raise before loading anything when keys are missing or unexpected (default
                 ``True``); with ``False`` load what matches and report the rest.
-            quantization: a ``vramkit.quant.QuantizationConfig``: every ``nn.Linear`` for which
-                ``config.should_quantize(name, linear)`` holds is replaced by
-                ``QuantizedLinear.from_quantized(quantize_tensor(weight, config.weight_format()),
-                bias)`` as soon as its weight is loaded (default ``None``: no quantization).
+            quantization: a ``vramkit.quant.QuantizationConfig``: every ``nn.Linear`` (and
+                ``nn.Conv2d`` with ``quantize_conv``) for which ``config.should_quantize(name,
+                layer)`` holds is replaced by a ``QuantizedLinear`` / ``QuantizedConv2d`` built
+                from ``quantize_tensor(weight, config.weight_format())`` as soon as its weight is
+                loaded, with the fp8 GEMM where ``activations_dtype="fp8"`` allows it, as
+                ``quantize_model`` would (default ``None``: no quantization). ``min_sqnr_db``
+                is refused: it needs the full-precision weight after loading.
 
         Returns:
             A :class:`LoadResult`.
@@ -476,6 +479,8 @@ class _QuantPending:
     quantized: Any = None
     bias: torch.Tensor | None = None
     done: bool = False
+    conv_geometry: dict[str, Any] | None = None  # set for a Conv2d
+    activation_fp8: bool = False  # a Linear that runs the fp8 GEMM
 
 
 class _ModuleFiller:
@@ -533,9 +538,18 @@ class _ModuleFiller:
         if not isinstance(config, config_type):
             raise ConfigError(f"quantization must be a {config_type.__name__}, got "
                               f"{type(config).__name__}")
+        if getattr(config, "min_sqnr_db", None) is not None:
+            raise ConfigError(
+                "load_into(quantization=...) cannot apply min_sqnr_db: it quantizes each weight "
+                "as it streams in, before a quality check could keep it in full precision",
+                hint="Load in full precision and call quantize_model(model, config), or drop "
+                     "min_sqnr_db.")
         self._format = config.weight_format()
+        layer_types: tuple[type[nn.Module], ...] = (
+            (nn.Linear, nn.Conv2d) if getattr(config, "quantize_conv", False) else (nn.Linear,))
+        activation_fp8 = bool(getattr(config, "activation_fp8", False))
         for name, child in self.module.named_modules():
-            if not isinstance(child, nn.Linear) or not config.should_quantize(name, child):
+            if not isinstance(child, layer_types) or not config.should_quantize(name, child):
                 continue
             weight_key = f"{name}.weight" if name else "weight"
             if len(self.aliases.get(weight_key, ())) > 1:
@@ -543,6 +557,15 @@ class _ModuleFiller:
                             self.aliases[weight_key])
                 continue
             pending = _QuantPending(name, child.bias is not None)
+            if isinstance(child, nn.Conv2d):
+                from vramkit.quant.linear import conv_geometry
+
+                pending.conv_geometry = conv_geometry(child)
+            else:
+                # As quantize_model does: the fp8 GEMM needs features divisible by 16, other
+                # layers of an fp8-activation config run weight-only.
+                pending.activation_fp8 = activation_fp8 and not (
+                    child.in_features % 16 or child.out_features % 16)
             self.quant[name] = pending
             self.weight_of[weight_key] = pending
             if child.bias is not None:
@@ -609,7 +632,16 @@ class _ModuleFiller:
             return
         parent_name, _, child = pending.module_name.rpartition(".")
         parent = self.module.get_submodule(parent_name) if parent_name else self.module
-        layer = self._quantized_linear.from_quantized(pending.quantized, pending.bias)
+        if pending.conv_geometry is not None:
+            from vramkit.quant.linear import QuantizedConv2d
+
+            layer = QuantizedConv2d.from_quantized(pending.quantized, pending.bias,
+                                                   **pending.conv_geometry)
+        elif pending.activation_fp8:
+            layer = self._quantized_linear.from_quantized(pending.quantized, pending.bias,
+                                                          activation_fp8=True)
+        else:
+            layer = self._quantized_linear.from_quantized(pending.quantized, pending.bias)
         setattr(parent, child, layer)
         pending.quantized = pending.bias = None
         pending.done = True

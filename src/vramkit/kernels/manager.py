@@ -213,6 +213,14 @@ def _pack_argument(position: int, arg: Any, device: torch.device) -> tuple[str, 
     if isinstance(arg, torch.Tensor):
         if arg.device != device:
             raise DeviceMismatchError(device, arg.device, what=f"kernel argument {position}")
+        if not arg.is_contiguous():
+            # A kernel sees only the data pointer: a strided view (x.t(), x[:, ::2]) would be
+            # read and written as if it were dense, silently wrong.
+            raise KernelError(
+                f"kernel argument {position} is a non-contiguous tensor (shape "
+                f"{tuple(arg.shape)}, strides {tuple(arg.stride())})",
+                hint="Pass tensor.contiguous() (and copy results back), or pass the strides "
+                     "as extra scalar arguments and pass the base tensor.")
         return ("ptr", arg.data_ptr())
     if arg is None:
         return ("ptr", 0)  # a null pointer

@@ -11,9 +11,10 @@ was empty), every figure here is measured:
   launch), and bytes copied host->device / device->host by vramkit's transfer paths, which call
   :func:`record_transfer` for each copy they enqueue.
 
-Counters are plain int additions under the GIL: cheap enough for every swap copy, and exact
-unless two threads update the same device's counter in the same bytecode window (not a pattern
-vramkit's transfer paths have: one copy thread per device).
+Counters are plain int additions under the GIL: cheap enough for every swap copy. They are
+best-effort statistics: two threads adding to the same device's counter in the same bytecode window
+(say, the main thread and autograd's device thread during a backward) could lose one addition, so a
+figure can be slightly low, never affect results.
 """
 
 from __future__ import annotations

@@ -787,7 +787,8 @@ def train_with_memory_recovery(step_fn: Callable[..., Any], batch: Any, attempts
     Args:
         step_fn: ``step_fn(micro_batch) -> loss`` (see :class:`MemoryRecovery`).
         batch: the batch.
-        attempts: tries, the first included (default 3); ignored when ``recovery`` is given.
+        attempts: tries, the first included (default 3); must stay at its default when
+            ``recovery`` is given (the object's own ``attempts`` apply).
         params: the parameters the step computes gradients for (required, so a failed
             attempt's partial gradients can be dropped).
         recovery: a :class:`MemoryRecovery` to use and update (default: a new one).
@@ -801,8 +802,10 @@ def train_with_memory_recovery(step_fn: Callable[..., Any], batch: Any, attempts
     """
     if recovery is None:
         recovery = MemoryRecovery(params, attempts=attempts, **options)
-    elif options:
-        raise ConfigError(f"options {sorted(options)} conflict with the given recovery object")
+    elif options or attempts != 3:
+        given = sorted(options) + (["attempts"] if attempts != 3 else [])
+        raise ConfigError(f"options {given} conflict with the given recovery object",
+                          hint="Set them on the MemoryRecovery object instead.")
     return recovery.step(step_fn, batch)
 
 
@@ -844,6 +847,10 @@ class _BatchSizeSearch:
         self.probes.append((size, error is None))
         if error is None:
             return True, result
+        if device is None and torch.cuda.is_initialized():
+            # CUDA was first initialised inside fn (the usual case on a first probe): the
+            # diagnosis and the cache release need the device all the same.
+            device = torch.device("cuda", torch.cuda.current_device())
         self.diagnoses.append(classify_oom(error, device))
         _free_failed_attempt(error, device, [])
         del error

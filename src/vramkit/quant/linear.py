@@ -21,7 +21,8 @@ the quantized matmul, as autocast does for ``F.linear``/``F.conv2d``; the output
 Outside autocast the output has the input's dtype and the bias is cast to it.
 
 ``torch.compile``: the layers trace (the CPU fallback is plain torch ops; on CUDA the kernels are
-PyTorch custom ops registered by :mod:`vramkit.quant.kernels`).
+PyTorch custom ops registered by :mod:`vramkit.quant.kernels`, used while compiling; eager calls go
+straight to the Triton kernels, which saves the dispatcher's host time).
 """
 
 from __future__ import annotations

@@ -870,9 +870,23 @@ def test_preserve_rng_state_replays_dropout() -> None:
     swapper.detach()
 
 
-def test_retain_graph_through_a_non_checkpointed_block_is_an_error() -> None:
-    model = _frozen_blocks(_net())
+def test_retain_graph_backs_up_twice_through_frozen_swapped_blocks() -> None:
+    """Frozen swapped blocks join the outer graph: a second backward re-acquires each slot."""
+    ref = _frozen_blocks(_net())
+    model = copy.deepcopy(ref)
     swapper = _swap(model, checkpointing=False)
+    loss, ref_loss = model(X).sum(), ref(X).sum()
+    for _ in range(2):
+        loss.backward(retain_graph=True)
+        ref_loss.backward(retain_graph=True)
+    got, want = _grads(model), _grads(ref)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    swapper.detach()
+
+
+def test_retain_graph_through_swapped_trainable_weights_is_an_error() -> None:
+    model = _net()  # every weight trainable: trainable="cpu" blocks use the Function path
+    swapper = _swap(model, checkpointing=False, trainable="cpu")
     loss = model(X).sum()
     loss.backward(retain_graph=True)
     with pytest.raises(OffloadError) as info:

@@ -1,4 +1,10 @@
-"""The autograd side of block swapping: one Function per swapped-block call.
+"""The autograd side of block swapping for blocks with swapped *trainable* weights.
+
+(Blocks whose swapped weights are all frozen -- LoRA, frozen bases -- join the outer graph
+instead, without a reentrant backward: see :mod:`vramkit.offload._swap_graph`. This Function keeps
+a clean boundary where the host-gradient copies of ``trainable="cpu"`` need one.)
+
+One Function per swapped-block call.
 
 A swapped block's weights live in a GPU slot only while the block runs. Autograd normally keeps
 the weights it needs for backward by reference -- but a slot is reused by the next block, so a

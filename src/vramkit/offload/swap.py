@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.kernels.layout import (
@@ -69,6 +70,7 @@ from vramkit.offload._blocks import (
     spread_evenly,
 )
 from vramkit.offload._swap_function import BlockCall, SwapBlockFunction, WeightRef
+from vramkit.offload._swap_graph import BlockBackward, BlockEntry, BlockExit
 from vramkit.offload._transfer import Streams, resolve_offload_device, transfer_streams
 from vramkit.units import format_size, parse_size
 
@@ -599,10 +601,48 @@ class BlockSwapper:
             finally:
                 self._release(block, backward=False)
         self._training_pass = True
+        if not block.trainable_entries:
+            return self._call_in_graph(block, fn, leaves, spec)
         call = BlockCall(self, block, fn, leaves, spec, block.checkpointed)
         tensors = [x for x, t in zip(leaves, call.is_tensor, strict=True) if t]
         outs = SwapBlockFunction.apply(call, anchor, *tensors)
         return call.rebuild_outputs(list(outs))
+
+    def _call_in_graph(self, block: SwappedBlock, fn: Callable[..., Any], leaves: list[Any],
+                       spec: Any) -> Any:
+        """A training call whose nodes join the outer graph (see ``_swap_graph``): identity
+        Functions on the inputs and outputs hold the slot across the block's backward."""
+        call = BlockBackward(self, block)
+        leaves = list(leaves)
+        positions = [i for i, x in enumerate(leaves)
+                     if isinstance(x, torch.Tensor) and x.requires_grad]
+        if positions:
+            entered = BlockEntry.apply(call, *(leaves[i] for i in positions))
+            for i, t in zip(positions, entered, strict=True):
+                leaves[i] = t
+        args, kwargs = _tree.unflatten(leaves, spec)
+        self._acquire(block, backward=False)
+        try:
+            with self._weight_hooks(block):
+                if block.checkpointed:
+                    # Non-reentrant: keeps the inputs, recomputes in backward after BlockExit
+                    # re-acquired the slot, and stops once the saved tensors are rebuilt.
+                    out = torch_checkpoint(fn, *args, use_reentrant=False,
+                                           preserve_rng_state=self.config.preserve_rng_state,
+                                           **kwargs)
+                else:
+                    out = fn(*args, **kwargs)
+        finally:
+            self._release(block, backward=False)
+        out_leaves, out_spec = _tree.flatten(out)
+        outputs = [i for i, x in enumerate(out_leaves)
+                   if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not outputs:
+            return out
+        exited = BlockExit.apply(call, *(out_leaves[i] for i in outputs))
+        for i, t in zip(outputs, exited, strict=True):
+            out_leaves[i] = t
+        return _tree.unflatten(out_leaves, out_spec)
 
     def _has_trainable(self, block: SwappedBlock) -> bool:
         """Whether the block has a parameter that requires grad. Re-read at the start of every

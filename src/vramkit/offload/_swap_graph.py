@@ -1,0 +1,99 @@
+"""Swapped blocks whose graph joins the outer autograd graph (no reentrant backward).
+
+:class:`~vramkit.offload._swap_function.SwapBlockFunction` builds each call's graph on detached
+inputs and runs a *reentrant* ``torch.autograd.backward`` over it in backward: a clean boundary,
+but every call pays for a nested engine run (measured on the H200 host: ~0.3 ms per swapped block
+per step, which shows where the model is host-bound). For blocks without swapped trainable
+weights the boundary is drawn with two identity Functions instead, and the block's own nodes are
+ordinary nodes of the outer graph:
+
+* :class:`BlockExit` wraps the block's outputs. Its backward runs before any node of the block
+  (every block node is an ancestor of the outputs), so it re-acquires the slot there -- before the
+  checkpoint's recomputation, which needs the weights, and before any saved
+  :class:`~vramkit.offload._swap_function.WeightRef` is unpacked.
+* :class:`BlockEntry` wraps the block's inputs. Its backward runs once every gradient the block
+  sends to them is computed -- the block's backward is over -- so it releases the slot there.
+  When no input requires grad (the first block of LoRA training) there is no entry node; the slot
+  is released by a callback at the end of the backward pass, by which point that block (the first
+  in forward order) is the last one backward reaches anyway.
+
+Saved weights still go through the swapper's saved-tensor hooks (handles, not slot memory), so
+the correctness argument is the same as the Function path's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+if TYPE_CHECKING:
+    from vramkit.offload.swap import BlockSwapper, SwappedBlock
+
+__all__ = ["BlockBackward", "BlockEntry", "BlockExit"]
+
+
+class BlockBackward:
+    """One call of a swapped block, seen from backward: whether its slot is held for it."""
+
+    __slots__ = ("block", "held", "swapper")
+
+    def __init__(self, swapper: BlockSwapper, block: SwappedBlock) -> None:
+        self.swapper = swapper
+        self.block = block
+        self.held = False
+
+    def start(self) -> None:
+        """Backward reached the block's outputs: hold its slot (loaded) until :meth:`finish`."""
+        if self.held:
+            return
+        self.swapper._acquire(self.block, backward=True)
+        self.held = True
+        # Whatever the graph's shape, the slot is released by the end of this backward.
+        torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def finish(self) -> None:
+        """The block's backward is over: release the slot (prefetching the next blocks)."""
+        if not self.held:
+            return
+        self.held = False
+        self.swapper._release(self.block, backward=True)
+
+
+def _aliases(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(t.view_as(t) for t in tensors)
+
+
+class BlockEntry(torch.autograd.Function):
+    """Identity on a swapped block's differentiable inputs; backward releases the block's slot."""
+
+    @staticmethod
+    def forward(ctx: Any, call: BlockBackward, *tensors: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        return _aliases(tensors)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        ctx.call.finish()
+        return (None, *grads)
+
+
+class BlockExit(torch.autograd.Function):
+    """Identity on a swapped block's differentiable outputs; backward re-acquires its slot."""
+
+    @staticmethod
+    def forward(ctx: Any, call: BlockBackward, *tensors: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        return _aliases(tensors)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        ctx.call.start()
+        return (None, *grads)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import IO, TYPE_CHECKING, Any, cast
 
+from vramkit._fields import check_known_fields
 from vramkit.devices._runtime import cuda_initialized
 from vramkit.devices.info import DeviceCapabilities, DeviceInfo, DeviceType
 from vramkit.devices.jax_backend import (
@@ -309,12 +310,7 @@ class DeviceConfiguration:
         Raises:
             ConfigError: unknown keys or invalid values.
         """
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown DeviceConfiguration keys {unknown}",
-                              f"Known keys: {sorted(known)}.")
-        kwargs = dict(data)
+        kwargs = check_known_fields(cls, data)
         if "platform_priority" in kwargs and not isinstance(kwargs["platform_priority"], str):
             kwargs["platform_priority"] = tuple(kwargs["platform_priority"])
         return cls(**kwargs)

@@ -30,10 +30,11 @@ import threading
 from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from types import TracebackType
 from typing import Any
 
+from vramkit._fields import check_known_fields
 from vramkit.errors import ConfigError
 from vramkit.memory.leaks import format_frames, python_stack
 from vramkit.units import format_size, parse_size
@@ -347,11 +348,7 @@ class PoolConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PoolConfig:
         """Build a config from :meth:`to_dict` output; unknown keys raise ``ConfigError``."""
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ConfigError(f"unknown PoolConfig keys: {sorted(unknown)}")
-        return cls(**data)
+        return cls(**check_known_fields(cls, data))
 
 
 def _config_size(name: str, value: object) -> int:

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vramkit._fields import check_known_fields
 from vramkit.errors import ConfigError
 from vramkit.units import format_size, parse_size
 
@@ -338,11 +339,7 @@ class DiTConfig:
         Raises:
             ConfigError: for unknown keys or invalid values.
         """
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown DiTConfig fields: {unknown}")
-        return cls(**data)
+        return cls(**check_known_fields(cls, data))
 
 
 # -- building blocks -------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vramkit._fields import check_known_fields
 from vramkit.errors import ConfigError
 from vramkit.optim.adamw8bit import AdamW8bit
 
@@ -124,11 +125,7 @@ class Int8TrainingConfig:
         Raises:
             ConfigError: for unknown keys or invalid values.
         """
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown Int8TrainingConfig keys {unknown}")
-        return cls(**data)
+        return cls(**check_known_fields(cls, data))
 
     def create_optimizer(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], *,
                          lr: float = 1e-3, **optimizer_kwargs: Any) -> torch.optim.Optimizer:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal, TypeAlias
 
+from vramkit._fields import check_known_fields
 from vramkit.errors import ConfigError
 
 __all__ = [
@@ -269,8 +270,4 @@ def config_from_dict(fmt: str, fields: dict[str, Any]) -> QuantConfigT:
         ConfigError: unknown format, unknown field or invalid value.
     """
     cls = _CONFIG_CLASSES[_parse_format(fmt)]
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(fields) - known
-    if unknown:
-        raise ConfigError(f"unknown {cls.__name__} fields: {sorted(unknown)}")
-    return cls(**fields)
+    return cls(**check_known_fields(cls, fields))

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vramkit._fields import check_known_fields
 from vramkit.errors import ConfigError, QuantizationError
 from vramkit.quant.formats import (
     FP8Config,
@@ -198,11 +199,7 @@ class QuantizationConfig:
         Raises:
             ConfigError: for unknown keys or invalid values.
         """
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - fields
-        if unknown:
-            raise ConfigError(f"unknown QuantizationConfig fields: {sorted(unknown)}")
-        values = dict(data)
+        values = check_known_fields(cls, data)
         weights = values.get("weights_dtype")
         if isinstance(weights, Mapping):
             fields = dict(weights)

@@ -1,13 +1,27 @@
-"""Step timing shared by the training-step benchmarks (swap.py, quant_block.py)."""
+"""Timing and logging shared by the benchmark scripts."""
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
 import torch
 
-__all__ = ["Timer"]
+__all__ = ["START", "Timer", "log", "synchronize"]
+
+START = time.perf_counter()  # when the benchmark process imported this module
+
+
+def log(message: str) -> None:
+    """A progress line on stderr with the seconds since the run started."""
+    print(f"[{time.perf_counter() - START:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class Timer:

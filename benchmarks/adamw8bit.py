@@ -42,6 +42,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, write_result
+from _mlp import build_mlp
+from _timing import synchronize
 from vramkit.models.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
 from vramkit.optim.adamw8bit import AdamW8bit
 
@@ -55,19 +57,6 @@ STATE_TARGET, TIME_TARGET, LOSS_TARGET = 2.1, 1.10, 0.01
 
 class Skipped(Exception):
     """A comparison library that is not installed or cannot run here."""
-
-
-class MlpBlock(nn.Module):
-    """Pre-norm residual MLP, the bulk of a transformer block's parameters."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim, bias=False)
-        self.down = nn.Linear(4 * dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
 
 def optimizer_factory(variant: str) -> Callable[..., torch.optim.Optimizer]:
@@ -112,19 +101,7 @@ def state_tensor_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(tensor_bytes(v) for state in optimizer.state.values() for v in state.values())
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # -- speed and memory ---------------------------------------------------------------------------
-
-def build_mlp(layers: int, dim: int, device: torch.device) -> nn.Module:
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = nn.Sequential(*(MlpBlock(dim) for _ in range(layers)))
-    return model.to(torch.bfloat16)
-
 
 def mlp_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # Learn a fixed linear map of the input: a task with a reachable, non-trivial optimum.

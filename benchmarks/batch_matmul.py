@@ -31,14 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, write_result
+from _timing import synchronize
 from vramkit.kernels.batch import batch_matmul
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_call(call: Callable[[], object], device: torch.device, trials: int,

@@ -80,24 +80,6 @@ extern "C" __global__ void tiled_sgemm(const float* __restrict__ A, const float*
 """
 
 
-def time_launches(launch: Callable[[], None], reps: int, trials: int, warmup: int) -> float:
-    """Median milliseconds per launch (CUDA events around ``reps`` back-to-back launches)."""
-    for _ in range(warmup):
-        launch()
-    torch.cuda.synchronize()
-    per_launch: list[float] = []
-    for _ in range(trials):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            launch()
-        end.record()
-        end.synchronize()
-        per_launch.append(start.elapsed_time(end) / reps)
-    return statistics.median(per_launch)
-
-
 def time_interleaved(launches: list[Callable[[], None]], reps: int, trials: int,
                      warmup: int) -> list[float]:
     """Median milliseconds per launch of each callable, timed in interleaved rounds."""
@@ -117,6 +99,11 @@ def time_interleaved(launches: list[Callable[[], None]], reps: int, trials: int,
             end.synchronize()
             samples[i].append(start.elapsed_time(end) / reps)
     return [statistics.median(s) for s in samples]
+
+
+def time_launches(launch: Callable[[], None], reps: int, trials: int, warmup: int) -> float:
+    """Median milliseconds per launch (CUDA events around ``reps`` back-to-back launches)."""
+    return time_interleaved([launch], reps, trials, warmup)[0]
 
 
 def describe(config: LaunchConfig) -> str:

@@ -34,37 +34,14 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, write_result
+from _mlp import build_mlp
+from _timing import synchronize
 from vramkit.offload.optimizer import CPUOffloadOptimizer
 
 GIB = 2**30
 HYPER = {"lr": 1e-4, "weight_decay": 0.01}
 VARIANTS = ("compute_only", "gpu_adamw", "offload_overlap", "offload_no_overlap",
             "offload_grads_on_gpu")
-
-
-class MlpBlock(nn.Module):
-    """Pre-norm residual MLP, the bulk of a transformer block's parameters."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim, bias=False)
-        self.down = nn.Linear(4 * dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
-
-
-def build_model(layers: int, dim: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = nn.Sequential(*(MlpBlock(dim) for _ in range(layers)))
-    return model.to(dtype)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def make_optimizer(variant: str, model: nn.Module) -> torch.optim.Optimizer | None:
@@ -80,7 +57,7 @@ def make_optimizer(variant: str, model: nn.Module) -> torch.optim.Optimizer | No
 
 
 def run_variant(variant: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    model = build_model(args.layers, args.dim, device, torch.bfloat16)
+    model = build_mlp(args.layers, args.dim, device, torch.bfloat16)
     param_bytes = sum(p.nbytes for p in model.parameters())
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(args.tokens, args.dim, device=device, generator=gen, dtype=torch.bfloat16)
@@ -195,7 +172,7 @@ def main() -> None:
                 result["peak_saved_gib"] = baseline["peak_gib"] - result["peak_gib"]
                 result["peak_ratio"] = result["peak_gib"] / baseline["peak_gib"]
 
-    params = sum(p.numel() for p in build_model(args.layers, args.dim, torch.device("meta"),
+    params = sum(p.numel() for p in build_mlp(args.layers, args.dim, torch.device("meta"),
                                                 torch.bfloat16).parameters())
     document = {
         "config": {"layers": args.layers, "dim": args.dim, "tokens": args.tokens,

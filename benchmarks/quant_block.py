@@ -33,7 +33,6 @@ import argparse
 import gc
 import statistics
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -45,7 +44,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, write_result
-from _timing import Timer
+from _timing import Timer, log
 from vramkit.demo import add_lora_adapters
 from vramkit.models.dit import DiTConfig, DoubleStreamBlock, rotary_embedding
 from vramkit.offload.swap import BlockSwapper, SwapConfig
@@ -53,7 +52,6 @@ from vramkit.quant import kernels
 from vramkit.quant.model import QuantizationConfig, model_bytes, quantize_model
 
 STEP_TARGET = 1.10  # quantized block step time vs bf16
-_START = time.perf_counter()
 # name -> QuantizationConfig kwargs (None: the bf16 baseline)
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "bf16": None,
@@ -63,10 +61,6 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "fp8": dict(weights_dtype="fp8"),
     "fp8+fp8gemm": dict(weights_dtype="fp8", activations_dtype="fp8"),
 }
-
-
-def log(message: str) -> None:
-    print(f"[{time.perf_counter() - _START:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
 @dataclass

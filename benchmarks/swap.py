@@ -52,18 +52,13 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, write_result
 from _swap_models import Exchanger, TransformerStack, tokens_to_image_size
-from _timing import Timer
+from _timing import START, Timer, log
 from vramkit.checkpointing import disable_gradient_checkpointing, enable_gradient_checkpointing
 from vramkit.offload._blocks import find_blocks
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 
 OVERHEAD_TARGET, BOUND_TARGET, EXCHANGE_TARGET = 1.03, 1.10, 1.25
 FIT_MARGIN, BW_TARGET, ENQUEUE_TARGET_MS = 0.8, 0.9, 0.5
-_START = time.perf_counter()
-
-
-def log(message: str) -> None:
-    print(f"[{time.perf_counter() - _START:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -240,7 +235,7 @@ def run_group(s: Settings, work: Workload, ckpt: bool, bandwidth: float,
             f"bwd {resident['bwd_ms']:.1f})")
         cleanup(device)
         for fraction in s.fractions:
-            if time.perf_counter() - _START > s.time_limit_s:
+            if time.perf_counter() - START > s.time_limit_s:
                 log(f"{label} f={fraction}: skipped (time limit {s.time_limit_s:.0f} s)")
                 rows.append({"model": work.name, "tokens": work.tokens, "checkpointing": ckpt,
                              "fraction": fraction, "skipped": "time limit"})
@@ -483,7 +478,7 @@ def main() -> None:
     cleanup(device)
     if s.dit != "off":
         for tokens in s.tokens:
-            if time.perf_counter() - _START > s.time_limit_s:
+            if time.perf_counter() - START > s.time_limit_s:
                 log(f"DiT T={tokens}: skipped (time limit)")
                 continue
             dit = dit_workload(s.dit, tokens, device)
@@ -494,7 +489,7 @@ def main() -> None:
                 run_group(s, dit, ckpt, bandwidth, rows, emit)
             del dit
             cleanup(device)
-    result["elapsed_s"] = time.perf_counter() - _START
+    result["elapsed_s"] = time.perf_counter() - START
     args.out.mkdir(parents=True, exist_ok=True)
     plot(rows, args.out / "swap.png")
     table = markdown_rows(rows)

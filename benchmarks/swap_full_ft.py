@@ -37,15 +37,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, write_result
 from _swap_models import TransformerStack
+from _timing import synchronize
 from vramkit.offload.optimizer import CPUOffloadOptimizer
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 
 LR = 1e-5
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def build(args: argparse.Namespace, device: torch.device) -> TransformerStack:
@@ -83,17 +79,17 @@ def run_variant(name: str, swapped: int, gpu_optimizer: bool, args: argparse.Nam
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for i in range(args.warmup + args.steps):
-        sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         loss = model(x).float().square().mean()
         loss.backward()
         if swapper is not None:
             swapper.sync_gradients()
-        sync(device)
+        synchronize(device)
         t1 = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        sync(device)
+        synchronize(device)
         t2 = time.perf_counter()
         losses.append(float(loss))
         if i >= args.warmup:

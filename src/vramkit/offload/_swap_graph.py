@@ -61,39 +61,35 @@ class BlockBackward:
         self.swapper._release(self.block, backward=True)
 
 
-def _aliases(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    return tuple(t.view_as(t) for t in tensors)
+class _BlockBoundary(torch.autograd.Function):
+    """Identity on a swapped block's differentiable tensors; ``_on_backward`` runs in backward."""
 
-
-class BlockEntry(torch.autograd.Function):
-    """Identity on a swapped block's differentiable inputs; backward releases the block's slot."""
+    @staticmethod
+    def _on_backward(call: BlockBackward) -> None:
+        raise NotImplementedError
 
     @staticmethod
     def forward(ctx: Any, call: BlockBackward, *tensors: torch.Tensor
                 ) -> tuple[torch.Tensor, ...]:
         ctx.call = call
         ctx.set_materialize_grads(False)
-        return _aliases(tensors)
+        return tuple(t.view_as(t) for t in tensors)
 
-    @staticmethod
+    @classmethod
     @once_differentiable
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        ctx.call.finish()
+    def backward(cls, ctx: Any, *grads: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, ...]:
+        cls._on_backward(ctx.call)
         return (None, *grads)
 
 
-class BlockExit(torch.autograd.Function):
-    """Identity on a swapped block's differentiable outputs; backward re-acquires its slot."""
+class BlockEntry(_BlockBoundary):
+    """Wraps a swapped block's differentiable inputs; backward releases the block's slot."""
 
-    @staticmethod
-    def forward(ctx: Any, call: BlockBackward, *tensors: torch.Tensor
-                ) -> tuple[torch.Tensor, ...]:
-        ctx.call = call
-        ctx.set_materialize_grads(False)
-        return _aliases(tensors)
+    _on_backward = staticmethod(BlockBackward.finish)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        ctx.call.start()
-        return (None, *grads)
+
+class BlockExit(_BlockBoundary):
+    """Wraps a swapped block's differentiable outputs; backward re-acquires its slot."""
+
+    _on_backward = staticmethod(BlockBackward.start)

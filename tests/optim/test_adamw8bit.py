@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import types
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,14 +21,6 @@ from vramkit.optim.adamw8bit import AdamW8bit
 X = torch.randn(512, 32, generator=torch.Generator().manual_seed(1))
 Y = torch.sin(X @ torch.randn(32, 1, generator=torch.Generator().manual_seed(2)))
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # Tiny tensors: extra threads only contend with the other test processes on this machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_mlp(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -14,13 +13,6 @@ from vramkit.optim.adamw8bit import AdamW8bit
 
 HYPER = {"lr": 1e-2, "weight_decay": 0.1, "min_8bit_size": 0, "block_size": 64}
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_model(dtype: torch.dtype, seed: int = 0) -> nn.Module:

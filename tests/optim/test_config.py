@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -14,14 +13,6 @@ from torch import nn
 from vramkit.errors import ConfigError
 from vramkit.optim.adamw8bit import AdamW8bit
 from vramkit.optim.config import Int8Training, Int8TrainingConfig, setup_int8_training
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_model(dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> nn.Module:

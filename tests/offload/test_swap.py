@@ -323,7 +323,7 @@ def test_schedule_by_count() -> None:
     schedule = BlockSwapper.create_schedule(specs, 6)
     assert [e.index for e in schedule] == list(range(8))
     assert [e.name for e in schedule] == [s.name for s in specs]
-    assert _swapped(schedule) == [1, 5]  # two swapped, spread among the resident ones
+    assert _swapped(schedule) == [0, 7]  # two swapped: the ends (see spread_evenly)
     assert _swapped(BlockSwapper.create_schedule(specs, 0)) == list(range(8))
     assert _swapped(BlockSwapper.create_schedule(specs, 8)) == []
     assert _swapped(BlockSwapper.create_schedule(specs, 20)) == []

@@ -189,9 +189,14 @@ def _named_blocks(model: nn.Module, patterns: list[str]) -> list[tuple[str, nn.M
 def spread_evenly(sizes: Sequence[int], count: int) -> list[int]:
     """Indices of ``count`` blocks spread evenly over the cumulative bytes of ``sizes``.
 
-    Block ``i`` is picked when its byte midpoint is nearest to one of ``count`` evenly spaced
-    targets, so swapped bytes are spread among resident ones (which hide their transfers) rather
-    than bunched together. Returns sorted indices.
+    The targets are ``count`` evenly spaced points from the first block's byte midpoint to the
+    last one's, and each picks the free block whose midpoint is nearest, so swapped bytes are
+    spread among resident ones (which hide their transfers) rather than bunched together. With
+    two or more picks the first and the last block are among them: a swapped block at each end
+    lets the copy stream start one block into the forward pass and run until one block before
+    the end of backward, where a resident end block would leave it idle for that block's
+    compute (with R slots the pipeline cannot fill earlier or drain later; measured on the
+    2048-token stack in docs/benchmarks.md). One pick takes the middle. Returns sorted indices.
     """
     n = len(sizes)
     if count <= 0:
@@ -199,18 +204,23 @@ def spread_evenly(sizes: Sequence[int], count: int) -> list[int]:
     if count >= n:
         return list(range(n))
     weights = list(sizes) if sum(sizes) else [1] * n
-    total = sum(weights)
-    # Integer arithmetic: block i's doubled midpoint is 2*acc_i + w_i (over 2*total), target k's
-    # is (2k + 1)/count, so exact ties (n a multiple of count) break the same way every time.
+    # Integer arithmetic on doubled midpoints (2*acc_i + w_i), so exact ties break the same way
+    # every time: target k sits at first + k * (last - first) / (count - 1), compared after
+    # multiplying through by (count - 1).
     mids2 = []
     acc = 0
     for w in weights:
         mids2.append(2 * acc + w)
         acc += w
+    if count == 1:
+        scale, targets = 1, [acc]  # the doubled midpoint of the whole: half the total bytes
+    else:
+        scale = count - 1
+        targets = [mids2[0] * scale + k * (mids2[-1] - mids2[0]) for k in range(count)]
     chosen: list[int] = []
     free = set(range(n))
-    for k in range(count):
-        best = min(free, key=lambda i: (abs(mids2[i] * count - (2 * k + 1) * total), i))
+    for target in targets:
+        best = min(free, key=lambda i: (abs(mids2[i] * scale - target), i))
         free.discard(best)
         chosen.append(best)
     return sorted(chosen)

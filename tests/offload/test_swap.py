@@ -166,13 +166,13 @@ def _mark(swapper: BlockSwapper, log: list[StreamOp]) -> None:
     """Log acquire/release markers, so ops can be attributed to the block being acquired."""
     acquire, release = swapper._acquire, swapper._release
 
-    def marked_acquire(block: Any, *, backward: bool) -> None:
+    def marked_acquire(block: Any, *, backward: bool, stream: Any = None) -> Any:
         log.append(StreamOp("acquire", "compute", None, block.name))
-        acquire(block, backward=backward)
+        return acquire(block, backward=backward, stream=stream)
 
-    def marked_release(block: Any, *, backward: bool) -> None:
+    def marked_release(block: Any, *, backward: bool, stream: Any = None) -> None:
         log.append(StreamOp("release", "compute", None, block.name))
-        release(block, backward=backward)
+        release(block, backward=backward, stream=stream)
 
     swapper._acquire = marked_acquire  # type: ignore[method-assign]
     swapper._release = marked_release  # type: ignore[method-assign]
@@ -761,13 +761,56 @@ def test_structured_outputs_kwargs_and_passthrough(checkpointing: bool) -> None:
 def test_lora_gradients_reach_blocks_whose_inputs_need_no_grad() -> None:
     ref = _lora_only(_net(lora=True))
     model = copy.deepcopy(ref)
-    swapper = _swap(model)  # inp is frozen: X -> block 0 carries no grad; only the anchor does
+    swapper = _swap(model)  # inp is frozen: X -> block 0 carries no grad; its LoRA does
     _step(model)
-    assert swapper._anchor is not None  # created by the first call that needed it
+    # Block 0 joined the graph although no input needed grad: re-acquired in backward like
+    # the others (4 forward + 4 backward acquisitions).
+    assert swapper.stats().acquisitions == 8
     _step(ref)
     _assert_same_grads(model, ref)
     assert all(model.blocks[i].lora_a.grad.abs().sum() > 0 for i in range(4))
     swapper.detach()
+
+
+def test_adapters_added_after_attaching_are_trained() -> None:
+    # Everything frozen when the swapper attaches; then LoRA parameters are registered on each
+    # block (as peft does after loading). The swapper's cached parameter lists follow
+    # module/parameter registrations, so block 0 (whose input needs no grad) still joins the
+    # graph and its adapter gets the same gradient as without swapping.
+    ref = _net()
+    ref.requires_grad_(False)
+    model = copy.deepcopy(ref)
+    swapper = _swap(model)
+    assert not model(X).requires_grad  # nothing trainable yet: parameter lists cached
+    torch.manual_seed(7)
+    adapters = [(torch.randn(4, D) * 0.1, torch.randn(2 * D, 4) * 0.1) for _ in range(4)]
+    for net in (model, ref):
+        for block, (a, b) in zip(net.blocks, adapters, strict=True):
+            block.lora_a = nn.Parameter(a.clone())
+            block.lora_b = nn.Parameter(b.clone())
+    swapper.reset_stats()
+    _step(model)
+    _step(ref)
+    assert swapper.stats().acquisitions == 8  # block 0 included: it joined the graph
+    for mine, theirs in zip(model.blocks, ref.blocks, strict=True):
+        assert mine.lora_a.grad is not None
+        assert torch.equal(mine.lora_a.grad, theirs.lora_a.grad)
+        assert torch.equal(mine.lora_b.grad, theirs.lora_b.grad)
+    swapper.detach()
+
+
+def test_structure_watch_hooks_are_removed_with_the_last_swapper() -> None:
+    from torch.nn.modules import module as torch_module
+
+    before = (len(torch_module._global_module_registration_hooks),
+              len(torch_module._global_parameter_registration_hooks))
+    first, second = _swap(_frozen_blocks(_net())), _swap(_frozen_blocks(_net(1)))
+    assert len(torch_module._global_module_registration_hooks) == before[0] + 1
+    first.detach()
+    assert len(torch_module._global_parameter_registration_hooks) == before[1] + 1
+    second.detach()
+    assert (len(torch_module._global_module_registration_hooks),
+            len(torch_module._global_parameter_registration_hooks)) == before
 
 
 def test_frozen_leading_blocks_get_no_backward() -> None:

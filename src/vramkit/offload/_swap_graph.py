@@ -26,12 +26,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 if TYPE_CHECKING:
     from vramkit.offload.swap import BlockSwapper, SwappedBlock
 
-__all__ = ["BlockBackward", "BlockEntry", "BlockExit"]
+__all__ = ["BlockBackward", "BlockEntry", "BlockExit", "enter_block", "exit_block"]
 
 
 class BlockBackward:
@@ -76,9 +75,10 @@ class _BlockBoundary(torch.autograd.Function):
         return tuple(t.view_as(t) for t in tensors)
 
     @classmethod
-    @once_differentiable
     def backward(cls, ctx: Any, *grads: torch.Tensor | None
                  ) -> tuple[torch.Tensor | None, ...]:
+        # An identity: differentiable as it is (no once_differentiable and its no_grad block,
+        # which cost ~6 us per call on this path).
         cls._on_backward(ctx.call)
         return (None, *grads)
 
@@ -93,3 +93,32 @@ class BlockExit(_BlockBoundary):
     """Wraps a swapped block's differentiable outputs; backward re-acquires its slot."""
 
     _on_backward = staticmethod(BlockBackward.start)
+
+
+def _direct_apply(cls: type[torch.autograd.Function]) -> Any:
+    """``cls.apply`` without ``Function.apply``'s Python wrapper (signature binding for
+    ``setup_context`` and functorch unwrapping, neither of which these Functions use): ~2.5 us
+    less per call, four calls per swapped block and step. ``None`` if PyTorch moved it."""
+    apply = getattr(super(torch.autograd.Function, cls), "apply", None)
+    return apply if callable(apply) else None
+
+
+_ENTRY_APPLY = _direct_apply(BlockEntry)
+_EXIT_APPLY = _direct_apply(BlockExit)
+
+
+def _apply(cls: type[_BlockBoundary], direct: Any, call: BlockBackward,
+           tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    if direct is None or torch._C._are_functorch_transforms_active():
+        return cls.apply(call, *tensors)  # type: ignore[no-any-return]
+    return direct(call, *tensors)  # type: ignore[no-any-return]
+
+
+def enter_block(call: BlockBackward, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Wrap a swapped block's differentiable inputs in :class:`BlockEntry`."""
+    return _apply(BlockEntry, _ENTRY_APPLY, call, tensors)
+
+
+def exit_block(call: BlockBackward, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Wrap a swapped block's differentiable outputs in :class:`BlockExit`."""
+    return _apply(BlockExit, _EXIT_APPLY, call, tensors)

@@ -70,7 +70,7 @@ from vramkit.offload._blocks import (
     spread_evenly,
 )
 from vramkit.offload._swap_function import BlockCall, SwapBlockFunction, WeightRef
-from vramkit.offload._swap_graph import BlockBackward, BlockEntry, BlockExit
+from vramkit.offload._swap_graph import BlockBackward, enter_block, exit_block
 from vramkit.offload._transfer import Streams, resolve_offload_device, transfer_streams
 from vramkit.units import format_size, parse_size
 
@@ -81,6 +81,9 @@ logger = logging.getLogger(__name__)
 _ALIGN = 512  # offsets inside a master/slot: PyTorch's allocator granularity, so kernels see
 # the same pointer alignment as for ordinary tensors (cuBLAS picks kernels by alignment).
 _TRAINABLE = ("resident", "cpu")
+# Argument/output types that are leaves for certain (the fast path skips the tree walk for calls
+# made only of these); a tensor subclass or a container takes the general path.
+_PLAIN_LEAVES = frozenset({torch.Tensor, nn.Parameter, type(None), bool, int, float, str})
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,9 @@ class _Slot:
         self.block: SwappedBlock | None = None
         self.loaded_event = streams.event()
         self.free_event = streams.event()
+        # The master's _version when loaded. In-place updates of the host masters (a CPU
+        # optimizer step) bump it, shared by every view of the pinned segment: the slot is then
+        # stale and reloaded.
         self.loaded_version = -1
         self.locked = False
         self.last_used = -1
@@ -260,11 +266,15 @@ class SwappedBlock:
         self.grad_event: Any = None
         self.slot: _Slot | None = None
         self.slot_views: dict[int, list[torch.Tensor]] = {}
+        self.slot_flat: dict[int, torch.Tensor] = {}  # the block's bytes of each slot
         self.master_views: list[torch.Tensor] = []
         self.original_forward: Any = None
         self.had_instance_forward = False
         self.checkpointed = False
         self.trainable_entries = [e for e in entries if e.trainable]
+        self.bound: _Slot | None = None  # the slot whose views the entries point at
+        self.params: list[nn.Parameter] = []  # every parameter of the module, for requires_grad
+        self.params_epoch = -1  # _structure_epoch() when ``params`` was listed
 
     def __repr__(self) -> str:
         return f"SwappedBlock({self.name}, {format_size(self.nbytes)})"
@@ -339,6 +349,7 @@ class BlockSwapper:
         self._slot_pool: MemoryPool | None = None
         self._anchor: torch.Tensor | None = None
         self._resident_block_bytes = 0
+        self._watching = False
         try:
             self._attach(found)
         except BaseException:
@@ -479,6 +490,8 @@ class BlockSwapper:
             self._wrap_forward(block)
         self._order = list(self._blocks)
         self._position = {id(b): i for i, b in enumerate(self._order)}
+        _watch_structure(True)
+        self._watching = True
         self._attached = True
         logger.info("BlockSwapper: %d of %d blocks swapped (%s pinned, %d slots of %s)",
                     len(self._blocks), len(self.schedule),
@@ -554,6 +567,7 @@ class BlockSwapper:
             for block in self._blocks:
                 block.slot_views[i] = [_typed_view(slot.buffer, e.offset, e)
                                        for e in block.entries]
+                block.slot_flat[i] = slot.buffer[:block.nbytes]
 
     def _anchor_tensor(self) -> torch.Tensor:
         if self._anchor is None:
@@ -582,75 +596,102 @@ class BlockSwapper:
         if not self._attached:
             raise OffloadError(f"swapped block {block.name} called after detach()")
         self._observe(block)
-        grad_mode = torch.is_grad_enabled()
-        trainable = grad_mode and self._has_trainable(block)
-        anchor = self._anchor_tensor() if trainable else None
-        leaves, spec = _tree.flatten((args, kwargs)) if grad_mode else ([], None)
-        needs_graph = grad_mode and (anchor is not None or any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in leaves))
-        if not needs_graph:
+        if not torch.is_grad_enabled():
             self._training_pass = False
-            self._acquire(block, backward=False)
+            stream = self._acquire(block, backward=False)
             try:
-                if not grad_mode:
-                    return fn(*args, **kwargs)
+                return fn(*args, **kwargs)
+            finally:
+                self._release(block, backward=False, stream=stream)
+        trainable = self._has_trainable(block)
+        # Most blocks take plain tensors positionally: skip the tree walk for them (this path
+        # runs once per block and step, where the swapper is host-bound).
+        if not kwargs and all(type(a) in _PLAIN_LEAVES for a in args):
+            leaves, spec = list(args), None
+        else:
+            leaves, spec = _tree.flatten((args, kwargs))
+        if not trainable and not any(isinstance(t, torch.Tensor) and t.requires_grad
+                                     for t in leaves):
+            self._training_pass = False
+            stream = self._acquire(block, backward=False)
+            try:
                 # Grad mode with nothing to differentiate: anything autograd still saves from
                 # the slot (a requires-grad tensor hidden from pytree) must fail loudly.
                 with self._weight_hooks(block, forbid=True):
                     return fn(*args, **kwargs)
             finally:
-                self._release(block, backward=False)
+                self._release(block, backward=False, stream=stream)
         self._training_pass = True
         if not block.trainable_entries:
             return self._call_in_graph(block, fn, leaves, spec)
+        if spec is None:
+            spec = _tree.flatten((args, kwargs))[1]
         call = BlockCall(self, block, fn, leaves, spec, block.checkpointed)
         tensors = [x for x, t in zip(leaves, call.is_tensor, strict=True) if t]
+        anchor = self._anchor_tensor() if trainable else None
         outs = SwapBlockFunction.apply(call, anchor, *tensors)
         return call.rebuild_outputs(list(outs))
 
     def _call_in_graph(self, block: SwappedBlock, fn: Callable[..., Any], leaves: list[Any],
                        spec: Any) -> Any:
         """A training call whose nodes join the outer graph (see ``_swap_graph``): identity
-        Functions on the inputs and outputs hold the slot across the block's backward."""
+        Functions on the inputs and outputs hold the slot across the block's backward.
+        ``spec`` is ``None`` when ``leaves`` are the positional arguments themselves."""
         call = BlockBackward(self, block)
-        leaves = list(leaves)
         positions = [i for i, x in enumerate(leaves)
                      if isinstance(x, torch.Tensor) and x.requires_grad]
         if positions:
-            entered = BlockEntry.apply(call, *(leaves[i] for i in positions))
+            entered = enter_block(call, [leaves[i] for i in positions])
             for i, t in zip(positions, entered, strict=True):
                 leaves[i] = t
-        args, kwargs = _tree.unflatten(leaves, spec)
-        self._acquire(block, backward=False)
+        if spec is None:
+            args: Any = leaves
+            kwargs: dict[str, Any] = {}
+        else:
+            args, kwargs = _tree.unflatten(leaves, spec)
+        stream = self._acquire(block, backward=False)
         try:
-            with self._weight_hooks(block):
-                if block.checkpointed:
-                    # Non-reentrant: keeps the inputs, recomputes in backward after BlockExit
-                    # re-acquired the slot, and stops once the saved tensors are rebuilt.
-                    out = torch_checkpoint(fn, *args, use_reentrant=False,
-                                           preserve_rng_state=self.config.preserve_rng_state,
-                                           **kwargs)
-                else:
+            if block.checkpointed:
+                # Non-reentrant: keeps the inputs, recomputes in backward after BlockExit
+                # re-acquired the slot, and stops once the saved tensors are rebuilt. Every
+                # tensor saved inside goes through the checkpoint's own (innermost) hooks, so
+                # no slot weight can be saved: the swapper's hooks are not needed here.
+                out = torch_checkpoint(fn, *args, use_reentrant=False,
+                                       preserve_rng_state=self.config.preserve_rng_state,
+                                       **kwargs)
+            else:
+                with self._weight_hooks(block):
                     out = fn(*args, **kwargs)
         finally:
-            self._release(block, backward=False)
-        out_leaves, out_spec = _tree.flatten(out)
+            self._release(block, backward=False, stream=stream)
+        if type(out) is torch.Tensor:
+            return exit_block(call, [out])[0] if out.requires_grad else out
+        if type(out) is tuple and all(type(o) in _PLAIN_LEAVES for o in out):
+            out_leaves, out_spec = list(out), None
+        else:
+            out_leaves, out_spec = _tree.flatten(out)
         outputs = [i for i, x in enumerate(out_leaves)
                    if isinstance(x, torch.Tensor) and x.requires_grad]
         if not outputs:
             return out
-        exited = BlockExit.apply(call, *(out_leaves[i] for i in outputs))
+        exited = exit_block(call, [out_leaves[i] for i in outputs])
         for i, t in zip(outputs, exited, strict=True):
             out_leaves[i] = t
-        return _tree.unflatten(out_leaves, out_spec)
+        return tuple(out_leaves) if out_spec is None else _tree.unflatten(out_leaves, out_spec)
 
     def _has_trainable(self, block: SwappedBlock) -> bool:
         """Whether the block has a parameter that requires grad. Re-read at the start of every
         pass (adapters may be added or weights unfrozen between steps) and cached within it:
-        walking the module's parameters on every call costs tens of microseconds."""
+        walking the module's parameters costs tens of microseconds per block, so the list is
+        kept and listed again only after a module or parameter was registered anywhere
+        (PyTorch's global registration hooks count those, :func:`_structure_epoch`)."""
         cached = self._trainable_cache.get(id(block))
         if cached is None:
-            cached = any(p.requires_grad for p in block.module.parameters())
+            epoch = _structure_epoch()
+            if block.params_epoch != epoch:  # a module or parameter was registered somewhere
+                block.params = list(block.module.parameters())
+                block.params_epoch = epoch
+            cached = any(p.requires_grad for p in block.params)
             self._trainable_cache[id(block)] = cached
         return cached
 
@@ -677,14 +718,17 @@ class BlockSwapper:
         self._observed = []
         self._observed_ids = set()
 
-    def _acquire(self, block: SwappedBlock, *, backward: bool) -> None:
+    def _acquire(self, block: SwappedBlock, *, backward: bool, stream: Any = None) -> Any:
+        """Make ``block`` usable on ``stream`` (default: the current stream, returned): load it
+        unless its slot holds it, order the stream after the load, point its tensors at the
+        slot."""
         start = time.perf_counter()
         if backward and self._direction != "backward":
             self._commit_order()  # the forward just seen predicts this backward
             self._direction = "backward"
         self._counters["acquisitions"] += 1
         slot = block.slot
-        if slot is not None and slot.loaded_version == self._master_version(block):
+        if slot is not None and slot.loaded_version == block.master._version:  # type: ignore[union-attr]
             self._counters["hits"] += 1
         else:
             slot = self._load(block, on_demand=True)
@@ -694,35 +738,45 @@ class BlockSwapper:
                     f"{len(self._slots)} slots are in use",
                     hint="A swapped block called inside another swapped block needs more "
                          "slots: raise SwapConfig.num_slots.")
-        self.streams.wait(self.streams.current(), slot.loaded_event)
+        if stream is None:
+            stream = self.streams.current()
+        self.streams.wait(stream, slot.loaded_event)
         slot.locked = True
         self._clock += 1
         slot.last_used = self._clock
-        views = block.slot_views[slot.index]
-        for e, view in zip(block.entries, views, strict=False):
-            e.tensor.data = view
+        if block.bound is not slot:  # still bound when the block kept its slot since last time
+            for e, view in zip(block.entries, block.slot_views[slot.index], strict=False):
+                e.tensor.data = view
+            block.bound = slot
         self._enqueue_seconds += time.perf_counter() - start
+        return stream
 
-    def _release(self, block: SwappedBlock, *, backward: bool) -> None:
+    def _release(self, block: SwappedBlock, *, backward: bool, stream: Any = None) -> None:
+        """The block is done with its slot once ``stream`` (default: the current stream) gets
+        past this point; prefetch what comes next."""
         start = time.perf_counter()
         slot = block.slot
         if slot is not None:
-            self.streams.record(slot.free_event, self.streams.current())
+            self.streams.record(slot.free_event,
+                                stream if stream is not None else self.streams.current())
             slot.locked = False
         self._prefetch_after(block, backward)
         self._enqueue_seconds += time.perf_counter() - start
 
-    def _upcoming(self, block: SwappedBlock, backward: bool) -> list[SwappedBlock]:
+    def _upcoming(self, block: SwappedBlock, backward: bool
+                  ) -> tuple[list[SwappedBlock], set[int]]:
         """The next ``lookahead`` distinct blocks needed after ``block`` in the predicted order
-        (``block`` itself when it is needed again next: the forward->backward turn). Cached per
-        order: this runs after every block call, and building the sequence is O(blocks)."""
+        (``block`` itself when it is needed again next: the forward->backward turn), and their
+        ids. Cached per order: this runs after every block call, and building the sequence is
+        O(blocks)."""
         pos = self._position.get(id(block))
         if pos is None:
-            return []
+            return [], set()
         key = (pos, backward, self._training_pass)
         cached = self._upcoming_cache.get(key)
         if cached is None:
-            cached = self._upcoming_cache[key] = self._compute_upcoming(pos, backward)
+            blocks = self._compute_upcoming(pos, backward)
+            cached = self._upcoming_cache[key] = (blocks, {id(b) for b in blocks})
         return cached
 
     def _compute_upcoming(self, pos: int, backward: bool) -> list[SwappedBlock]:
@@ -748,37 +802,45 @@ class BlockSwapper:
         return out
 
     def _prefetch_after(self, block: SwappedBlock, backward: bool) -> None:
-        upcoming = self._upcoming(block, backward)
+        upcoming, keep = self._upcoming(block, backward)
         for b in upcoming:
             slot = b.slot
-            if slot is not None and slot.loaded_version == self._master_version(b):
+            if slot is not None and slot.loaded_version == b.master._version:  # type: ignore[union-attr]
                 continue
-            if self._load(b, on_demand=False, keep={id(x) for x in upcoming}) is None:
+            if self._load(b, on_demand=False, keep=keep) is None:
                 break
 
     def _load(self, block: SwappedBlock, *, on_demand: bool,
               keep: set[int] | None = None) -> _Slot | None:
         """Fill a slot with ``block``: the least recently used unlocked slot whose block is not
         wanted soon. Returns ``None`` when every slot is locked or wanted."""
-        candidates = [s for s in self._slots if not s.locked and
-                      (s.block is None or s.block is block or keep is None
-                       or id(s.block) not in keep)]
-        if not candidates:
+        slot: _Slot | None = None
+        for s in self._slots:  # R is small: a plain loop beats building candidate lists
+            if s.locked:
+                continue
+            held = s.block
+            if held is block:
+                slot = s  # its own slot, reloaded in place
+                break
+            if held is not None and keep is not None and id(held) in keep:
+                continue
+            if slot is None or s.last_used < slot.last_used:
+                slot = s
+        if slot is None:
             return None
-        slot = block.slot if block.slot in candidates else min(
-            candidates, key=lambda s: s.last_used)
         old = slot.block
         if old is not None and old is not block:
             old.slot = None
+            old.bound = None
             for e in old.entries:  # eviction: a pointer repoint, nothing copied back
                 e.tensor.data = e.placeholder
         streams = self.streams
         streams.wait(streams.h2d, slot.free_event)
         assert block.master is not None
-        streams.copy(slot.buffer[:block.nbytes], block.master, streams.h2d, block.name)
+        streams.copy(block.slot_flat[slot.index], block.master, streams.h2d, block.name)
         streams.record(slot.loaded_event, streams.h2d)
         slot.block = block
-        slot.loaded_version = self._master_version(block)
+        slot.loaded_version = block.master._version
         self._clock += 1
         slot.last_used = self._clock
         block.slot = slot
@@ -786,12 +848,6 @@ class BlockSwapper:
         self._counters["on_demand" if on_demand else "prefetched"] += 1
         self._counters["h2d_bytes"] += block.nbytes
         return slot
-
-    @staticmethod
-    def _master_version(block: SwappedBlock) -> int:
-        # In-place updates of the host masters (a CPU optimizer step) bump this counter, shared
-        # by every view of the pinned segment: loaded slots are then stale and reloaded.
-        return block.master._version if block.master is not None else 0
 
     @contextlib.contextmanager
     def _weight_hooks(self, block: SwappedBlock, *, forbid: bool = False) -> Iterator[None]:
@@ -976,6 +1032,9 @@ class BlockSwapper:
         self._undo_attach()
 
     def _undo_attach(self) -> None:
+        if self._watching:
+            _watch_structure(False)
+            self._watching = False
         if self.device.type == "cuda" and torch.cuda.is_initialized():
             torch.cuda.current_stream(self.device).synchronize()
             torch.cuda.synchronize(self.device)
@@ -991,8 +1050,9 @@ class BlockSwapper:
                 restored.copy_(master_view)
                 e.tensor.data = restored
                 e.host_param = None
-            block.slot = None
+            block.slot = block.bound = None
             block.slot_views.clear()
+            block.slot_flat.clear()
             block.master_views = []
             for attr in ("master_block", "grad_block"):
                 handle = getattr(block, attr)
@@ -1096,3 +1156,35 @@ def _outer_saved_tensor_hooks() -> tuple[Callable[..., Any], Callable[..., Any]]
     return top(False)
 
 
+# Module structure changes (adapters added after attaching, say) are seen through PyTorch's
+# global registration hooks: each registered module or parameter anywhere bumps the epoch, and a
+# block whose parameter list is older lists its parameters again. The hooks are installed while
+# at least one swapper is attached.
+_STRUCTURE = {"epoch": 0, "users": 0}
+_STRUCTURE_HANDLES: list[Any] = []
+
+
+def _structure_epoch() -> int:
+    return _STRUCTURE["epoch"]
+
+
+def _bump_structure_epoch(*_: Any) -> None:
+    _STRUCTURE["epoch"] += 1
+
+
+def _watch_structure(on: bool) -> None:
+    from torch.nn.modules import module as torch_module
+    if on:
+        _STRUCTURE["users"] += 1
+        if _STRUCTURE["users"] == 1:
+            _STRUCTURE["epoch"] += 1  # registrations while nobody watched went uncounted
+            _STRUCTURE_HANDLES.append(
+                torch_module.register_module_module_registration_hook(_bump_structure_epoch))
+            _STRUCTURE_HANDLES.append(
+                torch_module.register_module_parameter_registration_hook(_bump_structure_epoch))
+        return
+    _STRUCTURE["users"] -= 1
+    if _STRUCTURE["users"] == 0:
+        for handle in _STRUCTURE_HANDLES:
+            handle.remove()
+        _STRUCTURE_HANDLES.clear()

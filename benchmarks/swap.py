@@ -25,6 +25,11 @@ block acquisition, and PASS/FAIL against the issue's targets: overhead <= 3% whe
 (S-R)*w/BW <= 0.8*C_p in both phases ("fits"), otherwise <= 1.10 x t_bound; >= 1.25x faster than
 exchange where a phase is transfer-bound; enqueue < 0.5 ms.
 
+``--rounds K`` (K > 1) measures the resident model again next to each of K vramkit rounds per row
+(alternately before and after it) and compares the two over all their steps: on a host-bound step (dit-large at 2089
+tokens) the machine's own speed drifts by more than the 3 % being checked, so a resident
+baseline measured minutes earlier is not a fair comparison.
+
 Run (GPU, ~6-8 min):  PYTHONPATH=src python benchmarks/swap.py --out out
 Run (GPU, < 3 min):  PYTHONPATH=src python benchmarks/swap.py --quick --out out
 Run (CPU, proves the code paths only): PYTHONPATH=src python benchmarks/swap.py --device cpu --quick
@@ -83,6 +88,7 @@ class Settings:
     dit_checkpointing: list[bool] = field(default_factory=lambda: [True])
     bandwidth_bytes: int = 1 << 30
     time_limit_s: float = 480.0
+    rounds: int = 1
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -96,7 +102,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     elif args.quick:
         s = Settings(blocks=8, warmup=2, exchange_budget_s=3.0, dit="base", time_limit_s=150.0)
     for name in ("blocks", "hidden", "heads", "rank", "steps", "warmup", "slots", "dit",
-                 "time_limit_s", "exchange_budget_s"):
+                 "time_limit_s", "exchange_budget_s", "rounds"):
         value = getattr(args, name)
         if value is not None:
             setattr(s, name, value)
@@ -183,7 +189,23 @@ def measure(work: Workload, timer: Timer, warmup: int, steps: int,
     return {"step_ms": statistics.median(step), "fwd_ms": statistics.median(fwd),
             "bwd_ms": statistics.median(bwd), "min_step_ms": min(step), "steps": steps,
             "loss": float(loss.detach()),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if timer.cuda else None}
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if timer.cuda else None,
+            "step_list": step, "fwd_list": fwd, "bwd_list": bwd}
+
+
+def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from several rounds of :func:`measure`: medians over all their steps."""
+    if len(results) == 1:
+        return results[0]
+    out = dict(results[-1])
+    for key in ("step", "fwd", "bwd"):
+        values = [v for r in results for v in r[f"{key}_list"]]
+        out[f"{key}_list"] = values
+        out[f"{key}_ms"] = statistics.median(values)
+    out["min_step_ms"] = min(out["step_list"])
+    out["steps"] = sum(r["steps"] for r in results)
+    out["rounds_step_ms"] = [r["step_ms"] for r in results]
+    return out
 
 
 def pinned_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> float:
@@ -246,6 +268,10 @@ def run_group(s: Settings, work: Workload, ckpt: bool, bandwidth: float,
                                    "swapped": swapped, "slots": s.slots, "resident": resident}
             try:
                 run_fraction(s, work, ckpt, blocks, swapped, timer, reference, row)
+                if s.rounds > 1:
+                    log(f"{label} f={fraction}: resident {row['resident']['step_ms']:.1f} ms, "
+                        f"vramkit {row['vramkit']['step_ms']:.1f} ms over {s.rounds} paired "
+                        f"rounds {row['vramkit']['rounds_step_ms']}")
             except Exception as exc:  # a failing row must not lose the others
                 row["error"] = f"{type(exc).__name__}: {exc}"
                 log(f"{label} f={fraction}: ERROR {row['error']}\n{traceback.format_exc()}")
@@ -266,17 +292,37 @@ def run_fraction(s: Settings, work: Workload, ckpt: bool, blocks: list[tuple[str
     label = f"{work.name} T={work.tokens} ckpt={'on' if ckpt else 'off'} S={swapped}/{n}"
     config = SwapConfig(max_gpu_blocks=n - swapped, num_slots=s.slots, checkpointing=ckpt,
                         min_param_bytes=s.min_param_bytes)
-    with BlockSwapper(work.model, config=config, device=device) as swapper:
-        result = measure(work, timer, s.warmup, s.steps, after_warmup=swapper.reset_stats)
-        stats = swapper.stats()
-        names = swapper.swapped_names
-        result["grad_rel_err"] = grad_error(work.gradients(), reference)
+    # With --rounds K > 1 the resident model is measured again right before each vramkit round
+    # and both are combined over the rounds: on a host-bound step the machine's speed drifts by
+    # several percent within minutes, more than the 3 % being checked.
+    ours, paired = [], []
+    h2d = enqueue = acquisitions = 0.0
+    for index in range(s.rounds):
+        # ABBA order (resident first in even rounds, vramkit first in odd ones), so a drift
+        # in the GPU's clocks over a round does not always favour the same side.
+        resident_first = s.rounds > 1 and index % 2 == 0
+        if resident_first:
+            paired.append(measure(work, timer, s.warmup, s.steps))
+        with BlockSwapper(work.model, config=config, device=device) as swapper:
+            ours.append(measure(work, timer, s.warmup, s.steps, after_warmup=swapper.reset_stats))
+            stats = swapper.stats()
+            names = swapper.swapped_names
+            ours[-1]["grad_rel_err"] = grad_error(work.gradients(), reference)
+        if s.rounds > 1 and not resident_first:
+            paired.append(measure(work, timer, s.warmup, s.steps))
+        h2d += stats.h2d_bytes
+        enqueue += stats.enqueue_seconds
+        acquisitions += stats.acquisitions
+    if paired:
+        row["resident_group"] = row["resident"]  # the group's first measurement, for reference
+        row["resident"] = combine(paired)
+    result = combine(ours)
+    result["grad_rel_err"] = max(r["grad_rel_err"] or 0.0 for r in ours)
     steps = result["steps"]
-    result.update(stats.as_dict())
-    result["h2d_bytes_per_step"] = stats.h2d_bytes / steps
-    result["on_demand_per_step"] = stats.on_demand / steps
-    result["enqueue_ms_per_block"] = (stats.enqueue_seconds / stats.acquisitions * 1e3
-                                      if stats.acquisitions else None)
+    result.update(stats.as_dict())  # sizes, and the last round's counters
+    result["h2d_bytes_per_step"] = h2d / steps
+    result["on_demand_per_step"] = stats.on_demand / ours[-1]["steps"]
+    result["enqueue_ms_per_block"] = enqueue / acquisitions * 1e3 if acquisitions else None
     row["vramkit"] = result
     row["swapped"] = stats.swapped_blocks
     row["block_bytes"] = stats.swapped_bytes / stats.swapped_blocks if stats.swapped_blocks else 0
@@ -441,12 +487,15 @@ def main() -> None:
                                       "(default large; quick base; cpu tiny)")
     parser.add_argument("--exchange-budget", dest="exchange_budget_s", type=float,
                         help="seconds of measured exchange steps per row (default 12; quick 3)")
+    parser.add_argument("--rounds", type=int,
+                        help="paired rounds per row: resident measured again before each "
+                             "vramkit round, both combined (default 1: resident once per group)")
     parser.add_argument("--time-limit", dest="time_limit_s", type=float,
                         help="skip remaining rows after this many seconds (default 480; quick 150)")
     add_common_args(parser)
     args = parser.parse_args()
     s = settings_from_args(args)
-    for name in ("blocks", "hidden", "heads", "rank", "steps", "slots"):
+    for name in ("blocks", "hidden", "heads", "rank", "steps", "slots", "rounds"):
         if getattr(s, name) < 1:
             parser.error(f"--{name} must be >= 1")
     if s.warmup < 1 or s.hidden % s.heads or not all(0 <= f <= 1 for f in s.fractions):

@@ -799,6 +799,53 @@ def test_adapters_added_after_attaching_are_trained() -> None:
     swapper.detach()
 
 
+def test_parameters_written_past_the_registration_hooks_are_seen() -> None:
+    # A write straight into _parameters (as ModuleList.insert does for _modules) fires no
+    # registration hook; the changed parameter count still makes the swapper list again.
+    ref = _net()
+    ref.requires_grad_(False)
+    model = copy.deepcopy(ref)
+    swapper = _swap(model)
+    assert not model(X).requires_grad  # parameter lists cached
+    torch.manual_seed(3)
+    a, b = torch.randn(4, D) * 0.1, torch.randn(2 * D, 4) * 0.1
+    for net in (model, ref):
+        block = net.blocks[0]
+        del block.__dict__["lora_a"], block.__dict__["lora_b"]
+        block._parameters["lora_a"] = nn.Parameter(a.clone())
+        block._parameters["lora_b"] = nn.Parameter(b.clone())
+    _step(model)
+    _step(ref)
+    assert torch.equal(model.blocks[0].lora_a.grad, ref.blocks[0].lora_a.grad)
+    swapper.detach()
+
+
+def test_double_backward_through_swapped_blocks_is_refused() -> None:
+    # A second-order graph built in a block's backward would read slot memory with no slot
+    # held for it: like a once_differentiable Function, the boundary refuses it.
+    model = _frozen_blocks(_net())
+    swapper = _swap(model)
+    x = X.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(model(x).square().mean(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.square().sum().backward()
+    swapper.detach()
+
+
+def test_structure_watch_is_released_when_a_swapper_is_collected() -> None:
+    import gc
+
+    from vramkit.offload import swap as swap_module
+
+    users = swap_module._STRUCTURE["users"]
+    model = _frozen_blocks(_net())
+    swapper = _swap(model)
+    assert swap_module._STRUCTURE["users"] == users + 1
+    del swapper, model  # never detached
+    gc.collect()
+    assert swap_module._STRUCTURE["users"] == users
+
+
 def test_structure_watch_hooks_are_removed_with_the_last_swapper() -> None:
     from torch.nn.modules import module as torch_module
 

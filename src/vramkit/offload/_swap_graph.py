@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 if TYPE_CHECKING:
     from vramkit.offload.swap import BlockSwapper, SwappedBlock
@@ -77,10 +78,25 @@ class _BlockBoundary(torch.autograd.Function):
     @classmethod
     def backward(cls, ctx: Any, *grads: torch.Tensor | None
                  ) -> tuple[torch.Tensor | None, ...]:
-        # An identity: differentiable as it is (no once_differentiable and its no_grad block,
-        # which cost ~6 us per call on this path).
+        if torch.is_grad_enabled():
+            # create_graph=True: a second-order graph built here would save slot weights with
+            # no slot held for them. Refuse its backward the way PyTorch does for
+            # once_differentiable Functions.
+            return cls._backward_once(ctx, *grads)
+        # Plain backward (the hot path): once_differentiable's no_grad block and checks cost
+        # ~6 us per call and change nothing here.
         cls._on_backward(ctx.call)
         return (None, *grads)
+
+    @classmethod
+    def _backward_once(cls, ctx: Any, *grads: torch.Tensor | None
+                       ) -> tuple[torch.Tensor | None, ...]:
+        @once_differentiable
+        def run(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+            cls._on_backward(ctx.call)
+            return (None, *grads)
+
+        return run(ctx, *grads)  # type: ignore[no-any-return]
 
 
 class BlockEntry(_BlockBoundary):

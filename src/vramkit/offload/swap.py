@@ -42,6 +42,7 @@ import contextlib
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -275,6 +276,8 @@ class SwappedBlock:
         self.bound: _Slot | None = None  # the slot whose views the entries point at
         self.params: list[nn.Parameter] = []  # every parameter of the module, for requires_grad
         self.params_epoch = -1  # _structure_epoch() when ``params`` was listed
+        self.submodules: list[nn.Module] = []  # the module's submodules when ``params`` was listed
+        self.shape_key = -1  # their child and parameter counts then (see _has_trainable)
 
     def __repr__(self) -> str:
         return f"SwappedBlock({self.name}, {format_size(self.nbytes)})"
@@ -349,7 +352,7 @@ class BlockSwapper:
         self._slot_pool: MemoryPool | None = None
         self._anchor: torch.Tensor | None = None
         self._resident_block_bytes = 0
-        self._watching = False
+        self._unwatch: weakref.finalize | None = None
         try:
             self._attach(found)
         except BaseException:
@@ -491,7 +494,8 @@ class BlockSwapper:
         self._order = list(self._blocks)
         self._position = {id(b): i for i, b in enumerate(self._order)}
         _watch_structure(True)
-        self._watching = True
+        # Released by detach(), or when the swapper is collected without one.
+        self._unwatch = weakref.finalize(self, _watch_structure, False)
         self._attached = True
         logger.info("BlockSwapper: %d of %d blocks swapped (%s pinned, %d slots of %s)",
                     len(self._blocks), len(self.schedule),
@@ -684,13 +688,20 @@ class BlockSwapper:
         pass (adapters may be added or weights unfrozen between steps) and cached within it:
         walking the module's parameters costs tens of microseconds per block, so the list is
         kept and listed again only after a module or parameter was registered anywhere
-        (PyTorch's global registration hooks count those, :func:`_structure_epoch`)."""
+        (PyTorch's global registration hooks count those, :func:`_structure_epoch`) or a child
+        or parameter count of the block's modules changed (writes that bypass those hooks,
+        such as ``ModuleList.insert``; replacing an entry of ``_modules`` in place is not
+        seen)."""
         cached = self._trainable_cache.get(id(block))
         if cached is None:
             epoch = _structure_epoch()
-            if block.params_epoch != epoch:  # a module or parameter was registered somewhere
+            # Registrations anywhere bump the epoch; writes that skip PyTorch's registration
+            # hooks (ModuleList.insert, del) still change a child or parameter count.
+            if block.params_epoch != epoch or block.shape_key != _shape_key(block.submodules):
+                block.submodules = list(block.module.modules())
                 block.params = list(block.module.parameters())
                 block.params_epoch = epoch
+                block.shape_key = _shape_key(block.submodules)
             cached = any(p.requires_grad for p in block.params)
             self._trainable_cache[id(block)] = cached
         return cached
@@ -1032,9 +1043,9 @@ class BlockSwapper:
         self._undo_attach()
 
     def _undo_attach(self) -> None:
-        if self._watching:
-            _watch_structure(False)
-            self._watching = False
+        if self._unwatch is not None:
+            self._unwatch()  # runs _watch_structure(False) once
+            self._unwatch = None
         if self.device.type == "cuda" and torch.cuda.is_initialized():
             torch.cuda.current_stream(self.device).synchronize()
             torch.cuda.synchronize(self.device)
@@ -1166,6 +1177,10 @@ _STRUCTURE_HANDLES: list[Any] = []
 
 def _structure_epoch() -> int:
     return _STRUCTURE["epoch"]
+
+
+def _shape_key(modules: list[nn.Module]) -> int:
+    return sum(len(m._modules) + len(m._parameters) for m in modules)
 
 
 def _bump_structure_epoch(*_: Any) -> None:

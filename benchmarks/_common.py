@@ -22,11 +22,30 @@ from vramkit.devices.nvml import query_nvml
 __all__ = [
     "add_common_args",
     "environment",
+    "fill_defaults",
     "format_markdown_row",
+    "parse_variants",
     "percentile",
     "summarize_ns",
     "write_result",
 ]
+
+
+def fill_defaults(args: argparse.Namespace, defaults: dict[str, Any]) -> None:
+    """Set each option the user left at ``None`` to its default for this run."""
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
+def parse_variants(parser: argparse.ArgumentParser, text: str, known: Any) -> list[str]:
+    """The comma-separated variant names of ``text``; a name not in ``known`` is a usage
+    error."""
+    variants = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(known))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(known)}")
+    return variants
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_args, write_result
+from _common import add_common_args, fill_defaults, parse_variants, write_result
 from _mlp import build_mlp
 from _timing import synchronize
 from vramkit.models.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
@@ -263,13 +263,8 @@ def main() -> None:
     if device.type == "cpu":
         defaults.update(layers=2, dim=256, tokens=128, steps=3, quality_steps=30, seeds=1)
         args.warmup = min(args.warmup, 1)
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    fill_defaults(args, defaults)
+    variants = parse_variants(parser, args.variants, VARIANTS)
 
     results = {variant: run_variant(variant, args, device) for variant in variants}
     compare(results)

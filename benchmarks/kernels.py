@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, write_result
+from vramkit.kernels.examples import TILED_MATMUL_SOURCE
 from vramkit.kernels.launch import LaunchConfig, calculate_optimal_launch_params
 from vramkit.kernels.manager import KernelManager, is_available
 
@@ -46,36 +47,6 @@ ELEMENTWISE = r"""
 extern "C" __global__ void scale_by_two(float* output, const float* input, int n) {
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx < n) { output[idx] = input[idx] * 2.0f; }
-}
-"""
-# Block (TN, TM) computes a TM x TN tile of C; A (TM x TK) and B (TK x TN) tiles are staged in
-# dynamic shared memory: the contract of calculate_optimal_launch_params.
-TILED_SGEMM = r"""
-extern "C" __global__ void tiled_sgemm(const float* __restrict__ A, const float* __restrict__ B,
-                                       float* __restrict__ C, int M, int N, int K, int TK) {
-    extern __shared__ float smem[];
-    const int TM = blockDim.y, TN = blockDim.x;
-    float* As = smem;
-    float* Bs = smem + TM * TK;
-    const int row = blockIdx.y * TM + threadIdx.y;
-    const int col = blockIdx.x * TN + threadIdx.x;
-    float acc = 0.0f;
-    for (int k0 = 0; k0 < K; k0 += TK) {
-        for (int kk = threadIdx.x; kk < TK; kk += TN) {
-            int c = k0 + kk;
-            As[threadIdx.y * TK + kk] = (row < M && c < K) ? A[(size_t)row * K + c] : 0.0f;
-        }
-        for (int kk = threadIdx.y; kk < TK; kk += TM) {
-            int r = k0 + kk;
-            Bs[kk * TN + threadIdx.x] = (r < K && col < N) ? B[(size_t)r * N + col] : 0.0f;
-        }
-        __syncthreads();
-        for (int kk = 0; kk < TK; ++kk) {
-            acc += As[threadIdx.y * TK + kk] * Bs[kk * TN + threadIdx.x];
-        }
-        __syncthreads();
-    }
-    if (row < M && col < N) { C[(size_t)row * N + col] = acc; }
 }
 """
 
@@ -156,7 +127,7 @@ def elementwise(manager: KernelManager, n: int, args: argparse.Namespace) -> dic
 def matmul(manager: KernelManager, m: int, n: int, k: int,
            args: argparse.Namespace) -> dict[str, Any]:
     device = manager.device
-    kernel = manager.ensure_kernel("tiled_sgemm", TILED_SGEMM, options=())
+    kernel = manager.ensure_kernel("tiled_matmul", TILED_MATMUL_SOURCE, options=())
     generator = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(m, k, device=device, generator=generator)
     b = torch.randn(k, n, device=device, generator=generator)

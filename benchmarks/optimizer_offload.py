@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_args, write_result
+from _common import add_common_args, fill_defaults, parse_variants, write_result
 from _mlp import build_mlp
 from _timing import synchronize
 from vramkit.offload.optimizer import CPUOffloadOptimizer
@@ -155,13 +155,8 @@ def main() -> None:
                 "tokens": 2048 if args.quick else 8192, "steps": 3 if args.quick else 10}
     if device.type == "cpu" and args.quick:
         defaults.update(dim=128, tokens=64, layers=4)
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    fill_defaults(args, defaults)
+    variants = parse_variants(parser, args.variants, VARIANTS)
 
     results = {variant: run_variant(variant, args, device) for variant in variants}
     baseline = results.get("gpu_adamw")

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_args, write_result
+from _common import add_common_args, fill_defaults, write_result
 from _swap_models import TransformerStack
 from _timing import synchronize
 from vramkit.offload.optimizer import CPUOffloadOptimizer
@@ -138,9 +138,7 @@ def main() -> None:
     defaults = {"blocks": 4 if small else 8, "hidden": 128 if device.type == "cpu" else 3072,
                 "heads": 4 if device.type == "cpu" else 24,
                 "tokens": 64 if device.type == "cpu" else 4096, "steps": 2 if small else 5}
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_defaults(args, defaults)
     n = args.blocks
     variants = [("resident_gpu_adamw", 0, True), ("resident_cpu_adamw", 0, False),
                 (f"swap_{n // 2}/{n}", n // 2, False), (f"swap_{n}/{n}", n, False)]

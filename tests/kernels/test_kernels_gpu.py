@@ -18,6 +18,7 @@ from tests._child import run_child
 from vramkit.devices.cuda_errors import CudaErrorKind, explain_cuda_error
 from vramkit.errors import ConfigError, DeviceMismatchError, KernelError
 from vramkit.kernels.batch import batch_matmul
+from vramkit.kernels.examples import RELU_SOURCE, TILED_MATMUL_SOURCE
 from vramkit.kernels.launch import LaunchConfig, calculate_optimal_launch_params, device_limits
 from vramkit.kernels.manager import KernelManager, _reset_managers, int64, is_available
 from vramkit.kernels.stats import memory_stats, performance_stats
@@ -30,14 +31,6 @@ DEVICE = torch.device("cuda", 0)
 SLEEP_CYCLES = 1_000_000_000
 ODD_SIZES = [1, 7, 1023, 1025, 65_537, 1_000_003]
 
-RELU = r"""
-extern "C" __global__ void relu_kernel(float* data, int n) {
-    int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx < n) {
-        data[idx] = data[idx] > 0.0f ? data[idx] : 0.0f;
-    }
-}
-"""
 CUSTOM_OP = r"""
 extern "C" __global__ void custom_op(float* output, const float* input, int n) {
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
@@ -73,36 +66,6 @@ extern "C" __global__ void reverse_segments(float* out, const float* in, int n, 
     }
 }
 """
-# The tiled-kernel contract of calculate_optimal_launch_params: block (tile_n, tile_m), A and B
-# tiles in dynamic shared memory, tile depth TK passed as an argument.
-TILED_MATMUL = r"""
-extern "C" __global__ void tiled_matmul(const float* A, const float* B, float* C,
-                                        int M, int N, int K, int TK) {
-    extern __shared__ float smem[];
-    const int TM = blockDim.y, TN = blockDim.x;
-    float* As = smem;
-    float* Bs = smem + TM * TK;
-    const int row = blockIdx.y * TM + threadIdx.y;
-    const int col = blockIdx.x * TN + threadIdx.x;
-    float acc = 0.0f;
-    for (int k0 = 0; k0 < K; k0 += TK) {
-        for (int kk = threadIdx.x; kk < TK; kk += TN) {
-            int c = k0 + kk;
-            As[threadIdx.y * TK + kk] = (row < M && c < K) ? A[(size_t)row * K + c] : 0.0f;
-        }
-        for (int kk = threadIdx.y; kk < TK; kk += TM) {
-            int r = k0 + kk;
-            Bs[kk * TN + threadIdx.x] = (r < K && col < N) ? B[(size_t)r * N + col] : 0.0f;
-        }
-        __syncthreads();
-        for (int kk = 0; kk < TK; ++kk) {
-            acc += As[threadIdx.y * TK + kk] * Bs[kk * TN + threadIdx.x];
-        }
-        __syncthreads();
-    }
-    if (row < M && col < N) { C[(size_t)row * N + col] = acc; }
-}
-"""
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +86,7 @@ def test_available_and_one_manager_per_device(manager: KernelManager) -> None:
 
 @pytest.mark.parametrize("n", ODD_SIZES)
 def test_relu_kernel_on_odd_sizes(manager: KernelManager, n: int) -> None:
-    manager.ensure_kernel("relu_kernel", RELU)
+    manager.ensure_kernel("relu_kernel", RELU_SOURCE)
     data = torch.randn(n, device=DEVICE)
     expected = torch.relu(data)
     manager.launch("relu_kernel", LaunchConfig.for_elements(n, DEVICE), data, n)
@@ -242,7 +205,7 @@ def test_dynamic_shared_memory_above_48_kib(manager: KernelManager) -> None:
 ])
 def test_tiled_matmul_with_calculated_launch(manager: KernelManager, m: int, n: int, k: int,
                                              tiles: dict[str, int]) -> None:
-    kernel = manager.ensure_kernel("tiled_matmul", TILED_MATMUL)
+    kernel = manager.ensure_kernel("tiled_matmul", TILED_MATMUL_SOURCE)
     a = torch.randn(m, k, device=DEVICE)
     b = torch.randn(k, n, device=DEVICE)
     c = torch.full((m, n), float("nan"), device=DEVICE)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tests.offload._helpers import FrozenBlocks
 from vramkit.errors import ConfigError, DeviceError, OffloadError
 from vramkit.offload._transfer import HostStreams, StreamOp
 from vramkit.offload.activations import (
@@ -565,34 +566,18 @@ def test_composes_with_checkpointing(reentrant: bool) -> None:
     assert plain.stats().offloaded_tensors < unwrapped.stats().offloaded_tensors
 
 
-class FrozenBlocks(nn.Module):
-    """Frozen blocks (swappable with trainable weights resident) between trainable layers."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(32, 64)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)) for _ in range(4))
-        self.out = nn.Linear(64, 8)
-        for p in self.blocks.parameters():
-            p.requires_grad_(False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = x + block(x)
-        return self.out(x)
+def _frozen_blocks() -> FrozenBlocks:
+    return FrozenBlocks(in_dim=32, width=64, hidden=64, blocks=4, out_dim=8)
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_composes_with_the_block_swapper(checkpointed: bool) -> None:
     swap = pytest.importorskip("vramkit.offload.swap")
     x = torch.randn(16, 32)
-    reference = train_step(FrozenBlocks(), x, contextlib.nullcontext())
+    reference = train_step(_frozen_blocks(), x, contextlib.nullcontext())
     alone = make_offloader()
-    assert_bit_identical(reference, train_step(FrozenBlocks(), x, alone))
-    model = FrozenBlocks()
+    assert_bit_identical(reference, train_step(_frozen_blocks(), x, alone))
+    model = _frozen_blocks()
     swapper = swap.BlockSwapper(model, config=swap.SwapConfig(
         max_gpu_blocks=2, checkpointing=checkpointed, min_param_bytes=0), device="cpu")
     try:

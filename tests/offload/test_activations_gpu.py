@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.offload._helpers import FrozenBlocks
 from vramkit.offload.activations import ActivationOffloadConfig, ActivationOffloader
 
 pytestmark = pytest.mark.gpu
@@ -212,25 +213,8 @@ def test_composes_with_checkpointing_on_cuda() -> None:
     assert offloader.stats().offloaded_tensors > 0
 
 
-class FrozenBlocks(nn.Module):
-    """Frozen (swappable) blocks between trainable layers."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(width, width)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-            for _ in range(6))
-        self.out = nn.Linear(width, width)
-        for p in self.blocks.parameters():
-            p.requires_grad_(False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = x + block(x)
-        return self.out(x)
+def _frozen_blocks() -> FrozenBlocks:
+    return FrozenBlocks(in_dim=1024, width=1024, hidden=4096, blocks=6, out_dim=1024)
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])
@@ -246,8 +230,8 @@ def test_composes_with_the_block_swapper_on_cuda(checkpointed: bool) -> None:
         loss.backward()
         return [p.grad.clone() for p in model.parameters() if p.requires_grad]
 
-    reference = grads(FrozenBlocks(1024).cuda(), contextlib.nullcontext())
-    model = FrozenBlocks(1024)
+    reference = grads(_frozen_blocks().cuda(), contextlib.nullcontext())
+    model = _frozen_blocks()
     swapper = swap.BlockSwapper(model, config=swap.SwapConfig(max_gpu_blocks=2,
                                                               checkpointing=checkpointed),
                                 device="cuda")

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.offload._helpers import train_offloaded
 from vramkit.errors import ConfigError, DeviceError, OffloadError, PoolExhaustedError
 from vramkit.memory.pool import MemoryPool, PoolConfig
 from vramkit.offload import cpu as cpu_module
@@ -138,24 +139,6 @@ def test_tied_weights_are_one_record_reachable_by_either_name() -> None:
 # -- training -------------------------------------------------------------------------------
 
 
-def _train_steps(model: nn.Module, opt: torch.optim.Optimizer, xs: list[torch.Tensor],
-                 mgr: CPUOffloadManager | None) -> list[torch.Tensor]:
-    losses = []
-    for x in xs:
-        if mgr is not None:
-            mgr.load_to_gpu(["0", "2"])
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        # Before clearing: the write-back must not rely on a gradient still being there.
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-        if mgr is not None:
-            mgr.release()
-            mgr.clear_inactive()
-    return losses
-
-
 @pytest.mark.parametrize("opt_name", ["sgd_foreach", "adam_single", "adamw_fused"])
 def test_optimizer_built_before_offloading_trains_identically(opt_name: str) -> None:
     def make_opt(m: nn.Module) -> torch.optim.Optimizer:
@@ -168,12 +151,12 @@ def test_optimizer_built_before_offloading_trains_identically(opt_name: str) -> 
     torch.manual_seed(1)
     xs = [torch.randn(5, 8) for _ in range(4)]
     reference = _mlp()
-    ref_losses = _train_steps(reference, make_opt(reference), xs, None)
+    ref_losses = train_offloaded(reference, make_opt(reference), xs, None, [])
     model = _mlp()
     opt = make_opt(model)  # before offloading: holds the same Parameter objects
     mgr = CPUOffloadManager("cpu")
     mgr.offload_weights(model)
-    losses = _train_steps(model, opt, xs, mgr)
+    losses = train_offloaded(model, opt, xs, mgr, ["0", "2"])
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
     assert mgr.stats().writebacks == 4 * 4  # every parameter stepped, every step
     for name, param in reference.named_parameters():

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.offload._helpers import train_offloaded
 from vramkit.offload._transfer import transfer_streams
 from vramkit.offload.cpu import CPUOffloadConfig, CPUOffloadManager
 
@@ -136,23 +137,6 @@ def test_forward_after_a_deferred_load_waits_in_the_pre_hook() -> None:
     assert torch.equal(out, expected)
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, xs: list[torch.Tensor],
-           mgr: CPUOffloadManager | None, names: list[str]) -> list[torch.Tensor]:
-    losses = []
-    for x in xs:
-        if mgr is not None:
-            mgr.load_to_gpu(names)
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-        if mgr is not None:
-            mgr.release()
-            mgr.clear_inactive()
-    return losses
-
-
 @pytest.mark.parametrize("kind", ["adamw_fused", "adamw_foreach", "sgd_single"])
 def test_training_with_offloaded_weights_matches_resident(kind: str) -> None:
     def make(m: nn.Module) -> torch.optim.Optimizer:
@@ -165,12 +149,12 @@ def test_training_with_offloaded_weights_matches_resident(kind: str) -> None:
     torch.manual_seed(3)
     xs = [torch.randn(16, 256, device="cuda") for _ in range(5)]
     reference = _stack(3, 256)
-    ref_losses = _train(reference, make(reference), xs, None, [])
+    ref_losses = train_offloaded(reference, make(reference), xs, None, [])
     model = _stack(3, 256)
     opt = make(model)  # built before offloading
     mgr = CPUOffloadManager("cuda")
     names = mgr.offload_weights(model, keep_on_gpu=["2.bias"])
-    losses = _train(model, opt, xs, mgr, names)
+    losses = train_offloaded(model, opt, xs, mgr, names)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
     assert mgr.stats().writebacks == len(names) * len(xs)
@@ -188,8 +172,8 @@ def test_clear_with_writeback_does_not_block_the_host() -> None:
     x = torch.randn(8, 1024, device="cuda")
     mgr = CPUOffloadManager("cuda")
     names = mgr.offload_weights(model)
-    _train(reference, ref_opt, [x, x], None, [])
-    _train(model, opt, [x], mgr, names)  # also loads the kernels
+    train_offloaded(reference, ref_opt, [x, x], None, [])
+    train_offloaded(model, opt, [x], mgr, names)  # also loads the kernels
     torch.cuda.synchronize()
     mgr.load_to_gpu(names)
     torch.cuda._sleep(SLEEP_CYCLES)  # the step below is queued behind this

@@ -9,6 +9,8 @@
   :class:`PerformanceStats` (kernel launches, GPU time, bytes moved host<->device).
 * :mod:`vramkit.kernels.layout`: access-pattern analysis and alignment for flat buffers.
 * :mod:`vramkit.kernels.batch`: :func:`batch_matmul`, one batched matmul per shape group.
+* :mod:`vramkit.kernels.examples`: example CUDA C sources (an element-wise ReLU and the tiled
+  matmul that :func:`calculate_optimal_launch_params` sizes).
 
 The public names are re-exported from :mod:`vramkit`; this package imports nothing at import
 time (no CUDA, no ``cuda.core``).

@@ -3,8 +3,9 @@
 FLAME's ``KernelManager::get(device)`` / ``launch_custom`` and ``CudaKernels::ensure_kernel``,
 made real::
 
-    from vramkit.kernels.manager import KernelManager
+    from vramkit.kernels.examples import RELU_SOURCE
     from vramkit.kernels.launch import LaunchConfig
+    from vramkit.kernels.manager import KernelManager
 
     manager = KernelManager.get("cuda:0")
     manager.ensure_kernel("relu_kernel", RELU_SOURCE)

@@ -758,6 +758,24 @@ def test_structured_outputs_kwargs_and_passthrough(checkpointing: bool) -> None:
     swapper.detach()
 
 
+def test_outputs_are_hooked_unless_an_input_passes_through() -> None:
+    # Backward reaches a block through pre-hooks on its output nodes (no wrapper Function, the
+    # cheaper path); a block that returns an input as-is gets BlockExit wrappers instead,
+    # since that input's node is not the block's and may run after the block's own nodes.
+    model = _frozen_blocks(_net())
+    swapper = _swap(model)
+    out = model.blocks[0](X.clone().requires_grad_())
+    assert "BlockExit" not in type(out.grad_fn).__name__
+    swapper.detach()
+    tuple_net = TupleNet().requires_grad_(False)
+    swapper = _swap(tuple_net, min_param_bytes=0)
+    x, ctx = (torch.randn(8, D).requires_grad_() for _ in range(2))
+    y, ctx_out, _ = tuple_net.blocks[0](x, ctx, t=torch.ones(8, 1))
+    assert type(ctx_out.grad_fn).__name__ == "BlockExitBackward"
+    assert type(y.grad_fn).__name__ == "BlockExitBackward"
+    swapper.detach()
+
+
 def test_lora_gradients_reach_blocks_whose_inputs_need_no_grad() -> None:
     ref = _lora_only(_net(lora=True))
     model = copy.deepcopy(ref)
@@ -820,15 +838,23 @@ def test_parameters_written_past_the_registration_hooks_are_seen() -> None:
     swapper.detach()
 
 
-def test_double_backward_through_swapped_blocks_is_refused() -> None:
+@pytest.mark.parametrize("setup", ["inputs", "lora", "checkpointed"])
+def test_double_backward_through_swapped_blocks_is_refused(setup: str) -> None:
     # A second-order graph built in a block's backward would read slot memory with no slot
-    # held for it: like a once_differentiable Function, the boundary refuses it.
-    model = _frozen_blocks(_net())
+    # held for it: the first backward with create_graph=True that reaches a swapped block says
+    # so (also when only the adapters inside the blocks are differentiated: no block input
+    # requires grad there).
+    model = _lora_only(_net(lora=True)) if setup == "lora" else _frozen_blocks(_net())
+    if setup == "checkpointed":
+        enable_gradient_checkpointing(model)
     swapper = _swap(model)
-    x = X.clone().requires_grad_(True)
-    (grad,) = torch.autograd.grad(model(x).square().mean(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):
-        grad.square().sum().backward()
+    x = X.clone().requires_grad_(setup != "lora")
+    wrt = [p for p in model.parameters() if p.requires_grad] if setup == "lora" else [x]
+    with pytest.raises(OffloadError, match="create_graph=True"):
+        torch.autograd.grad(model(x).square().mean(), wrt, create_graph=True)
+    # Nothing was acquired for the refused pass: ordinary training goes on.
+    _step(model)
+    assert all(not s.locked for s in swapper._slots)
     swapper.detach()
 
 

@@ -7,10 +7,15 @@ but every call pays for a nested engine run (a one-off cProfile on the H200 host
 weights the boundary is drawn with two identity Functions instead, and the block's own nodes are
 ordinary nodes of the outer graph:
 
-* :class:`BlockExit` wraps the block's outputs. Its backward runs before any node of the block
-  (every block node is an ancestor of the outputs), so it re-acquires the slot there -- before the
-  checkpoint's recomputation, which needs the weights, and before any saved
-  :class:`~vramkit.offload._swap_function.WeightRef` is unpacked.
+* A pre-hook on each node that produced one of the block's outputs
+  (:func:`hold_at_outputs`) runs before any node of the block (every block node is an ancestor
+  of the outputs), so it re-acquires the slot there -- before the checkpoint's recomputation,
+  which needs the weights, and before any saved
+  :class:`~vramkit.offload._swap_function.WeightRef` is unpacked. A hook costs less host time
+  than an identity Function (no view, no Python ``backward`` call through the Function
+  machinery), which matters where the model is host-bound. :class:`BlockExit`, an identity
+  Function on the outputs, does the same where a hook cannot: an output that is an input passed
+  through (its node is not the block's), a leaf, or functorch transforms.
 * :class:`BlockEntry` wraps the block's inputs. Its backward runs once every gradient the block
   sends to them is computed -- the block's backward is over -- so it releases the slot there.
   When no input requires grad (the first block of LoRA training) there is no entry node; the slot
@@ -28,10 +33,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from vramkit.errors import OffloadError
+
 if TYPE_CHECKING:
     from vramkit.offload.swap import BlockSwapper, SwappedBlock
 
-__all__ = ["BlockBackward", "BlockEntry", "BlockExit", "enter_block", "exit_block"]
+__all__ = ["BlockBackward", "BlockEntry", "BlockExit", "enter_block", "exit_block",
+           "hold_at_outputs"]
 
 
 class BlockBackward:
@@ -52,6 +60,19 @@ class BlockBackward:
         self.held = True
         # Whatever the graph's shape, the slot is released by the end of this backward.
         torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def on_outputs(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """Pre-hook of a node that produced a block output: backward reached the block."""
+        if torch.is_grad_enabled():
+            # The engine runs hooks in the graph task's grad mode: create_graph=True. A
+            # second-order graph built in the block's backward would save slot weights with no
+            # slot held for them when it runs.
+            raise OffloadError(
+                f"backward with create_graph=True reached swapped block {self.block.name}: "
+                "double backward through swapped blocks is not supported",
+                hint="Compute higher-order gradients without the swapper (swapper.detach()), "
+                     "or leave this block resident.")
+        self.start()
 
     def finish(self) -> None:
         """The block's backward is over: release the slot (prefetching the next blocks)."""
@@ -138,3 +159,32 @@ def enter_block(call: BlockBackward, tensors: list[torch.Tensor]) -> tuple[torch
 def exit_block(call: BlockBackward, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Wrap a swapped block's differentiable outputs in :class:`BlockExit`."""
     return _apply(BlockExit, _EXIT_APPLY, call, tensors)
+
+
+def hold_at_outputs(call: BlockBackward, outputs: list[torch.Tensor], entry: Any
+                    ) -> list[torch.Tensor]:
+    """Make backward hold ``call``'s slot before any node of the block runs.
+
+    Registers :meth:`BlockBackward.on_outputs` as a pre-hook on each distinct node that produced
+    one of ``outputs`` (tensors that require grad) and returns them unchanged; where one of them
+    was not produced by the block (a leaf, or an input passed through: its node is ``entry``, the
+    block's :class:`BlockEntry` node) or functorch transforms are active, wraps them all in
+    :class:`BlockExit` instead.
+    """
+    if _HOOKS and not torch._C._are_functorch_transforms_active():
+        nodes: list[Any] = []
+        for t in outputs:
+            node = t.grad_fn
+            if node is None or node is entry:
+                break
+            if not any(node is n for n in nodes):
+                nodes.append(node)
+        else:
+            hook = call.on_outputs
+            for node in nodes:
+                node.register_prehook(hook)
+            return outputs
+    return list(exit_block(call, outputs))
+
+
+_HOOKS = hasattr(torch.autograd.graph.Node, "register_prehook")

@@ -70,7 +70,17 @@ class Streams:
 
 
 class CudaStreams(Streams):
-    """Dedicated host->device and device->host streams on one CUDA device."""
+    """Dedicated host->device and device->host streams on one CUDA device.
+
+    The swapper calls :meth:`current`, :meth:`record`, :meth:`wait` and :meth:`copy` a few times
+    per block and step, and where a model is host-bound every microsecond of them shows in the
+    step time. So they skip ``torch.cuda``'s Python wrappers where PyTorch exposes the C entry
+    points (``torch._C._cuda_getCurrentRawStream``/``_cuda_setStream``, the event base class):
+    the current stream object is reused while its handle is unchanged, and a copy sets the
+    copy stream of this device only (no device switch: a host<->device copy runs on the
+    current stream of its CUDA end, whatever the current device). Each falls back to the public
+    API when PyTorch lacks the entry point.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -78,22 +88,54 @@ class CudaStreams(Streams):
         with torch.cuda.device(device):
             self.h2d = torch.cuda.Stream(device)
             self.d2h = torch.cuda.Stream(device)
+        c = torch._C
+        self._raw_stream = getattr(c, "_cuda_getCurrentRawStream", None)
+        self._get_stream = getattr(c, "_cuda_getCurrentStream", None)
+        self._set_stream = getattr(c, "_cuda_setStream", None)
+        base = getattr(c, "_CudaEventBase", None)
+        self._record = getattr(base, "record", None)
+        self._wait = getattr(base, "wait", None)
+        self._current_raw: int | None = None
+        self._current: Any = None
 
     def current(self) -> Any:
+        if self._raw_stream is not None:
+            raw = self._raw_stream(self._index)
+            if raw != self._current_raw:
+                self._current = torch.cuda.current_stream(self.device)
+                self._current_raw = raw
+            return self._current
         return torch.cuda.current_stream(self.device)
 
     def event(self) -> Any:
         return torch.cuda.Event()
 
     def record(self, event: Any, stream: Any) -> None:
-        event.record(stream)
+        if self._record is not None and type(event) is torch.cuda.Event:
+            self._record(event, stream)
+        else:
+            event.record(stream)
 
     def wait(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
+        if self._wait is not None and type(event) is torch.cuda.Event:
+            self._wait(event, stream)
+        else:
+            stream.wait_event(event)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, what: str = "") -> None:
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+        if self._set_stream is not None and self._get_stream is not None \
+                and stream.device_index == self._index:
+            previous = self._get_stream(self._index)  # (stream_id, device_index, device_type)
+            self._set_stream(stream_id=stream.stream_id, device_index=self._index,
+                             device_type=stream.device_type)
+            try:
+                dst.copy_(src, non_blocking=True)
+            finally:
+                self._set_stream(stream_id=previous[0], device_index=previous[1],
+                                 device_type=previous[2])
+        else:
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
         if dst.is_cuda != src.is_cuda:  # counted in vramkit.kernels.performance_stats()
             record_transfer("h2d" if dst.is_cuda else "d2h", dst.numel() * dst.element_size(),
                             self._index)

@@ -71,7 +71,7 @@ from vramkit.offload._blocks import (
     spread_evenly,
 )
 from vramkit.offload._swap_function import BlockCall, SwapBlockFunction, WeightRef
-from vramkit.offload._swap_graph import BlockBackward, enter_block, exit_block
+from vramkit.offload._swap_graph import BlockBackward, enter_block, hold_at_outputs
 from vramkit.offload._transfer import Streams, resolve_offload_device, transfer_streams
 from vramkit.units import format_size, parse_size
 
@@ -608,14 +608,26 @@ class BlockSwapper:
             finally:
                 self._release(block, backward=False, stream=stream)
         trainable = self._has_trainable(block)
-        # Most blocks take plain tensors positionally: skip the tree walk for them (this path
-        # runs once per block and step, where the swapper is host-bound).
-        if not kwargs and all(type(a) in _PLAIN_LEAVES for a in args):
-            leaves, spec = list(args), None
-        else:
+        # Most blocks take plain tensors positionally: one pass over them, no tree walk (this
+        # path runs once per block and step, where the swapper is host-bound).
+        spec = None
+        positions: list[int] | None = [] if not kwargs else None
+        if positions is not None:
+            for i, a in enumerate(args):
+                kind = type(a)
+                if kind is torch.Tensor or kind is nn.Parameter:
+                    if a.requires_grad:
+                        positions.append(i)
+                elif kind not in _PLAIN_LEAVES:
+                    positions = None
+                    break
+        if positions is None:
             leaves, spec = _tree.flatten((args, kwargs))
-        if not trainable and not any(isinstance(t, torch.Tensor) and t.requires_grad
-                                     for t in leaves):
+            positions = [i for i, x in enumerate(leaves)
+                         if isinstance(x, torch.Tensor) and x.requires_grad]
+        else:
+            leaves = list(args)
+        if not trainable and not positions:
             self._training_pass = False
             stream = self._acquire(block, backward=False)
             try:
@@ -627,7 +639,7 @@ class BlockSwapper:
                 self._release(block, backward=False, stream=stream)
         self._training_pass = True
         if not block.trainable_entries:
-            return self._call_in_graph(block, fn, leaves, spec)
+            return self._call_in_graph(block, fn, leaves, spec, positions)
         if spec is None:
             spec = _tree.flatten((args, kwargs))[1]
         call = BlockCall(self, block, fn, leaves, spec, block.checkpointed)
@@ -637,17 +649,18 @@ class BlockSwapper:
         return call.rebuild_outputs(list(outs))
 
     def _call_in_graph(self, block: SwappedBlock, fn: Callable[..., Any], leaves: list[Any],
-                       spec: Any) -> Any:
-        """A training call whose nodes join the outer graph (see ``_swap_graph``): identity
-        Functions on the inputs and outputs hold the slot across the block's backward.
-        ``spec`` is ``None`` when ``leaves`` are the positional arguments themselves."""
+                       spec: Any, positions: list[int]) -> Any:
+        """A training call whose nodes join the outer graph (see ``_swap_graph``): pre-hooks on
+        the output nodes and an identity Function on the inputs hold the slot across the block's
+        backward. ``spec`` is ``None`` when ``leaves`` are the positional arguments themselves;
+        ``positions`` index the leaves that require grad."""
         call = BlockBackward(self, block)
-        positions = [i for i, x in enumerate(leaves)
-                     if isinstance(x, torch.Tensor) and x.requires_grad]
+        entry = None
         if positions:
             entered = enter_block(call, [leaves[i] for i in positions])
             for i, t in zip(positions, entered, strict=True):
                 leaves[i] = t
+            entry = entered[0].grad_fn
         if spec is None:
             args: Any = leaves
             kwargs: dict[str, Any] = {}
@@ -656,8 +669,8 @@ class BlockSwapper:
         stream = self._acquire(block, backward=False)
         try:
             if block.checkpointed:
-                # Non-reentrant: keeps the inputs, recomputes in backward after BlockExit
-                # re-acquired the slot, and stops once the saved tensors are rebuilt. Every
+                # Non-reentrant: keeps the inputs, recomputes in backward after the output
+                # hooks re-acquired the slot, and stops once the saved tensors are rebuilt. Every
                 # tensor saved inside goes through the checkpoint's own (innermost) hooks, so
                 # no slot weight can be saved: the swapper's hooks are not needed here.
                 out = torch_checkpoint(fn, *args, use_reentrant=False,
@@ -669,7 +682,7 @@ class BlockSwapper:
         finally:
             self._release(block, backward=False, stream=stream)
         if type(out) is torch.Tensor:
-            return exit_block(call, [out])[0] if out.requires_grad else out
+            return hold_at_outputs(call, [out], entry)[0] if out.requires_grad else out
         if type(out) is tuple and all(type(o) in _PLAIN_LEAVES for o in out):
             out_leaves, out_spec = list(out), None
         else:
@@ -678,7 +691,9 @@ class BlockSwapper:
                    if isinstance(x, torch.Tensor) and x.requires_grad]
         if not outputs:
             return out
-        exited = exit_block(call, [out_leaves[i] for i in outputs])
+        exited = hold_at_outputs(call, [out_leaves[i] for i in outputs], entry)
+        if exited[0] is out_leaves[outputs[0]]:
+            return out  # hooked: the outputs are unchanged
         for i, t in zip(outputs, exited, strict=True):
             out_leaves[i] = t
         return tuple(out_leaves) if out_spec is None else _tree.unflatten(out_leaves, out_spec)

@@ -111,3 +111,27 @@ def test_cuda_streams_copy_asynchronously_and_order_by_events() -> None:
     assert torch.equal(back, host * 2)
     with streams.on(streams.h2d):
         assert torch.cuda.current_stream() == streams.h2d
+
+
+@pytest.mark.gpu
+def test_cuda_streams_fast_paths_keep_the_callers_stream() -> None:
+    # copy() sets the copy stream directly (not through torch.cuda.stream) and current() reuses
+    # the stream object while the raw handle is unchanged: both must follow the caller's
+    # stream, restore it (also when the copy fails) and leave other devices' streams alone.
+    streams = transfer_streams("cuda")
+    side = torch.cuda.Stream(streams.device)
+    host = torch.arange(4096, dtype=torch.float32).pin_memory()
+    dev = torch.empty_like(host, device=streams.device)
+    before = streams.current()
+    with torch.cuda.stream(side):
+        assert streams.current() == side  # a new current stream is seen at once
+        streams.copy(dev, host, streams.h2d, "test")
+        assert torch.cuda.current_stream(streams.device) == side
+        with pytest.raises(RuntimeError):
+            streams.copy(dev[:10], host, streams.h2d, "shape mismatch")
+        assert torch.cuda.current_stream(streams.device) == side
+    assert streams.current() == before
+    loaded = streams.event()
+    streams.record(loaded, streams.h2d)
+    streams.wait(streams.current(), loaded)
+    assert torch.equal((dev + 0).cpu(), host)

@@ -117,7 +117,7 @@ def test_cuda_streams_copy_asynchronously_and_order_by_events() -> None:
 def test_cuda_streams_fast_paths_keep_the_callers_stream() -> None:
     # copy() sets the copy stream directly (not through torch.cuda.stream) and current() reuses
     # the stream object while the raw handle is unchanged: both must follow the caller's
-    # stream, restore it (also when the copy fails) and leave other devices' streams alone.
+    # stream and restore it, also when the copy fails.
     streams = transfer_streams("cuda")
     side = torch.cuda.Stream(streams.device)
     host = torch.arange(4096, dtype=torch.float32).pin_memory()

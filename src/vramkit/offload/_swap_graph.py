@@ -9,7 +9,7 @@ identity Function on the inputs instead, and the block's own nodes are ordinary 
 outer graph:
 
 * A pre-hook on each node that produced one of the block's outputs
-  (:func:`hold_at_outputs`) runs before any node of the block (every block node is an ancestor
+  (:func:`hook_outputs`) runs before any node of the block (every block node is an ancestor
   of the outputs), so it re-acquires the slot there -- before the checkpoint's recomputation,
   which needs the weights, and before any saved
   :class:`~vramkit.offload._swap_function.WeightRef` is unpacked. A hook costs less host time
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from vramkit.offload.swap import BlockSwapper, SwappedBlock
 
 __all__ = ["BlockBackward", "BlockEntry", "BlockExit", "enter_block", "exit_block",
-           "hold_at_outputs"]
+           "hook_outputs"]
 
 
 class BlockBackward:
@@ -162,30 +162,25 @@ def exit_block(call: BlockBackward, tensors: list[torch.Tensor]) -> tuple[torch.
     return _apply(BlockExit, _EXIT_APPLY, call, tensors)
 
 
-def hold_at_outputs(call: BlockBackward, outputs: list[torch.Tensor], entry: Any
-                    ) -> list[torch.Tensor]:
-    """Make backward hold ``call``'s slot before any node of the block runs.
+def hook_outputs(call: BlockBackward, outputs: list[torch.Tensor], entry: Any) -> bool:
+    """Make backward hold ``call``'s slot before any node of the block runs, if a hook can.
 
     Registers :meth:`BlockBackward.on_outputs` as a pre-hook on each distinct node that produced
-    one of ``outputs`` (tensors that require grad) and returns them unchanged; where one of them
-    was not produced by the block (a leaf, or an input passed through: its node is ``entry``, the
-    block's :class:`BlockEntry` node) or functorch transforms are active, wraps them all in
-    :class:`BlockExit` instead.
+    one of ``outputs`` (tensors that require grad) and returns ``True``. Returns ``False`` and
+    registers nothing when one of them was not produced by the block (a leaf, or an input passed
+    through: its node is ``entry``, the block's :class:`BlockEntry` node) or functorch
+    transforms are active: the caller wraps the outputs in :class:`BlockExit` then.
     """
-    if _HOOKS and not torch._C._are_functorch_transforms_active():
-        nodes: list[Any] = []
-        for t in outputs:
-            node = t.grad_fn
-            if node is None or node is entry:
-                break
-            if not any(node is n for n in nodes):
-                nodes.append(node)
-        else:
-            hook = call.on_outputs
-            for node in nodes:
-                node.register_prehook(hook)
-            return outputs
-    return list(exit_block(call, outputs))
-
-
-_HOOKS = hasattr(torch.autograd.graph.Node, "register_prehook")
+    if torch._C._are_functorch_transforms_active():
+        return False
+    nodes: list[Any] = []
+    for t in outputs:
+        node = t.grad_fn
+        if node is None or node is entry:
+            return False
+        if not any(node is n for n in nodes):
+            nodes.append(node)
+    hook = call.on_outputs
+    for node in nodes:
+        node.register_prehook(hook)
+    return True

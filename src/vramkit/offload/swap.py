@@ -71,7 +71,7 @@ from vramkit.offload._blocks import (
     spread_evenly,
 )
 from vramkit.offload._swap_function import BlockCall, SwapBlockFunction, WeightRef
-from vramkit.offload._swap_graph import BlockBackward, enter_block, hold_at_outputs
+from vramkit.offload._swap_graph import BlockBackward, enter_block, exit_block, hook_outputs
 from vramkit.offload._transfer import Streams, resolve_offload_device, transfer_streams
 from vramkit.units import format_size, parse_size
 
@@ -682,7 +682,9 @@ class BlockSwapper:
         finally:
             self._release(block, backward=False, stream=stream)
         if type(out) is torch.Tensor:
-            return hold_at_outputs(call, [out], entry)[0] if out.requires_grad else out
+            if not out.requires_grad or hook_outputs(call, [out], entry):
+                return out
+            return exit_block(call, [out])[0]
         if type(out) is tuple and all(type(o) in _PLAIN_LEAVES for o in out):
             out_leaves, out_spec = list(out), None
         else:
@@ -691,9 +693,10 @@ class BlockSwapper:
                    if isinstance(x, torch.Tensor) and x.requires_grad]
         if not outputs:
             return out
-        exited = hold_at_outputs(call, [out_leaves[i] for i in outputs], entry)
-        if exited[0] is out_leaves[outputs[0]]:
-            return out  # hooked: the outputs are unchanged
+        differentiable = [out_leaves[i] for i in outputs]
+        if hook_outputs(call, differentiable, entry):
+            return out
+        exited = exit_block(call, differentiable)
         for i, t in zip(outputs, exited, strict=True):
             out_leaves[i] = t
         return tuple(out_leaves) if out_spec is None else _tree.unflatten(out_leaves, out_spec)

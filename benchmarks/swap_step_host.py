@@ -1,0 +1,327 @@
+"""Where the swapper's overhead goes in a host-bound training step (CUDA only).
+
+The model is the demo's DiT ("large" preset by default) at about 2048 tokens, frozen, with a
+trainable input and checkpointing on: the configuration whose swap overhead docs/benchmarks.md
+discusses. Each part prints one table (``--parts``, default all):
+
+* ``phases``: host time of the forward and of the backward (``time.perf_counter``, with a
+  ``torch.cuda.synchronize`` before each step) and the tail the GPU still runs after the host
+  returned, resident against ``--swapped`` of the blocks swapped. Garbage collection is off and
+  the two alternate over ``--rounds``.
+* ``calls``: the swapper's own functions timed inside the swapped step, per step: acquire/release
+  (``SwapStats.enqueue_seconds``), the copy enqueue, the backward boundary (``BlockEntry``
+  backward; the output hooks or ``BlockExit`` backward, whichever the code has), the forward
+  ``BlockEntry``/``BlockExit`` applies, and the forward wrapper minus the checkpointed block
+  itself. The pieces overlap (acquire/release runs inside the boundary rows and the wrapper),
+  and the timing wrappers add their own cost; compare code versions with the same script.
+* ``gc``: resident against swapped step time with the collector on, off, and frozen
+  (``gc.freeze()``) after warm-up.
+* ``micro``: the same operations in isolation: one copy enqueue through ``torch.cuda.stream`` and
+  through ``CudaStreams.copy``, one acquire + release of a swapped block outside any step, and 300
+  kernel launches with the copy engine idle and while pinned copies stream.
+
+Run it with another tree's ``src`` on ``PYTHONPATH`` to compare code versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_common_args, format_markdown_row, parse_variants, write_result
+from _swap_models import tokens_to_image_size
+from _timing import log
+from vramkit.checkpointing import enable_gradient_checkpointing
+from vramkit.offload import _swap_graph, _transfer
+from vramkit.offload import swap as swap_module
+from vramkit.offload.swap import BlockSwapper, SwapConfig
+
+PARTS = ("phases", "calls", "gc", "micro")
+
+
+class Step:
+    """One training step of the DiT: forward, then backward into the trainable input."""
+
+    def __init__(self, preset: str, tokens: int, device: torch.device) -> None:
+        from vramkit.models.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
+
+        base = DiTConfig.preset(preset)
+        config = DiTConfig.preset(preset, image_size=tokens_to_image_size(
+            tokens, base.text_tokens, base.patch_size))
+        self.tokens = config.num_tokens
+        self.model = DiT(config, seed=0, device=device).requires_grad_(False)
+        enable_gradient_checkpointing(self.model)
+        self.blocks = config.num_double_blocks + config.num_single_blocks
+        self.batch = synthetic_batch(config, 1, generator=torch.Generator().manual_seed(0),
+                                     device=device)
+        self.batch["latents"].requires_grad_(True)
+        self.device = device
+        self._loss = flow_matching_loss
+
+    def forward(self) -> torch.Tensor:
+        self.batch["latents"].grad = None
+        return self._loss(self.model, self.batch)
+
+    def run(self) -> None:
+        self.forward().backward()
+
+    @contextmanager
+    def swapped(self, count: int) -> Iterator[BlockSwapper]:
+        config = SwapConfig(max_gpu_blocks=self.blocks - count)
+        with BlockSwapper(self.model, config=config, device=self.device) as swapper:
+            yield swapper
+
+
+def timed_steps(step: Step, n: int, warmup: int = 2) -> list[float]:
+    """Wall milliseconds of ``n`` steps, each synchronized, after ``warmup`` steps."""
+    out = []
+    for i in range(warmup + n):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step.run()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            out.append((time.perf_counter() - start) * 1e3)
+    return out
+
+
+@contextmanager
+def gc_mode(mode: str) -> Iterator[None]:
+    gc.collect()
+    if mode == "off":
+        gc.disable()
+    elif mode == "frozen":
+        gc.freeze()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def part_phases(step: Step, args: argparse.Namespace) -> list[dict[str, Any]]:
+    samples: dict[str, list[tuple[float, float, float]]] = {"resident": [], "swapped": []}
+
+    def measure(into: list[tuple[float, float, float]]) -> None:
+        for i in range(args.steps + 2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = step.forward()
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            torch.cuda.synchronize()
+            t3 = time.perf_counter()
+            if i >= 2:
+                into.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
+
+    with gc_mode("off"):
+        for r in range(args.rounds):
+            for arm in ("resident", "swapped") if r % 2 == 0 else ("swapped", "resident"):
+                if arm == "resident":
+                    measure(samples[arm])
+                else:
+                    with step.swapped(args.swapped):
+                        measure(samples[arm])
+    rows = []
+    for arm, values in samples.items():
+        fwd, bwd, tail = (statistics.median(v[i] for v in values) for i in range(3))
+        rows.append({"model": arm, "forward host ms": fwd, "backward host ms": bwd,
+                     "GPU tail ms": tail, "step ms": fwd + bwd + tail})
+    base = rows[0]
+    for row in rows:
+        row["forward +ms"] = row["forward host ms"] - base["forward host ms"]
+        row["backward +ms"] = row["backward host ms"] - base["backward host ms"]
+    return rows
+
+
+def _timed(name: str, fn: Callable[..., Any], totals: dict[str, float]) -> Callable[..., Any]:
+    def wrapper(*a: Any, **k: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
+    return wrapper
+
+
+@contextmanager
+def instrumented(totals: dict[str, float]) -> Iterator[None]:
+    """Time the swapper's pieces (whichever this code version has) into ``totals``."""
+    patches: list[tuple[Any, str, Any]] = [
+        (swap_module, "torch_checkpoint", "checkpointed block"),
+        (swap_module.BlockSwapper, "_call_block", "forward wrapper"),
+        (_transfer.CudaStreams, "copy", "copy enqueue"),
+        (swap_module, "enter_block", "BlockEntry apply"),
+        (swap_module, "exit_block", "BlockExit apply"),
+        (_swap_graph.BlockBackward, "on_outputs", "output hooks"),
+    ]
+    saved = []
+    for owner, attr, label in patches:
+        original = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(
+            owner, attr, None)
+        if original is None:
+            continue
+        saved.append((owner, attr, original))
+        setattr(owner, attr, _timed(label, original, totals))
+    for cls, label in ((_swap_graph.BlockEntry, "BlockEntry backward"),
+                       (_swap_graph.BlockExit, "BlockExit backward")):
+        original = cls.__dict__["_on_backward"]
+        saved.append((cls, "_on_backward", original))
+        cls._on_backward = staticmethod(_timed(label, original.__func__, totals))
+    try:
+        yield
+    finally:
+        for owner, attr, original in reversed(saved):
+            setattr(owner, attr, original)
+
+
+def part_calls(step: Step, args: argparse.Namespace) -> list[dict[str, Any]]:
+    totals: dict[str, float] = {}
+    enqueue = 0.0
+    with gc_mode("off"), instrumented(totals):
+        with step.swapped(args.swapped) as swapper:
+            timed_steps(step, 2, warmup=0)
+            totals.clear()
+            swapper.reset_stats()
+            steps = timed_steps(step, args.steps * args.rounds, warmup=0)
+            enqueue = swapper.stats().enqueue_seconds
+    n = args.steps * args.rounds
+    per_step = {k: v / n * 1e3 for k, v in totals.items()}
+    wrapper = per_step.pop("forward wrapper", 0.0)
+    block = per_step.pop("checkpointed block", 0.0)
+    rows = [{"piece": "acquire/release (enqueue_seconds)", "ms per step": enqueue / n * 1e3}]
+    rows += [{"piece": k, "ms per step": v} for k, v in sorted(per_step.items())]
+    rows.append({"piece": "forward wrapper minus checkpointed block", "ms per step":
+                 wrapper - block})
+    rows.append({"piece": "instrumented step (median)", "ms per step": statistics.median(steps)})
+    return rows
+
+
+def part_gc(step: Step, args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for mode in ("on", "off", "frozen"):
+        times: dict[str, list[float]] = {"resident": [], "swapped": []}
+        with gc_mode(mode):
+            for r in range(args.rounds):
+                for arm in ("resident", "swapped") if r % 2 == 0 else ("swapped", "resident"):
+                    if arm == "resident":
+                        times[arm] += timed_steps(step, args.steps)
+                    else:
+                        with step.swapped(args.swapped):
+                            times[arm] += timed_steps(step, args.steps)
+        res, swp = (statistics.median(times[a]) for a in ("resident", "swapped"))
+        rows.append({"gc": mode, "resident ms": res, "swapped ms": swp, "ratio": swp / res})
+    return rows
+
+
+def _best_us(fn: Callable[[], Any], n: int, rounds: int = 5) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - start) / n * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def part_micro(step: Step, args: argparse.Namespace) -> list[dict[str, Any]]:
+    device = step.device
+    streams = _transfer.transfer_streams(device)
+    nbytes = 25 << 20
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    slot = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def through_context() -> None:
+        with torch.cuda.stream(streams.h2d):
+            slot.copy_(host, non_blocking=True)
+
+    rows = [{"operation": "copy enqueue (25 MB) through torch.cuda.stream",
+             "us": _best_us(through_context, 20)},
+            {"operation": "copy enqueue (25 MB) through CudaStreams.copy",
+             "us": _best_us(lambda: streams.copy(slot, host, streams.h2d), 20)}]
+    with step.swapped(step.blocks) as swapper:
+        blocks = swapper.blocks
+
+        def sweep() -> None:
+            for b in blocks:
+                swapper._release(b, backward=False, stream=swapper._acquire(b, backward=False))
+
+        step.run()  # the swapper learns the block order
+        rows.append({"operation": "acquire + release of one block, outside a step",
+                     "us": _best_us(sweep, 20) / len(blocks)})
+    x = torch.zeros(16, device=device)
+
+    def launches(stream_copies: bool) -> float:
+        samples = []
+        for _ in range(7):
+            if stream_copies:
+                with torch.cuda.stream(streams.h2d):
+                    for _ in range(40):
+                        slot.copy_(host, non_blocking=True)
+            start = time.perf_counter()
+            for _ in range(300):
+                x.add_(1)
+            samples.append((time.perf_counter() - start) * 1e6)
+            torch.cuda.synchronize()
+        return statistics.median(samples)
+
+    for _ in range(2):  # the pair twice: the second shows the spread
+        rows.append({"operation": "300 launches, copy engine idle", "us": launches(False)})
+        rows.append({"operation": "300 launches, pinned copies streaming", "us": launches(True)})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"any of {', '.join(PARTS)}")
+    parser.add_argument("--dit", default="large", help="DiT preset (default large)")
+    parser.add_argument("--tokens", type=int, default=2048, help="image+text tokens (default "
+                        "2048; the DiT rounds to its patch grid)")
+    parser.add_argument("--swapped", type=int, help="swapped blocks (default: all)")
+    parser.add_argument("--steps", type=int, default=8, help="measured steps per round")
+    parser.add_argument("--rounds", type=int, default=4, help="alternating rounds")
+    add_common_args(parser)
+    args = parser.parse_args()
+    parts = parse_variants(parser, args.parts, PARTS)
+    if args.steps < 1 or args.rounds < 1:
+        parser.error("--steps and --rounds must be >= 1")
+    if not torch.cuda.is_available():
+        parser.error("this benchmark measures CUDA streams and needs a GPU")
+    step = Step(args.dit, args.tokens, torch.device("cuda"))
+    if args.swapped is None:
+        args.swapped = step.blocks
+    if not 1 <= args.swapped <= step.blocks:
+        parser.error(f"--swapped must be in 1..{step.blocks}")
+    log(f"dit-{args.dit}, {step.tokens} tokens, {args.swapped}/{step.blocks} swapped")
+    run = {"phases": part_phases, "calls": part_calls, "gc": part_gc, "micro": part_micro}
+    results: dict[str, list[dict[str, Any]]] = {}
+    for part in parts:
+        log(f"part {part}")
+        results[part] = run[part](step, args)
+    for part, rows in results.items():  # one table per part (write_result prints the last)
+        print(f"\n{part}:")
+        for i, row in enumerate(rows):
+            print(format_markdown_row(row, header=i == 0))
+    last = parts[-1]
+    write_result("swap_step_host", {"settings": vars(args) | {"out": str(args.out)},
+                                    "tokens": step.tokens, "results": results},
+                 results[last], args.out)
+
+
+if __name__ == "__main__":
+    main()

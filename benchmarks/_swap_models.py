@@ -12,6 +12,12 @@
   backward; without it the block keeps its graph and the saved references to its weights are
   resolved, in backward, to wherever the weights are then (so the baseline does not recompute
   more than the model it is compared with).
+* :class:`CopyTraffic`: the swapper's host->device copies without the swapper. Hooks on the
+  resident model enqueue the same copies (one per swapped block and phase, ``S - R`` per phase,
+  issued where the swapper prefetches them) from one pinned buffer into one GPU buffer on the
+  shared copy stream. A step with it measures what the copies alone cost: on a launch-bound
+  step a host->device DMA slows the host's kernel launches (docs/benchmarks.md), which no
+  swapper code can avoid.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["Exchanger", "LoRALinear", "StackBlock", "TransformerStack"]
+__all__ = ["CopyTraffic", "Exchanger", "LoRALinear", "StackBlock", "TransformerStack"]
 
 
 class LoRALinear(nn.Module):
@@ -280,6 +286,65 @@ class Exchanger:
             self._move(module, self.device)
         self._saved_forward = []
         self.current = None
+
+
+class CopyTraffic:
+    """Enqueue the copies a swapped step makes, on the resident model (the copy floor).
+
+    The swapped blocks are ``swapped`` (names from ``blocks``, in execution order, as the
+    swapper's schedule chose them) with ``slots`` GPU slots. The swapper loads swapped block
+    ``i + R`` when block ``i`` is done in forward and block ``i - R`` when block ``i`` is done
+    in backward (the last R stay across the turn, the first R are in place for the next step):
+    a forward hook and a hook on the block's first output gradient enqueue one copy of that
+    block's swapped bytes (tensors of at least ``min_bytes``) there. Copies of one phase queue
+    on the device's shared host->device stream into one scratch buffer, as slot loads do. With
+    ``enqueue=False`` the hooks run and copy nothing (their own cost).
+    """
+
+    def __init__(self, blocks: Sequence[tuple[str, nn.Module]], swapped: Sequence[str],
+                 slots: int, device: torch.device, min_bytes: int, enqueue: bool = True) -> None:
+        from vramkit.offload._transfer import transfer_streams
+
+        chosen = set(swapped)
+        modules = [m for name, m in blocks if name in chosen]
+        sizes = [sum(t.numel() * t.element_size() for t in _frozen_tensors(m)
+                     if t.numel() * t.element_size() >= min_bytes) for m in modules]
+        self.streams = transfer_streams(device)
+        largest = max(sizes, default=0)
+        self.host = torch.empty(largest, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.scratch = torch.empty(largest, dtype=torch.uint8, device=device)
+        self.copies = 0
+        self.enqueue = enqueue
+        self._handles = []
+        n = len(modules)
+        for i, module in enumerate(modules):
+            forward = sizes[i + slots] if i + slots < n else 0
+            backward = sizes[i - slots] if i - slots >= 0 else 0
+            self._handles.append(module.register_forward_hook(self._hook(forward, backward)))
+
+    def _copy(self, nbytes: int) -> None:
+        if not self.enqueue:
+            return
+        self.streams.copy(self.scratch[:nbytes], self.host[:nbytes], self.streams.h2d)
+        self.copies += 1
+
+    def _hook(self, forward: int, backward: int) -> Callable[..., None]:
+        def on_grad(grad: torch.Tensor) -> None:
+            self._copy(backward)
+
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            if forward:
+                self._copy(forward)
+            first = next((t for t in pytree.tree_leaves(out)
+                          if isinstance(t, torch.Tensor) and t.requires_grad), None)
+            if backward and first is not None and torch.is_grad_enabled():
+                first.register_hook(on_grad)
+        return hook
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 def tokens_to_image_size(tokens: int, text_tokens: int, patch: int) -> int:

@@ -16,6 +16,10 @@ discusses. Each part prints one table (``--parts``, default all):
   and the timing wrappers add their own cost; compare code versions with the same script.
 * ``gc``: resident against swapped step time with the collector on, off, and frozen
   (``gc.freeze()``) after warm-up.
+* ``dma``: the resident model with the swapped step's host->device copies enqueued by hooks and
+  no swapper (``_swap_models.CopyTraffic``), against the same hooks enqueuing nothing and the
+  plain resident and swapped steps: how much of the overhead is the copies' own interference
+  with the host's kernel launches, which no swapper code can remove.
 * ``micro``: the same operations in isolation: one copy enqueue through ``torch.cuda.stream`` and
   through ``CudaStreams.copy``, one acquire + release of a swapped block outside any step, and 300
   kernel launches with the copy engine idle and while pinned copies stream.
@@ -39,14 +43,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, format_markdown_row, parse_variants, write_result
-from _swap_models import tokens_to_image_size
+from _swap_models import CopyTraffic, tokens_to_image_size
 from _timing import log
 from vramkit.checkpointing import enable_gradient_checkpointing
 from vramkit.offload import _swap_graph, _transfer
 from vramkit.offload import swap as swap_module
+from vramkit.offload._blocks import find_blocks
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 
-PARTS = ("phases", "calls", "gc", "micro")
+PARTS = ("phases", "calls", "gc", "micro", "dma")
 
 
 class Step:
@@ -80,6 +85,16 @@ class Step:
         config = SwapConfig(max_gpu_blocks=self.blocks - count)
         with BlockSwapper(self.model, config=config, device=self.device) as swapper:
             yield swapper
+
+
+    def copy_traffic(self, count: int, copies: bool = True) -> CopyTraffic:
+        """The copies of ``count`` swapped blocks on the resident model (part ``dma``); with
+        ``copies=False`` the same hooks enqueue nothing."""
+        with self.swapped(count) as swapper:
+            names = swapper.swapped_names
+        defaults = SwapConfig()
+        return CopyTraffic(find_blocks(self.model), names, defaults.num_slots, self.device,
+                           defaults.min_param_bytes, enqueue=copies)
 
 
 def timed_steps(step: Step, n: int, warmup: int = 2) -> list[float]:
@@ -286,6 +301,28 @@ def part_micro(step: Step, args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def part_dma(step: Step, args: argparse.Namespace) -> list[dict[str, Any]]:
+    arms = ("resident", "hooks, no copy", "hooks + copies", "swapped")
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    with gc_mode("off"):
+        for r in range(args.rounds):
+            for arm in arms if r % 2 == 0 else tuple(reversed(arms)):
+                if arm == "swapped":
+                    with step.swapped(args.swapped):
+                        times[arm] += timed_steps(step, args.steps)
+                elif arm == "resident":
+                    times[arm] += timed_steps(step, args.steps)
+                else:
+                    traffic = step.copy_traffic(args.swapped, copies=arm == "hooks + copies")
+                    try:
+                        times[arm] += timed_steps(step, args.steps)
+                    finally:
+                        traffic.detach()
+    base = statistics.median(times["resident"])
+    return [{"arm": a, "step ms": statistics.median(times[a]),
+             "ratio": statistics.median(times[a]) / base} for a in arms]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default=",".join(PARTS), help=f"any of {', '.join(PARTS)}")
@@ -308,7 +345,8 @@ def main() -> None:
     if not 1 <= args.swapped <= step.blocks:
         parser.error(f"--swapped must be in 1..{step.blocks}")
     log(f"dit-{args.dit}, {step.tokens} tokens, {args.swapped}/{step.blocks} swapped")
-    run = {"phases": part_phases, "calls": part_calls, "gc": part_gc, "micro": part_micro}
+    run = {"phases": part_phases, "calls": part_calls, "gc": part_gc, "micro": part_micro,
+           "dma": part_dma}
     results: dict[str, list[dict[str, Any]]] = {}
     for part in parts:
         log(f"part {part}")

@@ -19,6 +19,10 @@ outer graph:
   through (its node is not the block's), a leaf, or functorch transforms.
 * :class:`BlockEntry` wraps the block's inputs. Its backward runs once every gradient the block
   sends to them is computed -- the block's backward is over -- so it releases the slot there.
+  A block whose differentiable inputs all come from one output node of the swapped block called
+  just before it (a chain of swapped blocks, ``x = block(x)``) needs no entry: the previous
+  block's hook on that node (:class:`OutputHook`) runs once every gradient into it is
+  computed, which is the same point, and releases this block before re-acquiring its own.
   When no input requires grad (the first block of LoRA training) there is no entry node; the slot
   is released by a callback at the end of the backward pass, by which point that block (the first
   in forward order) is the last one backward reaches anyway.
@@ -39,8 +43,8 @@ from vramkit.errors import OffloadError
 if TYPE_CHECKING:
     from vramkit.offload.swap import BlockSwapper, SwappedBlock
 
-__all__ = ["BlockBackward", "BlockEntry", "BlockExit", "enter_block", "exit_block",
-           "hook_outputs"]
+__all__ = ["BlockBackward", "BlockEntry", "BlockExit", "OutputHook", "enter_block",
+           "exit_block", "hook_outputs"]
 
 
 class BlockBackward:
@@ -81,6 +85,30 @@ class BlockBackward:
             return
         self.held = False
         self.swapper._release(self.block, backward=True)
+
+
+class OutputHook:
+    """Pre-hook of a node that produced an output of a swapped block call.
+
+    Before re-acquiring the call's slot it releases the ``consumers``: the swapped block calls
+    made right after it whose every differentiable input is an output of this node. A node's
+    pre-hook runs once all gradients into it are computed, so their backward is over by then.
+    Releasing first keeps a single slot enough (``num_slots=1``).
+
+    The hook holds no reference to its node: the node holds the hook, and a cycle through
+    autograd's C++ graph would never be collected.
+    """
+
+    __slots__ = ("call", "consumers")
+
+    def __init__(self, call: BlockBackward) -> None:
+        self.call = call
+        self.consumers: list[BlockBackward] = []
+
+    def __call__(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        for consumer in self.consumers:
+            consumer.finish()
+        self.call.on_outputs(grads)
 
 
 class _BlockBoundary(torch.autograd.Function):
@@ -162,25 +190,29 @@ def exit_block(call: BlockBackward, tensors: list[torch.Tensor]) -> tuple[torch.
     return _apply(BlockExit, _EXIT_APPLY, call, tensors)
 
 
-def hook_outputs(call: BlockBackward, outputs: list[torch.Tensor], entry: Any) -> bool:
+def hook_outputs(call: BlockBackward, outputs: list[torch.Tensor], entry: Any
+                 ) -> list[tuple[int, OutputHook]] | None:
     """Make backward hold ``call``'s slot before any node of the block runs, if a hook can.
 
-    Registers :meth:`BlockBackward.on_outputs` as a pre-hook on each distinct node that produced
-    one of ``outputs`` (tensors that require grad) and returns ``True``. Returns ``False`` and
-    registers nothing when one of them was not produced by the block (a leaf, or an input passed
-    through: its node is ``entry``, the block's :class:`BlockEntry` node) or functorch
-    transforms are active: the caller wraps the outputs in :class:`BlockExit` then.
+    Registers an :class:`OutputHook` of ``call`` as a pre-hook on each distinct node that
+    produced one of ``outputs`` (tensors that require grad) and returns the hooks with their
+    node's sequence number (which identifies the node without keeping its graph alive). Returns ``None`` and registers nothing when one of them was not produced by the block
+    (a leaf, or an input passed through: its node is ``entry``, the node the block's inputs come
+    from) or functorch transforms are active: the caller wraps the outputs in
+    :class:`BlockExit` then.
     """
     if torch._C._are_functorch_transforms_active():
-        return False
+        return None
     nodes: list[Any] = []
     for t in outputs:
         node = t.grad_fn
         if node is None or node is entry:
-            return False
+            return None
         if not any(node is n for n in nodes):
             nodes.append(node)
-    hook = call.on_outputs
+    hooked = []
     for node in nodes:
+        hook = OutputHook(call)
         node.register_prehook(hook)
-    return True
+        hooked.append((node._sequence_nr(), hook))
+    return hooked

@@ -71,7 +71,13 @@ from vramkit.offload._blocks import (
     spread_evenly,
 )
 from vramkit.offload._swap_function import BlockCall, SwapBlockFunction, WeightRef
-from vramkit.offload._swap_graph import BlockBackward, enter_block, exit_block, hook_outputs
+from vramkit.offload._swap_graph import (
+    BlockBackward,
+    OutputHook,
+    enter_block,
+    exit_block,
+    hook_outputs,
+)
 from vramkit.offload._transfer import Streams, resolve_offload_device, transfer_streams
 from vramkit.units import format_size, parse_size
 
@@ -347,6 +353,9 @@ class BlockSwapper:
         self._observed_ids: set[int] = set()
         self._direction = "forward"
         self._training_pass = False
+        # Output hooks of the swapped call just made (node sequence number, hook): the next
+        # call chains to them when its inputs come from one of those nodes (_call_in_graph).
+        self._last_hooks: list[tuple[int, OutputHook]] = []
         self._master_pool: MemoryPool | None = None
         self._grad_pool: MemoryPool | None = None
         self._slot_pool: MemoryPool | None = None
@@ -600,6 +609,9 @@ class BlockSwapper:
         if not self._attached:
             raise OffloadError(f"swapped block {block.name} called after detach()")
         self._observe(block)
+        chain = self._last_hooks
+        if chain:
+            self._last_hooks = []  # only the immediately preceding call chains
         if not torch.is_grad_enabled():
             self._training_pass = False
             stream = self._acquire(block, backward=False)
@@ -607,7 +619,6 @@ class BlockSwapper:
                 return fn(*args, **kwargs)
             finally:
                 self._release(block, backward=False, stream=stream)
-        trainable = self._has_trainable(block)
         # Most blocks take plain tensors positionally: one pass over them, no tree walk (this
         # path runs once per block and step, where the swapper is host-bound).
         spec = None
@@ -627,7 +638,10 @@ class BlockSwapper:
                          if isinstance(x, torch.Tensor) and x.requires_grad]
         else:
             leaves = list(args)
-        if not trainable and not positions:
+        # Whether the block has trainable parameters only matters when no input requires
+        # grad (LoRA on a frozen model's first block) or for the anchor of swapped trainable
+        # weights: otherwise the per-pass requires_grad check is skipped.
+        if not positions and not self._has_trainable(block):
             self._training_pass = False
             stream = self._acquire(block, backward=False)
             try:
@@ -639,28 +653,48 @@ class BlockSwapper:
                 self._release(block, backward=False, stream=stream)
         self._training_pass = True
         if not block.trainable_entries:
-            return self._call_in_graph(block, fn, leaves, spec, positions)
+            return self._call_in_graph(block, fn, leaves, spec, positions, chain)
         if spec is None:
             spec = _tree.flatten((args, kwargs))[1]
         call = BlockCall(self, block, fn, leaves, spec, block.checkpointed)
         tensors = [x for x, t in zip(leaves, call.is_tensor, strict=True) if t]
-        anchor = self._anchor_tensor() if trainable else None
+        anchor = self._anchor_tensor() if self._has_trainable(block) else None
         outs = SwapBlockFunction.apply(call, anchor, *tensors)
         return call.rebuild_outputs(list(outs))
 
     def _call_in_graph(self, block: SwappedBlock, fn: Callable[..., Any], leaves: list[Any],
-                       spec: Any, positions: list[int]) -> Any:
+                       spec: Any, positions: list[int],
+                       chain: list[tuple[int, OutputHook]]) -> Any:
         """A training call whose nodes join the outer graph (see ``_swap_graph``): pre-hooks on
         the output nodes and an identity Function on the inputs hold the slot across the block's
         backward. ``spec`` is ``None`` when ``leaves`` are the positional arguments themselves;
-        ``positions`` index the leaves that require grad."""
+        ``positions`` index the leaves that require grad; ``chain`` holds the output hooks of
+        the swapped call made just before."""
         call = BlockBackward(self, block)
         entry = None
         if positions:
-            entered = enter_block(call, [leaves[i] for i in positions])
-            for i, t in zip(positions, entered, strict=True):
-                leaves[i] = t
-            entry = entered[0].grad_fn
+            # A chain of swapped blocks: when every differentiable input comes from one output
+            # node of the previous call, that node's hook releases this call (no entry Function).
+            entry = leaves[positions[0]].grad_fn
+            link = None
+            if chain and entry is not None:
+                number = entry._sequence_nr()
+                for n, hook in chain:
+                    if n == number:
+                        link = hook
+                        break
+                if link is not None:
+                    for i in positions:
+                        if leaves[i].grad_fn is not entry:
+                            link = None
+                            break
+            if link is not None:
+                link.consumers.append(call)
+            else:
+                entered = enter_block(call, [leaves[i] for i in positions])
+                for i, t in zip(positions, entered, strict=True):
+                    leaves[i] = t
+                entry = entered[0].grad_fn
         if spec is None:
             args: Any = leaves
             kwargs: dict[str, Any] = {}
@@ -682,7 +716,11 @@ class BlockSwapper:
         finally:
             self._release(block, backward=False, stream=stream)
         if type(out) is torch.Tensor:
-            if not out.requires_grad or hook_outputs(call, [out], entry):
+            if not out.requires_grad:
+                return out
+            hooked = hook_outputs(call, [out], entry)
+            if hooked is not None:
+                self._last_hooks = hooked
                 return out
             return exit_block(call, [out])[0]
         if type(out) is tuple and all(type(o) in _PLAIN_LEAVES for o in out):
@@ -694,7 +732,9 @@ class BlockSwapper:
         if not outputs:
             return out
         differentiable = [out_leaves[i] for i in outputs]
-        if hook_outputs(call, differentiable, entry):
+        hooked = hook_outputs(call, differentiable, entry)
+        if hooked is not None:
+            self._last_hooks = hooked
             return out
         exited = exit_block(call, differentiable)
         for i, t in zip(outputs, exited, strict=True):
@@ -755,6 +795,7 @@ class BlockSwapper:
         if backward and self._direction != "backward":
             self._commit_order()  # the forward just seen predicts this backward
             self._direction = "backward"
+            self._last_hooks = []
         self._counters["acquisitions"] += 1
         slot = block.slot
         if slot is not None and slot.loaded_version == block.master._version:  # type: ignore[union-attr]
@@ -1107,6 +1148,7 @@ class BlockSwapper:
         self._slot_pool = self._master_pool = self._grad_pool = None
         self._blocks = []
         self._anchor = None
+        self._last_hooks = []
 
     def __enter__(self) -> BlockSwapper:
         return self

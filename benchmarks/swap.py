@@ -27,9 +27,10 @@ exchange where a phase is transfer-bound; enqueue < 0.5 ms.
 
 ``--copy-floor`` also times the **copy floor** in every round: the resident model with hooks that
 enqueue exactly the swapper's host->device copies (``CopyTraffic``), and no swapper. On a
-launch-bound step the copies alone slow the host (a host->device DMA makes each kernel launch
-slower on the H200 host, docs/benchmarks.md), so where they alone exceed the 3 % target the row is
-checked as vramkit <= 1.03 x the copy floor instead, and says so.
+launch-bound step the copies alone slow the host (a running DMA makes each kernel launch slower
+on the H200 host, docs/benchmarks.md), so where the floor is slower than the resident model a
+fitting row is checked as vramkit <= 1.03 x the copy floor (the fastest any swapper could be on
+this machine) and says so; the overhead over resident is printed too.
 
 ``--rounds K`` (K > 1) measures the resident model again next to each of K vramkit rounds per row
 (alternately before and after it) and compares the two over all their steps: on a host-bound step (dit-large at 2089
@@ -393,9 +394,9 @@ def evaluate(row: dict[str, Any], bandwidth: float) -> None:
     row["floor_overhead"] = floor["step_ms"] / resident["step_ms"] if floor else None
     row["overhead_vs_floor"] = ours["step_ms"] / floor["step_ms"] if floor else None
     checks: list[tuple[str, float, bool]] = []
-    if row["fits"] and floor and row["floor_overhead"] > OVERHEAD_TARGET:
-        # The copies alone, with no swapper code, already cost more than the target (they
-        # slow a launch-bound host): what the swapper adds is checked on top of them.
+    if row["fits"] and floor and row["floor_overhead"] > 1.0:
+        # The copies alone, with no swapper code, cost time (they slow a launch-bound host):
+        # the target is 3 % over that measured floor, the fastest any swapper could be here.
         checks.append((f"<={OVERHEAD_TARGET}x copy floor", row["overhead_vs_floor"],
                        row["overhead_vs_floor"] <= OVERHEAD_TARGET))
     elif row["fits"]:
@@ -479,6 +480,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ("exchange", lambda r: r["exchange"]["step_ms"] if r.get("exchange") else None,
          "tab:red"),
         ("t_bound", lambda r: r["t_bound_ms"], "tab:green"),
+        ("copy floor", lambda r: r["copy_floor"]["step_ms"] if r.get("copy_floor") else None,
+         "tab:purple"),
     ]
     panels = [(i, j, m, t) for i, m in enumerate(models) for j, t in enumerate(tokens[m])]
     for i, row_axes in enumerate(axes):
@@ -610,7 +613,7 @@ _NOTES = {
                  "checked against 90% of pinned only where both phases are transfer-bound",
     "enqueue": "stats.enqueue_seconds / stats.acquisitions (host time in acquire/release)",
     "copies": "--copy-floor: the resident model with hooks enqueuing the swapper's host->device "
-              "copies (S-R per phase) and no swapper; where it alone exceeds 1.03x resident, "
+              "copies (S-R per phase) and no swapper; where it is slower than resident, "
               "fitting rows are checked as vramkit <= 1.03x it",
 }
 

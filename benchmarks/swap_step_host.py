@@ -22,7 +22,8 @@ discusses. Each part prints one table (``--parts``, default all):
   with the host's kernel launches, which no swapper code can remove.
 * ``micro``: the same operations in isolation: one copy enqueue through ``torch.cuda.stream`` and
   through ``CudaStreams.copy``, one acquire + release of a swapped block outside any step, and 300
-  kernel launches with the copy engine idle and while pinned copies stream.
+  kernel launches with the copy engine idle and while host->device, device->host or
+  device->device copies stream.
 
 Run it with another tree's ``src`` on ``PYTHONPATH`` to compare code versions.
 """
@@ -280,14 +281,17 @@ def part_micro(step: Step, args: argparse.Namespace) -> list[dict[str, Any]]:
         rows.append({"operation": "acquire + release of one block, outside a step",
                      "us": _best_us(sweep, 20) / len(blocks)})
     x = torch.zeros(16, device=device)
+    other = torch.empty_like(slot)
+    copies = {"h2d": (slot, host), "d2h": (host, slot), "d2d": (other, slot)}
 
-    def launches(stream_copies: bool) -> float:
+    def launches(direction: str | None) -> float:
         samples = []
-        for _ in range(7):
-            if stream_copies:
+        for _ in range(9):
+            if direction is not None:  # ~0.5 s of copies queued: they outlast the launches
+                dst, src = copies[direction]
                 with torch.cuda.stream(streams.h2d):
-                    for _ in range(40):
-                        slot.copy_(host, non_blocking=True)
+                    for _ in range(40 if direction != "d2d" else 400):
+                        dst.copy_(src, non_blocking=True)
             start = time.perf_counter()
             for _ in range(300):
                 x.add_(1)
@@ -295,9 +299,12 @@ def part_micro(step: Step, args: argparse.Namespace) -> list[dict[str, Any]]:
             torch.cuda.synchronize()
         return statistics.median(samples)
 
-    for _ in range(2):  # the pair twice: the second shows the spread
-        rows.append({"operation": "300 launches, copy engine idle", "us": launches(False)})
-        rows.append({"operation": "300 launches, pinned copies streaming", "us": launches(True)})
+    for _ in range(2):  # the set twice: the second shows the spread
+        rows.append({"operation": "300 launches, copy engine idle", "us": launches(None)})
+        for direction, label in (("h2d", "pinned host->device"), ("d2h", "device->pinned host"),
+                                 ("d2d", "device->device")):
+            rows.append({"operation": f"300 launches, {label} copies streaming",
+                         "us": launches(direction)})
     return rows
 
 

@@ -24,9 +24,14 @@ transfers. How a swapped block moves:
   not among them. The order is learnt from the last pass (registration
   order at first). Forward goes front to back; backward back to front, so the last R blocks
   stay loaded across the forward->backward turn; inference wraps around to the first blocks.
-* **Backward**: every swapped-block call runs through
-  :class:`vramkit.offload._swap_function.SwapBlockFunction`, which saves a block handle and never
-  a GPU weight; backward re-acquires the slot, recomputes when checkpointed and back-propagates.
+* **Backward**: saved weights are block handles, never GPU memory. Blocks whose swapped weights
+  are frozen join the outer autograd graph (:mod:`vramkit.offload._swap_graph`): a pre-hook on
+  each output node re-acquires the slot before the block's backward (and its recomputation when
+  checkpointed), and the slot is released once the block's input gradients are done -- by an
+  identity Function on the inputs, or, for a block fed by the previous swapped block's output,
+  by that block's hook. Blocks with swapped trainable weights run through
+  :class:`vramkit.offload._swap_function.SwapBlockFunction`, which re-acquires, recomputes when
+  checkpointed and back-propagates in its own backward.
 
 Trainable weights in swapped blocks (``SwapConfig.trainable="cpu"``, full fine-tuning): after a
 block's backward its gradients go device->host into a pinned gradient buffer (the GPU gradients

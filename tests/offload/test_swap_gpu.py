@@ -224,6 +224,28 @@ def test_detach_restores_devices_identity_and_values() -> None:
     assert all("forward" not in b.__dict__ for b in model.blocks)
 
 
+def test_state_dict_and_load_state_dict_go_through_the_pinned_masters() -> None:
+    torch.manual_seed(0)
+    ref = _frozen_base(_Net(n=4)).cuda()
+    model = copy.deepcopy(ref).cpu()
+    swapper = BlockSwapper(model, config=SwapConfig(max_gpu_blocks=0))
+    x = torch.randn(1, 16, D, device="cuda")
+    model(x).sum().backward()  # two blocks in the slots, two evicted
+    state, want = model.state_dict(), ref.state_dict()
+    assert list(state) == list(want)
+    for key, value in want.items():
+        assert torch.equal(state[key].cpu(), value.cpu()), key
+    assert state["blocks.3.fc1.weight"].is_pinned()  # the master itself, not a GPU copy
+    torch.manual_seed(1)
+    other = _frozen_base(_Net(n=4)).cuda()
+    model.load_state_dict(other.state_dict())  # CUDA tensors into the pinned masters
+    with torch.no_grad():
+        assert torch.equal(model(x), other(x))  # slots loaded before were reloaded
+    swapper.detach()
+    for p, q in zip(model.parameters(), other.parameters(), strict=True):
+        assert torch.equal(p.cpu(), q.cpu())  # detach() kept the loaded values
+
+
 def test_swap_copies_are_counted_in_performance_stats() -> None:
     from vramkit.kernels.stats import performance_stats
 

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
+from torch.utils.hooks import RemovableHandle
 
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.kernels.layout import (
@@ -83,6 +84,7 @@ from vramkit.offload._swap_graph import (
     exit_block,
     hook_outputs,
 )
+from vramkit.offload._swap_state import install_state_dict_hooks
 from vramkit.offload._transfer import Streams, resolve_offload_device, transfer_streams
 from vramkit.units import format_size, parse_size
 
@@ -348,6 +350,7 @@ class BlockSwapper:
         self._enqueue_seconds = 0.0
         self._clock = 0
         self._moved: list[tuple[torch.Tensor, torch.device]] = []
+        self._state_hooks: list[RemovableHandle] = []  # state_dict through the host masters
         self._blocks: list[SwappedBlock] = []
         self._slots: list[_Slot] = []
         self._order: list[SwappedBlock] = []
@@ -505,6 +508,7 @@ class BlockSwapper:
         self._allocate_slots()
         for block in self._blocks:
             self._wrap_forward(block)
+            self._state_hooks += install_state_dict_hooks(block)
         self._order = list(self._blocks)
         self._position = {id(b): i for i, b in enumerate(self._order)}
         _watch_structure(True)
@@ -1113,6 +1117,9 @@ class BlockSwapper:
         if self.device.type == "cuda" and torch.cuda.is_initialized():
             torch.cuda.current_stream(self.device).synchronize()
             torch.cuda.synchronize(self.device)
+        for handle in self._state_hooks:
+            handle.remove()
+        self._state_hooks = []
         for block in self._blocks:
             module = block.module
             if block.had_instance_forward:

@@ -1,0 +1,129 @@
+"""``state_dict``/``load_state_dict`` while a BlockSwapper is attached (``_swap_state``), on the
+CPU: swapped blocks read and write their host masters, never the placeholders or slots."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from tests.offload.test_swap import (
+    MIN,
+    X,
+    _frozen_blocks,
+    _net,
+    _optimizer,
+    _step,
+    _swap,
+)
+from vramkit.errors import OffloadError
+
+
+def _placeholder(t: torch.Tensor) -> bool:
+    return all(s == 0 for s in t.stride())
+
+
+def _assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for key, value in want.items():
+        assert torch.equal(got[key].cpu(), value.cpu()), key
+
+
+def test_state_dict_reads_the_masters_of_evicted_and_loaded_blocks() -> None:
+    ref = _frozen_blocks(_net())
+    model = copy.deepcopy(ref)
+    swapper = _swap(model)
+    _step(model)  # blocks 0-1 left in the slots, 2-3 evicted (placeholders)
+    assert any(_placeholder(e.tensor) for b in swapper.blocks for e in b.entries)
+    _assert_same_state(model.state_dict(), ref.state_dict())
+    _assert_same_state(model.blocks[3].state_dict(), ref.blocks[3].state_dict())
+    _assert_same_state(model.blocks.state_dict(prefix="x."), ref.blocks.state_dict(prefix="x."))
+    # keep_vars=True hands out the module's own Parameter objects, as PyTorch does.
+    kept = model.state_dict(keep_vars=True)
+    assert kept["blocks.3.fc1.weight"] is model.blocks[3].fc1.weight
+    swapper.detach()
+
+
+def test_state_dict_sees_host_optimizer_steps() -> None:
+    # trainable="cpu": the CPU optimizer steps the masters; the slots are stale until reloaded,
+    # and state_dict must show the stepped values.
+    ref = _net()
+    model = copy.deepcopy(ref)
+    swapper = _swap(model, trainable="cpu")
+    opt, ref_opt = _optimizer(model, swapper), _optimizer(ref)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        _step(m)
+        if m is model:
+            swapper.sync_gradients()
+        o.step()
+    _assert_same_state(model.state_dict(), ref.state_dict())
+    swapper.detach()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_load_state_dict_writes_the_masters(checkpointing: bool) -> None:
+    model = _frozen_blocks(_net())
+    swapper = _swap(model, checkpointing=checkpointing)
+    _step(model)  # slots hold blocks now: the load must make them reload
+    other = _frozen_blocks(_net(seed=7))
+    model.load_state_dict(other.state_dict())
+    assert all(_placeholder(e.tensor) for b in swapper.blocks for e in b.entries)
+    _assert_same_state(model.state_dict(), other.state_dict())
+    with torch.no_grad():
+        assert torch.equal(model(X), other(X))
+    model.zero_grad()
+    _step(model)
+    _step(other)
+    for (name, p), q in zip(model.named_parameters(), other.parameters(), strict=True):
+        if q.grad is not None:
+            assert torch.equal(p.grad, q.grad), name
+    swapper.detach()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters(),
+                                                  strict=True))
+
+
+def test_partial_and_failed_loads_leave_a_working_model() -> None:
+    ref = _frozen_blocks(_net())
+    model = copy.deepcopy(ref)
+    swapper = _swap(model)
+    other = _frozen_blocks(_net(seed=7))
+    part = {k: v for k, v in other.state_dict().items() if k.startswith("blocks.2.")}
+    model.load_state_dict(part, strict=False)  # only block 2 changes
+    ref.blocks[2].load_state_dict(other.blocks[2].state_dict())
+    _assert_same_state(model.state_dict(), ref.state_dict())
+    bad = dict(other.state_dict())
+    bad["blocks.3.fc1.weight"] = torch.zeros(3, 3)  # wrong shape: PyTorch's loader refuses it
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        model.load_state_dict(bad)
+    # PyTorch copies every other tensor before it raises; the swapped tensors point at their
+    # placeholders again, and training matches a reference loaded the same way.
+    ref.load_state_dict({k: v for k, v in bad.items() if k != "blocks.3.fc1.weight"},
+                        strict=False)
+    assert all(_placeholder(e.tensor) for b in swapper.blocks for e in b.entries)
+    assert torch.equal(_step(model), _step(ref))
+    swapper.detach()
+
+
+def test_assign_load_is_refused() -> None:
+    model = _frozen_blocks(_net())
+    swapper = _swap(model)
+    with pytest.raises(OffloadError, match="assign=True"):
+        model.load_state_dict(copy.deepcopy(model.state_dict()), assign=True)
+    _step(model)  # still usable
+    swapper.detach()
+
+
+def _hook_counts(module: nn.Module) -> tuple[int, int, int]:
+    return (len(module._state_dict_hooks), len(module._load_state_dict_pre_hooks),
+            len(module._load_state_dict_post_hooks))
+
+
+def test_detach_removes_the_hooks() -> None:
+    model = _frozen_blocks(_net())
+    before = [_hook_counts(b) for b in model.blocks]
+    swapper = _swap(model, min_param_bytes=MIN)
+    assert all(c == (1, 1, 1) for c in (_hook_counts(b) for b in model.blocks))
+    swapper.detach()
+    assert [_hook_counts(b) for b in model.blocks] == before

@@ -196,8 +196,9 @@ def hook_outputs(call: BlockBackward, outputs: list[torch.Tensor], entry: Any
 
     Registers an :class:`OutputHook` of ``call`` as a pre-hook on each distinct node that
     produced one of ``outputs`` (tensors that require grad) and returns the hooks with their
-    node's sequence number (which identifies the node without keeping its graph alive). Returns ``None`` and registers nothing when one of them was not produced by the block
-    (a leaf, or an input passed through: its node is ``entry``, the node the block's inputs come
+    node's sequence number (which identifies the node without keeping its graph alive).
+    Returns ``None`` and registers nothing when one of them was not produced by the block (a
+    leaf, or an input passed through: its node is ``entry``, the node the block's inputs come
     from) or functorch transforms are active: the caller wraps the outputs in
     :class:`BlockExit` then.
     """

@@ -46,6 +46,43 @@ def test_state_dict_reads_the_masters_of_evicted_and_loaded_blocks() -> None:
     swapper.detach()
 
 
+class TwiceBlock(nn.Module):
+    """One Linear registered under two names, as state_dict then saves it twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.alias = self.fc
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.alias(x).tanh()
+
+
+def test_state_dict_covers_every_name_of_a_submodule() -> None:
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(32, 32), nn.ModuleList(TwiceBlock() for _ in range(4)))
+    ref.requires_grad_(False)
+
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = copy.deepcopy(ref)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.net[1]:
+                x = block(x)
+            return x
+
+    model = Wrap()
+    swapper = _swap(model, max_gpu_blocks=0)
+    with torch.no_grad():
+        model(X)
+    want = {f"net.{k}": v for k, v in ref.state_dict().items()}
+    _assert_same_state(model.state_dict(), want)
+    assert "net.1.3.alias.weight" in want
+    swapper.detach()
+
+
 def test_state_dict_sees_host_optimizer_steps() -> None:
     # trainable="cpu": the CPU optimizer steps the masters; the slots are stale until reloaded,
     # and state_dict must show the stepped values.

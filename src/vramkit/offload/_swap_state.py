@@ -31,10 +31,13 @@ if TYPE_CHECKING:
 __all__ = ["install_state_dict_hooks"]
 
 
-def _keys(block: SwappedBlock) -> list[str]:
-    """Each entry's ``state_dict`` key relative to the block module."""
-    names = {id(m): n for n, m in block.module.named_modules(remove_duplicate=False)}
-    return [f"{names[id(e.owner)]}.{e.attr}" if names[id(e.owner)] else e.attr
+def _keys(block: SwappedBlock) -> list[list[str]]:
+    """Each entry's ``state_dict`` keys relative to the block module (a submodule registered
+    under two names is saved under both)."""
+    names: dict[int, list[str]] = {}
+    for name, module in block.module.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(name)
+    return [[f"{n}.{e.attr}" if n else e.attr for n in names[id(e.owner)]]
             for e in block.entries]
 
 
@@ -55,10 +58,11 @@ def install_state_dict_hooks(block: SwappedBlock) -> list[RemovableHandle]:
 
     def save(module: nn.Module, state_dict: dict[str, Any], prefix: str,
              local_metadata: Any) -> None:
-        for e, key, master in zip(block.entries, keys, block.master_views, strict=True):
-            full = prefix + key
-            if full in state_dict and state_dict[full] is not e.tensor:  # not keep_vars
-                state_dict[full] = master
+        for e, entry_keys, master in zip(block.entries, keys, block.master_views, strict=True):
+            for key in entry_keys:
+                full = prefix + key
+                if full in state_dict and state_dict[full] is not e.tensor:  # not keep_vars
+                    state_dict[full] = master
 
     def before_load(module: nn.Module, state_dict: dict[str, Any], prefix: str,
                     local_metadata: dict[str, Any], strict: bool, missing: list[str],

@@ -240,3 +240,25 @@ def test_host_module_comes_back_to_the_host_on_restore() -> None:
     mgr.restore()
     for name, tensor in model.state_dict().items():
         assert tensor.device.type == "cpu" and torch.equal(tensor, reference[name])
+
+
+def test_state_dict_and_load_state_dict_through_the_pinned_masters() -> None:
+    model, other = _stack(), _stack(seed=1)
+    mgr = CPUOffloadManager("cuda")
+    mgr.offload_weights(model)
+    mgr.load_to_gpu(["0", "1"])
+    with torch.no_grad():
+        model[0].weight.mul_(2.0)  # loaded and changed: written back on clear
+    want = _snapshot(model)
+    mgr.release()
+    mgr.clear_inactive()  # the write-back is a device->host copy the host has not waited for
+    state = model.state_dict()
+    assert state["0.weight"].is_pinned()  # the master, read after its copy landed
+    for key, value in want.items():
+        assert torch.equal(state[key].cpu(), value.cpu()), key
+    model.load_state_dict(other.state_dict())  # CUDA tensors into the pinned masters
+    mgr.load_to_gpu(["0", "1", "2", "3"])
+    x = torch.randn(2, 1024, device="cuda")
+    with torch.no_grad():
+        assert torch.equal(model(x), other(x))
+    mgr.restore()

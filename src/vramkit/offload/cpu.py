@@ -44,9 +44,11 @@ How it works:
   the placeholder: clear after backward, not between forward and backward.
 
 Gradients are not offloaded: ``param.grad`` stays on the device (use
-``optimizer.zero_grad(set_to_none=True)``). While tensors are offloaded, ``module.state_dict()``
-returns placeholders: load them or :meth:`~CPUOffloadManager.restore` before saving. Keep the
-manager alive while it holds tensors (it owns the only copy of their values). One manager is
+``optimizer.zero_grad(set_to_none=True)``). While a module's tensors are offloaded,
+``module.state_dict()`` returns the host masters of the unloaded ones (CPU tensors, current
+values) and ``module.load_state_dict()`` writes into them (``vramkit.offload._state_dict``);
+loaded tensors go through PyTorch as usual. Keep the manager alive while it holds tensors (it
+owns the only copy of their values). One manager is
 meant to be driven from one thread and one compute stream.
 """
 
@@ -56,6 +58,7 @@ import fnmatch
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -64,6 +67,7 @@ from torch import nn
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.kernels.layout import aligned_offsets
 from vramkit.memory.pool import Block, MemoryPool, PoolConfig
+from vramkit.offload._state_dict import MasterTensor, install_master_hooks
 from vramkit.offload._transfer import Streams, resolve_offload_device, transfer_streams
 from vramkit.units import format_size, parse_size
 
@@ -605,7 +609,7 @@ class CPUOffloadManager:
 
     def _drop_device_storage(self, record: _Record) -> None:
         tensor = record.tensor
-        tensor.data = self._placeholder(tensor.dtype).expand(tensor.shape)
+        self._point_at_placeholder(record)
         record.device_copy = None
         record.load_event = None
         if not tensor.is_inference():
@@ -624,13 +628,27 @@ class CPUOffloadManager:
 
     def _install_hooks(self, module: nn.Module, offloaded_ids: set[int]) -> None:
         for qualname, sub in module.named_modules():
-            params = [self._by_id[id(t)] for t in sub._parameters.values()
+            params = [(a, self._by_id[id(t)]) for a, t in sub._parameters.items()
                       if t is not None and id(t) in offloaded_ids]
-            buffers = [self._by_id[id(t)] for t in sub._buffers.values()
+            buffers = [(a, self._by_id[id(t)]) for a, t in sub._buffers.items()
                        if t is not None and id(t) in offloaded_ids]
             if params or buffers:
-                hook = self._make_hook(qualname, params + buffers, buffers)
+                hook = self._make_hook(qualname, [r for _, r in params + buffers],
+                                       [r for _, r in buffers])
                 self._hooks.append(sub.register_forward_pre_hook(hook))
+                # state_dict/load_state_dict read and write the masters of unloaded tensors.
+                self._hooks += install_master_hooks(
+                    sub, [MasterTensor([attr], r.tensor, partial(self._current_master, r),
+                                       partial(self._point_at_placeholder, r))
+                          for attr, r in params + buffers], qualname or type(sub).__name__)
+
+    def _current_master(self, record: _Record) -> torch.Tensor | None:
+        """The host master when it holds the tensor's value (not loaded), else ``None``."""
+        return None if record.device_copy is not None else self.host_tensor(record.name)
+
+    def _point_at_placeholder(self, record: _Record) -> None:
+        tensor = record.tensor
+        tensor.data = self._placeholder(tensor.dtype).expand(tensor.shape)
 
     def _make_hook(self, qualname: str, records: list[_Record],
                    buffers: list[_Record]) -> Any:

@@ -76,6 +76,7 @@ from vramkit.offload._blocks import (
     natural_key,
     spread_evenly,
 )
+from vramkit.offload._state_dict import install_swap_hooks
 from vramkit.offload._swap_function import BlockCall, SwapBlockFunction, WeightRef
 from vramkit.offload._swap_graph import (
     BlockBackward,
@@ -84,7 +85,6 @@ from vramkit.offload._swap_graph import (
     exit_block,
     hook_outputs,
 )
-from vramkit.offload._swap_state import install_state_dict_hooks
 from vramkit.offload._transfer import Streams, resolve_offload_device, transfer_streams
 from vramkit.units import format_size, parse_size
 
@@ -508,7 +508,7 @@ class BlockSwapper:
         self._allocate_slots()
         for block in self._blocks:
             self._wrap_forward(block)
-            self._state_hooks += install_state_dict_hooks(block)
+            self._state_hooks += install_swap_hooks(block)
         self._order = list(self._blocks)
         self._position = {id(b): i for i, b in enumerate(self._order)}
         _watch_structure(True)

@@ -1,5 +1,7 @@
-"""``state_dict``/``load_state_dict`` while a BlockSwapper is attached (``_swap_state``), on the
-CPU: swapped blocks read and write their host masters, never the placeholders or slots."""
+"""``state_dict``/``load_state_dict`` of modules whose tensors live in host masters
+(``vramkit.offload._state_dict``), on the CPU: a model with a BlockSwapper attached (swapped
+blocks read and write their masters, never the placeholders or slots) and modules held by a
+CPUOffloadManager (unloaded tensors go through their masters, loaded ones through PyTorch)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.offload.test_cpu import _mlp
 from tests.offload.test_swap import (
     MIN,
     X,
@@ -19,6 +22,7 @@ from tests.offload.test_swap import (
     _swap,
 )
 from vramkit.errors import OffloadError
+from vramkit.offload.cpu import CPUOffloadManager
 
 
 def _placeholder(t: torch.Tensor) -> bool:
@@ -164,3 +168,54 @@ def test_detach_removes_the_hooks() -> None:
     assert all(c == (1, 1, 1) for c in (_hook_counts(b) for b in model.blocks))
     swapper.detach()
     assert [_hook_counts(b) for b in model.blocks] == before
+
+
+# -- CPUOffloadManager ------------------------------------------------------------------------
+
+
+def test_manager_state_dict_reads_masters_of_unloaded_tensors_only() -> None:
+    model = _mlp()
+    want = copy.deepcopy(model.state_dict())
+    mgr = CPUOffloadManager("cpu")
+    mgr.offload_weights(model)
+    assert _placeholder(model[0].weight)
+    _assert_same_state(model.state_dict(), want)
+    mgr.load_to_gpu("2")
+    with torch.no_grad():
+        model[2].weight.add_(1.0)  # a loaded tensor's current value is its device copy
+    want["2.weight"] = want["2.weight"] + 1.0
+    _assert_same_state(model.state_dict(), want)
+    assert model.state_dict(keep_vars=True)["0.weight"] is model[0].weight
+    mgr.restore()
+
+
+@pytest.mark.parametrize("loaded", [False, True])
+def test_manager_load_state_dict_reaches_the_next_load(loaded: bool) -> None:
+    model, other = _mlp(), _mlp(seed=3)
+    mgr = CPUOffloadManager("cpu")
+    mgr.offload_weights(model)
+    if loaded:
+        mgr.load_to_gpu("0")  # loaded: PyTorch copies into the device copy, written back later
+    model.load_state_dict(other.state_dict())
+    assert _placeholder(model[2].weight)  # unloaded tensors are placeholders again
+    mgr.release()
+    mgr.clear_inactive()
+    _assert_same_state(model.state_dict(), other.state_dict())
+    mgr.load_to_gpu(["0", "2"])
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), other(x))
+    mgr.restore()
+    _assert_same_state(model.state_dict(), other.state_dict())
+
+
+def test_manager_refuses_assign_and_restore_removes_the_hooks() -> None:
+    model = _mlp()
+    before = [_hook_counts(m) for m in model]
+    mgr = CPUOffloadManager("cpu")
+    mgr.offload_weights(model)
+    assert _hook_counts(model[0]) == (1, 1, 1)
+    with pytest.raises(OffloadError, match="assign=True"):
+        model.load_state_dict(_mlp(seed=3).state_dict(), assign=True)
+    mgr.restore()
+    assert [_hook_counts(m) for m in model] == before

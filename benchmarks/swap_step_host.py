@@ -23,7 +23,7 @@ discusses. Each part prints one table (``--parts``, default all):
 * ``micro``: the same operations in isolation: one copy enqueue through ``torch.cuda.stream`` and
   through ``CudaStreams.copy``, one acquire + release of a swapped block outside any step, and 300
   kernel launches with the copy engine idle and while host->device, device->host or
-  device->device copies stream.
+  device->device copies stream, or host->device copies paced to a lower rate.
 
 Run it with another tree's ``src`` on ``PYTHONPATH`` to compare code versions.
 """
@@ -53,6 +53,9 @@ from vramkit.offload._blocks import find_blocks
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 
 PARTS = ("phases", "calls", "gc", "micro", "dma")
+# GPU cycles slept after each 1 MiB chunk of the paced copies in part micro: two rates below
+# the full one (the rate reached depends on the GPU's clock and is printed).
+PACE_CYCLES = (4_000, 40_000)
 
 
 class Step:
@@ -284,10 +287,23 @@ def part_micro(step: Step, args: argparse.Namespace) -> list[dict[str, Any]]:
     other = torch.empty_like(slot)
     copies = {"h2d": (slot, host), "d2h": (host, slot), "d2d": (other, slot)}
 
-    def launches(direction: str | None) -> float:
+    chunk = 1 << 20
+
+    def paced(cycles: int) -> None:
+        """Host->device copies in 1 MiB chunks, each followed by a GPU sleep on the copy stream:
+        the same bytes at a lower rate."""
+        with torch.cuda.stream(streams.h2d):
+            for offset in range(0, nbytes, chunk):
+                slot[offset:offset + chunk].copy_(host[offset:offset + chunk], non_blocking=True)
+                torch.cuda._sleep(cycles)
+
+    def launches(direction: str | int | None) -> float:
         samples = []
         for _ in range(9):
-            if direction is not None:  # ~0.5 s of copies queued: they outlast the launches
+            if isinstance(direction, int):  # paced, with this many cycles of sleep per chunk
+                for _ in range(8):  # more than the launches take even at full rate
+                    paced(direction)
+            elif direction is not None:  # ~0.5 s of copies queued: they outlast the launches
                 dst, src = copies[direction]
                 with torch.cuda.stream(streams.h2d):
                     for _ in range(40 if direction != "d2d" else 400):
@@ -299,12 +315,26 @@ def part_micro(step: Step, args: argparse.Namespace) -> list[dict[str, Any]]:
             torch.cuda.synchronize()
         return statistics.median(samples)
 
+    def paced_gbps(cycles: int) -> float:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        begin.record(streams.h2d)
+        for _ in range(4):
+            paced(cycles)
+        end.record(streams.h2d)
+        end.synchronize()
+        return 4 * nbytes / begin.elapsed_time(end) / 1e6
+
+    rates = {cycles: paced_gbps(cycles) for cycles in PACE_CYCLES}
     for _ in range(2):  # the set twice: the second shows the spread
         rows.append({"operation": "300 launches, copy engine idle", "us": launches(None)})
         for direction, label in (("h2d", "pinned host->device"), ("d2h", "device->pinned host"),
                                  ("d2d", "device->device")):
             rows.append({"operation": f"300 launches, {label} copies streaming",
                          "us": launches(direction)})
+        for cycles, gbps in rates.items():
+            rows.append({"operation": f"300 launches, host->device copies paced to "
+                                      f"{gbps:.1f} GB/s", "us": launches(cycles)})
     return rows
 
 

@@ -83,13 +83,12 @@ def install_master_hooks(module: nn.Module, tensors: list[MasterTensor], owner: 
     def save(module: nn.Module, state_dict: dict[str, Any], prefix: str,
              local_metadata: Any) -> None:
         for t in tensors:
-            master = None
-            for key in t.keys:
-                full = prefix + key
-                if full in state_dict and state_dict[full] is not t.tensor:  # not keep_vars
-                    master = t.master() if master is None else master
-                    if master is not None:
-                        state_dict[full] = master
+            keys = [prefix + key for key in t.keys  # saved, and not as-is (keep_vars=True)
+                    if prefix + key in state_dict and state_dict[prefix + key] is not t.tensor]
+            master = t.master() if keys else None
+            if master is not None:
+                for key in keys:
+                    state_dict[key] = master
 
     def before(module: nn.Module, state_dict: dict[str, Any], prefix: str,
                local_metadata: dict[str, Any], strict: bool, missing: list[str],

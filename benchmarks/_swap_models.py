@@ -213,7 +213,7 @@ class Exchanger:
 
     def __init__(self, blocks: Sequence[tuple[str, nn.Module]], swapped: Sequence[str],
                  device: torch.device, checkpointing: bool) -> None:
-        from vramkit.checkpointing import unwrapped_forward
+        from vramkit.offload.checkpointing import unwrapped_forward
 
         self.device = device
         self.host = torch.device("cpu")
@@ -303,7 +303,7 @@ class CopyTraffic:
 
     def __init__(self, blocks: Sequence[tuple[str, nn.Module]], swapped: Sequence[str],
                  slots: int, device: torch.device, min_bytes: int, enqueue: bool = True) -> None:
-        from vramkit.offload._transfer import transfer_streams
+        from vramkit.memory.transfer import transfer_streams
 
         chosen = set(swapped)
         modules = [m for name, m in blocks if name in chosen]

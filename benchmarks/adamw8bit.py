@@ -8,7 +8,7 @@ Two parts, each variant on a fresh model with the same initial weights:
   on the CPU: the bytes of the state tensors, inner tensors of tensor subclasses included),
   the time of ``optimizer.step()`` alone (CUDA events, median) and of a whole training step
   (forward + backward + step, to a device synchronization, median).
-* **Quality** on the small preset of ``vramkit.models.dit`` (flow-matching loss on a fixed pool
+* **Quality** on the small preset of ``vramkit.recipes.dit`` (flow-matching loss on a fixed pool
   of synthetic batches): final loss (mean of the last 20 steps) after ``--quality-steps`` steps
   for each of ``--seeds`` seeds, and its ratio to torch AdamW's.
 
@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, fill_defaults, parse_variants, write_result
 from _mlp import build_mlp
 from _timing import synchronize
-from vramkit.models.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
 from vramkit.optim.adamw8bit import AdamW8bit
+from vramkit.recipes.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
 
 HYPER = {"lr": 1e-4, "weight_decay": 0.01}
 QUALITY_LR = 1e-3

@@ -1,6 +1,6 @@
 """Quantized DiT block benchmark: LoRA training on a quantized frozen base vs the bf16 block.
 
-Part 1 (resident block): one :class:`vramkit.models.dit.DoubleStreamBlock` at Flux width (hidden
+Part 1 (resident block): one :class:`vramkit.recipes.dit.DoubleStreamBlock` at Flux width (hidden
 3072, 24 heads, MLP 4x, bf16) on ``--tokens`` tokens (default 4608 = 512 text + 4096 image
 tokens, Flux at 1024 px), rank-16 LoRA adapters on its qkv/proj layers (vramkit's ``LoRALinear``),
 trainable inputs (so backward computes input gradients through every quantized layer, as in a
@@ -45,11 +45,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, write_result
 from _timing import Timer, log
-from vramkit.demo import add_lora_adapters
-from vramkit.models.dit import DiTConfig, DoubleStreamBlock, rotary_embedding
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 from vramkit.quant import kernels
 from vramkit.quant.model import QuantizationConfig, model_bytes, quantize_model
+from vramkit.recipes.demo import add_lora_adapters
+from vramkit.recipes.dit import DiTConfig, DoubleStreamBlock, rotary_embedding
 
 STEP_TARGET = 1.10  # quantized block step time vs bf16
 # name -> QuantizationConfig kwargs (None: the bf16 baseline)

@@ -2,7 +2,7 @@
 
 For a stack of transformer blocks (bf16, hidden 3072, 24 heads, MLP 4x, SDPA; frozen base weights
 with a trainable LoRA adapter per block, so backward runs through every block) and, when
-``vramkit.models.dit`` exists, the demo DiT (frozen, trainable input), at each token count
+``vramkit.recipes.dit`` exists, the demo DiT (frozen, trainable input), at each token count
 (batch 1), each swapped fraction f (S = round(f*N) blocks swapped, ``max_gpu_blocks = N - S``)
 and checkpointing on and off, one training step (forward + backward, no optimizer) is timed with
 CUDA events (median of the measured steps after warm-up) for:
@@ -65,8 +65,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, write_result
 from _swap_models import CopyTraffic, Exchanger, TransformerStack, tokens_to_image_size
 from _timing import START, Timer, log
-from vramkit.checkpointing import disable_gradient_checkpointing, enable_gradient_checkpointing
-from vramkit.offload._blocks import find_blocks
+from vramkit.offload.blocks import find_blocks
+from vramkit.offload.checkpointing import (
+    disable_gradient_checkpointing,
+    enable_gradient_checkpointing,
+)
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 
 OVERHEAD_TARGET, BOUND_TARGET, EXCHANGE_TARGET = 1.03, 1.10, 1.25
@@ -153,7 +156,7 @@ def stack_workload(s: Settings, model: TransformerStack, tokens: int) -> Workloa
 
 def dit_workload(preset: str, tokens: int, device: torch.device) -> Workload | None:
     try:
-        from vramkit.models.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
+        from vramkit.recipes.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
     except ImportError:
         return None
     base = DiTConfig.preset(preset)
@@ -578,7 +581,7 @@ def main() -> None:
                 continue
             dit = dit_workload(s.dit, tokens, device)
             if dit is None:
-                log("vramkit.models.dit not importable: no DiT rows")
+                log("vramkit.recipes.dit not importable: no DiT rows")
                 break
             for ckpt in s.dit_checkpointing:
                 run_group(s, dit, ckpt, bandwidth, rows, emit)

@@ -65,7 +65,7 @@ def run_variant(name: str, swapped: int, gpu_optimizer: bool, args: argparse.Nam
     else:
         model.to(device)
         if args.ckpt:
-            from vramkit.checkpointing import enable_gradient_checkpointing
+            from vramkit.offload.checkpointing import enable_gradient_checkpointing
             enable_gradient_checkpointing(model)
         if gpu_optimizer:
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR,

@@ -28,7 +28,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, write_result
-from vramkit.checkpointing import enable_gradient_checkpointing
+from vramkit.offload.checkpointing import enable_gradient_checkpointing
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 
 

@@ -46,10 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, format_markdown_row, parse_variants, write_result
 from _swap_models import CopyTraffic, tokens_to_image_size
 from _timing import log
-from vramkit.checkpointing import enable_gradient_checkpointing
 from vramkit.offload import _swap_graph, _transfer
 from vramkit.offload import swap as swap_module
-from vramkit.offload._blocks import find_blocks
+from vramkit.offload.blocks import find_blocks
+from vramkit.offload.checkpointing import enable_gradient_checkpointing
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 
 PARTS = ("phases", "calls", "gc", "micro", "dma")
@@ -62,7 +62,7 @@ class Step:
     """One training step of the DiT: forward, then backward into the trainable input."""
 
     def __init__(self, preset: str, tokens: int, device: torch.device) -> None:
-        from vramkit.models.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
+        from vramkit.recipes.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
 
         base = DiTConfig.preset(preset)
         config = DiTConfig.preset(preset, image_size=tokens_to_image_size(

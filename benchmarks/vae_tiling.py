@@ -59,7 +59,7 @@ def build_vae(device: torch.device, dtype: torch.dtype, tiny: bool) -> Any:
         from diffusers import AutoencoderKL
     except ImportError as exc:
         raise SystemExit(f"this benchmark needs diffusers ({exc}); pip install diffusers") from exc
-    from tests._tiling_models import sdxl_vae_config
+    from tests.tiling._models import sdxl_vae_config
     config = sdxl_vae_config()
     if tiny:
         config.update(block_out_channels=[16, 32, 32, 32], layers_per_block=1, norm_num_groups=8)

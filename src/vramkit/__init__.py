@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from vramkit._lazy import install_moved_modules
+
 __version__ = "0.1.0"
 
 # name -> submodule that defines it. Grouped by area; __all__ is derived from it.
@@ -57,7 +59,7 @@ _export("vramkit.offload.cpu", "CPUOffloadManager", "CPUOffloadConfig", "CPUOffl
 _export("vramkit.offload.activations", "ActivationOffloader", "ActivationOffloadConfig",
         "ActivationOffloadStats", "offload_activations")
 _export("vramkit.offload.optimizer", "CPUOffloadOptimizer", "OptimizerOffloadStats")
-_export("vramkit.checkpointing", "enable_gradient_checkpointing",
+_export("vramkit.offload.checkpointing", "enable_gradient_checkpointing",
         "disable_gradient_checkpointing", "is_checkpointed", "unwrapped_forward", "checkpoint",
         "checkpoint_with_pool", "GradientCheckpointer", "SDXLGradientCheckpoint")
 
@@ -75,8 +77,8 @@ _export("vramkit.optim.config", "Int8TrainingConfig", "Int8Training", "setup_int
 # loading checkpoints, tiling, presets, OOM recovery
 _export("vramkit.io.lazy", "LazySafetensors")
 _export("vramkit.io.loader", "MemoryEfficientLoader", "LoadStats", "load_into", "stream_weights")
-_export("vramkit.tiling", "VAETiling", "TilingHandle", "SeamReport", "seam_error")
-_export("vramkit.presets", "SDXLMemoryConfig", "FluxTrainingConfig", "optimize_sdxl_memory",
+_export("vramkit.tiling.vae", "VAETiling", "TilingHandle", "SeamReport", "seam_error")
+_export("vramkit.recipes.presets", "SDXLMemoryConfig", "FluxTrainingConfig", "optimize_sdxl_memory",
         "optimize_flux_memory", "MemoryOptimization")
 _export("vramkit.memory.recovery", "is_oom_error", "classify_oom", "OomDiagnosis",
         "MemoryRecovery", "train_with_memory_recovery", "find_executable_batch_size")
@@ -85,15 +87,17 @@ _export("vramkit.memory.recovery", "is_oom_error", "classify_oom", "OomDiagnosis
 _export("vramkit.kernels.manager", "KernelManager", "CompiledKernel")
 _export("vramkit.kernels.launch", "LaunchConfig", "calculate_optimal_launch_params")
 _export("vramkit.kernels.stats", "memory_stats", "PerformanceStats", "performance_stats")
-_export("vramkit.kernels.layout", "analyze_access_pattern", "calculate_alignment")
+_export("vramkit.memory.layout", "analyze_access_pattern", "calculate_alignment")
 _export("vramkit.kernels.batch", "batch_matmul")
 _export("vramkit.devices.cuda_errors", "explain_cuda_error", "CudaErrorExplanation")
 
 # models and the demo
-_export("vramkit.models.dit", "DiT", "DiTConfig")
-_export("vramkit.demo", "run_demo", "DemoConfig", "DemoResult")
+_export("vramkit.recipes.dit", "DiT", "DiTConfig")
+_export("vramkit.recipes.demo", "run_demo", "DemoConfig", "DemoResult")
 
 __all__ = ["__version__", *_EXPORTS]
+
+install_moved_modules()
 
 
 def __getattr__(name: str) -> Any:
@@ -110,8 +114,6 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static analysers see the real definitions
-    from vramkit.checkpointing import *  # noqa: F403
-    from vramkit.demo import *  # noqa: F403
     from vramkit.devices.cuda_errors import *  # noqa: F403
     from vramkit.devices.env import *  # noqa: F403
     from vramkit.devices.info import *  # noqa: F403
@@ -125,25 +127,27 @@ if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.io.loader import *  # noqa: F403
     from vramkit.kernels.batch import *  # noqa: F403
     from vramkit.kernels.launch import *  # noqa: F403
-    from vramkit.kernels.layout import *  # noqa: F403
     from vramkit.kernels.manager import *  # noqa: F403
     from vramkit.kernels.stats import *  # noqa: F403
+    from vramkit.memory.layout import *  # noqa: F403
     from vramkit.memory.pool import *  # noqa: F403
     from vramkit.memory.profiler import *  # noqa: F403
     from vramkit.memory.recovery import *  # noqa: F403
     from vramkit.memory.stats import *  # noqa: F403
-    from vramkit.models.dit import *  # noqa: F403
     from vramkit.offload.activations import *  # noqa: F403
+    from vramkit.offload.checkpointing import *  # noqa: F403
     from vramkit.offload.cpu import *  # noqa: F403
     from vramkit.offload.optimizer import *  # noqa: F403
     from vramkit.offload.swap import *  # noqa: F403
     from vramkit.optim.adamw8bit import *  # noqa: F403
     from vramkit.optim.config import *  # noqa: F403
-    from vramkit.presets import *  # noqa: F403
     from vramkit.quant.formats import *  # noqa: F403
     from vramkit.quant.linear import *  # noqa: F403
     from vramkit.quant.model import *  # noqa: F403
     from vramkit.quant.report import *  # noqa: F403
     from vramkit.quant.serialization import *  # noqa: F403
-    from vramkit.tiling import *  # noqa: F403
+    from vramkit.recipes.demo import *  # noqa: F403
+    from vramkit.recipes.dit import *  # noqa: F403
+    from vramkit.recipes.presets import *  # noqa: F403
+    from vramkit.tiling.vae import *  # noqa: F403
     from vramkit.units import *  # noqa: F403

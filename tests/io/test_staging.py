@@ -15,7 +15,7 @@ from vramkit.io._header import TensorEntry
 from vramkit.io._staging import DeviceStager, plan_chunks
 from vramkit.io.lazy import LazySafetensors, ReadThreads
 from vramkit.memory.pool import MemoryPool
-from vramkit.offload._transfer import HostStreams, StreamOp
+from vramkit.memory.transfer import HostStreams, StreamOp
 
 
 def fake_entries(sizes: list[int], itemsize: int = 2) -> list[TensorEntry]:

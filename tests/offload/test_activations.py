@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tests.offload._helpers import FrozenBlocks
 from vramkit.errors import ConfigError, DeviceError, OffloadError
-from vramkit.offload._transfer import HostStreams, StreamOp
+from vramkit.memory.transfer import HostStreams, StreamOp
 from vramkit.offload.activations import (
     ActivationOffloadConfig,
     ActivationOffloader,

@@ -1,4 +1,4 @@
-"""Block discovery and spreading (vramkit.offload._blocks): natural ordering, automatic and named
+"""Block discovery and spreading (vramkit.offload.blocks): natural ordering, automatic and named
 block stacks, their errors, and the even spread of swapped blocks over bytes."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from vramkit.errors import ConfigError, OffloadError
-from vramkit.offload._blocks import (
+from vramkit.offload.blocks import (
     BlockScheduleEntry,
     BlockSpec,
     find_blocks,

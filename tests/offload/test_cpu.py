@@ -15,8 +15,8 @@ from torch import nn
 from tests.offload._helpers import train_offloaded
 from vramkit.errors import ConfigError, DeviceError, OffloadError, PoolExhaustedError
 from vramkit.memory.pool import MemoryPool, PoolConfig
+from vramkit.memory.transfer import HostStreams, StreamOp
 from vramkit.offload import cpu as cpu_module
-from vramkit.offload._transfer import HostStreams, StreamOp
 from vramkit.offload.cpu import CPUOffloadConfig, CPUOffloadManager, LoadHandle
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tests.offload._helpers import train_offloaded
-from vramkit.offload._transfer import transfer_streams
+from vramkit.memory.transfer import transfer_streams
 from vramkit.offload.cpu import CPUOffloadConfig, CPUOffloadManager
 
 pytestmark = pytest.mark.gpu

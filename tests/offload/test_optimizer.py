@@ -17,8 +17,8 @@ from torch import nn
 
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.memory.pool import MemoryPool
+from vramkit.memory.transfer import HostStreams
 from vramkit.offload import optimizer as offload_optimizer
-from vramkit.offload._transfer import HostStreams
 from vramkit.offload.optimizer import CPUOffloadOptimizer
 
 HYPER = {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.8, 0.95)}

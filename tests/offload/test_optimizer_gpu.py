@@ -8,7 +8,7 @@ from torch import nn
 
 from vramkit.errors import ConfigError
 from vramkit.memory.pool import MemoryPool
-from vramkit.offload._transfer import transfer_streams
+from vramkit.memory.transfer import transfer_streams
 from vramkit.offload.optimizer import CPUOffloadOptimizer
 
 pytestmark = pytest.mark.gpu

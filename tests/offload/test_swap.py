@@ -21,12 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from vramkit.checkpointing import enable_gradient_checkpointing, is_checkpointed
 from vramkit.errors import ConfigError, DeviceError, OffloadError
-from vramkit.kernels.layout import Random, Sequential, Strided
+from vramkit.memory.layout import Random, Sequential, Strided
+from vramkit.memory.transfer import HostStreams, StreamOp
 from vramkit.offload import swap as swap_module
-from vramkit.offload._blocks import BlockSpec, spread_evenly
-from vramkit.offload._transfer import HostStreams, StreamOp
+from vramkit.offload.blocks import BlockSpec, spread_evenly
+from vramkit.offload.checkpointing import enable_gradient_checkpointing, is_checkpointed
 from vramkit.offload.swap import BlockScheduleEntry, BlockSwapper, SwapConfig, SwapStats
 
 D = 32

@@ -144,7 +144,7 @@ def test_state_layout_follows_bits_and_block_size(bits: int, block_size: int) ->
 
 def test_state_bytes_per_parameter_on_a_dit() -> None:
     # A realistic mix: large Linear weights plus small biases and norm scales kept in fp32.
-    from vramkit.models.dit import DiT, DiTConfig
+    from vramkit.recipes.dit import DiT, DiTConfig
 
     config = DiTConfig.preset("base", num_double_blocks=1, num_single_blocks=1,
                               dtype="float32")

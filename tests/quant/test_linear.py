@@ -248,7 +248,7 @@ def _train(model: nn.Module, params: list[torch.Tensor], steps: int = 20) -> lis
 
 
 def test_vramkit_lora_trains_on_a_quantized_base() -> None:
-    from vramkit.demo import LoRALinear
+    from vramkit.recipes.demo import LoRALinear
 
     torch.manual_seed(0)
     model = _TinyRegressor()

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vramkit.demo import add_lora_adapters
-from vramkit.models.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
 from vramkit.offload.swap import BlockSwapper, SwapConfig, SwapStats
 from vramkit.quant.formats import Int4Config, NF4Config, QuantConfigT
 from vramkit.quant.linear import QuantizedLinear
 from vramkit.quant.model import QuantizationConfig, quantize_model
+from vramkit.recipes.demo import add_lora_adapters
+from vramkit.recipes.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
 
 
 def _config(hidden: int = 128, dtype: str = "float32") -> DiTConfig:
@@ -113,7 +113,7 @@ def test_default_threshold_swaps_the_large_packed_buffers() -> None:
         assert ("QuantizedLinear", "weight_data") in entries
         x = torch.randn(1, config.num_tokens, 256, dtype=torch.bfloat16)
         vec = torch.randn(1, 256, dtype=torch.bfloat16)
-        from vramkit.models.dit import rotary_embedding
+        from vramkit.recipes.dit import rotary_embedding
 
         rope = rotary_embedding(config.text_tokens, 4, config.head_dim)
         with torch.no_grad():

@@ -5,7 +5,7 @@
 the budget, trains LoRA adapters of a DiT under it with a progress bar, then prints what was
 swapped and checkpointed, the peak memory against the budget, the step time against the same
 model fully resident, the loss, and where the profile report went. The work is done by
-:func:`vramkit.demo.run_demo`; this module parses arguments and prints.
+:func:`vramkit.recipes.demo.run_demo`; this module parses arguments and prints.
 """
 
 from __future__ import annotations
@@ -62,12 +62,12 @@ def _positive_int(option: str, text: str | None) -> int | None:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    """The :class:`vramkit.demo.DemoConfig` of parsed arguments.
+    """The :class:`vramkit.recipes.demo.DemoConfig` of parsed arguments.
 
     Raises:
         ConfigError: for a bad --budget, --model-size, --steps or --batch-size.
     """
-    from vramkit.demo import DEFAULT_REPORT, DemoConfig
+    from vramkit.recipes.demo import DEFAULT_REPORT, DemoConfig
 
     return DemoConfig(
         budget=args.budget, model_size=args.model_size,
@@ -80,7 +80,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     """Plan, train, and print the results; returns the exit code."""
     from vramkit.cli._output import print_json
-    from vramkit.demo import plan_demo, run_demo
+    from vramkit.recipes.demo import plan_demo, run_demo
 
     config = config_from_args(args)
     plan = plan_demo(config)
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 class _ProgressBar:
-    """A transient rich progress bar fed by :class:`vramkit.demo.DemoProgress` reports."""
+    """A transient rich progress bar fed by :class:`vramkit.recipes.demo.DemoProgress` reports."""
 
     def __init__(self, con: Any) -> None:
         from rich.progress import (

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import IO, TYPE_CHECKING, Any, cast
 
-from vramkit._fields import check_known_fields
+from vramkit._validate import check_known_fields
 from vramkit.devices._runtime import cuda_initialized
 from vramkit.devices.info import DeviceCapabilities, DeviceInfo, DeviceType
 from vramkit.devices.jax_backend import (

@@ -7,7 +7,7 @@ The checkpoint's bytes (the wanted tensors, in file order) are cut into chunks o
    buffer's previous copies -- the only host wait in the loop);
 2. read the chunk's bytes into the pinned buffer (split across reader threads);
 3. enqueue the host->device copies on the shared copy stream
-   (:func:`vramkit.offload._transfer.transfer_streams`), so they run while the next chunk is
+   (:func:`vramkit.memory.transfer.transfer_streams`), so they run while the next chunk is
    read into the other buffer; when a tensor's stored dtype differs from the one wanted, the
    bytes land in a device scratch buffer and are converted into the tensor by a kernel on the
    same stream (conversion on the GPU, in chunk-sized pieces);
@@ -17,7 +17,7 @@ The checkpoint's bytes (the wanted tensors, in file order) are cut into chunks o
 
 Destinations are allocated on the caller's stream, and the copy stream waits for that stream
 before writing into them, so memory the caching allocator recycled is never overwritten early.
-On the CPU the same code runs on :class:`~vramkit.offload._transfer.HostStreams` (copies happen
+On the CPU the same code runs on :class:`~vramkit.memory.transfer.HostStreams` (copies happen
 at once), which is how the pipeline is unit-tested without a GPU.
 """
 
@@ -34,9 +34,9 @@ import torch
 from vramkit.errors import ConfigError
 from vramkit.io._header import TensorEntry
 from vramkit.io.lazy import LazySafetensors, ReadThreads
-from vramkit.kernels.layout import align_up, calculate_alignment
+from vramkit.memory.layout import align_up, calculate_alignment
 from vramkit.memory.pool import Block, MemoryPool
-from vramkit.offload._transfer import Streams
+from vramkit.memory.transfer import Streams
 
 __all__ = ["DeviceStager", "Piece", "plan_chunks"]
 

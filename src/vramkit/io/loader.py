@@ -329,7 +329,7 @@ class MemoryEfficientLoader:
                        deliver: Callable[[str, torch.Tensor], Any], threads: ReadThreads,
                        advance: Callable[[int], None]) -> tuple[int, int, int, int]:
         from vramkit.io._staging import DeviceStager
-        from vramkit.offload._transfer import resolve_offload_device, transfer_streams
+        from vramkit.memory.transfer import resolve_offload_device, transfer_streams
 
         device = resolve_offload_device(self.device, "MemoryEfficientLoader")
         count = 0

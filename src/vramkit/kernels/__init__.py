@@ -7,7 +7,7 @@
   :func:`calculate_optimal_launch_params` for tiled matrix kernels.
 * :mod:`vramkit.kernels.stats`: :func:`memory_stats` and the process-wide
   :class:`PerformanceStats` (kernel launches, GPU time, bytes moved host<->device).
-* :mod:`vramkit.kernels.layout`: access-pattern analysis and alignment for flat buffers.
+* :mod:`vramkit.memory.layout`: access-pattern analysis and alignment for flat buffers.
 * :mod:`vramkit.kernels.batch`: :func:`batch_matmul`, one batched matmul per shape group.
 * :mod:`vramkit.kernels.examples`: example CUDA C sources (an element-wise ReLU and the tiled
   matmul that :func:`calculate_optimal_launch_params` sizes).

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from types import TracebackType
 from typing import Any
 
-from vramkit._fields import check_known_fields
+from vramkit._validate import check_known_fields
 from vramkit.errors import ConfigError
 from vramkit.memory.leaks import format_frames, python_stack
 from vramkit.units import format_size, parse_size

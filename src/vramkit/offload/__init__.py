@@ -3,5 +3,5 @@
 :mod:`vramkit.offload.swap` (BlockSwapper), :mod:`vramkit.offload.cpu` (CPUOffloadManager),
 :mod:`vramkit.offload.activations` (activation offload) and :mod:`vramkit.offload.optimizer`
 (CPU-offloaded optimizer) share one host->device and one device->host copy stream per GPU
-(:mod:`vramkit.offload._transfer`).
+(:mod:`vramkit.memory.transfer`).
 """

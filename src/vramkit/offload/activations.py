@@ -32,7 +32,7 @@ dwarf the weights. :class:`ActivationOffloader` installs a
   second backward (``retain_graph=True``) can reload it.
 
 Nothing on these paths synchronizes the host with the GPU. All copies go through the process-wide
-streams of :func:`~vramkit.offload._transfer.transfer_streams`, the ones the block swapper uses,
+streams of :func:`~vramkit.memory.transfer.transfer_streams`, the ones the block swapper uses,
 so activation traffic and weight swaps share one copy queue per direction (the PCIe budget).
 
 What stays on the device (counted in :meth:`ActivationOffloader.stats`): parameters and views of
@@ -57,7 +57,7 @@ Composition:
   with ``save_for_backward``) by this class. Both use the same copy streams.
 
 On a CPU device (``device="cpu"``) everything runs the same way with synchronous copies
-(:class:`~vramkit.offload._transfer.HostStreams`) into a plain host pool. That saves no memory --
+(:class:`~vramkit.memory.transfer.HostStreams`) into a plain host pool. That saves no memory --
 the tensors were on the host already -- and exists to exercise the mechanics (ordering,
 deduplication, pool reuse, caps) without a GPU. ``device=None`` means the current CUDA device and
 raises :class:`~vramkit.errors.DeviceError` when CUDA is unavailable.
@@ -88,7 +88,7 @@ from torch import nn
 
 from vramkit.errors import ConfigError, DeviceError, OffloadError, PoolExhaustedError
 from vramkit.memory.pool import Block, MemoryPool, PoolConfig
-from vramkit.offload._transfer import Streams, resolve_offload_device, transfer_streams
+from vramkit.memory.transfer import Streams, resolve_offload_device, transfer_streams
 from vramkit.units import format_size, parse_size
 
 __all__ = [

@@ -19,7 +19,7 @@ How it works:
   way: the dict's tensor objects are the ones repointed (a ``model.state_dict()`` holds aliases
   of the model's storage, so offloading it releases nothing while the model lives).
 * **Loads.** :meth:`~CPUOffloadManager.load_to_gpu` allocates the device copies on the shared
-  host->device copy stream (:func:`vramkit.offload._transfer.transfer_streams`), copies
+  host->device copy stream (:func:`vramkit.memory.transfer.transfer_streams`), copies
   non-blocking from the pinned masters, records one event, and either makes the *current*
   stream wait on it (on the GPU; no host synchronization) or hands it back in a
   :class:`LoadHandle` so the caller can overlap the copy with compute.
@@ -65,10 +65,10 @@ import torch
 from torch import nn
 
 from vramkit.errors import ConfigError, OffloadError
-from vramkit.kernels.layout import aligned_offsets
+from vramkit.memory.layout import aligned_offsets
 from vramkit.memory.pool import Block, MemoryPool, PoolConfig
+from vramkit.memory.transfer import Streams, resolve_offload_device, transfer_streams
 from vramkit.offload._state_dict import MasterTensor, install_master_hooks
-from vramkit.offload._transfer import Streams, resolve_offload_device, transfer_streams
 from vramkit.units import format_size, parse_size
 
 __all__ = ["CPUOffloadConfig", "CPUOffloadManager", "CPUOffloadStats", "LoadHandle"]

@@ -7,7 +7,7 @@ never touch the GPU. What happens in one training step:
 
 1. **Backward** (``offload_gradients=True``): when a parameter's gradient is final, a
    ``post_accumulate_grad`` hook enqueues a device->host copy of it into a pinned staging buffer on
-   the shared d2h copy stream (:func:`vramkit.offload._transfer.transfer_streams`; the copy waits,
+   the shared d2h copy stream (:func:`vramkit.memory.transfer.transfer_streams`; the copy waits,
    on the GPU, for the stream that produced the gradient) and drops the GPU gradient at once, so
    gradients never pile up on the GPU. A worker thread waits for each copy's event (on the worker,
    never on the main or autograd thread), converts the gradient to fp32 and -- with
@@ -35,7 +35,7 @@ Modes:
 Parameters already on the host are supported too (the block swapper keeps swapped trainable
 weights as host masters): an fp32 host parameter is its own master and is stepped in place with
 its own ``.grad`` (no copies); a 16-bit host parameter gets an fp32 master like a GPU one, through
-the same code path (on the CPU the "streams" are :class:`~vramkit.offload._transfer.HostStreams`,
+the same code path (on the CPU the "streams" are :class:`~vramkit.memory.transfer.HostStreams`,
 which copy at once) -- which is how this module is unit-tested without a GPU.
 
 Compared against: torchao's ``CPUOffloadOptimizer`` (one inner optimizer per parameter, CPU step
@@ -62,7 +62,7 @@ import torch
 
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.memory.pool import Block, MemoryPool, PoolConfig
-from vramkit.offload._transfer import Streams, transfer_streams
+from vramkit.memory.transfer import Streams, transfer_streams
 
 __all__ = ["CPUOffloadOptimizer", "OptimizerOffloadStats"]
 

@@ -1,7 +1,7 @@
 """BlockSwapper: train and run models whose blocks do not all fit on the GPU.
 
 Swap units are *blocks* (transformer blocks, UNet stages; found by
-:func:`vramkit.offload._blocks.find_blocks`). The schedule keeps some blocks resident on the GPU
+:func:`vramkit.offload.blocks.find_blocks`). The schedule keeps some blocks resident on the GPU
 and swaps the others, spread evenly by bytes so resident compute hides the swapped blocks'
 transfers. How a swapped block moves:
 
@@ -13,7 +13,7 @@ transfers. How a swapped block moves:
   :class:`~vramkit.memory.pool.MemoryPool` and sized to the largest swapped block. Nothing is
   allocated per swap.
 * **One copy stream** (the device's shared host->device stream,
-  :func:`vramkit.offload._transfer.transfer_streams`) fills a slot after the slot's *free* event
+  :func:`vramkit.memory.transfer.transfer_streams`) fills a slot after the slot's *free* event
   (recorded on the compute stream when the previous block using it finished); the compute stream
   waits on the slot's *loaded* event. No host synchronization in steady state.
 * **Frozen weights move host->device only**: eviction is a pointer repoint (the block's
@@ -58,7 +58,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.hooks import RemovableHandle
 
 from vramkit.errors import ConfigError, OffloadError
-from vramkit.kernels.layout import (
+from vramkit.memory.layout import (
     Random,
     Sequential,
     Strided,
@@ -67,15 +67,8 @@ from vramkit.kernels.layout import (
     calculate_alignment,
 )
 from vramkit.memory.pool import MemoryPool, PoolConfig
+from vramkit.memory.transfer import Streams, resolve_offload_device, transfer_streams
 from vramkit.offload import _tree
-from vramkit.offload._blocks import (
-    BlockScheduleEntry,
-    BlockSpec,
-    find_blocks,
-    module_bytes,
-    natural_key,
-    spread_evenly,
-)
 from vramkit.offload._state_dict import install_swap_hooks
 from vramkit.offload._swap_function import BlockCall, SwapBlockFunction, WeightRef
 from vramkit.offload._swap_graph import (
@@ -85,7 +78,14 @@ from vramkit.offload._swap_graph import (
     exit_block,
     hook_outputs,
 )
-from vramkit.offload._transfer import Streams, resolve_offload_device, transfer_streams
+from vramkit.offload.blocks import (
+    BlockScheduleEntry,
+    BlockSpec,
+    find_blocks,
+    module_bytes,
+    natural_key,
+    spread_evenly,
+)
 from vramkit.units import format_size, parse_size
 
 __all__ = ["BlockScheduleEntry", "BlockSwapper", "SwapConfig", "SwapStats"]
@@ -116,7 +116,7 @@ class SwapConfig:
             block on demand.
         checkpointing: recompute swapped blocks in backward instead of keeping their
             activations. ``None`` (default) follows the blocks:
-            :func:`vramkit.checkpointing.enable_gradient_checkpointing` marks them.
+            :func:`vramkit.offload.checkpointing.enable_gradient_checkpointing` marks them.
         min_param_bytes: tensors smaller than this stay resident (norms, biases, modulation
             tables). Default 64 KiB.
         swap_buffers: swap large buffers as well as parameters (default ``True``). Swapped
@@ -198,7 +198,7 @@ class SwapStats:
         enqueue_seconds: host time spent in acquire/release (enqueuing copies and events).
         acquisitions: blocks acquired (forward and backward).
         order_pattern: how the learnt forward order walks the swapped blocks' model positions
-            (:func:`vramkit.kernels.layout.analyze_access_pattern`): ``Sequential()`` for a
+            (:func:`vramkit.memory.layout.analyze_access_pattern`): ``Sequential()`` for a
             plain front-to-back stack, ``Strided``/``Random`` when blocks are called out of
             their container order (prefetch follows the learnt order either way).
     """
@@ -1202,7 +1202,7 @@ def _as_specs(blocks: Sequence[BlockSpec | tuple[str, int] | nn.Module | str]) -
 def _unwrapped_forward(module: nn.Module) -> tuple[Callable[..., Any], bool]:
     """The forward to run for a block and whether vramkit checkpointing had marked it."""
     try:
-        from vramkit.checkpointing import is_checkpointed, unwrapped_forward
+        from vramkit.offload.checkpointing import is_checkpointed, unwrapped_forward
     except ImportError:  # checkpointing is optional for the swapper
         return module.forward, False
     if is_checkpointed(module):

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vramkit._fields import check_known_fields
+from vramkit._validate import check_known_fields
 from vramkit.errors import ConfigError
 from vramkit.optim.adamw8bit import AdamW8bit
 

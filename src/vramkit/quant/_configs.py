@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal, TypeAlias
 
-from vramkit._fields import check_known_fields
+from vramkit._validate import check_known_fields
 from vramkit.errors import ConfigError
 
 __all__ = [

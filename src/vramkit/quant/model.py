@@ -12,7 +12,7 @@ module called ``proj``. For a state dict the module name of ``"a.b.weight"`` is 
 
 Order with adapters: quantize first, then attach LoRA (peft's ``lora_A``/``lora_B`` are
 ``nn.Linear`` and would otherwise be quantized too, unless listed, e.g. ``"*lora_*"``).
-vramkit's :class:`~vramkit.demo.LoRALinear` keeps its adapters as plain parameters, so a model
+vramkit's :class:`~vramkit.recipes.demo.LoRALinear` keeps its adapters as plain parameters, so a model
 with those adapters may be quantized afterwards: its base layers are replaced.
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vramkit._fields import check_known_fields
+from vramkit._validate import check_known_fields
 from vramkit.errors import ConfigError, QuantizationError
 from vramkit.quant.formats import (
     FP8Config,

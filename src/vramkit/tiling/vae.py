@@ -11,7 +11,7 @@ Two modes:
   from the untiled one, most near seams (:meth:`VAETiling.seam_report` measures it).
 * **Exact** (``exact_groupnorm=True``): GroupNorm layers use the statistics of the whole image,
   merged across tiles with Chan's formula, so the result equals the untiled decode up to
-  rounding. Needs a diffusers ``AutoencoderKL``-style model (see :mod:`vramkit._tiling_exact`).
+  rounding. Needs a diffusers ``AutoencoderKL``-style model (see :mod:`vramkit.tiling._exact`).
 
 Sizes: ``tile_size`` and ``overlap`` are in OUTPUT pixels for decode (image pixels) and in INPUT
 pixels for encode (image pixels too), so one config means the same image-space tiles both ways.
@@ -34,8 +34,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from vramkit import _tiling_exact as exact
-from vramkit._tiling_exact import (
+from vramkit.errors import ConfigError, VramkitError
+from vramkit.tiling import _exact as exact
+from vramkit.tiling._exact import (
     ChunkedAttnProcessor,
     ExactRunStats,
     GroupStats,
@@ -46,7 +47,6 @@ from vramkit._tiling_exact import (
     release_host_buffers,
     use_chunked_attention,
 )
-from vramkit.errors import ConfigError, VramkitError
 from vramkit.units import parse_size
 
 __all__ = [

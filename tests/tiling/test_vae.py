@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests._tiling_models import one_torch_thread, tiny_vae
+from tests.tiling._models import one_torch_thread, tiny_vae
 from vramkit.errors import ConfigError, VramkitError
 from vramkit.tiling import (
     SeamReport,

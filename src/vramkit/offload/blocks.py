@@ -1,7 +1,7 @@
 """Finding a model's repeated blocks and choosing which of them to swap.
 
 Shared by :class:`vramkit.offload.swap.BlockSwapper` and
-:func:`vramkit.checkpointing.enable_gradient_checkpointing`: both work on *blocks*, the repeated
+:func:`vramkit.offload.checkpointing.enable_gradient_checkpointing`: both work on *blocks*, the repeated
 units of a network (transformer blocks, UNet stages) that sit in ``nn.ModuleList`` or
 ``nn.Sequential`` containers.
 """

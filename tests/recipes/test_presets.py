@@ -1,4 +1,4 @@
-"""Tests of vramkit.presets: each SDXL/Flux option takes effect on tiny diffusers models (CPU).
+"""Tests of vramkit.recipes.presets: each SDXL/Flux option takes effect on tiny diffusers models (CPU).
 
 Models are built from reduced configs with random weights (no downloads). diffusers and peft are
 test extras: the module is skipped without them. Options that need modules written elsewhere
@@ -13,9 +13,9 @@ import types
 import pytest
 import torch
 
-from vramkit.checkpointing import is_checkpointed
 from vramkit.errors import ConfigError
-from vramkit.presets import (
+from vramkit.offload.checkpointing import is_checkpointed
+from vramkit.recipes.presets import (
     FluxTrainingConfig,
     SDXLMemoryConfig,
     optimize_flux_memory,

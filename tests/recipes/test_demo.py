@@ -1,4 +1,4 @@
-"""`vramkit.demo`: configuration checks, the memory plan, and short CPU runs of the demo."""
+"""`vramkit.recipes.demo`: configuration checks, the memory plan, and short CPU runs of the demo."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vramkit.demo import (
+from vramkit.errors import ConfigError
+from vramkit.recipes.demo import (
     DemoConfig,
     DemoProgress,
     LoRALinear,
@@ -19,8 +20,7 @@ from vramkit.demo import (
     plan_demo,
     run_demo,
 )
-from vramkit.errors import ConfigError
-from vramkit.models.dit import DiT, DiTConfig, synthetic_batch
+from vramkit.recipes.dit import DiT, DiTConfig, synthetic_batch
 
 TINY = dict(model_size="tiny", device="cpu", report=None)
 

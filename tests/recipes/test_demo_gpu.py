@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from vramkit.demo import DemoConfig, plan_demo, run_demo
 from vramkit.errors import ConfigError
+from vramkit.recipes.demo import DemoConfig, plan_demo, run_demo
 
 pytestmark = pytest.mark.gpu
 

@@ -1,7 +1,7 @@
 """Exact tiled VAE decode/encode: GroupNorm statistics over the whole image, merged across tiles.
 
 Private implementation of ``VAETiling(exact_groupnorm=True)`` (public names live in
-:mod:`vramkit.tiling`).
+:mod:`vramkit.tiling.vae`).
 
 Why layer by layer: every GroupNorm needs the mean and variance of its whole input, so it is a
 global barrier. In a diffusers ``Decoder``/``Encoder`` there is exactly one convolution between

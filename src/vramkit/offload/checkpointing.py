@@ -31,8 +31,8 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from vramkit.errors import ConfigError, DeviceMismatchError, InvalidBlockError
 from vramkit.memory.pool import Block, MemoryPool
-from vramkit.offload._blocks import find_blocks
-from vramkit.offload._transfer import transfer_streams
+from vramkit.memory.transfer import transfer_streams
+from vramkit.offload.blocks import find_blocks
 
 __all__ = [
     "SDXL_CHECKPOINT_BLOCKS",
@@ -180,7 +180,7 @@ def enable_gradient_checkpointing(model: nn.Module, blocks: str | Sequence[str] 
     Args:
         model: the model.
         blocks: ``"auto"`` (default) finds the repeated blocks as the block swapper does
-            (:func:`vramkit.offload._blocks.find_blocks`); otherwise a sequence of module names
+            (:func:`vramkit.offload.blocks.find_blocks`); otherwise a sequence of module names
             or ``fnmatch`` patterns (a container's name means its children).
         every_n: checkpoint blocks ``0, n, 2n, ...`` of the execution order (default ``1``: all).
             Larger values keep more activations and recompute less.
@@ -493,7 +493,7 @@ def checkpoint_with_pool(fn: Callable[..., Any], *inputs: Any, pool: MemoryPool,
       in the arena until autograd releases it (after the block's backward, or when the graph is
       dropped);
     * a pinned host pool with CUDA inputs: the inputs go device->host on the shared copy stream
-      (:func:`vramkit.offload._transfer.transfer_streams`), so the GPU copy can be freed; in
+      (:func:`vramkit.memory.transfer.transfer_streams`), so the GPU copy can be freed; in
       backward they come back host->device on the copy stream and the compute stream waits for
       them on the GPU (no host sync). The host block is freed when autograd releases the saved
       input (kept until then so ``retain_graph=True`` can run backward again).

@@ -17,7 +17,7 @@ Flux family:
 - a final adaLN layer and ``Linear`` map tokens back to patches, which are folded back to latents.
 
 The repeated blocks sit in ``double_blocks`` and ``single_blocks`` (``nn.ModuleList``), so
-:func:`vramkit.offload._blocks.find_blocks` finds them in execution order. Nearly all bytes of a
+:func:`vramkit.offload.blocks.find_blocks` finds them in execution order. Nearly all bytes of a
 block are in large ``Linear`` weights; the only other parameters are the q/k RMSNorm scales.
 
 Example:
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vramkit._fields import check_known_fields
+from vramkit._validate import check_known_fields
 from vramkit.errors import ConfigError
 from vramkit.units import format_size, parse_size
 

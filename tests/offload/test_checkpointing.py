@@ -1,4 +1,4 @@
-"""Tests of vramkit.checkpointing: block checkpointing, generic checkpoint, the seed checkpointer
+"""Tests of vramkit.offload.checkpointing: block checkpointing, generic checkpoint, the seed checkpointer
 and checkpoint_with_pool."""
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from vramkit.checkpointing import (
+from vramkit.errors import ConfigError, DeviceMismatchError, OffloadError, PoolExhaustedError
+from vramkit.memory.pool import MemoryPool, PoolConfig
+from vramkit.offload.blocks import find_blocks
+from vramkit.offload.checkpointing import (
     SDXL_CHECKPOINT_BLOCKS,
     GradientCheckpointer,
     SDXLGradientCheckpoint,
@@ -24,9 +27,6 @@ from vramkit.checkpointing import (
     is_checkpointed,
     unwrapped_forward,
 )
-from vramkit.errors import ConfigError, DeviceMismatchError, OffloadError, PoolExhaustedError
-from vramkit.memory.pool import MemoryPool, PoolConfig
-from vramkit.offload._blocks import find_blocks
 
 # --------------------------------------------------------------------------------------------
 # Models

@@ -1,4 +1,4 @@
-"""vramkit._fields: the shared unknown-key check of config ``from_dict`` methods."""
+"""vramkit._validate: the shared unknown-key check of config ``from_dict`` methods."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from vramkit._fields import check_known_fields
+from vramkit._validate import check_known_fields
 from vramkit.errors import ConfigError
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests._tiling_models import sdxl_vae_config, tiny_vae
+from tests.tiling._models import sdxl_vae_config, tiny_vae
 from vramkit.tiling import (
     VAETiling,
     chunked_attention,

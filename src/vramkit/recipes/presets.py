@@ -4,7 +4,7 @@ Two frozen configs and one verb each:
 
 * :class:`SDXLMemoryConfig` + :func:`optimize_sdxl_memory` (a diffusers SDXL pipeline, or its
   ``unet`` / ``vae`` given as a mapping or as modules): gradient checkpointing of the UNet's
-  resnet and attention blocks (:func:`vramkit.checkpointing.enable_gradient_checkpointing`),
+  resnet and attention blocks (:func:`vramkit.offload.checkpointing.enable_gradient_checkpointing`),
   attention slicing (diffusers' ``set_attention_slice``), VAE tiling
   (:class:`vramkit.tiling.VAETiling` attached to the VAE) and CPU offload of the UNet's blocks
   through the block swapper (:class:`vramkit.offload.swap.BlockSwapper`).
@@ -336,7 +336,7 @@ def optimize_sdxl_memory(config: SDXLMemoryConfig, pipeline_or_modules: Any, *,
         raise ConfigError("vae_tiling needs a VAE, but none was given")
     try:
         if config.enable_gradient_checkpointing:
-            from vramkit.checkpointing import (
+            from vramkit.offload.checkpointing import (
                 disable_gradient_checkpointing,
                 enable_gradient_checkpointing,
             )
@@ -351,7 +351,7 @@ def optimize_sdxl_memory(config: SDXLMemoryConfig, pipeline_or_modules: Any, *,
             handle._record("attention_slicing", f"slice size {size!r}",
                            lambda: unet.set_attn_processor(previous))
         if config.vae_tiling:
-            from vramkit.tiling import VAETiling
+            from vramkit.tiling.vae import VAETiling
 
             tiling = VAETiling(tile_size=config.vae_tile_size, overlap=config.vae_tile_overlap)
             handle.vae_tiling = tiling.attach(vae)
@@ -540,7 +540,7 @@ def optimize_flux_memory(config: FluxTrainingConfig, model_or_pipeline: Any, *,
             handle._record("quantize_base_model", f"frozen Linear weights in "
                                                   f"{config.base_model_format}")
         if config.gradient_checkpointing:
-            from vramkit.checkpointing import (
+            from vramkit.offload.checkpointing import (
                 disable_gradient_checkpointing,
                 enable_gradient_checkpointing,
             )
@@ -549,7 +549,7 @@ def optimize_flux_memory(config: FluxTrainingConfig, model_or_pipeline: Any, *,
             handle._record("gradient_checkpointing", f"{len(names)} blocks",
                            lambda: disable_gradient_checkpointing(model))
         if config.blocks_to_swap:
-            from vramkit.offload._blocks import find_blocks
+            from vramkit.offload.blocks import find_blocks
             from vramkit.offload.swap import BlockSwapper, SwapConfig
 
             count = len(find_blocks(model))

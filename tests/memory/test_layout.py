@@ -10,7 +10,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from vramkit.errors import ConfigError
-from vramkit.kernels.layout import (
+from vramkit.memory.layout import (
     Random,
     Sequential,
     Strided,

@@ -3,7 +3,7 @@
 What it does, in order:
 
 1. **Choose a configuration.** On a GPU (default when one is visible) the budget is 4 GiB (at
-   most half of the free memory) and the model is a bfloat16 :class:`~vramkit.models.dit.DiT`
+   most half of the free memory) and the model is a bfloat16 :class:`~vramkit.recipes.dit.DiT`
    of about 1.5x the budget, trained at 1024 image tokens. On a CPU the model is the ``small``
    preset in float32 and the budget is *simulated*: nothing enforces it, the planned device
    bytes are compared against it.
@@ -49,7 +49,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from vramkit.errors import ConfigError, OffloadError
-from vramkit.models.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
+from vramkit.recipes.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
 from vramkit.units import format_size, parse_size
 
 __all__ = [
@@ -355,7 +355,7 @@ def _model_config(config: DemoConfig, device: torch.device, budget: int | None) 
 
 
 def _block_names(model: nn.Module) -> list[str]:
-    from vramkit.offload._blocks import find_blocks
+    from vramkit.offload.blocks import find_blocks
 
     return [name for name, _ in find_blocks(model)]
 
@@ -848,7 +848,7 @@ def run_demo(config: DemoConfig | None = None, *, plan: DemoPlan | None = None,
         ConfigError: see :func:`plan_demo`.
         OffloadError: when the swapped run runs out of memory under the budget.
     """
-    from vramkit.checkpointing import enable_gradient_checkpointing
+    from vramkit.offload.checkpointing import enable_gradient_checkpointing
     from vramkit.offload.swap import BlockSwapper, SwapConfig
 
     config = config or DemoConfig()

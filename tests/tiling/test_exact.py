@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from tests._tiling_models import one_torch_thread, tiny_vae
+from tests.tiling._models import one_torch_thread, tiny_vae
 from vramkit.errors import ConfigError
 from vramkit.tiling import (
     ChunkedAttnProcessor,
@@ -225,7 +225,7 @@ def test_exact_stats_add_up(vae: Any, latents: torch.Tensor, storage: str) -> No
 
 
 def test_host_buffers_are_reused_best_fit(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vramkit import _tiling_exact as impl
+    from vramkit.tiling import _exact as impl
 
     class FakePinnedPool:
         def tensor(self, shape: tuple[int], dtype: torch.dtype) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The shared copy streams (vramkit.offload._transfer): the host stand-in and its log, the
+"""The shared copy streams (vramkit.memory.transfer): the host stand-in and its log, the
 process-wide registry, and (on a GPU) real streams and events."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vramkit.offload._transfer import (
+from vramkit.memory.transfer import (
     CudaStreams,
     HostStreams,
     StreamOp,

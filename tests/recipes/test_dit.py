@@ -1,4 +1,4 @@
-"""Tests of the shipped diffusion transformer (vramkit.models.dit)."""
+"""Tests of the shipped diffusion transformer (vramkit.recipes.dit)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from vramkit.errors import ConfigError
-from vramkit.models.dit import (
+from vramkit.offload.blocks import find_blocks
+from vramkit.recipes.dit import (
     DiT,
     DiTConfig,
     DoubleStreamBlock,
@@ -20,7 +21,6 @@ from vramkit.models.dit import (
     rotary_embedding,
     synthetic_batch,
 )
-from vramkit.offload._blocks import find_blocks
 
 TINY = DiTConfig.preset("tiny")
 
@@ -343,7 +343,7 @@ def test_for_bytes_grows_with_the_target_and_honours_dtype_and_overrides() -> No
 
 
 def test_importing_the_model_does_not_initialize_cuda() -> None:
-    probe = ("import torch, vramkit.models.dit as d; d.DiT(d.DiTConfig.preset('tiny')); "
+    probe = ("import torch, vramkit.recipes.dit as d; d.DiT(d.DiTConfig.preset('tiny')); "
              "print(torch.cuda.is_initialized())")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                             check=True, timeout=120)

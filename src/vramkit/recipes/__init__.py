@@ -1,0 +1,26 @@
+"""Recipes built from the floors below: the demo job, memory presets, and the demo model.
+
+* :mod:`vramkit.recipes.demo`: what ``vramkit demo`` runs (plan, LoRA-train a DiT larger than a
+  budget under swapping and checkpointing, compare with the resident model).
+* :mod:`vramkit.recipes.presets`: SDXL and Flux memory presets and the verbs that apply them.
+* :mod:`vramkit.recipes.dit`: a Flux-style diffusion transformer with random weights, for the demo
+  and the benchmarks (no downloads). It is not re-exported from :mod:`vramkit`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vramkit._lazy import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    ".demo": ("run_demo", "plan_demo", "DemoConfig", "DemoPlan", "DemoResult"),
+    ".presets": ("SDXLMemoryConfig", "FluxTrainingConfig", "optimize_sdxl_memory",
+                 "optimize_flux_memory", "MemoryOptimization"),
+    ".dit": ("DiT", "DiTConfig", "synthetic_batch", "flow_matching_loss"),
+})
+
+if TYPE_CHECKING:  # static analysers see the real definitions
+    from vramkit.recipes.demo import *  # noqa: F403
+    from vramkit.recipes.dit import *  # noqa: F403
+    from vramkit.recipes.presets import *  # noqa: F403

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
+from vramkit.devices.ids import is_full_uuid, normalize_pci_bus_id, normalize_uuid
 from vramkit.errors import ConfigError, JaxUnavailableError
 
 if TYPE_CHECKING:
@@ -130,38 +131,6 @@ class DeviceDetector(Protocol):
 # UUIDs
 
 
-_HEX32 = re.compile(r"^[0-9a-f]{32}$")
-
-
-def normalize_uuid(value: object) -> str:
-    """The join key of a GPU or MIG UUID: 8-4-4-4-12 lower-case hex, no ``GPU-``/``MIG-`` prefix.
-
-    Accepts NVML's ``"GPU-8932f937-..."`` and ``"MIG-..."``, torch's ``props.uuid`` (a ``_CUuuid``
-    whose ``str`` has no prefix and whose ``bytes`` is a list of 16 ints), 16 raw ``bytes``, and
-    bare hex with or without dashes.
-    Text that is not a 128-bit UUID (the legacy ``"MIG-GPU-<uuid>/gi/ci"``) comes back lower-cased
-    and otherwise unchanged.
-
-    Args:
-        value: the UUID in any of those forms.
-
-    Returns:
-        The normalized UUID string.
-    """
-    raw = getattr(value, "bytes", value)
-    if (isinstance(raw, (list, tuple)) and len(raw) == 16
-            and all(isinstance(b, int) and 0 <= b < 256 for b in raw)):
-        raw = bytes(raw)  # torch's _CUuuid.bytes is a list of 16 ints
-    if isinstance(raw, (bytes, bytearray)) and len(raw) == 16:
-        digits = bytes(raw).hex()
-    else:
-        text = str(value).strip().lower()
-        if text.startswith(("gpu-", "mig-")) and not text.startswith("mig-gpu-"):
-            text = text[4:]
-        digits = text.replace("-", "")
-        if not _HEX32.match(digits):
-            return text
-    return f"{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:]}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -356,7 +325,7 @@ def _torch_uuid(props: Any) -> str | None:
     if uuid is None:
         return None
     key = normalize_uuid(uuid)
-    return key if _HEX32.match(key.replace("-", "")) else None
+    return key if is_full_uuid(key) else None
 
 
 def _torch_pci_bus_id(props: Any) -> str | None:
@@ -514,8 +483,6 @@ def _attach_jax_ids(infos: list[DeviceInfo]) -> list[DeviceInfo]:
     for dev in jax_devices:
         # JAX has no UUID; prefer its PCI bus id when this jaxlib reports one, else its local
         # hardware id, which is the CUDA ordinal (JAX honours CUDA_VISIBLE_DEVICES the same way).
-        from vramkit.devices.nvml import normalize_pci_bus_id
-
         bus = normalize_pci_bus_id(getattr(dev, "pci_bus_id", None) or None)
         position = by_bus.get(bus) if bus else None
         if position is None:

@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from vramkit.devices.ids import normalize_pci_bus_id, normalize_uuid
+
 __all__ = [
     "NvmlDevice",
     "NvmlProcess",
@@ -157,8 +159,6 @@ class NvmlSnapshot:
 
     def by_uuid(self, uuid: str) -> NvmlDevice | None:
         """The GPU or MIG instance whose UUID matches ``uuid`` (any form), else ``None``."""
-        from vramkit.devices.info import normalize_uuid
-
         key = normalize_uuid(uuid)
         for dev in self.all_devices():
             if normalize_uuid(dev.uuid) == key:
@@ -166,30 +166,6 @@ class NvmlSnapshot:
         return None
 
 
-def normalize_pci_bus_id(bus_id: str | bytes | None) -> str | None:
-    """Canonical PCI bus id: 8 hex digits of domain, lower case (``"00000000:3b:00.0"``).
-
-    NVML gives ``"00000000:3B:00.0"``, the CUDA runtime ``"0000:3b:00.0"``; both map to the same
-    string here so that they compare equal.
-
-    Args:
-        bus_id: a bus id in NVML or CUDA form, bytes or str, or ``None``.
-
-    Returns:
-        The canonical form, or ``None`` for ``None``/empty input.
-    """
-    if bus_id is None:
-        return None
-    if isinstance(bus_id, bytes):
-        bus_id = bus_id.decode("ascii", "replace")
-    text = bus_id.strip().rstrip("\x00").lower()
-    if not text:
-        return None
-    parts = text.split(":")
-    if len(parts) == 3:
-        domain, bus, rest = parts
-        return f"{int(domain, 16):08x}:{bus}:{rest}"
-    return text
 
 
 def _import_pynvml() -> Any:

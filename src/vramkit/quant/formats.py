@@ -22,7 +22,7 @@ from typing import Any, overload
 import torch
 
 from vramkit.errors import ConfigError, QuantizationError
-from vramkit.quant import _reference
+from vramkit.quant import _reference, kernels
 from vramkit.quant._configs import (
     FP8Config,
     Int4Config,
@@ -198,8 +198,6 @@ class QuantizedTensor:
         Returns:
             A tensor of ``shape`` on :attr:`device`.
         """
-        from vramkit.quant import kernels  # kernels imports this module
-
         return kernels.dequantize(self, dtype)
 
     def tensors(self) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ import functools
 import importlib.util
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,7 +31,9 @@ from vramkit.quant._configs import (
     QuantConfigT,
     config_from_dict,
 )
-from vramkit.quant.formats import QuantizedTensor
+
+if TYPE_CHECKING:  # formats imports this module: annotations only
+    from vramkit.quant.formats import QuantizedTensor
 
 __all__ = ["FUSED_MAX_TOKENS", "dequantize", "has_fp8_gemm", "quantized_matmul",
            "triton_available"]
@@ -99,7 +101,7 @@ def _kernel_params(config: QuantConfigT, cols: int) -> tuple[str, int, int, bool
     return "nf4", config.block_size, config.double_quant_block_size, config.double_quant
 
 
-def _aux(q: QuantizedTensor) -> torch.Tensor | None:
+def _aux(q: "QuantizedTensor") -> torch.Tensor | None:
     return q.extras.get("row_scales", q.extras.get("scale_scales"))
 
 
@@ -224,7 +226,7 @@ def fp8_rowwise_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ------------------------------------------------------------------------------ public API
 
-def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def dequantize(q: "QuantizedTensor", dtype: torch.dtype | None = None) -> torch.Tensor:
     """Dequantize ``q`` to its original shape (Triton on CUDA, torch elsewhere).
 
     Args:
@@ -244,7 +246,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Te
     return flat.reshape(q.shape)
 
 
-def _check_fp8_gemm(x: torch.Tensor, q: QuantizedTensor) -> None:
+def _check_fp8_gemm(x: torch.Tensor, q: "QuantizedTensor") -> None:
     config = q.config
     if not isinstance(config, FP8Config) or config.granularity != "channel":
         raise QuantizationError(f"activation_fp8 needs fp8 weights with channel granularity, got "
@@ -261,7 +263,7 @@ def _check_fp8_gemm(x: torch.Tensor, q: QuantizedTensor) -> None:
                                 "layer.")
 
 
-def _fp8_matmul(x2d: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | None,
+def _fp8_matmul(x2d: torch.Tensor, q: "QuantizedTensor", bias: torch.Tensor | None,
                 out_dtype: torch.dtype) -> torch.Tensor:
     codes, x_scales = _op(_fp8_rowwise_op, _fp8_rowwise_impl)(x2d)
     # row-wise scaled_mm takes weight scales as [1, out] and the weight column-major: W.t()
@@ -272,7 +274,7 @@ def _fp8_matmul(x2d: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | None
     return y.to(out_dtype)
 
 
-def quantized_matmul(x: torch.Tensor, q: QuantizedTensor, bias: torch.Tensor | None = None, *,
+def quantized_matmul(x: torch.Tensor, q: "QuantizedTensor", bias: torch.Tensor | None = None, *,
                      activation_fp8: bool = False, fused: bool | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for a Linear weight ``W [out, in]`` held as ``q``.
 

@@ -16,6 +16,7 @@ __all__ = [
     "DeviceError",
     "DeviceMismatchError",
     "InvalidBlockError",
+    "InvalidDeviceError",
     "JaxUnavailableError",
     "KernelError",
     "NvmlError",
@@ -90,6 +91,14 @@ class DeviceMismatchError(DeviceError):
             f"device mismatch: expected {expected}, {subject} on {got}",
             hint or "Move the tensor with vramkit.to_device(t, device) or tensor.to(device) first.",
         )
+
+
+class InvalidDeviceError(ConfigError, DeviceError):
+    """A device value that names no device vramkit can use: a bool, a negative ordinal, text
+    torch does not parse, or a device type the caller does not take. Both a
+    :class:`ConfigError` (the value is wrong) and a :class:`DeviceError` (it is about a device)."""
+
+    default_hint = "Use 'cpu', 'cuda', 'cuda:N' or an integer CUDA ordinal."
 
 
 class NvmlError(DeviceError):

@@ -32,6 +32,8 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from vramkit.errors import ConfigError, DeviceMismatchError, InvalidBlockError
 from vramkit.memory.pool import Block, MemoryPool
 from vramkit.memory.transfer import transfer_streams
+from vramkit.offload import _patch
+from vramkit.offload._patch import MethodWrapper
 from vramkit.offload.blocks import find_blocks
 
 __all__ = [
@@ -50,10 +52,6 @@ logger = logging.getLogger(__name__)
 
 #: Default patterns of :class:`GradientCheckpointer`: the stages of an SDXL-like UNet.
 SDXL_CHECKPOINT_BLOCKS: tuple[str, ...] = ("down_blocks.*", "mid_block", "up_blocks.*")
-
-# The instance attribute holding a checkpointed module's state; its presence marks the module.
-_STATE_ATTR = "_vramkit_checkpoint"
-
 
 def _check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
@@ -105,39 +103,35 @@ def checkpoint(fn: Callable[..., Any], *inputs: Any, enabled: bool = True,
 # --------------------------------------------------------------------------------------------
 
 
-class _CheckpointedForward:
-    """A checkpointed block's instance ``forward``: runs the original through a checkpoint.
+class _CheckpointedForward(MethodWrapper):
+    """A checkpointed block's ``forward``: runs what it wraps through a checkpoint.
 
-    It is an object rather than a closure so ``copy.deepcopy(model)`` gives the copy a forward
-    bound to the copied block (a closure would be shared and keep calling the original block),
-    and so ``torch.save(model)`` can pickle it. It reads its settings at call time: disabling it
-    (``active = False``) works even where another patch wrapped it.
+    Installed with :func:`vramkit.offload._patch.install`, so ``copy.deepcopy(model)`` gives the
+    copy a forward bound to the copied block and ``torch.save(model)`` can pickle it. It reads
+    its settings at call time: switching it off (``active = False``) works even where another
+    patch wrapped it.
     """
 
-    __slots__ = ("active", "had_instance_forward", "original", "preserve_rng_state",
-                 "previous_instance_forward")
+    __slots__ = ("preserve_rng_state",)
 
-    def __init__(self, original: Callable[..., Any], previous_instance_forward: Any,
-                 had_instance_forward: bool, preserve_rng_state: bool) -> None:
-        self.original = original
-        # The block's own ``forward`` attribute before checkpointing, restored exactly.
-        self.previous_instance_forward = previous_instance_forward
-        self.had_instance_forward = had_instance_forward
+    kind = "checkpoint"
+
+    def __init__(self, preserve_rng_state: bool) -> None:
+        super().__init__()
         self.preserve_rng_state = preserve_rng_state
-        self.active = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.active and torch.is_grad_enabled():
-            return _run_checkpointed(self.original, args, kwargs, self.preserve_rng_state)
-        return self.original(*args, **kwargs)
+            return _run_checkpointed(self.inner, args, kwargs, self.preserve_rng_state)
+        return self.inner(*args, **kwargs)
 
     def __repr__(self) -> str:
-        return f"<checkpointed {self.original!r}>"
+        return f"<checkpointed {self.inner!r}>"
 
 
 def _state_of(module: nn.Module) -> _CheckpointedForward | None:
-    state = module.__dict__.get(_STATE_ATTR)
-    return state if isinstance(state, _CheckpointedForward) else None
+    wrapper = _patch.find(module, _CheckpointedForward.kind)
+    return wrapper if isinstance(wrapper, _CheckpointedForward) else None
 
 
 def is_checkpointed(module: nn.Module) -> bool:
@@ -163,7 +157,7 @@ def unwrapped_forward(module: nn.Module) -> Callable[..., Any]:
         The original forward of a checkpointed module, otherwise ``module.forward``.
     """
     state = _state_of(module)
-    return state.original if state is not None else module.forward
+    return state.inner if state is not None else module.forward
 
 
 def enable_gradient_checkpointing(model: nn.Module, blocks: str | Sequence[str] = "auto",
@@ -209,12 +203,7 @@ def enable_gradient_checkpointing(model: nn.Module, blocks: str | Sequence[str] 
             state.preserve_rng_state = preserve_rng_state
             state.active = True
         else:
-            state = _CheckpointedForward(module.forward, module.__dict__.get("forward"),
-                                         "forward" in module.__dict__, preserve_rng_state)
-            # In the instance __dict__ (where nn.Module.__setattr__ puts plain values too),
-            # attribute lookup finds forward before the class method; deleting it restores that.
-            module.__dict__[_STATE_ATTR] = state
-            module.__dict__["forward"] = state
+            _patch.install(module, _CheckpointedForward(preserve_rng_state))
         names.append(name)
     logger.debug("checkpointing %d of %d blocks (every_n=%d)", len(names), len(found), every_n)
     return names
@@ -239,14 +228,7 @@ def disable_gradient_checkpointing(model: nn.Module) -> list[str]:
         state = _state_of(module)
         if state is None:
             continue
-        state.active = False
-        if module.__dict__.get("forward") is state:
-            if state.had_instance_forward:
-                module.__dict__["forward"] = state.previous_instance_forward
-            else:
-                del module.__dict__["forward"]
-            del module.__dict__[_STATE_ATTR]
-        else:
+        if not _patch.restore(module, state):
             logger.warning("%s: forward was replaced after checkpointing; leaving the "
                            "replacement in place with checkpointing turned off", name or "model")
         restored.append(name)

@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, format_markdown_row, parse_variants, write_result
 from _swap_models import CopyTraffic, tokens_to_image_size
 from _timing import log
-from vramkit.offload import _swap_graph, _transfer
+from vramkit.memory import transfer as _transfer
+from vramkit.offload import _swap_graph
 from vramkit.offload import swap as swap_module
 from vramkit.offload.blocks import find_blocks
 from vramkit.offload.checkpointing import enable_gradient_checkpointing
@@ -275,10 +276,11 @@ def part_micro(step: Step, args: argparse.Namespace) -> list[dict[str, Any]]:
              "us": _best_us(lambda: streams.copy(slot, host, streams.h2d), 20)}]
     with step.swapped(step.blocks) as swapper:
         blocks = swapper.blocks
+        ring = swapper._ring
 
         def sweep() -> None:
             for b in blocks:
-                swapper._release(b, backward=False, stream=swapper._acquire(b, backward=False))
+                ring.release(b, backward=False, stream=ring.acquire(b, backward=False))
 
         step.run()  # the swapper learns the block order
         rows.append({"operation": "acquire + release of one block, outside a step",

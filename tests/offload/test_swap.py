@@ -164,7 +164,8 @@ def log(monkeypatch: pytest.MonkeyPatch) -> list[StreamOp]:
 
 def _mark(swapper: BlockSwapper, log: list[StreamOp]) -> None:
     """Log acquire/release markers, so ops can be attributed to the block being acquired."""
-    acquire, release = swapper._acquire, swapper._release
+    ring = swapper._ring
+    acquire, release = ring.acquire, ring.release
 
     def marked_acquire(block: Any, *, backward: bool, stream: Any = None) -> Any:
         log.append(StreamOp("acquire", "compute", None, block.name))
@@ -174,8 +175,8 @@ def _mark(swapper: BlockSwapper, log: list[StreamOp]) -> None:
         log.append(StreamOp("release", "compute", None, block.name))
         release(block, backward=backward, stream=stream)
 
-    swapper._acquire = marked_acquire  # type: ignore[method-assign]
-    swapper._release = marked_release  # type: ignore[method-assign]
+    ring.acquire = marked_acquire  # type: ignore[method-assign]
+    ring.release = marked_release  # type: ignore[method-assign]
 
 
 @dataclass
@@ -187,7 +188,7 @@ class Trace:
 
 def _contents(swapper: BlockSwapper) -> dict[int, str]:
     """What each slot holds now (the starting point of a trace taken after a log.clear())."""
-    return {s.index: s.block.name for s in swapper._slots if s.block is not None}
+    return {s.index: s.block.name for s in swapper._ring.slots if s.block is not None}
 
 
 def _trace(log: list[StreamOp], swapper: BlockSwapper,
@@ -196,7 +197,7 @@ def _trace(log: list[StreamOp], swapper: BlockSwapper,
 
     ``contents`` is what the slots held when the log starts (empty for a fresh swapper).
     """
-    slots = swapper._slots
+    slots = swapper._ring.slots
     free_of = {s.free_event.id: s.index for s in slots}
     loaded_of = {s.loaded_event.id: s.index for s in slots}
     contents = dict(contents or {})
@@ -470,7 +471,7 @@ def test_swapper_byte_budget() -> None:
 def test_slot_protocol_and_copy_counts(log: list[StreamOp], checkpointing: bool) -> None:
     model = _frozen_blocks(_net())
     swapper = _swap(model, checkpointing=checkpointing)
-    assert len(swapper._slots) == 2 and swapper.swapped_names == _names(0, 1, 2, 3)
+    assert len(swapper._ring.slots) == 2 and swapper.swapped_names == _names(0, 1, 2, 3)
     _mark(swapper, log)
     expected_acquired = _names(0, 1, 2, 3, 3, 2, 1, 0)
 
@@ -583,7 +584,7 @@ def test_lookahead_controls_blocks_issued_ahead(log: list[StreamOp], prefetch: i
 def test_more_slots_keep_more_blocks_across_steps(log: list[StreamOp]) -> None:
     model = _frozen_blocks(_net())
     swapper = _swap(model, num_slots=3, prefetch=2)
-    assert len(swapper._slots) == 3
+    assert len(swapper._ring.slots) == 3
     _mark(swapper, log)
     _step(model)
     log.clear()
@@ -854,14 +855,14 @@ def test_double_backward_through_swapped_blocks_is_refused(setup: str) -> None:
         torch.autograd.grad(model(x).square().mean(), wrt, create_graph=True)
     # Nothing was acquired for the refused pass: ordinary training goes on.
     _step(model)
-    assert all(not s.locked for s in swapper._slots)
+    assert all(not s.locked for s in swapper._ring.slots)
     swapper.detach()
 
 
 def test_structure_watch_is_released_when_a_swapper_is_collected() -> None:
     import gc
 
-    from vramkit.offload import swap as swap_module
+    from vramkit.offload import _swap_structure as swap_module
 
     users = swap_module._STRUCTURE["users"]
     model = _frozen_blocks(_net())

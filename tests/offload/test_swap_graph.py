@@ -39,7 +39,7 @@ def _node_names(root: Any) -> list[str]:
 
 
 def _unlocked(swapper: BlockSwapper) -> bool:
-    return all(not s.locked for s in swapper._slots)
+    return all(not s.locked for s in swapper._ring.slots)
 
 
 def _compare_steps(ref: nn.Module, steps: int, **config: Any) -> None:

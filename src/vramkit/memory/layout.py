@@ -10,10 +10,13 @@ or random (BitNet ``MemoryLayoutOptimizer``).
 
 from __future__ import annotations
 
+import contextlib
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
+from vramkit._validate import check_int
 from vramkit.errors import ConfigError
 
 __all__ = [
@@ -25,6 +28,7 @@ __all__ = [
     "aligned_offsets",
     "analyze_access_pattern",
     "calculate_alignment",
+    "is_dense",
 ]
 
 # 16 bytes: the widest vectorized load (float4 / int4) a kernel may issue on a tensor view.
@@ -100,15 +104,10 @@ def analyze_access_pattern(indices: Iterable[int]) -> Sequential | Strided | Ran
 
 
 def _check_index(raw: object) -> int:
-    if isinstance(raw, bool):
-        raise ConfigError(f"access indices must be integers, got {raw!r}")
-    try:
-        index = int(raw.__index__())  # type: ignore[attr-defined]
-    except (AttributeError, TypeError) as err:
-        raise ConfigError(f"access indices must be integers, got {raw!r}") from err
-    if index < 0:
-        raise ConfigError(f"access indices must be >= 0, got {index}")
-    return index
+    if not isinstance(raw, bool):
+        with contextlib.suppress(TypeError):
+            raw = operator.index(raw)  # type: ignore[arg-type]  # numpy integers too
+    return check_int("access index", raw, minimum=0)  # type: ignore[no-any-return]
 
 
 def calculate_alignment(nbytes: int) -> int:
@@ -128,10 +127,7 @@ def calculate_alignment(nbytes: int) -> int:
     Raises:
         ConfigError: ``nbytes`` is negative or not an int.
     """
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-        raise ConfigError(f"calculate_alignment needs an int byte count, got {nbytes!r}")
-    if nbytes < 0:
-        raise ConfigError(f"calculate_alignment: nbytes must be >= 0, got {nbytes}")
+    check_int("calculate_alignment nbytes", nbytes, minimum=0)
     power = 1 << max(0, (nbytes - 1).bit_length()) if nbytes > 1 else 1
     return min(MAX_ALIGNMENT, max(MIN_ALIGNMENT, power))
 
@@ -149,9 +145,8 @@ def align_up(offset: int, alignment: int) -> int:
     Raises:
         ConfigError: ``offset < 0`` or ``alignment`` is not a power of two.
     """
-    if offset < 0:
-        raise ConfigError(f"align_up: offset must be >= 0, got {offset}")
-    if alignment < 1 or alignment & (alignment - 1):
+    check_int("align_up offset", offset, minimum=0)
+    if check_int("align_up alignment", alignment, minimum=1) & (alignment - 1):
         raise ConfigError(f"align_up: alignment must be a power of two, got {alignment}")
     return (offset + alignment - 1) & ~(alignment - 1)
 
@@ -179,3 +174,23 @@ def aligned_offsets(sizes: Iterable[int]) -> tuple[tuple[int, ...], int]:
         offsets.append(cursor)
         cursor += size
     return tuple(offsets), align_up(cursor, MAX_ALIGNMENT)
+
+
+def is_dense(tensor: object) -> bool:
+    """Whether a tensor's elements cover its memory exactly once, in any dimension order.
+
+    Dense tensors (contiguous, channels-last, transposed) can be copied as one flat run of
+    ``numel * element_size`` bytes and viewed back with their strides; expanded or overlapping
+    views and views with gaps cannot.
+
+    Args:
+        tensor: anything with ``shape`` and ``stride()`` (a ``torch.Tensor``, meta included).
+    """
+    expected = 1
+    dims = zip(tensor.shape, tensor.stride(), strict=True)  # type: ignore[attr-defined]
+    for size, stride in sorted(((s, st) for s, st in dims if s != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+

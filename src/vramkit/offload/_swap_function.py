@@ -28,7 +28,6 @@ event can be recorded right after.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,34 +36,24 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from vramkit.errors import OffloadError
 from vramkit.offload import _tree
+from vramkit.offload._swap_blocks import WeightRef
 
 if TYPE_CHECKING:
-    from vramkit.offload.swap import BlockSwapper, SwappedBlock
+    from vramkit.offload._swap_blocks import BlockRuntime, SwappedBlock
 
 __all__ = ["BlockCall", "SwapBlockFunction", "WeightRef"]
-
-
-@dataclass(frozen=True)
-class WeightRef:
-    """What autograd keeps instead of a slot-resident tensor: where the bytes are in the block."""
-
-    block: SwappedBlock
-    offset: int  # bytes from the block's first byte in its slot
-    shape: torch.Size
-    stride: tuple[int, ...]
-    dtype: torch.dtype
 
 
 class BlockCall:
     """One call of a swapped block: its inputs' structure, mode and (non-checkpointed) graph."""
 
     __slots__ = ("block", "checkpointed", "fn", "in_spec", "inner_inputs", "inner_outputs",
-                 "is_tensor", "leaves", "out_is_tensor", "out_leaves", "out_spec", "swapper")
+                 "is_tensor", "leaves", "out_is_tensor", "out_leaves", "out_spec", "runtime")
 
-    def __init__(self, swapper: BlockSwapper, block: SwappedBlock, fn: Callable[..., Any],
+    def __init__(self, runtime: BlockRuntime, block: SwappedBlock, fn: Callable[..., Any],
                  leaves: list[Any], in_spec: Any, checkpointed: bool) -> None:
         """``leaves`` and ``in_spec``: ``_tree.flatten((args, kwargs))`` of the call."""
-        self.swapper = swapper
+        self.runtime = runtime
         self.block = block
         self.fn = fn
         self.checkpointed = checkpointed
@@ -127,26 +116,26 @@ class SwapBlockFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: BlockCall, _anchor: torch.Tensor | None,
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        swapper, block = call.swapper, call.block
+        runtime, block = call.runtime, call.block
         ctx.call = call
         ctx.set_materialize_grads(False)
-        swapper._acquire(block, backward=False)
+        runtime.acquire(block, backward=False)
         try:
             inputs = _detach_like(tensors)
-            with torch.enable_grad(), swapper._weight_hooks(block):
+            with torch.enable_grad(), runtime.weight_hooks(block):
                 if call.checkpointed:
                     # PyTorch's non-reentrant checkpoint keeps only the inputs, recomputes in
                     # backward (which runs while the block holds its slot) and stops the
                     # recomputation as soon as the saved tensors are rebuilt.
                     out = torch_checkpoint(call.detached_runner(), *inputs, use_reentrant=False,
-                                           preserve_rng_state=swapper.config.preserve_rng_state)
+                                           preserve_rng_state=runtime.preserve_rng_state)
                 else:
                     out = call.run(inputs)
             outs = call.split_outputs(out)
             call.inner_inputs = inputs
             call.inner_outputs = outs
         finally:
-            swapper._release(block, backward=False)
+            runtime.release(block, backward=False)
         outs = [o.detach() for o in outs]
         non_diff = [o for o in outs if not (o.is_floating_point() or o.is_complex())]
         if non_diff:
@@ -157,23 +146,23 @@ class SwapBlockFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         call: BlockCall = ctx.call
-        swapper, block = call.swapper, call.block
+        runtime, block = call.runtime, call.block
         if call.inner_inputs is None or call.inner_outputs is None:
             raise OffloadError(
                 f"backward through swapped block {block.name} ran twice",
                 hint="Swapped blocks free their graph after backward; retain_graph=True "
                      "is not supported through a BlockSwapper.")
         inputs, outs = call.inner_inputs, call.inner_outputs
-        swapper._acquire(block, backward=True)
+        runtime.acquire(block, backward=True)
         try:
             pairs = [(o, g) for o, g in zip(outs, grads, strict=False)
                      if g is not None and o.requires_grad]
             if pairs:
-                swapper._before_block_backward(block)
+                runtime.begin_block_backward(block)
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                swapper._after_block_backward(block)
+                runtime.end_block_backward(block)
             input_grads = tuple(t.grad if t.requires_grad else None for t in inputs)
         finally:
             call.inner_inputs = call.inner_outputs = None
-            swapper._release(block, backward=True)
+            runtime.release(block, backward=True)
         return (None, None, *input_grads)

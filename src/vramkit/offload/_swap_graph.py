@@ -41,7 +41,7 @@ from torch.autograd.function import once_differentiable
 from vramkit.errors import OffloadError
 
 if TYPE_CHECKING:
-    from vramkit.offload.swap import BlockSwapper, SwappedBlock
+    from vramkit.offload._swap_blocks import BlockRuntime, SwappedBlock
 
 __all__ = ["BlockBackward", "BlockEntry", "BlockExit", "OutputHook", "enter_block",
            "exit_block", "hook_outputs"]
@@ -50,10 +50,10 @@ __all__ = ["BlockBackward", "BlockEntry", "BlockExit", "OutputHook", "enter_bloc
 class BlockBackward:
     """One call of a swapped block, seen from backward: whether its slot is held for it."""
 
-    __slots__ = ("block", "held", "swapper")
+    __slots__ = ("block", "held", "runtime")
 
-    def __init__(self, swapper: BlockSwapper, block: SwappedBlock) -> None:
-        self.swapper = swapper
+    def __init__(self, runtime: BlockRuntime, block: SwappedBlock) -> None:
+        self.runtime = runtime
         self.block = block
         self.held = False
 
@@ -61,7 +61,7 @@ class BlockBackward:
         """Backward reached the block's outputs: hold its slot (loaded) until :meth:`finish`."""
         if self.held:
             return
-        self.swapper._acquire(self.block, backward=True)
+        self.runtime.acquire(self.block, backward=True)
         self.held = True
         # Whatever the graph's shape, the slot is released by the end of this backward.
         torch.autograd.Variable._execution_engine.queue_callback(self.finish)
@@ -84,7 +84,7 @@ class BlockBackward:
         if not self.held:
             return
         self.held = False
-        self.swapper._release(self.block, backward=True)
+        self.runtime.release(self.block, backward=True)
 
 
 class OutputHook:

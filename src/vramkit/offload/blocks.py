@@ -18,11 +18,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vramkit._validate import check_int
 from vramkit.errors import ConfigError, OffloadError
+from vramkit.units import format_size
 
 __all__ = [
     "BlockScheduleEntry",
     "BlockSpec",
+    "as_block_specs",
+    "choose_swapped",
     "find_blocks",
     "module_bytes",
     "natural_key",
@@ -71,9 +75,7 @@ class BlockSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"a block needs a non-empty name, got {self.name!r}")
-        if isinstance(self.nbytes, bool) or not isinstance(self.nbytes, int) or self.nbytes < 0:
-            raise ConfigError(f"block {self.name!r}: nbytes must be an int >= 0, "
-                              f"got {self.nbytes!r}")
+        check_int(f"block {self.name!r}: nbytes", self.nbytes, minimum=0)
 
 
 @dataclass(frozen=True)
@@ -224,3 +226,77 @@ def spread_evenly(sizes: Sequence[int], count: int) -> list[int]:
         free.discard(best)
         chosen.append(best)
     return sorted(chosen)
+
+
+def as_block_specs(blocks: Sequence[BlockSpec | tuple[str, int] | nn.Module | str]
+                   ) -> list[BlockSpec]:
+    """Read the blocks a schedule is asked for: :class:`BlockSpec`, ``(name, nbytes)`` pairs,
+    modules (named ``"0"``, ``"1"``... and weighed by :func:`module_bytes`) or plain names
+    (equal-sized, ordered numerically: ``"blocks.2"`` before ``"blocks.10"``).
+
+    Raises:
+        ConfigError: for anything else.
+    """
+    if isinstance(blocks, (str, nn.Module)) or not isinstance(blocks, Sequence):
+        raise ConfigError("blocks must be a sequence of BlockSpec, (name, nbytes), modules or "
+                          "names", hint="For example [('blocks.0', 2**30), ('blocks.1', 2**30)].")
+    if blocks and all(isinstance(b, str) for b in blocks):
+        return [BlockSpec(name, 1) for name in sorted(blocks, key=natural_key)]  # type: ignore[arg-type]
+    specs = []
+    for i, b in enumerate(blocks):
+        if isinstance(b, BlockSpec):
+            specs.append(b)
+        elif isinstance(b, nn.Module):
+            specs.append(BlockSpec(str(i), module_bytes(b)))
+        elif isinstance(b, tuple) and len(b) == 2:
+            specs.append(BlockSpec(b[0], b[1]))
+        else:
+            raise ConfigError(f"cannot read block {b!r}: expected BlockSpec, (name, nbytes), "
+                              "a module or a name",
+                              hint="For example [('blocks.0', 2**30), ('blocks.1', 2**30)].")
+    return specs
+
+
+def choose_swapped(specs: Sequence[BlockSpec], *, max_gpu_blocks: int | None,
+                   max_gpu_bytes: int | None, num_slots: int) -> list[BlockScheduleEntry]:
+    """The swap schedule: the smallest swapped set that meets the limits, spread evenly.
+
+    Takes values already validated (a :class:`~vramkit.offload.swap.SwapConfig`'s fields).
+
+    Args:
+        specs: the blocks in execution order.
+        max_gpu_blocks: blocks that may stay resident (``None``: no count limit).
+        max_gpu_bytes: bytes for resident blocks plus ``num_slots`` slots of the largest
+            swapped block (``None``: no byte limit).
+        num_slots: R.
+
+    Returns:
+        One :class:`BlockScheduleEntry` per block; with neither limit every block is swapped.
+
+    Raises:
+        OffloadError: when even swapping every block does not fit ``max_gpu_bytes``.
+    """
+    n = len(specs)
+    sizes = [s.nbytes for s in specs]
+    if max_gpu_blocks is None and max_gpu_bytes is None:
+        count = n
+    else:
+        count = 0 if max_gpu_blocks is None else max(0, n - max_gpu_blocks)
+        if max_gpu_bytes is not None:
+            while count <= n:
+                chosen = spread_evenly(sizes, count)
+                resident = sum(sizes) - sum(sizes[i] for i in chosen)
+                slots = num_slots * max((sizes[i] for i in chosen), default=0)
+                if resident + slots <= max_gpu_bytes:
+                    break
+                count += 1
+            else:
+                need = num_slots * max(sizes, default=0)
+                raise OffloadError(
+                    f"max_gpu_bytes={format_size(max_gpu_bytes)} cannot hold even {num_slots} "
+                    f"slots of the largest block ({format_size(need)} with every block "
+                    f"swapped)",
+                    hint="Raise the budget, lower num_slots, or split the largest blocks.")
+    swapped = set(spread_evenly(sizes, count))
+    return [BlockScheduleEntry(i, s.name, s.nbytes, i in swapped) for i, s in enumerate(specs)]
+

@@ -68,6 +68,7 @@ from vramkit.errors import ConfigError, OffloadError
 from vramkit.memory.layout import aligned_offsets
 from vramkit.memory.pool import Block, MemoryPool, PoolConfig
 from vramkit.memory.transfer import Streams, resolve_offload_device, transfer_streams
+from vramkit.offload import _patch
 from vramkit.offload._state_dict import MasterTensor, install_master_hooks
 from vramkit.units import format_size, parse_size
 
@@ -257,6 +258,28 @@ def _as_patterns(value: str | Iterable[str] | None, what: str) -> list[str]:
     return patterns
 
 
+class _LoadingForward(_patch.MethodWrapper):
+    """The ``forward`` of a module with offloaded tensors: loads them (or refuses) first."""
+
+    __slots__ = ("buffers", "manager", "module", "qualname", "records")
+
+    kind = "cpu_offload"
+
+    def __init__(self, manager: CPUOffloadManager, module: nn.Module, qualname: str,
+                 records: list[_Record], buffers: list[_Record]) -> None:
+        super().__init__()
+        self.manager = manager
+        self.module = module
+        self.qualname = qualname
+        self.records = records
+        self.buffers = buffers
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.active:
+            self.manager._ensure_loaded(self.module, self.qualname, self.records, self.buffers)
+        return self.inner(*args, **kwargs)
+
+
 class CPUOffloadManager:
     """Keeps chosen weights in pinned host memory and loads them to the device when asked.
 
@@ -301,6 +324,7 @@ class CPUOffloadManager:
         self._blocks: list[Block] = []
         self._host_bytes = 0
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._wrappers: list[tuple[nn.Module, _LoadingForward]] = []
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self._closed = False
         self._loads = self._writebacks = 0
@@ -633,9 +657,9 @@ class CPUOffloadManager:
             buffers = [(a, self._by_id[id(t)]) for a, t in sub._buffers.items()
                        if t is not None and id(t) in offloaded_ids]
             if params or buffers:
-                hook = self._make_hook(qualname, [r for _, r in params + buffers],
-                                       [r for _, r in buffers])
-                self._hooks.append(sub.register_forward_pre_hook(hook))
+                wrapper = _LoadingForward(self, sub, qualname, [r for _, r in params + buffers],
+                                          [r for _, r in buffers])
+                self._wrappers.append((sub, _patch.install(sub, wrapper)))
                 # state_dict/load_state_dict read and write the masters of unloaded tensors.
                 self._hooks += install_master_hooks(
                     sub, [MasterTensor([attr], r.tensor, partial(self._current_master, r),
@@ -650,27 +674,27 @@ class CPUOffloadManager:
         tensor = record.tensor
         tensor.data = self._placeholder(tensor.dtype).expand(tensor.shape)
 
-    def _make_hook(self, qualname: str, records: list[_Record],
-                   buffers: list[_Record]) -> Any:
-        def check_loaded(module: nn.Module, args: Any) -> None:
-            missing = [r for r in records if r.device_copy is None]
-            if missing:
-                if not self.config.auto_load:
-                    names = ", ".join(r.name for r in missing[:4])
-                    more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
-                    raise OffloadError(
-                        f"forward of {qualname or type(module).__name__!r} uses offloaded "
-                        f"tensors that are not on {self.device}: {names}{more}",
-                        hint="Call manager.load_to_gpu([...]) before this forward, or create "
-                             "the manager with CPUOffloadConfig(auto_load=True).")
-                self._load(missing)  # loaded inactive: clear_inactive() may drop them
-            self._wait_loads(records)
-            if module.training:
-                # Running statistics (BatchNorm) are updated inside kernels that do not bump
-                # the version counter, so a training-mode forward marks its buffers modified.
-                for record in buffers:
-                    record.trained = True
-        return check_loaded
+    def _ensure_loaded(self, module: nn.Module, qualname: str, records: list[_Record],
+                       buffers: list[_Record]) -> None:
+        """Before ``module``'s forward: its offloaded tensors are loaded (or an error says
+        which are not, without ``auto_load``) and the compute stream waits for them."""
+        missing = [r for r in records if r.device_copy is None]
+        if missing:
+            if not self.config.auto_load:
+                names = ", ".join(r.name for r in missing[:4])
+                more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+                raise OffloadError(
+                    f"forward of {qualname or type(module).__name__!r} uses offloaded "
+                    f"tensors that are not on {self.device}: {names}{more}",
+                    hint="Call manager.load_to_gpu([...]) before this forward, or create "
+                         "the manager with CPUOffloadConfig(auto_load=True).")
+            self._load(missing)  # loaded inactive: clear_inactive() may drop them
+        self._wait_loads(records)
+        if module.training:
+            # Running statistics (BatchNorm) are updated inside kernels that do not bump
+            # the version counter, so a training-mode forward marks its buffers modified.
+            for record in buffers:
+                record.trained = True
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -772,6 +796,9 @@ class CPUOffloadManager:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        for module, wrapper in reversed(self._wrappers):
+            _patch.restore(module, wrapper)
+        self._wrappers.clear()
         records = list(self._records.values())
         back_on_device = [r for r in records if not r.kept and r.orig_device == self.device]
         self._load(back_on_device)

@@ -43,12 +43,9 @@ parameters (LoRA adapters, say) stay on the GPU and only frozen weights are swap
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
-import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,20 +54,27 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.hooks import RemovableHandle
 
+from vramkit._validate import check_bool, check_choice, check_int, check_size
+from vramkit.devices.resolve import resolve_device
 from vramkit.errors import ConfigError, OffloadError
-from vramkit.memory.layout import (
-    Random,
-    Sequential,
-    Strided,
-    align_up,
-    analyze_access_pattern,
-    calculate_alignment,
-)
+from vramkit.memory.layout import Random, Sequential, Strided, analyze_access_pattern
 from vramkit.memory.pool import MemoryPool, PoolConfig
-from vramkit.memory.transfer import Streams, resolve_offload_device, transfer_streams
-from vramkit.offload import _tree
+from vramkit.memory.transfer import transfer_streams
+from vramkit.offload import _patch, _tree
 from vramkit.offload._state_dict import install_swap_hooks
-from vramkit.offload._swap_function import BlockCall, SwapBlockFunction, WeightRef
+from vramkit.offload._swap_blocks import (
+    ALIGN,
+    BlockFootprint,
+    SwapEntry,
+    SwappedBlock,
+    block_footprint,
+    block_tensors,
+    is_swappable,
+    layout_entries,
+    schedule_bytes,
+    typed_view,
+)
+from vramkit.offload._swap_function import BlockCall, SwapBlockFunction
 from vramkit.offload._swap_graph import (
     BlockBackward,
     OutputHook,
@@ -78,22 +82,23 @@ from vramkit.offload._swap_graph import (
     exit_block,
     hook_outputs,
 )
+from vramkit.offload._swap_ring import SlotRing
+from vramkit.offload._swap_structure import shape_key, structure_epoch, watch_structure
 from vramkit.offload.blocks import (
     BlockScheduleEntry,
     BlockSpec,
+    as_block_specs,
+    choose_swapped,
     find_blocks,
     module_bytes,
-    natural_key,
-    spread_evenly,
 )
-from vramkit.units import format_size, parse_size
+from vramkit.offload.checkpointing import is_checkpointed, unwrapped_forward
+from vramkit.units import format_size
 
-__all__ = ["BlockScheduleEntry", "BlockSwapper", "SwapConfig", "SwapStats"]
+__all__ = ["BlockFootprint", "BlockScheduleEntry", "BlockSwapper", "SwapConfig", "SwapStats"]
 
 logger = logging.getLogger(__name__)
 
-_ALIGN = 512  # offsets inside a master/slot: PyTorch's allocator granularity, so kernels see
-# the same pointer alignment as for ordinary tensors (cuBLAS picks kernels by alignment).
 _TRAINABLE = ("resident", "cpu")
 # Argument/output types that are leaves for certain (the fast path skips the tree walk for calls
 # made only of these); a tensor subclass or a container takes the general path.
@@ -139,41 +144,19 @@ class SwapConfig:
     preserve_rng_state: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_gpu_blocks is not None and (
-                isinstance(self.max_gpu_blocks, bool) or not isinstance(self.max_gpu_blocks, int)
-                or self.max_gpu_blocks < 0):
-            raise ConfigError(f"SwapConfig.max_gpu_blocks must be an int >= 0 or None, got "
-                              f"{self.max_gpu_blocks!r}")
-        if self.max_gpu_bytes is not None:
-            try:
-                value = parse_size(self.max_gpu_bytes)
-            except (ValueError, TypeError) as exc:
-                raise ConfigError(f"SwapConfig.max_gpu_bytes: {exc}") from None
-            object.__setattr__(self, "max_gpu_bytes", value)
-        if isinstance(self.num_slots, bool) or not isinstance(self.num_slots, int) \
-                or self.num_slots < 1:
-            raise ConfigError(f"SwapConfig.num_slots must be an int >= 1, got {self.num_slots!r}")
-        if self.prefetch is not None and (
-                isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int)
-                or not 0 <= self.prefetch <= self.num_slots):
-            raise ConfigError(
-                f"SwapConfig.prefetch must be an int in [0, num_slots={self.num_slots}], "
-                f"got {self.prefetch!r}",
-                hint="Prefetching more blocks than there are slots would evict blocks before "
-                     "they are used. Raise num_slots.")
-        if not (self.checkpointing is None or isinstance(self.checkpointing, bool)):
-            raise ConfigError(f"SwapConfig.checkpointing must be None, True or False, got "
-                              f"{self.checkpointing!r}")
-        if isinstance(self.min_param_bytes, bool) or not isinstance(self.min_param_bytes, int) \
-                or self.min_param_bytes < 0:
-            raise ConfigError(f"SwapConfig.min_param_bytes must be an int >= 0, got "
-                              f"{self.min_param_bytes!r}")
-        if self.trainable not in _TRAINABLE:
-            raise ConfigError(f"SwapConfig.trainable must be one of {_TRAINABLE}, got "
-                              f"{self.trainable!r}")
-        for name in ("swap_buffers", "preserve_rng_state"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"SwapConfig.{name} must be a bool")
+        check_int("SwapConfig.max_gpu_blocks", self.max_gpu_blocks, minimum=0, allow_none=True)
+        object.__setattr__(self, "max_gpu_bytes", check_size(
+            "SwapConfig.max_gpu_bytes", self.max_gpu_bytes, allow_none=True))
+        check_int("SwapConfig.num_slots", self.num_slots, minimum=1)
+        check_int("SwapConfig.prefetch", self.prefetch, minimum=0, maximum=self.num_slots,
+                  allow_none=True,
+                  hint="Prefetching more blocks than there are slots would evict blocks before "
+                       "they are used. Raise num_slots.")
+        check_bool("SwapConfig.checkpointing", self.checkpointing, allow_none=True)
+        check_int("SwapConfig.min_param_bytes", self.min_param_bytes, minimum=0)
+        check_choice("SwapConfig.trainable", self.trainable, _TRAINABLE)
+        check_bool("SwapConfig.swap_buffers", self.swap_buffers)
+        check_bool("SwapConfig.preserve_rng_state", self.preserve_rng_state)
 
     @property
     def lookahead(self) -> int:
@@ -225,85 +208,24 @@ class SwapStats:
         return out
 
 
-@dataclass
-class _Entry:
-    """One tensor of a swapped block: where it lives in the master and on the module."""
+class _SwappedForward(_patch.MethodWrapper):
+    """A swapped block's ``forward``: every call goes through its swapper."""
 
-    owner: nn.Module
-    attr: str
-    is_param: bool
-    tensor: torch.Tensor  # the Parameter / buffer object (identity preserved)
-    offset: int
-    nbytes: int
-    shape: torch.Size
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    original_device: torch.device
-    trainable: bool
-    placeholder: torch.Tensor | None = None
-    host_param: nn.Parameter | None = None
+    __slots__ = ("block", "fn", "swapper")
 
+    kind = "swap"
 
-class _Slot:
-    __slots__ = ("block", "buffer", "free_event", "index", "last_used", "loaded_event",
-                 "loaded_version", "locked", "pool_block")
+    def __init__(self, swapper: BlockSwapper, block: SwappedBlock,
+                 fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.swapper = swapper
+        self.block = block
+        self.fn = fn  # the forward to run: the block's own, without vramkit's checkpoint
 
-    def __init__(self, index: int, pool_block: Any, buffer: torch.Tensor, streams: Streams) -> None:
-        self.index = index
-        self.pool_block = pool_block
-        self.buffer = buffer  # uint8 view of the slot's bytes
-        self.block: SwappedBlock | None = None
-        self.loaded_event = streams.event()
-        self.free_event = streams.event()
-        # The master's _version when loaded. In-place updates of the host masters (a CPU
-        # optimizer step) bump it, shared by every view of the pinned segment: the slot is then
-        # stale and reloaded.
-        self.loaded_version = -1
-        self.locked = False
-        self.last_used = -1
-
-
-class SwappedBlock:
-    """A swapped block: its module, master, tensors and where it is now."""
-
-    def __init__(self, index: int, name: str, module: nn.Module, entries: list[_Entry],
-                 nbytes: int) -> None:
-        self.index = index
-        self.name = name
-        self.module = module
-        self.entries = entries
-        self.nbytes = nbytes  # aligned flat size
-        self.master: torch.Tensor | None = None  # uint8 pinned view
-        self.master_block: Any = None
-        self.grad_buffer: torch.Tensor | None = None
-        self.grad_block: Any = None
-        self.grad_event: Any = None
-        self.slot: _Slot | None = None
-        self.slot_views: dict[int, list[torch.Tensor]] = {}
-        self.slot_flat: dict[int, torch.Tensor] = {}  # the block's bytes of each slot
-        self.master_views: list[torch.Tensor] = []
-        self.original_forward: Any = None
-        self.had_instance_forward = False
-        self.checkpointed = False
-        self.trainable_entries = [e for e in entries if e.trainable]
-        self.bound: _Slot | None = None  # the slot whose views the entries point at
-        self.params: list[nn.Parameter] = []  # every parameter of the module, for requires_grad
-        self.params_epoch = -1  # _structure_epoch() when ``params`` was listed
-        self.submodules: list[nn.Module] = []  # the module's submodules when ``params`` was listed
-        self.shape_key = -1  # their child and parameter counts then (see _has_trainable)
-
-    def __repr__(self) -> str:
-        return f"SwappedBlock({self.name}, {format_size(self.nbytes)})"
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _typed_view(buffer: torch.Tensor, offset: int, entry: _Entry) -> torch.Tensor:
-    count = math.prod(entry.shape)
-    raw = buffer[offset:offset + count * entry.dtype.itemsize]
-    return raw.view(entry.dtype).view(entry.shape)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.active:  # restored beneath a foreign patch: a plain forward again
+            return self.inner(*args, **kwargs)
+        return self.swapper._call_block(self.block, self.fn, args, kwargs)
 
 
 class BlockSwapper:
@@ -332,41 +254,31 @@ class BlockSwapper:
         if config is None:
             config = SwapConfig()
         elif not isinstance(config, SwapConfig):
-            raise ConfigError(f"config must be a SwapConfig, got {type(config).__name__}")
+            raise ConfigError(f"config must be a SwapConfig, got {type(config).__name__}",
+                              hint="Build one: SwapConfig(max_gpu_bytes='10GiB').")
         if not isinstance(model, nn.Module):
-            raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}")
+            raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}",
+                              hint="Pass the torch.nn.Module whose blocks should be swapped.")
         self.model = model
         self.config = config
-        self.device = resolve_offload_device(device, "BlockSwapper")
+        self.device = resolve_device(device, owner="BlockSwapper")
         self.streams = transfer_streams(self.device)
         self._attached = False
         found = find_blocks(model, blocks)
-        specs = [BlockSpec(name, self._swappable_bytes(module)) for name, module in found]
-        self.schedule = self.create_schedule(specs, config.max_gpu_blocks,
-                                             max_gpu_bytes=config.max_gpu_bytes,
-                                             num_slots=config.num_slots)
-        self._counters = dict.fromkeys(("loads", "prefetched", "on_demand", "hits", "h2d_bytes",
-                                        "d2h_bytes", "acquisitions"), 0)
-        self._enqueue_seconds = 0.0
-        self._clock = 0
+        specs = [BlockSpec(name, schedule_bytes(module, config)) for name, module in found]
+        self.schedule = choose_swapped(specs, max_gpu_blocks=config.max_gpu_blocks,
+                                       max_gpu_bytes=config.max_gpu_bytes,  # type: ignore[arg-type]
+                                       num_slots=config.num_slots)
         self._moved: list[tuple[torch.Tensor, torch.device]] = []
         self._state_hooks: list[RemovableHandle] = []  # state_dict through the host masters
         self._blocks: list[SwappedBlock] = []
-        self._slots: list[_Slot] = []
-        self._order: list[SwappedBlock] = []
-        self._position: dict[int, int] = {}
-        self._upcoming_cache: dict[tuple[int, bool, bool], list[SwappedBlock]] = {}
+        self._ring: SlotRing | None = None
         self._trainable_cache: dict[int, bool] = {}
-        self._observed: list[SwappedBlock] = []
-        self._observed_ids: set[int] = set()
-        self._direction = "forward"
-        self._training_pass = False
         # Output hooks of the swapped call just made (node sequence number, hook): the next
         # call chains to them when its inputs come from one of those nodes (_call_in_graph).
         self._last_hooks: list[tuple[int, OutputHook]] = []
         self._master_pool: MemoryPool | None = None
         self._grad_pool: MemoryPool | None = None
-        self._slot_pool: MemoryPool | None = None
         self._anchor: torch.Tensor | None = None
         self._resident_block_bytes = 0
         self._unwatch: weakref.finalize | None = None
@@ -376,7 +288,7 @@ class BlockSwapper:
             self._undo_attach()
             raise
 
-    # -- the schedule -----------------------------------------------------------------------
+    # -- the schedule and the swappable rule ------------------------------------------------
 
     @staticmethod
     def create_schedule(blocks: Sequence[BlockSpec | tuple[str, int] | nn.Module | str],
@@ -404,98 +316,56 @@ class BlockSwapper:
             swapped.
 
         Raises:
+            ConfigError: for limits out of range (checked as :class:`SwapConfig` checks them).
             OffloadError: when even swapping every block does not fit ``max_gpu_bytes``.
         """
-        if max_gpu_blocks is not None and (isinstance(max_gpu_blocks, bool) or not isinstance(
-                max_gpu_blocks, int) or max_gpu_blocks < 0):
-            raise ConfigError(f"max_gpu_blocks must be an int >= 0 or None, got "
-                              f"{max_gpu_blocks!r}")
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-            raise ConfigError(f"num_slots must be an int >= 1, got {num_slots!r}")
-        specs = _as_specs(blocks)
-        n = len(specs)
-        sizes = [s.nbytes for s in specs]
-        budget = None if max_gpu_bytes is None else parse_size(max_gpu_bytes)
-        if max_gpu_blocks is None and budget is None:
-            count = n
-        else:
-            count = 0 if max_gpu_blocks is None else max(0, n - max_gpu_blocks)
-            if budget is not None:
-                while count <= n:
-                    chosen = spread_evenly(sizes, count)
-                    resident = sum(sizes) - sum(sizes[i] for i in chosen)
-                    slots = num_slots * max((sizes[i] for i in chosen), default=0)
-                    if resident + slots <= budget:
-                        break
-                    count += 1
-                else:
-                    need = num_slots * max(sizes, default=0)
-                    raise OffloadError(
-                        f"max_gpu_bytes={format_size(budget)} cannot hold even {num_slots} "
-                        f"slots of the largest block ({format_size(need)} with every block "
-                        f"swapped)",
-                        hint="Raise the budget, lower num_slots, or split the largest blocks.")
-        swapped = set(spread_evenly(sizes, count))
-        return [BlockScheduleEntry(i, s.name, s.nbytes, i in swapped) for i, s in enumerate(specs)]
+        config = SwapConfig(max_gpu_blocks=max_gpu_blocks, max_gpu_bytes=max_gpu_bytes,
+                            num_slots=num_slots)
+        return choose_swapped(as_block_specs(blocks), max_gpu_blocks=config.max_gpu_blocks,
+                              max_gpu_bytes=config.max_gpu_bytes,  # type: ignore[arg-type]
+                              num_slots=config.num_slots)
+
+    @staticmethod
+    def footprint(module: nn.Module, config: SwapConfig | None = None) -> BlockFootprint:
+        """The bytes a swapper with ``config`` would move and keep for one block.
+
+        The rule every planner asks (never copied): tensors of at least ``min_param_bytes``,
+        dense, frozen (or trainable with ``trainable="cpu"``) are packed at 512-byte aligned
+        offsets into one flat master of ``swapped`` bytes, the size of the block's share of a
+        GPU slot; the rest (``resident``) stays on the device. Works on the meta device.
+
+        Args:
+            module: a block (a module whose tensors would be swapped together).
+            config: the swapper's settings (default :class:`SwapConfig()`).
+
+        Returns:
+            A :class:`BlockFootprint` ``(swapped, resident)``.
+        """
+        return block_footprint(module, config if config is not None else SwapConfig())
 
     # -- attaching --------------------------------------------------------------------------
 
-    def _swappable_bytes(self, module: nn.Module) -> int:
-        total = 0
-        for _, _, tensor, _ in self._tensors_of(module):
-            if self._is_swappable(tensor):
-                total += _align(tensor.numel() * tensor.element_size())
-        return total or module_bytes(module)
-
-    def _tensors_of(self, module: nn.Module) -> Iterator[tuple[nn.Module, str, torch.Tensor, bool]]:
-        seen: set[int] = set()
-        for sub in module.modules():
-            for attr, p in sub._parameters.items():
-                if p is not None and id(p) not in seen:
-                    seen.add(id(p))
-                    yield sub, attr, p, True
-            for attr, b in sub._buffers.items():
-                if b is not None and id(b) not in seen:
-                    seen.add(id(b))
-                    yield sub, attr, b, False
-
-    def _is_swappable(self, tensor: torch.Tensor, is_param: bool = True) -> bool:
-        if not is_param and not self.config.swap_buffers:
-            return False
-        if tensor.requires_grad and self.config.trainable == "resident":
-            return False
-        if not _dense(tensor):  # expanded or overlapping: no flat copy of its real bytes
-            return False
-        return tensor.numel() * tensor.element_size() >= max(1, self.config.min_param_bytes)
-
     def _attach(self, found: list[tuple[str, nn.Module]]) -> None:
         shared = self._shared_tensor_ids(found)
-        swapped_modules: dict[int, SwappedBlock] = {}
         for entry in self.schedule:
             name, module = found[entry.index]
             if not entry.swapped:
                 self._resident_block_bytes += module_bytes(module)
                 continue
-            entries: list[_Entry] = []
-            for owner, attr, tensor, is_param in self._tensors_of(module):
-                if id(tensor) in shared or not self._is_swappable(tensor, is_param):
+            entries: list[SwapEntry] = []
+            for owner, attr, tensor, is_param in block_tensors(module):
+                if id(tensor) in shared or not is_swappable(tensor, self.config,
+                                                             is_param=is_param):
                     self._resident_block_bytes += tensor.numel() * tensor.element_size()
                     continue
                 nbytes = tensor.numel() * tensor.element_size()
-                entries.append(_Entry(owner, attr, is_param, tensor, 0, nbytes,
-                                      tensor.shape, tuple(tensor.stride()), tensor.dtype,
-                                      tensor.device, bool(tensor.requires_grad)))
+                entries.append(SwapEntry(owner, attr, is_param, tensor, 0, nbytes,
+                                         tensor.shape, tuple(tensor.stride()), tensor.dtype,
+                                         tensor.device, bool(tensor.requires_grad)))
             if not entries:
                 continue  # nothing worth swapping: the block stays resident
-            # The flat master's layout: each tensor at calculate_alignment(its size), raised to
-            # _ALIGN so a slot view has the alignment an ordinary allocation would have.
-            offset = 0
-            for e in entries:
-                e.offset = align_up(offset, max(calculate_alignment(e.nbytes), _ALIGN))
-                offset = e.offset + e.nbytes
-            block = SwappedBlock(entry.index, name, module, entries, _align(offset))
-            swapped_modules[id(module)] = block
-            self._blocks.append(block)
+            self._blocks.append(SwappedBlock(entry.index, name, module, entries,
+                                             layout_entries(entries)))
         self._allocate_host(self._blocks)
         swapped_ids = {id(e.tensor) for b in self._blocks for e in b.entries}
         # Everything else goes to the device (placement recorded for detach).
@@ -505,20 +375,21 @@ class BlockSwapper:
                     if t is not None and id(t) not in swapped_ids and t.device != self.device:
                         self._moved.append((t, t.device))
                         t.data = t.data.to(self.device)
-        self._allocate_slots()
+        self._ring = SlotRing(self._blocks, self.device, self.streams,
+                              num_slots=self.config.num_slots, lookahead=self.config.lookahead,
+                              preserve_rng_state=self.config.preserve_rng_state,
+                              on_backward_turn=self._forget_chain)
         for block in self._blocks:
             self._wrap_forward(block)
             self._state_hooks += install_swap_hooks(block)
-        self._order = list(self._blocks)
-        self._position = {id(b): i for i, b in enumerate(self._order)}
-        _watch_structure(True)
+        watch_structure(True)
         # Released by detach(), or when the swapper is collected without one.
-        self._unwatch = weakref.finalize(self, _watch_structure, False)
+        self._unwatch = weakref.finalize(self, watch_structure, False)
         self._attached = True
         logger.info("BlockSwapper: %d of %d blocks swapped (%s pinned, %d slots of %s)",
                     len(self._blocks), len(self.schedule),
-                    format_size(sum(b.nbytes for b in self._blocks)), len(self._slots),
-                    format_size(self._slot_bytes()))
+                    format_size(sum(b.nbytes for b in self._blocks)), len(self._ring.slots),
+                    format_size(self._ring.slot_bytes))
 
     def _shared_tensor_ids(self, found: list[tuple[str, nn.Module]]) -> set[int]:
         """Tensors used by more than one block, or by a block and the rest of the model: tied
@@ -552,7 +423,7 @@ class BlockSwapper:
                 block.grad_block = self._grad_pool.allocate(block.nbytes)
                 block.grad_buffer = block.grad_block.view((block.nbytes,), torch.uint8)
             for e in block.entries:
-                view = _typed_view(block.master, e.offset, e)
+                view = typed_view(block.master, e.offset, e)
                 view.copy_(e.tensor.detach())
                 block.master_views.append(view)
                 if e.dtype not in placeholder_cache:
@@ -566,30 +437,10 @@ class BlockSwapper:
 
     def _host_pool(self, nbytes: int) -> MemoryPool:
         config = PoolConfig(initial_size=nbytes, max_size=nbytes, growth_factor=1.0,
-                            alignment=_ALIGN, max_cached_buffers=0)
+                            alignment=ALIGN, max_cached_buffers=0)
         if self.device.type == "cuda":
             return MemoryPool.pinned(config)
         return MemoryPool("cpu", config)
-
-    def _slot_bytes(self) -> int:
-        return max((b.nbytes for b in self._blocks), default=0)
-
-    def _allocate_slots(self) -> None:
-        size = self._slot_bytes()
-        if not size:
-            return
-        r = self.config.num_slots
-        self._slot_pool = MemoryPool(self.device, PoolConfig(
-            initial_size=r * size, max_size=r * size, growth_factor=1.0, alignment=_ALIGN,
-            max_cached_buffers=0))
-        for i in range(r):
-            pool_block = self._slot_pool.allocate(size)
-            slot = _Slot(i, pool_block, pool_block.view((size,), torch.uint8), self.streams)
-            self._slots.append(slot)
-            for block in self._blocks:
-                block.slot_views[i] = [_typed_view(slot.buffer, e.offset, e)
-                                       for e in block.entries]
-                block.slot_flat[i] = slot.buffer[:block.nbytes]
 
     def _anchor_tensor(self) -> torch.Tensor:
         if self._anchor is None:
@@ -598,36 +449,37 @@ class BlockSwapper:
 
     def _wrap_forward(self, block: SwappedBlock) -> None:
         module = block.module
-        block.had_instance_forward = "forward" in module.__dict__
-        block.original_forward = module.__dict__.get("forward")
-        fn, checkpointed = _unwrapped_forward(module)
+        # The swapper recomputes checkpointed blocks itself: it runs the forward beneath
+        # vramkit's checkpoint wrapper, and the mark decides when the config does not.
+        fn = unwrapped_forward(module)
+        checkpointed = is_checkpointed(module)
         block.checkpointed = (checkpointed if self.config.checkpointing is None
                               else self.config.checkpointing)
-        swapper = self
+        block.wrapper = _patch.install(module, _SwappedForward(self, block, fn))
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            return swapper._call_block(block, fn, args, kwargs)
-
-        forward.__vramkit_swapped__ = True  # type: ignore[attr-defined]
-        module.forward = forward
+    def _forget_chain(self) -> None:
+        self._last_hooks = []
 
     # -- the hot path -----------------------------------------------------------------------
 
     def _call_block(self, block: SwappedBlock, fn: Callable[..., Any], args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
         if not self._attached:
-            raise OffloadError(f"swapped block {block.name} called after detach()")
-        self._observe(block)
+            raise OffloadError(f"swapped block {block.name} called after detach()",
+                               hint="Call the model, not a forward kept from before detach().")
+        ring: SlotRing = self._ring  # type: ignore[assignment]  # set before _attached
+        if ring.observe(block):
+            self._trainable_cache.clear()
         chain = self._last_hooks
         if chain:
             self._last_hooks = []  # only the immediately preceding call chains
         if not torch.is_grad_enabled():
-            self._training_pass = False
-            stream = self._acquire(block, backward=False)
+            ring.training_pass = False
+            stream = ring.acquire(block, backward=False)
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._release(block, backward=False, stream=stream)
+                ring.release(block, backward=False, stream=stream)
         # Most blocks take plain tensors positionally: one pass over them, no tree walk (this
         # path runs once per block and step, where the swapper is host-bound).
         spec = None
@@ -651,35 +503,35 @@ class BlockSwapper:
         # grad (LoRA on a frozen model's first block) or for the anchor of swapped trainable
         # weights: otherwise the per-pass requires_grad check is skipped.
         if not positions and not self._has_trainable(block):
-            self._training_pass = False
-            stream = self._acquire(block, backward=False)
+            ring.training_pass = False
+            stream = ring.acquire(block, backward=False)
             try:
                 # Grad mode with nothing to differentiate: anything autograd still saves from
                 # the slot (a requires-grad tensor hidden from pytree) must fail loudly.
-                with self._weight_hooks(block, forbid=True):
+                with ring.weight_hooks(block, forbid=True):
                     return fn(*args, **kwargs)
             finally:
-                self._release(block, backward=False, stream=stream)
-        self._training_pass = True
+                ring.release(block, backward=False, stream=stream)
+        ring.training_pass = True
         if not block.trainable_entries:
-            return self._call_in_graph(block, fn, leaves, spec, positions, chain)
+            return self._call_in_graph(ring, block, fn, leaves, spec, positions, chain)
         if spec is None:
             spec = _tree.flatten((args, kwargs))[1]
-        call = BlockCall(self, block, fn, leaves, spec, block.checkpointed)
+        call = BlockCall(ring, block, fn, leaves, spec, block.checkpointed)
         tensors = [x for x, t in zip(leaves, call.is_tensor, strict=True) if t]
         anchor = self._anchor_tensor() if self._has_trainable(block) else None
         outs = SwapBlockFunction.apply(call, anchor, *tensors)
         return call.rebuild_outputs(list(outs))
 
-    def _call_in_graph(self, block: SwappedBlock, fn: Callable[..., Any], leaves: list[Any],
-                       spec: Any, positions: list[int],
+    def _call_in_graph(self, ring: SlotRing, block: SwappedBlock, fn: Callable[..., Any],
+                       leaves: list[Any], spec: Any, positions: list[int],
                        chain: list[tuple[int, OutputHook]]) -> Any:
         """A training call whose nodes join the outer graph (see ``_swap_graph``): pre-hooks on
         the output nodes and an identity Function on the inputs hold the slot across the block's
         backward. ``spec`` is ``None`` when ``leaves`` are the positional arguments themselves;
         ``positions`` index the leaves that require grad; ``chain`` holds the output hooks of
         the swapped call made just before."""
-        call = BlockBackward(self, block)
+        call = BlockBackward(ring, block)
         entry = None
         if positions:
             # A chain of swapped blocks: when every differentiable input comes from one output
@@ -709,7 +561,7 @@ class BlockSwapper:
             kwargs: dict[str, Any] = {}
         else:
             args, kwargs = _tree.unflatten(leaves, spec)
-        stream = self._acquire(block, backward=False)
+        stream = ring.acquire(block, backward=False)
         try:
             if block.checkpointed:
                 # Non-reentrant: keeps the inputs, recomputes in backward after the output
@@ -720,10 +572,10 @@ class BlockSwapper:
                                        preserve_rng_state=self.config.preserve_rng_state,
                                        **kwargs)
             else:
-                with self._weight_hooks(block):
+                with ring.weight_hooks(block):
                     out = fn(*args, **kwargs)
         finally:
-            self._release(block, backward=False, stream=stream)
+            ring.release(block, backward=False, stream=stream)
         if type(out) is torch.Tensor:
             if not out.requires_grad:
                 return out
@@ -755,266 +607,23 @@ class BlockSwapper:
         pass (adapters may be added or weights unfrozen between steps) and cached within it:
         walking the module's parameters costs tens of microseconds per block, so the list is
         kept and listed again only after a module or parameter was registered anywhere
-        (PyTorch's global registration hooks count those, :func:`_structure_epoch`) or a child
+        (PyTorch's global registration hooks count those, ``_swap_structure``) or a child
         or parameter count of the block's modules changed (writes that bypass those hooks,
         such as ``ModuleList.insert``; replacing an entry of ``_modules`` in place is not
         seen)."""
         cached = self._trainable_cache.get(id(block))
         if cached is None:
-            epoch = _structure_epoch()
+            epoch = structure_epoch()
             # Registrations anywhere bump the epoch; writes that skip PyTorch's registration
             # hooks (ModuleList.insert, del) still change a child or parameter count.
-            if block.params_epoch != epoch or block.shape_key != _shape_key(block.submodules):
+            if block.params_epoch != epoch or block.shape_key != shape_key(block.submodules):
                 block.submodules = list(block.module.modules())
                 block.params = list(block.module.parameters())
                 block.params_epoch = epoch
-                block.shape_key = _shape_key(block.submodules)
+                block.shape_key = shape_key(block.submodules)
             cached = any(p.requires_grad for p in block.params)
             self._trainable_cache[id(block)] = cached
         return cached
-
-    def _observe(self, block: SwappedBlock) -> None:
-        """Learn the forward order: a block seen twice (or after backward) starts a new pass."""
-        if self._direction == "backward":
-            self._observed, self._observed_ids = [], set()
-            self._trainable_cache.clear()
-        elif id(block) in self._observed_ids:
-            self._commit_order()
-            self._trainable_cache.clear()
-        elif not self._observed:
-            self._trainable_cache.clear()
-        self._direction = "forward"
-        self._observed.append(block)
-        self._observed_ids.add(id(block))
-
-    def _commit_order(self) -> None:
-        if self._observed and len(self._observed) == len(self._blocks) and \
-                self._observed != self._order:
-            self._order = list(self._observed)
-            self._position = {id(b): i for i, b in enumerate(self._order)}
-            self._upcoming_cache.clear()
-        self._observed = []
-        self._observed_ids = set()
-
-    def _acquire(self, block: SwappedBlock, *, backward: bool, stream: Any = None) -> Any:
-        """Make ``block`` usable on ``stream`` (default: the current stream, returned): load it
-        unless its slot holds it, order the stream after the load, point its tensors at the
-        slot."""
-        start = time.perf_counter()
-        if backward and self._direction != "backward":
-            self._commit_order()  # the forward just seen predicts this backward
-            self._direction = "backward"
-            self._last_hooks = []
-        self._counters["acquisitions"] += 1
-        slot = block.slot
-        if slot is not None and slot.loaded_version == block.master._version:  # type: ignore[union-attr]
-            self._counters["hits"] += 1
-        else:
-            slot = self._load(block, on_demand=True)
-            if slot is None:
-                raise OffloadError(
-                    f"no free slot for swapped block {block.name}: all "
-                    f"{len(self._slots)} slots are in use",
-                    hint="A swapped block called inside another swapped block needs more "
-                         "slots: raise SwapConfig.num_slots.")
-        if stream is None:
-            stream = self.streams.current()
-        self.streams.wait(stream, slot.loaded_event)
-        slot.locked = True
-        self._clock += 1
-        slot.last_used = self._clock
-        if block.bound is not slot:  # still bound when the block kept its slot since last time
-            for e, view in zip(block.entries, block.slot_views[slot.index], strict=False):
-                e.tensor.data = view
-            block.bound = slot
-        self._enqueue_seconds += time.perf_counter() - start
-        return stream
-
-    def _release(self, block: SwappedBlock, *, backward: bool, stream: Any = None) -> None:
-        """The block is done with its slot once ``stream`` (default: the current stream) gets
-        past this point; prefetch what comes next."""
-        start = time.perf_counter()
-        slot = block.slot
-        if slot is not None:
-            self.streams.record(slot.free_event,
-                                stream if stream is not None else self.streams.current())
-            slot.locked = False
-        self._prefetch_after(block, backward)
-        self._enqueue_seconds += time.perf_counter() - start
-
-    def _upcoming(self, block: SwappedBlock, backward: bool
-                  ) -> tuple[list[SwappedBlock], set[int]]:
-        """The next ``lookahead`` distinct blocks needed after ``block`` in the predicted order
-        (``block`` itself when it is needed again next: the forward->backward turn), and their
-        ids. Cached per order: this runs after every block call, and building the sequence is
-        O(blocks)."""
-        pos = self._position.get(id(block))
-        if pos is None:
-            return [], set()
-        key = (pos, backward, self._training_pass)
-        cached = self._upcoming_cache.get(key)
-        if cached is None:
-            blocks = self._compute_upcoming(pos, backward)
-            cached = self._upcoming_cache[key] = (blocks, {id(b) for b in blocks})
-        return cached
-
-    def _compute_upcoming(self, pos: int, backward: bool) -> list[SwappedBlock]:
-        k = self.config.lookahead
-        order = self._order
-        n = len(order)
-        if not k or not n:
-            return []
-        out: list[SwappedBlock] = []
-        if backward:
-            seq = [order[i] for i in range(pos - 1, -1, -1)]
-            seq += order  # then the next step's forward, from the first block
-        elif self._training_pass:
-            seq = order[pos + 1:] + [order[i] for i in range(n - 1, -1, -1)]
-        else:  # inference: wrap around to the first blocks of the next call
-            seq = order[pos + 1:] + order
-        for b in seq:
-            if b in out:
-                continue
-            out.append(b)
-            if len(out) == k:
-                break
-        return out
-
-    def _prefetch_after(self, block: SwappedBlock, backward: bool) -> None:
-        upcoming, keep = self._upcoming(block, backward)
-        for b in upcoming:
-            slot = b.slot
-            if slot is not None and slot.loaded_version == b.master._version:  # type: ignore[union-attr]
-                continue
-            if self._load(b, on_demand=False, keep=keep) is None:
-                break
-
-    def _load(self, block: SwappedBlock, *, on_demand: bool,
-              keep: set[int] | None = None) -> _Slot | None:
-        """Fill a slot with ``block``: the least recently used unlocked slot whose block is not
-        wanted soon. Returns ``None`` when every slot is locked or wanted."""
-        slot: _Slot | None = None
-        for s in self._slots:  # R is small: a plain loop beats building candidate lists
-            if s.locked:
-                continue
-            held = s.block
-            if held is block:
-                slot = s  # its own slot, reloaded in place
-                break
-            if held is not None and keep is not None and id(held) in keep:
-                continue
-            if slot is None or s.last_used < slot.last_used:
-                slot = s
-        if slot is None:
-            return None
-        old = slot.block
-        if old is not None and old is not block:
-            old.slot = None
-            old.bound = None
-            for e in old.entries:  # eviction: a pointer repoint, nothing copied back
-                e.tensor.data = e.placeholder
-        streams = self.streams
-        streams.wait(streams.h2d, slot.free_event)
-        assert block.master is not None
-        streams.copy(block.slot_flat[slot.index], block.master, streams.h2d, block.name)
-        streams.record(slot.loaded_event, streams.h2d)
-        slot.block = block
-        slot.loaded_version = block.master._version
-        self._clock += 1
-        slot.last_used = self._clock
-        block.slot = slot
-        self._counters["loads"] += 1
-        self._counters["on_demand" if on_demand else "prefetched"] += 1
-        self._counters["h2d_bytes"] += block.nbytes
-        return slot
-
-    @contextlib.contextmanager
-    def _weight_hooks(self, block: SwappedBlock, *, forbid: bool = False) -> Iterator[None]:
-        """Saved-tensor hooks for a block call: tensors in the slot become :class:`WeightRef`
-        handles (or, with ``forbid``, an error); every other tensor goes to the hooks that were
-        active outside the block (activation offload, a parent-level checkpoint), so those keep
-        working inside swapped blocks."""
-        slot = block.slot
-        if slot is None:
-            raise OffloadError(f"swapped block {block.name} runs without a slot")
-        base = slot.buffer.data_ptr()
-        end = base + block.nbytes
-        device = self.device
-        outer = _outer_saved_tensor_hooks()
-        outer_pack, outer_unpack = outer if outer is not None else (None, None)
-
-        def pack(t: torch.Tensor) -> Any:
-            if t.device == device and base <= t.data_ptr() < end:
-                if forbid:
-                    raise OffloadError(
-                        f"autograd saved a weight of swapped block {block.name} although the "
-                        "call looked like it needed no gradient",
-                        hint="Pass tensors that require grad as plain arguments (or in "
-                             "lists/tuples/dicts) of the block's forward.")
-                return WeightRef(block, t.data_ptr() - base, t.shape, tuple(t.stride()), t.dtype)
-            if outer_pack is not None:
-                return _OuterSaved(outer_pack(t))
-            return t
-
-        def unpack(saved: Any) -> torch.Tensor:
-            if isinstance(saved, WeightRef):
-                return self._weight_from_slot(saved)
-            if isinstance(saved, _OuterSaved) and outer_unpack is not None:
-                return outer_unpack(saved.value)
-            return saved
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield
-
-    def _weight_from_slot(self, ref: WeightRef) -> torch.Tensor:
-        slot = ref.block.slot
-        if slot is None or not slot.locked or slot.block is not ref.block:
-            raise OffloadError(f"a saved weight of {ref.block.name} was used outside its "
-                               "block's backward",
-                               hint="This is a vramkit bug; please report it with the model.")
-        itemsize = ref.dtype.itemsize
-        flat = slot.buffer.view(ref.dtype)
-        return torch.as_strided(flat, ref.shape, ref.stride,
-                                flat.storage_offset() + ref.offset // itemsize)
-
-    def _before_block_backward(self, block: SwappedBlock) -> None:
-        """Gradients accumulate as PyTorch's do: while a host gradient holds a value (not set to
-        None by ``zero_grad``), start the GPU gradient from it, so backward adds to it."""
-        pending = [(e, e.host_param.grad) for e in block.trainable_entries
-                   if e.host_param is not None and e.host_param.grad is not None]
-        if not pending:
-            return
-        if block.grad_event is not None:  # the previous device->host copy must land first
-            self.streams.wait(self.streams.current(), block.grad_event)
-        for e, grad in pending:
-            e.tensor.grad = grad.to(self.device, non_blocking=True)
-
-    def _after_block_backward(self, block: SwappedBlock) -> None:
-        if not block.trainable_entries:
-            return
-        streams = self.streams
-        ready = streams.event()
-        streams.record(ready, streams.current())
-        streams.wait(streams.d2h, ready)
-        if block.grad_buffer is None:
-            raise OffloadError(f"swapped block {block.name} has no gradient buffer")
-        copied = False
-        for e in block.trainable_entries:
-            grad = e.tensor.grad
-            hp = e.host_param
-            if grad is None or hp is None:
-                continue  # no gradient this step: the host gradient keeps its state
-            target = _typed_view(block.grad_buffer, e.offset, e)
-            streams.copy(target, grad, streams.d2h, block.name)
-            hp.grad = target
-            if grad.device.type == "cuda":
-                grad.record_stream(streams.d2h)
-            e.tensor.grad = None
-            self._counters["d2h_bytes"] += e.nbytes
-            copied = True
-        if copied:
-            block.grad_event = streams.event()
-            streams.record(block.grad_event, streams.d2h)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -1058,17 +667,8 @@ class BlockSwapper:
     def sync_gradients(self) -> None:
         """Wait (on the host) until every offloaded gradient has arrived and no copy still reads
         the masters: call it once per optimizer step, before stepping the host parameters."""
-        for block in self._blocks:
-            if block.grad_event is not None:
-                self.streams.synchronize(block.grad_event)
-                block.grad_event = None
-            # A gradient set to None by zero_grad() is re-attached at the next backward.
-        for slot in self._slots:
-            self.streams.synchronize(slot.loaded_event)
-            # The host step that follows rewrites trainable masters, and fused optimizers (and
-            # writes through .data) do not bump version counters: reload such blocks next time.
-            if slot.block is not None and slot.block.trainable_entries:
-                slot.loaded_version = -1
+        if self._ring is not None:
+            self._ring.sync_gradients()
 
     def forward_with_swapping(self, input: Any, forward_fn: Callable[[Any], Any] | None = None
                               ) -> Any:
@@ -1081,38 +681,44 @@ class BlockSwapper:
 
     def stats(self) -> SwapStats:
         """Counters and sizes (see :class:`SwapStats`)."""
-        c = self._counters
+        ring = self._ring
+        c = ring.counters if ring is not None else dict.fromkeys(
+            ("loads", "prefetched", "on_demand", "hits", "h2d_bytes", "d2h_bytes",
+             "acquisitions"), 0)
         pinned = sum(p.stats().reserved for p in (self._master_pool, self._grad_pool)
                      if p is not None)
+        order = ring.order if ring is not None else []
         return SwapStats(
             blocks=len(self.schedule), swapped_blocks=len(self._blocks),
             swapped_bytes=sum(e.nbytes for b in self._blocks for e in b.entries),
-            pinned_bytes=pinned, slot_bytes=self._slot_bytes() * len(self._slots),
+            pinned_bytes=pinned,
+            slot_bytes=ring.slot_bytes * len(ring.slots) if ring is not None else 0,
             resident_block_bytes=self._resident_block_bytes,
             loads=c["loads"], prefetched=c["prefetched"], on_demand=c["on_demand"],
             hits=c["hits"], h2d_bytes=c["h2d_bytes"], d2h_bytes=c["d2h_bytes"],
-            acquisitions=c["acquisitions"], enqueue_seconds=self._enqueue_seconds,
-            order_pattern=analyze_access_pattern(
-                [self._blocks.index(b) for b in self._order]))
+            acquisitions=c["acquisitions"],
+            enqueue_seconds=ring.enqueue_seconds if ring is not None else 0.0,
+            order_pattern=analyze_access_pattern([self._blocks.index(b) for b in order]))
 
     def reset_stats(self) -> None:
         """Zero the transfer counters (sizes are kept)."""
-        for key in self._counters:
-            self._counters[key] = 0
-        self._enqueue_seconds = 0.0
+        if self._ring is not None:
+            self._ring.reset_counters()
 
     def detach(self) -> None:
         """Put the model back as it was: every tensor on its original device with its current
         values (trained weights included), the same ``Parameter`` objects, forwards unwrapped.
         Frees the pinned masters and GPU slots. Waits for outstanding copies (a host sync)."""
         if not self._attached:
-            raise OffloadError("this BlockSwapper is already detached")
+            raise OffloadError("this BlockSwapper is already detached",
+                               hint="Each swapper is detached once; create a new one to swap "
+                                    "the model again.")
         self._attached = False
         self._undo_attach()
 
     def _undo_attach(self) -> None:
         if self._unwatch is not None:
-            self._unwatch()  # runs _watch_structure(False) once
+            self._unwatch()  # runs watch_structure(False) once
             self._unwatch = None
         if self.device.type == "cuda" and torch.cuda.is_initialized():
             torch.cuda.current_stream(self.device).synchronize()
@@ -1121,11 +727,9 @@ class BlockSwapper:
             handle.remove()
         self._state_hooks = []
         for block in self._blocks:
-            module = block.module
-            if block.had_instance_forward:
-                module.forward = block.original_forward
-            else:
-                module.__dict__.pop("forward", None)
+            if block.wrapper is not None:
+                _patch.restore(block.module, block.wrapper)
+                block.wrapper = None
             for e, master_view in zip(block.entries, block.master_views, strict=False):
                 restored = torch.empty_strided(e.shape, e.stride, dtype=e.dtype,
                                                device=e.original_device)
@@ -1150,14 +754,12 @@ class BlockSwapper:
             if grad is not None:
                 tensor.grad = grad.to(device)
         self._moved = []
-        for slot in self._slots:
-            if not slot.pool_block.freed:
-                slot.pool_block.free()
-        self._slots = []
-        for pool in (self._slot_pool, self._master_pool, self._grad_pool):
+        if self._ring is not None:
+            self._ring.close()
+        for pool in (self._master_pool, self._grad_pool):
             if pool is not None:
                 pool.clear(force=True)
-        self._slot_pool = self._master_pool = self._grad_pool = None
+        self._master_pool = self._grad_pool = None
         self._blocks = []
         self._anchor = None
         self._last_hooks = []
@@ -1171,107 +773,8 @@ class BlockSwapper:
 
     def __repr__(self) -> str:
         state = "attached" if self._attached else "detached"
+        slots = len(self._ring.slots) if self._ring is not None else 0
+        slot_bytes = self._ring.slot_bytes if self._ring is not None else 0
         return (f"BlockSwapper({len(self._blocks)}/{len(self.schedule)} blocks swapped, "
-                f"{len(self._slots)} slots of {format_size(self._slot_bytes())}, "
+                f"{slots} slots of {format_size(slot_bytes)}, "
                 f"device={self.device}, {state})")
-
-
-# -- helpers -----------------------------------------------------------------------------------
-
-
-def _as_specs(blocks: Sequence[BlockSpec | tuple[str, int] | nn.Module | str]) -> list[BlockSpec]:
-    if isinstance(blocks, (str, nn.Module)) or not isinstance(blocks, Sequence):
-        raise ConfigError("blocks must be a sequence of BlockSpec, (name, nbytes), modules or "
-                          "names")
-    if blocks and all(isinstance(b, str) for b in blocks):
-        return [BlockSpec(name, 1) for name in sorted(blocks, key=natural_key)]  # type: ignore[arg-type]
-    specs = []
-    for i, b in enumerate(blocks):
-        if isinstance(b, BlockSpec):
-            specs.append(b)
-        elif isinstance(b, nn.Module):
-            specs.append(BlockSpec(str(i), module_bytes(b)))
-        elif isinstance(b, tuple) and len(b) == 2:
-            specs.append(BlockSpec(b[0], b[1]))
-        else:
-            raise ConfigError(f"cannot read block {b!r}: expected BlockSpec, (name, nbytes), "
-                              "a module or a name")
-    return specs
-
-
-def _unwrapped_forward(module: nn.Module) -> tuple[Callable[..., Any], bool]:
-    """The forward to run for a block and whether vramkit checkpointing had marked it."""
-    try:
-        from vramkit.offload.checkpointing import is_checkpointed, unwrapped_forward
-    except ImportError:  # checkpointing is optional for the swapper
-        return module.forward, False
-    if is_checkpointed(module):
-        return unwrapped_forward(module), True
-    return module.forward, False
-
-
-def _dense(tensor: torch.Tensor) -> bool:
-    """Whether the tensor's elements cover its memory exactly once (any dimension order)."""
-    expected = 1
-    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True),
-                               key=lambda d: d[1]):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-class _OuterSaved:
-    """A tensor saved through the hooks that were active outside the swapped block."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-def _outer_saved_tensor_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:  # older PyTorch: outer hooks do not reach inside swapped blocks
-        return None
-    return top(False)
-
-
-# Module structure changes (adapters added after attaching, say) are seen through PyTorch's
-# global registration hooks: each registered module or parameter anywhere bumps the epoch, and a
-# block whose parameter list is older lists its parameters again. The hooks are installed while
-# at least one swapper is attached.
-_STRUCTURE = {"epoch": 0, "users": 0}
-_STRUCTURE_HANDLES: list[Any] = []
-
-
-def _structure_epoch() -> int:
-    return _STRUCTURE["epoch"]
-
-
-def _shape_key(modules: list[nn.Module]) -> int:
-    return sum(len(m._modules) + len(m._parameters) for m in modules)
-
-
-def _bump_structure_epoch(*_: Any) -> None:
-    _STRUCTURE["epoch"] += 1
-
-
-def _watch_structure(on: bool) -> None:
-    from torch.nn.modules import module as torch_module
-    if on:
-        _STRUCTURE["users"] += 1
-        if _STRUCTURE["users"] == 1:
-            _STRUCTURE["epoch"] += 1  # registrations while nobody watched went uncounted
-            _STRUCTURE_HANDLES.append(
-                torch_module.register_module_module_registration_hook(_bump_structure_epoch))
-            _STRUCTURE_HANDLES.append(
-                torch_module.register_module_parameter_registration_hook(_bump_structure_epoch))
-        return
-    _STRUCTURE["users"] -= 1
-    if _STRUCTURE["users"] == 0:
-        for handle in _STRUCTURE_HANDLES:
-            handle.remove()
-        _STRUCTURE_HANDLES.clear()

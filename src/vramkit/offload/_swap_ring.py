@@ -1,0 +1,403 @@
+"""The GPU side of a block swapper: a ring of R slots, the copies that fill them, and the
+predicted order that decides what to load next.
+
+A :class:`SlotRing` owns the slots (preallocated from a device
+:class:`~vramkit.memory.pool.MemoryPool`, sized to the largest swapped block), learns the order
+in which blocks are called, and moves bytes on the device's shared copy streams:
+
+* :meth:`SlotRing.acquire` makes a block usable on the compute stream: a slot that already holds
+  it is a hit; otherwise a slot is filled (the least recently used one whose block is not needed
+  soon), the copy stream waiting on the slot's *free* event and the compute stream on its
+  *loaded* event. The block's tensors are then pointed at the slot (a handful of ``.data``
+  repoints: the per-slot views are precomputed).
+* :meth:`SlotRing.release` records the slot's *free* event on the compute stream and loads the
+  next blocks of the predicted order into slots whose blocks are not among them.
+* The order is learnt from the last forward pass and committed when backward starts; backward
+  runs it in reverse, inference wraps around to the first blocks.
+* :meth:`SlotRing.weight_hooks` turns slot-resident tensors autograd saves into
+  :class:`~vramkit.offload._swap_blocks.WeightRef` handles, and hands every other saved tensor
+  to the hooks that were active outside the block (activation offload composes).
+* :meth:`SlotRing.end_block_backward` sends a block's trainable gradients device->host into its
+  pinned gradient buffer (``trainable="cpu"``).
+
+It implements :class:`~vramkit.offload._swap_blocks.BlockRuntime`, the interface the autograd
+helpers use. No host synchronization happens in steady state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from vramkit.errors import OffloadError
+from vramkit.memory.pool import MemoryPool, PoolConfig
+from vramkit.memory.transfer import Streams
+from vramkit.offload._swap_blocks import ALIGN, Slot, SwappedBlock, WeightRef, typed_view
+
+__all__ = ["SlotRing"]
+
+COUNTERS = ("loads", "prefetched", "on_demand", "hits", "h2d_bytes", "d2h_bytes", "acquisitions")
+
+
+class SlotRing:
+    """R GPU slots shared by a swapper's blocks (see the module docstring).
+
+    Args:
+        blocks: the swapped blocks, masters allocated, in registration order.
+        device: the compute device.
+        streams: the device's copy streams.
+        num_slots: R.
+        lookahead: blocks to have in slots when one is released (``SwapConfig.lookahead``).
+        preserve_rng_state: replay the RNG when a checkpointed block recomputes.
+        on_backward_turn: called when backward starts (the first backward acquisition after
+            forward calls).
+    """
+
+    def __init__(self, blocks: list[SwappedBlock], device: torch.device, streams: Streams, *,
+                 num_slots: int, lookahead: int, preserve_rng_state: bool,
+                 on_backward_turn: Callable[[], None] | None = None) -> None:
+        self.blocks = blocks
+        self.device = device
+        self.streams = streams
+        self.lookahead = lookahead
+        self.preserve_rng_state = preserve_rng_state
+        self.on_backward_turn = on_backward_turn
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.enqueue_seconds = 0.0
+        self.slots: list[Slot] = []
+        self.order: list[SwappedBlock] = list(blocks)
+        self._position = {id(b): i for i, b in enumerate(self.order)}
+        self._upcoming_cache: dict[tuple[int, bool, bool], tuple[list[SwappedBlock],
+                                                                 set[int]]] = {}
+        self._observed: list[SwappedBlock] = []
+        self._observed_ids: set[int] = set()
+        self._direction = "forward"
+        self.training_pass = False
+        self._clock = 0
+        self._pool: MemoryPool | None = None
+        self.slot_bytes = max((b.nbytes for b in blocks), default=0)
+        if self.slot_bytes:
+            self._allocate(num_slots)
+
+    def _allocate(self, num_slots: int) -> None:
+        size = self.slot_bytes
+        self._pool = MemoryPool(self.device, PoolConfig(
+            initial_size=num_slots * size, max_size=num_slots * size, growth_factor=1.0,
+            alignment=ALIGN, max_cached_buffers=0))
+        for i in range(num_slots):
+            pool_block = self._pool.allocate(size)
+            slot = Slot(i, pool_block, pool_block.view((size,), torch.uint8), self.streams)
+            self.slots.append(slot)
+            for block in self.blocks:
+                block.slot_views[i] = [typed_view(slot.buffer, e.offset, e)
+                                       for e in block.entries]
+                block.slot_flat[i] = slot.buffer[:block.nbytes]
+
+    # -- the predicted order ------------------------------------------------------------------
+
+    def observe(self, block: SwappedBlock) -> bool:
+        """Learn the forward order from a forward call of ``block``. Returns whether the call
+        starts a new pass (after backward, a block seen twice, or the first call)."""
+        new_pass = False
+        if self._direction == "backward":
+            self._observed, self._observed_ids = [], set()
+            new_pass = True
+        elif id(block) in self._observed_ids:
+            self._commit_order()
+            new_pass = True
+        elif not self._observed:
+            new_pass = True
+        self._direction = "forward"
+        self._observed.append(block)
+        self._observed_ids.add(id(block))
+        return new_pass
+
+    def _commit_order(self) -> None:
+        if (self._observed and len(self._observed) == len(self.blocks)
+                and self._observed != self.order):
+            self.order = list(self._observed)
+            self._position = {id(b): i for i, b in enumerate(self.order)}
+            self._upcoming_cache.clear()
+        self._observed = []
+        self._observed_ids = set()
+
+    def _upcoming(self, block: SwappedBlock, backward: bool
+                  ) -> tuple[list[SwappedBlock], set[int]]:
+        """The next ``lookahead`` distinct blocks needed after ``block`` in the predicted order
+        (``block`` itself when it is needed again next: the forward->backward turn), and their
+        ids. Cached per order: this runs after every block call, and building the sequence is
+        O(blocks)."""
+        pos = self._position.get(id(block))
+        if pos is None:
+            return [], set()
+        key = (pos, backward, self.training_pass)
+        cached = self._upcoming_cache.get(key)
+        if cached is None:
+            blocks = self._compute_upcoming(pos, backward)
+            cached = self._upcoming_cache[key] = (blocks, {id(b) for b in blocks})
+        return cached
+
+    def _compute_upcoming(self, pos: int, backward: bool) -> list[SwappedBlock]:
+        k = self.lookahead
+        order = self.order
+        n = len(order)
+        if not k or not n:
+            return []
+        out: list[SwappedBlock] = []
+        if backward:
+            seq = [order[i] for i in range(pos - 1, -1, -1)]
+            seq += order  # then the next step's forward, from the first block
+        elif self.training_pass:
+            seq = order[pos + 1:] + [order[i] for i in range(n - 1, -1, -1)]
+        else:  # inference: wrap around to the first blocks of the next call
+            seq = order[pos + 1:] + order
+        for b in seq:
+            if b in out:
+                continue
+            out.append(b)
+            if len(out) == k:
+                break
+        return out
+
+    # -- acquire / release --------------------------------------------------------------------
+
+    def acquire(self, block: SwappedBlock, *, backward: bool, stream: Any = None) -> Any:
+        """Make ``block`` usable on ``stream`` (default: the current stream, returned): load it
+        unless its slot holds it, order the stream after the load, point its tensors at the
+        slot."""
+        start = time.perf_counter()
+        if backward and self._direction != "backward":
+            self._commit_order()  # the forward just seen predicts this backward
+            self._direction = "backward"
+            if self.on_backward_turn is not None:
+                self.on_backward_turn()
+        self.counters["acquisitions"] += 1
+        slot = block.slot
+        if slot is not None and slot.loaded_version == block.master._version:  # type: ignore[union-attr]
+            self.counters["hits"] += 1
+        else:
+            slot = self._load(block, on_demand=True)
+            if slot is None:
+                raise OffloadError(
+                    f"no free slot for swapped block {block.name}: all "
+                    f"{len(self.slots)} slots are in use",
+                    hint="A swapped block called inside another swapped block needs more "
+                         "slots: raise SwapConfig.num_slots.")
+        if stream is None:
+            stream = self.streams.current()
+        self.streams.wait(stream, slot.loaded_event)
+        slot.locked = True
+        self._clock += 1
+        slot.last_used = self._clock
+        if block.bound is not slot:  # still bound when the block kept its slot since last time
+            for e, view in zip(block.entries, block.slot_views[slot.index], strict=False):
+                e.tensor.data = view
+            block.bound = slot
+        self.enqueue_seconds += time.perf_counter() - start
+        return stream
+
+    def release(self, block: SwappedBlock, *, backward: bool, stream: Any = None) -> None:
+        """The block is done with its slot once ``stream`` (default: the current stream) gets
+        past this point; prefetch what comes next."""
+        start = time.perf_counter()
+        slot = block.slot
+        if slot is not None:
+            self.streams.record(slot.free_event,
+                                stream if stream is not None else self.streams.current())
+            slot.locked = False
+        upcoming, keep = self._upcoming(block, backward)
+        for b in upcoming:
+            held = b.slot
+            if held is not None and held.loaded_version == b.master._version:  # type: ignore[union-attr]
+                continue
+            if self._load(b, on_demand=False, keep=keep) is None:
+                break
+        self.enqueue_seconds += time.perf_counter() - start
+
+    def _load(self, block: SwappedBlock, *, on_demand: bool,
+              keep: set[int] | None = None) -> Slot | None:
+        """Fill a slot with ``block``: the least recently used unlocked slot whose block is not
+        wanted soon. Returns ``None`` when every slot is locked or wanted."""
+        slot: Slot | None = None
+        for s in self.slots:  # R is small: a plain loop beats building candidate lists
+            if s.locked:
+                continue
+            held = s.block
+            if held is block:
+                slot = s  # its own slot, reloaded in place
+                break
+            if held is not None and keep is not None and id(held) in keep:
+                continue
+            if slot is None or s.last_used < slot.last_used:
+                slot = s
+        if slot is None:
+            return None
+        old = slot.block
+        if old is not None and old is not block:
+            old.slot = None
+            old.bound = None
+            for e in old.entries:  # eviction: a pointer repoint, nothing copied back
+                e.tensor.data = e.placeholder
+        streams = self.streams
+        streams.wait(streams.h2d, slot.free_event)
+        master = block.master
+        if master is None:
+            raise OffloadError(f"swapped block {block.name} has no host master",
+                               hint="This is a vramkit bug; please report it with the model.")
+        streams.copy(block.slot_flat[slot.index], master, streams.h2d, block.name)
+        streams.record(slot.loaded_event, streams.h2d)
+        slot.block = block
+        slot.loaded_version = master._version
+        self._clock += 1
+        slot.last_used = self._clock
+        block.slot = slot
+        self.counters["loads"] += 1
+        self.counters["on_demand" if on_demand else "prefetched"] += 1
+        self.counters["h2d_bytes"] += block.nbytes
+        return slot
+
+    # -- saved tensors ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def weight_hooks(self, block: SwappedBlock, *, forbid: bool = False) -> Iterator[None]:
+        """Saved-tensor hooks for a block call: tensors in the slot become :class:`WeightRef`
+        handles (or, with ``forbid``, an error); every other tensor goes to the hooks that were
+        active outside the block (activation offload, a parent-level checkpoint), so those keep
+        working inside swapped blocks."""
+        slot = block.slot
+        if slot is None:
+            raise OffloadError(f"swapped block {block.name} runs without a slot")
+        base = slot.buffer.data_ptr()
+        end = base + block.nbytes
+        device = self.device
+        outer = _outer_saved_tensor_hooks()
+        outer_pack, outer_unpack = outer if outer is not None else (None, None)
+
+        def pack(t: torch.Tensor) -> Any:
+            if t.device == device and base <= t.data_ptr() < end:
+                if forbid:
+                    raise OffloadError(
+                        f"autograd saved a weight of swapped block {block.name} although the "
+                        "call looked like it needed no gradient",
+                        hint="Pass tensors that require grad as plain arguments (or in "
+                             "lists/tuples/dicts) of the block's forward.")
+                return WeightRef(block, t.data_ptr() - base, t.shape, tuple(t.stride()), t.dtype)
+            if outer_pack is not None:
+                return _OuterSaved(outer_pack(t))
+            return t
+
+        def unpack(saved: Any) -> torch.Tensor:
+            if isinstance(saved, WeightRef):
+                return self._weight_from_slot(saved)
+            if isinstance(saved, _OuterSaved) and outer_unpack is not None:
+                return outer_unpack(saved.value)
+            return saved  # type: ignore[no-any-return]
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    def _weight_from_slot(self, ref: WeightRef) -> torch.Tensor:
+        slot = ref.block.slot
+        if slot is None or not slot.locked or slot.block is not ref.block:
+            raise OffloadError(f"a saved weight of {ref.block.name} was used outside its "
+                               "block's backward",
+                               hint="This is a vramkit bug; please report it with the model.")
+        itemsize = ref.dtype.itemsize
+        flat = slot.buffer.view(ref.dtype)
+        return torch.as_strided(flat, ref.shape, ref.stride,
+                                flat.storage_offset() + ref.offset // itemsize)
+
+    # -- gradients of swapped trainable weights (trainable="cpu") -----------------------------
+
+    def begin_block_backward(self, block: SwappedBlock) -> None:
+        """Gradients accumulate as PyTorch's do: while a host gradient holds a value (not set to
+        None by ``zero_grad``), start the GPU gradient from it, so backward adds to it."""
+        pending = [(e, e.host_param.grad) for e in block.trainable_entries
+                   if e.host_param is not None and e.host_param.grad is not None]
+        if not pending:
+            return
+        if block.grad_event is not None:  # the previous device->host copy must land first
+            self.streams.wait(self.streams.current(), block.grad_event)
+        for e, grad in pending:
+            e.tensor.grad = grad.to(self.device, non_blocking=True)
+
+    def end_block_backward(self, block: SwappedBlock) -> None:
+        """Copy the block's new gradients device->host into its pinned gradient buffer (the
+        GPU gradients are dropped once the copy is enqueued)."""
+        if not block.trainable_entries:
+            return
+        streams = self.streams
+        ready = streams.event()
+        streams.record(ready, streams.current())
+        streams.wait(streams.d2h, ready)
+        if block.grad_buffer is None:
+            raise OffloadError(f"swapped block {block.name} has no gradient buffer")
+        copied = False
+        for e in block.trainable_entries:
+            grad = e.tensor.grad
+            hp = e.host_param
+            if grad is None or hp is None:
+                continue  # no gradient this step: the host gradient keeps its state
+            target = typed_view(block.grad_buffer, e.offset, e)
+            streams.copy(target, grad, streams.d2h, block.name)
+            hp.grad = target
+            if grad.device.type == "cuda":
+                grad.record_stream(streams.d2h)
+            e.tensor.grad = None
+            self.counters["d2h_bytes"] += e.nbytes
+            copied = True
+        if copied:
+            block.grad_event = streams.event()
+            streams.record(block.grad_event, streams.d2h)
+
+    def sync_gradients(self) -> None:
+        """Wait (on the host) until every offloaded gradient has arrived and no copy still reads
+        the masters; slots of trainable blocks are marked stale (the host step rewrites their
+        masters, and fused optimizers and writes through ``.data`` bump no version counter)."""
+        for block in self.blocks:
+            if block.grad_event is not None:
+                self.streams.synchronize(block.grad_event)
+                block.grad_event = None
+            # A gradient set to None by zero_grad() is re-attached at the next backward.
+        for slot in self.slots:
+            self.streams.synchronize(slot.loaded_event)
+            if slot.block is not None and slot.block.trainable_entries:
+                slot.loaded_version = -1
+
+    # -- bookkeeping --------------------------------------------------------------------------
+
+    def reset_counters(self) -> None:
+        """Zero the transfer counters."""
+        for key in self.counters:
+            self.counters[key] = 0
+        self.enqueue_seconds = 0.0
+
+    def close(self) -> None:
+        """Free the slots (the caller has synchronized the device)."""
+        for slot in self.slots:
+            if not slot.pool_block.freed:
+                slot.pool_block.free()
+        self.slots = []
+        if self._pool is not None:
+            self._pool.clear(force=True)
+            self._pool = None
+
+
+class _OuterSaved:
+    """A tensor saved through the hooks that were active outside the swapped block."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _outer_saved_tensor_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:  # older PyTorch: outer hooks do not reach inside swapped blocks
+        return None
+    return top(False)  # type: ignore[no-any-return]

@@ -29,7 +29,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
+from vramkit._validate import check_bool, check_int
 from vramkit.errors import ConfigError, DeviceMismatchError, InvalidBlockError
+from vramkit.memory.layout import is_dense
 from vramkit.memory.pool import Block, MemoryPool
 from vramkit.memory.transfer import transfer_streams
 from vramkit.offload import _patch
@@ -52,12 +54,6 @@ logger = logging.getLogger(__name__)
 
 #: Default patterns of :class:`GradientCheckpointer`: the stages of an SDXL-like UNet.
 SDXL_CHECKPOINT_BLOCKS: tuple[str, ...] = ("down_blocks.*", "mid_block", "up_blocks.*")
-
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name} must be a bool, got {value!r}")
-    return value
-
 
 def _run_checkpointed(fn: Callable[..., Any], inputs: Sequence[Any], kwargs: dict[str, Any],
                       preserve_rng_state: bool) -> Any:
@@ -91,8 +87,8 @@ def checkpoint(fn: Callable[..., Any], *inputs: Any, enabled: bool = True,
     Raises:
         ConfigError: when ``enabled`` or ``preserve_rng_state`` is not a bool.
     """
-    _check_bool("enabled", enabled)
-    _check_bool("preserve_rng_state", preserve_rng_state)
+    check_bool("enabled", enabled)
+    check_bool("preserve_rng_state", preserve_rng_state)
     if not enabled or not torch.is_grad_enabled():
         return fn(*inputs, **kwargs)
     return _run_checkpointed(fn, inputs, kwargs, preserve_rng_state)
@@ -189,10 +185,9 @@ def enable_gradient_checkpointing(model: nn.Module, blocks: str | Sequence[str] 
             ``preserve_rng_state`` or a malformed ``blocks``.
         OffloadError: when ``blocks`` matches nothing.
     """
-    if isinstance(every_n, bool) or not isinstance(every_n, int) or every_n < 1:
-        raise ConfigError(f"every_n must be an int >= 1, got {every_n!r}",
-                          hint="every_n=1 checkpoints every block, 2 every other block.")
-    _check_bool("preserve_rng_state", preserve_rng_state)
+    check_int("every_n", every_n, minimum=1,
+              hint="every_n=1 checkpoints every block, 2 every other block.")
+    check_bool("preserve_rng_state", preserve_rng_state)
     found = find_blocks(model, blocks)
     names: list[str] = []
     for index, (name, module) in enumerate(found):
@@ -266,8 +261,8 @@ class GradientCheckpointer:
             raise ConfigError("checkpoint_blocks must be a sequence of non-empty name patterns, "
                               f"got {checkpoint_blocks!r}")
         self._patterns: tuple[str, ...] = tuple(checkpoint_blocks)
-        self._enabled = _check_bool("enabled", enabled)
-        self._preserve_rng_state = _check_bool("preserve_rng_state", preserve_rng_state)
+        self._enabled = check_bool("enabled", enabled)
+        self._preserve_rng_state = check_bool("preserve_rng_state", preserve_rng_state)
         self._checkpointed_calls = 0
         self._direct_calls = 0
 
@@ -297,7 +292,7 @@ class GradientCheckpointer:
         Raises:
             ConfigError: when ``enabled`` is not a bool.
         """
-        self._enabled = _check_bool("enabled", enabled)
+        self._enabled = check_bool("enabled", enabled)
 
     def matches(self, name: str) -> bool:
         """Whether ``name`` matches one of the patterns (``fnmatch``, case-sensitive)."""
@@ -347,21 +342,10 @@ SDXLGradientCheckpoint = GradientCheckpointer
 # --------------------------------------------------------------------------------------------
 
 
-def _dense_strides(tensor: torch.Tensor) -> bool:
-    """Whether the tensor's elements tile ``numel`` slots exactly (any dim order, no overlap)."""
-    expected = 1
-    for size, stride in sorted(((s, st) for s, st in zip(tensor.shape, tensor.stride(), strict=True)
-                                if s != 1), key=lambda d: d[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _layout(tensor: torch.Tensor) -> tuple[int, ...]:
     # Keep the strides of dense layouts (channels_last, transposes) so recomputation sees the
     # same memory format as the first pass; pack gapped or overlapping views contiguously.
-    if _dense_strides(tensor):
+    if is_dense(tensor):
         return tuple(tensor.stride())
     strides = []
     step = 1
@@ -501,7 +485,7 @@ def checkpoint_with_pool(fn: Callable[..., Any], *inputs: Any, pool: MemoryPool,
     if not isinstance(pool, MemoryPool):
         raise ConfigError(f"pool must be a vramkit MemoryPool, got {type(pool).__name__}",
                           hint="Create one with MemoryPool('cuda') or MemoryPool.pinned().")
-    _check_bool("preserve_rng_state", preserve_rng_state)
+    check_bool("preserve_rng_state", preserve_rng_state)
     if not torch.is_grad_enabled():
         return fn(*inputs, **kwargs)
     with _PooledInputHooks(pool):

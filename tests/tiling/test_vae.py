@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import Any
@@ -285,3 +286,33 @@ def test_attach_as_context_manager(vae: Any) -> None:
     with VAETiling(tile_size=32, overlap=8).attach(vae) as handle:
         assert "decode" in vae.__dict__
     assert not handle.attached and "decode" not in vae.__dict__
+
+
+def test_attach_wraps_through_the_patching_primitive(vae: Any) -> None:
+    from vramkit.offload import _patch
+    z = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(4))
+    tiling = VAETiling(tile_size=16, overlap=8)
+    with torch.no_grad():
+        plain = vae.decode(z).sample
+        # An instance attribute that was there before attach() comes back on detach().
+        before = vae.decode = functools.partial(type(vae).decode, vae)
+        try:
+            handle = tiling.attach(vae)
+            assert _patch.find(vae, "tiling", "decode") is vae.decode
+            assert _patch.find(vae, "tiling", "encode") is vae.encode
+            handle.detach()
+            assert vae.__dict__["decode"] is before
+            assert _patch.find(vae, "tiling", "decode") is None
+        finally:
+            del vae.__dict__["decode"]
+        # A replacement put on top after attach() survives detach(); tiling inside turns off.
+        handle = tiling.attach(vae)
+        tiled = vae.decode
+        foreign = vae.decode = lambda *args, **kwargs: tiled(*args, **kwargs)
+        try:
+            handle.detach()
+            assert vae.decode is foreign and not tiled.active
+            torch.testing.assert_close(vae.decode(z).sample, plain)
+        finally:
+            del vae.__dict__["decode"]
+    assert "decode" not in vae.__dict__ and "encode" not in vae.__dict__

@@ -11,7 +11,7 @@ Two modes:
   from the untiled one, most near seams (:meth:`VAETiling.seam_report` measures it).
 * **Exact** (``exact_groupnorm=True``): GroupNorm layers use the statistics of the whole image,
   merged across tiles with Chan's formula, so the result equals the untiled decode up to
-  rounding. Needs a diffusers ``AutoencoderKL``-style model (see :mod:`vramkit.tiling._exact`).
+  rounding. Needs a diffusers ``AutoencoderKL``-style model (see :mod:`vramkit.tiling._program`).
 
 Sizes: ``tile_size`` and ``overlap`` are in OUTPUT pixels for decode (image pixels) and in INPUT
 pixels for encode (image pixels too), so one config means the same image-space tiles both ways.
@@ -34,20 +34,19 @@ from typing import Any, NamedTuple
 
 import torch
 
+from vramkit._validate import check_bool, check_choice, check_int, check_number, check_size
 from vramkit.errors import ConfigError, VramkitError
-from vramkit.tiling import _exact as exact
-from vramkit.tiling._exact import (
+from vramkit.offload import _patch
+from vramkit.offload._patch import MethodWrapper
+from vramkit.tiling._attention import (
     ChunkedAttnProcessor,
-    ExactRunStats,
-    GroupStats,
-    StepRecord,
     chunked_attention,
-    group_stats,
-    merge_group_stats,
-    release_host_buffers,
     use_chunked_attention,
 )
-from vramkit.units import parse_size
+from vramkit.tiling._groupnorm import GroupStats, group_stats, merge_group_stats
+from vramkit.tiling._parts import module_callable, upscale_of, vae_parts
+from vramkit.tiling._program import exact_decode, exact_encode
+from vramkit.tiling._strips import ExactRunStats, StepRecord, release_host_buffers
 
 __all__ = [
     "ChunkedAttnProcessor",
@@ -152,8 +151,8 @@ def blend_weights_1d(spans: list[TileSpan], scale: int, blend: str,
     """
     if blend == "none":
         # Tile i owns [cut_i, cut_{i+1}), cuts at the middle of each overlap: one tile per pixel.
-        cuts = [0] + [(b.start + a.stop) * scale // 2 for a, b in itertools.pairwise(spans)] + \
-            [spans[-1].stop * scale]
+        cuts = ([0] + [(b.start + a.stop) * scale // 2 for a, b in itertools.pairwise(spans)]
+                + [spans[-1].stop * scale])
         owned = []
         for index, span in enumerate(spans):
             w = torch.zeros((span.stop - span.start) * scale, dtype=dtype)
@@ -242,8 +241,7 @@ def seam_error(output: torch.Tensor, reference: torch.Tensor, seams_y: list[int]
     if output.shape != reference.shape:
         raise ConfigError(f"output {tuple(output.shape)} and reference {tuple(reference.shape)} "
                           "differ in shape")
-    if value_range <= 0:
-        raise ConfigError(f"value_range must be > 0, got {value_range}")
+    value_range = check_number("value_range", value_range, minimum=0, low_open=True)
     diff = (output.float() - reference.float()).abs_() / value_range
     height, width = diff.shape[-2], diff.shape[-1]
     rows = torch.zeros(height, dtype=torch.bool, device=diff.device)
@@ -307,37 +305,18 @@ class VAETiling:
                                              compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("tile_size", "overlap"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"VAETiling.{name} must be an int, got {value!r}")
-        if self.tile_size < 1:
-            raise ConfigError(f"VAETiling.tile_size must be >= 1, got {self.tile_size}")
+        check_int("VAETiling.tile_size", self.tile_size, minimum=1)
+        check_bool("VAETiling.exact_groupnorm", self.exact_groupnorm)
         # Exact mode has no overlap (strips are exact), so only blended mode bounds it.
-        if self.overlap < 0 or (not self.exact_groupnorm and self.overlap >= self.tile_size):
-            raise ConfigError(f"VAETiling.overlap must be in [0, tile_size), got {self.overlap}",
-                              hint="A typical choice is tile_size // 8 (64 for 512).")
-        if self.blend not in _BLENDS:
-            raise ConfigError(f"VAETiling.blend must be one of {_BLENDS}, got {self.blend!r}")
-        if not isinstance(self.exact_groupnorm, bool):
-            raise ConfigError(f"VAETiling.exact_groupnorm must be a bool, got "
-                              f"{self.exact_groupnorm!r}")
-        if self.scale_factor is not None and (isinstance(self.scale_factor, bool) or
-                                              not isinstance(self.scale_factor, int) or
-                                              self.scale_factor < 1):
-            raise ConfigError(f"VAETiling.scale_factor must be an int >= 1 or None, got "
-                              f"{self.scale_factor!r}")
-        if self.exact_storage not in _STORAGES:
-            raise ConfigError(f"VAETiling.exact_storage must be one of {_STORAGES}, got "
-                              f"{self.exact_storage!r}")
-        if self.exact_device_budget is not None:
-            try:
-                budget = parse_size(self.exact_device_budget)
-            except (ValueError, TypeError) as exc:
-                raise ConfigError(f"VAETiling.exact_device_budget: {exc}") from exc
-            if budget < 0:
-                raise ConfigError("VAETiling.exact_device_budget must be >= 0")
-            object.__setattr__(self, "exact_device_budget", budget)
+        check_int("VAETiling.overlap", self.overlap, minimum=0,
+                  maximum=None if self.exact_groupnorm else self.tile_size - 1,
+                  hint="Blended tiling needs 0 <= overlap < tile_size; a typical choice is "
+                       "tile_size // 8 (64 for 512).")
+        check_choice("VAETiling.blend", self.blend, _BLENDS)
+        check_int("VAETiling.scale_factor", self.scale_factor, minimum=1, allow_none=True)
+        check_choice("VAETiling.exact_storage", self.exact_storage, _STORAGES)
+        object.__setattr__(self, "exact_device_budget", check_size(
+            "VAETiling.exact_device_budget", self.exact_device_budget, allow_none=True))
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as a JSON-serialisable dict (round-trips through ``VAETiling(**d)``)."""
@@ -411,13 +390,13 @@ class VAETiling:
         """
         output, seams_y, seams_x = self._decode(model, latents)
         if reference is None:
-            parts = exact.vae_parts(model, "decode")
+            parts = vae_parts(model, "decode")
             with torch.no_grad():
                 if parts is None:
                     reference = model(latents)
                 else:
                     with use_chunked_attention(parts[0]):
-                        reference = exact.module_callable(parts, "decode")(latents)
+                        reference = module_callable(parts, "decode")(latents)
         return seam_error(output, reference, seams_y, seams_x, band_px, value_range)
 
     def attach(self, vae: Any) -> TilingHandle:
@@ -442,12 +421,12 @@ class VAETiling:
 
     def _decode(self, model: Any, latents: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
         _check_spatial(latents, "latents")
-        parts = exact.vae_parts(model, "decode")
+        parts = vae_parts(model, "decode")
         if self.exact_groupnorm:
             if parts is None:
                 raise ConfigError("exact_groupnorm=True needs a diffusers AutoencoderKL or Decoder",
                                   hint="Use exact_groupnorm=False for other callables.")
-            out, stats = exact.exact_decode(
+            out, stats = exact_decode(
                 parts[0], parts[1], latents, storage=self.exact_storage,
                 device_budget=self.exact_device_budget, tile_size=self.tile_size)
             self._record(stats)
@@ -459,14 +438,14 @@ class VAETiling:
 
     def _encode(self, model: Any, image: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
         _check_spatial(image, "image")
-        parts = exact.vae_parts(model, "encode")
+        parts = vae_parts(model, "encode")
         if self.exact_groupnorm:
             if parts is None:
                 raise ConfigError("exact_groupnorm=True needs a diffusers AutoencoderKL or Encoder",
                                   hint="Use exact_groupnorm=False for other callables.")
-            scale = exact.upscale_of(parts, "encode")
+            scale = upscale_of(parts, "encode")
             _check_divisible(image, scale)
-            out, stats = exact.exact_encode(
+            out, stats = exact_encode(
                 parts[0], parts[1], image, storage=self.exact_storage,
                 device_budget=self.exact_device_budget, tile_size=self.tile_size)
             self._record(stats)
@@ -492,7 +471,7 @@ class VAETiling:
         if self.scale_factor is not None:
             return self.scale_factor
         if parts is not None:
-            return exact.upscale_of(parts, kind)
+            return upscale_of(parts, kind)
         return _probe_scale(fn, x, kind)
 
 
@@ -510,7 +489,7 @@ def _check_divisible(image: torch.Tensor, scale: int) -> None:
 
 def _as_callable(model: Any, parts: Any, kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if parts is not None:
-        return exact.module_callable(parts, kind)
+        return module_callable(parts, kind)
     if not callable(model):
         raise ConfigError(f"cannot {kind} with a {type(model).__name__}: it is not callable")
     return model
@@ -524,21 +503,27 @@ def _probe_scale(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, ki
     w = 1 << (min(side, x.shape[-1]).bit_length() - 1)
     with torch.no_grad():
         out = fn(x.new_zeros(1, x.shape[1], h, w))
-    ratios = (out.shape[-2] / h, out.shape[-1] / w) if kind == "decode" else \
-        (h / out.shape[-2], w / out.shape[-1])
-    scale = exact.math_isclose_int(ratios[0])
+    ratios = ((out.shape[-2] / h, out.shape[-1] / w) if kind == "decode"
+              else (h / out.shape[-2], w / out.shape[-1]))
+    scale = _isclose_int(ratios[0])
     if scale is None or ratios[0] != ratios[1]:
         raise ConfigError(f"cannot detect a fixed integer scale factor: a {h}x{w} input gave "
                           f"{tuple(out.shape[-2:])}", hint="Pass VAETiling(scale_factor=...).")
     return scale
 
 
+def _isclose_int(value: float) -> int | None:
+    """``value`` as an int when it is one (to 1e-9), else ``None``."""
+    rounded = round(value)
+    return int(rounded) if math.isclose(value, rounded, abs_tol=1e-9) and rounded > 0 else None
+
+
 def _tiled_apply(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, scale: int, *,
                  up: bool, tile: int, overlap: int, blend: str
                  ) -> tuple[torch.Tensor, list[int], list[int]]:
     """Blended tiling. Coarse units are latent pixels; fine ones image pixels."""
-    coarse_h, coarse_w = (x.shape[-2], x.shape[-1]) if up else \
-        (x.shape[-2] // scale, x.shape[-1] // scale)
+    coarse_h, coarse_w = ((x.shape[-2], x.shape[-1]) if up
+                          else (x.shape[-2] // scale, x.shape[-1] // scale))
     in_scale, out_scale = (1, scale) if up else (scale, 1)
     ys = plan_tiles(coarse_h, tile, min(overlap, tile - 1))
     xs = plan_tiles(coarse_w, tile, min(overlap, tile - 1))
@@ -583,33 +568,56 @@ def _seams(spans: list[TileSpan], scale: int) -> list[int]:
 # --------------------------------------------------------------------------------------------
 
 
+class _TiledMethod(MethodWrapper):
+    """What :class:`TilingHandle` installs as a VAE's ``decode`` or ``encode``: a call runs the
+    handle's tiled version, or, once switched off beneath a foreign replacement, the method it
+    wrapped."""
+
+    __slots__ = ("handle",)
+
+    kind = "tiling"
+
+    def __init__(self, handle: TilingHandle) -> None:
+        super().__init__()
+        self.handle = handle
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.active:
+            return self.inner(*args, **kwargs)
+        tiled = self.handle._decode if self.name == "decode" else self.handle._encode
+        return tiled(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        inner = getattr(self.inner, "__qualname__", type(self.inner).__name__)
+        return f"<vramkit tiled {self.name} of {inner}>"
+
+
 class TilingHandle:
     """Returned by :meth:`VAETiling.attach`; ``detach()`` restores ``vae.decode``/``vae.encode``.
+
+    Both are replaced through :mod:`vramkit.offload._patch` (wrappers of kind ``"tiling"``), so
+    ``detach()`` gives back exactly what was there before, even when other vramkit wrappers sit
+    on the same methods.
 
     Args:
         tiling: the config to apply.
         vae: an AutoencoderKL-like model.
     """
 
-    _MARK = "_vramkit_tiling_handle"
-
     def __init__(self, tiling: VAETiling, vae: Any) -> None:
-        if exact.vae_parts(vae, "decode") is None or not hasattr(vae, "decode"):
+        if vae_parts(vae, "decode") is None or not hasattr(vae, "decode"):
             raise ConfigError(f"attach() needs a diffusers AutoencoderKL, got {type(vae).__name__}",
                               hint="Call tiling.decode_tiled(fn, latents) for other models.")
-        if getattr(vae, self._MARK, None) is not None:
+        if _patch.find(vae, _TiledMethod.kind, "decode") is not None:
             raise ConfigError("this VAE already has VAETiling attached",
                               hint="Call detach() on the existing handle first.")
         self.tiling = tiling
         self.vae = vae
-        self._patched: list[str] = []
-        object.__setattr__(vae, self._MARK, self)
-        vae.decode = self._decode
-        self._patched.append("decode")
-        if exact.vae_parts(vae, "encode") is not None and hasattr(vae, "encode"):
-            vae.encode = self._encode
-            self._patched.append("encode")
-        logger.debug("attached %s to %s (%s)", tiling, type(vae).__name__, self._patched)
+        self._patched: list[_TiledMethod] = [_patch.install(vae, _TiledMethod(self), "decode")]
+        if vae_parts(vae, "encode") is not None and hasattr(vae, "encode"):
+            self._patched.append(_patch.install(vae, _TiledMethod(self), "encode"))
+        logger.debug("attached %s to %s (%s)", tiling, type(vae).__name__,
+                     [w.name for w in self._patched])
 
     @property
     def attached(self) -> bool:
@@ -645,9 +653,10 @@ class TilingHandle:
         if not self._patched:
             raise VramkitError("this tiling handle is already detached",
                                hint="Each attach() is undone by exactly one detach().")
-        for name in self._patched:
-            self.vae.__dict__.pop(name, None)
-        self.vae.__dict__.pop(self._MARK, None)
+        for wrapper in reversed(self._patched):
+            if not _patch.restore(self.vae, wrapper):
+                logger.warning("vae.%s was replaced after attach(); leaving the replacement in "
+                               "place with tiling turned off", wrapper.name)
         self._patched = []
 
     def __enter__(self) -> TilingHandle:

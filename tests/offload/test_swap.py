@@ -1350,3 +1350,28 @@ def test_full_finetune_bf16_with_cpu_offload_optimizer(overlap: bool) -> None:
         assert torch.equal(p, q), name
     opt.close()
     ref_opt.close()
+
+
+# -- a schedule chosen elsewhere (SwapConfig.swapped_blocks) ----------------------------------
+
+
+def test_swapped_blocks_swaps_exactly_the_named_blocks() -> None:
+    ref = _frozen_blocks(_net())
+    model = copy.deepcopy(ref)
+    names = ["blocks.1", "blocks.3"]
+    swapper = _swap(model, swapped_blocks=names)
+    assert swapper.swapped_names == names
+    assert [e.swapped for e in swapper.schedule] == [False, True, False, True]
+    assert torch.equal(_step(model), _step(ref))
+    _assert_same_grads(model, ref)
+    swapper.detach()
+
+
+def test_swapped_blocks_is_checked() -> None:
+    with pytest.raises(ConfigError, match="list of block names"):
+        SwapConfig(swapped_blocks="blocks.1")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="not both|would choose them again"):
+        SwapConfig(swapped_blocks=["blocks.1"], max_gpu_blocks=2)
+    assert SwapConfig(swapped_blocks=["blocks.1"]).swapped_blocks == ("blocks.1",)
+    with pytest.raises(ConfigError, match="does not have"):
+        _swap(_frozen_blocks(_net()), swapped_blocks=["blocks.9"])

@@ -131,6 +131,9 @@ class SwapConfig:
             a CPU optimizer over :meth:`BlockSwapper.host_parameters`.
         preserve_rng_state: replay the RNG state when recomputing a checkpointed block, so
             dropout masks match (default ``True``).
+        swapped_blocks: the names of the blocks to swap, as a planner chose them (the other
+            blocks stay resident); a list is stored as a tuple. Not with ``max_gpu_blocks`` or
+            ``max_gpu_bytes``. Default ``None``: the schedule chooses by the limits.
     """
 
     max_gpu_blocks: int | None = None
@@ -142,6 +145,7 @@ class SwapConfig:
     swap_buffers: bool = True
     trainable: str = "resident"
     preserve_rng_state: bool = True
+    swapped_blocks: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         check_int("SwapConfig.max_gpu_blocks", self.max_gpu_blocks, minimum=0, allow_none=True)
@@ -157,6 +161,19 @@ class SwapConfig:
         check_choice("SwapConfig.trainable", self.trainable, _TRAINABLE)
         check_bool("SwapConfig.swap_buffers", self.swap_buffers)
         check_bool("SwapConfig.preserve_rng_state", self.preserve_rng_state)
+        if self.swapped_blocks is not None:
+            names = self.swapped_blocks
+            if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(
+                    isinstance(n, str) and n for n in names):
+                raise ConfigError(
+                    f"SwapConfig.swapped_blocks must be a list of block names, got {names!r}",
+                    hint="Name blocks as find_blocks(model) does, e.g. ['blocks.0', 'blocks.3'].")
+            if self.max_gpu_blocks is not None or self.max_gpu_bytes is not None:
+                raise ConfigError(
+                    "SwapConfig.swapped_blocks names the blocks to swap; max_gpu_blocks and "
+                    "max_gpu_bytes would choose them again",
+                    hint="Give either swapped_blocks or the limits, not both.")
+            object.__setattr__(self, "swapped_blocks", tuple(names))
 
     @property
     def lookahead(self) -> int:
@@ -266,9 +283,13 @@ class BlockSwapper:
         self._attached = False
         found = find_blocks(model, blocks)
         specs = [BlockSpec(name, schedule_bytes(module, config)) for name, module in found]
-        self.schedule = choose_swapped(specs, max_gpu_blocks=config.max_gpu_blocks,
-                                       max_gpu_bytes=config.max_gpu_bytes,  # type: ignore[arg-type]
-                                       num_slots=config.num_slots)
+        if config.swapped_blocks is not None:
+            self.schedule = _named_schedule(specs, config.swapped_blocks)
+        else:
+            self.schedule = choose_swapped(
+                specs, max_gpu_blocks=config.max_gpu_blocks,
+                max_gpu_bytes=config.max_gpu_bytes,  # type: ignore[arg-type]
+                num_slots=config.num_slots)
         self._moved: list[tuple[torch.Tensor, torch.device]] = []
         self._state_hooks: list[RemovableHandle] = []  # state_dict through the host masters
         self._blocks: list[SwappedBlock] = []
@@ -778,3 +799,16 @@ class BlockSwapper:
         return (f"BlockSwapper({len(self._blocks)}/{len(self.schedule)} blocks swapped, "
                 f"{slots} slots of {format_size(slot_bytes)}, "
                 f"device={self.device}, {state})")
+
+
+def _named_schedule(specs: list[BlockSpec], names: tuple[str, ...]) -> list[BlockScheduleEntry]:
+    known = {s.name for s in specs}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ConfigError(f"SwapConfig.swapped_blocks names blocks the model does not have: "
+                          f"{unknown[:4]}",
+                          hint=f"The blocks found: {[s.name for s in specs][:8]}...")
+    chosen = set(names)
+    return [BlockScheduleEntry(i, s.name, s.nbytes, s.name in chosen)
+            for i, s in enumerate(specs)]
+

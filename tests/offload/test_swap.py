@@ -1370,7 +1370,7 @@ def test_swapped_blocks_swaps_exactly_the_named_blocks() -> None:
 def test_swapped_blocks_is_checked() -> None:
     with pytest.raises(ConfigError, match="list of block names"):
         SwapConfig(swapped_blocks="blocks.1")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="not both|would choose them again"):
+    with pytest.raises(ConfigError, match="would choose them again"):
         SwapConfig(swapped_blocks=["blocks.1"], max_gpu_blocks=2)
     assert SwapConfig(swapped_blocks=["blocks.1"]).swapped_blocks == ("blocks.1",)
     with pytest.raises(ConfigError, match="does not have"):

@@ -46,7 +46,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.recipes.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
@@ -83,8 +82,6 @@ LORA_TARGETS = ("qkv", "proj", "linear1", "linear2")
 # temporaries the activation estimate does not see. The CUDA context lies outside the budget.
 _MARGIN_FRACTION = {"cuda": 0.10, "cpu": 0.05}
 _MARGIN_FIXED = {"cuda": 256 * 2**20, "cpu": 0}
-_ALIGN = 512  # the swapper packs tensors at 512-byte offsets
-_MIN_PARAM_BYTES = 64 * 1024  # SwapConfig.min_param_bytes default: smaller tensors stay resident
 _ADAMW_STATE_FACTOR = 3  # a gradient plus exp_avg and exp_avg_sq per trainable parameter
 
 
@@ -280,8 +277,11 @@ class DemoPlan:
         minimum_budget_bytes: the smallest budget the plan accepts (everything swapped,
             checkpointing on).
         checkpointing / checkpointing_reason: the decision and why.
-        max_gpu_bytes: ``SwapConfig.max_gpu_bytes`` (resident blocks plus slots).
+        max_gpu_bytes: GPU bytes for blocks (resident blocks plus slots) the schedule was
+            chosen under.
         planned_swapped_blocks: blocks the schedule swaps.
+        swapped_block_names: their names; the run swaps exactly these
+            (``SwapConfig.swapped_blocks``), so the schedule is computed once.
     """
 
     device: str
@@ -314,6 +314,7 @@ class DemoPlan:
     checkpointing_reason: str
     max_gpu_bytes: int
     planned_swapped_blocks: int
+    swapped_block_names: list[str] = field(default_factory=list)
 
     @property
     def dit_config(self) -> DiTConfig:
@@ -364,87 +365,12 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _swappable_bytes(block: nn.Module) -> tuple[int, int]:
-    """(bytes the swapper would swap, bytes it keeps resident) of one block, by its rules."""
-    swappable = resident = 0
-    for t in list(block.parameters()) + list(block.buffers()):
-        nbytes = _tensor_bytes(t)
-        if t.requires_grad or nbytes < _MIN_PARAM_BYTES:
-            resident += nbytes
-        else:
-            swappable += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    return swappable, resident
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    # The StorageImpl address: views of one tensor share it, so a storage counts once.
-    return t.untyped_storage()._cdata
-
-
-class _SavedBytes:
-    """Bytes of the distinct storages autograd saves, attributed to the block running."""
-
-    def __init__(self, model: nn.Module, block_names: list[str]) -> None:
-        self.param_keys = {_storage_key(p) for p in model.parameters()}
-        self.seen: set[int] = set()
-        self.per_block = dict.fromkeys(block_names, 0)
-        self.inputs = dict.fromkeys(block_names, 0)
-        self.current: str | None = None
-        self.outside = 0
-        # Held until the estimate is done: a freed storage's address could be reused by a new
-        # one, which would then be taken for a tensor already counted. (Meta: costs nothing.)
-        self.alive: list[torch.Tensor] = []
-
-    def add_bytes(self, nbytes: int) -> None:
-        if self.current is None:
-            self.outside += nbytes
-        else:
-            self.per_block[self.current] += nbytes
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
-        if key not in self.param_keys and key not in self.seen:
-            self.seen.add(key)
-            self.alive.append(t)
-            self.add_bytes(t.untyped_storage().nbytes())
-        return t
-
-
-class _FusedAttentionOnMeta(TorchFunctionMode):
-    """Account attention as the fused kernels training uses (flash / memory-efficient on CUDA,
-    flash on the CPU) save it: q, k, v, the output and a float32 log-sum-exp per query. On meta
-    tensors ``scaled_dot_product_attention`` takes the math path, whose saved L x L attention
-    matrices would inflate the estimate many times over at long sequences."""
-
-    def __init__(self, saved: _SavedBytes) -> None:
-        super().__init__()
-        self.saved = saved
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        q, k, v = args[:3]
-        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
-        # A zero-valued link keeps the output in the graph without saving anything.
-        out = out + (q.sum() + k.sum() + v.sum()) * 0
-        for t in (q, k, v, out):
-            self.saved.pack(t)
-        self.saved.add_bytes(math.prod(q.shape[:-1]) * 4)  # log-sum-exp
-        return out
-
-
 def estimate_activations(model: nn.Module, config: DiTConfig, batch_size: int,
                          block_names: list[str]) -> tuple[int, int]:
-    """Activation bytes of one training step, without and with block checkpointing.
+    """Activation bytes of one demo training step, without and with block checkpointing.
 
-    Runs ``model`` (on the meta device: no memory, no compute) on a batch of meta tensors and
-    sums the distinct storages autograd saves for backward, by block; parameters are left out,
-    and attention is counted as the fused kernels save it. Without checkpointing: all saved
-    tensors. With it: what is saved outside the blocks plus each block's inputs, plus one
-    block's saved tensors (the block being recomputed). Both add one block's saved tensors for
-    backward temporaries (activation gradients).
+    The demo's step (:func:`~vramkit.recipes.dit.flow_matching_loss` on a synthetic batch)
+    measured by :func:`vramkit.plan.activations.estimate_activations` on the meta device.
 
     Args:
         model: the model on the meta device (adapters included).
@@ -455,32 +381,11 @@ def estimate_activations(model: nn.Module, config: DiTConfig, batch_size: int,
     Returns:
         ``(full, checkpointed)`` in bytes.
     """
-    saved = _SavedBytes(model, block_names)
-    handles = []
-    for name in block_names:
-        block = model.get_submodule(name)
+    from vramkit.plan.activations import estimate_activations as estimate
 
-        def enter(_m: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
-            saved.current = name
-            saved.inputs[name] = sum(_tensor_bytes(a) for a in args
-                                     if isinstance(a, torch.Tensor) and a.dim() == 3)
-
-        def leave(_m: nn.Module, _args: Any, _out: Any) -> None:
-            saved.current = None
-
-        handles += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
     batch = synthetic_batch(config, batch_size, device="meta")
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), \
-                _FusedAttentionOnMeta(saved):
-            flow_matching_loss(model, batch)
-    finally:
-        for handle in handles:
-            handle.remove()
-    largest = max(saved.per_block.values(), default=0)
-    full = saved.outside + sum(saved.per_block.values()) + largest
-    checkpointed = saved.outside + sum(saved.inputs.values()) + 2 * largest
-    return full, checkpointed
+    found = estimate(model, lambda: flow_matching_loss(model, batch), block_names)
+    return found.full, found.checkpointed
 
 
 def _choose_budget(config: DemoConfig, device: torch.device) -> int | None:
@@ -512,7 +417,7 @@ def plan_demo(config: DemoConfig | None = None) -> DemoPlan:
         ConfigError: for a device that is not there, a budget larger than the free GPU memory,
             or a budget below the plan's minimum (the message gives the minimum).
     """
-    from vramkit.offload.swap import BlockSwapper
+    from vramkit.offload.swap import BlockSwapper, SwapConfig
 
     config = config or DemoConfig()
     device, device_name, gpu_found = _resolve_device(config.device)
@@ -528,9 +433,10 @@ def plan_demo(config: DemoConfig | None = None) -> DemoPlan:
     trainable_params = sum(p.numel() for p in adapters)
     trainable_bytes = sum(_tensor_bytes(p) for p in adapters)
     optimizer_bytes = _ADAMW_STATE_FACTOR * trainable_bytes
-    sizes = [_swappable_bytes(meta.get_submodule(n)) for n in names]
-    block_bytes = [s for s, _ in sizes]
-    block_resident = sum(r for _, r in sizes)  # adapters included
+    swap_config = SwapConfig(num_slots=config.num_slots)
+    sizes = [BlockSwapper.footprint(meta.get_submodule(n), swap_config) for n in names]
+    block_bytes = [s.swapped for s in sizes]
+    block_resident = sum(s.resident for s in sizes)  # adapters included
     in_blocks = {id(p) for n in names for p in meta.get_submodule(n).parameters()}
     outside_bytes = sum(_tensor_bytes(p) for p in meta.parameters() if id(p) not in in_blocks)
     act_full, act_ckpt = estimate_activations(meta, dit_config, batch_size, names)
@@ -586,7 +492,8 @@ def plan_demo(config: DemoConfig | None = None) -> DemoPlan:
         activation_bytes_checkpointed=act_ckpt, budget_bytes=budget, margin_bytes=margin,
         minimum_budget_bytes=minimum, checkpointing=checkpointing,
         checkpointing_reason=reason, max_gpu_bytes=room,
-        planned_swapped_blocks=sum(e.swapped for e in schedule))
+        planned_swapped_blocks=sum(e.swapped for e in schedule),
+        swapped_block_names=[e.name for e in schedule if e.swapped])
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -864,7 +771,7 @@ def run_demo(config: DemoConfig | None = None, *, plan: DemoPlan | None = None,
     profiler, report_skipped = _make_profiler(plan, config.report)
     cuda = device.type == "cuda"
     peak_reserved: int | None = None
-    swap_config = SwapConfig(max_gpu_bytes=plan.max_gpu_bytes, num_slots=plan.num_slots)
+    swap_config = SwapConfig(swapped_blocks=plan.swapped_block_names, num_slots=plan.num_slots)
     if profiler is not None:
         profiler.start()
     try:

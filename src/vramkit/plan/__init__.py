@@ -1,0 +1,21 @@
+"""Planning memory before anything is allocated: estimates on the meta device.
+
+* :mod:`vramkit.plan.activations`: :func:`estimate_activations`, the activation bytes of a
+  training step by block, with and without checkpointing.
+
+Weight bytes come from the swapper's own rule (:meth:`vramkit.offload.swap.BlockSwapper.footprint`),
+never from a copy of it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vramkit._lazy import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    ".activations": ("ActivationEstimate", "estimate_activations"),
+})
+
+if TYPE_CHECKING:  # static analysers see the real definitions
+    from vramkit.plan.activations import *  # noqa: F403

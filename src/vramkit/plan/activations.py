@@ -1,0 +1,210 @@
+"""How many bytes of activations a training step keeps, estimated on the meta device.
+
+:func:`estimate_activations` runs a model's forward (and loss) on meta tensors -- no memory, no
+compute -- under a saved-tensor hook that sums the distinct storages autograd keeps for backward,
+attributed to the block running, and records what each block takes as input (what a
+checkpointed block keeps instead). Attention is counted as the fused kernels training uses save
+it (q, k, v, the output and a float32 log-sum-exp per query): on meta tensors
+``scaled_dot_product_attention`` takes the math path, whose L x L matrices would inflate the
+estimate many times over at long sequences.
+
+The :class:`ActivationEstimate` then answers for any choice of checkpointed blocks, which is
+what a planner searches over.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from vramkit.errors import ConfigError
+
+__all__ = ["ActivationEstimate", "estimate_activations"]
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """Activation bytes of one training step, by block.
+
+    Attributes:
+        per_block: bytes autograd saves inside each block (block name -> bytes), without
+            checkpointing.
+        inputs: bytes of each block's tensor inputs not already counted (what a checkpointed
+            block keeps for its recomputation).
+        outside: bytes saved outside every block (embedders, the final layer, the loss).
+    """
+
+    per_block: dict[str, int]
+    inputs: dict[str, int]
+    outside: int
+
+    @property
+    def largest_block(self) -> int:
+        """The most one block saves (its backward temporaries are of that order)."""
+        return max(self.per_block.values(), default=0)
+
+    @property
+    def full(self) -> int:
+        """No checkpointing: every saved tensor, plus one block's worth for backward
+        temporaries (activation gradients)."""
+        return self.bytes_with(())
+
+    @property
+    def checkpointed(self) -> int:
+        """Every block checkpointed: what is saved outside the blocks, each block's inputs, one
+        block's saved tensors while it is recomputed, plus one block's backward temporaries."""
+        return self.bytes_with(self.per_block)
+
+    def bytes_with(self, checkpointed: Collection[str]) -> int:
+        """The step's activation bytes when the blocks named in ``checkpointed`` recompute.
+
+        Raises:
+            ConfigError: for a name that is not a block of the estimate.
+        """
+        unknown = [n for n in checkpointed if n not in self.per_block]
+        if unknown:
+            raise ConfigError(f"not blocks of this estimate: {unknown[:4]}",
+                              hint=f"Blocks: {list(self.per_block)[:6]}...")
+        chosen = set(checkpointed)
+        kept = sum(self.inputs[n] if n in chosen else b for n, b in self.per_block.items())
+        recompute = max((self.per_block[n] for n in chosen), default=0)
+        return self.outside + kept + recompute + self.largest_block
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    # The StorageImpl address: views of one tensor share it, so a storage counts once.
+    return t.untyped_storage()._cdata  # type: ignore[no-any-return]
+
+
+class _SavedBytes:
+    """Bytes of the distinct storages autograd saves, attributed to the block running."""
+
+    def __init__(self, model: nn.Module, block_names: Iterable[str]) -> None:
+        self.param_keys = {_storage_key(p) for p in model.parameters()}
+        self.param_keys |= {_storage_key(b) for b in model.buffers()}
+        self.seen: set[int] = set()
+        self.input_seen: set[int] = set()
+        self.per_block = dict.fromkeys(block_names, 0)
+        self.inputs = dict.fromkeys(self.per_block, 0)
+        self.current: str | None = None
+        self.outside = 0
+        # Held until the estimate is done: a freed storage's address could be reused by a new
+        # one, which would then be taken for a tensor already counted. (Meta: costs nothing.)
+        self.alive: list[torch.Tensor] = []
+
+    def add_bytes(self, nbytes: int) -> None:
+        if self.current is None:
+            self.outside += nbytes
+        else:
+            self.per_block[self.current] += nbytes
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in self.param_keys and key not in self.seen:
+            self.seen.add(key)
+            self.alive.append(t)
+            self.add_bytes(t.untyped_storage().nbytes())
+        return t
+
+    def enter(self, name: str, tensors: Iterable[Any]) -> None:
+        self.current = name
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = _storage_key(t)
+            if key in self.param_keys or key in self.input_seen:
+                continue
+            self.input_seen.add(key)
+            self.alive.append(t)
+            self.inputs[name] += t.untyped_storage().nbytes()
+
+
+class _FusedAttentionOnMeta(TorchFunctionMode):
+    """Account attention as the fused kernels (flash / memory-efficient on CUDA, flash on the
+    CPU) save it: q, k, v, the output and a float32 log-sum-exp per query."""
+
+    def __init__(self, saved: _SavedBytes) -> None:
+        super().__init__()
+        self.saved = saved
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+        # A zero-valued link keeps the output in the graph without saving anything.
+        out = out + (q.sum() + k.sum() + v.sum()) * 0
+        for t in (q, k, v, out):
+            self.saved.pack(t)
+        self.saved.add_bytes(math.prod(q.shape[:-1]) * 4)  # log-sum-exp
+        return out
+
+
+def _flat_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    out: list[Any] = []
+    stack: list[Any] = [*args, *kwargs.values()]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return out
+
+
+def estimate_activations(model: nn.Module, step: Callable[[], Any],
+                         block_names: Iterable[str]) -> ActivationEstimate:
+    """Measure what ``step()`` saves for backward, by block, without running anything real.
+
+    Args:
+        model: the model, on the meta device (adapters included); its parameters and buffers
+            are not activations.
+        step: runs the forward and loss on meta inputs (``lambda: loss_fn(model, batch)``).
+        block_names: the blocks, as the swapper finds them (qualified module names).
+
+    Returns:
+        An :class:`ActivationEstimate`.
+
+    Raises:
+        ConfigError: when ``block_names`` names a module the model does not have.
+    """
+    names = list(block_names)
+    saved = _SavedBytes(model, names)
+    handles = []
+    try:
+        for name in names:
+            try:
+                block = model.get_submodule(name)
+            except AttributeError:
+                raise ConfigError(f"the model has no block {name!r}",
+                                  hint="Pass names from vramkit.offload.blocks.find_blocks("
+                                       "model).") from None
+
+            def enter(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      name: str = name) -> None:
+                saved.enter(name, _flat_tensors(args, kwargs))
+
+            def leave(_m: nn.Module, _args: Any, _out: Any) -> None:
+                saved.current = None
+
+            handles += [block.register_forward_pre_hook(enter, with_kwargs=True),
+                        block.register_forward_hook(leave)]
+        with (torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t),
+              _FusedAttentionOnMeta(saved)):
+            step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return ActivationEstimate(per_block=dict(saved.per_block), inputs=dict(saved.inputs),
+                              outside=saved.outside)

@@ -13,7 +13,6 @@ from safetensors.torch import save_file
 from torch import nn
 
 from vramkit.errors import ConfigError
-from vramkit.io import loader as loader_module
 from vramkit.io.loader import MemoryEfficientLoader, load_into, stream_weights
 
 
@@ -212,10 +211,13 @@ def test_shape_mismatch_is_refused(tmp_path: Path) -> None:
         load_into(layer, tmp_path / "l.safetensors", strict=False)
 
 
-# -- load-and-quantize (fake quantizer: tests the streaming logic without vramkit.quant) ------
+# -- load-and-quantize (fake quantizer: tests the streaming logic, with vramkit.quant's walk
+# selecting the layers and fakes quantizing weights and building layers) ---------------------
 
 
 class FakeQuantConfig:
+    min_sqnr_db = None
+
     def __init__(self, skip: tuple[str, ...] = ()) -> None:
         self.skip = skip
 
@@ -223,7 +225,7 @@ class FakeQuantConfig:
         return "fake8"
 
     def should_quantize(self, name: str, module: nn.Module) -> bool:
-        return name not in self.skip
+        return isinstance(module, nn.Linear) and name not in self.skip
 
 
 class FakeQuantizedLinear(nn.Module):
@@ -236,6 +238,19 @@ class FakeQuantizedLinear(nn.Module):
         return cls(q, bias)
 
 
+def use_fake_quantizer(monkeypatch: pytest.MonkeyPatch, quantize: Any) -> None:
+    """Make load_into take FakeQuantConfig, quantize with ``quantize(tensor, format)`` and build
+    FakeQuantizedLinear layers (the layers are still selected by quant's quantizable_layers)."""
+    from vramkit.quant import model as quant_model
+
+    monkeypatch.setattr(quant_model, "QuantizationConfig", FakeQuantConfig)
+    monkeypatch.setattr(quant_model, "quantize_weight",
+                        lambda weight, config, *, name: quantize(weight, config.weight_format()))
+    monkeypatch.setattr(quant_model, "quantized_layer",
+                        lambda layer, weight, bias, config, *, name:
+                        FakeQuantizedLinear.from_quantized(weight, bias))
+
+
 def test_quantizes_linear_layers_while_streaming(model_file: tuple[TinyModel, Path],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     reference, path = model_file
@@ -245,8 +260,7 @@ def test_quantizes_linear_layers_while_streaming(model_file: tuple[TinyModel, Pa
         quantized_inputs.append((t.shape, fmt))
         return {"data": t.to(torch.int8), "shape": t.shape}
 
-    monkeypatch.setattr(loader_module, "_quant_api",
-                        lambda: (FakeQuantConfig, fake_quantize, FakeQuantizedLinear))
+    use_fake_quantizer(monkeypatch, fake_quantize)
     model = meta_model()
     result = load_into(model, path, prefix="model.", quantization=FakeQuantConfig(("blocks.1",)))
     # head is tied to the embedding, blocks.1 is excluded by the config
@@ -260,12 +274,11 @@ def test_quantizes_linear_layers_while_streaming(model_file: tuple[TinyModel, Pa
 
 
 def real_quant() -> tuple[Any, Any]:
-    """(QuantizationConfig, QuantizedLinear) as the loader finds them, or skip the test."""
-    try:
-        config_type, _, linear_type = loader_module._quant_api()
-    except ConfigError as err:
-        pytest.skip(f"vramkit.quant is not complete yet: {err}")
-    return config_type, linear_type
+    """(QuantizationConfig, QuantizedLinear), as the loader uses them."""
+    from vramkit.quant.linear import QuantizedLinear
+    from vramkit.quant.model import QuantizationConfig
+
+    return QuantizationConfig, QuantizedLinear
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

@@ -17,7 +17,10 @@ from vramkit.quant.model import (
     QuantizationConfig,
     QuantoConfig,
     model_bytes,
+    quantizable_layers,
     quantize_model,
+    quantize_weight,
+    quantized_layer,
     sqnr_db,
 )
 
@@ -280,6 +283,72 @@ def test_sqnr_db() -> None:
     assert sqnr_db(x, x) == float("inf")
     assert sqnr_db(x, x * 0.9) == pytest.approx(20.0, rel=1e-5)
     assert sqnr_db(torch.zeros(3), torch.ones(3)) == float("-inf")
+
+
+# -- the walk's parts: quantizable_layers, quantize_weight, quantized_layer --------------------
+
+
+def test_quantizable_layers_is_what_quantize_model_replaces() -> None:
+    config = QuantizationConfig("int8", modules_to_not_quantize=["blocks.1"])
+    names = [name for name, _ in quantizable_layers(_net(), config)]
+    assert names == ["conv", "embed", "blocks.0.attn", "blocks.0.proj", "head"]
+    model = quantize_model(_net(), config)
+    replaced = [name for name, m in model.named_modules() if isinstance(
+        m, (QuantizedLinear, QuantizedConv2d))]
+    assert replaced == names
+    no_conv = QuantizationConfig("int8", quantize_conv=False)
+    assert "conv" not in [name for name, _ in quantizable_layers(_net(), no_conv)]
+
+
+def test_quantizable_layers_skips_tied_quantized_and_root_layers_and_reads_nothing() -> None:
+    with torch.device("meta"):
+        tied = nn.Sequential(nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False),
+                             nn.Linear(16, 4))
+    tied[1].weight = tied[0].weight
+    assert [name for name, _ in quantizable_layers(tied, QuantizationConfig("int8"))] == ["2"]
+    assert quantizable_layers(nn.Linear(4, 4), QuantizationConfig("int8")) == []
+    shared = nn.Linear(16, 16)
+    twice = nn.Module()
+    twice.a = shared
+    twice.b = shared
+    assert quantizable_layers(twice, QuantizationConfig("int8")) == [("a", shared)]
+    partly = quantize_model(_net(), QuantizationConfig("int8", modules_to_not_quantize=["head"]))
+    # the quantized layers are not selected again (quantize_model refuses them before walking)
+    assert [name for name, _ in quantizable_layers(partly, QuantizationConfig("int8"))] == [
+        "head"]
+
+
+def test_quantize_weight_and_quantized_layer_rebuild_quantize_model() -> None:
+    config = QuantizationConfig("fp8", activations_dtype="fp8")
+    reference = quantize_model(_net(), config)
+    model = _net()
+    model.eval()
+    for name, layer in quantizable_layers(model, config):
+        q = quantize_weight(layer.weight, config, name=f"{name}.weight")
+        assert q is not None
+        new = quantized_layer(layer, q, layer.bias, config, name=name)
+        want = reference.get_submodule(name)
+        assert type(new) is type(want) and not new.training
+        assert new.bias is layer.bias
+        for key, tensor in new.quantized_weight.tensors().items():
+            other = want.quantized_weight.tensors()[key]
+            assert torch.equal(tensor.view(torch.uint8) if tensor.dtype.itemsize == 1 else tensor,
+                               other.view(torch.uint8) if other.dtype.itemsize == 1 else other)
+        if isinstance(new, QuantizedLinear):
+            # the fp8 GEMM takes 64 -> 192 and 192 -> 64, not 8 -> 64 nor 64 -> 4
+            assert new.activation_fp8 is want.activation_fp8
+            assert new.activation_fp8 is (name.startswith("blocks"))
+
+
+def test_quantize_weight_honours_min_sqnr_db_and_refuses_meta() -> None:
+    config = QuantizationConfig("int8", min_sqnr_db=42.0)
+    assert quantize_weight(_outlier_weight(), config) is None
+    assert isinstance(quantize_weight(torch.randn(64, 256), config), QuantizedTensor)
+    with pytest.raises(QuantizationError, match="meta"):
+        quantize_weight(torch.empty(4, 4, device="meta"), config, name="x.weight")
+    with pytest.raises(QuantizationError):
+        quantized_layer(nn.LayerNorm(4), quantize_weight(torch.randn(4, 4), config), None,
+                        config)
 
 
 # -- quantize_model on state dicts -------------------------------------------------------------

@@ -11,5 +11,23 @@
 * The header parser (:mod:`vramkit.io._header`) validates every field itself and reports any
   malformed input as :class:`vramkit.errors.SafetensorsFormatError`.
 
-Nothing here touches CUDA at import time. See ``docs/loading.md``.
+The public names of :mod:`~vramkit.io.lazy` and :mod:`~vramkit.io.loader` are re-exported here
+lazily: importing the package imports neither. Nothing here touches CUDA at import time. See
+``docs/loading.md``.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vramkit._lazy import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    ".lazy": ("LazySafetensors", "ReadThreads", "TensorSlice", "resolve_checkpoint"),
+    ".loader": ("LoadResult", "LoadStats", "MemoryEfficientLoader", "load_into",
+                "stream_weights"),
+})
+
+if TYPE_CHECKING:  # static analysers see the real definitions
+    from vramkit.io.lazy import *  # noqa: F403
+    from vramkit.io.loader import *  # noqa: F403

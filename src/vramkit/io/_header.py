@@ -168,8 +168,8 @@ def _load_json(raw: bytes, path: Path | str, what: str) -> Any:
     except _DuplicateKey as dup:
         raise _fail(path, f"the {what} names {dup.key!r} twice", tensor=dup.key) from None
     except UnicodeDecodeError as err:
-        raise _fail(path, f"the {what} is not UTF-8 text ({err.reason} at byte {err.start})") \
-            from None
+        raise _fail(path, f"the {what} is not UTF-8 text ({err.reason} at byte "
+                          f"{err.start})") from None
     except RecursionError:
         raise _fail(path, f"the {what} JSON is nested too deeply") from None
     except ValueError as err:  # JSONDecodeError, and int literals beyond Python's digit limit

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from vramkit._validate import check_int
 from vramkit.errors import ConfigError
 from vramkit.io._header import TensorEntry
 from vramkit.io.lazy import LazySafetensors, ReadThreads
@@ -138,8 +139,7 @@ class DeviceStager:
 
     def __init__(self, device: torch.device, streams: Streams, pool: MemoryPool, *,
                  chunk_bytes: int, num_buffers: int = 2, threads: ReadThreads | None = None) -> None:
-        if num_buffers < 1:
-            raise ConfigError(f"num_buffers must be >= 1, got {num_buffers}")
+        check_int("num_buffers", num_buffers, minimum=1)
         if device.type == "cuda" and pool.kind != "pinned":
             raise ConfigError("staging to a CUDA device needs a pinned host pool: copies from "
                               "pageable memory are synchronous",

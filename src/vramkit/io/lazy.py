@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from vramkit._validate import check_int
 from vramkit.errors import ConfigError, SafetensorsFormatError
 from vramkit.io._header import (
     SafetensorsHeader,
@@ -105,9 +106,7 @@ class ReadThreads:
     """
 
     def __init__(self, threads: int) -> None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ConfigError(f"read threads must be an int >= 1, got {threads!r}")
-        self.threads = threads
+        self.threads: int = check_int("read threads", threads, minimum=1)
         self._executor = (ThreadPoolExecutor(threads, thread_name_prefix="vramkit-read")
                           if threads > 1 else None)
 

@@ -12,8 +12,9 @@ than a staging buffer) in file order, each straight into its final memory.
 
 ``load_into`` fills a module built on the meta device (``torch.device("meta")``) by assigning
 each loaded tensor in place of the meta one, so the module is never materialized twice; with
-``quantization=`` each matching ``nn.Linear`` becomes a ``QuantizedLinear`` as soon as its
-weight arrives, so the full-precision model never sits in memory.
+``quantization=`` each layer :func:`vramkit.quant.model.quantizable_layers` selects becomes a
+``QuantizedLinear`` / ``QuantizedConv2d`` as soon as its weight arrives, so the full-precision
+model never sits in memory.
 """
 
 from __future__ import annotations
@@ -25,15 +26,18 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from vramkit._validate import check_bool, check_device, check_int, check_size
 from vramkit.errors import ConfigError
 from vramkit.io._header import TensorEntry
 from vramkit.io.lazy import LazySafetensors, ReadThreads
-from vramkit.units import parse_size
+
+if TYPE_CHECKING:  # imported on use (see _ModuleFiller._plan_quantization)
+    from vramkit.quant.model import QuantizationConfig
 
 __all__ = ["LoadResult", "LoadStats", "MemoryEfficientLoader", "load_into", "stream_weights"]
 
@@ -41,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 _AUTO_PROGRESS_BYTES = 1 << 30  # progress=None shows a bar for loads of at least 1 GiB on a tty
 _DEFAULT_CHUNK = 64 << 20
+_CHUNK_MULTIPLE = 16  # the staging alignment: pieces split on 16-byte boundaries (io._staging)
 
 
 @dataclass(frozen=True)
@@ -79,8 +84,8 @@ class LoadResult:
         loaded_keys: module state-dict keys that were filled.
         missing_keys: module keys the checkpoint lacks (left as they were).
         unexpected_keys: checkpoint keys (under the prefix) the module has no place for.
-        quantized_modules: qualified names of the ``nn.Linear`` layers replaced by
-            ``QuantizedLinear``.
+        quantized_modules: qualified names of the layers replaced by ``QuantizedLinear`` /
+            ``QuantizedConv2d``.
         still_meta: tensors of the module still on the meta device afterwards (missing keys or
             non-persistent buffers the caller must initialize).
         stats: the load's :class:`LoadStats`.
@@ -92,16 +97,6 @@ class LoadResult:
     quantized_modules: list[str]
     still_meta: list[str]
     stats: LoadStats
-
-
-def _positive_size(name: str, value: int | str) -> int:
-    try:
-        size = parse_size(value) if isinstance(value, str) else value
-    except ValueError as err:
-        raise ConfigError(f"{name}: {err}") from None
-    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-        raise ConfigError(f"{name} must be a positive size, got {value!r}")
-    return size
 
 
 class MemoryEfficientLoader:
@@ -132,28 +127,20 @@ class MemoryEfficientLoader:
                  use_mmap: bool = True, *, chunk_bytes: int | str = _DEFAULT_CHUNK,
                  num_buffers: int = 2, read_threads: int | None = None,
                  progress: bool | None = None, pinned_pool: Any = None) -> None:
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError) as err:
-            raise ConfigError(f"MemoryEfficientLoader: invalid device {device!r}: {err}") from None
-        if self.device.type not in ("cpu", "cuda"):
-            raise ConfigError(f"MemoryEfficientLoader loads to cpu or cuda, not "
-                              f"{self.device.type!r}")
+        # The form only: whether a CUDA device is there is asked when a load starts.
+        self.device: torch.device = check_device("MemoryEfficientLoader device", device)
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ConfigError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
-        if not isinstance(use_mmap, bool):
-            raise ConfigError(f"use_mmap must be a bool, got {use_mmap!r}")
-        self.chunk_bytes = _positive_size("chunk_bytes", chunk_bytes)
-        if self.chunk_bytes % 16:
-            raise ConfigError(f"chunk_bytes must be a multiple of 16, got {self.chunk_bytes}")
-        if isinstance(num_buffers, bool) or not isinstance(num_buffers, int) or num_buffers < 1:
-            raise ConfigError(f"num_buffers must be an int >= 1, got {num_buffers!r}")
+        check_bool("use_mmap", use_mmap)
+        self.chunk_bytes: int = check_size("chunk_bytes", chunk_bytes, minimum=1)
+        if self.chunk_bytes % _CHUNK_MULTIPLE:
+            raise ConfigError(f"chunk_bytes must be a multiple of {_CHUNK_MULTIPLE}, got "
+                              f"{self.chunk_bytes}", hint="Use a power of two, e.g. '64MiB'.")
+        check_int("num_buffers", num_buffers, minimum=1)
         if read_threads is None:
             read_threads = max(1, min(8, os.cpu_count() or 1))
-        if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads < 1:
-            raise ConfigError(f"read_threads must be an int >= 1, got {read_threads!r}")
-        if progress is not None and not isinstance(progress, bool):
-            raise ConfigError(f"progress must be True, False or None, got {progress!r}")
+        check_int("read_threads", read_threads, minimum=1)
+        check_bool("progress", progress, allow_none=True)
         if pinned_pool is not None:
             from vramkit.memory.pool import MemoryPool
 
@@ -235,7 +222,7 @@ class MemoryEfficientLoader:
 
     def load_into(self, module: nn.Module, path: str | os.PathLike[str],
                   prefix: str | None = None, strict: bool = True,
-                  quantization: Any = None) -> LoadResult:
+                  quantization: QuantizationConfig | None = None) -> LoadResult:
         """Fill ``module``'s parameters and persistent buffers from a checkpoint.
 
         Each loaded tensor replaces the module's tensor (``assign`` semantics: a module built on
@@ -250,13 +237,13 @@ class MemoryEfficientLoader:
                 form module keys; other names are ignored (default: none).
             strict: raise before loading anything when keys are missing or unexpected (default
                 ``True``); with ``False`` load what matches and report the rest.
-            quantization: a ``vramkit.quant.QuantizationConfig``: every ``nn.Linear`` (and
-                ``nn.Conv2d`` with ``quantize_conv``) for which ``config.should_quantize(name,
-                layer)`` holds is replaced by a ``QuantizedLinear`` / ``QuantizedConv2d`` built
-                from ``quantize_tensor(weight, config.weight_format())`` as soon as its weight is
-                loaded, with the fp8 GEMM where ``activations_dtype="fp8"`` allows it, as
-                ``quantize_model`` would (default ``None``: no quantization). ``min_sqnr_db``
-                is refused: it needs the full-precision weight after loading.
+            quantization: a :class:`vramkit.quant.model.QuantizationConfig`: every layer
+                :func:`~vramkit.quant.model.quantizable_layers` selects is replaced as soon as
+                its weight is loaded, by the layer :func:`~vramkit.quant.model.quantized_layer`
+                builds, as ``quantize_model`` would (default ``None``: no quantization). A
+                layer whose weight the checkpoint names more than once (a module registered
+                twice) is loaded in full precision. ``min_sqnr_db`` is refused: it needs the
+                full-precision weight after loading.
 
         Returns:
             A :class:`LoadResult`.
@@ -288,9 +275,9 @@ class MemoryEfficientLoader:
                 deliver: Callable[[str, torch.Tensor], Any]) -> LoadStats:
         total = sum(entry.nbytes for entry in entries)
         began = time.perf_counter()
-        with ReadThreads(self.read_threads) as threads, \
-                _progress_bar(self._show_progress(total), total,
-                              f"loading {checkpoint.source.name}") as advance:
+        with (ReadThreads(self.read_threads) as threads,
+              _progress_bar(self._show_progress(total), total,
+                            f"loading {checkpoint.source.name}") as advance):
             if self.device.type == "cuda":
                 counts = self._stream_staged(checkpoint, entries, dtype_for, deliver, threads,
                                              advance)
@@ -328,10 +315,11 @@ class MemoryEfficientLoader:
                        dtype_for: Callable[[TensorEntry], torch.dtype],
                        deliver: Callable[[str, torch.Tensor], Any], threads: ReadThreads,
                        advance: Callable[[int], None]) -> tuple[int, int, int, int]:
+        from vramkit.devices.resolve import resolve_device
         from vramkit.io._staging import DeviceStager
-        from vramkit.memory.transfer import resolve_offload_device, transfer_streams
+        from vramkit.memory.transfer import transfer_streams
 
-        device = resolve_offload_device(self.device, "MemoryEfficientLoader")
+        device = resolve_device(self.device, owner="MemoryEfficientLoader")
         count = 0
 
         def counted(name: str, tensor: torch.Tensor) -> None:
@@ -418,7 +406,7 @@ def stream_weights(path: str | os.PathLike[str], callback: Callable[[str, torch.
 
 
 def load_into(module: nn.Module, path: str | os.PathLike[str], prefix: str | None = None,
-              strict: bool = True, quantization: Any = None, *,
+              strict: bool = True, quantization: QuantizationConfig | None = None, *,
               device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
               use_mmap: bool = True, progress: bool | None = None) -> LoadResult:
     """Fill a (meta-device) module from a checkpoint (see :meth:`MemoryEfficientLoader.load_into`).
@@ -428,7 +416,7 @@ def load_into(module: nn.Module, path: str | os.PathLike[str], prefix: str | Non
         path: a file, a ``*.safetensors.index.json`` or a sharded directory.
         prefix: checkpoint name prefix to strip (default: none).
         strict: refuse missing/unexpected keys (default ``True``).
-        quantization: a ``QuantizationConfig`` to quantize Linear layers while loading.
+        quantization: a ``QuantizationConfig`` to quantize Linear/Conv2d layers while loading.
         device: where tensors go (default ``"cpu"``).
         dtype: floating dtype to load as (default: the module's dtypes).
         use_mmap: memory map (default) or positional reads.
@@ -441,46 +429,19 @@ def load_into(module: nn.Module, path: str | os.PathLike[str], prefix: str | Non
     return loader.load_into(module, path, prefix=prefix, strict=strict, quantization=quantization)
 
 
-
 # -- load_into: filling a module -----------------------------------------------------------
-
-
-def _quant_api() -> tuple[Any, Any, Any]:
-    """``(QuantizationConfig, quantize_tensor, QuantizedLinear)`` from :mod:`vramkit.quant`."""
-    import importlib
-
-    try:
-        package = importlib.import_module("vramkit.quant")
-    except ImportError as err:
-        raise ConfigError(f"load_into(quantization=...) needs vramkit.quant, which failed to "
-                          f"import: {err}") from None
-    found: list[Any] = []
-    for name, homes in (("QuantizationConfig", ("model", "linear")),
-                        ("quantize_tensor", ("formats",)),
-                        ("QuantizedLinear", ("linear",))):
-        value = getattr(package, name, None)
-        for home in homes:
-            if value is not None:
-                break
-            with contextlib.suppress(ImportError):
-                value = getattr(importlib.import_module(f"vramkit.quant.{home}"), name, None)
-        if value is None:
-            raise ConfigError(f"vramkit.quant has no {name}; cannot quantize while loading")
-        found.append(value)
-    return found[0], found[1], found[2]
 
 
 @dataclass
 class _QuantPending:
-    """A Linear being quantized: its weight arrives quantized, its bias as a tensor."""
+    """A layer being quantized: its weight arrives quantized, its bias as a tensor."""
 
     module_name: str
+    layer: nn.Module  # the (meta) layer replaced
     has_bias: bool
     quantized: Any = None
     bias: torch.Tensor | None = None
     done: bool = False
-    conv_geometry: dict[str, Any] | None = None  # set for a Conv2d
-    activation_fp8: bool = False  # a Linear that runs the fp8 GEMM
 
 
 class _ModuleFiller:
@@ -527,49 +488,47 @@ class _ModuleFiller:
         self.quant: dict[str, _QuantPending] = {}
         self.weight_of: dict[str, _QuantPending] = {}
         self.bias_of: dict[str, _QuantPending] = {}
-        self._quantize: Any = None
-        self._format: Any = None
-        self._quantized_linear: Any = None
+        # Set by _plan_quantization: the config and vramkit.quant.model's walk functions.
+        self._config: Any = None
+        self._quantize_weight: Any = None
+        self._quantized_layer: Any = None
         if quantization is not None:
             self._plan_quantization(quantization)
 
     def _plan_quantization(self, config: Any) -> None:
-        config_type, self._quantize, self._quantized_linear = _quant_api()
-        if not isinstance(config, config_type):
-            raise ConfigError(f"quantization must be a {config_type.__name__}, got "
+        # Imported on use: vramkit.quant registers its torch custom ops when imported, which
+        # plain loads need not pay for.
+        from vramkit.quant.model import (
+            QuantizationConfig,
+            quantizable_layers,
+            quantize_weight,
+            quantized_layer,
+        )
+
+        if not isinstance(config, QuantizationConfig):
+            raise ConfigError(f"quantization must be a {QuantizationConfig.__name__}, got "
                               f"{type(config).__name__}")
-        if getattr(config, "min_sqnr_db", None) is not None:
+        if config.min_sqnr_db is not None:
             raise ConfigError(
                 "load_into(quantization=...) cannot apply min_sqnr_db: it quantizes each weight "
                 "as it streams in, before a quality check could keep it in full precision",
                 hint="Load in full precision and call quantize_model(model, config), or drop "
                      "min_sqnr_db.")
-        self._format = config.weight_format()
-        layer_types: tuple[type[nn.Module], ...] = (
-            (nn.Linear, nn.Conv2d) if getattr(config, "quantize_conv", False) else (nn.Linear,))
-        activation_fp8 = bool(getattr(config, "activation_fp8", False))
-        for name, child in self.module.named_modules():
-            if not isinstance(child, layer_types) or not config.should_quantize(name, child):
-                continue
-            weight_key = f"{name}.weight" if name else "weight"
+        self._config = config
+        self._quantize_weight, self._quantized_layer = quantize_weight, quantized_layer
+        for name, layer in quantizable_layers(self.module, config):
+            weight_key = f"{name}.weight"
             if len(self.aliases.get(weight_key, ())) > 1:
-                logger.info("not quantizing %s: its weight is tied to %s", name,
+                # One tensor under several keys (a module registered twice): the checkpoint may
+                # hold it under any of them, and it is assigned to all, so it stays unquantized.
+                logger.info("not quantizing %s: its weight is also named %s", name,
                             self.aliases[weight_key])
                 continue
-            pending = _QuantPending(name, child.bias is not None)
-            if isinstance(child, nn.Conv2d):
-                from vramkit.quant.linear import conv_geometry
-
-                pending.conv_geometry = conv_geometry(child)
-            else:
-                # As quantize_model does: the fp8 GEMM needs features divisible by 16, other
-                # layers of an fp8-activation config run weight-only.
-                pending.activation_fp8 = activation_fp8 and not (
-                    child.in_features % 16 or child.out_features % 16)
+            pending = _QuantPending(name, layer, has_bias=layer.bias is not None)
             self.quant[name] = pending
             self.weight_of[weight_key] = pending
-            if child.bias is not None:
-                self.bias_of[f"{name}.bias" if name else "bias"] = pending
+            if layer.bias is not None:
+                self.bias_of[f"{name}.bias"] = pending
 
     def check(self, strict: bool) -> None:
         """Refuse (strict) or log missing and unexpected keys, before anything is loaded."""
@@ -605,7 +564,8 @@ class _ModuleFiller:
         pending = self.weight_of.get(key)
         if pending is not None:
             # Quantized at once, so the full-precision weight is dropped before the next arrives.
-            pending.quantized = self._quantize(tensor, self._format)
+            # Never None: min_sqnr_db, the only reason to keep a weight, is refused.
+            pending.quantized = self._quantize_weight(tensor, self._config, name=key)
             del tensor
             self._finish_quantized(pending)
         elif key in self.bias_of:
@@ -630,18 +590,10 @@ class _ModuleFiller:
     def _finish_quantized(self, pending: _QuantPending) -> None:
         if pending.quantized is None or (pending.has_bias and pending.bias is None):
             return
+        layer = self._quantized_layer(pending.layer, pending.quantized, pending.bias,
+                                      self._config, name=pending.module_name)
         parent_name, _, child = pending.module_name.rpartition(".")
         parent = self.module.get_submodule(parent_name) if parent_name else self.module
-        if pending.conv_geometry is not None:
-            from vramkit.quant.linear import QuantizedConv2d
-
-            layer = QuantizedConv2d.from_quantized(pending.quantized, pending.bias,
-                                                   **pending.conv_geometry)
-        elif pending.activation_fp8:
-            layer = self._quantized_linear.from_quantized(pending.quantized, pending.bias,
-                                                          activation_fp8=True)
-        else:
-            layer = self._quantized_linear.from_quantized(pending.quantized, pending.bias)
         setattr(parent, child, layer)
         pending.quantized = pending.bias = None
         pending.done = True

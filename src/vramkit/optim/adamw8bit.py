@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
+from vramkit._validate import check_choice, check_int, check_number
 from vramkit.errors import ConfigError
 from vramkit.optim._blockwise import (
     SIGNED,
@@ -57,6 +57,7 @@ _CHUNK_ELEMENTS = 1 << 22
 _QUANTIZED_KEYS = ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_sqrt_codes",
                    "exp_avg_sq_sqrt_absmax")
 _FULL_KEYS = ("exp_avg", "exp_avg_sq")
+_STATE_BITS = (8, 4)
 # Dtypes and block sizes the fused kernel takes (mirrors _triton_adamw, which is not imported here
 # so that CPU-only use never imports triton).
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -82,39 +83,34 @@ def _use_fused_kernel(flat_param: torch.Tensor, flat_grad: torch.Tensor,
             and block_size <= _FUSED_MAX_BLOCK_SIZE and _triton_installed())
 
 
-def _check_number(name: str, value: Any, low: float, high: float | None = None, *,
-                  high_inclusive: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ConfigError(f"{name} must be a number, got {value!r}",
-                          hint="Pass a Python float (tensor learning rates are not supported).")
-    above = value >= low
-    below = high is None or (value <= high if high_inclusive else value < high)
-    if not (above and below):
-        upper = "" if high is None else f" and {'<=' if high_inclusive else '<'} {high}"
-        raise ConfigError(f"{name} must be >= {low}{upper}, got {value!r}")
+def _check_state_settings(block_size: object, min_8bit_size: object, state_bits: object, *,
+                          prefix: str = "") -> None:
+    """Check the settings of the quantized state (also ``Int8TrainingConfig``'s, whose
+    ``prefix`` is ``"Int8TrainingConfig."``).
 
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+    Raises:
+        ConfigError: for a ``block_size`` that is not an even int >= 2, a negative
+            ``min_8bit_size`` or a ``state_bits`` other than 8 or 4.
+    """
+    check_int(f"{prefix}block_size", block_size, minimum=2)
+    if block_size % 2:  # type: ignore[operator]
+        raise ConfigError(f"{prefix}block_size must be even (4-bit codes pack in pairs), got "
+                          f"{block_size}", hint="Use a power of two such as 256.")
+    check_int(f"{prefix}min_8bit_size", min_8bit_size, minimum=0)
+    check_choice(f"{prefix}state_bits", state_bits, _STATE_BITS)
 
 
 def _validate_hyper(group: dict[str, Any]) -> None:
-    _check_number("lr", group["lr"], 0.0)
+    check_number("lr", group["lr"], minimum=0.0,
+                 hint="Pass a Python float >= 0 (tensor learning rates are not supported).")
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ConfigError(f"betas must be a pair of numbers, got {betas!r}")
-    _check_number("betas[0]", betas[0], 0.0, 1.0)
-    _check_number("betas[1]", betas[1], 0.0, 1.0)
-    _check_number("eps", group["eps"], 0.0)
-    _check_number("weight_decay", group["weight_decay"], 0.0)
-    _check_int("block_size", group["block_size"], 2)
-    if group["block_size"] % 2:
-        raise ConfigError(f"block_size must be even (4-bit codes pack in pairs), got "
-                          f"{group['block_size']}", hint="Use a power of two such as 256.")
-    _check_int("min_8bit_size", group["min_8bit_size"], 0)
-    if group["state_bits"] not in (4, 8) or isinstance(group["state_bits"], bool):
-        raise ConfigError(f"state_bits must be 8 or 4, got {group['state_bits']!r}")
+    for i, beta in enumerate(betas):
+        check_number(f"betas[{i}]", beta, minimum=0.0, maximum=1.0, high_open=True)
+    check_number("eps", group["eps"], minimum=0.0)
+    check_number("weight_decay", group["weight_decay"], minimum=0.0)
+    _check_state_settings(group["block_size"], group["min_8bit_size"], group["state_bits"])
 
 
 class AdamW8bit(torch.optim.Optimizer):

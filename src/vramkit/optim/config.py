@@ -36,9 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from vramkit._validate import check_known_fields
+from vramkit._validate import check_bool, check_choice, check_int, check_known_fields
 from vramkit.errors import ConfigError
-from vramkit.optim.adamw8bit import AdamW8bit
+from vramkit.optim.adamw8bit import AdamW8bit, _check_state_settings
 
 __all__ = ["Int8Training", "Int8TrainingConfig", "setup_int8_training"]
 
@@ -82,26 +82,19 @@ class Int8TrainingConfig:
     min_8bit_size: int = 4096
 
     def __post_init__(self) -> None:
-        if not isinstance(self.use_8bit_adam, bool):
-            raise ConfigError(f"use_8bit_adam must be a bool, got {self.use_8bit_adam!r}")
+        check_bool("Int8TrainingConfig.use_8bit_adam", self.use_8bit_adam)
         dtype = self.gradient_accumulation_dtype
-        if isinstance(dtype, str):
-            resolved = _DTYPE_NAMES.get(dtype.lower())
-        else:
-            resolved = dtype if dtype in _CANONICAL else None
-        if resolved is None:
-            raise ConfigError(f"gradient_accumulation_dtype must be one of "
-                              f"{sorted(_DTYPE_NAMES)} or a matching torch.dtype, got {dtype!r}")
+        # A name (any case) or a torch.dtype; stored as its canonical name.
+        key = dtype.lower() if isinstance(dtype, str) else dtype
+        check_choice("Int8TrainingConfig.gradient_accumulation_dtype", key,
+                     (*_DTYPE_NAMES, *_CANONICAL))
+        resolved = _DTYPE_NAMES[key] if isinstance(key, str) else key
         object.__setattr__(self, "gradient_accumulation_dtype", _CANONICAL[resolved])
-        steps = self.gradient_accumulation_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ConfigError(f"gradient_accumulation_steps must be an integer >= 1, got "
-                              f"{steps!r}")
+        check_int("Int8TrainingConfig.gradient_accumulation_steps",
+                  self.gradient_accumulation_steps, minimum=1)
         if self.use_8bit_adam:
-            # AdamW8bit validates its own settings; surface them as config errors now.
-            probe = torch.zeros(1, requires_grad=True)
-            AdamW8bit([probe], state_bits=self.state_bits, block_size=self.block_size,
-                      min_8bit_size=self.min_8bit_size)
+            _check_state_settings(self.block_size, self.min_8bit_size, self.state_bits,
+                                  prefix="Int8TrainingConfig.")
         else:
             changed = [name for name, default in _ADAM8_DEFAULTS.items()
                        if getattr(self, name) != default]

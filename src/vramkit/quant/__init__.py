@@ -3,5 +3,39 @@
 ``vramkit.quant.formats`` holds the formats (frozen configs, :class:`QuantizedTensor`,
 ``quantize_tensor``/``dequantize_tensor`` in plain torch); ``vramkit.quant.kernels`` the GPU paths
 (Triton dequantize and fused dequantize-matmul, the fp8 GEMM) with the torch fallback used on CPU.
+``vramkit.quant.linear`` the quantized layers, ``vramkit.quant.model`` the config and the one
+layer-replacement walk (``quantize_model``), ``vramkit.quant.report`` per-layer quality and
+``vramkit.quant.serialization`` safetensors files with the layout in their metadata.
 ``docs/quantization.md`` describes every layout byte for byte.
+
+Every public name of those modules is re-exported here lazily: importing the package imports none
+of them (and registers no torch custom op).
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vramkit._lazy import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    ".formats": ("FP8Config", "Int4Config", "Int8Config", "NF4Config", "QuantConfigT",
+                 "QuantFormat", "QuantizedTensor", "dequantize_tensor", "expected_layout",
+                 "format_config", "quantize_tensor"),
+    ".kernels": ("FP8_GEMM_MULTIPLE", "FUSED_MAX_TOKENS", "dequantize", "fp8_gemm_fits",
+                 "has_fp8_gemm", "quantized_matmul", "triton_available"),
+    ".linear": ("QuantizedConv2d", "QuantizedLinear", "register_peft_lora"),
+    ".model": ("QuantizationConfig", "QuantoConfig", "model_bytes", "quantizable_layers",
+               "quantize_model", "quantize_weight", "quantized_layer", "sqnr_db"),
+    ".report": ("LayerQuality", "QuantizationReport", "quantization_report"),
+    ".serialization": ("FORMAT_VERSION", "load_quantized", "load_quantized_model",
+                       "quantized_state_dict", "save_quantized"),
+})
+
+if TYPE_CHECKING:  # static analysers see the real definitions
+    from vramkit.quant.formats import *  # noqa: F403
+    from vramkit.quant.kernels import *  # noqa: F403
+    from vramkit.quant.linear import *  # noqa: F403
+    from vramkit.quant.model import *  # noqa: F403
+    from vramkit.quant.report import *  # noqa: F403
+    from vramkit.quant.serialization import *  # noqa: F403

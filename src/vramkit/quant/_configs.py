@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal, TypeAlias
 
-from vramkit._validate import check_known_fields
+from vramkit._validate import check_bool, check_choice, check_int, check_known_fields
 from vramkit.errors import ConfigError
 
 __all__ = [
@@ -42,26 +42,18 @@ class QuantFormat(str, Enum):
     FP8 = "fp8"
 
 
-def _check_size(owner: str, name: str, value: object, *, even: bool = False) -> None:
-    # bool is an int subclass: Int8Config(block_size=True) must not pass as 1
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{owner}.{name} must be a positive int, got {value!r}",
-                          hint=f"Use e.g. {name}=32 (a power of two is fastest on GPU).")
-    if even and value % 2:
+_CLIP_SEARCH_HINT = "1 keeps the full range (absmax / min-max); 8 is the default."
+
+
+def _size_hint(name: str) -> str:
+    return f"Use e.g. {name}=32 (a power of two is fastest on GPU)."
+
+
+def _check_even(owner: str, name: str, value: int) -> None:
+    """The 4-bit formats' rule on a (validated) group size: two codes share a byte."""
+    if value % 2:
         raise ConfigError(f"{owner}.{name} must be even for a 4-bit format (two codes share a "
                           f"byte), got {value}", hint=f"Use an even {name}, e.g. 32 or 64.")
-
-
-def _check_clip_search(owner: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_CLIP_SEARCH:
-        raise ConfigError(f"{owner}.clip_search must be an int in [1, {_MAX_CLIP_SEARCH}], "
-                          f"got {value!r}",
-                          hint="1 keeps the full range (absmax / min-max); 8 is the default.")
-
-
-def _check_bool(owner: str, name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{owner}.{name} must be a bool, got {value!r}")
 
 
 def _set_key(config: Any) -> None:
@@ -91,9 +83,11 @@ class Int8Config:
     compact_scales: bool = True
 
     def __post_init__(self) -> None:
-        _check_size("Int8Config", "block_size", self.block_size)
-        _check_bool("Int8Config", "compact_scales", self.compact_scales)
+        check_int("Int8Config.block_size", self.block_size, minimum=1,
+                  hint=_size_hint("block_size"))
+        check_bool("Int8Config.compact_scales", self.compact_scales)
         _set_key(self)
+
     @property
     def format(self) -> QuantFormat:
         """The format this config describes (``QuantFormat.INT8``)."""
@@ -123,10 +117,14 @@ class Int4Config:
     clip_search: int = 8
 
     def __post_init__(self) -> None:
-        _check_size("Int4Config", "group_size", self.group_size, even=True)
-        _check_bool("Int4Config", "compact_scales", self.compact_scales)
-        _check_clip_search("Int4Config", self.clip_search)
+        check_int("Int4Config.group_size", self.group_size, minimum=1,
+                  hint=_size_hint("group_size"))
+        _check_even("Int4Config", "group_size", self.group_size)
+        check_bool("Int4Config.compact_scales", self.compact_scales)
+        check_int("Int4Config.clip_search", self.clip_search, minimum=1,
+                  maximum=_MAX_CLIP_SEARCH, hint=_CLIP_SEARCH_HINT)
         _set_key(self)
+
     @property
     def format(self) -> QuantFormat:
         """The format this config describes (``QuantFormat.INT4``)."""
@@ -158,11 +156,16 @@ class NF4Config:
     clip_search: int = 8
 
     def __post_init__(self) -> None:
-        _check_size("NF4Config", "block_size", self.block_size, even=True)
-        _check_bool("NF4Config", "double_quant", self.double_quant)
-        _check_size("NF4Config", "double_quant_block_size", self.double_quant_block_size)
-        _check_clip_search("NF4Config", self.clip_search)
+        check_int("NF4Config.block_size", self.block_size, minimum=1,
+                  hint=_size_hint("block_size"))
+        _check_even("NF4Config", "block_size", self.block_size)
+        check_bool("NF4Config.double_quant", self.double_quant)
+        check_int("NF4Config.double_quant_block_size", self.double_quant_block_size, minimum=1,
+                  hint=_size_hint("double_quant_block_size"))
+        check_int("NF4Config.clip_search", self.clip_search, minimum=1,
+                  maximum=_MAX_CLIP_SEARCH, hint=_CLIP_SEARCH_HINT)
         _set_key(self)
+
     @property
     def format(self) -> QuantFormat:
         """The format this config describes (``QuantFormat.NF4``)."""
@@ -188,11 +191,11 @@ class FP8Config:
     block_size: int = 128
 
     def __post_init__(self) -> None:
-        if self.granularity not in ("channel", "block"):
-            raise ConfigError(f"FP8Config.granularity must be 'channel' or 'block', got "
-                              f"{self.granularity!r}")
-        _check_size("FP8Config", "block_size", self.block_size)
+        check_choice("FP8Config.granularity", self.granularity, ("channel", "block"))
+        check_int("FP8Config.block_size", self.block_size, minimum=1,
+                  hint=_size_hint("block_size"))
         _set_key(self)
+
     @property
     def format(self) -> QuantFormat:
         """The format this config describes (``QuantFormat.FP8``)."""

@@ -21,6 +21,7 @@ from typing import Any, overload
 
 import torch
 
+from vramkit._validate import check_int
 from vramkit.errors import ConfigError, QuantizationError
 from vramkit.quant import _reference, kernels
 from vramkit.quant._configs import (
@@ -66,8 +67,8 @@ def _rows_cols(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
     return int(shape[0]), math.prod([int(s) for s in shape[1:]])
 
 
-def expected_layout(config: QuantConfigT,
-                    shape: torch.Size | tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def expected_layout(config: QuantConfigT, shape: torch.Size | tuple[int, ...]
+                    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The exact storage a tensor of ``shape`` takes in ``config``'s format.
 
     Args:
@@ -270,7 +271,8 @@ class QuantizedTensor:
 
 def _check_float(t: torch.Tensor) -> None:
     if t.dtype not in _FLOAT_DTYPES:
-        raise QuantizationError(f"can only quantize float32/float16/bfloat16 tensors, got {t.dtype}",
+        raise QuantizationError(f"can only quantize float32/float16/bfloat16 tensors, got "
+                                f"{t.dtype}",
                                 hint="Quantize floating-point weights; convert other dtypes with "
                                      ".float() first if that is meant.")
 
@@ -374,9 +376,7 @@ def _dequantize_affine(tensor: torch.Tensor, scale: torch.Tensor | float,
     if not isinstance(tensor, torch.Tensor) or tensor.dtype == torch.bool or tensor.is_complex():
         raise QuantizationError("dequantize_tensor expects an integer or floating tensor of codes, "
                                 f"got {getattr(tensor, 'dtype', type(tensor).__name__)}")
-    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)
-                                   or group_size <= 0):
-        raise ConfigError(f"group_size must be a positive int, got {group_size!r}")
+    check_int("group_size", group_size, minimum=1, allow_none=True)
     rows, cols = _rows_cols(tensor.shape)
     values = tensor.reshape(rows, cols).to(torch.float32)
     if zero_point is not None:

@@ -35,14 +35,17 @@ from vramkit.quant._configs import (
 if TYPE_CHECKING:  # formats imports this module: annotations only
     from vramkit.quant.formats import QuantizedTensor
 
-__all__ = ["FUSED_MAX_TOKENS", "dequantize", "has_fp8_gemm", "quantized_matmul",
-           "triton_available"]
+__all__ = ["FP8_GEMM_MULTIPLE", "FUSED_MAX_TOKENS", "dequantize", "fp8_gemm_fits", "has_fp8_gemm",
+           "quantized_matmul", "triton_available"]
 
 logger = logging.getLogger(__name__)
 
 # At most this many tokens take the fused dequantize-matmul: it re-reads the weight once per
 # token, so beyond a few tokens dequantize + cuBLAS wins (benchmarks/quant.py measures both).
 FUSED_MAX_TOKENS = 2
+
+# torch._scaled_mm (the fp8 GEMM) takes in/out features that are multiples of this.
+FP8_GEMM_MULTIPLE = 16
 
 
 _TRITON_INSTALLED: list[bool] = []  # filled on first use
@@ -85,13 +88,27 @@ def has_fp8_gemm(device: torch.device | str) -> bool:
     return torch.cuda.get_device_capability(dev) >= (8, 9)
 
 
+def fp8_gemm_fits(in_features: int, out_features: int) -> bool:
+    """Whether the fp8 GEMM takes a Linear of this shape (both features multiples of
+    :data:`FP8_GEMM_MULTIPLE`); other layers of an fp8-activation config run weight-only.
+
+    Args:
+        in_features: the layer's input features.
+        out_features: the layer's output features.
+
+    Returns:
+        True when both are multiples of :data:`FP8_GEMM_MULTIPLE`.
+    """
+    return not (in_features % FP8_GEMM_MULTIPLE or out_features % FP8_GEMM_MULTIPLE)
+
+
 # ------------------------------------------------------------------------- layout plumbing
 
 def _kernel_params(config: QuantConfigT, cols: int) -> tuple[str, int, int, bool]:
     """(format name, group, double-quant block, compact) as the kernels take them."""
     if isinstance(config, FP8Config):
-        group = _reference.padded_cols(config, cols) if config.granularity == "channel" \
-            else config.block_size
+        group = (_reference.padded_cols(config, cols) if config.granularity == "channel"
+                 else config.block_size)
         return "fp8", group, 1, False
     if isinstance(config, Int8Config):
         return "int8", config.block_size, 1, config.compact_scales
@@ -238,8 +255,8 @@ def dequantize(q: "QuantizedTensor", dtype: torch.dtype | None = None) -> torch.
     """
     out_dtype = q.dtype if dtype is None else dtype
     if triton_available(q.device):
-        flat = _op(_dequantize_op, _dequantize_impl)(q.data, q.scales, q.zero_points, _aux(q), _config_key(q.config),
-                              q.cols, out_dtype)
+        flat = _op(_dequantize_op, _dequantize_impl)(q.data, q.scales, q.zero_points, _aux(q),
+                                                     _config_key(q.config), q.cols, out_dtype)
     else:
         flat = _reference.dequantize_rows(q.config, q.data, q.scales, q.zero_points, q.extras,
                                           q.cols, out_dtype)
@@ -257,10 +274,10 @@ def _check_fp8_gemm(x: torch.Tensor, q: "QuantizedTensor") -> None:
                                 "of compute capability >= 8.9 and torch._scaled_mm",
                                 hint="Use activation_fp8=False (weight-only dequantize + matmul).")
     n_out, n_in = q.rows, q.cols
-    if n_in % 16 or n_out % 16:
-        raise QuantizationError(f"the fp8 GEMM needs in/out features divisible by 16, got "
-                                f"{n_in} -> {n_out}", hint="Use activation_fp8=False for this "
-                                "layer.")
+    if not fp8_gemm_fits(n_in, n_out):
+        raise QuantizationError(f"the fp8 GEMM needs in/out features divisible by "
+                                f"{FP8_GEMM_MULTIPLE}, got {n_in} -> {n_out}",
+                                hint="Use activation_fp8=False for this layer.")
 
 
 def _fp8_matmul(x2d: torch.Tensor, q: "QuantizedTensor", bias: torch.Tensor | None,
@@ -310,8 +327,8 @@ def quantized_matmul(x: torch.Tensor, q: "QuantizedTensor", bias: torch.Tensor |
         y = _fp8_matmul(x2d, q, bias, x.dtype)
     elif triton_available(x.device) and (
             fused if fused is not None else x2d.shape[0] <= FUSED_MAX_TOKENS):
-        y = _op(_fused_linear_op, _fused_linear_impl)(x2d, q.data, q.scales, q.zero_points, _aux(q), bias,
-                             _config_key(q.config), n_in)
+        y = _op(_fused_linear_op, _fused_linear_impl)(x2d, q.data, q.scales, q.zero_points,
+                                                      _aux(q), bias, _config_key(q.config), n_in)
     else:
         y = torch.nn.functional.linear(x2d, dequantize(q, x.dtype), bias)
     return y.reshape(*x.shape[:-1], n_out)

@@ -4,6 +4,11 @@ Example:
     >>> config = QuantizationConfig("nf4", modules_to_not_quantize=["final_layer*"])  # doctest: +SKIP
     >>> quantize_model(model, config)            # nn.Linear -> QuantizedLinear, in place  # doctest: +SKIP
 
+The walk is :func:`quantizable_layers` (which layers are replaced), :func:`quantize_weight` (how
+a weight is quantized) and :func:`quantized_layer` (what replaces a layer): :func:`quantize_model`
+runs them over a model with real weights, and :func:`vramkit.io.loader.load_into` runs the same
+three while it streams a checkpoint into a model built on the meta device.
+
 Module patterns (``modules_to_not_quantize``) are shell-style patterns (:func:`fnmatch.fnmatchcase`,
 case-sensitive) matched against qualified module names as ``model.named_modules()`` spells them
 (``"double_blocks.0.img_attn.qkv"``). A layer is skipped when its own name *or any ancestor's*
@@ -29,7 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from vramkit._validate import check_known_fields
+from vramkit._validate import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_known_fields,
+    check_number,
+)
 from vramkit.errors import ConfigError, QuantizationError
 from vramkit.quant.formats import (
     FP8Config,
@@ -40,6 +51,7 @@ from vramkit.quant.formats import (
     format_config,
     quantize_tensor,
 )
+from vramkit.quant.kernels import FP8_GEMM_MULTIPLE, fp8_gemm_fits
 from vramkit.quant.linear import (
     QuantizedConv2d,
     QuantizedLinear,
@@ -49,12 +61,12 @@ from vramkit.quant.linear import (
 )
 from vramkit.units import format_size
 
-__all__ = ["QuantizationConfig", "QuantoConfig", "model_bytes", "quantize_model", "sqnr_db"]
+__all__ = ["QuantizationConfig", "QuantoConfig", "model_bytes", "quantizable_layers",
+           "quantize_model", "quantize_weight", "quantized_layer", "sqnr_db"]
 
 logger = logging.getLogger(__name__)
 
-_ACTIVATION_DTYPES = ("fp8",)
-_FP8_GEMM_MULTIPLE = 16  # torch._scaled_mm needs in/out features divisible by 16
+_ACTIVATION_DTYPES = (None, "fp8")
 # Linear layers that their owner reads through ``.weight`` (nn.MultiheadAttention's out_proj):
 # replacing them would break the owner.
 _NOT_REPLACEABLE: tuple[type[nn.Module], ...] = (nn.modules.linear.NonDynamicallyQuantizableLinear,)
@@ -99,7 +111,10 @@ class QuantizationConfig:
     quantize_conv: bool = True
 
     def __post_init__(self) -> None:
-        weight_format = self.weight_format()  # ConfigError for unknown names / bad sizes
+        check_int("QuantizationConfig.group_size", self.group_size, minimum=1, allow_none=True)
+        # Resolved once (ConfigError for unknown names and bad sizes); weight_format() returns it.
+        weight_format = format_config(self.weights_dtype, self.group_size)
+        object.__setattr__(self, "_weight_format", weight_format)
         patterns = self.modules_to_not_quantize
         if isinstance(patterns, str):
             patterns = (patterns,)
@@ -110,10 +125,8 @@ class QuantizationConfig:
         activations = self.activations_dtype
         if isinstance(activations, QuantFormat):
             activations = activations.value
+        check_choice("QuantizationConfig.activations_dtype", activations, _ACTIVATION_DTYPES)
         if activations is not None:
-            if activations not in _ACTIVATION_DTYPES:
-                raise ConfigError(f"QuantizationConfig.activations_dtype must be None or 'fp8', "
-                                  f"got {self.activations_dtype!r}")
             if not (isinstance(weight_format, FP8Config)
                     and weight_format.granularity == "channel"):
                 raise ConfigError(
@@ -122,24 +135,15 @@ class QuantizationConfig:
                     hint="Use weights_dtype='fp8' (channel granularity is its default); "
                          "int8/int4/nf4 weights run weight-only.")
         object.__setattr__(self, "activations_dtype", activations)
-        if self.min_sqnr_db is not None and (
-                isinstance(self.min_sqnr_db, bool)
-                or not isinstance(self.min_sqnr_db, (int, float))
-                or not math.isfinite(self.min_sqnr_db)):
-            raise ConfigError(f"QuantizationConfig.min_sqnr_db must be a finite number of dB or "
-                              f"None, got {self.min_sqnr_db!r}")
-        if not isinstance(self.quantize_conv, bool):
-            raise ConfigError(f"QuantizationConfig.quantize_conv must be a bool, got "
-                              f"{self.quantize_conv!r}")
+        object.__setattr__(self, "min_sqnr_db", check_number(
+            "QuantizationConfig.min_sqnr_db", self.min_sqnr_db, allow_none=True,
+            hint="Give the threshold in dB (e.g. 30.0), or None to quantize every layer."))
+        check_bool("QuantizationConfig.quantize_conv", self.quantize_conv)
 
     def weight_format(self) -> QuantConfigT:
-        """The resolved weight format config (name + ``group_size`` override)."""
-        if self.group_size is not None and (isinstance(self.group_size, bool)
-                                            or not isinstance(self.group_size, int)
-                                            or self.group_size <= 0):
-            raise ConfigError(f"QuantizationConfig.group_size must be a positive int or None, "
-                              f"got {self.group_size!r}")
-        return format_config(self.weights_dtype, self.group_size)
+        """The resolved weight format config (name + ``group_size`` override), made once when
+        the config was."""
+        return self._weight_format  # type: ignore[attr-defined, no-any-return]
 
     @property
     def activation_fp8(self) -> bool:
@@ -163,7 +167,8 @@ class QuantizationConfig:
                    for prefix in prefixes for pattern in self.modules_to_not_quantize)
 
     def should_quantize(self, qualified_name: str, module: nn.Module) -> bool:
-        """Whether :func:`quantize_model` replaces this module.
+        """Whether this module is a layer the config selects (:func:`quantizable_layers` also
+        keeps layers with tied weights in full precision).
 
         Args:
             qualified_name: its name in ``model.named_modules()``.
@@ -243,9 +248,62 @@ def model_bytes(module: nn.Module) -> int:
     return total
 
 
-def _quantize_weight(name: str, weight: torch.Tensor, config: QuantizationConfig
-                     ) -> QuantizedTensor | None:
-    """The quantized weight, or None when ``min_sqnr_db`` keeps it in full precision."""
+def quantizable_layers(model: nn.Module, config: QuantizationConfig
+                       ) -> list[tuple[str, nn.Module]]:
+    """The layers of ``model`` that ``config`` replaces: the one selection of vramkit's
+    quantization walk (:func:`quantize_model`, and ``load_into`` while it streams weights).
+
+    A layer is selected when :meth:`QuantizationConfig.should_quantize` holds (an ``nn.Linear``,
+    or an ``nn.Conv2d`` with ``quantize_conv``, that no ``modules_to_not_quantize`` pattern
+    excludes and that is not quantized already) and its weight is not shared with another
+    module (tied embeddings and heads stay in full precision). The root module is never
+    selected: it has no parent to be replaced in.
+
+    Args:
+        model: the model; its weights may be on the meta device (nothing is read).
+        config: a :class:`QuantizationConfig`.
+
+    Returns:
+        ``(qualified name, layer)`` in ``model.named_modules()`` order; a layer registered at
+        several places appears once, under its first name.
+    """
+    return _select_layers(model, config)[0]
+
+
+def _select_layers(model: nn.Module, config: QuantizationConfig
+                   ) -> tuple[list[tuple[str, nn.Module]], int]:
+    """:func:`quantizable_layers`, and how many selected layers were left out as tied."""
+    shared = _shared_weights(model)
+    layers: list[tuple[str, nn.Module]] = []
+    tied = 0
+    for name, module in model.named_modules():
+        if not name or not config.should_quantize(name, module):
+            continue
+        if id(module.weight) in shared:
+            logger.info("keeping %s in full precision: its weight is shared (tied)", name)
+            tied += 1
+            continue
+        layers.append((name, module))
+    return layers, tied
+
+
+def quantize_weight(weight: torch.Tensor, config: QuantizationConfig, *, name: str = "weight"
+                    ) -> QuantizedTensor | None:
+    """A layer's weight in ``config``'s format, as the walk quantizes it.
+
+    Args:
+        weight: the full-precision weight (real, not meta).
+        config: a :class:`QuantizationConfig`.
+        name: the weight's name, for messages (default ``"weight"``).
+
+    Returns:
+        The :class:`QuantizedTensor`, or None when the weight's SQNR is below
+        ``config.min_sqnr_db`` (the layer then stays in full precision).
+
+    Raises:
+        QuantizationError: for a meta weight or an unsupported dtype.
+    """
+    _check_not_meta(name, weight)
     q = quantize_tensor(weight.detach(), config.weight_format())
     if config.min_sqnr_db is not None:
         quality = sqnr_db(weight, q.dequantize(torch.float32))
@@ -296,9 +354,55 @@ def quantize_model(model_or_state_dict: nn.Module | Mapping[str, Any],
                       f"{type(model_or_state_dict).__name__}")
 
 
+def quantized_layer(layer: nn.Module, weight: QuantizedTensor, bias: torch.Tensor | None,
+                    config: QuantizationConfig, *, name: str = "<layer>") -> nn.Module:
+    """What replaces ``layer`` in the walk: a :class:`QuantizedConv2d` or :class:`QuantizedLinear`
+    around its quantized weight.
+
+    A Linear runs the fp8 GEMM when ``config.activation_fp8`` holds and the GEMM takes its shape
+    (:func:`vramkit.quant.kernels.fp8_gemm_fits`); otherwise it runs weight-only. The new layer
+    takes ``layer``'s training mode.
+
+    Args:
+        layer: the ``nn.Linear`` or ``nn.Conv2d`` replaced (its geometry and features are read;
+            it may be on the meta device).
+        weight: its weight, quantized (:func:`quantize_weight`).
+        bias: the new layer's bias (a ``Parameter`` is kept as is), or None.
+        config: the :class:`QuantizationConfig` ``weight`` was quantized with.
+        name: the layer's qualified name, for messages.
+
+    Returns:
+        The quantized layer.
+
+    Raises:
+        QuantizationError: for a layer that is neither an ``nn.Linear`` nor an ``nn.Conv2d``.
+    """
+    if isinstance(layer, nn.Conv2d):
+        new: nn.Module = QuantizedConv2d.from_quantized(weight, bias, **conv_geometry(layer))
+    elif isinstance(layer, nn.Linear):
+        fp8_gemm = config.activation_fp8 and fp8_gemm_fits(layer.in_features, layer.out_features)
+        if config.activation_fp8 and not fp8_gemm:
+            logger.info("%s (%d -> %d) runs weight-only: the fp8 GEMM needs features divisible "
+                        "by %d", name, layer.in_features, layer.out_features, FP8_GEMM_MULTIPLE)
+        new = QuantizedLinear.from_quantized(weight, bias, activation_fp8=fp8_gemm)
+    else:
+        raise QuantizationError(f"{name} is a {type(layer).__name__}; only nn.Linear and "
+                                "nn.Conv2d layers are replaced by quantized ones")
+    new.train(layer.training)
+    return new
+
+
+def _selects_tensor(key: str, value: Any, config: QuantizationConfig) -> bool:
+    """The state-dict form of the selection: a floating 2-D weight (4-D with ``quantize_conv``)
+    whose module (``"a.b"`` for ``"a.b.weight"``) no pattern excludes."""
+    module_name, _, leaf = key.rpartition(".")
+    return (isinstance(value, torch.Tensor) and leaf == "weight"
+            and value.dim() in ((2, 4) if config.quantize_conv else (2,))
+            and value.is_floating_point() and not config.is_excluded(module_name))
+
+
 def _quantize_state_dict(state: Mapping[str, Any], config: QuantizationConfig
                          ) -> dict[str, QuantizedTensor | torch.Tensor]:
-    ranks = (2, 4) if config.quantize_conv else (2,)
     out: dict[str, QuantizedTensor | torch.Tensor] = {}
     for key, value in state.items():
         module_name, _, leaf = key.rpartition(".")
@@ -309,10 +413,8 @@ def _quantize_state_dict(state: Mapping[str, Any], config: QuantizationConfig
                                              "modules_to_not_quantize.")
             out[key] = value
             continue
-        if (isinstance(value, torch.Tensor) and leaf == "weight" and value.dim() in ranks
-                and value.is_floating_point() and not config.is_excluded(module_name)):
-            _check_not_meta(key, value)
-            q = _quantize_weight(key, value, config)
+        if _selects_tensor(key, value, config):
+            q = quantize_weight(value, config, name=key)
             out[key] = q if q is not None else value
         else:
             out[key] = value
@@ -332,8 +434,14 @@ def _quantize_module(model: nn.Module, config: QuantizationConfig) -> nn.Module:
     if config.should_quantize("", model):  # a bare layer: nothing to replace it in
         replaced = _replace_layer("<root>", model, config)
         return replaced if replaced is not None else model
+    for name, module in model.named_modules():
+        if isinstance(module, _QuantizedWeightModule) and not config.is_excluded(name):
+            raise QuantizationError(
+                f"{name} is already quantized ({type(module).__name__})",
+                hint="quantize_model runs once per model; to quantize the remaining float "
+                     "layers list the quantized ones in modules_to_not_quantize.")
     before = model_bytes(model)
-    shared = _shared_weights(model)
+    layers, kept = _select_layers(model, config)
     # Every (parent, attribute) slot of each module: a module registered twice is replaced at
     # both places by one quantized layer.
     slots: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -341,23 +449,8 @@ def _quantize_module(model: nn.Module, config: QuantizationConfig) -> nn.Module:
         for attr, child in parent._modules.items():
             if child is not None:
                 slots.setdefault(id(child), []).append((parent, attr))
-    quantized = kept = 0
-    for name, module in list(model.named_modules()):
-        if not name:
-            continue
-        if isinstance(module, _QuantizedWeightModule):
-            if not config.is_excluded(name):
-                raise QuantizationError(
-                    f"{name} is already quantized ({type(module).__name__})",
-                    hint="quantize_model runs once per model; to quantize the remaining float "
-                         "layers list the quantized ones in modules_to_not_quantize.")
-            continue
-        if not config.should_quantize(name, module):
-            continue
-        if id(module.weight) in shared:
-            logger.info("keeping %s in full precision: its weight is shared (tied)", name)
-            kept += 1
-            continue
+    quantized = 0
+    for name, module in layers:
         replacement = _replace_layer(name, module, config)
         if replacement is None:
             kept += 1
@@ -382,26 +475,10 @@ def _replace_layer(name: str, module: nn.Module, config: QuantizationConfig
     weight = module.weight
     if not isinstance(weight, torch.Tensor):
         return None
-    _check_not_meta(f"{name}.weight", weight)
-    if isinstance(module, nn.Conv2d):
-        q = _quantize_weight(name, weight, config)
-        if q is None:
-            return None
-        layer: nn.Module = QuantizedConv2d.from_quantized(q, module.bias, **conv_geometry(module))
-    else:
-        q = _quantize_weight(name, weight, config)
-        if q is None:
-            return None
-        # The fp8 GEMM takes in/out features that are multiples of 16; other layers run
-        # weight-only rather than failing at their first forward.
-        fp8_gemm = config.activation_fp8 and not (module.in_features % _FP8_GEMM_MULTIPLE
-                                                  or module.out_features % _FP8_GEMM_MULTIPLE)
-        if config.activation_fp8 and not fp8_gemm:
-            logger.info("%s (%d -> %d) runs weight-only: the fp8 GEMM needs features divisible "
-                        "by %d", name, module.in_features, module.out_features,
-                        _FP8_GEMM_MULTIPLE)
-        layer = QuantizedLinear.from_quantized(q, module.bias, activation_fp8=fp8_gemm)
-    layer.train(module.training)
+    q = quantize_weight(weight, config, name=f"{name}.weight")
+    if q is None:
+        return None
+    layer = quantized_layer(module, q, module.bias, config, name=name)
     _release(weight)
     return layer
 

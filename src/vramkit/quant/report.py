@@ -29,7 +29,7 @@ from vramkit.errors import ConfigError, QuantizationError
 from vramkit.quant import kernels
 from vramkit.quant.formats import QuantizedTensor, quantize_tensor
 from vramkit.quant.linear import _QuantizedWeightModule
-from vramkit.quant.model import QuantizationConfig, sqnr_db
+from vramkit.quant.model import QuantizationConfig, _selects_tensor, sqnr_db
 
 __all__ = ["LayerQuality", "QuantizationReport", "quantization_report"]
 
@@ -148,7 +148,8 @@ def quantization_report(model_or_state_dict: nn.Module | Mapping[str, Any],
         config: the quantization to evaluate.
         sample_inputs: keyword arguments of the model's forward (``model(**sample_inputs)``
             runs once under ``torch.no_grad()`` and each layer's first input is captured: up to
-            1024 rows for a linear layer, 2 samples for a convolution). Default None: Gaussian inputs for every layer.
+            1024 rows for a linear layer, 2 samples for a convolution). Default None:
+            Gaussian inputs for every layer.
         seed: seed of the Gaussian inputs (default 0).
 
     Returns:
@@ -210,16 +211,14 @@ def _report_module(model: nn.Module, config: QuantizationConfig,
 
 def _report_state_dict(state: Mapping[str, Any], config: QuantizationConfig,
                        generator: torch.Generator) -> QuantizationReport:
-    ranks = (2, 4) if config.quantize_conv else (2,)
     rows = []
     for key, value in state.items():
-        module_name, _, leaf = key.rpartition(".")
         if isinstance(value, QuantizedTensor):
             raise QuantizationError(f"{key} is already quantized: there is no float weight to "
                                     "compare with")
-        if not (isinstance(value, torch.Tensor) and leaf == "weight" and value.dim() in ranks
-                and value.is_floating_point() and not config.is_excluded(module_name)):
+        if not _selects_tensor(key, value, config):
             continue
+        module_name = key.rpartition(".")[0]
         cols = math.prod(value.shape[1:])
         x = torch.randn(_RANDOM_ROWS, cols, generator=generator).to(value.device)
         weight2d = value.detach().reshape(value.shape[0], cols)

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vramkit.devices.resolve import resolve_device
 from vramkit.errors import ConfigError, QuantizationError
 from vramkit.quant.formats import QuantizedTensor
 from vramkit.quant.linear import (
@@ -190,8 +191,8 @@ def _read_layout(metadata: Mapping[str, str] | None, path: str) -> dict[str, dic
     try:
         layout = json.loads(metadata[LAYOUT_KEY])
     except json.JSONDecodeError as exc:
-        raise QuantizationError(f"{path}: the quantized layout is not valid JSON ({exc})") \
-            from None
+        raise QuantizationError(
+            f"{path}: the quantized layout is not valid JSON ({exc})") from None
     if not isinstance(layout, dict) or not all(
             isinstance(v, dict) and isinstance(v.get("tensors"), dict)
             and isinstance(v.get("record"), dict) for v in layout.values()):
@@ -206,19 +207,23 @@ def load_quantized(path: str | os.PathLike[str], device: str | torch.device = "c
 
     Args:
         path: the safetensors file.
-        device: where the tensors go (default ``"cpu"``).
+        device: where the tensors go: ``"cpu"`` (default), ``"cuda"``, ``"cuda:N"``, an int
+            CUDA ordinal or a ``torch.device``.
 
     Returns:
         ``{name: QuantizedTensor | Tensor}``, quantized records rebuilt bit-exactly.
 
     Raises:
+        InvalidDeviceError: for a value that is not a cpu or cuda device.
+        DeviceError: for a CUDA device that is not there.
         QuantizationError: when the file declares no layout, an unknown version or layout, or
             a layout that names missing tensors.
     """
     from safetensors import safe_open
 
+    target = resolve_device(device, owner="load_quantized", default="cpu")
     path_str = os.fspath(path)
-    with safe_open(path_str, framework="pt", device=str(device)) as handle:
+    with safe_open(path_str, framework="pt", device=str(target)) as handle:
         layout = _read_layout(handle.metadata(), path_str)
         names = set(handle.keys())
         out: dict[str, QuantizedTensor | torch.Tensor] = {}

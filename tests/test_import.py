@@ -64,3 +64,57 @@ def test_unknown_attribute_raises() -> None:
 
     with pytest.raises(AttributeError):
         vramkit.no_such_thing  # noqa: B018
+
+
+PACKAGES = ["devices", "memory", "kernels", "quant", "optim", "io", "offload", "plan", "tiling",
+            "recipes"]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_package_exports_resolve(package: str) -> None:
+    import importlib
+
+    module = importlib.import_module(f"vramkit.{package}")
+    assert module.__all__, f"vramkit.{package} exports nothing"
+    missing = [name for name in module.__all__ if getattr(module, name, None) is None]
+    assert not missing, f"vramkit.{package} cannot resolve {missing}"
+    assert set(module.__all__) <= set(dir(module))
+    with pytest.raises(AttributeError):
+        module.no_such_name  # noqa: B018
+
+
+def test_importing_a_package_imports_none_of_its_modules() -> None:
+    probe = "import sys\n" + "".join(
+        f"import vramkit.{p}\n" for p in PACKAGES) + textwrap.dedent("""
+        loaded = sorted(m for m in sys.modules if m.startswith("vramkit.")
+                        and m.count(".") >= 2)
+        print(loaded)
+        """)
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
+@pytest.mark.parametrize("old, new", [
+    ("vramkit.checkpointing", "vramkit.offload.checkpointing"),
+    ("vramkit.demo", "vramkit.recipes.demo"),
+    ("vramkit.presets", "vramkit.recipes.presets"),
+    ("vramkit.models", "vramkit.recipes"),
+    ("vramkit.models.dit", "vramkit.recipes.dit"),
+    ("vramkit.kernels.layout", "vramkit.memory.layout"),
+])
+def test_moved_modules_import_the_same_module(old: str, new: str) -> None:
+    import importlib
+
+    assert importlib.import_module(old) is importlib.import_module(new)
+    assert importlib.import_module(new).__spec__.name == new
+
+
+def test_names_moved_to_recipes_still_resolve_with_a_warning() -> None:
+    import vramkit
+    from vramkit.recipes.dit import DiT
+
+    with pytest.warns(DeprecationWarning, match="vramkit.recipes.dit"):
+        assert vramkit.DiT is DiT
+    assert "DiT" not in vramkit.__all__ and "run_demo" not in vramkit.__all__

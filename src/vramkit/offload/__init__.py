@@ -1,7 +1,39 @@
-"""Moving weights, activations and optimizer state between the GPU and pinned host memory.
+"""Moving weights, activations and optimizer state between the GPU and host memory.
 
-:mod:`vramkit.offload.swap` (BlockSwapper), :mod:`vramkit.offload.cpu` (CPUOffloadManager),
-:mod:`vramkit.offload.activations` (activation offload) and :mod:`vramkit.offload.optimizer`
-(CPU-offloaded optimizer) share one host->device and one device->host copy stream per GPU
-(:mod:`vramkit.memory.transfer`).
+* :mod:`vramkit.offload.swap`: :class:`BlockSwapper` streams a model's blocks through a ring of
+  GPU slots (its parts: ``_swap_blocks``, ``_swap_ring``, ``_swap_function``, ``_swap_graph``).
+* :mod:`vramkit.offload.checkpointing`: gradient checkpointing of blocks and functions.
+* :mod:`vramkit.offload.cpu`: :class:`CPUOffloadManager`, weights in pinned host memory on request.
+* :mod:`vramkit.offload.activations`: activation offload through saved-tensor hooks.
+* :mod:`vramkit.offload.optimizer`: :class:`CPUOffloadOptimizer` (ZeRO-Offload style).
+* :mod:`vramkit.offload.blocks`: finding a model's repeated blocks and scheduling them.
+
+They share one host->device and one device->host copy stream per GPU
+(:mod:`vramkit.memory.transfer`), and wrap forwards only through :mod:`vramkit.offload._patch`.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vramkit._lazy import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    ".swap": ("BlockSwapper", "SwapConfig", "SwapStats", "BlockFootprint"),
+    ".blocks": ("BlockScheduleEntry", "BlockSpec", "find_blocks", "module_bytes"),
+    ".checkpointing": ("enable_gradient_checkpointing", "disable_gradient_checkpointing",
+                       "is_checkpointed", "unwrapped_forward", "checkpoint",
+                       "checkpoint_with_pool", "GradientCheckpointer", "SDXLGradientCheckpoint"),
+    ".cpu": ("CPUOffloadManager", "CPUOffloadConfig", "CPUOffloadStats", "LoadHandle"),
+    ".activations": ("ActivationOffloader", "ActivationOffloadConfig", "ActivationOffloadStats",
+                     "offload_activations"),
+    ".optimizer": ("CPUOffloadOptimizer", "OptimizerOffloadStats"),
+})
+
+if TYPE_CHECKING:  # static analysers see the real definitions
+    from vramkit.offload.activations import *  # noqa: F403
+    from vramkit.offload.blocks import *  # noqa: F403
+    from vramkit.offload.checkpointing import *  # noqa: F403
+    from vramkit.offload.cpu import *  # noqa: F403
+    from vramkit.offload.optimizer import *  # noqa: F403
+    from vramkit.offload.swap import *  # noqa: F403

@@ -86,10 +86,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from vramkit._validate import check_int, check_size
 from vramkit.errors import ConfigError, DeviceError, OffloadError, PoolExhaustedError
 from vramkit.memory.pool import Block, MemoryPool, PoolConfig
 from vramkit.memory.transfer import Streams, resolve_offload_device, transfer_streams
-from vramkit.units import format_size, parse_size
+from vramkit.units import format_size
 
 __all__ = [
     "ActivationOffloadConfig",
@@ -146,40 +147,15 @@ class ActivationOffloadConfig:
     max_inflight_bytes: int | str = "256MiB"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "min_bytes", _size_field("min_bytes", self.min_bytes))
-        object.__setattr__(self, "max_inflight_bytes",
-                           _size_field("max_inflight_bytes", self.max_inflight_bytes))
-        object.__setattr__(self, "prefetch_bytes",
-                           _size_field("prefetch_bytes", self.prefetch_bytes))
-        prefetch = self.prefetch
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ConfigError(f"ActivationOffloadConfig.prefetch must be an int >= 0, got "
-                              f"{prefetch!r}", hint="2 keeps two tensors in flight ahead of "
-                                                    "backward; 0 disables prefetching.")
-        if self.max_pinned_bytes is not None:
-            cap = _size_field("max_pinned_bytes", self.max_pinned_bytes)
-            if cap <= 0:
-                raise ConfigError(f"ActivationOffloadConfig.max_pinned_bytes must be > 0, got "
-                                  f"{self.max_pinned_bytes!r}",
-                                  hint="Use None for no cap.")
-            object.__setattr__(self, "max_pinned_bytes", cap)
-
-
-def _size_field(name: str, value: object) -> int:
-    if isinstance(value, bool):
-        raise ConfigError(f"ActivationOffloadConfig.{name} must be a size, got {value!r}")
-    if isinstance(value, str):
-        try:
-            value = parse_size(value)
-        except ValueError as exc:
-            raise ConfigError(f"ActivationOffloadConfig.{name}: {exc}",
-                              hint="Use bytes or a size string such as '1MiB'.") from None
-    if not isinstance(value, int):
-        raise ConfigError(f"ActivationOffloadConfig.{name} must be an int or a size string, got "
-                          f"{type(value).__name__}")
-    if value < 0:
-        raise ConfigError(f"ActivationOffloadConfig.{name} must be >= 0, got {value}")
-    return value
+        for name in ("min_bytes", "max_inflight_bytes", "prefetch_bytes"):
+            object.__setattr__(self, name, check_size(f"ActivationOffloadConfig.{name}",
+                                                      getattr(self, name)))
+        check_int("ActivationOffloadConfig.prefetch", self.prefetch, minimum=0,
+                  hint="2 keeps two tensors in flight ahead of backward; 0 disables "
+                       "prefetching.")
+        object.__setattr__(self, "max_pinned_bytes", check_size(
+            "ActivationOffloadConfig.max_pinned_bytes", self.max_pinned_bytes, minimum=1,
+            allow_none=True, hint="Give a size such as '8GiB', or None for no cap."))
 
 
 @dataclass(frozen=True)
@@ -405,8 +381,8 @@ class ActivationOffloader:
                                                 weakref.ref[_Offloaded]]] = {}
         # (block, capacity, tensor, event, ahead generation, ahead bytes) left by dead handles;
         # appended without the lock.
-        self._orphans: deque[tuple[Block | None, int, torch.Tensor | None, Any, int, int]] = \
-            deque()
+        self._orphans: deque[tuple[Block | None, int, torch.Tensor | None, Any, int, int]] = (
+            deque())
         # Host blocks whose copies are issued, kept for the next forward pass instead of going
         # back to the pool: nbytes -> [(block, event of its last host->device copy or None,
         # forward pass it was freed in)], oldest first. The pool would park a freed pinned block
@@ -555,8 +531,8 @@ class ActivationOffloader:
     def _keep_reason(self, t: torch.Tensor) -> str | None:
         if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
             return "kept_parameters"
-        if type(t) is not torch.Tensor or t.layout != torch.strided or t.device != self.device \
-                or t.is_conj() or t.is_neg() or t.is_quantized:
+        if (type(t) is not torch.Tensor or t.layout != torch.strided or t.device != self.device
+                or t.is_conj() or t.is_neg() or t.is_quantized):
             return "kept_unsupported"
         return None
 
@@ -789,8 +765,8 @@ class ActivationOffloader:
         handle.block = None
         handle.stored = None
         handle.loaded = loaded
-        if handle.span == math.prod(handle.shape) and \
-                handle.stride == _contiguous_strides(handle.shape):
+        if (handle.span == math.prod(handle.shape)
+                and handle.stride == _contiguous_strides(handle.shape)):
             handle.result = flat.view(handle.shape)
         else:
             handle.result = flat.as_strided(handle.shape, handle.stride)
@@ -821,8 +797,8 @@ class ActivationOffloader:
             self._ahead_gen += 1
             self._ahead_count = self._ahead_bytes = 0
         order, first, gen = self._order, self._first_index, self._ahead_gen
-        while (self._ahead_count < config.prefetch or self._ahead_bytes < config.prefetch_bytes) \
-                and cursor >= first:
+        while ((self._ahead_count < config.prefetch or self._ahead_bytes < config.prefetch_bytes)
+               and cursor >= first):
             handle = order[cursor - first]()
             cursor -= 1
             if handle is None or handle.unpacked or handle.ahead_gen == gen:

@@ -64,13 +64,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from vramkit._validate import check_bool, check_choice, check_size
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.memory.layout import aligned_offsets
 from vramkit.memory.pool import Block, MemoryPool, PoolConfig
 from vramkit.memory.transfer import Streams, resolve_offload_device, transfer_streams
 from vramkit.offload import _patch
 from vramkit.offload._state_dict import MasterTensor, install_master_hooks
-from vramkit.units import format_size, parse_size
+from vramkit.units import format_size
 
 __all__ = ["CPUOffloadConfig", "CPUOffloadManager", "CPUOffloadStats", "LoadHandle"]
 
@@ -107,22 +108,10 @@ class CPUOffloadConfig:
     max_host_bytes: int | str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.auto_load, bool):
-            raise ConfigError(f"CPUOffloadConfig.auto_load must be a bool, got {self.auto_load!r}")
-        if self.writeback not in _WRITEBACK_POLICIES:
-            raise ConfigError(f"CPUOffloadConfig.writeback must be one of {_WRITEBACK_POLICIES}, "
-                              f"got {self.writeback!r}")
-        if self.max_host_bytes is not None:
-            if isinstance(self.max_host_bytes, bool):
-                raise ConfigError("CPUOffloadConfig.max_host_bytes must be a size, got a bool")
-            try:
-                size = parse_size(self.max_host_bytes)
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"CPUOffloadConfig.max_host_bytes: {exc}") from None
-            if size <= 0:
-                raise ConfigError(f"CPUOffloadConfig.max_host_bytes must be positive, got "
-                                  f"{self.max_host_bytes!r}")
-            object.__setattr__(self, "max_host_bytes", size)
+        check_bool("CPUOffloadConfig.auto_load", self.auto_load)
+        check_choice("CPUOffloadConfig.writeback", self.writeback, _WRITEBACK_POLICIES)
+        object.__setattr__(self, "max_host_bytes", check_size(
+            "CPUOffloadConfig.max_host_bytes", self.max_host_bytes, minimum=1, allow_none=True))
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+from vramkit._validate import check_number
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.memory.pool import Block, MemoryPool, PoolConfig
 from vramkit.memory.transfer import Streams, transfer_streams
@@ -228,10 +229,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ConfigError(f"optimizer_class must be a torch.optim.Optimizer subclass, got "
                               f"{optimizer_class!r}")
+        check_number("max_grad_norm", max_grad_norm, minimum=0, low_open=True, allow_none=True)
         if max_grad_norm is not None:
-            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) \
-                    or not max_grad_norm > 0:
-                raise ConfigError(f"max_grad_norm must be a number > 0, got {max_grad_norm!r}")
             if overlap:
                 raise ConfigError(
                     "max_grad_norm needs overlap=False: with overlap each parameter is stepped "
@@ -243,8 +242,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         # Host accumulation over several backward passes (only when nothing is stepped early).
         self._host_accumulation = self._offload_gradients and not self._overlap
-        if optimizer_class in _FUSED_BY_DEFAULT and "fused" not in opt_kwargs \
-                and "foreach" not in opt_kwargs:
+        if (optimizer_class in _FUSED_BY_DEFAULT and "fused" not in opt_kwargs
+                and "foreach" not in opt_kwargs):
             opt_kwargs["fused"] = True
         self._opt_kwargs = opt_kwargs
 

@@ -54,198 +54,34 @@ meant to be driven from one thread and one compute stream.
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from vramkit._validate import check_bool, check_choice, check_size
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.memory.layout import aligned_offsets
 from vramkit.memory.pool import Block, MemoryPool, PoolConfig
 from vramkit.memory.transfer import Streams, resolve_offload_device, transfer_streams
 from vramkit.offload import _patch
+from vramkit.offload._cpu_records import (
+    CPUOffloadConfig,
+    CPUOffloadStats,
+    GradSeen,
+    LoadHandle,
+    Record,
+    as_patterns,
+    matches,
+)
 from vramkit.offload._state_dict import MasterTensor, install_master_hooks
 from vramkit.units import format_size
 
 __all__ = ["CPUOffloadConfig", "CPUOffloadManager", "CPUOffloadStats", "LoadHandle"]
 
 logger = logging.getLogger(__name__)
-
-_WRITEBACK_POLICIES = ("modified", "trainable")
-
-
-@dataclass(frozen=True)
-class CPUOffloadConfig:
-    """Settings of a :class:`CPUOffloadManager`.
-
-    Args:
-        auto_load: when a forward reaches a module whose offloaded tensors are not loaded, load
-            them (inactive, so the next :meth:`CPUOffloadManager.clear_inactive` drops them)
-            instead of raising :class:`~vramkit.errors.OffloadError`. Default ``False``.
-        writeback: which loaded tensors are copied back to their host master when cleared:
-            ``"modified"`` (default) those whose autograd version counter changed since they
-            were loaded (optimizer steps, in-place ops), trainable ones that received or
-            still hold a gradient (fused optimizers do not bump the counter) and buffers of
-            modules that ran a training-mode forward while loaded (running statistics);
-            ``"trainable"`` those plus every tensor with ``requires_grad``. Frozen, unmodified
-            tensors are never copied back.
-        max_host_bytes: cap on the host memory the manager's own pool may reserve (int bytes or
-            a size string such as ``"8GiB"``); ``None`` (default) means no cap. Not allowed
-            together with a caller-supplied ``pinned_pool`` (configure that pool instead).
-
-    Raises:
-        ConfigError: for a value outside these ranges.
-    """
-
-    auto_load: bool = False
-    writeback: str = "modified"
-    max_host_bytes: int | str | None = None
-
-    def __post_init__(self) -> None:
-        check_bool("CPUOffloadConfig.auto_load", self.auto_load)
-        check_choice("CPUOffloadConfig.writeback", self.writeback, _WRITEBACK_POLICIES)
-        object.__setattr__(self, "max_host_bytes", check_size(
-            "CPUOffloadConfig.max_host_bytes", self.max_host_bytes, minimum=1, allow_none=True))
-
-
-@dataclass(frozen=True)
-class CPUOffloadStats:
-    """A snapshot of a :class:`CPUOffloadManager` (bytes are tensor bytes unless noted).
-
-    Attributes:
-        offloaded_tensors: tensors whose master lives on the host.
-        offloaded_bytes: their bytes.
-        kept_tensors: tensors kept on the device (``keep_on_gpu``).
-        kept_bytes: their bytes.
-        loaded_tensors: offloaded tensors with a device copy now.
-        active_tensors: loaded tensors marked active (kept from ``clear_inactive``).
-        resident_bytes: device bytes the manager accounts for: kept plus loaded tensors.
-        host_bytes: bytes of the host pool allocations holding the masters (with alignment).
-        pinned_bytes: ``host_bytes`` when the host pool is page-locked, else 0.
-        loads: host->device tensor copies made so far.
-        writebacks: device->host copies made when clearing modified tensors.
-        h2d_bytes: bytes copied host->device (loads and restore).
-        d2h_bytes: bytes copied device->host (offloading tensors from the device, write-backs).
-        released_bytes: device-copy bytes dropped by clearing so far.
-    """
-
-    offloaded_tensors: int
-    offloaded_bytes: int
-    kept_tensors: int
-    kept_bytes: int
-    loaded_tensors: int
-    active_tensors: int
-    resident_bytes: int
-    host_bytes: int
-    pinned_bytes: int
-    loads: int
-    writebacks: int
-    h2d_bytes: int
-    d2h_bytes: int
-    released_bytes: int
-
-
-class _Record:
-    """One managed tensor: the user's tensor object plus where its bytes are."""
-
-    __slots__ = ("active", "device_copy", "got_grad", "host_event", "kept", "load_event",
-                 "loaded_version", "master", "names", "nbytes", "orig_device", "tensor",
-                 "trained")
-
-    def __init__(self, names: list[str], tensor: torch.Tensor, kept: bool) -> None:
-        self.names = names
-        self.tensor = tensor  # a strong reference also keeps id(tensor) unique while managed
-        self.kept = kept
-        self.nbytes = tensor.numel() * tensor.element_size()
-        self.orig_device = tensor.device
-        self.master: torch.Tensor | None = None
-        self.device_copy: torch.Tensor | None = None
-        self.load_event: Any = None  # set while the current stream has not waited for the load
-        self.host_event: Any = None  # the last device->host copy into the master
-        self.loaded_version = 0
-        self.trained = False  # a buffer whose module ran a training-mode forward while loaded
-        self.got_grad = False  # a gradient was accumulated into it while loaded
-        self.active = False
-
-    @property
-    def name(self) -> str:
-        return self.names[0]
-
-
-class LoadHandle:
-    """What :meth:`CPUOffloadManager.load_to_gpu` returns.
-
-    Attributes:
-        names: the primary names of the offloaded tensors the call resolved to.
-        event: the event recorded after this call's copies (``None`` when nothing was copied).
-        tensors: ``{name: tensor}`` for every resolved name (offloaded and kept), the user's
-            tensor objects, whose storage is now on the device.
-    """
-
-    def __init__(self, manager: CPUOffloadManager, records: list[_Record], event: Any,
-                 tensors: dict[str, torch.Tensor]) -> None:
-        self._manager = manager
-        self._records = records
-        # This call's copies and earlier loads of these tensors nobody has waited for yet.
-        self._events = list({id(r.load_event): r.load_event for r in records
-                             if r.load_event is not None}.values())
-        self.names = tuple(r.name for r in records if not r.kept)
-        self.event = event
-        self.tensors = tensors
-
-    def wait(self) -> None:
-        """Make the current stream wait (on the GPU, no host sync) until the tensors are usable.
-        Loads already waited for (by an earlier ``wait`` or a module's forward) are skipped."""
-        self._manager._wait_loads(self._records)
-
-    def done(self) -> bool:
-        """Whether every copy this handle covers has completed (queries events, never blocks)."""
-        streams = self._manager._streams
-        return all(streams.done(event) for event in self._events)
-
-    def synchronize(self) -> None:
-        """Block the host until the copies have completed (not for hot paths)."""
-        streams = self._manager._streams
-        for event in self._events:
-            streams.synchronize(event)
-
-    def __repr__(self) -> str:
-        return f"LoadHandle({len(self.names)} tensors, done={self.done()})"
-
-
-class _GradSeen:
-    """Post-accumulate-grad hook: fused optimizers step without bumping the version counter,
-    so a gradient arriving while a tensor is loaded is what marks it for write-back."""
-
-    __slots__ = ("record",)
-
-    def __init__(self, record: _Record) -> None:
-        self.record = record
-
-    def __call__(self, tensor: torch.Tensor) -> None:
-        self.record.got_grad = True
-
-
-def _matches(name: str, pattern: str) -> bool:
-    # "down_blocks.0" covers "down_blocks.0.weight" but not "down_blocks.01.weight".
-    return name == pattern or name.startswith(pattern + ".") or fnmatch.fnmatchcase(name, pattern)
-
-
-def _as_patterns(value: str | Iterable[str] | None, what: str) -> list[str]:
-    if value is None:
-        return []
-    patterns = [value] if isinstance(value, str) else list(value)
-    for pattern in patterns:
-        if not isinstance(pattern, str) or not pattern:
-            raise ConfigError(f"{what} must be non-empty name patterns (str), got {pattern!r}")
-    return patterns
-
 
 class _LoadingForward(_patch.MethodWrapper):
     """The ``forward`` of a module with offloaded tensors: loads them (or refuses) first."""
@@ -255,7 +91,7 @@ class _LoadingForward(_patch.MethodWrapper):
     kind = "cpu_offload"
 
     def __init__(self, manager: CPUOffloadManager, module: nn.Module, qualname: str,
-                 records: list[_Record], buffers: list[_Record]) -> None:
+                 records: list[Record], buffers: list[Record]) -> None:
         super().__init__()
         self.manager = manager
         self.module = module
@@ -307,9 +143,9 @@ class CPUOffloadManager:
         self._host_pool = pinned_pool
         self._owns_pool = pinned_pool is None
         self._streams: Streams = transfer_streams(self.device)
-        self._records: dict[str, _Record] = {}  # primary name -> record
-        self._by_name: dict[str, _Record] = {}  # every name (aliases too) -> record
-        self._by_id: dict[int, _Record] = {}
+        self._records: dict[str, Record] = {}  # primary name -> record
+        self._by_name: dict[str, Record] = {}  # every name (aliases too) -> record
+        self._by_id: dict[int, Record] = {}
         self._blocks: list[Block] = []
         self._host_bytes = 0
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -346,15 +182,15 @@ class CPUOffloadManager:
             PoolExhaustedError: when the host pool cannot hold the masters (nothing is changed).
         """
         self._check_open()
-        keep = _as_patterns(keep_on_gpu, "keep_on_gpu")
+        keep = as_patterns(keep_on_gpu, "keep_on_gpu")
         groups = self._collect(weights, prefix)
-        offloaded: list[_Record] = []
-        kept: list[_Record] = []
+        offloaded: list[Record] = []
+        kept: list[Record] = []
         for names, tensor in groups:
             relative = [name[len(prefix):] for name in names]
-            keep_it = any(_matches(name, pattern) for name in relative for pattern in keep)
-            (kept if keep_it else offloaded).append(_Record(names, tensor, keep_it))
-        used = {p for p in keep if any(_matches(n[len(prefix):], p) for r in kept for n in r.names)}
+            keep_it = any(matches(name, pattern) for name in relative for pattern in keep)
+            (kept if keep_it else offloaded).append(Record(names, tensor, keep_it))
+        used = {p for p in keep if any(matches(n[len(prefix):], p) for r in kept for n in r.names)}
         for pattern in keep:
             if pattern not in used:
                 logger.warning("keep_on_gpu pattern %r matches no tensor", pattern)
@@ -371,7 +207,7 @@ class CPUOffloadManager:
             tensor = record.tensor
             if tensor.requires_grad and tensor.is_leaf:
                 self._hooks.append(tensor.register_post_accumulate_grad_hook(
-                    _GradSeen(record)))
+                    GradSeen(record)))
         if block is not None:
             self._blocks.append(block)
         if isinstance(weights, nn.Module) and offloaded:
@@ -413,7 +249,7 @@ class CPUOffloadManager:
             entry[0].append(full)
         return list(by_id.values())
 
-    def _allocate_masters(self, records: list[_Record]) -> Block | None:
+    def _allocate_masters(self, records: list[Record]) -> Block | None:
         # Each tensor starts at calculate_alignment(its size): 256 bytes (DMA- and every
         # dtype's alignment) for all but tiny tensors, which pack tighter.
         offsets, total = aligned_offsets(record.nbytes for record in records)
@@ -437,7 +273,7 @@ class CPUOffloadManager:
         self._host_bytes += block.capacity
         return block
 
-    def _copy_to_masters(self, records: list[_Record]) -> None:
+    def _copy_to_masters(self, records: list[Record]) -> None:
         streams = self._streams
         on_device = [r for r in records if r.tensor.device == self.device and r.nbytes]
         async_ids = {id(r) for r in on_device}
@@ -463,7 +299,7 @@ class CPUOffloadManager:
         for record in on_device:
             record.host_event = copied
 
-    def _register(self, record: _Record) -> None:
+    def _register(self, record: Record) -> None:
         self._records[record.name] = record
         self._by_id[id(record.tensor)] = record
         for name in record.names:
@@ -502,7 +338,7 @@ class CPUOffloadManager:
             handle.wait()
         return handle
 
-    def _load(self, records: list[_Record]) -> Any:
+    def _load(self, records: list[Record]) -> Any:
         missing = [r for r in records if r.device_copy is None]
         if not missing:
             return None
@@ -531,7 +367,7 @@ class CPUOffloadManager:
             self._h2d_bytes += record.nbytes
         return event
 
-    def _wait_loads(self, records: Iterable[_Record]) -> None:
+    def _wait_loads(self, records: Iterable[Record]) -> None:
         streams = self._streams
         current = streams.current()
         waited: set[int] = set()
@@ -612,7 +448,7 @@ class CPUOffloadManager:
                      format_size(released), len(dirty))
         return released
 
-    def _needs_writeback(self, record: _Record) -> bool:
+    def _needs_writeback(self, record: Record) -> bool:
         tensor = record.tensor
         if tensor._version != record.loaded_version or record.trained or record.got_grad:
             return True
@@ -620,7 +456,7 @@ class CPUOffloadManager:
             return True  # a gradient is waiting for (or just had) an optimizer step
         return self.config.writeback == "trainable" and tensor.requires_grad
 
-    def _drop_device_storage(self, record: _Record) -> None:
+    def _drop_device_storage(self, record: Record) -> None:
         tensor = record.tensor
         self._point_at_placeholder(record)
         record.device_copy = None
@@ -655,16 +491,16 @@ class CPUOffloadManager:
                                        partial(self._point_at_placeholder, r))
                           for attr, r in params + buffers], qualname or type(sub).__name__)
 
-    def _current_master(self, record: _Record) -> torch.Tensor | None:
+    def _current_master(self, record: Record) -> torch.Tensor | None:
         """The host master when it holds the tensor's value (not loaded), else ``None``."""
         return None if record.device_copy is not None else self.host_tensor(record.name)
 
-    def _point_at_placeholder(self, record: _Record) -> None:
+    def _point_at_placeholder(self, record: Record) -> None:
         tensor = record.tensor
         tensor.data = self._placeholder(tensor.dtype).expand(tensor.shape)
 
-    def _ensure_loaded(self, module: nn.Module, qualname: str, records: list[_Record],
-                       buffers: list[_Record]) -> None:
+    def _ensure_loaded(self, module: nn.Module, qualname: str, records: list[Record],
+                       buffers: list[Record]) -> None:
         """Before ``module``'s forward: its offloaded tensors are loaded (or an error says
         which are not, without ``auto_load``) and the compute stream waits for them."""
         missing = [r for r in records if r.device_copy is None]
@@ -687,13 +523,13 @@ class CPUOffloadManager:
 
     # -- queries ----------------------------------------------------------------------------
 
-    def _resolve(self, names_or_patterns: str | Iterable[str]) -> list[_Record]:
-        patterns = _as_patterns(names_or_patterns, "names_or_patterns")
-        found: dict[int, _Record] = {}
+    def _resolve(self, names_or_patterns: str | Iterable[str]) -> list[Record]:
+        patterns = as_patterns(names_or_patterns, "names_or_patterns")
+        found: dict[int, Record] = {}
         for pattern in patterns:
             exact = self._by_name.get(pattern)
             hits = [exact] if exact is not None else [
-                r for name, r in self._by_name.items() if _matches(name, pattern)]
+                r for name, r in self._by_name.items() if matches(name, pattern)]
             if not hits:
                 sample = ", ".join(list(self._records)[:5])
                 raise OffloadError(f"{pattern!r} matches no tensor managed by this manager",

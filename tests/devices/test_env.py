@@ -342,6 +342,10 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(cuda, "memory_reserved", lambda i=None: state["reserved"][i])
     monkeypatch.setattr(cuda, "max_memory_allocated", lambda i=None: 2 * GiB)
     monkeypatch.setattr(cuda, "max_memory_reserved", lambda i=None: 4 * GiB)
+    # The same figures as the one dict read_memory_info reads them from.
+    monkeypatch.setattr(cuda, "memory_stats", lambda i=None: {
+        "allocated_bytes.all.current": 1 * GiB, "reserved_bytes.all.current": state["reserved"][i],
+        "allocated_bytes.all.peak": 2 * GiB, "reserved_bytes.all.peak": 4 * GiB})
 
     def empty_cache() -> None:
         state["emptied"] += 1

@@ -74,6 +74,7 @@ def test_cuda_memory_comes_from_mem_get_info(monkeypatch: pytest.MonkeyPatch) ->
         return (3 * 2**30 + index, 8 * 2**30)
 
     monkeypatch.setattr("vramkit.devices._runtime.is_cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)  # the ordinals asked for exist
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
     assert memory_stats(1) == (3 * 2**30 + 1, 8 * 2**30)
     assert memory_stats("cuda:2").free == 3 * 2**30 + 2

@@ -34,20 +34,22 @@ from __future__ import annotations
 import gc
 import importlib.metadata
 import logging
-import math
 import os
 import re
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from vramkit.devices._runtime import cuda_initialized, current_cuda_ordinal
+from vramkit._validate import check_bool, check_choice, check_int, check_number
+from vramkit.devices._runtime import cuda_initialized
+from vramkit.devices.memory_info import MemoryInfo, read_memory_info
+from vramkit.devices.resolve import resolve_device
 from vramkit.errors import ConfigError, TooLateError
 from vramkit.units import format_size
 
 if TYPE_CHECKING:
-    from vramkit.devices.torch_backend import Device, DeviceLike
+    from vramkit.devices.torch_backend import DeviceLike
 
 __all__ = [
     "ALLOC_CONF_VAR",
@@ -194,28 +196,17 @@ class CudaMemorySettings:
 
     def __post_init__(self) -> None:
         for name in ("expandable_segments", "allow_tf32"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
-                raise ConfigError(f"{name} must be True, False or None, got {value!r}")
-        split = self.max_split_size_mb
-        if split is not None:
-            if isinstance(split, bool) or not isinstance(split, int):
-                raise ConfigError(f"max_split_size_mb must be an int (MiB), got {split!r}")
-            if split < MIN_MAX_SPLIT_SIZE_MB:
-                raise ConfigError(
-                    f"max_split_size_mb must be >= {MIN_MAX_SPLIT_SIZE_MB} (torch's minimum), "
-                    f"got {split}", "Blocks under 20 MiB are never split anyway; use >= 20.")
-        threshold = self.garbage_collection_threshold
-        if threshold is not None:
-            if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
-                raise ConfigError(
-                    f"garbage_collection_threshold must be a number, got {threshold!r}")
-            if not (math.isfinite(threshold) and 0.0 < threshold < 1.0):
-                raise ConfigError(
-                    f"garbage_collection_threshold must lie strictly between 0 and 1, got "
-                    f"{threshold}", "Typical values are 0.6 to 0.8.")
-        if self.backend is not None and self.backend not in _BACKENDS:
-            raise ConfigError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
+            check_bool(name, getattr(self, name), allow_none=True)
+        check_int("max_split_size_mb", self.max_split_size_mb, minimum=MIN_MAX_SPLIT_SIZE_MB,
+                  allow_none=True,
+                  hint=f"Give MiB as an int >= {MIN_MAX_SPLIT_SIZE_MB} (torch's minimum); blocks "
+                       "under 20 MiB are never split anyway.")
+        object.__setattr__(self, "garbage_collection_threshold", check_number(
+            "garbage_collection_threshold", self.garbage_collection_threshold, minimum=0.0,
+            maximum=1.0, low_open=True, high_open=True, allow_none=True,
+            hint="Typical values are 0.6 to 0.8."))
+        if self.backend is not None:
+            check_choice("backend", self.backend, _BACKENDS)
         _check_combination(self.allocator_options(), "in the arguments")
 
     def allocator_options(self) -> dict[str, str]:
@@ -434,50 +425,9 @@ def allocator_settings() -> dict[str, Any]:
 
 # -- memory read-outs ---------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class GpuMemoryInfo:
-    """Memory of one CUDA device, or of the host when there is no GPU (EriDiffusion
-    ``get_gpu_memory_info``). Byte counts; ``None`` where not applicable.
-
-    ``total``/``free``/``used`` are device-wide (every process, from ``cudaMemGetInfo``; host RAM
-    from psutil for ``kind="host"``); ``allocated``/``reserved`` and their peaks are this process's
-    PyTorch caching allocator (``torch.cuda.memory_allocated`` etc.), ``None`` on the host.
-    Equivalent query: ``nvidia-smi --query-gpu=memory.total,memory.free,memory.used``.
-    """
-
-    device: str
-    total: int | None
-    free: int | None
-    used: int | None
-    allocated: int | None = None
-    reserved: int | None = None
-    max_allocated: int | None = None
-    max_reserved: int | None = None
-    kind: Literal["cuda", "host"] = "cuda"
-    name: str | None = None
-
-    def __str__(self) -> str:
-        def size(value: int | None) -> str:
-            return format_size(value) if value is not None else "n/a"
-
-        if self.kind == "host":
-            return (f"no CUDA GPU; host RAM {size(self.used)} used of {size(self.total)} "
-                    f"({size(self.free)} free)")
-        label = f"{self.device} ({self.name})" if self.name else self.device
-        return (f"{label}: {size(self.used)} used of {size(self.total)} ({size(self.free)} free); "
-                f"PyTorch allocated {size(self.allocated)}, reserved {size(self.reserved)}, "
-                f"peak allocated {size(self.max_allocated)}, peak reserved "
-                f"{size(self.max_reserved)}")
-
-
-def _host_memory_info() -> GpuMemoryInfo:
-    try:
-        import psutil
-    except ImportError:
-        return GpuMemoryInfo("cpu", None, None, None, kind="host")
-    memory = psutil.virtual_memory()
-    return GpuMemoryInfo("cpu", int(memory.total), int(memory.available),
-                         int(memory.total - memory.available), kind="host")
+#: The memory record of :func:`get_gpu_memory_info` (EriDiffusion ``get_gpu_memory_info``): the one
+#: :class:`~vramkit.devices.memory_info.MemoryInfo` class under its historical name.
+GpuMemoryInfo = MemoryInfo
 
 
 def get_gpu_memory_info(device: DeviceLike | None = None) -> GpuMemoryInfo:
@@ -488,42 +438,21 @@ def get_gpu_memory_info(device: DeviceLike | None = None) -> GpuMemoryInfo:
             CUDA device, or a host record when no GPU is usable. A CPU device gives the host record.
 
     Returns:
-        A :class:`GpuMemoryInfo`; on a machine without a usable GPU, one with ``kind="host"``.
+        A :class:`GpuMemoryInfo` (:func:`~vramkit.devices.memory_info.read_memory_info` with the
+        allocator figures and the device name); on a machine without a usable GPU, one with
+        ``kind="host"``.
 
     Raises:
         DeviceError: if an explicitly requested GPU is not visible.
     """
-    import torch
-
-    from vramkit.devices.torch_backend import Device
-
-    if device is None:
-        if not torch.cuda.is_available():
-            return _host_memory_info()
-        target = Device.cuda(current_cuda_ordinal())
-        try:
-            return _cuda_memory_info(target)
-        except RuntimeError as err:  # a GPU that is listed but cannot be used (busy, broken driver)
-            logger.warning("cannot read memory of %s (%s); reporting host memory", target, err)
-            return _host_memory_info()
-    target = Device.from_torch(device)
-    if not target.is_cuda:
-        return _host_memory_info()
-    return _cuda_memory_info(target.validate())
-
-
-def _cuda_memory_info(target: Device) -> GpuMemoryInfo:
-    import torch
-
-    index = target.ordinal
-    free, total = torch.cuda.mem_get_info(index)
-    return GpuMemoryInfo(
-        device=str(target), kind="cuda", name=torch.cuda.get_device_name(index),
-        total=int(total), free=int(free), used=int(total - free),
-        allocated=int(torch.cuda.memory_allocated(index)),
-        reserved=int(torch.cuda.memory_reserved(index)),
-        max_allocated=int(torch.cuda.max_memory_allocated(index)),
-        max_reserved=int(torch.cuda.max_memory_reserved(index)))
+    if device is not None:
+        return read_memory_info(device, owner="get_gpu_memory_info")
+    try:
+        return read_memory_info(None, owner="get_gpu_memory_info")
+    except RuntimeError as err:  # a GPU that is listed but cannot be used (busy, broken driver)
+        logger.warning("cannot read the memory of the current CUDA device (%s); reporting host "
+                       "memory", err)
+        return read_memory_info("cpu")
 
 
 def log_memory_usage(stage: str, device: DeviceLike | None = None,
@@ -538,8 +467,7 @@ def log_memory_usage(stage: str, device: DeviceLike | None = None,
     Returns:
         The :class:`GpuMemoryInfo` that was logged.
     """
-    if isinstance(level, bool) or not isinstance(level, int):
-        raise ConfigError(f"level must be a logging level (int), got {level!r}")
+    check_int("log_memory_usage level", level, hint="Pass a logging level such as logging.INFO.")
     info = get_gpu_memory_info(device)
     logger.log(level, "[%s] %s", stage, info)
     return info
@@ -563,15 +491,13 @@ def clear_cuda_cache(device: DeviceLike | None = None) -> int:
         return 0
     import torch
 
-    from vramkit.devices.torch_backend import Device
-
     if device is None:
         indices = list(range(torch.cuda.device_count()))
     else:
-        target = Device.from_torch(device)
-        if not target.is_cuda:
+        target = resolve_device(device, owner="clear_cuda_cache")
+        if target.type != "cuda":
             return 0
-        indices = [target.validate().ordinal]
+        indices = [int(target.index)]
     before = sum(torch.cuda.memory_reserved(i) for i in indices)
     torch.cuda.empty_cache()
     after = sum(torch.cuda.memory_reserved(i) for i in indices)

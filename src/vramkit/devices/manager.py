@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import IO, TYPE_CHECKING, Any, cast
 
-from vramkit._validate import check_known_fields
+from vramkit._validate import check_bool, check_int, check_known_fields, check_number
 from vramkit.devices._runtime import cuda_initialized
 from vramkit.devices.info import DeviceCapabilities, DeviceInfo, DeviceType
 from vramkit.devices.jax_backend import (
@@ -140,23 +140,16 @@ _STRATEGY_FRACTIONS = {
 
 
 def _validate_fraction(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ConfigError(f"memory_fraction must be a number, got {value!r}",
-                          "Pass a float in (0, 1], e.g. 0.8.")
-    fraction = float(value)
-    if math.isnan(fraction) or not 0.0 < fraction <= 1.0:
-        raise ConfigError(f"memory_fraction must be in (0, 1], got {value!r}",
-                          "Pass a float in (0, 1], e.g. 0.8 for 80% of each GPU.")
-    return fraction
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+        value = float(value)  # numpy floats, Fraction: numbers, as the docs promise
+    return check_number("memory_fraction", value, minimum=0.0, maximum=1.0, low_open=True,
+                        hint="Pass a float in (0, 1], e.g. 0.8 for 80% of each GPU.")
 
 
 def _validate_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        # A string like "false" is truthy; accepting it would silently invert the setting.
-        raise ConfigError(f"{name} must be True or False, got {value!r}",
-                          f"Pass a Python bool ({name}=True); strings such as 'false' are "
-                          "truthy and are refused rather than misread.")
-    return value
+    # A string like "false" is truthy; accepting it would silently invert the setting.
+    return check_bool(name, value, hint=f"Pass a Python bool ({name}=True); strings such as "
+                                        "'false' are truthy and are refused rather than misread.")
 
 
 def _validate_platforms(value: object) -> tuple[str, ...]:
@@ -524,10 +517,9 @@ class DeviceManager:
         Raises:
             ConfigError: ``n_params`` is not a non-negative integer.
         """
-        if isinstance(n_params, bool) or not isinstance(n_params, int) or n_params < 0:
-            raise ConfigError(f"n_params must be a non-negative int, got {n_params!r}",
-                              "Pass the parameter count, e.g. sum(p.numel() for p in "
-                              "model.parameters()).")
+        check_int("n_params", n_params, minimum=0,
+                  hint="Pass the parameter count, e.g. sum(p.numel() for p in "
+                       "model.parameters()).")
         if n_params < SMALL_MODEL_PARAMS:
             strategy = MemoryStrategy.CONSERVATIVE
         elif n_params < MEDIUM_MODEL_PARAMS:

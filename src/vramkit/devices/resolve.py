@@ -3,20 +3,22 @@
 :func:`vramkit._validate.check_device` checks a device value's form (configs do that, so they can
 be made anywhere); :func:`resolve_device` also checks that the device is there, and gives
 ``cuda`` its index, when work starts. Neither creates a CUDA context: ``"cuda"`` means the current
-device, which is ordinal 0 until CUDA starts (the current device of a fresh process).
+device, which is ordinal 0 until CUDA starts (the current device of a fresh process). Importing
+this module does not import torch.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Collection
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from vramkit._validate import check_device
-from vramkit.devices._runtime import current_cuda_ordinal, is_cuda_available
+from vramkit.devices import _runtime
 from vramkit.errors import DeviceError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["cuda_ordinal", "resolve_device"]
 
@@ -44,6 +46,8 @@ def resolve_device(device: Any, *, owner: str, default: str = "cuda",
         InvalidDeviceError: for a value that is not a device of an accepted type.
         DeviceError: when CUDA is not available, or the ordinal is not visible to this process.
     """
+    import torch
+
     resolved = check_device(f"{owner} device", default if device is None else device, types=types)
     if resolved.type == "cpu":
         return torch.device("cpu")
@@ -58,11 +62,14 @@ def cuda_ordinal(device: torch.device, *, owner: str) -> int:
     Raises:
         DeviceError: when CUDA is not available or the ordinal is out of range.
     """
-    if not is_cuda_available():
+    # Through the module, so the one seam tests replace (_runtime.is_cuda_available) applies.
+    if not _runtime.is_cuda_available():
         raise DeviceError(f"{owner} cannot use {device}: CUDA is not available",
                           hint=f"Pass device='cpu' to run {owner} on the host, or run "
                                "`vramkit info` to see why no GPU is visible.")
-    index = device.index if device.index is not None else current_cuda_ordinal()
+    import torch
+
+    index = device.index if device.index is not None else _runtime.current_cuda_ordinal()
     count = torch.cuda.device_count()
     if not 0 <= index < count:
         raise DeviceError(f"{owner} cannot use cuda:{index}: it does not exist (this process "

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from vramkit._validate import check_choice, check_device, check_int, check_number, check_size
 from vramkit.devices._runtime import is_cuda_available
 from vramkit.devices.info import (
     DeviceInfo,
@@ -22,8 +23,9 @@ from vramkit.devices.info import (
     detect_devices,
     resolve_visible_devices,
 )
-from vramkit.errors import ConfigError, DeviceError
-from vramkit.units import format_size, parse_size
+from vramkit.devices.resolve import cuda_ordinal
+from vramkit.errors import DeviceError
+from vramkit.units import format_size
 
 if TYPE_CHECKING:
     import torch
@@ -91,11 +93,10 @@ SELECTION_POLICIES: Mapping[str, Callable[[NvmlDevice], tuple[int, ...]]] = {
 
 
 def _check_policy(policy: str) -> Callable[[NvmlDevice], tuple[int, ...]]:
-    key = SELECTION_POLICIES.get(policy) if isinstance(policy, str) else None
-    if key is None:
-        raise ConfigError(f"unknown device selection policy {policy!r}",
-                          f"Use one of: {', '.join(SELECTION_POLICIES)}.")
-    return key
+    check_choice("policy", policy, SELECTION_POLICIES,
+                 hint=f"{policy!r} is an unknown device selection policy; use one of: "
+                      f"{', '.join(SELECTION_POLICIES)}.")
+    return SELECTION_POLICIES[policy]
 
 
 def _candidates(snapshot: NvmlSnapshot | None,
@@ -180,8 +181,8 @@ def select_device(policy: str = "most_free_memory", *, snapshot: NvmlSnapshot | 
     """
     key = _check_policy(policy)
     best = _rank(_candidates(snapshot, env), key)[0]
-    reason = f"{policy}: {best.device.name} (NVML {best.device.index}), " \
-             f"{_describe(best.device, policy)}"
+    reason = (f"{policy}: {best.device.name} (NVML {best.device.index}), "
+              f"{_describe(best.device, policy)}")
     logger.debug("select_device -> cuda:%d (%s)", best.cuda_ordinal, reason)
     return DeviceChoice(best.cuda_ordinal, best.device, policy, reason)
 
@@ -200,25 +201,6 @@ class DeviceSelection(NamedTuple):
     devices: tuple[NvmlDevice, ...]
     cuda_ordinals: tuple[int, ...]
     cuda_visible_devices: str
-
-
-def _parse_min_free(value: int | str | None) -> int | None:
-    if value is None:
-        return None
-    try:
-        return parse_size(value)
-    except ValueError as err:
-        raise ConfigError(f"min_free_memory: {err}",
-                          "Give bytes as an int or a size string like '20GiB'.") from err
-
-
-def _check_utilization(value: float | None) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
-        raise ConfigError(f"max_utilization={value!r} must be a percentage in [0, 100]",
-                          "Pass e.g. max_utilization=10 to skip GPUs busier than 10%.")
-    return float(value)
 
 
 def _rejection(dev: NvmlDevice, min_free: int | None, max_util: float | None) -> str | None:
@@ -261,11 +243,13 @@ def select_devices(count: int, *, min_free_memory: int | str | None = None,
         vramkit.errors.DeviceError: no GPU, or fewer than ``count`` qualify (the message says
             how many did and why each other one was rejected).
     """
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ConfigError(f"count={count!r} must be a positive integer",
-                          "Ask for at least one device.")
-    min_free = _parse_min_free(min_free_memory)
-    max_util = _check_utilization(max_utilization)
+    check_int("count", count, minimum=1, hint="Ask for at least one device (a positive integer).")
+    min_free = check_size("min_free_memory", min_free_memory, allow_none=True,
+                          hint="Give bytes as an int or a size string like '20GiB'.")
+    max_util = check_number("max_utilization", max_utilization, minimum=0, maximum=100,
+                            allow_none=True,
+                            hint="Pass a percentage in [0, 100], e.g. max_utilization=10 to skip "
+                                 "GPUs busier than 10%.")
     key = _check_policy(policy)
     ranked = _rank(_candidates(snapshot, env), key)
     qualified: list[VisibleDevice] = []
@@ -312,13 +296,6 @@ class PrecisionChoice(NamedTuple):
 def _cuda_capability(ordinal: int) -> tuple[tuple[int, int], str]:
     import torch
 
-    if not is_cuda_available():
-        raise DeviceError(f"cuda:{ordinal} requested but CUDA is not available",
-                          "Pass 'cpu', or run on a machine with an NVIDIA GPU and a CUDA torch.")
-    count = torch.cuda.device_count()
-    if not 0 <= ordinal < count:
-        raise DeviceError(f"cuda:{ordinal} does not exist: this process sees {count} CUDA "
-                          f"device(s)")
     major, minor = torch.cuda.get_device_capability(ordinal)
     return (int(major), int(minor)), str(torch.cuda.get_device_name(ordinal))
 
@@ -373,42 +350,15 @@ def select_precision(device: int | str | torch.device | DeviceInfo | None = None
         A :class:`PrecisionChoice`.
 
     Raises:
-        vramkit.errors.ConfigError: an unparseable device or an unsupported device type.
+        vramkit.errors.InvalidDeviceError: (a ``ConfigError``) an unparseable device or an
+            unsupported device type.
         vramkit.errors.DeviceError: a CUDA device that does not exist or CUDA unavailable.
     """
-    import torch
-
     if isinstance(device, DeviceInfo):
         return _gpu_precision(device.compute_capability, f"cuda:{device.device_id} {device.name}")
-    if device is None:
-        device = "cuda"
-    if isinstance(device, bool):
-        raise ConfigError(f"invalid device {device!r}", "Pass an int ordinal, 'cuda:0' or 'cpu'.")
-    if isinstance(device, int):
-        if device < 0:
-            raise ConfigError(f"invalid CUDA ordinal {device}", "Ordinals start at 0.")
-        cc, name = _cuda_capability(device)
-        return _gpu_precision(cc, f"cuda:{device} {name}")
-    try:
-        parsed = device if isinstance(device, torch.device) else torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ConfigError(f"invalid device {device!r}: {err}",
-                          "Pass an int ordinal, 'cuda:0', 'cpu' or a torch.device.") from err
+    parsed = check_device("select_precision", "cuda" if device is None else device)
     if parsed.type == "cpu":
         return _cpu_precision()
-    if parsed.type != "cuda":
-        raise ConfigError(f"select_precision supports 'cuda' and 'cpu' devices, not "
-                          f"{parsed.type!r}", "Pass a CUDA device or 'cpu'.")
-    ordinal = parsed.index if parsed.index is not None else _current_device()
+    ordinal = cuda_ordinal(parsed, owner="select_precision")
     cc, name = _cuda_capability(ordinal)
     return _gpu_precision(cc, f"cuda:{ordinal} {name}")
-
-
-def _current_device() -> int:
-    import torch
-
-    if not is_cuda_available():
-        raise DeviceError("'cuda' requested but CUDA is not available",
-                          "Pass 'cpu', or run on a machine with an NVIDIA GPU and a CUDA torch.")
-    return int(torch.cuda.current_device())
-

@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 
 import torch
 
+from vramkit._validate import check_device, check_int
 from vramkit.devices._runtime import current_cuda_ordinal
-from vramkit.errors import ConfigError, DeviceError, DeviceMismatchError
+from vramkit.errors import ConfigError, DeviceError, DeviceMismatchError, InvalidDeviceError
 
 if TYPE_CHECKING:
     from vramkit.devices.info import DeviceInfo
@@ -135,7 +136,7 @@ class Device:
 
     def __post_init__(self) -> None:
         if self.type not in _SUPPORTED_TYPES:
-            raise DeviceError(
+            raise InvalidDeviceError(
                 f"unsupported device type {self.type!r}: vramkit handles 'cpu' and 'cuda' devices",
                 "Use Device.cpu() or Device.cuda(i).")
         if self.type == "cpu":
@@ -143,12 +144,8 @@ class Device:
                 raise ConfigError(f"a CPU device has no index, got index={self.index!r}",
                                   "Use Device.cpu().")
             return
-        if isinstance(self.index, bool) or not isinstance(self.index, int):
-            raise ConfigError(f"a CUDA ordinal must be an int, got {self.index!r}",
-                              "Use Device.cuda(0) for the first visible GPU.")
-        if self.index < 0:
-            raise ConfigError(f"a CUDA ordinal cannot be negative, got {self.index}",
-                              "Use Device.cuda(0) for the first visible GPU.")
+        check_int("a CUDA ordinal", self.index, minimum=0,
+                  hint="Use Device.cuda(0) for the first visible GPU.")
 
     # -- constructors -------------------------------------------------------------------------
 
@@ -177,34 +174,17 @@ class Device:
             The equivalent Device.
 
         Raises:
-            DeviceError: for strings torch does not parse or device types other than cpu/cuda.
-            ConfigError: for booleans and negative ordinals.
+            InvalidDeviceError: (a ``ConfigError`` and a ``DeviceError``) for booleans, negative
+                ordinals, values torch does not parse and device types other than cpu/cuda.
         """
         if isinstance(device, Device):
             return device
-        if isinstance(device, bool):
-            raise ConfigError(f"invalid device {device!r}: a boolean is not a device")
-        if isinstance(device, int):
-            return cls.cuda(device)
-        if isinstance(device, str):
-            try:
-                device = torch.device(device)
-            except (RuntimeError, ValueError) as err:
-                raise DeviceError(f"invalid device string {device!r}: {err}",
-                                  "Use 'cpu', 'cuda' or 'cuda:N'.") from err
-        if not isinstance(device, torch.device):
-            raise ConfigError(
-                f"invalid device {device!r}: expected a Device, torch.device, str or int",
-                "Use Device.cuda(i), 'cuda:i' or torch.device('cuda', i).")
-        if device.type == "cpu":
+        # A tensor's own device (the common case, on every to_device) needs no checking.
+        parsed = (device if type(device) is torch.device and device.type in _SUPPORTED_TYPES
+                  else check_device("Device.from_torch", device))
+        if parsed.type == "cpu":
             return cls.cpu()
-        if device.type != "cuda":
-            raise DeviceError(
-                f"unsupported device type {device.type!r}: vramkit handles 'cpu' and 'cuda' devices",
-                "Use a CPU or CUDA device.")
-        if device.index is not None:
-            return cls.cuda(device.index)
-        return cls.cuda(current_cuda_ordinal())
+        return cls.cuda(parsed.index if parsed.index is not None else current_cuda_ordinal())
 
     # -- properties -------------------------------------------------------------------------------
 
@@ -282,8 +262,7 @@ class Device:
         Returns:
             A ``torch.cuda.Stream`` on this device, or a :class:`CpuStream` (a no-op) on the CPU.
         """
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ConfigError(f"stream priority must be an int, got {priority!r}")
+        check_int("stream priority", priority)
         if not self.is_cuda:
             return CpuStream(priority)
         self.validate()

@@ -12,6 +12,31 @@
 * :mod:`vramkit.kernels.examples`: example CUDA C sources (an element-wise ReLU and the tiled
   matmul that :func:`calculate_optimal_launch_params` sizes).
 
-The public names are re-exported from :mod:`vramkit`; this package imports nothing at import
-time (no CUDA, no ``cuda.core``).
+The public names are re-exported from :mod:`vramkit` and, lazily, from this package: importing
+it imports no submodule (no CUDA, no ``cuda.core``).
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vramkit._lazy import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    ".manager": ("CompiledKernel", "KernelCacheStats", "KernelManager", "KernelScalar",
+                 "float16", "float32", "float64", "int8", "int16", "int32", "int64",
+                 "is_available", "uint8", "uint16", "uint32", "uint64"),
+    ".launch": ("DeviceLimits", "LaunchConfig", "OccupancyQuery",
+                "calculate_optimal_launch_params", "device_limits", "occupancy_fraction"),
+    ".stats": ("MemoryAvailability", "PerformanceSnapshot", "PerformanceStats", "TimingEvent",
+               "memory_stats", "performance_stats", "record_transfer"),
+    ".batch": ("batch_matmul",),
+    ".examples": ("RELU_SOURCE", "TILED_MATMUL_SOURCE"),
+})
+
+if TYPE_CHECKING:  # static analysers see the real definitions
+    from vramkit.kernels.batch import *  # noqa: F403
+    from vramkit.kernels.examples import *  # noqa: F403
+    from vramkit.kernels.launch import *  # noqa: F403
+    from vramkit.kernels.manager import *  # noqa: F403
+    from vramkit.kernels.stats import *  # noqa: F403

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from vramkit._validate import check_int
 from vramkit.errors import ConfigError, DeviceMismatchError
 
 if TYPE_CHECKING:
@@ -70,10 +71,7 @@ def batch_matmul(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
     """
     import torch
 
-    if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int)
-                                  or max_batch < 1):
-        raise ConfigError(f"batch_matmul: max_batch must be an int >= 1 or None, "
-                          f"got {max_batch!r}")
+    check_int("batch_matmul max_batch", max_batch, minimum=1, allow_none=True)
     items = list(pairs)
     groups: dict[tuple[object, ...], list[int]] = {}
     for index, pair in enumerate(items):

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
+from vramkit._validate import check_device, check_int
 from vramkit.errors import ConfigError, DeviceError
 
 if TYPE_CHECKING:
@@ -113,27 +114,16 @@ _LIMITS_CACHE: dict[int, DeviceLimits] = {}
 
 
 def _cuda_index(device: torch.device | str | int | None) -> int:
-    """The CUDA ordinal of ``device`` (``None`` and ``"cuda"``: torch's current device)."""
-    import torch
+    """The CUDA ordinal ``device`` names (``None`` and ``"cuda"``: torch's current device).
 
+    Checks the form only (:func:`vramkit._validate.check_device`); whether the device is there
+    is asked by whoever needs it (:func:`device_limits`, ``KernelManager.get``).
+    """
     from vramkit.devices._runtime import current_cuda_ordinal
 
     if device is None:
         return current_cuda_ordinal()
-    if isinstance(device, bool):
-        raise ConfigError(f"device must be a CUDA device, got {device!r}")
-    if isinstance(device, int):
-        if device < 0:
-            raise ConfigError(f"CUDA device index must be >= 0, got {device}")
-        return device
-    torch_device = getattr(device, "torch_device", device)  # a vramkit Device
-    try:
-        torch_device = torch.device(torch_device)
-    except (RuntimeError, TypeError) as err:
-        raise ConfigError(f"not a device: {device!r} ({err})") from err
-    if torch_device.type != "cuda":
-        raise DeviceError(f"kernels run on CUDA devices, got {torch_device}",
-                          "Pass a CUDA device such as 'cuda:0'.")
+    torch_device = check_device("kernel device", device, types=("cuda",))
     return current_cuda_ordinal() if torch_device.index is None else int(torch_device.index)
 
 
@@ -149,6 +139,8 @@ def device_limits(device: DeviceArg = None) -> DeviceLimits:
         blocks per SM come from the compute-capability table, torch does not report them).
 
     Raises:
+        InvalidDeviceError: (a ``ConfigError`` and a ``DeviceError``) ``device`` is not a CUDA
+            device.
         DeviceError: CUDA is not available or the device does not exist.
     """
     if isinstance(device, DeviceLimits):
@@ -157,15 +149,16 @@ def device_limits(device: DeviceArg = None) -> DeviceLimits:
     cached = _LIMITS_CACHE.get(index)
     if cached is not None:
         return cached
-    from vramkit.devices._runtime import is_cuda_available
-
-    if not is_cuda_available():
-        raise DeviceError("no CUDA device is available, so there are no launch limits to read",
-                          "Run on a machine with an NVIDIA GPU, or pass DeviceLimits explicitly.")
     import torch
 
-    if index >= torch.cuda.device_count():
-        raise DeviceError(f"cuda:{index} does not exist ({torch.cuda.device_count()} visible)")
+    from vramkit.devices.resolve import cuda_ordinal
+
+    try:
+        cuda_ordinal(torch.device("cuda", index), owner="device_limits")
+    except DeviceError as err:  # the resolver's message, with a hint for launch limits
+        raise DeviceError(err.message, "Run on a machine with an NVIDIA GPU (`vramkit info` lists "
+                                       "the visible ones), or pass DeviceLimits explicitly."
+                          ) from None
     props = torch.cuda.get_device_properties(index)
     cc = (int(props.major), int(props.minor))
     per_block = int(getattr(props, "shared_memory_per_block", 0) or
@@ -190,10 +183,7 @@ def device_limits(device: DeviceArg = None) -> DeviceLimits:
 
 
 def _dims(value: Any, what: str) -> tuple[int, int, int]:
-    if isinstance(value, bool):
-        raise ConfigError(f"LaunchConfig.{what} must be an int or a tuple of 1-3 ints, "
-                          f"got {value!r}")
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         items: tuple[Any, ...] = (value,)
     elif isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
         items = tuple(value)
@@ -203,9 +193,7 @@ def _dims(value: Any, what: str) -> tuple[int, int, int]:
     if not 1 <= len(items) <= 3:
         raise ConfigError(f"LaunchConfig.{what} has {len(items)} dimensions; CUDA allows 1-3")
     for item in items:
-        if isinstance(item, bool) or not isinstance(item, int) or item < 1:
-            raise ConfigError(f"LaunchConfig.{what} dimensions must be ints >= 1, "
-                              f"got {value!r}")
+        check_int(f"a LaunchConfig.{what} dimension", item, minimum=1)
     padded = (*items, 1, 1)[:3]
     return (int(padded[0]), int(padded[1]), int(padded[2]))
 
@@ -239,15 +227,11 @@ class LaunchConfig:
         block = _dims(self.block, "block")
         object.__setattr__(self, "grid", grid)
         object.__setattr__(self, "block", block)
-        if isinstance(self.shared_mem, bool) or not isinstance(self.shared_mem, int):
-            raise ConfigError(f"LaunchConfig.shared_mem must be an int, got {self.shared_mem!r}")
-        if self.shared_mem < 0:
-            raise ConfigError(f"LaunchConfig.shared_mem must be >= 0, got {self.shared_mem}")
-        if self.shared_mem > MAX_SHARED_MEMORY_ANY_GPU:
-            raise ConfigError(
-                f"LaunchConfig.shared_mem={self.shared_mem} exceeds the shared memory of any "
-                f"CUDA GPU ({MAX_SHARED_MEMORY_ANY_GPU} bytes)",
-                "Use fewer or smaller tiles per block.")
+        check_int("LaunchConfig.shared_mem", self.shared_mem, minimum=0,
+                  maximum=MAX_SHARED_MEMORY_ANY_GPU,
+                  hint=f"Give bytes per block; no CUDA GPU has more than "
+                       f"{MAX_SHARED_MEMORY_ANY_GPU} bytes of shared memory per block: use fewer "
+                       "or smaller tiles per block.")
         self._check_dims(block, grid, MAX_THREADS_PER_BLOCK, MAX_BLOCK_DIMS, MAX_GRID_DIMS)
 
     @property
@@ -340,8 +324,7 @@ class LaunchConfig:
             ConfigError: ``n < 1`` or ``n`` needs more blocks than the grid allows (use a
                 grid-stride loop and an explicit grid then).
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ConfigError(f"for_elements needs n >= 1 elements, got {n!r}")
+        check_int("for_elements n", n, minimum=1)
         limits = device_limits(device)
         block = 256 if limits.compute_capability >= (6, 0) else 128
         if kernel is not None:
@@ -445,14 +428,10 @@ def calculate_optimal_launch_params(
         ConfigError: a size is < 1, or the requested tile does not fit the device.
     """
     for name, value in (("m", m), ("n", n), ("k", k), ("element_size", element_size),
-                        ("min_blocks_per_sm", min_blocks_per_sm)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"calculate_optimal_launch_params: {name} must be an int >= 1, "
-                              f"got {value!r}")
-    for name, tile in (("tile_m", tile_m), ("tile_n", tile_n), ("tile_k", tile_k)):
-        if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
-            raise ConfigError(f"calculate_optimal_launch_params: {name} must be an int >= 1, "
-                              f"got {tile!r}")
+                        ("min_blocks_per_sm", min_blocks_per_sm), ("tile_m", tile_m),
+                        ("tile_n", tile_n), ("tile_k", tile_k)):
+        check_int(f"calculate_optimal_launch_params {name}", value, minimum=1,
+                  allow_none=name.startswith("tile_"))
     limits = device_limits(device)
     if tile_m is None and tile_n is None:
         tiles = [(t, t) for t in (32, 16, 8)]
@@ -472,8 +451,8 @@ def calculate_optimal_launch_params(
         shared = (tm + tn) * depth * element_size
         grid = (-(-n // tn), -(-m // tm), 1)
         threads = tm * tn
-        if threads > max_threads or tn > limits.max_block_dims[0] or \
-                tm > limits.max_block_dims[1]:
+        if (threads > max_threads or tn > limits.max_block_dims[0]
+                or tm > limits.max_block_dims[1]):
             rejected.append(f"{tm}x{tn}: {threads} threads > {max_threads}")
             continue
         if shared > limits.max_shared_memory_per_block_optin:

@@ -25,6 +25,7 @@ made real::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import threading
@@ -33,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from vramkit.errors import ConfigError, DeviceMismatchError, KernelError
+from vramkit._validate import check_choice, check_int
+from vramkit.errors import ConfigError, DeviceError, DeviceMismatchError, KernelError
 from vramkit.kernels._nvrtc import KernelDiskCache, KernelInfo, default_cache_dir
 from vramkit.kernels.launch import DeviceLimits, LaunchConfig, _cuda_index
 from vramkit.kernels.stats import performance_stats
@@ -103,6 +105,7 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
     "uint8": (0, 2**8 - 1), "uint16": (0, 2**16 - 1), "uint32": (0, 2**32 - 1),
     "uint64": (0, 2**64 - 1),
 }
+_SCALAR_TYPES = tuple(sorted(set(_ARG_SIZES) - {"ptr"}))
 _C_NAMES: dict[str, str] = {
     "ptr": "pointer", "bool": "bool", "int8": "int8_t", "int16": "short", "int32": "int",
     "int64": "long long", "uint8": "uint8_t", "uint16": "unsigned short",
@@ -129,18 +132,15 @@ class KernelScalar:
     value: int | float | bool
 
     def __post_init__(self) -> None:
-        if self.ctype not in _ARG_SIZES or self.ctype == "ptr":
-            raise ConfigError(f"unknown kernel scalar type {self.ctype!r}; use one of "
-                              f"{sorted(set(_ARG_SIZES) - {'ptr'})}")
+        check_choice("kernel scalar type", self.ctype, _SCALAR_TYPES)
         if self.ctype in _INT_RANGES:
-            try:
-                value = operator.index(self.value)
-            except TypeError as err:
-                raise ConfigError(f"{self.ctype} needs an integer, got {self.value!r}") from err
+            value: object = self.value
+            # numpy integers, and bools (uint8(flag) is how a flag is passed), become ints.
+            with contextlib.suppress(TypeError):
+                value = operator.index(value)  # type: ignore[arg-type]
             low, high = _INT_RANGES[self.ctype]
-            if not low <= value <= high:
-                raise ConfigError(f"{value} does not fit in {self.ctype} [{low}, {high}]")
-            object.__setattr__(self, "value", int(value))
+            object.__setattr__(self, "value", check_int(f"{self.ctype} kernel argument", value,
+                                                        minimum=low, maximum=high))
         elif self.ctype == "bool":
             object.__setattr__(self, "value", bool(self.value))
         else:
@@ -441,9 +441,12 @@ class KernelManager:
             raise KernelError(reason)
         import torch
 
-        if index >= torch.cuda.device_count():
-            raise KernelError(f"cuda:{index} does not exist ({torch.cuda.device_count()} "
-                              "visible)", "Run `vramkit info` to list the visible devices.")
+        from vramkit.devices.resolve import cuda_ordinal
+
+        try:
+            cuda_ordinal(torch.device("cuda", index), owner="KernelManager")
+        except DeviceError as err:  # kernels report what stops them as KernelError
+            raise KernelError(err.message, err.hint) from None
         with _MANAGERS_LOCK:
             manager = _MANAGERS.get(index)
             if manager is None:

@@ -24,7 +24,7 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
-from vramkit.errors import ConfigError, DeviceError
+from vramkit._validate import check_choice, check_device, check_int
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +42,7 @@ __all__ = [
 ]
 
 Direction = Literal["h2d", "d2h"]
+_DIRECTIONS = ("h2d", "d2h")
 # Completed timing events are folded into the totals once this many are pending, by querying
 # them (no sync), so a long run with timing on does not accumulate events without bound.
 _FOLD_PENDING_AT = 1024
@@ -67,36 +68,20 @@ def memory_stats(device: torch.device | str | int | None = None) -> MemoryAvaila
             Default ``None``: torch's current CUDA device when CUDA is available, else the CPU.
 
     Returns:
-        ``(free, total)`` bytes. For CUDA: ``torch.cuda.mem_get_info`` (the driver's view,
-        which counts every process and PyTorch's cached-but-unused blocks as used; this creates
-        the device's CUDA context if it does not exist yet). For the CPU: ``psutil``'s
-        *available* host memory (what can be allocated without swapping) and total RAM.
+        ``(free, total)`` bytes of :func:`vramkit.devices.memory_info.read_memory_info`. For
+        CUDA: ``torch.cuda.mem_get_info`` (the driver's view, which counts every process and
+        PyTorch's cached-but-unused blocks as used; this creates the device's CUDA context if it
+        does not exist yet). For the CPU: ``psutil``'s *available* host memory (what can be
+        allocated without swapping) and total RAM.
 
     Raises:
-        DeviceError: a CUDA device is asked for but CUDA is not available.
+        InvalidDeviceError: (a ``DeviceError``) ``device`` is neither a CUDA device nor the CPU.
+        DeviceError: a CUDA device is asked for but CUDA is not available, or it is not visible.
     """
-    import torch
+    from vramkit.devices.memory_info import read_memory_info
 
-    from vramkit.devices._runtime import current_cuda_ordinal, is_cuda_available
-
-    if device is None:
-        device = "cuda" if is_cuda_available() else "cpu"
-    if isinstance(device, bool):
-        raise ConfigError(f"not a device: {device!r}")
-    torch_device = torch.device("cuda", device) if isinstance(device, int) \
-        else torch.device(getattr(device, "torch_device", device))
-    if torch_device.type == "cpu":
-        import psutil
-
-        vm = psutil.virtual_memory()
-        return MemoryAvailability(free=int(vm.available), total=int(vm.total))
-    if torch_device.type != "cuda":
-        raise DeviceError(f"memory_stats supports CUDA devices and the CPU, got {torch_device}")
-    if not is_cuda_available():
-        raise DeviceError(f"{torch_device} was asked for but CUDA is not available")
-    index = current_cuda_ordinal() if torch_device.index is None else torch_device.index
-    free, total = torch.cuda.mem_get_info(index)
-    return MemoryAvailability(free=int(free), total=int(total))
+    info = read_memory_info(device, allocator=False, name=False, owner="memory_stats")
+    return MemoryAvailability(free=int(info.free), total=int(info.total))  # type: ignore[arg-type]
 
 
 class TimingEvent(Protocol):
@@ -177,19 +162,17 @@ class _DeviceCounters:
 
 
 def _device_key(device: torch.device | str | int | None) -> int:
-    """The CUDA ordinal a counter belongs to (``None``: torch's current CUDA device)."""
+    """The CUDA ordinal a counter belongs to (``None``: torch's current CUDA device).
+
+    Checks the form only: counters may be kept for a device this process has not checked.
+    """
     from vramkit.devices._runtime import current_cuda_ordinal
 
     if device is None:
         return current_cuda_ordinal()
-    if isinstance(device, int) and not isinstance(device, bool):
+    if type(device) is int and device >= 0:
         return device
-    import torch
-
-    torch_device = torch.device(getattr(device, "torch_device", device))
-    if torch_device.type != "cuda":
-        raise ConfigError(f"statistics are kept per CUDA device, got {torch_device}",
-                          "Pass the GPU at the device end of the copy.")
+    torch_device = check_device("statistics device", device, types=("cuda",))
     return current_cuda_ordinal() if torch_device.index is None else int(torch_device.index)
 
 
@@ -232,8 +215,8 @@ class PerformanceStats:
         """Count one host<->device copy (see the module function :func:`record_transfer`)."""
         index = device if type(device) is int else _device_key(device)
         counters = self._devices.get(index) or self._counters(index)  # type: ignore[arg-type]
-        if nbytes < 0:
-            raise ConfigError(f"record_transfer: nbytes must be >= 0, got {nbytes}")
+        if nbytes < 0:  # checked in full only then: this runs for every swap copy
+            check_int("record_transfer nbytes", nbytes, minimum=0)
         if direction == "h2d":
             counters.bytes_h2d += nbytes
             counters.transfers_h2d += 1
@@ -241,8 +224,7 @@ class PerformanceStats:
             counters.bytes_d2h += nbytes
             counters.transfers_d2h += 1
         else:
-            raise ConfigError(f"record_transfer: direction must be 'h2d' or 'd2h', "
-                              f"got {direction!r}")
+            check_choice("record_transfer direction", direction, _DIRECTIONS)
 
     def record_launch(self, device: int,
                       events: tuple[TimingEvent, TimingEvent] | None = None) -> None:

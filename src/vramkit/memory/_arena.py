@@ -34,10 +34,10 @@ from dataclasses import asdict, dataclass, field
 from types import TracebackType
 from typing import Any
 
-from vramkit._validate import check_known_fields
+from vramkit._validate import check_bool, check_int, check_known_fields, check_number, check_size
 from vramkit.errors import ConfigError
-from vramkit.memory.leaks import format_frames, python_stack
-from vramkit.units import format_size, parse_size
+from vramkit.memory._stacks import format_frames, python_stack
+from vramkit.units import format_size
 
 __all__ = [
     "AllocationTracker",
@@ -56,7 +56,7 @@ __all__ = [
 
 _STACK_DEPTH = 12  # frames kept per allocation stack: enough to find the caller, cheap to store
 
-# ``(filename, line, function)`` per frame, innermost first, unformatted (leaks.py's format).
+# ``(filename, line, function)`` per frame, innermost first, unformatted (_stacks.py's format).
 RawStack = tuple[tuple[str, int, str], ...]
 _MEMORY_DEBUG_ENV = "VRAMKIT_MEMORY_DEBUG"
 _CUDA_LARGE_ROUND = 2 << 20  # PyTorch rounds CUDA allocations above 1 MiB to 2 MiB multiples
@@ -270,39 +270,27 @@ class PoolConfig:
     alignment: int = 512
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "initial_size", _config_size("initial_size", self.initial_size))
-        if self.max_size is not None:
-            max_size = _config_size("max_size", self.max_size)
-            if max_size <= 0:
-                raise ConfigError(f"PoolConfig.max_size must be positive, got {self.max_size!r}")
-            if max_size < self.initial_size:
-                raise ConfigError(
-                    f"PoolConfig.initial_size ({format_size(self.initial_size)}) exceeds "
-                    f"max_size ({format_size(max_size)})",
-                    hint="Lower initial_size or raise max_size.")
-            object.__setattr__(self, "max_size", max_size)
-        growth = _config_number("growth_factor", self.growth_factor)
-        if growth < 1.0:
-            raise ConfigError(f"PoolConfig.growth_factor must be >= 1.0, got {growth}")
-        object.__setattr__(self, "growth_factor", growth)
-        threshold = _config_number("defrag_threshold", self.defrag_threshold)
-        if not 0.0 <= threshold <= 1.0:
-            raise ConfigError(f"PoolConfig.defrag_threshold must be in [0, 1], got {threshold}")
-        object.__setattr__(self, "defrag_threshold", threshold)
-        if isinstance(self.max_cached_buffers, bool) or not isinstance(self.max_cached_buffers, int) \
-                or self.max_cached_buffers < 0:
-            raise ConfigError(f"PoolConfig.max_cached_buffers must be an int >= 0, got "
-                              f"{self.max_cached_buffers!r}")
-        interval = _config_number("cleanup_interval", self.cleanup_interval)
-        if interval <= 0.0:
-            raise ConfigError(f"PoolConfig.cleanup_interval must be > 0 seconds, got {interval}")
-        object.__setattr__(self, "cleanup_interval", interval)
-        if not isinstance(self.enable_memory_tracking, bool):
-            raise ConfigError("PoolConfig.enable_memory_tracking must be a bool, got "
-                              f"{self.enable_memory_tracking!r}")
-        align = self.alignment
-        if isinstance(align, bool) or not isinstance(align, int) or align < 1 \
-                or align & (align - 1) or align > (1 << 30):
+        initial = check_size("PoolConfig.initial_size", self.initial_size)
+        object.__setattr__(self, "initial_size", initial)
+        max_size = check_size("PoolConfig.max_size", self.max_size, minimum=1, allow_none=True)
+        if max_size is not None and max_size < initial:
+            raise ConfigError(
+                f"PoolConfig.initial_size ({format_size(initial)}) exceeds "
+                f"max_size ({format_size(max_size)})",
+                hint="Lower initial_size or raise max_size.")
+        object.__setattr__(self, "max_size", max_size)
+        object.__setattr__(self, "growth_factor", check_number(
+            "PoolConfig.growth_factor", self.growth_factor, minimum=1.0))
+        object.__setattr__(self, "defrag_threshold", check_number(
+            "PoolConfig.defrag_threshold", self.defrag_threshold, minimum=0.0, maximum=1.0))
+        check_int("PoolConfig.max_cached_buffers", self.max_cached_buffers, minimum=0)
+        object.__setattr__(self, "cleanup_interval", check_number(
+            "PoolConfig.cleanup_interval", self.cleanup_interval, minimum=0.0, low_open=True,
+            hint="Give the seconds an unused cached block is kept, > 0."))
+        check_bool("PoolConfig.enable_memory_tracking", self.enable_memory_tracking)
+        align = check_int("PoolConfig.alignment", self.alignment, minimum=1, maximum=1 << 30,
+                          hint="A power of two; the default, 512, suits CUDA kernels.")
+        if align & (align - 1):
             raise ConfigError(f"PoolConfig.alignment must be a power of two between 1 and 1 GiB, "
                               f"got {align!r}", hint="The default, 512, suits CUDA kernels.")
 
@@ -349,19 +337,6 @@ class PoolConfig:
     def from_dict(cls, data: dict[str, Any]) -> PoolConfig:
         """Build a config from :meth:`to_dict` output; unknown keys raise ``ConfigError``."""
         return cls(**check_known_fields(cls, data))
-
-
-def _config_size(name: str, value: object) -> int:
-    try:
-        return parse_size(value)  # type: ignore[arg-type]
-    except ValueError as exc:
-        raise ConfigError(f"PoolConfig.{name}: {exc}") from None
-
-
-def _config_number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"PoolConfig.{name} must be a finite number, got {value!r}")
-    return float(value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -736,8 +711,8 @@ def fit_segment(kind: str, request: int, target: int, room: int | None,
             return size
         size = _pow2_floor(room)
         return size if size >= request else None
-    granule = max(_CUDA_LARGE_ROUND, alignment) if kind == "cuda" and target > (1 << 20) \
-        else alignment
+    granule = (max(_CUDA_LARGE_ROUND, alignment) if kind == "cuda" and target > (1 << 20)
+               else alignment)
     size = -(-target // granule) * granule
     if room is None or size <= room:
         return size

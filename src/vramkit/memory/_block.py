@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vramkit._validate import check_int
 from vramkit.errors import ConfigError, InvalidBlockError
 from vramkit.memory._arena import RawStack
 
@@ -206,8 +207,7 @@ class Block:
 def shape_tuple(shape: Sequence[int] | int) -> tuple[int, ...]:
     dims = (shape,) if isinstance(shape, int) else tuple(shape)
     for d in dims:
-        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-            raise ConfigError(f"invalid shape {shape!r}: dimensions must be ints >= 0")
+        check_int(f"a dimension of shape {shape!r}", d, minimum=0)
     return dims
 
 

@@ -103,11 +103,16 @@ def analyze_access_pattern(indices: Iterable[int]) -> Sequential | Strided | Ran
     return Strided(step) if constant else Random()
 
 
-def _check_index(raw: object) -> int:
-    if not isinstance(raw, bool):
+def _as_int(name: str, value: object, minimum: int) -> int:
+    """``value`` as an int >= ``minimum``; integer types other than ``int`` (numpy's) count."""
+    if not isinstance(value, bool):
         with contextlib.suppress(TypeError):
-            raw = operator.index(raw)  # type: ignore[arg-type]  # numpy integers too
-    return check_int("access index", raw, minimum=0)  # type: ignore[no-any-return]
+            value = operator.index(value)  # type: ignore[arg-type]
+    return check_int(name, value, minimum=minimum)  # type: ignore[no-any-return]
+
+
+def _check_index(raw: object) -> int:
+    return _as_int("access index", raw, 0)
 
 
 def calculate_alignment(nbytes: int) -> int:
@@ -145,8 +150,9 @@ def align_up(offset: int, alignment: int) -> int:
     Raises:
         ConfigError: ``offset < 0`` or ``alignment`` is not a power of two.
     """
-    check_int("align_up offset", offset, minimum=0)
-    if check_int("align_up alignment", alignment, minimum=1) & (alignment - 1):
+    offset = _as_int("align_up offset", offset, 0)
+    alignment = _as_int("align_up alignment", alignment, 1)
+    if alignment & (alignment - 1):
         raise ConfigError(f"align_up: alignment must be a power of two, got {alignment}")
     return (offset + alignment - 1) & ~(alignment - 1)
 

@@ -43,29 +43,23 @@ import gc
 import itertools
 import logging
 import math
-import os
-import sys
 import threading
 import weakref
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from types import FrameType, TracebackType
+from types import TracebackType
 from typing import Any
 
+from vramkit._validate import check_int
 from vramkit.devices._runtime import cuda_initialized
 from vramkit.errors import ConfigError
+from vramkit.memory._stacks import STACK_UNKNOWN, format_frames, python_stack
 from vramkit.memory.stats import read_cuda_figures, resolve_cuda_index
 
 __all__ = ["GrowthTracker", "LeakDetector", "LeakSuspect", "LeakVerdict", "assess_growth"]
 
 logger = logging.getLogger(__name__)
-
-_STACK_UNKNOWN = ("<stack not recorded>",)
-# Frames from these trees are the machinery, not the code that leaks.
-_SKIP_PATH_PARTS = (f"{os.sep}torch{os.sep}", f"{os.sep}vramkit{os.sep}memory{os.sep}",
-                    f"{os.sep}contextlib.py", f"{os.sep}runpy.py")
-
 
 @dataclass(frozen=True)
 class LeakSuspect:
@@ -128,13 +122,10 @@ class LeakVerdict:
 
 
 def _check_rule(warmup_steps: int, window: int, threshold: int) -> None:
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ConfigError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 3:
-        raise ConfigError(f"window must be an int >= 3, got {window!r}",
-                          "Three readings is the least that tells growth from a single spike.")
-    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold <= 0:
-        raise ConfigError(f"threshold_bytes_per_step must be an int > 0, got {threshold!r}")
+    check_int("warmup_steps", warmup_steps, minimum=0)
+    check_int("window", window, minimum=3,
+              hint="Three readings is the least that tells growth from a single spike.")
+    check_int("threshold_bytes_per_step", threshold, minimum=1)
 
 
 class GrowthTracker:
@@ -177,9 +168,9 @@ class GrowthTracker:
         self._sxx += x * x
         self._sxy += x * value
         self._recent.append(value)
-        self.leaking = (len(self._recent) == self.window
-                        and _window_leaks(self._recent, self.threshold)) \
-            or (self._n >= 3 * self.window and self.slope >= self.threshold)
+        self.leaking = ((len(self._recent) == self.window
+                         and _window_leaks(self._recent, self.threshold))
+                        or (self._n >= 3 * self.window and self.slope >= self.threshold))
         if self.leaking and self.first_leak_step is None:
             self.first_leak_step = self.steps
 
@@ -235,43 +226,6 @@ def assess_growth(values: Sequence[int], metric: str, *, warmup_steps: int = 1, 
 
 # --- stacks ------------------------------------------------------------------------------------
 
-_machinery_cache: dict[str, bool] = {}
-
-
-def _is_machinery(filename: str) -> bool:
-    known = _machinery_cache.get(filename)
-    if known is None:
-        known = _machinery_cache[filename] = any(part in filename for part in _SKIP_PATH_PARTS)
-    return known
-
-
-def format_frames(frames: Iterable[tuple[str, int, str]], depth: int) -> tuple[str, ...]:
-    """Innermost-first ``(filename, line, name)`` frames -> up to ``depth`` user frames."""
-    out: list[str] = []
-    for filename, line, name in frames:
-        if _is_machinery(filename):
-            continue
-        out.append(f"{filename}:{line} in {name}")
-        if len(out) >= depth:
-            break
-    return tuple(out) or _STACK_UNKNOWN
-
-
-def python_stack(depth: int) -> tuple[tuple[str, int, str], ...]:
-    """The caller's user frames, innermost first, unformatted (formatting waits for a report)."""
-    frame: FrameType | None = sys._getframe(2)
-    frames = []
-    # Walk a bounded number of frames: deep framework stacks would make every op slow.
-    for _ in range(depth + 32):
-        if frame is None or len(frames) >= depth:
-            break
-        code = frame.f_code
-        if not _is_machinery(code.co_filename):
-            frames.append((code.co_filename, frame.f_lineno, code.co_name))
-        frame = frame.f_back
-    return tuple(frames)
-
-
 def _make_stack_recorder(depth: int) -> Any:
     """A TorchDispatchMode that remembers the creating stack of each new CPU storage."""
     import torch
@@ -281,8 +235,8 @@ def _make_stack_recorder(depth: int) -> Any:
     class _StorageStackRecorder(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
-            self.stacks: weakref.WeakKeyDictionary[Any, tuple[tuple[str, int, str], ...]] = \
-                weakref.WeakKeyDictionary()
+            self.stacks: weakref.WeakKeyDictionary[Any, tuple[tuple[str, int, str], ...]] = (
+                weakref.WeakKeyDictionary())
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                                kwargs: Any = None) -> Any:
@@ -398,11 +352,8 @@ class LeakDetector:
                  freeze_baseline: bool = True) -> None:
         # GrowthTracker validates the rule settings it is given, so the checked values are the used ones
         self._tracker = GrowthTracker(warmup_steps, window, threshold_bytes_per_step)
-        if isinstance(stack_depth, bool) or not isinstance(stack_depth, int) or stack_depth < 1:
-            raise ConfigError(f"stack_depth must be an int >= 1, got {stack_depth!r}")
-        if isinstance(max_suspects, bool) or not isinstance(max_suspects, int) \
-                or max_suspects < 1:
-            raise ConfigError(f"max_suspects must be an int >= 1, got {max_suspects!r}")
+        check_int("stack_depth", stack_depth, minimum=1)
+        check_int("max_suspects", max_suspects, minimum=1)
         self._index = resolve_cuda_index(device)
         self.device = "cpu" if self._index is None else f"cuda:{self._index}"
         self.metric = "cpu_tensor_bytes" if self._index is None else "cuda_allocated"
@@ -556,11 +507,11 @@ class LeakDetector:
             for tensor in self._live_tensors():
                 storage = tensor.untyped_storage()
                 if storage not in examples:
-                    examples[storage] = f"{str(tensor.dtype).replace('torch.', '')}" \
-                                        f"{list(tensor.shape)}"
+                    examples[storage] = (f"{str(tensor.dtype).replace('torch.', '')}"
+                                         f"{list(tensor.shape)}")
             for storage, nbytes in self._new_cpu_storages().items():
                 raw = stacks.get(storage)
-                stack = format_frames(raw, self.stack_depth) if raw else _STACK_UNKNOWN
+                stack = format_frames(raw, self.stack_depth) if raw else STACK_UNKNOWN
                 entry = groups.setdefault(stack, [0, 0, ""])
                 entry[0] += nbytes
                 entry[1] += 1

@@ -58,6 +58,9 @@ from typing import Any
 
 import torch
 
+from vramkit._validate import check_device, check_int
+from vramkit.devices import _runtime
+from vramkit.devices.resolve import cuda_ordinal
 from vramkit.errors import (
     ConfigError,
     DeviceError,
@@ -215,10 +218,8 @@ class MemoryPool:
             PoolExhaustedError: when the request cannot fit under ``max_size``.
             torch.OutOfMemoryError: when the device itself runs out while growing.
         """
-        if type(nbytes) is not int:
+        if type(nbytes) is not int or nbytes <= 0:  # the fast path skips the full check
             nbytes = _as_nbytes(nbytes)
-        if nbytes <= 0:
-            raise ConfigError(f"allocation size must be > 0 bytes, got {nbytes}")
         capacity = (nbytes + self._align_mask) & ~self._align_mask
         trackers = self._trackers
         stack = capture_stack() if (self._tracking or trackers) else None
@@ -553,8 +554,8 @@ class MemoryPool:
                 continue
             if not rec.auto_free:
                 self._book.leaked_frees += 1
-                where = "\n".join(format_stack(rec.stack)) if rec.stack is not None else \
-                    "(set VRAMKIT_MEMORY_DEBUG=1 to record allocation stacks)"
+                where = ("\n".join(format_stack(rec.stack)) if rec.stack is not None
+                         else "(set VRAMKIT_MEMORY_DEBUG=1 to record allocation stacks)")
                 logger.warning("%s: a %d-byte block was dropped without free(); returned by its "
                                "finalizer. Allocated at:\n%s", self, rec.nbytes, where)
             self._release_locked(rec, _clock())
@@ -712,44 +713,24 @@ class MemoryPool:
 
 
 def _as_nbytes(value: object) -> int:
-    if isinstance(value, bool):
-        raise ConfigError(f"allocation size must be an int number of bytes, got {value!r}")
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise ConfigError(f"allocation size must be an int number of bytes, got {value!r}",
-                          hint="Use vramkit.parse_size('64MiB') to convert a string.") from None
+    """``value`` as a positive int byte count (numpy integers and other index types accepted)."""
+    if not isinstance(value, bool):
+        with contextlib.suppress(TypeError):
+            value = operator.index(value)  # type: ignore[arg-type]
+    return check_int("allocation size", value, minimum=1,  # type: ignore[no-any-return]
+                     hint="Give a positive int number of bytes; vramkit.parse_size('64MiB') "
+                          "converts a string.")
 
 
 def _resolve_device(device: str | int | torch.device, pinned: bool) -> tuple[torch.device, str]:
-    if isinstance(device, bool):
-        raise ConfigError(f"invalid device {device!r}")
-    if isinstance(device, int):
-        device = torch.device("cuda", device)
-    elif isinstance(device, str):
-        try:
-            device = torch.device(device)
-        except RuntimeError as exc:
-            raise DeviceError(f"invalid device {device!r}: {exc}") from None
-    elif not isinstance(device, torch.device):
-        raise ConfigError(f"device must be a str, int or torch.device, got {type(device).__name__}")
-    if device.type == "cpu":
-        if pinned and not torch.cuda.is_available():
+    parsed = check_device("MemoryPool device", device)
+    if parsed.type == "cpu":
+        if pinned and not _runtime.is_cuda_available():
             raise DeviceError("a pinned host pool needs CUDA, which this process cannot use",
                               hint="Use MemoryPool('cpu') for plain host memory on machines "
                                    "without a GPU.")
         return torch.device("cpu"), "pinned" if pinned else "cpu"
-    if device.type != "cuda":
-        raise DeviceError(f"MemoryPool supports CUDA devices and host memory, not {device.type!r}")
     if pinned:
         raise ConfigError("pinned=True applies to host pools: use MemoryPool('cpu', pinned=True) "
                           "or MemoryPool.pinned()")
-    if not torch.cuda.is_available():
-        raise DeviceError(f"cannot create a pool on {device}: CUDA is not available",
-                          hint="Use MemoryPool('cpu') on machines without a GPU.")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    count = torch.cuda.device_count()
-    if not 0 <= index < count:
-        raise DeviceError(f"cannot create a pool on cuda:{index}: this process sees {count} "
-                          "CUDA device(s)")
-    return torch.device("cuda", index), "cuda"
+    return torch.device("cuda", cuda_ordinal(parsed, owner="MemoryPool")), "cuda"

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import os
 import pickle
 import threading
@@ -42,6 +41,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from vramkit._validate import check_int, check_number
 from vramkit.devices._runtime import cuda_initialized
 from vramkit.errors import ConfigError, DeviceError
 from vramkit.memory.leaks import (
@@ -80,13 +80,6 @@ logger = logging.getLogger(__name__)
 
 _ZERO = (0, 0, 0, 0, 0)
 _NVML_GIVE_UP_AFTER = 3  # consecutive None answers: NVML is not there, stop asking
-
-
-def _check_positive(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-    return float(value)
 
 
 class _ModuleStat:
@@ -158,14 +151,14 @@ class MemoryProfiler:
                  trace_max_entries: int = 100_000,
                  detect_leaks: bool | LeakDetector = False, pid: int | None = None,
                  top_modules: int = 10) -> None:
-        self.sample_interval = _check_positive("sample_interval", sample_interval)
-        self.nvml_interval = _check_positive("nvml_interval", nvml_interval)
+        self.sample_interval = check_number("sample_interval", sample_interval, minimum=0.0,
+                                            low_open=True, hint="Give seconds, > 0.")
+        self.nvml_interval = check_number("nvml_interval", nvml_interval, minimum=0.0,
+                                          low_open=True, hint="Give seconds, > 0.")
         for name, value in (("max_history", max_history), ("top_modules", top_modules),
                             ("trace_max_entries", trace_max_entries)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
-        if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0):
-            raise ConfigError(f"pid must be a positive int, got {pid!r}")
+            check_int(name, value, minimum=1)
+        check_int("pid", pid, minimum=1, allow_none=True)
         self.pid = pid
         self._external = pid is not None and pid != os.getpid()
         index = resolve_cuda_index(device)
@@ -639,8 +632,8 @@ class MemoryProfiler:
     # reports --------------------------------------------------------------------------------
     def report(self) -> MemoryReport:
         """The :class:`MemoryReport` of the current (running) or last session."""
-        end = self._counters1 if self._counters1 is not None and not self._running \
-            else read_memory_stats(self._index)
+        end = (self._counters1 if self._counters1 is not None and not self._running
+               else read_memory_stats(self._index))
         start = self._counters0
         on_cuda = self._index is not None
 
@@ -658,12 +651,12 @@ class MemoryProfiler:
         if self._last_nvml is not None and not self._external:
             outside = self._last_nvml - reserved_all_devices()
         if self._leak_detector is not None:
-            leak = self._leak_report if not self._running and self._leak_report is not None \
-                else self._leak_detector.report()
+            leak = (self._leak_report if not self._running and self._leak_report is not None
+                    else self._leak_detector.report())
         else:
             leak = self._step_growth.verdict(self.metric) if self._step_growth.steps else None
-        finished = self._stopped_at if self._stopped_at is not None and not self._running \
-            else time.perf_counter()
+        finished = (self._stopped_at if self._stopped_at is not None and not self._running
+                    else time.perf_counter())
         with self._lock:
             samples, sums = self._samples, list(self._sums)
             rss_peak = self._peak["host_rss"]

@@ -1,19 +1,14 @@
-"""Out-of-memory recovery: recognize an OOM, say which kind it is, and retry smaller.
+"""Out-of-memory recovery: retry a training step smaller, or search the batch size that fits.
 
-* :func:`is_oom_error` recognizes an out-of-memory error by its exception *type*, never by its
-  message: ``torch.OutOfMemoryError`` (raised by CUDA and by ROCm/HIP builds, which report
-  through the same CUDA caching allocator), the XPU/MPS classes where a torch build defines them,
-  Python's ``MemoryError`` and vramkit's :class:`~vramkit.errors.PoolExhaustedError`. PyTorch's
-  CPU allocator raises a plain ``RuntimeError`` when ``malloc`` fails (torch 2.13 has no type for
-  it); such an error is *not* recognized, because matching its text is what this module refuses
-  to do.
-* :func:`classify_oom` says why memory ran out -- capacity, fragmentation or memory held outside
-  PyTorch -- from the caching allocator's statistics, ``cudaMemGetInfo`` and NVML, with a hint.
 * :class:`MemoryRecovery` / :func:`train_with_memory_recovery` run one training step as
   micro-batches; on OOM they free the failed attempt (outside the ``except`` block), halve the
   micro-batch, double the accumulation (the effective batch stays the same) and remember the
   size that worked for the following steps.
 * :func:`find_executable_batch_size` searches the largest batch size a function runs with.
+
+Recognizing an OOM and saying which kind it is (:func:`is_oom_error`, :func:`classify_oom`,
+:class:`OomDiagnosis`, ...) lives in :mod:`vramkit.memory.oom`; those names are re-exported here,
+where they were first published.
 """
 
 from __future__ import annotations
@@ -22,16 +17,24 @@ import functools
 import gc
 import logging
 import math
-import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from vramkit.errors import ConfigError, PoolExhaustedError, RecoveryError
-from vramkit.units import format_size
+from vramkit._validate import check_bool, check_choice, check_device, check_int, check_number
+from vramkit.errors import ConfigError, RecoveryError
+from vramkit.memory.oom import (
+    DeviceMemoryReading,
+    OomDiagnosis,
+    _install_oom_observer,
+    classify_oom,
+    diagnose_memory,
+    is_oom_error,
+    read_device_memory,
+)
 
 __all__ = [
     "DeviceMemoryReading",
@@ -52,386 +55,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-OomKind = Literal["capacity", "fragmentation", "outside_pytorch"]
-
-# Thresholds of the classification, as fractions of the memory PyTorch may use on the device.
-# Cached-but-unallocated bytes above this share mean the allocator's cache is fragmented.
-_FRAGMENTED_SHARE = 0.10
-# Bytes held on the device outside this process's allocator above this share (besides the CUDA
-# context, a few hundred MiB) mean someone else holds the memory.
-_OUTSIDE_SHARE = 0.10
-
-_HINTS: dict[str, str] = {
-    "capacity": ("The step needs more memory than the device has: lower the batch size, enable "
-                 "gradient checkpointing, swap blocks (BlockSwapper), offload the optimizer "
-                 "(CPUOffloadOptimizer) or quantize the frozen weights."),
-    "fragmentation": ("Enough bytes are free but not in one piece: set "
-                      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the first CUDA "
-                      "call (vramkit.setup_cuda_memory_management), call torch.cuda.empty_cache() "
-                      "between phases, or preallocate fixed buffers with a MemoryPool."),
-    "outside_pytorch": ("Memory is held outside this process's PyTorch allocator (other "
-                        "processes, another framework such as JAX/CuPy, or a memory cap): check "
-                        "`vramkit info` / nvidia-smi, stop other jobs, or set "
-                        "XLA_PYTHON_CLIENT_PREALLOCATE=false when JAX shares the GPU."),
-    "host": ("The host ran out of memory: offload less to the CPU, use a smaller pinned pool "
-             "(PoolConfig.max_size), or load checkpoints lazily (vramkit.io)."),
-}
-
-
-# ------------------------------------------------------------------------------------------
-# Detection
-# ------------------------------------------------------------------------------------------
-
-
-def _oom_types() -> tuple[type[BaseException], ...]:
-    types: list[type[BaseException]] = [MemoryError]  # PoolExhaustedError is a MemoryError
-    for owner in (torch, getattr(torch, "cuda", None), getattr(torch, "xpu", None),
-                  getattr(torch, "mps", None)):
-        cls = getattr(owner, "OutOfMemoryError", None)
-        if isinstance(cls, type) and issubclass(cls, BaseException) and cls not in types:
-            types.append(cls)
-    return tuple(types)
-
-
-def is_oom_error(error: BaseException) -> bool:
-    """Whether ``error`` is an out-of-memory error, judged by its type only.
-
-    Recognized: ``torch.OutOfMemoryError`` (CUDA and ROCm/HIP), ``torch.xpu.OutOfMemoryError`` and
-    ``torch.mps.OutOfMemoryError`` when the torch build defines them, ``MemoryError`` (host) and
-    vramkit's :class:`~vramkit.errors.PoolExhaustedError`. A
-    :class:`~vramkit.errors.RecoveryError` (a ``MemoryError`` raised when recovery gave up) is
-    not a fresh OOM and returns ``False``, so nested recovery loops do not retry it.
-
-    Args:
-        error: any exception.
-
-    Returns:
-        ``True`` for the types above.
-    """
-    if isinstance(error, RecoveryError):
-        return False
-    return isinstance(error, _oom_types())
-
-
-# ------------------------------------------------------------------------------------------
-# Classification
-# ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DeviceMemoryReading:
-    """What one device's memory looked like when an OOM happened (bytes; ``None`` = unknown).
-
-    Attributes:
-        device: ``"cuda:N"``.
-        total: device memory (``cudaMemGetInfo``).
-        free: memory the driver could still hand out.
-        reserved: held by this process's caching allocator.
-        allocated: in live tensors of this process.
-        largest_cached_block: the largest free block inside the allocator's segments.
-        limit: the cap on ``reserved`` (``set_per_process_memory_fraction`` x total).
-        other_processes: memory NVML charges to other processes on this device.
-    """
-
-    device: str
-    total: int
-    free: int
-    reserved: int
-    allocated: int
-    largest_cached_block: int | None = None
-    limit: int | None = None
-    other_processes: int | None = None
-
-    @property
-    def cached_free(self) -> int:
-        """Reserved but unallocated bytes (the allocator's cache)."""
-        return max(0, self.reserved - self.allocated)
-
-    @property
-    def outside_pytorch(self) -> int:
-        """Device bytes in use that this process's allocator does not hold."""
-        return max(0, self.total - self.free - self.reserved)
-
-    @property
-    def usable(self) -> int:
-        """The most ``reserved`` may grow to: the cap, or the device size."""
-        return self.total if self.limit is None else min(self.total, self.limit)
-
-
-@dataclass(frozen=True)
-class OomDiagnosis:
-    """Why memory ran out. Holds no reference to the exception (its frames hold tensors).
-
-    Attributes:
-        kind: ``"capacity"`` (the work needs more than the device offers), ``"fragmentation"``
-            (enough bytes are free, not in one piece) or ``"outside_pytorch"`` (memory held by
-            other processes, other frameworks or non-PyTorch allocations in this process).
-        device: ``"cuda:N"``, ``"cpu"`` (host) or ``"pool"`` (a vramkit MemoryPool).
-        error_type: the exception's class name.
-        requested: bytes of the failed allocation, when known.
-        free / reserved / allocated / total / limit: the reading (see
-            :class:`DeviceMemoryReading`); ``None`` when unknown.
-        cached_free: reserved-but-unallocated bytes.
-        largest_free_block: the largest free block in the allocator's cache or the pool.
-        outside_pytorch: device bytes used outside this process's allocator.
-        other_processes: bytes NVML charges to other processes.
-        hint: what to try.
-    """
-
-    kind: OomKind
-    device: str
-    error_type: str
-    requested: int | None = None
-    free: int | None = None
-    reserved: int | None = None
-    allocated: int | None = None
-    total: int | None = None
-    limit: int | None = None
-    cached_free: int | None = None
-    largest_free_block: int | None = None
-    outside_pytorch: int | None = None
-    other_processes: int | None = None
-    hint: str = ""
-
-    def __str__(self) -> str:
-        def size(value: int | None) -> str:
-            return "?" if value is None else format_size(value)
-
-        return (f"{self.error_type} on {self.device}: {self.kind} (requested "
-                f"{size(self.requested)}, free {size(self.free)}, reserved "
-                f"{size(self.reserved)}, allocated {size(self.allocated)}, outside PyTorch "
-                f"{size(self.outside_pytorch)})\n  hint: {self.hint}")
-
-
-def diagnose_memory(reading: DeviceMemoryReading, requested: int | None = None,
-                    error_type: str = "OutOfMemoryError") -> OomDiagnosis:
-    """Classify an OOM from a memory reading (the pure part of :func:`classify_oom`).
-
-    Rules, in order (``growth`` = ``min(free, usable - reserved)``, the bytes ``reserved`` could
-    still grow by):
-
-    * **fragmentation** -- with ``requested`` known: ``requested <= cached_free + growth`` (the
-      bytes were there, split up). Unknown: ``cached_free >= 10%`` of ``usable`` and the largest
-      cached block (when known) is smaller than ``cached_free``.
-    * **outside_pytorch** -- memory held outside this allocator (``total - free - reserved``,
-      or NVML's figure for other processes, whichever is larger) is at least 10% of the device
-      and, with ``requested`` known, the request would fit under the cap if that memory were
-      free (unknown: ``reserved`` is below the cap minus that memory).
-    * **capacity** -- otherwise (hitting a ``set_per_process_memory_fraction`` cap is
-      capacity: the hint names the cap).
-
-    Args:
-        reading: the device's memory at the OOM.
-        requested: bytes of the failed allocation, if known (default ``None``).
-        error_type: the exception class name to record (default ``"OutOfMemoryError"``).
-
-    Returns:
-        The diagnosis, with a hint for its kind.
-    """
-    usable = reading.usable
-    growth = max(0, min(reading.free, usable - reading.reserved))
-    outside = reading.outside_pytorch
-    held_elsewhere = max(outside, reading.other_processes or 0)
-    significant = held_elsewhere >= _OUTSIDE_SHARE * reading.total
-    kind: OomKind
-    if requested is not None:
-        if requested <= reading.cached_free + growth:
-            kind = "fragmentation"
-        elif significant and requested <= reading.cached_free + max(
-                0, min(usable - reading.reserved, reading.free + held_elsewhere)):
-            kind = "outside_pytorch"
-        else:
-            kind = "capacity"
-    else:
-        largest = reading.largest_cached_block
-        if reading.cached_free >= _FRAGMENTED_SHARE * usable and (
-                largest is None or largest < reading.cached_free):
-            kind = "fragmentation"
-        elif significant and reading.reserved < usable - held_elsewhere:
-            kind = "outside_pytorch"
-        else:
-            kind = "capacity"
-    hint = _HINTS[kind]
-    if kind == "capacity" and reading.limit is not None and reading.limit < reading.total:
-        hint = (f"This process is capped at {format_size(usable)} of {format_size(reading.total)} "
-                "(torch.cuda.set_per_process_memory_fraction): raise the cap, or " +
-                hint[0].lower() + hint[1:])
-    return OomDiagnosis(
-        kind=kind, device=reading.device, error_type=error_type, requested=requested,
-        free=reading.free, reserved=reading.reserved, allocated=reading.allocated,
-        total=reading.total, limit=reading.limit, cached_free=reading.cached_free,
-        largest_free_block=reading.largest_cached_block, outside_pytorch=outside,
-        other_processes=reading.other_processes, hint=hint)
-
-
-def read_device_memory(index: int, *, use_nvml: bool = True,
-                       largest_block: bool = True) -> DeviceMemoryReading:
-    """Read one CUDA device's memory the way :func:`classify_oom` needs it.
-
-    Args:
-        index: CUDA ordinal.
-        use_nvml: ask NVML for other processes' memory on the device (default ``True``).
-        largest_block: walk ``torch.cuda.memory_snapshot()`` for the largest cached free block
-            (default ``True``; a few ms, fine after an OOM, not on a hot path).
-
-    Returns:
-        The reading.
-    """
-    free, total = torch.cuda.mem_get_info(index)
-    stats = torch.cuda.memory_stats(index)
-    reserved = int(stats.get("reserved_bytes.all.current", 0))
-    allocated = int(stats.get("allocated_bytes.all.current", 0))
-    limit = None
-    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    if get_fraction is not None:
-        fraction = float(get_fraction(index))
-        if fraction < 1.0:
-            limit = int(fraction * total)
-    largest = _largest_cached_block(index) if largest_block else None
-    others = _other_processes_memory(index) if use_nvml else None
-    return DeviceMemoryReading(device=f"cuda:{index}", total=int(total), free=int(free),
-                               reserved=reserved, allocated=allocated,
-                               largest_cached_block=largest, limit=limit,
-                               other_processes=others)
-
-
-def _largest_cached_block(index: int) -> int | None:
-    try:
-        segments = torch.cuda.memory_snapshot()
-    except RuntimeError:  # allocator backends without snapshots (cudaMallocAsync)
-        return None
-    largest = 0
-    for segment in segments:
-        if segment.get("device") != index:
-            continue
-        for block in segment.get("blocks", ()):
-            if block.get("state") == "inactive":
-                largest = max(largest, int(block.get("size", 0)))
-    return largest
-
-
-def _other_processes_memory(index: int) -> int | None:
-    from vramkit.devices.nvml import query_nvml
-
-    try:
-        uuid = str(torch.cuda.get_device_properties(index).uuid)
-        snapshot = query_nvml(include_processes=True)
-    except Exception as err:  # NVML trouble must not mask the OOM being diagnosed
-        logger.debug("NVML unavailable for OOM diagnosis: %s", err)
-        return None
-    device = snapshot.by_uuid(uuid) if snapshot.available else None
-    if device is None or not device.processes:
-        return None
-    pid = os.getpid()
-    if all(p.pid != pid for p in device.processes):
-        return None  # another PID namespace: we cannot tell our own entry from the others
-    sizes = [p.used_memory for p in device.processes if p.pid != pid]
-    if any(s is None for s in sizes):
-        return None
-    return int(sum(s for s in sizes if s is not None))
-
-
-_last_request: dict[int, int] = {}
-_observer_installed = False
-
-
-def _record_failed_request(*args: Any) -> None:
-    # Called by the CUDA allocator as (device, requested bytes, device allocated, device free);
-    # it must never raise (it runs inside the allocator's OOM path), hence *args.
-    try:
-        _last_request[int(args[0])] = int(args[1])
-    except (IndexError, TypeError, ValueError):
-        pass
-
-
-def _install_oom_observer() -> None:
-    """Have the CUDA allocator report each failed request's size (called after CUDA is up)."""
-    global _observer_installed
-    if _observer_installed:
-        return
-    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
-    if attach is None:
-        return
-    try:
-        attach(_record_failed_request)
-        _observer_installed = True
-    except RuntimeError as err:
-        logger.debug("cannot attach the OOM observer: %s", err)
-
-
-def classify_oom(error: BaseException, device: Any = None, *, requested: int | None = None,
-                 use_nvml: bool = True) -> OomDiagnosis:
-    """Say why ``error`` (an OOM) happened: capacity, fragmentation or memory outside PyTorch.
-
-    Call it soon after the error, before memory is freed: it reads the current state.
-
-    Args:
-        error: an error :func:`is_oom_error` accepts.
-        device: the CUDA device it happened on (default ``None``: the current CUDA device).
-            Ignored for host errors and pool errors.
-        requested: bytes of the failed allocation. Default ``None``: the pool's figure for
-            :class:`~vramkit.errors.PoolExhaustedError`, else the size the CUDA allocator
-            reported to vramkit's OOM observer (installed by :class:`MemoryRecovery` and
-            :func:`find_executable_batch_size` on CUDA), else unknown.
-        use_nvml: ask NVML for other processes' usage (default ``True``).
-
-    Returns:
-        An :class:`OomDiagnosis`.
-
-    Raises:
-        ConfigError: when ``error`` is not an OOM.
-    """
-    if not is_oom_error(error):
-        raise ConfigError(f"not an out-of-memory error: {type(error).__name__}",
-                          hint="Check is_oom_error(e) before classifying.")
-    error_type = type(error).__name__
-    if isinstance(error, PoolExhaustedError):
-        return _classify_pool(error, requested, error_type)
-    if not isinstance(error, torch.OutOfMemoryError):
-        return _classify_host(requested, error_type)
-    from vramkit.memory.stats import resolve_cuda_index
-
-    index = resolve_cuda_index(device)
-    if index is None:
-        return OomDiagnosis(kind="capacity", device="cuda", error_type=error_type,
-                            requested=requested, hint=_HINTS["capacity"])
-    if requested is None:
-        requested = _last_request.pop(index, None)
-    reading = read_device_memory(index, use_nvml=use_nvml)
-    return diagnose_memory(reading, requested, error_type)
-
-
-def _classify_pool(error: PoolExhaustedError, requested: int | None,
-                   error_type: str) -> OomDiagnosis:
-    stats = error.stats
-    requested = error.requested if requested is None else requested
-    reserved = getattr(stats, "reserved", None)
-    allocated = getattr(stats, "allocated", None)
-    largest = getattr(stats, "largest_free_block", None)
-    free = None if reserved is None or allocated is None else reserved - allocated
-    fragmented = free is not None and largest is not None and largest < requested <= free
-    kind: OomKind = "fragmentation" if fragmented else "capacity"
-    hint = ("The pool has the bytes but not in one piece: call pool.defragment(), or free "
-            "long-lived blocks first." if fragmented else
-            "The pool reached PoolConfig.max_size: raise it, or free blocks you no longer need.")
-    return OomDiagnosis(kind=kind, device="pool", error_type=error_type, requested=requested,
-                        free=free, reserved=reserved, allocated=allocated, cached_free=free,
-                        largest_free_block=largest, hint=hint)
-
-
-def _classify_host(requested: int | None, error_type: str) -> OomDiagnosis:
-    import psutil
-
-    mem = psutil.virtual_memory()
-    rss = psutil.Process().memory_info().rss
-    outside = max(0, int(mem.total - mem.available - rss))
-    kind: OomKind = "capacity"
-    if requested is not None and requested <= mem.available + outside \
-            and outside >= _OUTSIDE_SHARE * mem.total and requested > mem.available:
-        kind = "outside_pytorch"
-    return OomDiagnosis(kind=kind, device="cpu", error_type=error_type, requested=requested,
-                        free=int(mem.available), allocated=int(rss), total=int(mem.total),
-                        outside_pytorch=outside, hint=_HINTS["host"])
+# Device types a recovery may run on: those whose OOMs is_oom_error recognizes, and the host.
+_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
 
 
 # ------------------------------------------------------------------------------------------
@@ -462,14 +87,10 @@ def _forget(error: BaseException) -> None:
 
 
 def _resolve_device(device: Any) -> torch.device | None:
-    if device is None:
-        return None
-    if isinstance(device, int) and not isinstance(device, bool):
-        return torch.device("cuda", device)
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ConfigError(f"invalid device {device!r}: {err}") from None
+    """The device whose cache a recovery empties, checked for form (``None`` stays ``None``)."""
+    resolved: torch.device | None = check_device("device", device, types=_DEVICE_TYPES,
+                                                 allow_none=True)
+    return resolved
 
 
 def _free_failed_attempt(error: BaseException, device: torch.device | None,
@@ -480,12 +101,6 @@ def _free_failed_attempt(error: BaseException, device: torch.device | None,
         param.grad = None
     gc.collect()
     _release_cuda_cache(device)
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 # ------------------------------------------------------------------------------------------
@@ -554,7 +169,7 @@ def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
     Returns:
         ``ceil(batch_size / micro_batch_size)`` micro-batches, in order.
     """
-    _check_int("micro_batch_size", micro_batch_size, 1)
+    check_int("micro_batch_size", micro_batch_size, minimum=1)
     total = batch_size_of(batch)
     return [_take(batch, start, min(start + micro_batch_size, total))
             for start in range(0, total, micro_batch_size)]
@@ -647,12 +262,12 @@ class MemoryRecovery:
                  micro_batch_size: int | None = None, min_micro_batch_size: int = 1,
                  run_backward: bool = True, device: Any = None,
                  on_oom: Callable[[OomEvent], None] | None = None) -> None:
-        self.attempts = _check_int("attempts", attempts, 1)
-        self.min_micro_batch_size = _check_int("min_micro_batch_size", min_micro_batch_size, 1)
-        if micro_batch_size is not None:
-            _check_int("micro_batch_size", micro_batch_size, self.min_micro_batch_size)
-        if not isinstance(run_backward, bool):
-            raise ConfigError(f"run_backward must be a bool, got {run_backward!r}")
+        self.attempts = check_int("attempts", attempts, minimum=1)
+        self.min_micro_batch_size = check_int("min_micro_batch_size", min_micro_batch_size,
+                                              minimum=1)
+        check_int("micro_batch_size", micro_batch_size, minimum=self.min_micro_batch_size,
+                  allow_none=True)
+        check_bool("run_backward", run_backward)
         if on_oom is not None and not callable(on_oom):
             raise ConfigError("on_oom must be callable")
         if isinstance(params, nn.Module):
@@ -945,17 +560,14 @@ def find_executable_batch_size(fn: Callable[..., Any] | None = None, *,
         ConfigError: for invalid arguments.
         RecoveryError: (from the callable) when batch size 1 runs out of memory.
     """
-    _check_int("starting_batch_size", starting_batch_size, 1)
-    if mode not in _MODES:
-        raise ConfigError(f"mode must be one of {_MODES}, got {mode!r}")
-    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) \
-            or not 0.0 <= headroom < 1.0:
-        raise ConfigError(f"headroom must be a number in [0, 1), got {headroom!r}")
+    check_int("starting_batch_size", starting_batch_size, minimum=1)
+    check_choice("mode", mode, _MODES)
+    headroom = check_number("headroom", headroom, minimum=0.0, maximum=1.0, high_open=True)
     resolved = _resolve_device(device)
 
     def decorate(function: Callable[..., Any]) -> _BatchSizeSearch:
         if not callable(function):
             raise ConfigError(f"fn must be callable, got {type(function).__name__}")
-        return _BatchSizeSearch(function, starting_batch_size, mode, float(headroom), resolved)
+        return _BatchSizeSearch(function, starting_batch_size, mode, headroom, resolved)
 
     return decorate if fn is None else decorate(fn)

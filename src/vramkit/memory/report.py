@@ -487,8 +487,8 @@ def _write_png(report: MemoryReport, path: Path) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as err:
-        raise _MissingDependencyError(f"saving a PNG memory timeline needs matplotlib ({err})") \
-            from err
+        raise _MissingDependencyError(
+            f"saving a PNG memory timeline needs matplotlib ({err})") from err
     # A bare Figure on the Agg canvas: no pyplot, so the user's backend choice is left alone.
     fig = Figure(figsize=(10, 4), dpi=100)
     FigureCanvasAgg(fig)

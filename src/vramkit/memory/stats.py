@@ -29,8 +29,10 @@ from typing import Any, TypeVar
 
 import psutil
 
+from vramkit._validate import check_device
+from vramkit.devices import _runtime
 from vramkit.devices._runtime import cuda_initialized
-from vramkit.errors import ConfigError, DeviceError
+from vramkit.devices.resolve import cuda_ordinal
 
 __all__ = ["AllocatorStats", "CudaAllocator", "MemoryStats", "allocator_stats",
            "with_memory_tracking"]
@@ -164,43 +166,14 @@ def resolve_cuda_index(device: Any = None) -> int | None:
         The ordinal, or ``None`` when the device is the CPU or CUDA is not available.
 
     Raises:
-        ConfigError: for a negative ordinal or an unparseable device string.
+        ConfigError: (an ``InvalidDeviceError``) for a negative ordinal, an unparseable device
+            string or a device type other than cpu/cuda.
         DeviceError: for a CUDA ordinal this process cannot see.
     """
-    import torch
-
-    if device is None:
-        if not torch.cuda.is_available():
-            return None
-        return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
-    if isinstance(device, bool):
-        raise ConfigError(f"invalid device {device!r}")
-    if isinstance(device, int):
-        index: int | None = device
-        kind = "cuda"
-    else:
-        try:
-            parsed = torch.device(device)
-        except (RuntimeError, TypeError) as err:
-            raise ConfigError(f"invalid device {device!r}: {err}",
-                              "Use 'cpu', 'cuda', 'cuda:N' or an integer ordinal.") from err
-        kind, index = parsed.type, parsed.index
-    if kind == "cpu":
+    parsed = check_device("measured device", "cuda" if device is None else device)
+    if parsed.type == "cpu" or not _runtime.is_cuda_available():
         return None
-    if kind != "cuda":
-        raise ConfigError(f"unsupported device {device!r}: only 'cpu' and CUDA devices are "
-                          "measured")
-    if index is not None and index < 0:
-        raise ConfigError(f"invalid device ordinal {index}: ordinals are >= 0")
-    if not torch.cuda.is_available():
-        return None
-    if index is None:
-        index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
-    count = torch.cuda.device_count()
-    if index >= count:
-        raise DeviceError(f"cuda:{index} does not exist: this process sees {count} CUDA "
-                          "device(s)")
-    return index
+    return cuda_ordinal(parsed, owner="allocator statistics")
 
 
 def read_memory_stats(index: int | None) -> dict[str, Any]:

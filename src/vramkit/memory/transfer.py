@@ -20,7 +20,9 @@ from typing import Any
 
 import torch
 
-from vramkit.errors import ConfigError, DeviceError
+from vramkit._validate import check_device
+from vramkit.devices._runtime import current_cuda_ordinal
+from vramkit.devices.resolve import resolve_device
 from vramkit.kernels.stats import record_transfer
 
 __all__ = ["CudaStreams", "HostStreams", "StreamOp", "Streams", "resolve_offload_device",
@@ -123,8 +125,8 @@ class CudaStreams(Streams):
             stream.wait_event(event)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, what: str = "") -> None:
-        if self._set_stream is not None and self._get_stream is not None \
-                and stream.device_index == self._index:
+        if (self._set_stream is not None and self._get_stream is not None
+                and stream.device_index == self._index):
             previous = self._get_stream(self._index)  # (stream_id, device_index, device_type)
             self._set_stream(stream_id=stream.stream_id, device_index=self._index,
                              device_type=stream.device_type)
@@ -230,19 +232,21 @@ def transfer_streams(device: torch.device | str) -> Streams:
 
     Returns:
         :class:`CudaStreams` for a CUDA device, :class:`HostStreams` for the CPU.
+
+    Raises:
+        InvalidDeviceError: (a ``ValueError``) for another device type.
     """
-    device = torch.device(device)
+    if type(device) is torch.device:  # the hot path: a tensor's device, seen before
+        streams = _SHARED.get(device)
+        if streams is not None:
+            return streams
+    device = check_device("transfer_streams", device)
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cuda", current_cuda_ordinal())
     with _SHARED_LOCK:
         streams = _SHARED.get(device)
         if streams is None:
-            if device.type == "cuda":
-                streams = CudaStreams(device)
-            elif device.type == "cpu":
-                streams = HostStreams(device)
-            else:
-                raise ValueError(f"no copy streams for device type {device.type!r}")
+            streams = CudaStreams(device) if device.type == "cuda" else HostStreams(device)
             _SHARED[device] = streams
         return streams
 
@@ -256,29 +260,12 @@ def resolve_offload_device(device: str | int | torch.device | None, owner: str) 
         owner: the offloader's name, for messages.
 
     Returns:
-        ``cpu`` or ``cuda:N`` with an explicit index.
+        ``cpu`` or ``cuda:N`` with an explicit index
+        (:func:`vramkit.devices.resolve.resolve_device`).
 
     Raises:
-        ConfigError: for a value that is not a device, or a device type other than cuda/cpu.
+        InvalidDeviceError: (a ``ConfigError``) for a value that is not a device, or a device
+            type other than cuda/cpu.
         DeviceError: when CUDA is not available or the index is out of range.
     """
-    if isinstance(device, bool):
-        raise ConfigError(f"{owner}: invalid device {device!r}")
-    try:
-        resolved = (torch.device("cuda") if device is None else
-                    torch.device("cuda", device) if isinstance(device, int) else
-                    torch.device(device))
-    except (RuntimeError, TypeError) as exc:
-        raise ConfigError(f"{owner}: invalid device {device!r}: {exc}") from None
-    if resolved.type == "cpu":
-        return torch.device("cpu")
-    if resolved.type != "cuda":
-        raise ConfigError(f"{owner} supports CUDA devices and 'cpu', not {resolved.type!r}")
-    if not torch.cuda.is_available():
-        raise DeviceError(f"{owner} cannot use {resolved}: CUDA is not available",
-                          hint=f"Pass device='cpu' to run {owner} on the host.")
-    index = resolved.index if resolved.index is not None else torch.cuda.current_device()
-    if not 0 <= index < torch.cuda.device_count():
-        raise DeviceError(f"{owner} cannot use cuda:{index}: this process sees "
-                          f"{torch.cuda.device_count()} CUDA device(s)")
-    return torch.device("cuda", index)
+    return resolve_device(device, owner=owner)

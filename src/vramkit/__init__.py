@@ -42,13 +42,15 @@ __all__, _lazy_getattr, __dir__ = lazy_exports(__name__, {
                             "log_memory_usage", "clear_cuda_cache", "GpuMemoryInfo",
                             "allocator_settings"),
     "vramkit.devices.cuda_errors": ("explain_cuda_error", "CudaErrorExplanation"),
+    "vramkit.devices.memory_info": ("MemoryInfo", "read_memory_info"),
     # -- floor 2: memory, kernels, quantized storage, optimizers ------------------------------
     "vramkit.memory.pool": ("MemoryPool", "PoolConfig", "PoolStats", "Block"),
     "vramkit.memory.stats": ("allocator_stats", "AllocatorStats", "CudaAllocator"),
     "vramkit.memory.profiler": ("MemoryProfiler", "MemorySnapshot", "MemoryReport", "MemoryStats",
                                 "with_memory_tracking", "LeakDetector"),
-    "vramkit.memory.recovery": ("is_oom_error", "classify_oom", "OomDiagnosis", "MemoryRecovery",
-                                "train_with_memory_recovery", "find_executable_batch_size"),
+    "vramkit.memory.oom": ("is_oom_error", "classify_oom", "OomDiagnosis"),
+    "vramkit.memory.recovery": ("MemoryRecovery", "train_with_memory_recovery",
+                                "find_executable_batch_size"),
     "vramkit.memory.layout": ("analyze_access_pattern", "calculate_alignment"),
     "vramkit.kernels.manager": ("KernelManager", "CompiledKernel"),
     "vramkit.kernels.launch": ("LaunchConfig", "calculate_optimal_launch_params"),
@@ -113,6 +115,7 @@ if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.devices.info import *  # noqa: F403
     from vramkit.devices.jax_backend import *  # noqa: F403
     from vramkit.devices.manager import *  # noqa: F403
+    from vramkit.devices.memory_info import *  # noqa: F403
     from vramkit.devices.nvml import *  # noqa: F403
     from vramkit.devices.selection import *  # noqa: F403
     from vramkit.devices.torch_backend import *  # noqa: F403
@@ -124,6 +127,7 @@ if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.kernels.manager import *  # noqa: F403
     from vramkit.kernels.stats import *  # noqa: F403
     from vramkit.memory.layout import *  # noqa: F403
+    from vramkit.memory.oom import *  # noqa: F403
     from vramkit.memory.pool import *  # noqa: F403
     from vramkit.memory.profiler import *  # noqa: F403
     from vramkit.memory.recovery import *  # noqa: F403

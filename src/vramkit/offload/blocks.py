@@ -29,6 +29,7 @@ __all__ = [
     "choose_swapped",
     "find_blocks",
     "module_bytes",
+    "named_schedule",
     "natural_key",
     "spread_evenly",
 ]
@@ -299,4 +300,21 @@ def choose_swapped(specs: Sequence[BlockSpec], *, max_gpu_blocks: int | None,
                     hint="Raise the budget, lower num_slots, or split the largest blocks.")
     swapped = set(spread_evenly(sizes, count))
     return [BlockScheduleEntry(i, s.name, s.nbytes, i in swapped) for i, s in enumerate(specs)]
+
+
+def named_schedule(specs: Sequence[BlockSpec], names: Sequence[str]) -> list[BlockScheduleEntry]:
+    """The schedule that swaps exactly the blocks ``names`` (a plan's choice).
+
+    Raises:
+        ConfigError: for a name that is not one of ``specs``.
+    """
+    known = {s.name for s in specs}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ConfigError(f"SwapConfig.swapped_blocks names blocks the model does not have: "
+                          f"{unknown[:4]}",
+                          hint=f"The blocks found: {[s.name for s in specs][:8]}...")
+    chosen = set(names)
+    return [BlockScheduleEntry(i, s.name, s.nbytes, s.name in chosen)
+            for i, s in enumerate(specs)]
 

@@ -91,6 +91,7 @@ from vramkit.offload.blocks import (
     choose_swapped,
     find_blocks,
     module_bytes,
+    named_schedule,
 )
 from vramkit.offload.checkpointing import is_checkpointed, unwrapped_forward
 from vramkit.units import format_size
@@ -284,7 +285,7 @@ class BlockSwapper:
         found = find_blocks(model, blocks)
         specs = [BlockSpec(name, schedule_bytes(module, config)) for name, module in found]
         if config.swapped_blocks is not None:
-            self.schedule = _named_schedule(specs, config.swapped_blocks)
+            self.schedule = named_schedule(specs, config.swapped_blocks)
         else:
             self.schedule = choose_swapped(
                 specs, max_gpu_blocks=config.max_gpu_blocks,
@@ -799,16 +800,3 @@ class BlockSwapper:
         return (f"BlockSwapper({len(self._blocks)}/{len(self.schedule)} blocks swapped, "
                 f"{slots} slots of {format_size(slot_bytes)}, "
                 f"device={self.device}, {state})")
-
-
-def _named_schedule(specs: list[BlockSpec], names: tuple[str, ...]) -> list[BlockScheduleEntry]:
-    known = {s.name for s in specs}
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ConfigError(f"SwapConfig.swapped_blocks names blocks the model does not have: "
-                          f"{unknown[:4]}",
-                          hint=f"The blocks found: {[s.name for s in specs][:8]}...")
-    chosen = set(names)
-    return [BlockScheduleEntry(i, s.name, s.nbytes, s.name in chosen)
-            for i, s in enumerate(specs)]
-

@@ -54,6 +54,13 @@ def test_flux_config_validation(kwargs: dict) -> None:
         FluxTrainingConfig(**kwargs)
 
 
+
+def test_flux_swap_threshold_is_the_swappers_default() -> None:
+    from vramkit.offload.swap import SwapConfig
+
+    assert FluxTrainingConfig().swap_min_tensor_bytes == SwapConfig().min_param_bytes
+
+
 def test_presets_by_vram() -> None:
     assert SDXLMemoryConfig.for_vram("24GB") == SDXLMemoryConfig.preset_24gb()
     assert SDXLMemoryConfig.for_vram("23.5GiB") == SDXLMemoryConfig.preset_24gb()

@@ -49,16 +49,52 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def _positive_int(option: str, text: str | None) -> int | None:
+# -- argparse-level conversion ------------------------------------------------------------------
+# DemoConfig checks its fields (vramkit._validate). These only turn an option's text into the
+# value DemoConfig takes, and word a bad one in terms of the option typed on the command line.
+
+_SIZE_HINT = "Give a size such as 4GiB, 1500MB or 2G."
+
+
+def _whole_number(option: str, text: str | None) -> int | None:
+    """``--steps`` / ``--batch-size``: a whole number >= 1 (``None`` when not given)."""
     if text is None:
         return None
+    hint = f"Give {option} a whole number such as 10."
     try:
         value = int(text)
     except ValueError:
-        raise ConfigError(f"{option} must be a whole number >= 1, got {text!r}") from None
+        raise ConfigError(f"{option} must be a whole number >= 1, got {text!r}",
+                          hint=hint) from None
     if value < 1:
-        raise ConfigError(f"{option} must be >= 1, got {value}")
+        raise ConfigError(f"{option} must be >= 1, got {value}", hint=hint)
     return value
+
+
+def _size(option: str, what: str, text: str | None, hint: str = _SIZE_HINT) -> int | None:
+    """``--budget`` / ``--model-size``: a size > 0 bytes (``None`` when not given)."""
+    from vramkit.units import parse_size
+
+    if text is None:
+        return None
+    try:
+        nbytes = parse_size(text)
+    except ValueError as exc:
+        raise ConfigError(f"invalid {what} {text!r}: {exc}", hint=hint) from None
+    if nbytes <= 0:
+        raise ConfigError(f"{option} must be > 0 bytes, got {text!r}", hint=hint)
+    return nbytes
+
+
+def _model_size(text: str | None) -> str | int | None:
+    """``--model-size``: a DiT preset name, else a weight size."""
+    from vramkit.recipes.dit import DiTConfig
+
+    presets = DiTConfig.preset_names()
+    if text is None or text in presets:
+        return text
+    return _size("--model-size", "model size", text,
+                 hint=f"Use a preset ({', '.join(presets)}) or a weight size such as 6GiB.")
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -70,9 +106,10 @@ def config_from_args(args: argparse.Namespace) -> Any:
     from vramkit.recipes.demo import DEFAULT_REPORT, DemoConfig
 
     return DemoConfig(
-        budget=args.budget, model_size=args.model_size,
-        steps=_positive_int("--steps", args.steps),
-        batch_size=_positive_int("--batch-size", args.batch_size),
+        budget=_size("--budget", "budget", args.budget),
+        model_size=_model_size(args.model_size),
+        steps=_whole_number("--steps", args.steps),
+        batch_size=_whole_number("--batch-size", args.batch_size),
         device=args.device, baseline=not args.no_baseline,
         report=DEFAULT_REPORT if args.report is None else args.report)
 

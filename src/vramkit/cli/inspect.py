@@ -139,10 +139,9 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Inspect the checkpoint and print JSON or tables; returns the exit code."""
-    from vramkit.errors import ConfigError
+    from vramkit._validate import check_int
 
-    if args.top < 0:
-        raise ConfigError(f"--top must be >= 0, got {args.top}")
+    check_int("--top", args.top, minimum=0)
     report = inspect_checkpoint(args.path)
     largest = sorted(report["tensors"], key=lambda t: t["bytes"], reverse=True)[:args.top]
     if args.json:

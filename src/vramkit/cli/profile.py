@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vramkit._validate import check_number
 from vramkit.errors import ConfigError
 
 __all__ = ["PythonTarget", "parse_target", "register", "run_profile"]
@@ -223,13 +224,13 @@ def run_profile(args: argparse.Namespace) -> int:
     if not command:
         raise ConfigError("no command to profile",
                           "Usage: vramkit profile [--out DIR] -- python train.py ARGS")
-    if not args.interval > 0:  # also catches NaN
-        raise ConfigError(f"--interval must be > 0 seconds, got {args.interval}")
+    interval = check_number("--interval", args.interval, minimum=0, low_open=True,
+                            hint="Give the seconds between samples, e.g. --interval 0.01.")
     target = None if args.subprocess else parse_target(command)
     if target is None:
-        code, report = _run_child(command, args.interval, args.device)
+        code, report = _run_child(command, interval, args.device)
     else:
-        profiler = MemoryProfiler(device=args.device, sample_interval=args.interval)
+        profiler = MemoryProfiler(device=args.device, sample_interval=interval)
         if not args.no_modules:
             # forward hooks only: backward hooks break scripts that modify outputs in place
             profiler.attach(None, backward=False)

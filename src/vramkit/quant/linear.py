@@ -13,7 +13,7 @@ Training through the layer (LoRA on a quantized base): the forward and backward 
 ``torch.autograd.Function``. It saves the *packed* buffers (never a full-precision weight) and its
 backward re-dequantizes them to compute ``grad_input = grad_output @ W``. The weight never gets a
 gradient; the bias gets one when it requires grad. Adapters: vramkit's
-:class:`vramkit.recipes.demo.LoRALinear` wraps a :class:`QuantizedLinear` as it wraps an ``nn.Linear``;
+:class:`vramkit.recipes.lora.LoRALinear` wraps a :class:`QuantizedLinear` as it wraps an ``nn.Linear``;
 for peft call :func:`register_peft_lora` on the ``LoraConfig`` before ``get_peft_model``.
 
 Autocast: inside ``torch.autocast`` the input (and bias) are cast to the autocast dtype before

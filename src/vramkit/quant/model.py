@@ -17,7 +17,7 @@ module called ``proj``. For a state dict the module name of ``"a.b.weight"`` is 
 
 Order with adapters: quantize first, then attach LoRA (peft's ``lora_A``/``lora_B`` are
 ``nn.Linear`` and would otherwise be quantized too, unless listed, e.g. ``"*lora_*"``).
-vramkit's :class:`~vramkit.recipes.demo.LoRALinear` keeps its adapters as plain parameters, so a model
+vramkit's :class:`~vramkit.recipes.lora.LoRALinear` keeps its adapters as plain parameters, so a model
 with those adapters may be quantized afterwards: its base layers are replaced.
 """
 

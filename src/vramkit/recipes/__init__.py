@@ -2,6 +2,7 @@
 
 * :mod:`vramkit.recipes.demo`: what ``vramkit demo`` runs (plan, LoRA-train a DiT larger than a
   budget under swapping and checkpointing, compare with the resident model).
+* :mod:`vramkit.recipes.lora`: the demo's LoRA layer (``LoRALinear``, ``add_lora_adapters``).
 * :mod:`vramkit.recipes.presets`: SDXL and Flux memory presets and the verbs that apply them.
 * :mod:`vramkit.recipes.dit`: a Flux-style diffusion transformer with random weights, for the demo
   and the benchmarks (no downloads). It is not re-exported from :mod:`vramkit`.
@@ -18,9 +19,11 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".presets": ("SDXLMemoryConfig", "FluxTrainingConfig", "optimize_sdxl_memory",
                  "optimize_flux_memory", "MemoryOptimization"),
     ".dit": ("DiT", "DiTConfig", "synthetic_batch", "flow_matching_loss"),
+    ".lora": ("LoRALinear", "add_lora_adapters"),
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.recipes.demo import *  # noqa: F403
     from vramkit.recipes.dit import *  # noqa: F403
+    from vramkit.recipes.lora import *  # noqa: F403
     from vramkit.recipes.presets import *  # noqa: F403

@@ -15,11 +15,11 @@ What it does, in order:
    ``num_slots`` slots of the largest block; then only block inputs are kept and one block at a
    time is recomputed. The room left is ``SwapConfig.max_gpu_bytes``: the swapper keeps as many
    blocks resident as fit and streams the others through its slot ring.
-3. **Train** ``steps`` steps of LoRA fine-tuning (rank-``lora_rank`` adapters on the attention
-   projections of every block, float32, AdamW; the base weights are frozen, as in a real LoRA
-   fine-tune, so they travel host->device only) on one fixed synthetic flow-matching batch
-   (a few-image fine-tune, so the loss visibly falls), under the
-   :class:`~vramkit.memory.profiler.MemoryProfiler`. On CUDA the budget is enforced with
+3. **Train** ``steps`` steps of LoRA fine-tuning (rank-``lora_rank`` adapters of
+   :mod:`vramkit.recipes.lora` on the attention projections of every block, float32, AdamW; the
+   base weights are frozen, as in a real LoRA fine-tune, so they travel host->device only) on
+   one fixed synthetic flow-matching batch (a few-image fine-tune, so the loss visibly falls),
+   under the :class:`~vramkit.memory.profiler.MemoryProfiler`. On CUDA the budget is enforced with
    ``torch.cuda.set_per_process_memory_fraction`` (restored afterwards).
 4. **Baseline**: the same model, fully resident, same checkpointing, same adapters and data, when
    it fits on the device; its median step time gives the swapping overhead, its losses the check
@@ -44,15 +44,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from vramkit._validate import check_bool, check_device, check_int, check_number, check_size
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.recipes.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
-from vramkit.units import format_size, parse_size
+from vramkit.recipes.lora import LORA_TARGETS, LoRALinear, add_lora_adapters
+from vramkit.units import format_size
 
 __all__ = [
     "DEFAULT_REPORT",
+    "LORA_TARGETS",
     "DemoConfig",
     "DemoPlan",
     "DemoProgress",
@@ -74,20 +76,11 @@ CPU_PRESET = "small"
 _CPU_BUDGET_FACTOR = 0.85  # the simulated CPU budget is at least this fraction of the weights
 _DEFAULT_STEPS = {"cuda": 20, "cpu": 10}
 _DEFAULT_BATCH = 2
-# Layers that get LoRA adapters: the fused qkv and output projections of both streams of a
-# double block, and the fused (qkv + MLP in) / (attention + MLP out) layers of a single block --
-# the attention layers LoRA trainers for Flux adapt.
-LORA_TARGETS = ("qkv", "proj", "linear1", "linear2")
 # Margin of the budget kept free: allocator fragmentation, cuBLAS/attention workspaces and
 # temporaries the activation estimate does not see. The CUDA context lies outside the budget.
 _MARGIN_FRACTION = {"cuda": 0.10, "cpu": 0.05}
 _MARGIN_FIXED = {"cuda": 256 * 2**20, "cpu": 0}
 _ADAMW_STATE_FACTOR = 3  # a gradient plus exp_avg and exp_avg_sq per trainable parameter
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -103,7 +96,8 @@ class DemoConfig:
             on a GPU, the ``small`` preset (float32) on a CPU.
         steps: training steps (>= 1). Default 20 on a GPU, 10 on a CPU.
         batch_size: samples per step (>= 1). Default 2.
-        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Default: CUDA when available.
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (stored as a ``torch.device``; whether
+            it is present is checked when the demo is planned). Default: CUDA when available.
         baseline: also time the model fully resident (default ``True``).
         report: path of the profile report (``.html``, ``.json`` or ``.png``); ``None`` or ``""``
             writes none. Default ``vramkit-demo-report.html``.
@@ -120,7 +114,7 @@ class DemoConfig:
     model_size: str | int | None = None
     steps: int | None = None
     batch_size: int | None = None
-    device: str | None = None
+    device: str | torch.device | None = None
     baseline: bool = True
     report: str | Path | None = DEFAULT_REPORT
     lora_rank: int = 16
@@ -129,30 +123,16 @@ class DemoConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.budget is not None:
-            try:
-                budget = parse_size(self.budget)
-            except (ValueError, TypeError) as exc:
-                raise ConfigError(f"invalid budget {self.budget!r}: {exc}",
-                                  hint="Give a size such as 4GiB, 1500MB or 2G.") from None
-            if budget <= 0:
-                raise ConfigError("the budget must be > 0 bytes", hint="Try --budget 4GiB.")
-            object.__setattr__(self, "budget", budget)
+        object.__setattr__(self, "budget", check_size(
+            "DemoConfig.budget", self.budget, minimum=1, allow_none=True,
+            hint="Give a size such as 4GiB, 1500MB or 2G."))
         if self.model_size is not None:
             object.__setattr__(self, "model_size", _check_model_size(self.model_size))
-        if self.steps is not None:
-            _check_int("steps", self.steps, 1)
-        if self.batch_size is not None:
-            _check_int("batch_size", self.batch_size, 1)
-        if self.device is not None:
-            try:
-                dev = torch.device(self.device)
-            except (RuntimeError, TypeError):
-                dev = None
-            if dev is None or dev.type not in ("cpu", "cuda"):
-                raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if not isinstance(self.baseline, bool):
-            raise ConfigError(f"baseline must be a bool, got {self.baseline!r}")
+        check_int("DemoConfig.steps", self.steps, minimum=1, allow_none=True)
+        check_int("DemoConfig.batch_size", self.batch_size, minimum=1, allow_none=True)
+        object.__setattr__(self, "device", check_device("DemoConfig.device", self.device,
+                                                        allow_none=True))
+        check_bool("DemoConfig.baseline", self.baseline)
         if self.report is not None:
             if not isinstance(self.report, (str, Path)):
                 raise ConfigError(f"report must be a path or None, got {self.report!r}")
@@ -162,90 +142,20 @@ class DemoConfig:
                 raise ConfigError(f"cannot write a profile report as {str(self.report)!r}",
                                   hint="Use a path ending in .html, .json or .png, or '' for "
                                        "no report.")
-        _check_int("lora_rank", self.lora_rank, 1)
-        _check_int("num_slots", self.num_slots, 1)
-        _check_int("seed", self.seed, 0)
-        lr = self.learning_rate
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) \
-                or lr <= 0:
-            raise ConfigError(f"learning_rate must be a finite number > 0, got {lr!r}")
+        check_int("DemoConfig.lora_rank", self.lora_rank, minimum=1)
+        check_int("DemoConfig.num_slots", self.num_slots, minimum=1)
+        check_int("DemoConfig.seed", self.seed, minimum=0)
+        object.__setattr__(self, "learning_rate", check_number(
+            "DemoConfig.learning_rate", self.learning_rate, minimum=0, low_open=True))
 
 
 def _check_model_size(value: object) -> str | int:
+    """A preset name as is, else the weight size in bytes (> 0)."""
     if isinstance(value, str) and value in DiTConfig.preset_names():
         return value
-    try:
-        size = parse_size(value)  # type: ignore[arg-type]
-    except (ValueError, TypeError):
-        raise ConfigError(f"invalid model size {value!r}",
-                          hint=f"Use a preset ({', '.join(DiTConfig.preset_names())}) or a "
-                               "weight size such as 6GiB.") from None
-    if size <= 0:
-        raise ConfigError("the model size must be > 0 bytes")
-    return size
-
-
-# -- LoRA adapters ---------------------------------------------------------------------------
-
-
-class LoRALinear(nn.Module):
-    """A frozen ``nn.Linear`` plus a trainable low-rank update ``up @ down`` (float32).
-
-    ``up`` starts at zero, so the adapted layer starts equal to the base layer (as in LoRA).
-
-    Args:
-        base: the layer to adapt; its parameters are frozen.
-        rank: rank of the update.
-        generator: random source of ``down`` (N(0, 1/in_features)). Default: the global RNG.
-    """
-
-    def __init__(self, base: nn.Linear, rank: int, generator: torch.Generator | None = None
-                 ) -> None:
-        super().__init__()
-        self.base = base
-        base.requires_grad_(False)
-        device = base.weight.device
-        self.down = nn.Parameter(torch.empty(rank, base.in_features, device=device))
-        self.up = nn.Parameter(torch.zeros(base.out_features, rank, device=device))
-        if device.type != "meta":
-            values = torch.randn(self.down.shape, generator=generator)
-            with torch.no_grad():
-                self.down.copy_(values.mul_(base.in_features ** -0.5))
-        self.scaling = 1.0  # alpha = rank
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
-        delta = F.linear(F.linear(x.to(self.down.dtype), self.down), self.up)
-        return out + (delta * self.scaling).to(out.dtype)
-
-
-def add_lora_adapters(model: nn.Module, block_names: list[str], rank: int, *,
-                      seed: int = 0) -> list[nn.Parameter]:
-    """Freeze ``model`` and wrap the ``LORA_TARGETS`` layers of the named blocks in LoRA.
-
-    Args:
-        model: the model (any device, ``meta`` included).
-        block_names: qualified names of the blocks to adapt.
-        rank: adapter rank.
-        seed: seed of the adapters' initial values. Default 0.
-
-    Returns:
-        The trainable parameters (the adapters), in block order.
-    """
-    model.requires_grad_(False)
-    generator = torch.Generator().manual_seed(seed)
-    params: list[nn.Parameter] = []
-    for block_name in block_names:
-        block = model.get_submodule(block_name)
-        targets = [(name, mod) for name, mod in block.named_modules()
-                   if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] in LORA_TARGETS]
-        for name, linear in targets:
-            parent_name, _, attr = name.rpartition(".")
-            parent = block.get_submodule(parent_name) if parent_name else block
-            adapter = LoRALinear(linear, rank, generator)
-            setattr(parent, attr, adapter)
-            params += [adapter.down, adapter.up]
-    return params
+    return check_size("DemoConfig.model_size", value, minimum=1,
+                      hint=f"Use a preset ({', '.join(DiTConfig.preset_names())}) or a "
+                           "weight size such as 6GiB.")
 
 
 # -- planning --------------------------------------------------------------------------------
@@ -322,7 +232,7 @@ class DemoPlan:
         return DiTConfig.from_dict(self.model_config)
 
 
-def _resolve_device(requested: str | None) -> tuple[torch.device, str, bool]:
+def _resolve_device(requested: str | torch.device | None) -> tuple[torch.device, str, bool]:
     from vramkit.devices._runtime import is_cuda_available
 
     gpu = is_cuda_available()
@@ -483,7 +393,7 @@ def plan_demo(config: DemoConfig | None = None) -> DemoPlan:
         device=str(device), device_name=device_name, gpu_found=gpu_found,
         simulated=kind != "cuda", model_name=model_name, model_config=dit_config.to_dict(),
         steps=steps, batch_size=batch_size, lora_rank=config.lora_rank,
-        learning_rate=float(config.learning_rate), num_slots=config.num_slots, seed=config.seed,
+        learning_rate=config.learning_rate, num_slots=config.num_slots, seed=config.seed,
         model_bytes=dit_config.weight_bytes(), num_blocks=len(names),
         block_bytes=sum(block_bytes), largest_block_bytes=largest,
         outside_block_bytes=outside_bytes, block_resident_bytes=block_resident,

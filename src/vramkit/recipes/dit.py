@@ -39,9 +39,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vramkit._validate import check_known_fields
+from vramkit._validate import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_known_fields,
+    check_number,
+    check_size,
+)
 from vramkit.errors import ConfigError
-from vramkit.units import format_size, parse_size
+from vramkit.units import format_size
 
 __all__ = [
     "DiT",
@@ -91,11 +98,6 @@ _WIDTH_PER_DEPTH = 160.0
 _FOR_BYTES_TOLERANCE = 0.05
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"DiTConfig.{name} must be an int >= {minimum}, got {value!r}")
-
-
 def _linear_params(fan_in: int, fan_out: int) -> int:
     return fan_in * fan_out + fan_out
 
@@ -137,15 +139,10 @@ class DiTConfig:
     qk_norm: bool = True
 
     def __post_init__(self) -> None:
-        _check_int("hidden_size", self.hidden_size, 1)
-        _check_int("num_heads", self.num_heads, 1)
-        _check_int("num_double_blocks", self.num_double_blocks, 0)
-        _check_int("num_single_blocks", self.num_single_blocks, 0)
-        _check_int("in_channels", self.in_channels, 1)
-        _check_int("patch_size", self.patch_size, 1)
-        _check_int("text_dim", self.text_dim, 1)
-        _check_int("text_tokens", self.text_tokens, 1)
-        _check_int("image_size", self.image_size, 1)
+        for name, minimum in (("hidden_size", 1), ("num_heads", 1), ("num_double_blocks", 0),
+                              ("num_single_blocks", 0), ("in_channels", 1), ("patch_size", 1),
+                              ("text_dim", 1), ("text_tokens", 1), ("image_size", 1)):
+            check_int(f"DiTConfig.{name}", getattr(self, name), minimum=minimum)
         if self.num_double_blocks + self.num_single_blocks < 1:
             raise ConfigError("DiTConfig needs at least one block "
                               "(num_double_blocks + num_single_blocks >= 1)")
@@ -157,21 +154,16 @@ class DiTConfig:
                 f"DiTConfig head_dim = hidden_size / num_heads = {self.head_dim} must be a "
                 "multiple of 4 for 2-D rotary embeddings",
                 hint="Pick hidden_size and num_heads with a head size of 64 or 128, as Flux does.")
-        if (isinstance(self.mlp_ratio, bool) or not isinstance(self.mlp_ratio, (int, float))
-                or not math.isfinite(self.mlp_ratio) or self.mlp_ratio <= 0):
-            raise ConfigError(f"DiTConfig.mlp_ratio must be a finite number > 0, "
-                              f"got {self.mlp_ratio!r}")
+        object.__setattr__(self, "mlp_ratio", check_number(
+            "DiTConfig.mlp_ratio", self.mlp_ratio, minimum=0, low_open=True))
         if self.mlp_hidden_size < 1:
             raise ConfigError(f"DiTConfig.mlp_ratio {self.mlp_ratio} gives an empty MLP for "
                               f"hidden_size {self.hidden_size}")
         if self.image_size % self.patch_size:
             raise ConfigError(f"DiTConfig.image_size ({self.image_size}) must be a multiple of "
                               f"patch_size ({self.patch_size})")
-        if self.dtype not in _DTYPES:
-            raise ConfigError(f"DiTConfig.dtype must be one of {sorted(_DTYPES)}, "
-                              f"got {self.dtype!r}")
-        if not isinstance(self.qk_norm, bool):
-            raise ConfigError(f"DiTConfig.qk_norm must be a bool, got {self.qk_norm!r}")
+        check_choice("DiTConfig.dtype", self.dtype, _DTYPES)
+        check_bool("DiTConfig.qk_norm", self.qk_norm)
 
     # -- derived sizes -----------------------------------------------------------------------
 
@@ -293,18 +285,15 @@ class DiTConfig:
             ConfigError: for a size that is not positive, an unknown dtype, or overrides of the
                 fields this method chooses (hidden_size, num_heads, block counts).
         """
-        try:
-            target = parse_size(target_bytes)
-        except ValueError as exc:
-            raise ConfigError(f"DiTConfig.for_bytes: {exc}") from None
-        if target <= 0:
-            raise ConfigError(f"DiTConfig.for_bytes needs a target > 0 bytes, got {target_bytes!r}")
+        name = "DiTConfig.for_bytes target_bytes"
+        target: int = check_size(name, target_bytes)  # bytes, or text such as "6GiB"
+        check_number(name, target, minimum=0, low_open=True,  # and not 0
+                     hint="Give the weight size to aim at, such as '6GiB' or 10**9.")
         chosen = sorted(set(overrides) & set(_SIZED_FIELDS))
         if chosen:
             raise ConfigError(f"DiTConfig.for_bytes chooses {', '.join(chosen)} itself",
                               hint="Use DiTConfig(...) or DiTConfig.preset(...) to fix them.")
-        if dtype not in _DTYPES:
-            raise ConfigError(f"DiTConfig.dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        check_choice("DiTConfig.dtype", dtype, _DTYPES)
         fields = {**_FOR_BYTES_DEFAULTS, **overrides, "dtype": dtype}
         template = cls(hidden_size=64, num_heads=1, num_double_blocks=1, num_single_blocks=1,
                        **fields)
@@ -743,8 +732,7 @@ def synthetic_batch(config: DiTConfig, batch_size: int, *,
     Raises:
         ConfigError: for a batch size < 1.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    check_int("batch_size", batch_size, minimum=1)
     if generator is not None:
         source = generator.device
     else:

@@ -33,8 +33,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from vramkit._validate import (
+    check_bool,
+    check_choice,
+    check_device,
+    check_int,
+    check_number,
+    check_size,
+)
 from vramkit.errors import ConfigError
-from vramkit.units import parse_size
+from vramkit.offload.swap import SwapConfig
 
 __all__ = [
     "FluxTrainingConfig",
@@ -54,23 +62,8 @@ _TIER_16 = int(14.5 * _GIB)
 _SLICE_NAMES = ("auto", "max")
 _MIXED_PRECISION = ("bf16", "no")
 _QUANT_FORMATS = ("int8", "int4", "nf4", "fp8")
-
-
-def _check_bool(owner: str, name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{owner}.{name} must be a bool, got {value!r}")
-
-
-def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
-
-
-def _vram_bytes(vram: int | str) -> int:
-    try:
-        return parse_size(vram)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"vram: {exc}") from None
+# Compute devices the verbs take: those MemoryRecovery runs training steps on.
+_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
 
 
 # ------------------------------------------------------------------------------------------
@@ -164,13 +157,6 @@ class MemoryOptimization:
         return f"MemoryOptimization({', '.join(self.applied) or 'nothing'})"
 
 
-def _device(device: str | torch.device | None, default: str) -> torch.device:
-    try:
-        return torch.device(device if device is not None else default)
-    except (RuntimeError, TypeError) as exc:
-        raise ConfigError(f"invalid device {device!r}: {exc}") from None
-
-
 # ------------------------------------------------------------------------------------------
 # SDXL
 # ------------------------------------------------------------------------------------------
@@ -216,26 +202,25 @@ class SDXLMemoryConfig:
         owner = "SDXLMemoryConfig"
         for name in ("enable_cpu_offload", "enable_gradient_checkpointing",
                      "enable_attention_slicing", "vae_tiling"):
-            _check_bool(owner, name, getattr(self, name))
+            check_bool(f"{owner}.{name}", getattr(self, name))
         size = self.attention_slice_size
         if size is not None:
             if not self.enable_attention_slicing:
                 raise ConfigError("attention_slice_size is set but enable_attention_slicing is "
                                   "False", hint="Enable slicing, or leave the size at None.")
+            hint = "Give 'auto', 'max' or a number of heads per slice >= 1."
             if isinstance(size, str):
-                if size not in _SLICE_NAMES:
-                    raise ConfigError(f"{owner}.attention_slice_size must be 'auto', 'max' or an "
-                                      f"int >= 1, got {size!r}")
+                check_choice(f"{owner}.attention_slice_size", size, _SLICE_NAMES, hint=hint)
             else:
-                _check_int(owner, "attention_slice_size", size, 1)
-        _check_int(owner, "vae_tile_size", self.vae_tile_size, 64)
-        _check_int(owner, "vae_tile_overlap", self.vae_tile_overlap, 0)
+                check_int(f"{owner}.attention_slice_size", size, minimum=1, hint=hint)
+        check_int(f"{owner}.vae_tile_size", self.vae_tile_size, minimum=64)
+        check_int(f"{owner}.vae_tile_overlap", self.vae_tile_overlap, minimum=0)
         if self.vae_tile_size % 8 or self.vae_tile_overlap % 8:
             raise ConfigError("vae_tile_size and vae_tile_overlap must be multiples of 8 (the "
                               "SDXL VAE's scale factor)")
         if self.vae_tile_overlap >= self.vae_tile_size:
             raise ConfigError("vae_tile_overlap must be smaller than vae_tile_size")
-        _check_int(owner, "offload_resident_blocks", self.offload_resident_blocks, 0)
+        check_int(f"{owner}.offload_resident_blocks", self.offload_resident_blocks, minimum=0)
 
     @classmethod
     def preset_24gb(cls) -> SDXLMemoryConfig:
@@ -263,7 +248,7 @@ class SDXLMemoryConfig:
 
 
 def _tiered(vram: int | str, p24: Callable[[], Any], p16: Callable[[], Any], what: str) -> Any:
-    nbytes = _vram_bytes(vram)
+    nbytes = check_size("vram", vram)
     if nbytes >= _TIER_24:
         return p24()
     if nbytes >= _TIER_16:
@@ -293,8 +278,8 @@ def unet_blocks(unet: nn.Module) -> list[str]:
     names = []
     for stage_name in ("down_blocks", "mid_block", "up_blocks"):
         stage = getattr(unet, stage_name, None)
-        stages = list(stage.named_children()) if isinstance(stage, nn.ModuleList) else \
-            ([("", stage)] if stage is not None else [])
+        stages = (list(stage.named_children()) if isinstance(stage, nn.ModuleList)
+                  else [("", stage)] if stage is not None else [])
         for index, module in stages:
             prefix = f"{stage_name}.{index}" if index else stage_name
             for part in ("resnets", "attentions"):
@@ -327,7 +312,9 @@ def optimize_sdxl_memory(config: SDXLMemoryConfig, pipeline_or_modules: Any, *,
         raise ConfigError(f"config must be an SDXLMemoryConfig, got {type(config).__name__}")
     parts = _components(pipeline_or_modules)
     unet, vae = parts.get("unet"), parts.get("vae")
-    handle = MemoryOptimization(_device(device, "cuda"))
+    handle = MemoryOptimization(check_device("optimize_sdxl_memory device",
+                                             "cuda" if device is None else device,
+                                             types=_DEVICE_TYPES))
     needs_unet = (config.enable_gradient_checkpointing or config.enable_attention_slicing
                   or config.enable_cpu_offload)
     if needs_unet and unet is None:
@@ -359,7 +346,7 @@ def optimize_sdxl_memory(config: SDXLMemoryConfig, pipeline_or_modules: Any, *,
                                          f"{config.vae_tile_overlap} px overlap",
                            handle.vae_tiling.detach)
         if config.enable_cpu_offload:
-            from vramkit.offload.swap import BlockSwapper, SwapConfig
+            from vramkit.offload.swap import BlockSwapper
 
             swapper = BlockSwapper(unet, blocks=unet_blocks(unet), device=handle.device,
                                    config=SwapConfig(
@@ -418,32 +405,26 @@ class FluxTrainingConfig:
     quantize_base_model: bool = False
     base_model_format: str = "int8"
     blocks_to_swap: int = 0
-    swap_min_tensor_bytes: int = 64 * 1024
+    swap_min_tensor_bytes: int = SwapConfig.min_param_bytes
     use_8bit_adam: bool = False
     learning_rate: float = 1e-4
     weight_decay: float = 1e-2
 
     def __post_init__(self) -> None:
         owner = "FluxTrainingConfig"
-        _check_int(owner, "batch_size", self.batch_size, 1)
+        check_int(f"{owner}.batch_size", self.batch_size, minimum=1)
         for name in ("gradient_checkpointing", "cpu_offload_optimizer", "quantize_base_model",
                      "use_8bit_adam"):
-            _check_bool(owner, name, getattr(self, name))
-        if self.mixed_precision not in _MIXED_PRECISION:
-            raise ConfigError(f"{owner}.mixed_precision must be one of {_MIXED_PRECISION}, got "
-                              f"{self.mixed_precision!r}",
-                              hint="fp16 needs loss scaling; train Flux in bf16.")
-        if self.base_model_format not in _QUANT_FORMATS:
-            raise ConfigError(f"{owner}.base_model_format must be one of {_QUANT_FORMATS}, got "
-                              f"{self.base_model_format!r}")
-        _check_int(owner, "blocks_to_swap", self.blocks_to_swap, 0)
-        _check_int(owner, "swap_min_tensor_bytes", self.swap_min_tensor_bytes, 0)
-        for name in ("learning_rate", "weight_decay"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 \
-                    or (name == "learning_rate" and value == 0):
-                raise ConfigError(f"{owner}.{name} must be a number "
-                                  f"{'> 0' if name == 'learning_rate' else '>= 0'}, got {value!r}")
+            check_bool(f"{owner}.{name}", getattr(self, name))
+        check_choice(f"{owner}.mixed_precision", self.mixed_precision, _MIXED_PRECISION,
+                     hint="fp16 needs loss scaling; train Flux in bf16.")
+        check_choice(f"{owner}.base_model_format", self.base_model_format, _QUANT_FORMATS)
+        check_int(f"{owner}.blocks_to_swap", self.blocks_to_swap, minimum=0)
+        check_int(f"{owner}.swap_min_tensor_bytes", self.swap_min_tensor_bytes, minimum=0)
+        object.__setattr__(self, "learning_rate", check_number(
+            f"{owner}.learning_rate", self.learning_rate, minimum=0, low_open=True))
+        object.__setattr__(self, "weight_decay", check_number(
+            f"{owner}.weight_decay", self.weight_decay, minimum=0))
 
     @classmethod
     def preset_24gb(cls) -> FluxTrainingConfig:
@@ -515,7 +496,9 @@ def optimize_flux_memory(config: FluxTrainingConfig, model_or_pipeline: Any, *,
     model = getattr(model_or_pipeline, "transformer", model_or_pipeline)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"expected a Flux transformer module, got {type(model).__name__}")
-    handle = MemoryOptimization(_device(device, "cuda"))
+    handle = MemoryOptimization(check_device("optimize_flux_memory device",
+                                             "cuda" if device is None else device,
+                                             types=_DEVICE_TYPES))
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable and (config.use_8bit_adam or config.cpu_offload_optimizer):
         raise ConfigError("optimizer options are set but the model has no trainable parameters",
@@ -525,8 +508,8 @@ def optimize_flux_memory(config: FluxTrainingConfig, model_or_pipeline: Any, *,
             cast = 0
             with torch.no_grad():
                 for tensor in [*model.parameters(), *model.buffers()]:
-                    if tensor.is_floating_point() and not tensor.requires_grad \
-                            and tensor.dtype != torch.bfloat16:
+                    if (tensor.is_floating_point() and not tensor.requires_grad
+                            and tensor.dtype != torch.bfloat16):
                         tensor.data = tensor.data.to(torch.bfloat16)
                         cast += 1
             handle.autocast_dtype = torch.bfloat16
@@ -550,7 +533,7 @@ def optimize_flux_memory(config: FluxTrainingConfig, model_or_pipeline: Any, *,
                            lambda: disable_gradient_checkpointing(model))
         if config.blocks_to_swap:
             from vramkit.offload.blocks import find_blocks
-            from vramkit.offload.swap import BlockSwapper, SwapConfig
+            from vramkit.offload.swap import BlockSwapper
 
             count = len(find_blocks(model))
             if config.blocks_to_swap > count:

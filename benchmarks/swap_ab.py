@@ -37,7 +37,7 @@ Key = tuple[str, int, bool, int]
 
 
 def _run(tree: Path, label: str, round_index: int, args: list[str], out: Path) -> Path:
-    target = out / f"{label}{round_index}"
+    target = out / f"{label}{round_index}.d"
     env = dict(os.environ, PYTHONPATH=str((tree / "src").resolve()), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, str(tree / "benchmarks" / "swap.py"), *args, "--out", str(target)]
     started = time.perf_counter()
@@ -47,7 +47,17 @@ def _run(tree: Path, label: str, round_index: int, args: list[str], out: Path) -
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
         raise SystemExit(f"swap.py from {tree} failed")
-    return target / "swap.json"
+    # Keep only the JSON, flat: a machine that returns a few files gets every run.
+    kept = out / f"{label}{round_index}.json"
+    (target / "swap.json").replace(kept)
+    for leftover in target.iterdir():
+        leftover.unlink()
+    target.rmdir()
+    for key, row in sorted(_rows(kept).items()):
+        print(f"    {label}{round_index} {key}: vramkit {row['vramkit']['step_ms']:.1f} ms, "
+              f"resident {row['resident']['step_ms']:.1f} ms, "
+              f"x{row['vramkit']['step_ms'] / row['resident']['step_ms']:.3f}", flush=True)
+    return kept
 
 
 def _rows(path: Path) -> dict[Key, dict[str, Any]]:

@@ -262,8 +262,8 @@ class Exchanger:
         by_storage = {t.untyped_storage().data_ptr(): t for t in _frozen_tensors(module)}
 
         def pack(t: torch.Tensor) -> Any:
-            owner = by_storage.get(t.untyped_storage().data_ptr()) if t.device == self.device \
-                else None
+            owner = (by_storage.get(t.untyped_storage().data_ptr()) if t.device == self.device
+                     else None)
             if owner is None:
                 return t
             return (owner, t.shape, t.stride(), t.storage_offset())

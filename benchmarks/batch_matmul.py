@@ -104,8 +104,8 @@ def main() -> None:
         parser.error("--trials must be >= 1 and --warmup >= 0")
     torch.backends.cuda.matmul.allow_tf32 = False  # the same math on both sides
     dtype = getattr(torch, args.dtype)
-    tolerance = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else \
-        {"rtol": 1e-4, "atol": 1e-3}
+    tolerance = ({"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16
+                 else {"rtol": 1e-4, "atol": 1e-3})
     results: list[dict[str, Any]] = []
     rows = []
     for name, pairs in workloads(device, dtype, args.quick).items():

@@ -89,8 +89,8 @@ def test_device_order_fastest_first_vs_pci_bus_id(monkeypatch: pytest.MonkeyPatc
     assert [v.nvml_index for v in pci] == [0, 1, 2]
     # The same index names a different GPU under each order.
     assert resolve_visible_devices(snap, {"CUDA_VISIBLE_DEVICES": "0"})[0].uuid == gpus[1].uuid
-    assert resolve_visible_devices(snap, {**PCI, "CUDA_VISIBLE_DEVICES": "0"})[0].uuid == \
-        gpus[0].uuid
+    assert (resolve_visible_devices(snap, {**PCI, "CUDA_VISIBLE_DEVICES": "0"})[0].uuid
+            == gpus[0].uuid)
 
 
 def test_fastest_first_ties_keep_pci_order(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -65,10 +65,10 @@ def test_key_depends_on_every_field() -> None:
 
 
 def test_key_fields_cannot_run_into_each_other() -> None:
-    assert KernelDiskCache.key("ab", "c", (), "sm_90", "x") != \
-        KernelDiskCache.key("a", "bc", (), "sm_90", "x")
-    assert KernelDiskCache.key("k", "s", ("-a", "-b"), "sm_90", "x") != \
-        KernelDiskCache.key("k", "s", ("-a -b",), "sm_90", "x")
+    assert (KernelDiskCache.key("ab", "c", (), "sm_90", "x")
+            != KernelDiskCache.key("a", "bc", (), "sm_90", "x"))
+    assert (KernelDiskCache.key("k", "s", ("-a", "-b"), "sm_90", "x")
+            != KernelDiskCache.key("k", "s", ("-a -b",), "sm_90", "x"))
 
 
 # ---------------------------------------------------------------------------- entries

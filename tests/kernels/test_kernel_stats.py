@@ -96,8 +96,8 @@ def test_transfers_are_counted_per_device_and_direction() -> None:
     assert (one.bytes_d2h, one.transfers_d2h, one.bytes_h2d) == (7, 1, 0)
     both = stats.snapshot(all_devices=True)
     assert both.device is None
-    assert (both.bytes_h2d, both.bytes_d2h, both.transfers_h2d + both.transfers_d2h) == \
-        (150, 7, 3)
+    assert ((both.bytes_h2d, both.bytes_d2h, both.transfers_h2d + both.transfers_d2h)
+            == (150, 7, 3))
 
 
 def test_default_device_is_the_current_one() -> None:

@@ -113,12 +113,12 @@ def test_occupancy_api_drives_for_elements(manager: KernelManager) -> None:
     suggested = min(suggested, kernel.max_threads_per_block)
     # The smallest block from 256 up with the suggested block's occupancy (resident threads).
     assert 256 <= block <= suggested
-    assert kernel.max_active_blocks_per_multiprocessor(block) * block >= \
-        kernel.max_active_blocks_per_multiprocessor(suggested) * suggested
+    assert (kernel.max_active_blocks_per_multiprocessor(block) * block
+            >= kernel.max_active_blocks_per_multiprocessor(suggested) * suggested)
     if block > 256:
         smaller = block // 2
-        assert kernel.max_active_blocks_per_multiprocessor(smaller) * smaller < \
-            kernel.max_active_blocks_per_multiprocessor(suggested) * suggested
+        assert (kernel.max_active_blocks_per_multiprocessor(smaller) * smaller
+                < kernel.max_active_blocks_per_multiprocessor(suggested) * suggested)
 
 
 def test_parameter_info_is_reported(manager: KernelManager) -> None:

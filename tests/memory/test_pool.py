@@ -606,8 +606,8 @@ def test_reset_stats_resets_peaks_and_counters() -> None:
     after = pool.stats()
     assert after.peak_allocated == after.allocated == 2 * 4096
     assert after.peak_reserved == after.reserved
-    assert (after.num_allocations, after.num_frees, after.cache_hits, after.cache_misses) == \
-        (0, 0, 0, 0)
+    assert ((after.num_allocations, after.num_frees, after.cache_hits, after.cache_misses)
+            == (0, 0, 0, 0))
     assert again.nbytes == 4096
 
 

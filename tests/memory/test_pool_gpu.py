@@ -137,8 +137,8 @@ class RecordingCudart:
 def _recording_pinned_pool(config: PoolConfig) -> tuple[MemoryPool, RecordingCudart]:
     pool = MemoryPool.pinned(config)
     backend = pool._backend
-    assert isinstance(backend, _segments.RegisteredPinnedSegments), \
-        "this PyTorch has no cudaHostRegister in torch.cuda.cudart()"
+    assert isinstance(backend, _segments.RegisteredPinnedSegments), (
+        "this PyTorch has no cudaHostRegister in torch.cuda.cudart()")
     backend.cudart = recording = RecordingCudart(backend.cudart)
     return pool, recording
 

@@ -93,8 +93,8 @@ def test_fields_map_from_memory_stats(fake_cuda: dict[str, int],
     monkeypatch.setattr(stats_mod, "nvml_process_memory", lambda pid=None: 1500)
     record = allocator_stats(0)
     assert record.device == "cuda:0" and record.cuda_initialized
-    assert (record.allocated, record.peak_allocated, record.reserved, record.peak_reserved) == \
-        (600, 900, 1000, 1200)
+    assert ((record.allocated, record.peak_allocated, record.reserved, record.peak_reserved)
+            == (600, 900, 1000, 1200))
     assert (record.active, record.inactive_split, record.requested) == (650, 100, 590)
     assert (record.num_alloc_retries, record.num_ooms) == (2, 1)
     assert (record.num_device_allocs, record.num_device_frees, record.segments) == (7, 3, 4)

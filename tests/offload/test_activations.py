@@ -621,8 +621,8 @@ def test_stats_hit_rate() -> None:
 def test_config_sizes_parse() -> None:
     config = ActivationOffloadConfig(min_bytes="2KiB", max_pinned_bytes="1MiB",
                                      max_inflight_bytes="0B")
-    assert (config.min_bytes, config.max_pinned_bytes, config.max_inflight_bytes) == \
-        (2048, 1 << 20, 0)
+    assert ((config.min_bytes, config.max_pinned_bytes, config.max_inflight_bytes)
+            == (2048, 1 << 20, 0))
     assert ActivationOffloadConfig().min_bytes == 1 << 20
     assert ActivationOffloadConfig().prefetch_bytes == 256 << 20
     assert ActivationOffloadConfig(prefetch_bytes="1KiB").prefetch_bytes == 1024

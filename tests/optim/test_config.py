@@ -33,10 +33,10 @@ def test_defaults_and_dtype_names() -> None:
     assert config.use_8bit_adam and config.gradient_accumulation_steps == 1
     assert config.gradient_accumulation_dtype == "float32"
     assert config.accumulation_dtype is torch.float32
-    assert Int8TrainingConfig(gradient_accumulation_dtype="bf16").accumulation_dtype \
-        is torch.bfloat16
-    assert Int8TrainingConfig(gradient_accumulation_dtype=torch.float16) \
-        .gradient_accumulation_dtype == "float16"
+    assert (Int8TrainingConfig(gradient_accumulation_dtype="bf16").accumulation_dtype
+            is torch.bfloat16)
+    assert (Int8TrainingConfig(gradient_accumulation_dtype=torch.float16)
+            .gradient_accumulation_dtype == "float16")
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.use_8bit_adam = False  # type: ignore[misc]
 
@@ -69,8 +69,8 @@ def test_use_8bit_adam_selects_the_optimizer() -> None:
     opt = eight.create_optimizer(params, lr=2e-3, weight_decay=0.0)
     assert isinstance(opt, AdamW8bit)
     group = opt.param_groups[0]
-    assert (group["lr"], group["state_bits"], group["block_size"], group["min_8bit_size"]) == \
-        (2e-3, 4, 64, 10)
+    assert ((group["lr"], group["state_bits"], group["block_size"], group["min_8bit_size"])
+            == (2e-3, 4, 64, 10))
     plain = Int8TrainingConfig(use_8bit_adam=False).create_optimizer(params, lr=2e-3)
     assert type(plain) is torch.optim.AdamW
     with pytest.raises(ConfigError):

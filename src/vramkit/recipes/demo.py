@@ -234,6 +234,7 @@ class DemoPlan:
 
 def _resolve_device(requested: str | torch.device | None) -> tuple[torch.device, str, bool]:
     from vramkit.devices._runtime import is_cuda_available
+    from vramkit.devices.resolve import cuda_ordinal
 
     gpu = is_cuda_available()
     if requested is None:
@@ -244,9 +245,7 @@ def _resolve_device(requested: str | torch.device | None) -> tuple[torch.device,
     if not gpu:
         raise ConfigError("--device cuda was asked for, but PyTorch sees no CUDA GPU",
                           hint="Run `vramkit info` to see why, or use --device cpu.")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index >= torch.cuda.device_count():
-        raise ConfigError(f"no CUDA device {index}: {torch.cuda.device_count()} visible")
+    index = cuda_ordinal(device, owner="vramkit demo")
     return torch.device("cuda", index), torch.cuda.get_device_name(index), gpu
 
 

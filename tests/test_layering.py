@@ -227,3 +227,24 @@ def test_the_walker_resolves_import_forms(source: str, tmp_path: Path) -> None:
         assert isinstance(node, ast.ImportFrom)
         target = _resolve(node.module or "", node.names[0].name)
         assert target in MODULES and target != ROOT
+
+
+def _backslash_continuations(path: Path) -> list[int]:
+    """Lines of ``path`` continued with a backslash outside a string literal."""
+    import io
+    import tokenize
+
+    text = path.read_text()
+    in_string: set[int] = set()
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.STRING or tok.type == getattr(tokenize, "FSTRING_MIDDLE", -1):
+            in_string.update(range(tok.start[0], tok.end[0]))
+    return [n for n, line in enumerate(text.splitlines(), 1)
+            if line.rstrip().endswith("\\") and n not in in_string]
+
+
+def test_no_backslash_continuations() -> None:
+    # PEP 8 prefers parentheses, and some tools cannot read a function defined after one.
+    found = [f"{path.relative_to(SRC.parent)}:{n}" for path in MODULES.values()
+             for n in _backslash_continuations(path)]
+    assert not found, "backslash line continuations (use parentheses):\n" + "\n".join(found)

@@ -83,6 +83,22 @@ def test_package_exports_resolve(package: str) -> None:
         module.no_such_name  # noqa: B018
 
 
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_public_name_is_exported_from_where_it_lives(package: str) -> None:
+    import importlib
+    import pkgutil
+
+    module = importlib.import_module(f"vramkit.{package}")
+    exported = set(module.__all__)
+    for info in pkgutil.iter_modules(module.__path__):
+        if info.name.startswith("_"):
+            continue  # private modules are reached through the public ones
+        sub = importlib.import_module(f"{module.__name__}.{info.name}")
+        for name in getattr(sub, "__all__", ()):
+            assert name in exported, f"{sub.__name__}.{name} is not re-exported"
+            assert getattr(module, name) is getattr(sub, name)
+
+
 def test_importing_a_package_imports_none_of_its_modules() -> None:
     probe = "import sys\n" + "".join(
         f"import vramkit.{p}\n" for p in PACKAGES) + textwrap.dedent("""

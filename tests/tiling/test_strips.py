@@ -8,20 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.tiling._models import one_torch_thread, tiny_vae
+from tests.tiling._models import one_torch_thread
 from vramkit.tiling import VAETiling
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
-
-
-@pytest.fixture(scope="module")
-def vae() -> Any:
-    return tiny_vae(seed=3)
-
-
-@pytest.fixture(scope="module")
-def latents() -> torch.Tensor:
-    return torch.randn(2, 4, 8, 10, generator=torch.Generator().manual_seed(5))
 
 
 

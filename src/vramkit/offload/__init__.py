@@ -20,8 +20,10 @@ from vramkit._lazy import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".swap": ("BlockSwapper", "SwapConfig", "SwapStats", "BlockFootprint"),
-    ".blocks": ("BlockScheduleEntry", "BlockSpec", "find_blocks", "module_bytes"),
-    ".checkpointing": ("enable_gradient_checkpointing", "disable_gradient_checkpointing",
+    ".blocks": ("BlockScheduleEntry", "BlockSpec", "find_blocks", "module_bytes",
+                "as_block_specs", "choose_swapped", "named_schedule", "natural_key",
+                "spread_evenly"),
+    ".checkpointing": ("SDXL_CHECKPOINT_BLOCKS", "enable_gradient_checkpointing", "disable_gradient_checkpointing",
                        "is_checkpointed", "unwrapped_forward", "checkpoint",
                        "checkpoint_with_pool", "GradientCheckpointer", "SDXLGradientCheckpoint"),
     ".cpu": ("CPUOffloadManager", "CPUOffloadConfig", "CPUOffloadStats", "LoadHandle"),

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING
 from vramkit._lazy import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
-    ".demo": ("run_demo", "plan_demo", "DemoConfig", "DemoPlan", "DemoResult"),
+    ".demo": ("run_demo", "plan_demo", "DemoConfig", "DemoPlan", "DemoResult", "DemoProgress",
+              "DEFAULT_REPORT"),
     ".presets": ("SDXLMemoryConfig", "FluxTrainingConfig", "optimize_sdxl_memory",
                  "optimize_flux_memory", "MemoryOptimization"),
-    ".dit": ("DiT", "DiTConfig", "synthetic_batch", "flow_matching_loss"),
-    ".lora": ("LoRALinear", "add_lora_adapters"),
+    ".dit": ("DiT", "DiTConfig", "DoubleStreamBlock", "SingleStreamBlock", "synthetic_batch",
+             "flow_matching_loss", "rotary_embedding", "timestep_features"),
+    ".lora": ("LoRALinear", "add_lora_adapters", "LORA_TARGETS"),
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions

@@ -27,6 +27,7 @@ __all__ = [
     "SafetensorsFormatError",
     "TooLateError",
     "VramkitError",
+    "VramkitWarning",
 ]
 
 
@@ -217,3 +218,10 @@ class RecoveryError(VramkitError, MemoryError):
 
     default_hint = ("Lower the memory need another way: enable gradient checkpointing, block "
                     "swapping (BlockSwapper) or a quantized base model.")
+
+
+class VramkitWarning(UserWarning):
+    """Something vramkit did differs from what the user probably expected, though nothing
+    failed: a swapper that swaps nothing, a setting that has no effect here. The message says
+    why and what to change."""
+

@@ -276,3 +276,21 @@ def test_spread_evenly_follows_bytes_not_indices() -> None:
     # Three of 2 big + 6 small blocks: the ends, and the block at the middle of the bytes
     # (block 1, which holds it) rather than the middle index.
     assert spread_evenly([100, 100, 1, 1, 1, 1, 1, 1], 3) == [0, 1, 7]
+
+
+# --------------------------------------------------------------------------------------------
+# the model itself as the stack
+# --------------------------------------------------------------------------------------------
+
+
+def test_auto_takes_the_model_when_it_is_the_stack() -> None:
+    model = nn.Sequential(*(Block() for _ in range(4)))
+    found = find_blocks(model)
+    assert _names(found) == ["0", "1", "2", "3"]
+    assert all(module is model[i] for i, (_, module) in enumerate(found))
+    stack = nn.ModuleList(Block() for _ in range(3))
+    assert _names(find_blocks(stack)) == ["0", "1", "2"]
+    # A model that mixes an embedding, a stack and a head is searched inside, as before.
+    mixed = nn.Sequential(nn.Linear(16, 16), nn.ModuleList(Block() for _ in range(3)),
+                          nn.LayerNorm(16))
+    assert _names(find_blocks(mixed)) == ["1.0", "1.1", "1.2"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from vramkit.errors import ConfigError, DeviceError, OffloadError
+from vramkit.errors import ConfigError, DeviceError, OffloadError, VramkitWarning
 from vramkit.memory.layout import Random, Sequential, Strided
 from vramkit.memory.transfer import HostStreams, StreamOp
 from vramkit.offload import swap as swap_module
@@ -1375,3 +1376,55 @@ def test_swapped_blocks_is_checked() -> None:
     assert SwapConfig(swapped_blocks=["blocks.1"]).swapped_blocks == ("blocks.1",)
     with pytest.raises(ConfigError, match="does not have"):
         _swap(_frozen_blocks(_net()), swapped_blocks=["blocks.9"])
+
+
+# -- ordinary models: the model itself is the stack; nothing to swap --------------------------
+
+
+def test_schedule_accepts_the_container_of_blocks() -> None:
+    blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 8), nn.Linear(8, 8)])
+    schedule = BlockSwapper.create_schedule(blocks, 1)
+    assert [(e.name, e.nbytes) for e in schedule] == [("0", 80), ("1", 160), ("2", 288)]
+    assert sum(e.swapped for e in schedule) == 2
+    assert [e.name for e in BlockSwapper.create_schedule(nn.Sequential(*blocks), 3)] == [
+        "0", "1", "2"]
+
+
+def test_a_bare_sequential_of_blocks_swaps_and_checkpoints() -> None:
+    torch.manual_seed(0)
+    ref = nn.Sequential(*(MLPBlock(D) for _ in range(4)))
+    ref.requires_grad_(False)
+    x = X.clone().requires_grad_(True)
+    model = copy.deepcopy(ref)
+    assert enable_gradient_checkpointing(model) == ["0", "1", "2", "3"]
+    swapper = _swap(model, max_gpu_blocks=1)
+    assert len(swapper.swapped_names) == 3
+    expected = ref(x).square().sum()
+    (x_grad,) = torch.autograd.grad(expected, x)
+    got = model(x).square().sum()
+    (got_grad,) = torch.autograd.grad(got, x)
+    assert torch.equal(got, expected) and torch.equal(got_grad, x_grad)
+    swapper.detach()
+
+
+@pytest.mark.parametrize(("config", "words"), [
+    ({"min_param_bytes": 1 << 20}, "below min_param_bytes"),
+    ({"max_gpu_bytes": "1GiB"}, "holds every block"),
+    ({"swapped_blocks": []}, "swapped_blocks is empty"),
+])
+def test_a_swapper_that_swaps_nothing_says_why(config: dict[str, Any], words: str) -> None:
+    model = _frozen_blocks(_net())
+    with pytest.warns(VramkitWarning, match=words):
+        swapper = _swap(model, **config)
+    assert swapper.swapped_names == []
+    swapper.detach()
+
+
+def test_trainable_blocks_kept_resident_are_named_as_the_reason() -> None:
+    model = _net()  # every block trainable: trainable="resident" keeps them on the device
+    with pytest.warns(VramkitWarning, match="trainable='resident'"):
+        swapper = _swap(model)
+    swapper.detach()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", VramkitWarning)
+        _swap(_frozen_blocks(_net())).detach()  # swaps: no warning

@@ -102,10 +102,11 @@ def find_blocks(model: nn.Module,
 
     Args:
         model: any ``nn.Module``.
-        blocks: ``"auto"`` (default) finds the stacks of repeated blocks: the outermost
-            ``nn.ModuleList`` / ``nn.Sequential`` containers with at least two children of one
-            class that hold at least 1% of the model's bytes; every child with parameters becomes
-            a block. Containers are taken in registration order (diffusers' Flux:
+        blocks: ``"auto"`` (default) finds the stacks of repeated blocks: the model itself
+            when it is an ``nn.Sequential`` / ``nn.ModuleList`` of blocks of one class
+            (children named ``"0"``, ``"1"``...); otherwise the outermost containers inside it
+            with at least two children of one class that hold at least 1% of the model's bytes;
+            every child with parameters becomes a block. Containers are taken in registration order (diffusers' Flux:
             ``transformer_blocks`` then ``single_transformer_blocks``) and children by index.
             Otherwise a sequence of names or ``fnmatch`` patterns: a name of a container means
             its children, a name of any other module means that module; results are ordered
@@ -136,6 +137,9 @@ def find_blocks(model: nn.Module,
 
 def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     total = module_bytes(model)
+    root = _root_stack(model)
+    if root:
+        return root
     found: list[tuple[str, nn.Module]] = []
     taken: list[str] = []
     for name, module in model.named_modules():
@@ -154,6 +158,18 @@ def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         taken.append(name)
         found.extend((f"{name}.{n}", c) for n, c in children)
     return found
+
+
+def _root_stack(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's own children when the model itself is the stack: a bare ``nn.Sequential`` or
+    ``nn.ModuleList`` whose children with parameters are two or more of one class (a model that
+    mixes an embedding, a stack and a head is searched inside instead)."""
+    if not isinstance(model, _CONTAINERS):
+        return []
+    children = [(n, c) for n, c in model.named_children() if module_bytes(c) > 0]
+    if len(children) < 2 or len({type(c) for _, c in children}) != 1:
+        return []
+    return children
 
 
 def _named_blocks(model: nn.Module, patterns: list[str]) -> list[tuple[str, nn.Module]]:
@@ -231,16 +247,21 @@ def spread_evenly(sizes: Sequence[int], count: int) -> list[int]:
 
 def as_block_specs(blocks: Sequence[BlockSpec | tuple[str, int] | nn.Module | str]
                    ) -> list[BlockSpec]:
-    """Read the blocks a schedule is asked for: :class:`BlockSpec`, ``(name, nbytes)`` pairs,
-    modules (named ``"0"``, ``"1"``... and weighed by :func:`module_bytes`) or plain names
-    (equal-sized, ordered numerically: ``"blocks.2"`` before ``"blocks.10"``).
+    """Read the blocks a schedule is asked for: an ``nn.ModuleList`` / ``nn.Sequential`` of
+    blocks, :class:`BlockSpec`, ``(name, nbytes)`` pairs, modules (named ``"0"``, ``"1"``... and
+    weighed by :func:`module_bytes`) or plain names (equal-sized, ordered numerically:
+    ``"blocks.2"`` before ``"blocks.10"``).
 
     Raises:
         ConfigError: for anything else.
     """
+    if isinstance(blocks, _CONTAINERS):
+        # The seed's form: the container of blocks itself (children named "0", "1"...).
+        return [BlockSpec(name, module_bytes(child)) for name, child in blocks.named_children()]
     if isinstance(blocks, (str, nn.Module)) or not isinstance(blocks, Sequence):
-        raise ConfigError("blocks must be a sequence of BlockSpec, (name, nbytes), modules or "
-                          "names", hint="For example [('blocks.0', 2**30), ('blocks.1', 2**30)].")
+        raise ConfigError(f"blocks must be a sequence of blocks, got {type(blocks).__name__}",
+                          hint="Pass an nn.ModuleList / nn.Sequential of blocks, or a list of "
+                               "modules, names, (name, nbytes) pairs or BlockSpec.")
     if blocks and all(isinstance(b, str) for b in blocks):
         return [BlockSpec(name, 1) for name in sorted(blocks, key=natural_key)]  # type: ignore[arg-type]
     specs = []

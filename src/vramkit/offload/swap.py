@@ -44,6 +44,7 @@ parameters (LoRA adapters, say) stay on the GPU and only frozen weights are swap
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ from torch.utils.hooks import RemovableHandle
 
 from vramkit._validate import check_bool, check_choice, check_int, check_size
 from vramkit.devices.resolve import resolve_device
-from vramkit.errors import ConfigError, OffloadError
+from vramkit.errors import ConfigError, OffloadError, VramkitWarning
 from vramkit.memory.layout import Random, Sequential, Strided, analyze_access_pattern
 from vramkit.memory.pool import MemoryPool, PoolConfig
 from vramkit.memory.transfer import transfer_streams
@@ -326,8 +327,9 @@ class BlockSwapper:
         "blocks.10").
 
         Args:
-            blocks: :class:`BlockSpec`, ``(name, nbytes)`` pairs, modules (named ``"0"``,
-                ``"1"``...) or names, in execution order.
+            blocks: an ``nn.ModuleList`` / ``nn.Sequential`` of blocks, or a sequence of
+                :class:`BlockSpec`, ``(name, nbytes)`` pairs, modules (named ``"0"``, ``"1"``...)
+                or names, in execution order.
             max_gpu_blocks: blocks that may stay resident (``None``: no count limit).
             max_gpu_bytes: GPU bytes for resident blocks plus ``num_slots`` slots of the
                 largest swapped block (``None``: no byte limit).
@@ -408,10 +410,43 @@ class BlockSwapper:
         # Released by detach(), or when the swapper is collected without one.
         self._unwatch = weakref.finalize(self, watch_structure, False)
         self._attached = True
+        if not self._blocks:
+            warnings.warn(self._nothing_swapped_reason(found), VramkitWarning, stacklevel=3)
         logger.info("BlockSwapper: %d of %d blocks swapped (%s pinned, %d slots of %s)",
                     len(self._blocks), len(self.schedule),
                     format_size(sum(b.nbytes for b in self._blocks)), len(self._ring.slots),
                     format_size(self._ring.slot_bytes))
+
+    def _nothing_swapped_reason(self, found: list[tuple[str, nn.Module]]) -> str:
+        """Why an attached swapper swaps no block, in words a user can act on."""
+        config = self.config
+        chosen = [found[e.index] for e in self.schedule if e.swapped]
+        prefix = f"BlockSwapper swaps none of the {len(found)} blocks it found: "
+        if not chosen:
+            if config.swapped_blocks is not None:
+                return prefix + "SwapConfig.swapped_blocks is empty."
+            limit = (f"max_gpu_bytes={format_size(config.max_gpu_bytes)}"  # type: ignore[arg-type]
+                     if config.max_gpu_bytes is not None
+                     else f"max_gpu_blocks={config.max_gpu_blocks}")
+            return (prefix + f"{limit} holds every block "
+                    f"({format_size(sum(e.nbytes for e in self.schedule))}), so the model runs "
+                    "resident. Lower the limit if the GPU cannot hold it.")
+        tensors = [(t, is_param) for _, module in chosen
+                   for _, _, t, is_param in block_tensors(module)]
+        largest = max((t.numel() * t.element_size() for t, _ in tensors), default=0)
+        if largest < max(1, config.min_param_bytes):
+            return (prefix + f"every tensor of the {len(chosen)} blocks the schedule chose is "
+                    f"below min_param_bytes={format_size(config.min_param_bytes)} (the largest "
+                    f"is {format_size(largest)}). Lower SwapConfig.min_param_bytes to swap "
+                    "small blocks.")
+        big = [t for t, _ in tensors
+               if t.numel() * t.element_size() >= max(1, config.min_param_bytes)]
+        if config.trainable == "resident" and all(t.requires_grad for t in big):
+            return (prefix + "the large tensors of the blocks it chose are trainable and "
+                    "trainable='resident' keeps them on the GPU. Freeze the base weights "
+                    "(LoRA), or use SwapConfig(trainable='cpu') for full fine-tuning.")
+        return (prefix + "the tensors of the blocks it chose are shared with other blocks, "
+                "buffers with swap_buffers=False, or not dense, so they stay resident.")
 
     def _shared_tensor_ids(self, found: list[tuple[str, nn.Module]]) -> set[int]:
         """Tensors used by more than one block, or by a block and the rest of the model: tied

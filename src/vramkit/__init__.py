@@ -24,7 +24,7 @@ __all__, _lazy_getattr, __dir__ = lazy_exports(__name__, {
         "VramkitError", "ConfigError", "DeviceError", "DeviceMismatchError", "InvalidDeviceError",
         "NvmlError", "JaxUnavailableError", "TooLateError", "PoolExhaustedError",
         "InvalidBlockError", "OffloadError", "QuantizationError", "SafetensorsFormatError",
-        "KernelError", "RecoveryError"),
+        "KernelError", "RecoveryError", "VramkitWarning"),
     "vramkit.units": ("parse_size", "format_size"),
     # -- floor 1: devices: what hardware there is and how it is configured ---------------------
     "vramkit.devices.nvml": ("query_nvml", "NvmlSnapshot", "NvmlDevice", "NvmlProcess"),

@@ -1,4 +1,5 @@
-"""explain_cuda_error on synthetic errors: OOM by type only, other kinds from CUDA messages."""
+"""explain_cuda_error on synthetic errors: OOM by type or CUDA error code (never by text), other
+kinds from the code or, without one, from CUDA messages."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import dataclasses
 import pytest
 import torch
 
-from vramkit.devices.cuda_errors import CudaErrorExplanation, CudaErrorKind, explain_cuda_error
+from vramkit.devices.cuda_errors import (
+    CUDA_ERROR_MEMORY_ALLOCATION,
+    CudaErrorExplanation,
+    CudaErrorKind,
+    cuda_error_code,
+    explain_cuda_error,
+    is_cuda_out_of_memory,
+)
 from vramkit.errors import KernelError
 
 
@@ -108,3 +116,94 @@ def test_explanation_is_frozen_and_printable() -> None:
     text = str(explanation)
     assert text.startswith("invalid_configuration:")
     assert all(s in text for s in explanation.suggestions)
+
+
+# -- CUDA error codes (torch.AcceleratorError, torch >= 2.8) ---------------------------------
+
+
+def accelerator_error(code: int, message: str) -> torch.AcceleratorError:
+    """A ``torch.AcceleratorError`` built the way torch builds one: the message as the only
+    argument, then ``error_code`` set as an attribute (``_new_accelerator_error_object`` in
+    ``torch/csrc/Exceptions.cpp``)."""
+    error = torch.AcceleratorError(message)
+    error.error_code = code  # type: ignore[attr-defined]
+    return error
+
+
+class CodedRuntimeError(RuntimeError):
+    """Another RuntimeError subclass that carries a CUDA error code the same way."""
+
+    def __init__(self, message: str, error_code: int) -> None:
+        super().__init__(message)
+        self.error_code = error_code
+
+
+def test_cuda_error_code_reads_the_attribute_torch_sets() -> None:
+    assert cuda_error_code(accelerator_error(2, "CUDA error: out of memory")) == 2
+    assert cuda_error_code(CodedRuntimeError("boom", 700)) == 700
+    # No code: torch < 2.8 raised plain RuntimeErrors; an AcceleratorError built by hand.
+    assert cuda_error_code(RuntimeError("CUDA error: out of memory")) is None
+    assert cuda_error_code(torch.AcceleratorError("CUDA error: out of memory")) is None
+    # Not a RuntimeError, or not an int: not a CUDA error code.
+    not_runtime = ValueError("x")
+    not_runtime.error_code = 2  # type: ignore[attr-defined]
+    assert cuda_error_code(not_runtime) is None
+    assert cuda_error_code(CodedRuntimeError("x", True)) is None  # type: ignore[arg-type]
+    text_code = RuntimeError("x")
+    text_code.error_code = "2"  # type: ignore[attr-defined]
+    assert cuda_error_code(text_code) is None
+
+
+@pytest.mark.parametrize("error", [
+    accelerator_error(CUDA_ERROR_MEMORY_ALLOCATION, "CUDA error: out of memory"),
+    accelerator_error(2, "no words about memory at all"),
+    CodedRuntimeError("whatever the message", 2),
+])
+def test_out_of_memory_is_recognised_by_cuda_error_code(error: BaseException) -> None:
+    assert is_cuda_out_of_memory(error)
+    explanation = explain_cuda_error(error)
+    assert explanation.kind is CudaErrorKind.OUT_OF_MEMORY and explanation.recoverable
+
+
+def test_out_of_memory_code_in_the_cause_chain() -> None:
+    try:
+        try:
+            raise accelerator_error(2, "CUDA error: out of memory")
+        except RuntimeError as inner:
+            raise KernelError("wrapped") from inner
+    except KernelError as outer:
+        assert explain_cuda_error(outer).kind is CudaErrorKind.OUT_OF_MEMORY
+        assert not is_cuda_out_of_memory(outer)  # the helper judges the error itself
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    RuntimeError("CUDA error: out of memory"),
+    torch.AcceleratorError("CUDA error: out of memory"),  # no error_code attribute
+    CodedRuntimeError("CUDA error: out of memory", 999),  # a code, and not 2
+])
+def test_out_of_memory_text_without_the_code_is_not_out_of_memory(error: BaseException) -> None:
+    assert not is_cuda_out_of_memory(error)
+    assert explain_cuda_error(error).kind is not CudaErrorKind.OUT_OF_MEMORY
+
+
+@pytest.mark.parametrize(("code", "kind"), [
+    (9, CudaErrorKind.INVALID_CONFIGURATION),
+    (701, CudaErrorKind.INVALID_CONFIGURATION),
+    (700, CudaErrorKind.ILLEGAL_ADDRESS),
+    (716, CudaErrorKind.ILLEGAL_ADDRESS),
+    (719, CudaErrorKind.LAUNCH_FAILURE),
+    (710, CudaErrorKind.LAUNCH_FAILURE),
+    (100, CudaErrorKind.CONTEXT),
+    (709, CudaErrorKind.CONTEXT),
+])
+def test_other_kinds_are_read_from_the_code_before_the_message(code: int,
+                                                               kind: CudaErrorKind) -> None:
+    # The message names another kind (and out-of-memory): the code decides.
+    error = accelerator_error(code, "CUDA error: out of memory / invalid configuration argument")
+    assert explain_cuda_error(error).kind is kind
+
+
+def test_sticky_codes_are_not_recoverable() -> None:
+    assert not explain_cuda_error(accelerator_error(700, "CUDA error")).recoverable
+    assert explain_cuda_error(accelerator_error(9, "CUDA error")).recoverable

@@ -179,6 +179,12 @@ def test_too_late_after_backend_started() -> None:
         manager(memory_strategy="conservative", preallocate=True)
         jax.devices()
         result["after_devices"] = jax_backend_initialized()
+        from vramkit.devices import jax_backend
+        result["platforms"] = sorted(jax_backend.jax_backend_platforms())
+        # The fraction and preallocation act on GPU backends only (on this CPU-only JAX any
+        # request is accepted, see test_cpu_only_jax_accepts_another_memory_strategy): make
+        # the started backends look like a GPU machine's.
+        jax_backend.jax_backend_platforms = lambda: frozenset({"cpu", "cuda"})
         # The backend started with 0.6 / preallocate: asking for 0.9 is too late.
         err = raises(TooLateError, manager, memory_strategy="aggressive", preallocate=True)
         result["fraction_setting"] = err.setting
@@ -192,11 +198,58 @@ def test_too_late_after_backend_started() -> None:
     """)
     assert result["after_import"] is False
     assert result["after_devices"] is True
+    assert result["platforms"] == ["cpu"]
     assert result["fraction_setting"] == "XLA_CLIENT_MEM_FRACTION"
     assert result["prealloc_setting"] == "XLA_PYTHON_CLIENT_PREALLOCATE"
     assert result["flags_setting"] == "XLA_FLAGS"
     assert result["env_unchanged"] == "0.6"
     assert result["same_ok"] is True
+
+
+def test_cpu_only_jax_accepts_another_memory_strategy() -> None:
+    result = run_jax_script("""
+        import jax, jax.numpy as jnp
+        from vramkit.devices import jax_backend
+        from vramkit.devices.manager import get_device_manager
+        first = get_device_manager(DeviceConfiguration(memory_strategy="conservative"),
+                                   detector=CpuDetector())
+        result["sum"] = float(jnp.arange(4.0).sum())  # the (CPU) backend starts here
+        result["started"] = jax_backend.jax_backend_initialized()
+        result["platforms"] = sorted(jax_backend.jax_backend_platforms())
+        # Another strategy and preallocation: the fraction cannot act on a CPU backend.
+        second = get_device_manager(
+            DeviceConfiguration(memory_strategy="aggressive", preallocate=True),
+            force_reinit=True, detector=CpuDetector())
+        result["replaced"] = second is not first and get_device_manager() is second
+        result["strategy"] = second.config.memory_strategy.value
+        result["env"] = [os.environ.get("XLA_CLIENT_MEM_FRACTION"),
+                         os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")]
+        result["written"] = jax_backend.apply_jax_memory_settings(0.3, True)
+        # Variables XLA reads on every platform are still refused once it started.
+        err = raises(TooLateError, manager, environment_variables={"XLA_FLAGS": "--x"})
+        result["flags_setting"] = err.setting
+        # With a GPU backend among the started ones the same request is refused, with a hint.
+        jax_backend.jax_backend_platforms = lambda: frozenset({"cpu", "cuda"})
+        err = raises(TooLateError, get_device_manager,
+                     DeviceConfiguration(memory_strategy="balanced"), force_reinit=True,
+                     detector=CpuDetector())
+        result["gpu_setting"] = err.setting
+        result["gpu_message"] = str(err)
+        result["kept"] = get_device_manager() is second
+        # Host devices are listed whatever backend is the default.
+        result["cpu_devices"] = [d.platform for d in second.jax_manager.cpu_devices]
+    """)
+    assert result["sum"] == 6.0 and result["started"] is True
+    assert result["platforms"] == ["cpu"]
+    assert result["replaced"] is True and result["strategy"] == "aggressive"
+    assert result["env"] == ["0.6", "false"]  # left as the backend read them
+    assert result["written"] == {}
+    assert result["flags_setting"] == "XLA_FLAGS"
+    assert result["gpu_setting"] == "XLA_CLIENT_MEM_FRACTION"
+    assert "(cpu, cuda) already started with memory fraction 0.6" in result["gpu_message"]
+    assert "before the first JAX operation" in result["gpu_message"]
+    assert result["kept"] is True
+    assert result["cpu_devices"] == ["cpu"] * 4
 
 
 def test_x64_and_jit_flags() -> None:

@@ -506,6 +506,108 @@ def test_jax_flags_without_jax(monkeypatch: pytest.MonkeyPatch) -> None:
         apply_jax_flags(False, False, environ=env)
 
 
+_REAL_BACKEND_PLATFORMS = jax_backend.jax_backend_platforms
+
+
+def test_jax_backend_platforms_reads_the_started_backends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jax_backend, "jax_backend_platforms", _REAL_BACKEND_PLATFORMS)
+    assert jax_backend.jax_backend_platforms() == frozenset()  # nothing started
+    monkeypatch.setattr(jax_backend, "jax_backend_initialized", lambda: True)
+    bridge = types.SimpleNamespace(_backends={"cpu": object(), "cuda": object()})
+    monkeypatch.setitem(sys.modules, "jax._src.xla_bridge", bridge)
+    assert jax_backend.jax_backend_platforms() == frozenset({"cpu", "cuda"})
+    bridge._backends = {"cpu": object()}
+    assert jax_backend.jax_backend_platforms() == frozenset({"cpu"})
+    del bridge._backends  # unknown internals: None, treated as "a GPU may be there"
+    assert jax_backend.jax_backend_platforms() is None
+
+
+def test_memory_settings_after_a_cpu_only_start_are_accepted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jax_backend, "jax_backend_initialized", lambda: True)
+    monkeypatch.setattr(jax_backend, "jax_backend_platforms", lambda: frozenset({"cpu"}))
+    env = {JAX_MEM_FRACTION_ENV: "0.6", JAX_PREALLOCATE_ENV: "false"}
+    assert apply_jax_memory_settings(0.9, True, environ=env) == {}
+    assert env == {JAX_MEM_FRACTION_ENV: "0.6", JAX_PREALLOCATE_ENV: "false"}  # untouched
+
+
+@pytest.mark.parametrize("platforms", [frozenset({"cpu", "cuda"}), frozenset({"rocm"}),
+                                       frozenset({"tpu"}), None])
+def test_memory_settings_after_a_gpu_start_are_refused(
+        monkeypatch: pytest.MonkeyPatch, platforms: frozenset[str] | None) -> None:
+    monkeypatch.setattr(jax_backend, "jax_backend_initialized", lambda: True)
+    monkeypatch.setattr(jax_backend, "jax_backend_platforms", lambda: platforms)
+    env = {JAX_MEM_FRACTION_ENV: "0.6", JAX_PREALLOCATE_ENV: "false"}
+    with pytest.raises(TooLateError) as info:
+        apply_jax_memory_settings(0.9, False, environ=env)
+    assert info.value.setting == JAX_MEM_FRACTION_ENV
+    assert "before the first JAX operation" in info.value.hint
+    with pytest.raises(TooLateError) as info:
+        apply_jax_memory_settings(0.6, True, environ=env)
+    assert info.value.setting == JAX_PREALLOCATE_ENV
+    assert apply_jax_memory_settings(0.6, False, environ=env) == {}  # what is in effect
+
+
+def test_force_reinit_with_another_strategy_on_cpu_only_jax(
+        monkeypatch: pytest.MonkeyPatch, isolated: list) -> None:
+    monkeypatch.setattr(manager, "jax_installed", lambda: True)  # JAX itself is faked below
+    first = get_device_manager(DeviceConfiguration(memory_strategy="conservative"),
+                               detector=FakeDetector(0))
+    # JAX starts (on the CPU only) after the first manager wrote its settings.
+    for module in (manager, jax_backend):
+        monkeypatch.setattr(module, "jax_backend_initialized", lambda: True)
+        monkeypatch.setattr(module, "jax_imported", lambda: True)
+    monkeypatch.setattr(jax_backend, "jax_backend_platforms", lambda: frozenset({"cpu"}))
+    monkeypatch.setattr(jax_backend, "apply_jax_flags", lambda *a, **k: None)
+    monkeypatch.setattr(manager, "apply_jax_flags", lambda *a, **k: None)
+    aggressive = DeviceConfiguration(memory_strategy="aggressive", preallocate=True)
+    second = get_device_manager(aggressive, force_reinit=True, detector=FakeDetector(0))
+    assert second is not first and second.config is aggressive
+    assert get_device_manager() is second
+    assert os.environ[JAX_PREALLOCATE_ENV] == "false"  # what JAX read; nothing rewritten
+    # The same on a machine whose JAX started a GPU backend: refused, shared manager kept.
+    monkeypatch.setattr(jax_backend, "jax_backend_platforms",
+                        lambda: frozenset({"cpu", "cuda"}))
+    with pytest.raises(TooLateError) as info:
+        get_device_manager(DeviceConfiguration(), force_reinit=True, detector=FakeDetector(1))
+    assert info.value.setting in (JAX_MEM_FRACTION_ENV, LEGACY_JAX_MEM_FRACTION_ENV)
+    assert "cuda" in info.value.reason and info.value.hint
+    assert get_device_manager() is second
+    assert isolated == []  # no GPU was capped on the way
+
+
+class _GpuDefaultJax(types.ModuleType):
+    """A fake ``jax`` whose default backend is a GPU, with host devices beside it."""
+
+    def __init__(self) -> None:
+        super().__init__("jax")
+        self.gpus = [types.SimpleNamespace(id=i, platform="gpu") for i in range(2)]
+        self.cpus = [types.SimpleNamespace(id=10 + i, platform="cpu") for i in range(3)]
+        self.asked: list[str | None] = []
+
+    def devices(self, backend: str | None = None) -> list[Any]:
+        self.asked.append(backend)
+        if backend in (None, "gpu", "cuda"):
+            return list(self.gpus)  # jax.devices() is the default backend's: the GPUs
+        if backend == "cpu":
+            return list(self.cpus)
+        raise RuntimeError(f"Unknown backend {backend}")
+
+
+def test_cpu_devices_listed_when_a_gpu_backend_is_the_default(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _GpuDefaultJax()
+    monkeypatch.setitem(sys.modules, "jax", fake)
+    jm = jax_backend.JAXDeviceManager(("cpu", "cuda"))
+    assert [d.id for d in jm.cpu_devices] == [10, 11, 12]
+    assert "cpu" in fake.asked  # asked by name, not filtered from the default backend
+    assert [d.id for d in jm.gpu_devices] == [0, 1]
+    assert [d.id for d in jm.devices] == [0, 1, 10, 11, 12]
+    assert jm.get_default_device().id == 10  # "cpu" first in the priority
+    assert jm.tpu_devices == []
+
+
 # ---------------------------------------------------------------------------------------------
 # Shared manager and convenience functions
 # ---------------------------------------------------------------------------------------------

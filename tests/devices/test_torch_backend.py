@@ -256,6 +256,97 @@ def test_can_access_peer(monkeypatch: pytest.MonkeyPatch, two_gpus: None) -> Non
         can_access_peer(0, 2)
 
 
+@pytest.fixture
+def peer_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """A fresh record of enabled pairs, and the PyTorch-side enabling replaced by a recorder."""
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(tb, "_peers_enabled", set())
+    monkeypatch.setattr(tb, "_enable_peer_through_torch", lambda a, b: calls.append((a, b)))
+    return calls
+
+
+def test_enable_peer_access_checks_then_enables_once(
+        monkeypatch: pytest.MonkeyPatch, two_gpus: None, peer_calls: list) -> None:
+    asked: list[tuple[int, int]] = []
+
+    def fake_peer(a: int, b: int) -> bool:
+        asked.append((a, b))
+        return True
+
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", fake_peer)
+    tb.enable_peer_access(0, "cuda:1")
+    assert asked == [(0, 1)] and peer_calls == [(0, 1)]
+    # Idempotent: the same pair again (in any spelling) neither asks nor enables again.
+    tb.enable_peer_access(Device.cuda(0), torch.device("cuda", 1))
+    Device.cuda(0).enable_peer_access(1)
+    assert asked == [(0, 1)] and peer_calls == [(0, 1)]
+    # One direction at a time, as in CUDA: the reverse is its own pair.
+    Device.cuda(1).enable_peer_access(Device.cuda(0))
+    assert asked == [(0, 1), (1, 0)] and peer_calls == [(0, 1), (1, 0)]
+
+
+def test_enable_peer_access_refuses_a_pair_without_a_peer_path(
+        monkeypatch: pytest.MonkeyPatch, two_gpus: None, peer_calls: list) -> None:
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: False)
+    with pytest.raises(DeviceError, match="cannot access cuda:1") as info:
+        tb.enable_peer_access(0, 1)
+    assert "nvidia-smi topo -m" in info.value.hint
+    assert peer_calls == [] and tb._peers_enabled == set()
+
+
+@pytest.mark.parametrize("count", [0, 1])
+def test_enable_peer_access_needs_two_gpus(monkeypatch: pytest.MonkeyPatch, count: int,
+                                           peer_calls: list) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer",
+                        lambda a, b: pytest.fail("must not be asked"))
+    with pytest.raises(DeviceError, match=f"needs two GPUs; this process sees {count}") as info:
+        tb.enable_peer_access(0, 1)
+    assert "CUDA_VISIBLE_DEVICES" in info.value.hint
+    with pytest.raises(DeviceError, match="needs two GPUs"):
+        Device.cuda(0).enable_peer_access("cuda:1")
+    assert peer_calls == []
+
+
+def test_enable_peer_access_refuses_the_cpu_and_one_gpu_twice(
+        monkeypatch: pytest.MonkeyPatch, two_gpus: None, peer_calls: list) -> None:
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    with pytest.raises(DeviceError, match="between two GPUs") as info:
+        tb.enable_peer_access("cpu", "cuda:0")
+    assert "to_device" in info.value.hint
+    with pytest.raises(DeviceError, match="between two GPUs"):
+        Device.cuda(1).enable_peer_access("cpu")
+    with pytest.raises(DeviceError, match="two different GPUs") as info:
+        tb.enable_peer_access(1, "cuda:1")
+    assert "own memory" in info.value.hint
+    with pytest.raises(DeviceError, match="not visible"):
+        tb.enable_peer_access(0, 2)
+    assert peer_calls == []
+
+
+def test_peer_access_is_enabled_through_a_pytorch_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The real enabling step, with torch.empty faked: a one-byte tensor on the reading GPU is
+    # copied to the other one (PyTorch's copy runs get_p2p_access(src, dst)), never waited for.
+    events: list[tuple[Any, ...]] = []
+
+    class Probe:
+        def __init__(self, device: torch.device) -> None:
+            self.device = device
+
+        def to(self, device: torch.device, non_blocking: bool = False) -> Probe:
+            events.append(("copy", self.device, device, non_blocking))
+            return Probe(device)
+
+    def fake_empty(*size: int, dtype: torch.dtype, device: torch.device) -> Probe:
+        events.append(("empty", size, dtype, device))
+        return Probe(device)
+
+    monkeypatch.setattr(torch, "empty", fake_empty)
+    tb._enable_peer_through_torch(0, 1)
+    assert events == [("empty", (1,), torch.uint8, torch.device("cuda", 0)),
+                      ("copy", torch.device("cuda", 0), torch.device("cuda", 1), True)]
+
+
 # -- to_device ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("target", ["cpu", torch.device("cpu"), Device.cpu()])

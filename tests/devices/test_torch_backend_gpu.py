@@ -20,7 +20,13 @@ from vramkit.devices.env import (
     clear_cuda_cache,
     get_gpu_memory_info,
 )
-from vramkit.devices.torch_backend import Device, can_access_peer, distribute_batch, to_device
+from vramkit.devices.torch_backend import (
+    Device,
+    can_access_peer,
+    distribute_batch,
+    enable_peer_access,
+    to_device,
+)
 from vramkit.errors import DeviceError
 
 pytestmark = pytest.mark.gpu
@@ -87,6 +93,85 @@ def test_validation_and_peer_access_on_gpu() -> None:
         Device.cuda(count).validate()
     assert can_access_peer(0, 0) is True
     assert can_access_peer(0, "cpu") is False
+
+
+def test_enable_peer_access_with_one_gpu_is_a_clear_error() -> None:
+    if torch.cuda.device_count() != 1:
+        pytest.skip("this machine has more than one GPU")
+    with pytest.raises(DeviceError, match="needs two GPUs; this process sees 1"):
+        enable_peer_access(0, 1)
+
+
+_PEER_CHILD = """
+import ctypes, json
+import torch
+from vramkit.devices.torch_backend import Device, can_access_peer, enable_peer_access
+from vramkit.errors import DeviceError
+
+def loaded_cudart():
+    # The CUDA runtime torch loaded (same library, so the same runtime state), if dynamic.
+    with open("/proc/self/maps") as maps:
+        paths = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
+    for path in paths:
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            pass
+    return None
+
+def peer_probe(cudart, op):
+    # cudaDeviceDisablePeerAccess(1) from device 0 answers 705 (not enabled) without changing
+    # anything; cudaDeviceEnablePeerAccess(1, 0) answers 704 once it is enabled. The error is
+    # cleared afterwards so that torch does not pick it up.
+    previous = ctypes.c_int()
+    cudart.cudaGetDevice(ctypes.byref(previous))
+    cudart.cudaSetDevice(0)
+    try:
+        return int(op())
+    finally:
+        cudart.cudaGetLastError()
+        cudart.cudaSetDevice(previous.value)
+
+result = {"can": can_access_peer(0, 1)}
+torch.cuda.init()
+cudart = loaded_cudart()
+result["cudart"] = cudart is not None
+if not result["can"]:
+    try:
+        enable_peer_access(0, 1)
+    except DeviceError as err:
+        result["refused"] = str(err)
+else:
+    if cudart is not None:
+        result["before"] = peer_probe(cudart, lambda: cudart.cudaDeviceDisablePeerAccess(1))
+    enable_peer_access(0, 1)
+    if cudart is not None:
+        result["after"] = peer_probe(cudart, lambda: cudart.cudaDeviceEnablePeerAccess(1, 0))
+    Device.cuda(0).enable_peer_access(Device.cuda(1))  # idempotent
+    enable_peer_access(0, 1)
+    x = torch.arange(1 << 20, device="cuda:0", dtype=torch.float32)
+    y = x.to("cuda:1", non_blocking=True)
+    z = (y * 2).to("cuda:0", non_blocking=True)
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    result["copied"] = bool(torch.equal(z, x * 2)) and y.device == torch.device("cuda", 1)
+print(json.dumps(result))
+"""
+
+
+def test_enable_peer_access_with_two_gpus() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    # A fresh process: nothing has copied between the GPUs yet (any copy enables peer access
+    # for its pair), so the state before the call is known.
+    result = run_child(_PEER_CHILD)
+    if not result["can"]:
+        assert "no peer path" in result["refused"]
+        pytest.skip("cuda:0 has no peer path to cuda:1 here (refused as documented)")
+    if result["cudart"]:
+        assert result["before"] == 705  # cudaErrorPeerAccessNotEnabled
+        assert result["after"] == 704  # cudaErrorPeerAccessAlreadyEnabled: it is on now
+    assert result["copied"] is True
 
 
 def test_device_info_describes_the_gpu() -> None:

@@ -181,3 +181,63 @@ def test_classify_host_and_pool_errors() -> None:
     assert classify_oom(PoolExhaustedError("full", requested=50, stats=full)).kind == "capacity"
     with pytest.raises(ConfigError):
         classify_oom(ValueError("no"))
+
+
+# -- out-of-memory by CUDA error code (torch.AcceleratorError, torch >= 2.8) -------------------
+
+
+def _accelerator_oom(message: str = "CUDA error: out of memory") -> torch.AcceleratorError:
+    # Built as torch builds it: the message, then the cudaError_t value as ``error_code``.
+    error = torch.AcceleratorError(message)
+    error.error_code = 2  # type: ignore[attr-defined]  # cudaErrorMemoryAllocation
+    return error
+
+
+class _CodedError(RuntimeError):
+    def __init__(self, message: str, error_code: int) -> None:
+        super().__init__(message)
+        self.error_code = error_code
+
+
+@pytest.mark.parametrize("error", [
+    _accelerator_oom(),
+    _accelerator_oom("an unrelated message"),
+    _CodedError("anything", 2),
+])
+def test_is_oom_error_by_cuda_error_code(error: BaseException) -> None:
+    assert is_oom_error(error)
+
+
+@pytest.mark.parametrize("error", [
+    torch.AcceleratorError("CUDA error: out of memory"),  # what torch < 2.8 had: text only
+    _CodedError("CUDA out of memory. Tried to allocate 2.00 GiB", 700),  # another code
+])
+def test_is_oom_error_never_reads_the_message(error: BaseException) -> None:
+    assert not is_oom_error(error)
+    with pytest.raises(ConfigError):
+        classify_oom(error)
+
+
+def test_classify_oom_reads_the_device_for_a_cuda_error_code(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, free=512 * MiB, total=80 * GiB, reserved=79 * GiB,
+               allocated=60 * GiB, largest=300 * MiB, other_pid_bytes=None)
+    # A stale allocator observation belongs to another failure (the observer only sees the
+    # caching allocator's, which raise OutOfMemoryError): it must not be taken for this one.
+    oom._record_failed_request(0, 50 * GiB, 0, 0)
+    d = classify_oom(_accelerator_oom())
+    assert d.device == "cuda:0" and d.error_type == "AcceleratorError"
+    assert d.kind == "fragmentation" and d.requested is None
+    assert d.reserved == 79 * GiB and d.largest_free_block == 300 * MiB
+    d = classify_oom(_CodedError("x", 2), requested=1 * GiB)
+    assert d.device == "cuda:0" and d.requested == 1 * GiB
+    oom._last_request.clear()
+
+
+def test_classify_oom_cuda_error_code_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vramkit.memory import stats
+
+    monkeypatch.setattr(stats, "resolve_cuda_index", lambda device=None: None)
+    d = classify_oom(_accelerator_oom(), requested=4096)
+    # A CUDA error, not a host one: without a CUDA device to read, a bare capacity diagnosis.
+    assert d.device == "cuda" and d.kind == "capacity" and d.requested == 4096

@@ -611,6 +611,79 @@ def test_reset_stats_resets_peaks_and_counters() -> None:
     assert again.nbytes == 4096
 
 
+def test_total_allocated_counts_every_byte_ever_handed_out() -> None:
+    pool = make_pool(alignment=512)
+    assert pool.stats().total_allocated == 0
+    first = pool.allocate(1000)  # 1024 bytes after alignment, as ``allocated`` counts it
+    first.free()
+    again = pool.allocate(1000)  # a cache hit: the same bytes, handed out a second time
+    other = pool.allocate(4096)
+    stats = pool.stats()
+    assert stats.allocated == 1024 + 4096  # what is live now
+    assert stats.total_allocated == 2 * 1024 + 4096  # freed or not
+    assert stats.to_dict()["total_allocated"] == stats.total_allocated
+    # Like MemoryStats.total_allocated, a difference of two readings is what a call allocated.
+    before = pool.stats().total_allocated
+    pool.allocate(512).free()
+    pool.allocate(2048).free()
+    assert pool.stats().total_allocated - before == 512 + 2048
+    # A counter: reset_stats starts it again from zero; the live figures stay.
+    pool.reset_stats()
+    after = pool.stats()
+    assert after.total_allocated == 0 and after.allocated == 1024 + 4096
+    pool.allocate(512)
+    assert pool.stats().total_allocated == 512
+    again.free()
+    other.free()
+
+
+def _accelerator_oom() -> torch.AcceleratorError:
+    error = torch.AcceleratorError("CUDA error: out of memory")
+    error.error_code = 2  # type: ignore[attr-defined]  # as torch sets it (cudaErrorMemoryAllocation)
+    return error
+
+
+@pytest.mark.parametrize("make_error", [
+    _accelerator_oom, lambda: torch.OutOfMemoryError("CUDA out of memory"),
+], ids=["accelerator_error_code_2", "out_of_memory_error"])
+def test_growth_that_runs_out_retries_at_the_request_size(
+        monkeypatch: pytest.MonkeyPatch, make_error: object) -> None:
+    pool = make_pool(growth_factor=2.0, max_cached_buffers=0)
+    full = pool.allocate(MiB)  # one segment of 1 MiB, full
+    sizes: list[int] = []
+    real_new_storage = pool._backend.new_storage
+
+    def new_storage(size: int) -> torch.Tensor:
+        sizes.append(size)
+        if size > 64 * KiB:
+            raise make_error()  # type: ignore[operator]
+        return real_new_storage(size)
+
+    monkeypatch.setattr(pool._backend, "new_storage", new_storage)
+    small = pool.allocate(4 * KiB)  # growth wants +1 MiB, which fails; +4 KiB does not
+    assert sizes == [MiB, 4 * KiB]
+    assert pool.stats().reserved == MiB + 4 * KiB and pool.stats().segments == 2
+    small.free()
+    full.free()
+
+
+def test_growth_failure_told_only_by_its_text_is_not_retried(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = make_pool(growth_factor=2.0)
+    full = pool.allocate(MiB)
+    sizes: list[int] = []
+
+    def new_storage(size: int) -> torch.Tensor:
+        sizes.append(size)
+        raise RuntimeError("CUDA error: out of memory")  # no type, no code: not an OOM
+
+    monkeypatch.setattr(pool._backend, "new_storage", new_storage)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        pool.allocate(4 * KiB)
+    assert sizes == [MiB]
+    full.free()
+
+
 def test_scope_needs_a_cuda_pool() -> None:
     with pytest.raises(DeviceError, match="CUDA"), make_pool().scope():
         pass

@@ -26,6 +26,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool: MemoryPool | None = None
         self.live: list[tuple[Block, torch.Tensor]] = []
         self.dropped = 0
+        self.handed_out = 0  # bytes allocate() returned since creation or reset_stats
         self.now = 0.0
         self._real_clock = pool_module._clock
         pool_module._clock = lambda: self.now  # expiry driven by the advance_clock rule
@@ -60,6 +61,7 @@ class PoolMachine(RuleBasedStateMachine):
         pattern = pattern.to(torch.uint8)
         block.tensor.copy_(pattern)
         self.live.append((block, pattern))
+        self.handed_out += block.capacity
 
     def check_refusal_is_genuine(self, exc: PoolExhaustedError, nbytes: int,
                                  sizes_before: dict[int, int], defrags_before: int) -> None:
@@ -120,7 +122,9 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.reset_stats()
         stats = self.pool.stats()
         assert stats.peak_allocated == stats.allocated and stats.num_allocations == 0
+        assert stats.total_allocated == 0
         self.dropped = 0
+        self.handed_out = 0
 
     @rule(seconds=st.sampled_from([1.0, 6.0]))
     def advance_clock(self, seconds: float) -> None:
@@ -143,6 +147,8 @@ class PoolMachine(RuleBasedStateMachine):
         assert 0.0 <= stats.fragmentation <= 1.0
         assert stats.largest_free_block <= stats.free
         assert stats.leaked_frees == self.dropped
+        # Cumulative: every byte handed out counts, freed, dropped, compacted or not.
+        assert stats.total_allocated == self.handed_out
 
     @invariant()
     def blocks_never_overlap(self) -> None:

@@ -296,3 +296,75 @@ def test_batch_size_search_errors() -> None:
 
     with pytest.raises(ValueError):
         find_executable_batch_size(bug)()
+
+
+# -- OOMs known by their CUDA error code (torch.AcceleratorError, torch >= 2.8) ---------------
+
+
+def _accelerator_oom() -> torch.AcceleratorError:
+    # As torch raises it for cudaErrorMemoryAllocation: the message, then ``error_code``.
+    error = torch.AcceleratorError("CUDA error: out of memory")
+    error.error_code = 2  # type: ignore[attr-defined]
+    return error
+
+
+class _CodedAbove:
+    """A step that raises ``make()`` above ``limit`` rows (after a partial backward)."""
+
+    def __init__(self, model: nn.Module, limit: int, make: object) -> None:
+        self.model, self.limit, self.make, self.sizes = model, limit, make, []
+
+    def __call__(self, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+        rows = micro["x"].shape[0]
+        self.sizes.append(rows)
+        loss = nn.functional.mse_loss(self.model(micro["x"]), micro["y"])
+        if rows > self.limit:
+            loss.backward(retain_graph=True)
+            raise self.make()  # type: ignore[operator]
+        return loss
+
+
+def test_recovery_halves_on_an_accelerator_error_with_the_oom_code() -> None:
+    model, batch = _problem()
+    expected = _full_grads(model, batch)
+    step = _CodedAbove(model, 5, _accelerator_oom)
+    result = MemoryRecovery(model, attempts=4).step(step, batch)
+    assert step.sizes[:3] == [16, 8, 4] and result.micro_batch_size == 4
+    assert [e.diagnosis.error_type for e in result.events] == ["AcceleratorError"] * 2
+    for p, g in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad, g)
+    # The seed function goes through the same loop.
+    model.zero_grad(set_to_none=True)
+    step = _CodedAbove(model, 5, _accelerator_oom)
+    assert train_with_memory_recovery(step, batch, 4, params=model).micro_batch_size == 4
+
+
+def test_recovery_does_not_take_oom_text_for_an_oom() -> None:
+    model, batch = _problem()
+    # What torch < 2.8 raised for a CUDA runtime failure: a message and no code.
+    step = _CodedAbove(model, 5, lambda: RuntimeError("CUDA error: out of memory"))
+    with pytest.raises(RuntimeError, match="out of memory") as info:
+        MemoryRecovery(model, attempts=4).step(step, batch)
+    assert not isinstance(info.value, RecoveryError)
+    assert step.sizes == [16]  # no retry
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_batch_size_search_on_accelerator_errors() -> None:
+    calls: list[int] = []
+
+    def run(batch_size: int) -> int:
+        calls.append(batch_size)
+        if batch_size > 37:
+            raise _accelerator_oom()
+        return batch_size
+
+    search = find_executable_batch_size(run, starting_batch_size=128, headroom=0)
+    assert search() == 32 and calls == [128, 64, 32]
+    assert [d.error_type for d in search.diagnoses] == ["AcceleratorError"] * 2
+
+    def text_only(batch_size: int) -> int:
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with pytest.raises(RuntimeError, match="Tried to allocate"):
+        find_executable_batch_size(text_only, starting_batch_size=8)()

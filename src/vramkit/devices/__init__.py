@@ -35,7 +35,8 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
                    "select_precision"),
     ".resolve": ("cuda_ordinal", "resolve_device"),
     ".torch_backend": ("CpuStream", "Device", "DeviceLike", "can_access_peer",
-                       "distribute_batch", "ensure_same_device", "to_device"),
+                       "distribute_batch", "enable_peer_access", "ensure_same_device",
+                       "to_device"),
     ".memory_info": ("MemoryInfo", "read_memory_info"),
     ".env": ("ALLOC_CONF_VAR", "LEGACY_ALLOC_CONF_VAR", "CudaMemorySettings", "GpuMemoryInfo",
              "allocator_env_var", "allocator_settings", "clear_cuda_cache",
@@ -47,9 +48,10 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
                      "JAX_MEM_FRACTION_ENV", "JAX_PREALLOCATE_ENV",
                      "LEGACY_JAX_MEM_FRACTION_ENV", "JAXDeviceManager", "apply_jax_flags",
                      "apply_jax_memory_settings", "installed_jax_version",
-                     "jax_backend_initialized", "jax_imported", "jax_installed",
-                     "memory_fraction_env_name"),
-    ".cuda_errors": ("CudaErrorExplanation", "CudaErrorKind", "explain_cuda_error"),
+                     "jax_backend_initialized", "jax_backend_platforms", "jax_imported",
+                     "jax_installed", "memory_fraction_env_name"),
+    ".cuda_errors": ("CUDA_ERROR_MEMORY_ALLOCATION", "CudaErrorExplanation", "CudaErrorKind",
+                     "cuda_error_code", "explain_cuda_error", "is_cuda_out_of_memory"),
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions

@@ -1,23 +1,43 @@
 """Explain CUDA errors: what kind of failure it is and what to try (BitNet's error handling).
 
-:func:`explain_cuda_error` maps an exception to a :class:`CudaErrorExplanation`. Out-of-memory is
-recognised by exception *type* only (``torch.OutOfMemoryError``, a subclass of it, or an error
-whose cause chain contains one); the other kinds (invalid launch configuration, illegal memory
-access, launch failures, context/driver failures) have no exception type of their own in PyTorch
-or cuda-core, so they are recognised from the CUDA error name or description in the message of
-a ``RuntimeError`` (``torch.AcceleratorError``), a cuda-core ``CUDAError`` or a vramkit
-``KernelError``.
+:func:`explain_cuda_error` maps an exception to a :class:`CudaErrorExplanation`.
+
+* **Out of memory** is recognised by exception *type* and by CUDA *error code*, never by message
+  text: ``torch.OutOfMemoryError`` (or a subclass), or an exception carrying the code
+  ``cudaErrorMemoryAllocation`` (2) as read by :func:`cuda_error_code` -- the one place vramkit
+  reads a CUDA error code. torch >= 2.8 raises ``torch.AcceleratorError`` (a ``RuntimeError``)
+  for CUDA runtime failures and sets its ``error_code`` attribute to the ``cudaError_t`` value;
+  that is how an out-of-memory outside the caching allocator shows (``cudaHostAlloc`` for
+  pinned memory, a PyTorch extension's own ``cudaMalloc`` checked with ``C10_CUDA_CHECK``).
+  Before torch 2.8 such failures are plain ``RuntimeError``s with only a message, and they are
+  *not* taken for out-of-memory.
+* The other kinds (invalid launch configuration, illegal memory access, launch failures,
+  context/driver failures) are read from the error code when there is one, and otherwise from
+  the CUDA error name or description in the message of a ``RuntimeError``, a cuda-core
+  ``CUDAError`` or a vramkit ``KernelError`` (cuda-core and older torch give no code).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import sys
 from dataclasses import dataclass
 
-__all__ = ["CudaErrorExplanation", "CudaErrorKind", "explain_cuda_error"]
+__all__ = [
+    "CUDA_ERROR_MEMORY_ALLOCATION",
+    "CudaErrorExplanation",
+    "CudaErrorKind",
+    "cuda_error_code",
+    "explain_cuda_error",
+    "is_cuda_out_of_memory",
+]
 
 logger = logging.getLogger(__name__)
+
+#: ``cudaErrorMemoryAllocation`` (CUDA runtime ``driver_types.h``; HIP's ``hipErrorOutOfMemory``
+#: has the same value): the one CUDA error code that means out of memory.
+CUDA_ERROR_MEMORY_ALLOCATION = 2
 
 
 class CudaErrorKind(str, enum.Enum):
@@ -114,8 +134,33 @@ _EXPLANATIONS: dict[CudaErrorKind, CudaErrorExplanation] = {
     ),
 }
 
+# CUDA runtime error codes (cudaError_t, driver_types.h of CUDA 12; HIP keeps these numbers) per
+# kind. Out-of-memory (2) is handled before this table, with the exception types.
+_CODES: dict[int, CudaErrorKind] = {
+    9: CudaErrorKind.INVALID_CONFIGURATION,    # cudaErrorInvalidConfiguration
+    701: CudaErrorKind.INVALID_CONFIGURATION,  # cudaErrorLaunchOutOfResources
+    700: CudaErrorKind.ILLEGAL_ADDRESS,        # cudaErrorIllegalAddress
+    716: CudaErrorKind.ILLEGAL_ADDRESS,        # cudaErrorMisalignedAddress
+    717: CudaErrorKind.ILLEGAL_ADDRESS,        # cudaErrorInvalidAddressSpace
+    702: CudaErrorKind.LAUNCH_FAILURE,         # cudaErrorLaunchTimeout
+    710: CudaErrorKind.LAUNCH_FAILURE,         # cudaErrorAssert (device-side assert)
+    714: CudaErrorKind.LAUNCH_FAILURE,         # cudaErrorHardwareStackError
+    715: CudaErrorKind.LAUNCH_FAILURE,         # cudaErrorIllegalInstruction
+    718: CudaErrorKind.LAUNCH_FAILURE,         # cudaErrorInvalidPc
+    719: CudaErrorKind.LAUNCH_FAILURE,         # cudaErrorLaunchFailure
+    3: CudaErrorKind.CONTEXT,                  # cudaErrorInitializationError
+    35: CudaErrorKind.CONTEXT,                 # cudaErrorInsufficientDriver
+    46: CudaErrorKind.CONTEXT,                 # cudaErrorDevicesUnavailable
+    100: CudaErrorKind.CONTEXT,                # cudaErrorNoDevice
+    201: CudaErrorKind.CONTEXT,                # cudaErrorDeviceUninitialized (invalid context)
+    709: CudaErrorKind.CONTEXT,                # cudaErrorContextIsDestroyed
+    803: CudaErrorKind.CONTEXT,                # cudaErrorSystemDriverMismatch
+    804: CudaErrorKind.CONTEXT,                # cudaErrorCompatNotSupportedOnDevice
+}
+
 # CUDA driver/runtime error names and descriptions (cudaGetErrorString / cuGetErrorName) per
-# kind. Out-of-memory is deliberately absent: it is recognised by exception type only.
+# kind, for errors that carry no code. Out-of-memory is deliberately absent: its text is never
+# read (see the module docstring).
 _MARKERS: tuple[tuple[CudaErrorKind, tuple[str, ...]], ...] = (
     (CudaErrorKind.INVALID_CONFIGURATION, (
         "invalid configuration argument", "cudaerrorinvalidconfiguration",
@@ -139,12 +184,54 @@ _MARKERS: tuple[tuple[CudaErrorKind, tuple[str, ...]], ...] = (
 )
 
 
-def _is_out_of_memory(error: BaseException) -> bool:
+def cuda_error_code(error: BaseException) -> int | None:
+    """The CUDA runtime error code ``error`` carries, or ``None`` when it carries none.
+
+    The code is the ``error_code`` attribute of a ``RuntimeError`` (or a subclass):
+    ``torch.AcceleratorError``, which torch >= 2.8 raises for CUDA runtime failures with
+    ``error_code`` set to the ``cudaError_t`` value, and any other ``RuntimeError`` subclass that
+    carries one the same way. Nothing else is read: a message that *mentions* a CUDA error is
+    not a code, and an error of another family (a ``ValueError`` with an ``error_code`` field,
+    say) is not a CUDA error. This is the one place vramkit reads CUDA error codes from
+    exceptions.
+
+    Args:
+        error: any exception.
+
+    Returns:
+        The code as an ``int``; ``None`` for an error without one (every CUDA error of
+        torch < 2.8, cuda-core's ``CUDAError``).
+    """
+    if not isinstance(error, RuntimeError):
+        return None
     try:
-        import torch
-    except ImportError:
-        return False
-    return isinstance(error, torch.OutOfMemoryError)
+        code = getattr(error, "error_code", None)
+    except Exception:  # a property that raises is no code
+        return None
+    if isinstance(code, bool) or not isinstance(code, int):
+        return None
+    return int(code)
+
+
+def is_cuda_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` itself is a CUDA out-of-memory error, by type or by error code.
+
+    ``True`` for ``torch.OutOfMemoryError`` (the caching allocator's, on CUDA and ROCm builds)
+    and its subclasses, and for an error whose :func:`cuda_error_code` is
+    :data:`CUDA_ERROR_MEMORY_ALLOCATION`. Its message is never read. The cause chain is not
+    followed (:func:`explain_cuda_error` follows it).
+
+    Args:
+        error: any exception.
+
+    Returns:
+        Whether it is a CUDA out-of-memory error.
+    """
+    torch = sys.modules.get("torch")
+    out_of_memory = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    if isinstance(out_of_memory, type) and isinstance(error, out_of_memory):
+        return True
+    return cuda_error_code(error) == CUDA_ERROR_MEMORY_ALLOCATION
 
 
 def _chain(error: BaseException) -> list[BaseException]:
@@ -174,13 +261,20 @@ def explain_cuda_error(error: BaseException) -> CudaErrorExplanation:
 
     Returns:
         A :class:`CudaErrorExplanation`; ``kind`` is ``UNKNOWN`` when nothing matches.
-        Out-of-memory is recognised only by type (``torch.OutOfMemoryError``): a plain
-        ``RuntimeError`` whose text mentions memory is not classified as out-of-memory.
+        Out-of-memory is recognised by type (``torch.OutOfMemoryError``) or by the code
+        ``cudaErrorMemoryAllocation`` (:func:`is_cuda_out_of_memory`), anywhere in the chain:
+        a ``RuntimeError`` whose text only mentions memory is not classified as out-of-memory.
+        Other kinds come from the error code when a link carries one, else from its message.
     """
     chain = _chain(error)
-    if any(_is_out_of_memory(e) for e in chain):
+    if any(is_cuda_out_of_memory(e) for e in chain):
         return _EXPLANATIONS[CudaErrorKind.OUT_OF_MEMORY]
     for link in chain:
+        code = cuda_error_code(link)
+        if code in _CODES:
+            logger.debug("classified %s (CUDA error %d) as %s", type(link).__name__, code,
+                         _CODES[code].value)
+            return _EXPLANATIONS[_CODES[code]]
         if not _is_cuda_message_carrier(link):
             continue
         text = str(link).lower()

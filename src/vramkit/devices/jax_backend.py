@@ -18,7 +18,9 @@ Which environment variables JAX reads (checked against ``jaxlib/xla_client.py``)
 
 All of these are read when the first backend client is created; after that they are fixed for
 the life of the process, which is why a conflicting request afterwards raises
-:class:`~vramkit.errors.TooLateError` instead of being ignored.
+:class:`~vramkit.errors.TooLateError` instead of being ignored. The memory fraction and
+preallocation only act on GPU backends: when every backend JAX started is a CPU one
+(:func:`jax_backend_platforms`), a different request cannot matter and is accepted.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ __all__ = [
     "apply_jax_memory_settings",
     "installed_jax_version",
     "jax_backend_initialized",
+    "jax_backend_platforms",
     "jax_imported",
     "jax_installed",
     "memory_fraction_env_name",
@@ -67,6 +70,8 @@ JAX_DEFAULT_PREALLOCATE = True
 
 # First jaxlib release whose xla_client reads XLA_CLIENT_MEM_FRACTION (see module docstring).
 _FIRST_VERSION_WITH_NEW_FRACTION_NAME = (0, 4, 32)
+# Backends whose memory the fraction and preallocation settings do not govern.
+_HOST_PLATFORMS = frozenset({"cpu"})
 _FALSE_STRINGS = ("false", "False", "0")  # exactly the spellings jaxlib treats as "off"
 _TRUE_ENV_STRINGS = ("1", "true", "yes", "on", "t", "y")
 
@@ -196,6 +201,28 @@ def jax_backend_initialized() -> bool:
     return True
 
 
+def jax_backend_platforms() -> frozenset[str] | None:
+    """The platforms of the JAX backends that have started (``"cpu"``, ``"cuda"``, ``"rocm"``,
+    ``"tpu"``, ...), without importing or starting JAX.
+
+    Read from ``jax._src.xla_bridge._backends`` (platform name -> client; jax 0.4.30 .. 0.10),
+    which JAX fills when its backends start: all of them at once, those ``JAX_PLATFORMS`` names
+    or, by default, every one whose plugin initializes.
+
+    Returns:
+        The platform names; an empty set before any backend started (or when JAX is not
+        imported); ``None`` when backends started but their platforms cannot be read (unknown
+        jax internals), which callers treat as "a GPU may be among them".
+    """
+    if not jax_backend_initialized():
+        return frozenset()
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    cache = getattr(bridge, "_backends", None) if bridge is not None else None
+    if not isinstance(cache, dict) or not cache:
+        return None
+    return frozenset(str(name).lower() for name in cache)
+
+
 def _effective_fraction(env: MutableMapping[str, str]) -> float | None:
     raw = env.get(JAX_MEM_FRACTION_ENV) or env.get(LEGACY_JAX_MEM_FRACTION_ENV)
     if raw is None or raw == "":
@@ -231,8 +258,10 @@ def apply_jax_memory_settings(memory_fraction: float, preallocate: bool,
 
     Before the JAX backend starts this writes the fraction variable chosen by
     :func:`memory_fraction_env_name` and ``XLA_PYTHON_CLIENT_PREALLOCATE``. After it started,
-    nothing can change them any more: a request equal to what is in effect is accepted, a
-    different one raises :class:`TooLateError`.
+    nothing can change them any more. Both only act on GPU memory, so when JAX runs on CPU
+    backends only (:func:`jax_backend_platforms`) any request is accepted and nothing is
+    written; with a GPU backend (or platforms that cannot be read) a request equal to what is in
+    effect is accepted and a different one raises :class:`TooLateError`.
 
     Args:
         memory_fraction: fraction of each GPU's total memory JAX may use, in (0, 1].
@@ -243,25 +272,33 @@ def apply_jax_memory_settings(memory_fraction: float, preallocate: bool,
         The variables written (empty when the backend already runs with these values).
 
     Raises:
-        TooLateError: the backend started with a different fraction or preallocation.
+        TooLateError: a GPU backend started with a different fraction or preallocation.
         ConfigError: both fraction variable names are already set.
     """
     env = os.environ if environ is None else environ
     if jax_backend_initialized():
+        platforms = jax_backend_platforms()
+        if platforms and platforms <= _HOST_PLATFORMS:
+            logger.debug("JAX runs on %s only: memory fraction %s and preallocate=%s cannot act "
+                         "there; the environment is left as it is", sorted(platforms),
+                         memory_fraction, preallocate)
+            return {}
+        started = ("the JAX backend" if platforms is None
+                   else f"the JAX backend ({', '.join(sorted(platforms))})")
         in_effect = _effective_fraction(env)
         if in_effect is None or not math.isclose(in_effect, memory_fraction, abs_tol=1e-9):
             name = (LEGACY_JAX_MEM_FRACTION_ENV if LEGACY_JAX_MEM_FRACTION_ENV in env
                     and JAX_MEM_FRACTION_ENV not in env else JAX_MEM_FRACTION_ENV)
             raise TooLateError(
                 name,
-                f"the JAX backend already started with memory fraction {in_effect}, "
+                f"{started} already started with memory fraction {in_effect}, "
                 f"{memory_fraction} was requested",
                 "Create the DeviceManager before the first JAX operation, or ask for the "
                 "fraction in effect.")
         if _effective_preallocate(env) != preallocate:
             raise TooLateError(
                 JAX_PREALLOCATE_ENV,
-                f"the JAX backend already started with preallocate={not preallocate}, "
+                f"{started} already started with preallocate={not preallocate}, "
                 f"preallocate={preallocate} was requested",
                 "Create the DeviceManager before the first JAX operation, or set "
                 "DeviceConfiguration(preallocate=...) to the value in effect.")

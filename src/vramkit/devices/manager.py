@@ -13,8 +13,10 @@ is created (pass ``apply=False`` to only look):
    every managed GPU (only when there is a GPU; this initializes CUDA).
 3. If JAX is installed, the same fraction and ``preallocate`` go to JAX through
    ``XLA_CLIENT_MEM_FRACTION`` (or the legacy name on old jaxlib) and
-   ``XLA_PYTHON_CLIENT_PREALLOCATE``, before its backend starts; a different value after it
-   started raises :class:`~vramkit.errors.TooLateError`.
+   ``XLA_PYTHON_CLIENT_PREALLOCATE``, before its backend starts; a different value after a GPU
+   backend started raises :class:`~vramkit.errors.TooLateError`. When JAX runs on the CPU
+   only, these settings cannot act, so any value is accepted (a new manager with another
+   strategy, ``get_device_manager(config, force_reinit=True)``, works there).
 4. ``enable_x64`` / ``enable_jit`` go to JAX through ``jax.config.update`` when JAX is already
    imported or when :attr:`DeviceManager.jax_manager` is used, and through ``JAX_ENABLE_X64`` /
    ``JAX_DISABLE_JIT`` for a later import otherwise. JAX is never imported just for this.
@@ -630,6 +632,9 @@ def get_device_manager(config: DeviceConfiguration | None = None, force_reinit: 
     Raises:
         ConfigError: ``config`` differs from the shared manager's and ``force_reinit`` is
             False (it would otherwise be ignored).
+        TooLateError: (with ``force_reinit``) a JAX GPU backend already started with another
+            memory fraction or preallocation. JAX on the CPU only never refuses: the fraction
+            cannot act there.
     """
     global _shared_manager
     with _shared_lock:

@@ -42,6 +42,7 @@ __all__ = [
     "DeviceLike",
     "can_access_peer",
     "distribute_batch",
+    "enable_peer_access",
     "ensure_same_device",
     "to_device",
 ]
@@ -68,6 +69,11 @@ class _NotATensorError(ConfigError, TypeError):
 # keying by handle keeps this bounded (at most the pool's size per device and priority).
 _streams_lock = threading.Lock()
 _streams_by_ordinal: dict[int, dict[int, Any]] = {}
+
+# (reading ordinal, read ordinal) pairs whose peer access enable_peer_access turned on. Peer
+# access lasts as long as the CUDA context, i.e. the process, so the set only grows.
+_peer_lock = threading.Lock()
+_peers_enabled: set[tuple[int, int]] = set()
 
 
 def _list_cuda_devices() -> list[DeviceInfo]:
@@ -329,6 +335,20 @@ class Device:
         streams = [*tracked, torch.cuda.current_stream(index), torch.cuda.default_stream(index)]
         return all(s.query() for s in streams)
 
+    def enable_peer_access(self, other: DeviceLike) -> None:
+        """Let kernels on this GPU read and write ``other``'s memory directly (one direction).
+
+        See :func:`enable_peer_access` (this is ``enable_peer_access(self, other)``).
+
+        Args:
+            other: the GPU whose memory this one will access.
+
+        Raises:
+            DeviceError: a CPU device, the same GPU twice, fewer than two visible GPUs, or a
+                pair without a peer path.
+        """
+        enable_peer_access(self, other)
+
 
 def can_access_peer(a: DeviceLike, b: DeviceLike) -> bool:
     """Whether kernels on device ``a`` can read device ``b``'s memory directly.
@@ -353,6 +373,71 @@ def can_access_peer(a: DeviceLike, b: DeviceLike) -> bool:
     if dev_a == dev_b:
         return True
     return bool(torch.cuda.can_device_access_peer(dev_a._cuda_ordinal(), dev_b._cuda_ordinal()))
+
+
+def enable_peer_access(a: DeviceLike, b: DeviceLike) -> None:
+    """Let kernels on GPU ``a`` read and write GPU ``b``'s memory directly (peer access).
+
+    One direction, as in CUDA (``cudaDeviceEnablePeerAccess``): call ``enable_peer_access(b, a)``
+    as well for the other one. The pair is checked with :func:`can_access_peer` first. Access is
+    turned on through PyTorch, by a one-byte device-to-device copy from ``a`` to ``b``: PyTorch's
+    copy enables peer access for the pair it copies between (``at::cuda::get_p2p_access``) and
+    tells its caching allocator, which must know the peers to map memory it adds later
+    (expandable segments) for them; enabling it behind PyTorch's back through the CUDA runtime
+    would leave the allocator unaware. The copy is queued on ``a``'s current stream and nothing
+    waits for it. PyTorch caches the result, so calling this again for a pair costs nothing; it
+    is meant for set-up, once per pair, before multi-GPU work starts.
+
+    Args:
+        a: the GPU that will access (a :class:`Device`, ``torch.device``, ``"cuda:0"`` or an
+            ordinal).
+        b: the GPU whose memory it will access.
+
+    Raises:
+        DeviceError: a CPU device (host memory is reached by copies through pinned buffers,
+            not by peer access); the same GPU twice; a process that sees fewer than two GPUs
+            or an ordinal it does not see; a pair whose hardware has no peer path
+            (:func:`can_access_peer` is ``False``).
+    """
+    dev_a, dev_b = Device.from_torch(a), Device.from_torch(b)
+    if not (dev_a.is_cuda and dev_b.is_cuda):
+        raise DeviceError(
+            f"peer access is between two GPUs, got {dev_a} and {dev_b}",
+            "Move host data with to_device() (pinned, non-blocking); peer access only lets one "
+            "GPU address another GPU's memory.")
+    count = torch.cuda.device_count()
+    if count < 2:
+        raise DeviceError(
+            f"peer access needs two GPUs; this process sees {count}{_visible_devices_note()}",
+            "Run on a machine with two or more GPUs, and check CUDA_VISIBLE_DEVICES (`vramkit "
+            "info` lists the devices this process sees).")
+    dev_a.validate()
+    dev_b.validate()
+    if dev_a == dev_b:
+        raise DeviceError(f"peer access needs two different GPUs, got {dev_a} twice",
+                          "A GPU always reads its own memory; name another GPU as the peer.")
+    pair = (dev_a._cuda_ordinal(), dev_b._cuda_ordinal())
+    with _peer_lock:
+        if pair in _peers_enabled:
+            return
+        if not can_access_peer(dev_a, dev_b):
+            raise DeviceError(
+                f"{dev_a} cannot access {dev_b}'s memory directly: the driver reports no peer "
+                "path between them",
+                "Check the link with `nvidia-smi topo -m` (GPUs under different PCIe root "
+                "complexes, or with the IOMMU on, have none); copies between them still work, "
+                "staged through host memory, only slower.")
+        _enable_peer_through_torch(*pair)
+        _peers_enabled.add(pair)
+    logger.info("peer access enabled: cuda:%d -> cuda:%d", *pair)
+
+
+def _enable_peer_through_torch(reader: int, target: int) -> None:
+    # PyTorch's copy kernel calls at::cuda::get_p2p_access(src, dst) for a copy between two
+    # GPUs, which runs cudaDeviceEnablePeerAccess for src -> dst and registers the pair with the
+    # caching allocator. One byte, queued on the source's current stream, never waited for.
+    probe = torch.empty(1, dtype=torch.uint8, device=torch.device("cuda", reader))
+    probe.to(torch.device("cuda", target), non_blocking=True)
 
 
 def _require_tensor(value: object, what: str) -> torch.Tensor:

@@ -358,6 +358,11 @@ class PoolStats:
         peak_reserved: highest ``reserved`` since creation or ``reset_stats``.
         num_allocations: successful ``allocate`` calls.
         num_frees: blocks returned, explicitly or by the finalizer.
+        total_allocated: bytes handed out by ``allocate`` (each block rounded up to the
+            alignment, as in ``allocated``), freed or not: cumulative, the pool's counterpart of
+            ``MemoryStats.total_allocated`` (:func:`vramkit.memory.stats.with_memory_tracking`)
+            and of PyTorch's ``allocated_bytes.all.allocated``. Like the other counters it counts
+            since creation or the last ``reset_stats``; compaction moves are not allocations.
         cache_hits: allocations served by the exact-size fast path.
         cache_misses: allocations carved from the arena.
         fragmentation: ``1 - largest_free_block / usable free bytes`` (0 when nothing is free);
@@ -393,6 +398,7 @@ class PoolStats:
     leaked_frees: int = 0
     cache_expired: int = 0
     defragmentations: int = 0
+    total_allocated: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -553,6 +559,7 @@ class PoolLedger:
     def reset_counters(self) -> None:
         """Zero the event counters (peaks are the caller's business)."""
         self.num_allocations = self.num_frees = 0
+        self.total_allocated = 0
         self.cache_hits = self.cache_misses = 0
         self.leaked_frees = self.cache_expired = self.defragmentations = 0
 
@@ -677,7 +684,7 @@ class PoolLedger:
             free=self.reserved - self.allocated, cached=self.cached_bytes,
             pending=self.pending_bytes, live_blocks=live_blocks,
             leaked_frees=self.leaked_frees, cache_expired=self.cache_expired,
-            defragmentations=self.defragmentations)
+            defragmentations=self.defragmentations, total_allocated=self.total_allocated)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,12 +1,15 @@
 """Out-of-memory errors: recognize one, and say which kind it is.
 
-* :func:`is_oom_error` recognizes an out-of-memory error by its exception *type*, never by its
-  message: ``torch.OutOfMemoryError`` (raised by CUDA and by ROCm/HIP builds, which report
-  through the same CUDA caching allocator), the XPU/MPS classes where a torch build defines them,
-  Python's ``MemoryError`` and vramkit's :class:`~vramkit.errors.PoolExhaustedError`. PyTorch's
-  CPU allocator raises a plain ``RuntimeError`` when ``malloc`` fails (torch 2.13 has no type for
-  it); such an error is *not* recognized, because matching its text is what this module refuses
-  to do.
+* :func:`is_oom_error` recognizes an out-of-memory error by its exception *type* or its CUDA
+  *error code*, never by its message: ``torch.OutOfMemoryError`` (raised by CUDA and by ROCm/HIP
+  builds, which report through the same CUDA caching allocator), an error carrying the CUDA code
+  ``cudaErrorMemoryAllocation`` (``torch.AcceleratorError`` from torch >= 2.8, read by
+  :func:`vramkit.devices.cuda_errors.cuda_error_code`), the XPU/MPS classes where a torch build
+  defines them, Python's ``MemoryError`` and vramkit's
+  :class:`~vramkit.errors.PoolExhaustedError`. PyTorch's CPU allocator raises a plain
+  ``RuntimeError`` when ``malloc`` fails (torch 2.13 has no type for it), and torch < 2.8 raises
+  CUDA runtime failures as plain ``RuntimeError``s without a code; such errors are *not*
+  recognized, because matching their text is what this module refuses to do.
 * :func:`classify_oom` says why memory ran out -- capacity, fragmentation or memory held outside
   PyTorch -- from the caching allocator's statistics, ``cudaMemGetInfo`` and NVML, with a hint;
   :func:`diagnose_memory` is its pure part, over a :class:`DeviceMemoryReading` (the one
@@ -25,6 +28,7 @@ from typing import Any, Literal
 
 import torch
 
+from vramkit.devices.cuda_errors import is_cuda_out_of_memory
 from vramkit.devices.memory_info import MemoryInfo, read_memory_info
 from vramkit.errors import ConfigError, PoolExhaustedError, RecoveryError
 from vramkit.units import format_size
@@ -82,23 +86,27 @@ def _oom_types() -> tuple[type[BaseException], ...]:
 
 
 def is_oom_error(error: BaseException) -> bool:
-    """Whether ``error`` is an out-of-memory error, judged by its type only.
+    """Whether ``error`` is an out-of-memory error, judged by its type or CUDA error code.
 
-    Recognized: ``torch.OutOfMemoryError`` (CUDA and ROCm/HIP), ``torch.xpu.OutOfMemoryError`` and
-    ``torch.mps.OutOfMemoryError`` when the torch build defines them, ``MemoryError`` (host) and
-    vramkit's :class:`~vramkit.errors.PoolExhaustedError`. A
-    :class:`~vramkit.errors.RecoveryError` (a ``MemoryError`` raised when recovery gave up) is
-    not a fresh OOM and returns ``False``, so nested recovery loops do not retry it.
+    Recognized: ``torch.OutOfMemoryError`` (CUDA and ROCm/HIP), a ``RuntimeError`` carrying the
+    CUDA error code ``cudaErrorMemoryAllocation`` (2) -- ``torch.AcceleratorError`` from
+    torch >= 2.8, see :func:`vramkit.devices.cuda_errors.is_cuda_out_of_memory` --,
+    ``torch.xpu.OutOfMemoryError`` and ``torch.mps.OutOfMemoryError`` when the torch build
+    defines them, ``MemoryError`` (host) and vramkit's
+    :class:`~vramkit.errors.PoolExhaustedError`. The message is never read: a ``RuntimeError``
+    that only *says* "CUDA out of memory" (torch < 2.8 raises those for runtime failures) is not
+    recognized. A :class:`~vramkit.errors.RecoveryError` (a ``MemoryError`` raised when recovery
+    gave up) is not a fresh OOM and returns ``False``, so nested recovery loops do not retry it.
 
     Args:
         error: any exception.
 
     Returns:
-        ``True`` for the types above.
+        ``True`` for the errors above.
     """
     if isinstance(error, RecoveryError):
         return False
-    return isinstance(error, _oom_types())
+    return isinstance(error, _oom_types()) or is_cuda_out_of_memory(error)
 
 
 # ------------------------------------------------------------------------------------------
@@ -282,12 +290,15 @@ def classify_oom(error: BaseException, device: Any = None, *, requested: int | N
     Call it soon after the error, before memory is freed: it reads the current state.
 
     Args:
-        error: an error :func:`is_oom_error` accepts.
+        error: an error :func:`is_oom_error` accepts. CUDA out-of-memory errors (by type or
+            by the code ``cudaErrorMemoryAllocation``) are diagnosed from the device's memory;
+            a code does not say whether device or page-locked host memory ran out, so the
+            device is read either way.
         device: the CUDA device it happened on (default ``None``: the current CUDA device).
             Ignored for host errors and pool errors.
         requested: bytes of the failed allocation. Default ``None``: the pool's figure for
-            :class:`~vramkit.errors.PoolExhaustedError`, else the size the CUDA allocator
-            reported to vramkit's OOM observer (installed by
+            :class:`~vramkit.errors.PoolExhaustedError`, else (for ``torch.OutOfMemoryError``)
+            the size the CUDA allocator reported to vramkit's OOM observer (installed by
             :class:`~vramkit.memory.recovery.MemoryRecovery` and
             :func:`~vramkit.memory.recovery.find_executable_batch_size` on CUDA), else unknown.
         use_nvml: ask NVML for other processes' usage (default ``True``).
@@ -304,7 +315,7 @@ def classify_oom(error: BaseException, device: Any = None, *, requested: int | N
     error_type = type(error).__name__
     if isinstance(error, PoolExhaustedError):
         return _classify_pool(error, requested, error_type)
-    if not isinstance(error, torch.OutOfMemoryError):
+    if not is_cuda_out_of_memory(error):
         return _classify_host(requested, error_type)
     from vramkit.memory.stats import resolve_cuda_index
 
@@ -312,7 +323,10 @@ def classify_oom(error: BaseException, device: Any = None, *, requested: int | N
     if index is None:
         return OomDiagnosis(kind="capacity", device="cuda", error_type=error_type,
                             requested=requested, hint=_HINTS["capacity"])
-    if requested is None:
+    if requested is None and isinstance(error, torch.OutOfMemoryError):
+        # The observer sees the caching allocator's failures, which raise OutOfMemoryError; an
+        # error known by its CUDA code came from elsewhere (cudaHostAlloc, an extension's own
+        # cudaMalloc), so a recorded size would belong to another failure.
         requested = _last_request.pop(index, None)
     reading = read_device_memory(index, use_nvml=use_nvml)
     return diagnose_memory(reading, requested, error_type)

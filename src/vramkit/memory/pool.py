@@ -60,6 +60,7 @@ import torch
 
 from vramkit._validate import check_device, check_int
 from vramkit.devices import _runtime
+from vramkit.devices.cuda_errors import is_cuda_out_of_memory
 from vramkit.devices.resolve import cuda_ordinal
 from vramkit.errors import (
     ConfigError,
@@ -216,7 +217,10 @@ class MemoryPool:
         Raises:
             ConfigError: when ``nbytes`` is not a positive int.
             PoolExhaustedError: when the request cannot fit under ``max_size``.
-            torch.OutOfMemoryError: when the device itself runs out while growing.
+            torch.OutOfMemoryError: when the device itself runs out while growing (or
+                ``torch.AcceleratorError`` with the code ``cudaErrorMemoryAllocation``, which
+                :func:`~vramkit.memory.oom.is_oom_error` recognizes too). Growing by the
+                growth factor that runs out is retried once at the request's own size first.
         """
         if type(nbytes) is not int or nbytes <= 0:  # the fast path skips the full check
             nbytes = _as_nbytes(nbytes)
@@ -252,6 +256,7 @@ class MemoryPool:
             if book.allocated > book.peak_allocated:
                 book.peak_allocated = book.allocated
             book.num_allocations += 1
+            book.total_allocated += capacity
             if hit:
                 book.cache_hits += 1
             else:
@@ -403,7 +408,12 @@ class MemoryPool:
             self._book.clear()
 
     def reset_stats(self) -> None:
-        """Reset peaks to the current values and all counters to zero."""
+        """Reset peaks to the current values and all counters to zero.
+
+        Counters are ``num_allocations``, ``num_frees``, ``total_allocated``, ``cache_hits``,
+        ``cache_misses``, ``leaked_frees``, ``cache_expired`` and ``defragmentations``; the
+        current figures (``allocated``, ``reserved``, ...) are not counters and stay as they are.
+        """
         with self._lock:
             self._book.peak_allocated = self._book.allocated
             self._book.peak_reserved = self._book.reserved
@@ -606,7 +616,11 @@ class MemoryPool:
             return None
         try:
             storage = self._backend.new_storage(size)
-        except torch.OutOfMemoryError:
+        except RuntimeError as exc:
+            # Out of memory by type (the caching allocator) or by CUDA error code (pinned
+            # memory from cudaHostAlloc raises torch.AcceleratorError), never by message.
+            if not is_cuda_out_of_memory(exc):
+                raise
             smaller = fit_segment(sizing, capacity, capacity, room, self._alignment)
             if smaller is None or smaller >= size:
                 raise

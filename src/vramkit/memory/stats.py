@@ -394,7 +394,9 @@ class MemoryStats:
         name: the operation name passed in.
         device: ``"cuda:N"`` or ``"cpu"``.
         peak_allocated: peak bytes during the call (absolute, including what existed before).
-        total_allocated: bytes allocated during the call, freed or not.
+        total_allocated: bytes allocated during the call, freed or not (a difference of
+            the allocator's cumulative counter; ``PoolStats.total_allocated`` is the same
+            counter for a :class:`~vramkit.memory.pool.MemoryPool`).
         num_allocations: allocations during the call.
         start_allocated / end_allocated: the figure before and after the call.
         duration_s: wall time of the call.

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from vramkit.errors import ConfigError, SafetensorsFormatError
 from vramkit.io._header import SAFETENSORS_DTYPES
 from vramkit.io.lazy import LazySafetensors
+from vramkit.io.loader import MemoryEfficientLoader
 
 
 def sample_of(dtype: torch.dtype, shape: tuple[int, ...] = (5, 7)) -> torch.Tensor:
@@ -202,3 +203,44 @@ def test_directory_errors(tmp_path: Path) -> None:
         LazySafetensors.open(tmp_path)
     with pytest.raises(FileNotFoundError):
         LazySafetensors.open(tmp_path / "nothing.safetensors")
+
+
+# -- a bad shard -----------------------------------------------------------------------------
+
+
+def damage(path: Path) -> None:
+    path.write_bytes(b"\xff" * 8 + b"{}")
+
+
+@pytest.mark.parametrize("how", ["directory", "index file", "directory without index"])
+def test_a_bad_shard_is_named(tmp_path: Path, how: str) -> None:
+    make_shards(tmp_path, with_index=how != "directory without index")
+    damage(tmp_path / "model-00002-of-00002.safetensors")
+    source = tmp_path / "model.safetensors.index.json" if how == "index file" else tmp_path
+    with pytest.raises(SafetensorsFormatError) as info:
+        LazySafetensors.open(source)
+    assert info.value.path == str(tmp_path / "model-00002-of-00002.safetensors")
+    assert "model-00002-of-00002.safetensors" in info.value.message
+    with pytest.raises(SafetensorsFormatError, match="model-00002-of-00002"):
+        MemoryEfficientLoader("cpu").load_safetensors(source)
+
+
+@pytest.mark.parametrize("how", ["index file", "directory without index"])
+def test_skip_bad_shards_keeps_the_rest(tmp_path: Path, how: str) -> None:
+    tensors = make_shards(tmp_path, with_index=how == "index file")
+    bad = tmp_path / "model-00002-of-00002.safetensors"
+    damage(bad)
+    source = tmp_path / "model.safetensors.index.json" if how == "index file" else tmp_path
+    with LazySafetensors.open(source, on_bad_shard="skip") as checkpoint:
+        assert [b.path for b in checkpoint.bad_shards] == [bad]
+        assert "over the 100 MB limit" in checkpoint.bad_shards[0].error.message
+        assert checkpoint.files == [tmp_path / "model-00001-of-00002.safetensors"]
+        assert sorted(checkpoint.tensor_names()) == ["embed", "layers.0.weight", "layers.1.weight"]
+        assert torch.equal(checkpoint.load_tensor("embed"), tensors["embed"])
+    bad.unlink()  # a missing shard the index lists is skipped as well, with the index's words
+    if how == "index file":
+        with LazySafetensors.open(source, on_bad_shard="skip") as checkpoint:
+            assert "does not exist" in checkpoint.bad_shards[0].error.message
+            assert "Download every shard" in checkpoint.bad_shards[0].error.hint
+    with pytest.raises(ConfigError, match="on_bad_shard"):
+        LazySafetensors.open(source, on_bad_shard="ignore")

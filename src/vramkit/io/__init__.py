@@ -10,6 +10,9 @@
   previous chunk copies host->device on the shared copy stream.
 * The header parser (:mod:`vramkit.io._header`) validates every field itself and reports any
   malformed input as :class:`vramkit.errors.SafetensorsFormatError`.
+* Paths are classified before anything is opened (:mod:`vramkit.io._paths`): a named pipe,
+  socket or device, a symbolic-link loop, a Hugging Face repo id, a diffusers pipeline root or a
+  pickle checkpoint is refused at once with an error saying what it is and what to pass.
 
 The public names of :mod:`~vramkit.io.lazy` and :mod:`~vramkit.io.loader` are re-exported here
 lazily: importing the package imports neither. Nothing here touches CUDA at import time. See
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING
 from vramkit._lazy import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
-    ".lazy": ("LazySafetensors", "ReadThreads", "TensorSlice", "resolve_checkpoint"),
+    ".lazy": ("BadShard", "LazySafetensors", "ReadThreads", "TensorSlice", "resolve_checkpoint"),
     ".loader": ("LoadResult", "LoadStats", "MemoryEfficientLoader", "load_into",
                 "stream_weights"),
 })

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from vramkit.errors import SafetensorsFormatError
+from vramkit.io import _paths
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -33,6 +34,7 @@ __all__ = [
     "SafetensorsHeader",
     "ShardIndex",
     "TensorEntry",
+    "missing_shard_error",
     "parse_header",
     "read_header",
     "read_index",
@@ -179,6 +181,11 @@ def _load_json(raw: bytes, path: Path | str, what: str) -> Any:
 def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     """Read and validate the header of a safetensors file without reading any tensor data.
 
+    The path is checked before it is opened and opened without blocking
+    (:func:`vramkit.io._paths.open_file`); a file that fails the checks and begins like a pickle
+    or a ``torch.save`` zip archive (or is named ``.ckpt``/``.bin``/``.pt``/``.pth``) is reported
+    as a pickle checkpoint, with how to convert it.
+
     Args:
         path: the ``.safetensors`` file.
 
@@ -187,22 +194,40 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
 
     Raises:
         SafetensorsFormatError: for any malformed header (see :func:`parse_header`), a file
-            shorter than 8 bytes, a header length beyond the file or over 100 MB.
-        FileNotFoundError: when the file does not exist.
+            shorter than 8 bytes, a header length beyond the file or over 100 MB, a pickle
+            checkpoint, or a path that is not a readable regular file (missing: also a
+            ``FileNotFoundError``).
     """
     path = Path(path)
-    with open(path, "rb") as handle:
-        file_size = os.fstat(handle.fileno()).st_size
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise _fail(path, f"truncated file: {file_size} bytes, shorter than the 8-byte header "
-                              "length")
-        (header_length,) = struct.unpack("<Q", prefix)
-        _check_header_length(path, header_length, file_size)
-        raw = handle.read(header_length)
-    if len(raw) != header_length:  # the file shrank while we read it
-        raise _fail(path, f"truncated file: header needs {header_length} bytes, read {len(raw)}")
-    return parse_header(raw, file_size, path)
+    fd, info = _paths.open_file(path)
+    file_size = info.st_size
+    prefix = raw = b""
+    try:
+        with os.fdopen(fd, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise _fail(path, f"truncated file: {file_size} bytes, shorter than the 8-byte "
+                                  "header length")
+            (header_length,) = struct.unpack("<Q", prefix)
+            _check_header_length(path, header_length, file_size)
+            raw = handle.read(header_length)
+        if len(raw) != header_length:  # the file shrank while we read it
+            raise _fail(path, f"truncated file: header needs {header_length} bytes, read "
+                              f"{len(raw)}")
+        return parse_header(raw, file_size, path)
+    except SafetensorsFormatError:
+        # Only for a file that failed the checks and whose header is not a JSON object: a valid
+        # safetensors file may begin with bytes that look like a pickle's (a 640-byte header
+        # begins with 0x80 0x02), and a damaged one is reported as damaged.
+        length_possible = (len(prefix) == 8
+                           and struct.unpack("<Q", prefix)[0] <= MAX_HEADER_BYTES)
+        other = (None if raw.lstrip()[:1] == b"{"
+                 else _paths.not_safetensors_error(path, prefix, length_possible))
+        if other is not None:
+            raise other from None
+        raise
+    except OSError as err:  # EIO and the like while reading
+        raise _paths.os_error(path, err) from None
 
 
 def _check_header_length(path: Path, header_length: int, file_size: int) -> None:
@@ -340,25 +365,41 @@ class ShardIndex:
         return list(dict.fromkeys(self.weight_map.values()))
 
 
-def read_index(path: str | os.PathLike[str]) -> ShardIndex:
+def missing_shard_error(index_path: Path, shard: Path,
+                        tensor: str | None = None) -> SafetensorsFormatError:
+    """The error for a shard an index names that is not on disk."""
+    name = os.path.relpath(shard, index_path.parent)
+    return _fail(index_path, f"the index points to shard {name!r}, which does not exist in "
+                             f"{index_path.parent}", tensor,
+                 hint="Download every shard the index lists (a partial download?).")
+
+
+def read_index(path: str | os.PathLike[str], *, check_shards: bool = True) -> ShardIndex:
     """Read and validate a sharded checkpoint's index file.
 
     Args:
         path: the ``*.safetensors.index.json`` file.
+        check_shards: refuse an index naming a shard that does not exist (default ``True``);
+            with ``False`` the caller checks each shard as it opens it.
 
     Returns:
         The :class:`ShardIndex`, with shard paths resolved relative to the index.
 
     Raises:
         SafetensorsFormatError: for invalid JSON, a missing or malformed ``weight_map``, a tensor
-            named twice, a shard path leaving the index's directory, or a shard that does not
-            exist.
+            named twice, a shard path leaving the index's directory, a shard that does not
+            exist, or an index path that is not a readable regular file.
     """
     path = Path(path)
-    size = path.stat().st_size
-    if size > MAX_INDEX_BYTES:
-        raise _fail(path, f"index file of {size} bytes is over the 100 MB limit")
-    document = _load_json(path.read_bytes(), path, "index")
+    fd, info = _paths.open_file(path)
+    with os.fdopen(fd, "rb") as handle:
+        if info.st_size > MAX_INDEX_BYTES:
+            raise _fail(path, f"index file of {info.st_size} bytes is over the 100 MB limit")
+        try:
+            raw = handle.read(MAX_INDEX_BYTES + 1)
+        except OSError as err:
+            raise _paths.os_error(path, err) from None
+    document = _load_json(raw, path, "index")
     if not isinstance(document, dict) or not isinstance(document.get("weight_map"), dict):
         raise _fail(path, "the index has no \"weight_map\" object mapping tensor names to shard "
                           "files")
@@ -377,10 +418,9 @@ def read_index(path: str | os.PathLike[str]) -> ShardIndex:
                 raise _fail(path, f"shard {shard!r} is outside the checkpoint directory", name,
                             hint="Shard names in weight_map must be relative to the index file.")
             full = root / shard_path
-            if not full.is_file():
-                raise _fail(path, f"the index points to shard {shard!r}, which does not exist in "
-                                  f"{root}", name,
-                            hint="Download every shard the index lists (a partial download?).")
+            # lexists: a dangling link or a link loop is reported by name when it is opened
+            if check_shards and not os.path.lexists(full):
+                raise missing_shard_error(path, full, name)
             resolved[shard] = full
         weight_map[name] = resolved[shard]
     return ShardIndex(path, weight_map, dict(metadata))

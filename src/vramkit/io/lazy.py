@@ -26,28 +26,30 @@ import logging
 import math
 import mmap
 import os
-import re
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import torch
 
-from vramkit._validate import check_int
+from vramkit._validate import check_choice, check_int
 from vramkit.errors import ConfigError, SafetensorsFormatError
+from vramkit.io import _paths
 from vramkit.io._header import (
     SafetensorsHeader,
     ShardIndex,
     TensorEntry,
+    missing_shard_error,
     read_header,
     read_index,
 )
 
-__all__ = ["LazySafetensors", "ReadThreads", "TensorSlice", "resolve_checkpoint"]
+__all__ = ["BadShard", "LazySafetensors", "ReadThreads", "TensorSlice", "resolve_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +57,15 @@ _PAGE = mmap.PAGESIZE
 _MIN_PARALLEL_PIECE = 4 << 20  # below this, splitting a read across threads costs more than it saves
 
 
-def _natural_key(path: Path) -> list[Any]:
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.name)]
-
-
 def resolve_checkpoint(path: str | os.PathLike[str]) -> tuple[Path | None, list[Path]]:
     """Find the files of a checkpoint given as a file, an index file or a directory.
 
     A directory with one ``*.safetensors.index.json`` is read through that index; without one,
-    every ``*.safetensors`` file in it is a shard (in natural name order).
+    every ``*.safetensors`` entry in it is a shard (in natural name order; an entry that is not a
+    regular file is reported when it is opened, never skipped). The path is classified before
+    anything is opened (:mod:`vramkit.io._paths`): a named pipe, socket or device, a symbolic-link
+    loop, a Hugging Face repo id, a diffusers pipeline root or a folder of pickle checkpoints is
+    refused with an error saying what it is and what to pass instead.
 
     Args:
         path: a ``.safetensors`` file, a ``*.safetensors.index.json`` or a directory.
@@ -73,29 +75,24 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> tuple[Path | None, list[
         shards come from the index).
 
     Raises:
-        FileNotFoundError: when ``path`` does not exist.
-        SafetensorsFormatError: for a directory with several index files or no safetensors file.
+        SafetensorsFormatError: for a path that is not a checkpoint (``kind`` attribute says
+            what it is; a missing path is also a ``FileNotFoundError``, an unreadable one a
+            ``PermissionError``), or a directory with several index files.
     """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"no such checkpoint: {path}")
-    if path.is_dir():
-        indexes = sorted(path.glob("*.safetensors.index.json"))
-        if len(indexes) > 1:
-            names = ", ".join(p.name for p in indexes)
-            raise SafetensorsFormatError(f"the directory holds several index files ({names})",
-                                         path=path, hint="Pass the index file of the checkpoint "
-                                                         "you want instead of the directory.")
-        if indexes:
-            return indexes[0], []
-        files = sorted((p for p in path.glob("*.safetensors") if p.is_file()), key=_natural_key)
-        if not files:
-            raise SafetensorsFormatError("the directory holds no .safetensors file", path=path,
-                                         hint="Point at the model's weights directory.")
-        return None, files
-    if path.name.endswith(".json"):
-        return path, []
-    return None, [path]
+    return _paths.resolve(path)
+
+
+@dataclass(frozen=True)
+class BadShard:
+    """A file of a sharded checkpoint that could not be read (``on_bad_shard="skip"``).
+
+    Args:
+        path: the shard file.
+        error: why (its message names the file; its hint says what to do).
+    """
+
+    path: Path
+    error: SafetensorsFormatError
 
 
 class ReadThreads:
@@ -138,11 +135,17 @@ class _FileReader:
 
     def __init__(self, path: Path, use_mmap: bool) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        self._size = os.fstat(self._fd).st_size
+        # Never a blocking open: the path is checked again here (it may have changed since its
+        # header was read) and opened with O_NONBLOCK.
+        self._fd, info = _paths.open_file(path)
+        self._size = info.st_size
         self._map: mmap.mmap | None = None
         if use_mmap and self._size > 0:
-            self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+            try:
+                self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+            except BaseException:
+                os.close(self._fd)
+                raise
         self._lock = threading.Lock()
         self.bytes_read = 0
 
@@ -226,13 +229,19 @@ class LazySafetensors:
         index: the shard index, when the checkpoint came with one.
         use_mmap: read through a memory map (default) or positional reads.
         source: the path the checkpoint was opened from (for messages).
+        bad_shards: shards left out because they could not be read (``open(...,
+            on_bad_shard="skip")``); the index's entries pointing to them are not checked.
     """
 
     def __init__(self, headers: Sequence[SafetensorsHeader], *, index: ShardIndex | None = None,
-                 use_mmap: bool = True, source: Path | None = None) -> None:
+                 use_mmap: bool = True, source: Path | None = None,
+                 bad_shards: Sequence[BadShard] = ()) -> None:
         self._headers = list(headers)
         self.index = index
         self.use_mmap = bool(use_mmap)
+        self.bad_shards: list[BadShard] = list(bad_shards)
+        if source is None and not self._headers:
+            raise ConfigError("LazySafetensors needs a source path when it has no headers")
         self.source = source if source is not None else self._headers[0].path
         self._entries: dict[str, TensorEntry] = {}
         for header in self._headers:
@@ -245,37 +254,60 @@ class LazySafetensors:
                         hint="The shards come from different checkpoints; download them again.")
                 self._entries[name] = entry
         if index is not None:
-            self._check_index(index)
+            self._check_index(index, {bad.path for bad in self.bad_shards})
         self._readers: dict[Path, _FileReader] = {}
         self._closed_bytes_read = 0
         self._lock = threading.Lock()
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, use_mmap: bool = True) -> LazySafetensors:
+    def open(cls, path: str | os.PathLike[str], *, use_mmap: bool = True,
+             on_bad_shard: str = "raise") -> LazySafetensors:
         """Open a checkpoint and parse its headers (no tensor data is read).
+
+        The path is classified before anything is opened (never blocking: a named pipe, socket
+        or device is refused; see :func:`resolve_checkpoint` for the other cases).
 
         Args:
             path: a ``.safetensors`` file, a ``*.safetensors.index.json`` (Hugging Face sharded
                 layout), or a directory holding either.
             use_mmap: read tensor bytes through a memory map (default ``True``) or with
                 positional reads (``False``: network filesystems, files larger than RAM).
+            on_bad_shard: ``"raise"`` (default): a shard that cannot be read (missing,
+                malformed, not a regular file, a pickle) raises its error, which names the shard
+                file; ``"skip"``: leave it out and record it in :attr:`bad_shards` (for reports
+                such as ``vramkit inspect``; never load a model from a partial checkpoint).
 
         Returns:
             The opened checkpoint.
 
         Raises:
-            SafetensorsFormatError: for any malformed file or index (file and tensor named).
-            FileNotFoundError: when the path does not exist.
+            SafetensorsFormatError: for a path that is not a checkpoint, or any malformed file
+                or index (file and tensor named). A missing path is also a
+                ``FileNotFoundError``.
+            ConfigError: for an ``on_bad_shard`` other than ``"raise"`` or ``"skip"``.
         """
+        skip = check_choice("on_bad_shard", on_bad_shard, ("raise", "skip")) == "skip"
         index_path, files = resolve_checkpoint(path)
-        index = read_index(index_path) if index_path is not None else None
+        index = read_index(index_path, check_shards=not skip) if index_path is not None else None
         if index is not None:
             files = index.shards
-        headers = [read_header(file) for file in files]
-        return cls(headers, index=index, use_mmap=use_mmap, source=Path(path))
+        headers: list[SafetensorsHeader] = []
+        bad: list[BadShard] = []
+        for file in files:
+            try:
+                if index is not None and not os.path.lexists(file):
+                    raise missing_shard_error(index.path, file)
+                headers.append(read_header(file))
+            except SafetensorsFormatError as err:
+                if not skip:
+                    raise
+                bad.append(BadShard(file, err))
+        return cls(headers, index=index, use_mmap=use_mmap, source=Path(path), bad_shards=bad)
 
-    def _check_index(self, index: ShardIndex) -> None:
+    def _check_index(self, index: ShardIndex, skipped: set[Path]) -> None:
         for name, shard in index.weight_map.items():
+            if shard in skipped:
+                continue
             entry = self._entries.get(name)
             if entry is None:
                 raise SafetensorsFormatError(f"the index maps the tensor to {shard.name}, which "

@@ -11,7 +11,10 @@ than a staging buffer) in file order, each straight into its final memory.
   except to reuse a staging buffer.
 
 ``load_into`` fills a module built on the meta device (``torch.device("meta")``) by assigning
-each loaded tensor in place of the meta one, so the module is never materialized twice; with
+each loaded tensor in place of the meta one, so the module is never materialized twice. The
+non-persistent buffers checkpoints never hold (rotary ``inv_freq``...) are recomputed where the
+model offers a way (transformers' ``_init_weights``, :mod:`vramkit.io._buffers`); what stays on
+meta is listed in ``LoadResult.still_meta`` and in a warning. With
 ``quantization=`` each layer :func:`vramkit.quant.model.quantizable_layers` selects becomes a
 ``QuantizedLinear`` / ``QuantizedConv2d`` as soon as its weight arrives, so the full-precision
 model never sits in memory.
@@ -25,7 +28,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,6 +36,7 @@ from torch import nn
 
 from vramkit._validate import check_bool, check_device, check_int, check_size
 from vramkit.errors import ConfigError
+from vramkit.io._buffers import meta_non_persistent_buffers, recompute_meta_buffers
 from vramkit.io._header import TensorEntry
 from vramkit.io.lazy import LazySafetensors, ReadThreads
 
@@ -86,9 +90,13 @@ class LoadResult:
         unexpected_keys: checkpoint keys (under the prefix) the module has no place for.
         quantized_modules: qualified names of the layers replaced by ``QuantizedLinear`` /
             ``QuantizedConv2d``.
-        still_meta: tensors of the module still on the meta device afterwards (missing keys or
-            non-persistent buffers the caller must initialize).
+        still_meta: tensors of the module still on the meta device afterwards (missing keys, or
+            non-persistent buffers the module offers no way to recompute), which the caller
+            must set before using the module; a warning names each of them.
         stats: the load's :class:`LoadStats`.
+        initialized_buffers: non-persistent buffers (never in checkpoints) that were on meta and
+            were recomputed on the weights' device with the model's own initializer
+            (transformers' ``_init_weights``: rotary ``inv_freq``, position ids).
     """
 
     loaded_keys: list[str]
@@ -97,6 +105,7 @@ class LoadResult:
     quantized_modules: list[str]
     still_meta: list[str]
     stats: LoadStats
+    initialized_buffers: list[str] = field(default_factory=list)
 
 
 class MemoryEfficientLoader:
@@ -229,6 +238,12 @@ class MemoryEfficientLoader:
         the meta device is materialized tensor by tensor, never twice). Parameters keep their
         ``requires_grad``; tied parameters stay tied. Floating tensors take the loader's
         ``dtype`` when set, else the dtype the module's tensor has.
+
+        Non-persistent buffers (which checkpoints never hold) still on meta afterwards are
+        recomputed on the weights' device where the model offers a way: a ``transformers``
+        model's ``_init_weights`` (rotary ``inv_freq``, position ids), run with every loaded
+        tensor hidden behind a meta stand-in so it cannot overwrite them. The rest stays on meta,
+        listed in ``LoadResult.still_meta`` and named in a warning.
 
         Args:
             module: the module, typically built under ``torch.device("meta")``.
@@ -606,12 +621,45 @@ class _ModuleFiller:
             raise ConfigError(f"cannot quantize {', '.join(unfinished)}: the checkpoint holds only "
                               "part of the layer (weight or bias missing)",
                               hint="Load with strict=True to see which keys are missing.")
+        initialized = recompute_meta_buffers(self.module, self._weights_device())
+        if initialized:
+            logger.info("recomputed %d non-persistent buffer(s) on %s with the model's own "
+                        "initializer: %s", len(initialized), self._weights_device(),
+                        ", ".join(initialized))
         still_meta = [name for name, t in (*self.module.named_parameters(),
                                            *self.module.named_buffers()) if t.is_meta]
         if still_meta:
-            logger.warning("%d tensor(s) are still on the meta device after loading (e.g. %s): "
-                           "initialize them before use", len(still_meta), still_meta[0])
+            logger.warning("%s", self._still_meta_message(still_meta))
         return LoadResult(loaded_keys=self.loaded, missing_keys=self.missing,
                           unexpected_keys=self.unexpected,
                           quantized_modules=[p.module_name for p in self.quant.values() if p.done],
-                          still_meta=still_meta, stats=stats)
+                          still_meta=still_meta, stats=stats, initialized_buffers=initialized)
+
+    def _weights_device(self) -> torch.device:
+        # Where the loaded tensors went (a bare "cuda" resolved to its ordinal).
+        for tensor in (*self.module.parameters(), *self.module.buffers()):
+            if not tensor.is_meta:
+                return tensor.device
+        return self.device
+
+    def _still_meta_message(self, still_meta: list[str]) -> str:
+        non_persistent = {f"{owner}.{attr}" if owner else attr
+                          for owner, (_, attrs) in meta_non_persistent_buffers(self.module).items()
+                          for attr in attrs}
+        buffers = [name for name in still_meta if name in non_persistent]
+        others = [name for name in still_meta if name not in non_persistent]
+        parts = []
+        if others:
+            parts.append(f"{len(others)} missing from the checkpoint: {_listed(others)}")
+        if buffers:
+            parts.append(f"{len(buffers)} non-persistent buffer(s), which checkpoints never hold "
+                         f"and which the module offers no way to recompute: {_listed(buffers)}")
+        return (f"{len(still_meta)} tensor(s) are still on the meta device after loading, and "
+                f"the module cannot run until they are set: {'; '.join(parts)}. Assign each on "
+                "the target device (for a buffer: owner.register_buffer(name, value, "
+                "persistent=False)), or build the modules that own them off the meta device.")
+
+
+def _listed(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from vramkit.errors import ConfigError, QuantizationError
@@ -122,6 +125,126 @@ def test_is_excluded_matches_names_and_ancestors() -> None:
     assert not config.is_excluded("blocks.1.attn")
     assert not config.is_excluded("blocks.10.attn")  # "blocks.0" is not a prefix pattern
     assert not config.is_excluded("")
+
+
+# -- modules_to_not_quantize: names as bitsandbytes / Hugging Face users write them ------------
+
+
+def test_a_name_matches_whole_path_components_anywhere() -> None:
+    config = QuantizationConfig("int8", modules_to_not_quantize=["proj_out"])
+    assert config.is_excluded("proj_out")
+    assert config.is_excluded("transformer.proj_out")  # a suffix: the model was wrapped
+    assert config.is_excluded("pipe.transformer.proj_out.lora_A")  # inside it
+    assert not config.is_excluded("proj_out_extra")
+    assert not config.is_excluded("transformer.proj_out_extra")
+    assert not config.is_excluded("transformer.my_proj_out")
+    attn = QuantizationConfig("int8", modules_to_not_quantize=["attn"])
+    assert attn.is_excluded("blocks.0.attn.to_q")  # a path component in the middle
+    assert attn.is_excluded("blocks.0.attn")
+    assert not attn.is_excluded("blocks.0.attn2.to_q")
+    assert not attn.is_excluded("blocks.0.self_attn.to_q")
+    dotted = QuantizationConfig("int8", modules_to_not_quantize=["attn.to_q", "blocks.0"])
+    assert dotted.is_excluded("transformer.blocks.3.attn.to_q")
+    assert not dotted.is_excluded("transformer.blocks.3.attn.to_k")
+    assert dotted.is_excluded("transformer.blocks.0.ff")
+    assert not dotted.is_excluded("transformer.blocks.01.ff")
+    assert not dotted.is_excluded("transformer.blocks.10.ff")
+
+
+def test_shell_patterns_match_runs_of_components() -> None:
+    config = QuantizationConfig("int8", modules_to_not_quantize=["*norm*", "final_layer*",
+                                                                 "*.proj", "to_?"])
+    assert config.is_excluded("blocks.0.norm1.linear")
+    assert config.is_excluded("transformer.norm_out.linear")
+    assert config.is_excluded("final_layer.linear")
+    assert config.is_excluded("transformer.final_layer_2.adaLN")
+    assert config.is_excluded("blocks.1.proj")
+    assert not config.is_excluded("proj")  # "*.proj" wants a component before it
+    assert config.is_excluded("blocks.0.attn.to_q")
+    assert not config.is_excluded("blocks.0.attn.to_out")
+    assert not config.is_excluded("blocks.0.attn.qkv")
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.lists(st.sampled_from(["a", "b", "ab", "0", "1", "10"]), min_size=1, max_size=6),
+       pattern=st.lists(st.sampled_from(["a", "b", "ab", "0", "1", "10"]), min_size=1,
+                        max_size=3))
+def test_a_plain_name_matches_exactly_when_it_is_a_dotted_substring_of_components(
+        name: list[str], pattern: list[str]) -> None:
+    qualified, wanted = ".".join(name), ".".join(pattern)
+    config = QuantizationConfig("int8", modules_to_not_quantize=[wanted])
+    assert config.is_excluded(qualified) == (f".{wanted}." in f".{qualified}.")
+
+
+def test_quantize_model_keeps_a_named_layer_of_a_wrapped_model() -> None:
+    torch.manual_seed(0)
+    transformer = nn.Module()
+    transformer.blocks = nn.ModuleList(_Block(32) for _ in range(2))
+    transformer.proj_out = nn.Linear(32, 16)
+    transformer.proj_out_extra = nn.Linear(32, 16)
+    pipeline = nn.Module()
+    pipeline.transformer = transformer  # named as in a pipeline: "transformer.proj_out"
+    config = QuantizationConfig("int8", modules_to_not_quantize=["proj_out", "attn"])
+    names = [name for name, _ in quantizable_layers(pipeline, config)]
+    assert names == ["transformer.blocks.0.proj", "transformer.blocks.1.proj",
+                     "transformer.proj_out_extra"]
+    quantize_model(pipeline, config)
+    assert type(transformer.proj_out) is nn.Linear
+    assert type(transformer.blocks[0].attn) is nn.Linear
+    assert type(transformer.blocks[1].attn) is nn.Linear
+    assert isinstance(transformer.proj_out_extra, QuantizedLinear)
+    assert isinstance(transformer.blocks[0].proj, QuantizedLinear)
+    state = {"transformer.proj_out.weight": torch.randn(16, 32),
+             "transformer.proj_out_extra.weight": torch.randn(16, 32)}
+    out = quantize_model(state, config)
+    assert out["transformer.proj_out.weight"] is state["transformer.proj_out.weight"]
+    assert isinstance(out["transformer.proj_out_extra.weight"], QuantizedTensor)
+
+
+def test_modules_to_not_quantize_on_a_diffusers_flux_transformer() -> None:
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    pipeline = nn.Module()
+    pipeline.transformer = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+        axes_dims_rope=(4, 6, 6))
+    config = QuantizationConfig("nf4", modules_to_not_quantize=["proj_out", "norm_out", "to_q"])
+    quantize_model(pipeline, config)
+    flux = pipeline.transformer
+    assert type(flux.proj_out) is nn.Linear
+    assert type(flux.norm_out.linear) is nn.Linear
+    assert type(flux.transformer_blocks[0].attn.to_q) is nn.Linear
+    assert type(flux.single_transformer_blocks[0].attn.to_q) is nn.Linear
+    assert isinstance(flux.transformer_blocks[0].attn.to_k, QuantizedLinear)
+    assert type(flux.single_transformer_blocks[0].proj_out) is nn.Linear  # "proj_out" too
+    assert isinstance(flux.x_embedder, QuantizedLinear)
+
+
+@pytest.mark.parametrize("bad", ["", ".proj_out", "proj_out.", "blocks..attn"])
+def test_a_name_that_can_match_no_module_is_refused(bad: str) -> None:
+    with pytest.raises(ConfigError, match="can match no module"):
+        QuantizationConfig("int8", modules_to_not_quantize=["head", bad])
+
+
+def test_quantize_model_warns_about_a_name_that_matches_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    config = QuantizationConfig("int8", modules_to_not_quantize=["head", "haed", "*nrom*"])
+    with caplog.at_level(logging.WARNING, logger="vramkit.quant.model"):
+        model = quantize_model(_net(), config)
+    assert type(model.head) is nn.Linear
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2, warned
+    assert "'*nrom*' matches no module" in warned[0]
+    assert "'haed' matches no module" in warned[1]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vramkit.quant.model"):
+        quantize_model(_net().state_dict(), config)
+    assert [r.levelno for r in caplog.records].count(logging.WARNING) == 2
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vramkit.quant.model"):
+        quantize_model(_net(), QuantizationConfig("int8", modules_to_not_quantize=["head"]))
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
 def test_should_quantize_selects_linear_and_conv() -> None:

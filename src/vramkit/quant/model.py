@@ -9,11 +9,21 @@ a weight is quantized) and :func:`quantized_layer` (what replaces a layer): :fun
 runs them over a model with real weights, and :func:`vramkit.io.loader.load_into` runs the same
 three while it streams a checkpoint into a model built on the meta device.
 
-Module patterns (``modules_to_not_quantize``) are shell-style patterns (:func:`fnmatch.fnmatchcase`,
-case-sensitive) matched against qualified module names as ``model.named_modules()`` spells them
-(``"double_blocks.0.img_attn.qkv"``). A layer is skipped when its own name *or any ancestor's*
-matches, so ``"final_layer"`` skips everything inside ``final_layer`` and ``"*.proj"`` skips every
-module called ``proj``. For a state dict the module name of ``"a.b.weight"`` is ``"a.b"``.
+Module names (``modules_to_not_quantize``) match the way bitsandbytes and Hugging Face users
+expect: a name matches every module whose qualified name (as ``model.named_modules()`` spells it,
+``"double_blocks.0.img_attn.qkv"``) contains it as whole path components, anywhere. So
+``"proj_out"`` matches ``"proj_out"`` and ``"transformer.proj_out"`` but not
+``"proj_out_extra"``; ``"attn"`` matches ``"blocks.0.attn"`` and everything inside it
+(``"blocks.0.attn.to_q"``); ``"blocks.0"`` matches ``"blocks.0.attn"`` but not
+``"blocks.01"`` or ``"blocks.10"``. A name may also be a shell-style pattern
+(:func:`fnmatch.fnmatchcase`, case-sensitive), matched the same way against every run of whole
+components: ``"*norm*"`` keeps every module with ``norm`` in a component of its name,
+``"*.proj"`` every module called ``proj`` below the root, ``"final_layer*"`` every module whose
+path has a component starting with ``final_layer``. A layer is kept in full precision when its
+own name *or an ancestor's* matches (the ancestor's name is a run of its components). For a
+state dict the module name of ``"a.b.weight"`` is ``"a.b"``. :func:`quantize_model` warns
+(``logging``) about a name that matched no module of the model: a misspelt name would
+otherwise quantize a layer that was meant to stay in full precision.
 
 Order with adapters: quantize first, then attach LoRA (peft's ``lora_A``/``lora_B`` are
 ``nn.Linear`` and would otherwise be quantized too, unless listed, e.g. ``"*lora_*"``).
@@ -86,8 +96,11 @@ class QuantizationConfig:
             GPUs of capability >= 8.9 (Hopper, Ada), elsewhere the forward raises
             :class:`~vramkit.errors.QuantizationError`. Linear layers whose in/out features
             are not multiples of 16 (which the fp8 GEMM cannot take) run weight-only.
-        modules_to_not_quantize: patterns of module names to keep in full precision (see the
-            module docstring; a single string counts as one pattern). Default none.
+        modules_to_not_quantize: names (or shell-style patterns) of modules to keep in full
+            precision, matched as whole path components anywhere in a module's qualified name:
+            ``"proj_out"`` keeps ``"transformer.proj_out"`` but not ``"proj_out_extra"``, and
+            ``"attn"`` keeps everything inside ``"blocks.0.attn"`` (see the module docstring; a
+            single string counts as one name). Default none.
         group_size: block/group size override for the format (int8/nf4/fp8-block blocks, int4
             groups). Default None: the format's default (32 for int8/int4/nf4, with one-byte
             log-scale codes, which meets the memory and error targets on heavy-tailed weights
@@ -121,7 +134,17 @@ class QuantizationConfig:
         if not isinstance(patterns, Sequence) or not all(isinstance(p, str) for p in patterns):
             raise ConfigError("QuantizationConfig.modules_to_not_quantize must be a sequence of "
                               f"name patterns (str), got {self.modules_to_not_quantize!r}")
+        for pattern in patterns:
+            # Components never start or end with a dot: such a name could match no module.
+            if not pattern or pattern.startswith(".") or pattern.endswith(".") or ".." in pattern:
+                raise ConfigError(
+                    f"QuantizationConfig.modules_to_not_quantize: {pattern!r} can match no "
+                    "module name",
+                    hint="Give module names as model.named_modules() spells them, without "
+                         "leading, trailing or doubled dots: 'proj_out', 'blocks.0.attn', "
+                         "'*norm*'.")
         object.__setattr__(self, "modules_to_not_quantize", tuple(patterns))
+        object.__setattr__(self, "_patterns", _split_patterns(self.modules_to_not_quantize))
         activations = self.activations_dtype
         if isinstance(activations, QuantFormat):
             activations = activations.value
@@ -151,7 +174,10 @@ class QuantizationConfig:
         return self.activations_dtype == "fp8"
 
     def is_excluded(self, qualified_name: str) -> bool:
-        """Whether ``qualified_name`` or one of its ancestors matches ``modules_to_not_quantize``.
+        """Whether a name in ``modules_to_not_quantize`` matches ``qualified_name`` or one of
+        its ancestors: as whole path components anywhere in the name (``"proj_out"`` matches
+        ``"transformer.proj_out"``, not ``"proj_out_extra"``), or as a shell-style pattern
+        matched against every run of whole components (``"*norm*"``).
 
         Args:
             qualified_name: a dotted module name (``""`` is the root and never matches).
@@ -161,10 +187,10 @@ class QuantizationConfig:
         """
         if not qualified_name or not self.modules_to_not_quantize:
             return False
-        parts = qualified_name.split(".")
-        prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-        return any(fnmatch.fnmatchcase(prefix, pattern)
-                   for prefix in prefixes for pattern in self.modules_to_not_quantize)
+        plain, globs = self._patterns  # type: ignore[attr-defined]
+        runs = _component_runs(qualified_name)
+        return (not plain.isdisjoint(runs)
+                or any(fnmatch.fnmatchcase(run, glob) for glob in globs for run in runs))
 
     def should_quantize(self, qualified_name: str, module: nn.Module) -> bool:
         """Whether this module is a layer the config selects (:func:`quantizable_layers` also
@@ -213,6 +239,28 @@ class QuantizationConfig:
 
 
 QuantoConfig = QuantizationConfig  # the seed's name (EriDiffusion's QuantoConfig)
+
+_GLOB_CHARS = frozenset("*?[")
+
+
+def _component_runs(qualified_name: str) -> list[str]:
+    """Every run of whole path components of a dotted name: ``"a.b.c"`` gives ``"a"``,
+    ``"a.b"``, ``"a.b.c"``, ``"b"``, ``"b.c"`` and ``"c"``.
+
+    Names are matched against any run, not only a prefix: modules are named from wherever the
+    model was wrapped (``"proj_out"`` in a transformer is ``"transformer.proj_out"`` in a
+    pipeline), and a run that ends before the last component names an ancestor, whose whole
+    subtree is then kept.
+    """
+    parts = qualified_name.split(".")
+    return [".".join(parts[start:stop])
+            for start in range(len(parts)) for stop in range(start + 1, len(parts) + 1)]
+
+
+def _split_patterns(patterns: Sequence[str]) -> tuple[frozenset[str], tuple[str, ...]]:
+    """Plain names (matched by set lookup) and shell-style patterns (matched by fnmatch)."""
+    plain = frozenset(p for p in patterns if not _GLOB_CHARS.intersection(p))
+    return plain, tuple(p for p in patterns if p not in plain)
 
 
 def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
@@ -403,6 +451,8 @@ def _selects_tensor(key: str, value: Any, config: QuantizationConfig) -> bool:
 
 def _quantize_state_dict(state: Mapping[str, Any], config: QuantizationConfig
                          ) -> dict[str, QuantizedTensor | torch.Tensor]:
+    _warn_unmatched([key.rpartition(".")[0] for key in state if "." in key], "state dict",
+                    config)
     out: dict[str, QuantizedTensor | torch.Tensor] = {}
     for key, value in state.items():
         module_name, _, leaf = key.rpartition(".")
@@ -440,6 +490,8 @@ def _quantize_module(model: nn.Module, config: QuantizationConfig) -> nn.Module:
                 f"{name} is already quantized ({type(module).__name__})",
                 hint="quantize_model runs once per model; to quantize the remaining float "
                      "layers list the quantized ones in modules_to_not_quantize.")
+    _warn_unmatched([name for name, _ in model.named_modules() if name],
+                    type(model).__name__, config)
     before = model_bytes(model)
     layers, kept = _select_layers(model, config)
     # Every (parent, attribute) slot of each module: a module registered twice is replaced at
@@ -463,6 +515,21 @@ def _quantize_module(model: nn.Module, config: QuantizationConfig) -> nn.Module:
                 "parameters + buffers %s -> %s", quantized, _format_label(config), kept,
                 format_size(before), format_size(after))
     return model
+
+
+def _warn_unmatched(names: Sequence[str], what: str, config: QuantizationConfig) -> None:
+    """Warn about names in ``modules_to_not_quantize`` that match none of ``names``: a
+    misspelt name would otherwise quantize the layers it was meant to keep, silently."""
+    if not config.modules_to_not_quantize:
+        return
+    runs = {run for name in names if name for run in _component_runs(name)}
+    plain, globs = _split_patterns(config.modules_to_not_quantize)
+    unmatched = [p for p in plain if p not in runs]
+    unmatched += [g for g in globs if not any(fnmatch.fnmatchcase(r, g) for r in runs)]
+    for pattern in sorted(unmatched):
+        logger.warning("modules_to_not_quantize: %r matches no module of this %s, so it keeps "
+                       "nothing in full precision (names look like %s)", pattern, what,
+                       ", ".join(repr(n) for n in names[:3] if n) or "nothing")
 
 
 def _format_label(config: QuantizationConfig) -> str:

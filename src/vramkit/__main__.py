@@ -1,5 +1,6 @@
-"""``python -m vramkit`` runs the CLI."""
+"""``python -m vramkit`` runs the CLI (the same as the ``vramkit`` command)."""
 
 from vramkit.cli.main import main
 
-raise SystemExit(main())
+if __name__ == "__main__":
+    raise SystemExit(main())

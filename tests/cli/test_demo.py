@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -63,7 +66,7 @@ def test_table_output_and_report(capsys: pytest.CaptureFixture[str], tmp_path: P
 ])
 def test_argument_errors(argv: list[str], message: str,
                          capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", *FAST, *argv]) == 1
+    assert main(["demo", *FAST, *argv]) == 2  # a flag's value: a usage error (issue 17)
     err = capsys.readouterr().err
     assert "vramkit demo: error:" in err and message in err
 
@@ -85,3 +88,170 @@ def test_python_m_vramkit_demo_runs_without_a_gpu(tmp_path: Path) -> None:
     assert data["baseline_max_loss_diff"] == 0.0
     assert (tmp_path / "vramkit-demo-report.html").is_file()
     assert data["report_path"] == "vramkit-demo-report.html"
+
+
+# -- errors before any work, flags in messages, one step-time statistic -----------------------
+
+
+@pytest.fixture
+def no_work(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Record (and stop) any start of the demo's work: planning or training."""
+    from vramkit.errors import DeviceError
+    from vramkit.recipes import demo as recipe
+
+    started: list[str] = []
+
+    def refuse(name: str) -> Any:
+        def stop(*args: object, **kwargs: object) -> None:
+            started.append(name)
+            raise DeviceError("work started", hint="(the test stops it here)")
+
+        return stop
+
+    monkeypatch.setattr(recipe, "plan_demo", refuse("plan_demo"))
+    monkeypatch.setattr(recipe, "run_demo", refuse("run_demo"))
+    yield started
+
+
+def _unwritable_reports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple]:
+    (tmp_path / "a-dir.html").mkdir()
+    (tmp_path / "a-file").write_text("")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    return {
+        "a directory": (tmp_path / "a-dir.html", "is a directory"),
+        "a file as parent": (tmp_path / "a-file" / "sub" / "r.html", "is not a directory"),
+        "unwritable directory": (locked / "r.html", "cannot write in"),
+        "png without matplotlib": (tmp_path / "r.png", "pip install matplotlib"),
+    }
+
+
+@pytest.mark.parametrize("case", ["a directory", "a file as parent", "unwritable directory",
+                                  "png without matplotlib"])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_unusable_report_path_fails_before_any_work(
+        case: str, as_json: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], no_work: list[str]) -> None:
+    from tests.cli._helpers import check_error
+    from vramkit.cli import _output
+
+    path, says = _unwritable_reports(tmp_path, monkeypatch)[case]
+    if case == "unwritable directory":  # root writes through chmod: refuse at the probe instead
+        def refuse(directory: Path) -> None:
+            raise PermissionError(13, "Permission denied", str(directory))
+
+        monkeypatch.setattr(_output, "_probe_directory", refuse)
+    if case == "png without matplotlib":
+        monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code = main(["demo", *FAST, *(["--json"] if as_json else []), "--report", str(path)])
+    out, err = capsys.readouterr()
+    check_error(code, out, err, sub="demo", exit_code=2, as_json=as_json,
+                says=("--report", says))
+    assert no_work == []
+    assert not path.exists() or path.is_dir()
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0,
+                    reason="root writes through directory permissions")
+def test_read_only_directory_fails_before_any_work(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str],
+                                                   no_work: list[str]) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        assert main(["demo", *FAST, "--report", str(locked / "r.html")]) == 2
+    finally:
+        locked.chmod(0o700)
+    assert "cannot write in" in capsys.readouterr().err
+    assert no_work == []
+
+
+def test_missing_report_directories_are_made(tmp_path: Path, no_work: list[str],
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # missing parents pass the check (they are made when the report is written) and the work
+    # starts; the check itself creates nothing
+    assert main(["demo", *FAST, "--report", str(tmp_path / "new" / "deeper" / "r.html")]) == 1
+    assert no_work == ["plan_demo"] and "work started" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("argv", [["--budget", "lots"], ["--steps", "0"],
+                                  ["--report", "demo.txt"], ["--model-size", "enormous"]])
+def test_flag_errors_exit_2_before_any_work(argv: list[str], no_work: list[str],
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.cli._helpers import check_error
+
+    code = main(["demo", *FAST, *argv])
+    out, err = capsys.readouterr()
+    check_error(code, out, err, sub="demo", exit_code=2, says=(argv[0],))
+    assert no_work == []
+
+
+def test_demo_config_errors_name_the_flags(monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Whatever DemoConfig refuses is told in flags: `--budget`, not `DemoConfig.budget`."""
+    from tests.cli._helpers import check_error
+    from vramkit.cli import demo as demo_cli
+
+    # let the raw text reach DemoConfig, whose own check then refuses it
+    monkeypatch.setattr(demo_cli, "_size", lambda option, what, text, hint="": text)
+    monkeypatch.setattr(demo_cli, "_whole_number", lambda option, text: text)
+    for argv, flag in ((["--budget", "lots"], "--budget"), (["--steps", "x"], "--steps"),
+                       (["--batch-size", "y"], "--batch-size"),
+                       (["--model-size", "huge"], "--model-size")):
+        code = main(["demo", "--device", "cpu", *argv])
+        out, err = capsys.readouterr()
+        check_error(code, out, err, sub="demo", exit_code=2, says=(flag,),
+                    not_says=("DemoConfig.",))
+    code = main(["demo", "--device", "cpu", "--json", "--budget", "lots"])
+    out, err = capsys.readouterr()
+    text = check_error(code, out, err, sub="demo", exit_code=2, as_json=True,
+                       not_says=("DemoConfig.",))
+    assert text.startswith("--budget")
+
+
+def test_progress_bar_shows_the_median_step_time() -> None:
+    """The bar shows the median step time with the first step left out, as the summary does,
+    not the last step's time."""
+    import io
+
+    from rich.console import Console
+
+    from vramkit.cli.demo import STEP_TIME_LABEL, _ProgressBar
+    from vramkit.recipes.demo import DemoProgress
+
+    bar = _ProgressBar(Console(file=io.StringIO(), width=200))
+    bar.update(DemoProgress("build", 0, 0))
+    bar.update(DemoProgress("train", 0, 4))
+    seconds = [0.5, 0.010, 0.030, 0.040]
+    for step in range(1, 5):
+        timed = seconds[1:step] if step >= 2 else seconds[:1]
+        bar.update(DemoProgress("train", step, 4, loss=1.0, step_seconds=seconds[step - 1],
+                                median_step_seconds=statistics.median(timed)))
+    task = bar.progress.tasks[bar.tasks["train"]]
+    assert task.fields["step_time"] == "30.0 ms"  # median of 10, 30, 40 ms; not the last 40
+    columns = [getattr(c, "text_format", "") for c in bar.progress.columns]
+    assert any(STEP_TIME_LABEL in str(c) for c in columns)
+
+
+def test_progress_bar_and_summary_show_the_same_figure(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    from vramkit.cli import demo as demo_cli
+
+    shown: dict[str, str] = {}
+    update = demo_cli._ProgressBar.update
+
+    def record(self: Any, event: Any) -> None:
+        update(self, event)
+        if event.stage in self.tasks:
+            shown[event.stage] = self.progress.tasks[self.tasks[event.stage]].fields["step_time"]
+
+    monkeypatch.setattr(demo_cli._ProgressBar, "update", record)
+    assert main(["demo", "--model-size", "tiny", "--steps", "4", "--device", "cpu",
+                 "--report", ""]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if demo_cli.STEP_TIME_LABEL in line)
+    assert shown["train"] != "-" and shown["train"] in row
+    assert f"fully resident {shown['baseline']}" in row

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -96,3 +97,138 @@ def test_malformed_file_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert run_cli([str(bad)]) == 1
     assert "over the 100 MB limit" in capsys.readouterr().err
     assert run_cli([str(bad), "--top", "-1"]) == 1
+
+
+# -- through `vramkit` itself: errors, bad shards, metadata ----------------------------------
+
+
+def run_main(argv: list[str], seconds: float = 30.0) -> int:
+    """`vramkit inspect ...` through the real entry point, in a thread with a time limit (a path
+    that blocks must fail the test, not hang the suite)."""
+    import threading
+
+    from vramkit.cli.main import main
+
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(main(["inspect", *argv])),
+                              daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        for word in argv:  # release a reader blocked opening a FIFO
+            try:
+                os.close(os.open(word, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+        pytest.fail(f"vramkit inspect {argv} did not return within {seconds} s")
+    return codes[0]
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> Path:
+    save_file({"a": torch.zeros(4, 4)}, tmp_path / "model-00001-of-00003.safetensors")
+    (tmp_path / "model-00002-of-00003.safetensors").write_bytes(b"\xff" * 8 + b"{}")
+    save_file({"b": torch.zeros(2)}, tmp_path / "model-00003-of-00003.safetensors")
+    return tmp_path
+
+
+def test_bad_shard_is_marked_and_the_rest_shown(shards: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_main([str(shards)]) == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    out = captured.out
+    assert "2 tensors in 3 file(s)" in out  # the readable shards are reported
+    bad_row = next(line for line in out.splitlines() if "model-00002-of-00003" in line)
+    assert "ERROR" in bad_row and "over the 100 MB limit" in bad_row
+    ok_row = next(line for line in out.splitlines() if "model-00001-of-00003" in line)
+    assert "ok" in ok_row and "ERROR" not in ok_row
+    assert "hint:" in out
+    assert "1 of 3 shard file(s) could not be read" in captured.err
+    assert "model-00002-of-00003.safetensors" in captured.err
+
+
+def test_bad_shard_in_json(shards: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_main([str(shards), "--json"]) == 1
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)  # stdout is one JSON document
+    assert data["num_tensors"] == 2 and len(data["files"]) == 3
+    assert [e["file"] for e in data["errors"]] == [
+        str(shards / "model-00002-of-00003.safetensors")]
+    error = data["errors"][0]
+    assert "model-00002-of-00003.safetensors" in error["error"]
+    assert "over the 100 MB limit" in error["error"] and error["hint"]
+    assert "Traceback" not in captured.err
+
+
+def test_sound_checkpoint_has_no_errors(checkpoint: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_main([str(checkpoint), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["errors"] == []
+
+
+def test_metadata_is_shown_in_the_table(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    long_value = json.dumps({"[/bold]": 1, "tags": "x" * 400})
+    path = tmp_path / "lora.safetensors"
+    save_file({"lora_up.weight": torch.zeros(8, 4)}, path,
+              metadata={"ss_network_dim": "16", "ss_network_alpha": "8",
+                        "ss_tag_frequency": long_value, "[red]markup": "[/x] literal"})
+    assert run_main([str(path)]) == 0
+    out = capsys.readouterr().out
+    dim_row = next(line for line in out.splitlines() if "ss_network_dim" in line)
+    assert "16" in dim_row
+    assert "ss_network_alpha" in out
+    assert "ss_tag_frequency" in out and '{"[/bold]": 1' in out  # markup shown as text
+    assert "x" * 400 not in out  # shortened...
+    assert "(+" in out and "--json shows them whole" in out  # ...and said so
+    assert "[red]markup" in out and "[/x] literal" in out
+    assert run_main([str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["metadata"]["ss_tag_frequency"] == long_value
+
+
+def _fifo(tmp_path: Path) -> Path:
+    os.mkfifo(tmp_path / "model.safetensors")
+    return tmp_path / "model.safetensors"
+
+
+def _pickle(tmp_path: Path) -> Path:
+    torch.save({"w": torch.ones(2)}, tmp_path / "model.ckpt")
+    return tmp_path / "model.ckpt"
+
+
+def _pipeline(tmp_path: Path) -> Path:
+    (tmp_path / "model_index.json").write_text("{}")
+    (tmp_path / "transformer").mkdir()
+    save_file({"w": torch.ones(1)}, tmp_path / "transformer" / "m.safetensors")
+    return tmp_path
+
+
+def _loop(tmp_path: Path) -> Path:
+    os.symlink(tmp_path / "b", tmp_path / "a")
+    os.symlink(tmp_path / "a", tmp_path / "b")
+    return tmp_path / "a"
+
+
+@pytest.mark.parametrize(("make", "said", "hinted"), [
+    (_fifo, "named pipe (FIFO)", "save the stream to a file"),
+    (_pickle, "does not unpickle", "weights_only=True"),
+    (_pipeline, "diffusers pipeline root", "transformer"),
+    (_loop, "symbolic-link loop", "links"),
+    (lambda tmp_path: Path("black-forest-labs/FLUX.1-dev"), "Hugging Face repo id",
+     "hf download black-forest-labs/FLUX.1-dev"),
+], ids=["fifo", "pickle", "pipeline-root", "symlink-loop", "repo-id"])
+def test_paths_that_are_not_checkpoints(make: Any, said: str, hinted: str, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "no-cache"))
+    path = make(tmp_path)
+    assert run_main([str(path)]) == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    assert said in captured.err and "hint:" in captured.err and hinted in captured.err
+    assert run_main([str(path), "--json"]) == 1
+    captured = capsys.readouterr()
+    error = json.loads(captured.out)
+    assert said in error["error"] and hinted in error["hint"]

@@ -26,10 +26,14 @@ def test_cuda_out_of_memory_gets_an_explanation(monkeypatch: pytest.MonkeyPatch,
     assert "out_of_memory" in err and "  - " in err  # the kind and at least one suggestion
 
 
-def test_unrecognised_runtime_errors_keep_their_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unrecognised_runtime_errors_are_reported_as_internal_errors(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # Issue 17: no traceback without -v; one line saying it is a vramkit bug (the traceback
+    # comes with -v, tests/cli/test_errors.py).
     monkeypatch.setattr(info, "run", _failing(RuntimeError("something else entirely")))
-    with pytest.raises(RuntimeError, match="something else"):
-        main.main(["info"])
+    assert main.main(["info"]) == 1
+    err = capsys.readouterr().err
+    assert "something else entirely" in err and "Traceback" not in err
 
 
 def test_vramkit_errors_print_message_and_hint(monkeypatch: pytest.MonkeyPatch,

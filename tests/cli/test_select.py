@@ -50,5 +50,51 @@ def test_select_not_enough_devices_is_an_error(four_gpus: list,
 
 
 def test_select_bad_size_is_an_error(four_gpus: list, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["select", "--min-free", "lots"]) == 1
+    assert main(["select", "--min-free", "lots"]) == 2  # a flag's value: a usage error
     assert "invalid size" in capsys.readouterr().err
+
+
+# -- flag errors (exit 2, before NVML is read) and hints in flags ------------------------------
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["-n", "0"], "--count"),
+    (["--min-free", "lots"], "--min-free"),
+    (["--max-util", "200"], "--max-util"),
+    (["--max-util", "nan"], "--max-util"),
+])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_flag_errors_exit_2_and_name_the_flag(argv: list[str], flag: str, as_json: bool,
+                                              four_gpus: list,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.cli._helpers import check_error
+
+    code = main(["select", *(["--json"] if as_json else []), *argv])
+    out, err = capsys.readouterr()
+    check_error(code, out, err, sub="select", exit_code=2, as_json=as_json, says=(flag,),
+                not_says=("min_free_memory", "max_utilization"))
+
+
+def test_flag_errors_read_no_nvml(monkeypatch: pytest.MonkeyPatch,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from vramkit.devices import selection
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("NVML read before the flags were checked")
+
+    monkeypatch.setattr(selection, "_candidates", refuse)
+    assert main(["select", "--max-util", "-1"]) == 2
+    assert "--max-util" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_too_few_gpus_hint_names_the_flags(four_gpus: list, as_json: bool,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.cli._helpers import check_error
+
+    code = main(["select", "-n", "3", "--min-free", "50GiB",
+                 *(["--json"] if as_json else [])])
+    out, err = capsys.readouterr()
+    check_error(code, out, err, sub="select", exit_code=1, as_json=as_json,
+                says=("only 2 of 4 qualify", "--min-free", "--max-util"),
+                not_says=("min_free_memory", "max_utilization"))

@@ -6,6 +6,11 @@ the budget, trains LoRA adapters of a DiT under it with a progress bar, then pri
 swapped and checkpointed, the peak memory against the budget, the step time against the same
 model fully resident, the loss, and where the profile report went. The work is done by
 :func:`vramkit.recipes.demo.run_demo`; this module parses arguments and prints.
+
+Every flag, the report path included (its directory must take files; ``.png`` needs
+matplotlib), is checked before the model is built: a bad one exits with code 2 and trains
+nothing. The progress bar and the summary show the same step-time statistic, the median step
+time with the first step left out (``DemoResult.median_step_seconds``), under the same label.
 """
 
 from __future__ import annotations
@@ -15,7 +20,15 @@ from typing import Any
 
 from vramkit.errors import ConfigError
 
-__all__ = ["register", "run"]
+__all__ = ["FLAG_NAMES", "STEP_TIME_LABEL", "register", "run"]
+
+#: The DemoConfig fields the flags set, each with its flag (errors name the flag).
+FLAG_NAMES = {"budget": "--budget", "model_size": "--model-size", "steps": "--steps",
+              "batch_size": "--batch-size", "device": "--device", "report": "--report",
+              "baseline": "--no-baseline"}
+
+#: How the progress bar and the summary name the step time they show (the same statistic).
+STEP_TIME_LABEL = "median step time (first step excluded)"
 
 
 def register(subparsers: Any) -> None:
@@ -46,7 +59,7 @@ def register(subparsers: Any) -> None:
                              "vramkit-demo-report.html; '' writes none)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="do not time the model fully resident")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, flag_names=FLAG_NAMES)
 
 
 # -- argparse-level conversion ------------------------------------------------------------------
@@ -80,7 +93,8 @@ def _size(option: str, what: str, text: str | None, hint: str = _SIZE_HINT) -> i
     try:
         nbytes = parse_size(text)
     except ValueError as exc:
-        raise ConfigError(f"invalid {what} {text!r}: {exc}", hint=hint) from None
+        reason = str(exc).removeprefix(f"invalid size {text!r}: ")
+        raise ConfigError(f"invalid {what} {text!r} ({option}): {reason}", hint=hint) from None
     if nbytes <= 0:
         raise ConfigError(f"{option} must be > 0 bytes, got {text!r}", hint=hint)
     return nbytes
@@ -101,9 +115,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
     """The :class:`vramkit.recipes.demo.DemoConfig` of parsed arguments.
 
     Raises:
-        ConfigError: for a bad --budget, --model-size, --steps or --batch-size.
+        ConfigError: for a bad --budget, --model-size, --steps, --batch-size or --report.
     """
-    from vramkit.recipes.demo import DEFAULT_REPORT, DemoConfig
+    from vramkit.recipes.demo import DemoConfig
 
     return DemoConfig(
         budget=_size("--budget", "budget", args.budget),
@@ -111,16 +125,29 @@ def config_from_args(args: argparse.Namespace) -> Any:
         steps=_whole_number("--steps", args.steps),
         batch_size=_whole_number("--batch-size", args.batch_size),
         device=args.device, baseline=not args.no_baseline,
-        report=DEFAULT_REPORT if args.report is None else args.report)
+        report=_report_path(args))
+
+
+def _report_path(args: argparse.Namespace) -> str:
+    """``--report`` (the default when not given; ``''``: none), checked for writing."""
+    from vramkit.cli._output import REPORT_FORMATS, check_output_file
+    from vramkit.recipes.demo import DEFAULT_REPORT
+
+    report = DEFAULT_REPORT if args.report is None else args.report
+    if report != "":
+        check_output_file("--report", report, formats=REPORT_FORMATS,
+                          what="a profile report", extra_hint=", or --report '' for none")
+    return report
 
 
 def run(args: argparse.Namespace) -> int:
     """Plan, train, and print the results; returns the exit code."""
-    from vramkit.cli._output import print_json
+    from vramkit.cli._output import flag_values, print_json
     from vramkit.recipes.demo import plan_demo, run_demo
 
-    config = config_from_args(args)
-    plan = plan_demo(config)
+    with flag_values():  # every flag, the report path and the plan: before any work
+        config = config_from_args(args)
+        plan = plan_demo(config)
     if args.json:
         print_json(run_demo(config, plan=plan).to_dict())
         return 0
@@ -135,7 +162,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 class _ProgressBar:
-    """A transient rich progress bar fed by :class:`vramkit.recipes.demo.DemoProgress` reports."""
+    """A transient rich progress bar fed by :class:`vramkit.recipes.demo.DemoProgress` reports.
+
+    It shows the statistic the summary shows, under the same label: the running median step
+    time the runner reports (``DemoProgress.median_step_seconds``, the first step left out
+    once there are two), never the last step's time.
+    """
 
     def __init__(self, con: Any) -> None:
         from rich.progress import (
@@ -149,7 +181,8 @@ class _ProgressBar:
 
         self.progress = Progress(
             SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[step_time]}/step"),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn(STEP_TIME_LABEL + " {task.fields[step_time]}"),
             TimeElapsedColumn(), console=con, transient=True)
         self.tasks: dict[str, Any] = {}
         self.building = self.progress.add_task("building the model", total=None, loss="-",
@@ -173,9 +206,9 @@ class _ProgressBar:
             task = self.tasks[event.stage] = self.progress.add_task(
                 labels.get(event.stage, event.stage), total=event.total, loss="-",
                 step_time="-")
-        if event.loss is not None and event.step_seconds is not None:
+        if event.loss is not None and event.median_step_seconds is not None:
             self.progress.update(task, completed=event.step, loss=f"{event.loss:.4f}",
-                                 step_time=f"{event.step_seconds * 1000:.0f} ms")
+                                 step_time=_ms(event.median_step_seconds))
 
 
 def _print_plan(con: Any, plan: Any) -> None:
@@ -232,13 +265,13 @@ def _print_result(con: Any, result: Any) -> None:
     table.add_row("peak memory", f"{format_size(result.peak_bytes)} of "
                                  f"{format_size(plan.budget_bytes)} budget: {verdict} budget "
                                  f"({source})")
-    speed = f"{_ms(result.median_step_seconds)} median"
+    speed = _ms(result.median_step_seconds)
     if result.baseline_median_step_seconds is not None:
         speed += (f"; fully resident {_ms(result.baseline_median_step_seconds)}: "
                   f"{result.slowdown:.2f}x")
     else:
         speed += f"; no baseline: {result.baseline_skipped}"
-    table.add_row("step time", speed)
+    table.add_row(STEP_TIME_LABEL, speed)
     loss = f"{result.loss_first:.4f} -> {result.loss_last:.4f} over {len(result.losses)} steps"
     if result.baseline_max_loss_diff is not None:
         loss += f" (fully resident run: max difference {result.baseline_max_loss_diff:.3g})"

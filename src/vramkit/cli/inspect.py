@@ -3,7 +3,15 @@
 Reads only the headers (no tensor data) of a ``.safetensors`` file, a Hugging Face sharded
 directory or a ``*.safetensors.index.json``, and prints the tensor count, parameters, bytes per
 dtype, the largest tensors, and the memory the weights would need stored in bf16, fp8, int8 and
-int4. Malformed files are reported as ``SafetensorsFormatError`` (exit code 1).
+int4, and the file's ``__metadata__`` (LoRA training keys such as ``ss_network_dim``; long
+values shortened in the table, whole in ``--json``).
+
+Errors. A path that is not a checkpoint (a named pipe, a device, a symbolic-link loop, a
+Hugging Face repo id, a diffusers pipeline root, a pickle checkpoint...) or a malformed
+single file raises its :class:`~vramkit.errors.SafetensorsFormatError` (the ``vramkit`` command
+prints it with its hint; exit code 1). In a sharded checkpoint, a shard that cannot be read is
+left out and marked: the report covers the other shards, lists the bad ones (``errors`` in
+JSON: file, error, hint; an ``ERROR`` row in the files table) and the exit code is 1.
 
 Memory estimates. Floating-point tensors with two or more dimensions (Linear/Conv weights,
 embeddings) are counted in the quantized format; 1-D tensors (norms, biases) are counted in
@@ -21,6 +29,8 @@ import argparse
 import functools
 import logging
 import math
+import re
+from pathlib import Path
 from typing import Any
 
 __all__ = ["inspect_checkpoint", "register", "run"]
@@ -28,6 +38,7 @@ __all__ = ["inspect_checkpoint", "register", "run"]
 logger = logging.getLogger(__name__)
 
 FORMATS = ("bf16", "fp8", "int8", "int4")
+METADATA_VALUE_CHARS = 80  # longer metadata values are shortened in the table (JSON has them all)
 _GROUP = 64
 _SAMPLE_SHAPE = (16, 1024)  # ratios depend on the row length; few rows keep int4's search fast
 
@@ -90,19 +101,25 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         path: a ``.safetensors`` file, a sharded directory or a ``*.safetensors.index.json``.
 
     Returns:
-        ``path``, ``files``, ``num_tensors``, ``parameters``, ``total_bytes``, ``dtypes``
-        (code -> tensors/parameters/bytes), ``tensors`` (name, dtype, shape, bytes, file; in
-        file order), ``memory`` (format -> bytes), ``ratio_source`` and ``metadata``.
+        ``path``, ``files`` (every file of the checkpoint, readable or not), ``num_tensors``,
+        ``parameters``, ``total_bytes``, ``dtypes`` (code -> tensors/parameters/bytes),
+        ``tensors`` (name, dtype, shape, bytes, file; in file order), ``memory`` (format ->
+        bytes), ``ratio_source``, ``metadata`` and ``errors`` (one ``{"file", "error", "hint"}``
+        per shard that could not be read; the other fields cover the readable shards).
 
     Raises:
-        SafetensorsFormatError: for a malformed checkpoint.
+        SafetensorsFormatError: for a path that is not a checkpoint or a malformed single file.
     """
     from vramkit.io.lazy import LazySafetensors
 
-    with LazySafetensors.open(path) as checkpoint:
+    with LazySafetensors.open(path, on_bad_shard="skip") as checkpoint:
         entries = checkpoint.entries()
-        files = [str(f) for f in checkpoint.files]
+        bad = checkpoint.bad_shards
+        files = [str(f) for f in sorted([*checkpoint.files, *(b.path for b in bad)],
+                                        key=_file_order(checkpoint))]
         metadata = checkpoint.metadata
+    if bad and len(files) == 1:
+        raise bad[0].error  # a single file: nothing else to show
     ratios, source = _format_bytes_per_element()
     dtypes: dict[str, dict[str, int]] = {}
     memory = dict.fromkeys(FORMATS, 0)
@@ -134,26 +151,51 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         "ratio_source": source,
         "bytes_per_element": ratios,
         "metadata": metadata,
+        "errors": [{"file": str(b.path), "error": b.error.message, "hint": b.error.hint}
+                   for b in bad],
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    """Inspect the checkpoint and print JSON or tables; returns the exit code."""
-    from vramkit._validate import check_int
+def _file_order(checkpoint: Any) -> Any:
+    """Sort key putting files in the order the checkpoint names them (its index's order, else
+    natural name order: model-2 before model-10)."""
+    if checkpoint.index is not None:
+        order = {shard: i for i, shard in enumerate(checkpoint.index.shards)}
+        return lambda path: (order.get(path, len(order)), path.name)
+    return lambda path: [int(part) if part.isdigit() else part
+                         for part in re.split(r"(\d+)", path.name)]
 
-    check_int("--top", args.top, minimum=0)
+
+def run(args: argparse.Namespace) -> int:
+    """Inspect the checkpoint and print JSON or tables; returns the exit code (1 when a shard
+    could not be read)."""
+    from vramkit._validate import check_int
+    from vramkit.cli._output import flag_values
+
+    with flag_values():  # a bad flag value is a usage error (exit code 2)
+        check_int("--top", args.top, minimum=0, hint="Pass --top 0 or more (0 hides the largest "
+                                                      "tensors table).")
     report = inspect_checkpoint(args.path)
     largest = sorted(report["tensors"], key=lambda t: t["bytes"], reverse=True)[:args.top]
     if args.json:
         from vramkit.cli._output import print_json
 
         print_json({**report, "largest": largest})
-        return 0
-    _print_tables(report, largest, args.list)
+    else:
+        _print_tables(report, largest, args.list)
+    errors = report["errors"]
+    if errors:
+        import sys
+
+        print(f"vramkit inspect: error: {len(errors)} of {len(report['files'])} shard file(s) "
+              "could not be read and are left out of the totals ("
+              + ", ".join(Path(e["file"]).name for e in errors) + ")", file=sys.stderr)
+        return 1
     return 0
 
 
 def _print_tables(report: dict[str, Any], largest: list[dict[str, Any]], list_all: bool) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from vramkit.cli._output import console
@@ -161,9 +203,11 @@ def _print_tables(report: dict[str, Any], largest: list[dict[str, Any]], list_al
 
     con = console()
     files = report["files"]
-    con.print(f"[bold]{report['path']}[/bold]: {report['num_tensors']} tensors in {len(files)} "
-              f"file(s), {report['parameters']:,} parameters, "
+    con.print(f"[bold]{escape(report['path'])}[/bold]: {report['num_tensors']} tensors in "
+              f"{len(files)} file(s), {report['parameters']:,} parameters, "
               f"{format_size(report['total_bytes'])}")
+    if report["errors"]:
+        con.print(_files_table(report))
     dtypes = Table(title="dtypes")
     for column in ("dtype", "tensors", "parameters", "bytes"):
         dtypes.add_column(column, justify="left" if column == "dtype" else "right")
@@ -182,12 +226,70 @@ def _print_tables(report: dict[str, Any], largest: list[dict[str, Any]], list_al
         ratio = nbytes / report["total_bytes"] if report["total_bytes"] else 0.0
         memory.add_row(fmt, format_size(nbytes), f"{ratio:.2f}x")
     con.print(memory)
+    if report["metadata"]:
+        con.print(_metadata_table(report["metadata"]))
     if list_all:
         con.print(_tensor_table("all tensors", report["tensors"]))
 
 
+def _files_table(report: dict[str, Any]) -> Any:
+    from rich.table import Table
+    from rich.text import Text
+
+    from vramkit.units import format_size
+
+    errors = {e["file"]: e for e in report["errors"]}
+    per_file: dict[str, list[int]] = {}
+    for tensor in report["tensors"]:
+        counts = per_file.setdefault(tensor["file"], [0, 0])
+        counts[0] += 1
+        counts[1] += tensor["bytes"]
+    table = Table(title=f"files ({len(errors)} of {len(report['files'])} could not be read)")
+    for column in ("file", "tensors", "bytes", "status"):
+        table.add_column(column, justify="right" if column in ("tensors", "bytes") else "left")
+    for file in report["files"]:
+        name = Path(file).name
+        error = errors.get(file)
+        if error is None:
+            tensors, nbytes = per_file.get(name, [0, 0])
+            table.add_row(Text(name), str(tensors), format_size(nbytes), Text("ok"))
+        else:
+            status = Text("ERROR ", style="bold red")
+            status.append(_strip_path(error["error"], file))
+            status.append(f"\nhint: {error['hint']}", style="dim")
+            table.add_row(Text(name, style="red"), "-", "-", status)
+    return table
+
+
+def _strip_path(message: str, file: str) -> str:
+    prefix = f"{file}: "
+    return message[len(prefix):] if message.startswith(prefix) else message
+
+
+def _metadata_table(metadata: dict[str, str]) -> Any:
+    from rich.table import Table
+    from rich.text import Text
+
+    shortened = 0
+    table = Table(title=f"metadata (__metadata__, {len(metadata)} key(s))")
+    table.add_column("key")
+    table.add_column("value", overflow="fold")
+    for key, value in metadata.items():
+        shown = value.replace("\r", "\\r").replace("\n", "\\n")
+        if len(shown) > METADATA_VALUE_CHARS:
+            shortened += 1
+            shown = (f"{shown[:METADATA_VALUE_CHARS]}... (+{len(shown) - METADATA_VALUE_CHARS} "
+                     "chars)")
+        table.add_row(Text(key), Text(shown))
+    if shortened:
+        table.caption = (f"{shortened} long value(s) shortened to {METADATA_VALUE_CHARS} "
+                         "characters; --json shows them whole")
+    return table
+
+
 def _tensor_table(title: str, tensors: list[dict[str, Any]]) -> Any:
     from rich.table import Table
+    from rich.text import Text
 
     from vramkit.units import format_size
 
@@ -195,6 +297,7 @@ def _tensor_table(title: str, tensors: list[dict[str, Any]]) -> Any:
     for column in ("name", "dtype", "shape", "bytes"):
         table.add_column(column, justify="right" if column == "bytes" else "left")
     for tensor in tensors:
-        table.add_row(tensor["name"], tensor["dtype"], str(tensor["shape"]),
+        # Text, not markup: a tensor named "[bold]" or "[/x]" is shown as it is
+        table.add_row(Text(tensor["name"]), tensor["dtype"], str(tensor["shape"]),
                       format_size(tensor["bytes"]))
     return table

@@ -1,7 +1,9 @@
 """``vramkit select``: choose GPUs and print the ``CUDA_VISIBLE_DEVICES`` value.
 
 Typical use: ``CUDA_VISIBLE_DEVICES=$(vramkit select -n 2 --min-free 20GiB) torchrun ...``.
-Selection reads NVML only; it never initializes CUDA.
+Selection reads NVML only; it never initializes CUDA. Flag values are checked before NVML is
+read (exit code 2); too few GPUs qualifying is a runtime failure (exit code 1), whose hint names
+the flags to relax.
 """
 
 from __future__ import annotations
@@ -10,8 +12,14 @@ import argparse
 import sys
 from typing import Any
 
-from vramkit.cli._output import print_json
+from vramkit.cli._output import flag_values, print_json
 from vramkit.units import format_size
+
+__all__ = ["FLAG_NAMES", "register", "run"]
+
+#: The arguments of :func:`vramkit.devices.selection.select_devices` the flags set.
+FLAG_NAMES = {"count": "--count", "min_free_memory": "--min-free",
+              "max_utilization": "--max-util", "policy": "--policy"}
 
 
 def register(subparsers: Any) -> None:
@@ -32,14 +40,23 @@ def register(subparsers: Any) -> None:
                         help="print NVML indices instead of UUIDs (valid only with "
                              "CUDA_DEVICE_ORDER=PCI_BUS_ID in the child)")
     parser.add_argument("--json", action="store_true", help="print JSON with the reasons")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, flag_names=FLAG_NAMES)
 
 
 def run(args: argparse.Namespace) -> int:
+    from vramkit._validate import check_int, check_number, check_size
     from vramkit.devices.selection import select_devices
 
-    selection = select_devices(args.count, min_free_memory=args.min_free,
-                               max_utilization=args.max_util, policy=args.policy)
+    with flag_values():
+        count = check_int("--count", args.count, minimum=1,
+                          hint="Ask for at least one GPU, e.g. -n 1.")
+        min_free = None if args.min_free is None else check_size(
+            "--min-free", args.min_free, hint="Give a size such as 20GiB, 1500MB or 2G.")
+        max_util = None if args.max_util is None else check_number(
+            "--max-util", args.max_util, minimum=0, maximum=100,
+            hint="Give a percentage in [0, 100], e.g. --max-util 10.")
+    selection = select_devices(count, min_free_memory=min_free, max_utilization=max_util,
+                               policy=args.policy)
     value = (",".join(str(d.index) for d in selection.devices) if args.indices
              else selection.cuda_visible_devices)
     if args.json:

@@ -156,9 +156,11 @@ def test_run_demo_trains_under_swapping_like_the_resident_model(tmp_path: Path) 
     assert result.slowdown is not None and result.slowdown > 0
     assert len(result.step_seconds) == 3 and result.median_step_seconds > 0
     assert result.report_path == str(report) and report.read_text().lstrip().startswith("<")
+    # On the CPU the two runs alternate step by step (swapped first in even rounds): each
+    # stage's events stay in order, each stage starts right before its first step.
     assert [(e.stage, e.step) for e in events] == [
-        ("build", 0), ("train", 0), ("train", 1), ("train", 2), ("train", 3),
-        ("baseline", 0), ("baseline", 1), ("baseline", 2), ("baseline", 3)]
+        ("build", 0), ("train", 0), ("train", 1), ("baseline", 0), ("baseline", 1),
+        ("baseline", 2), ("train", 2), ("train", 3), ("baseline", 3)]
     assert events[2].loss == result.losses[0]
     assert events[2].step_seconds == result.step_seconds[0]
     data = json.loads(json.dumps(result.to_dict()))
@@ -182,3 +184,68 @@ def test_plan_from_config_is_used_by_run_demo() -> None:
     plan = plan_demo(_tiny(steps=1))
     result = run_demo(_tiny(), plan=replace(plan, steps=2), progress=None)
     assert len(result.losses) == 2
+
+
+# -- the report's leak verdict, events, and paired timing --------------------------------------
+
+
+def test_cpu_demo_report_judges_each_run_and_shows_no_leak(tmp_path: Path) -> None:
+    """The resident run follows (here: alternates with) the swapped one in one profile; the
+    switch between them must not read as a leak: each run is judged on its own steps."""
+    from vramkit.memory.report import load_report, render_html
+
+    report = tmp_path / "demo.json"
+    result = run_demo(_tiny(steps=8, report=str(report)))
+    loaded = load_report(report)
+    assert loaded.leak is not None and not loaded.leak.leak
+    assert set(loaded.leak_by_workload) == {"swapped", "resident"}
+    for verdict in loaded.leak_by_workload.values():
+        assert verdict.steps == 8 and verdict.conclusive and not verdict.leak
+    leak_row = dict(loaded.summary_rows())["leak"]
+    assert "LEAK" not in leak_row and "swapped" in leak_row and "resident" in leak_row
+    assert "LEAK" not in render_html(loaded)
+    # the swapper's block loads are in the profile, as many as the swapper counted
+    loads = [e for e in loaded.events if e.kind == "block loads"]
+    assert loads and all(e.workload == "swapped" for e in loads)
+    assert sum(e.count for e in loads) == result.transfers["loads"]
+
+
+def test_cpu_demo_times_the_runs_in_paired_alternating_rounds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine that slows down steadily: every step takes longer than the one before. Timed
+    one run after the other, the resident run would look 3x slower than the swapped one; in
+    paired, alternating rounds both see the same drift and the ratio stays 1."""
+    from vramkit.recipes import demo as demo_mod
+
+    calls: list[float] = []
+
+    def drifting_clock() -> float:  # step j (in global order) lasts 4j + 1 "seconds"
+        calls.append(float(len(calls) ** 2))
+        return calls[-1]
+
+    monkeypatch.setattr(demo_mod, "_clock", drifting_clock)
+    events: list[DemoProgress] = []
+    result = run_demo(_tiny(steps=5), progress=events.append)
+    assert result.timing == "paired"
+    assert [r["first"] for r in result.timing_rounds] == [
+        "swapped", "resident", "swapped", "resident", "swapped"]
+    durations = [4 * j + 1 for j in range(10)]  # global order: A B | B A | A B | B A | A B
+    assert result.step_seconds == [durations[i] for i in (0, 3, 4, 7, 8)]
+    assert result.baseline_step_seconds == [durations[i] for i in (1, 2, 5, 6, 9)]
+    for r in result.timing_rounds:
+        assert r["swapped_seconds"] == result.step_seconds[r["round"]]
+        assert r["resident_seconds"] == result.baseline_step_seconds[r["round"]]
+    assert result.median_step_seconds == 23.0 and result.baseline_median_step_seconds == 23.0
+    assert result.slowdown == 1.0
+    # the losses of the two runs are still compared, step by step
+    assert result.baseline_losses == result.losses and result.baseline_max_loss_diff == 0.0
+    # progress reports carry the same statistic the result reports
+    last = {e.stage: e for e in events if e.step_seconds is not None}
+    assert last["train"].median_step_seconds == result.median_step_seconds
+    assert last["baseline"].median_step_seconds == result.baseline_median_step_seconds
+
+
+def test_demo_without_baseline_runs_the_swapped_model_only() -> None:
+    result = run_demo(_tiny(steps=2, baseline=False))
+    assert result.timing == "swapped only" and result.timing_rounds == []
+    assert result.baseline_step_seconds == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,3 +64,22 @@ def test_budget_above_free_memory_is_refused() -> None:
     free, _ = torch.cuda.mem_get_info()
     with pytest.raises(ConfigError, match="free memory"):
         plan_demo(DemoConfig(budget=free + 2**30, device="cuda", report=None))
+
+
+def test_cuda_demo_report_has_budget_loads_and_a_verdict_per_run(tmp_path: Path) -> None:
+    from vramkit.memory.report import load_report
+
+    report = tmp_path / "demo.json"
+    config = DemoConfig(budget="1GiB", model_size="1.5GiB", steps=6, batch_size=1,
+                        device="cuda", report=str(report))
+    result = run_demo(config)
+    assert result.timing == "sequential" and result.timing_rounds == []
+    assert len(result.baseline_step_seconds) == 6
+    loaded = load_report(report)
+    assert loaded.budget is not None and loaded.budget >= 2**30
+    assert loaded.memory_limit is not None  # the enforced cap was seen while sampling
+    assert set(loaded.leak_by_workload) == {"swapped", "resident"}
+    assert loaded.leak is not None and not loaded.leak.leak
+    assert "LEAK" not in dict(loaded.summary_rows())["leak"]
+    loads = [e for e in loaded.events if e.kind == "block loads"]
+    assert sum(e.count for e in loads) == result.transfers["loads"]

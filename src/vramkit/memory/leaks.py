@@ -34,6 +34,14 @@ Fluctuations whose range stays below ``threshold_bytes_per_step * (window - 1)``
 rule 1, and their long-run slope tends to zero. With the defaults (warm-up 1, window 4, 256 KiB) a
 steady 1 MiB/step leak is reported at step 5. ``first_leak_step`` keeps the first step at which
 the rule held, even if the growth later stopped.
+
+**Workloads.** A verdict needs a steady state of one workload: the readings of a training run
+followed by those of another run (a second model, a new optimizer, a swapper detached) grow at
+the switch, and the rule would call that growth a leak. Steps given a ``workload`` name
+(``detector.step(workload="swapped")``, or :meth:`MemoryProfiler.workload
+<vramkit.memory.profiler.MemoryProfiler.workload>`) are judged per workload, each with its own
+warm-up and window; steps of different workloads may alternate. :func:`combine_verdicts` turns
+the verdicts of several workloads into the one a report shows (a leaking workload first).
 """
 
 from __future__ import annotations
@@ -57,7 +65,8 @@ from vramkit.errors import ConfigError
 from vramkit.memory._stacks import STACK_UNKNOWN, format_frames, python_stack
 from vramkit.memory.stats import read_cuda_figures, resolve_cuda_index
 
-__all__ = ["GrowthTracker", "LeakDetector", "LeakSuspect", "LeakVerdict", "assess_growth"]
+__all__ = ["GrowthTracker", "LeakDetector", "LeakSuspect", "LeakVerdict", "assess_growth",
+           "combine_verdicts"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +101,7 @@ class LeakVerdict:
         metric: what was read (``"cuda_allocated"``, ``"cpu_tensor_bytes"``, ``"host_rss"``).
         threshold_bytes_per_step: the rule's threshold.
         suspects: the largest groups of surviving allocations (only from ``report()``).
+        workload: the workload whose steps were judged (``None``: steps given no workload).
     """
 
     leak: bool
@@ -103,6 +113,7 @@ class LeakVerdict:
     metric: str
     threshold_bytes_per_step: int
     suspects: tuple[LeakSuspect, ...] = ()
+    workload: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (``json`` writes the suspect and stack tuples as lists)."""
@@ -118,7 +129,7 @@ class LeakVerdict:
                    growth_bytes=int(data["growth_bytes"]), steps=int(data["steps"]),
                    first_leak_step=data.get("first_leak_step"), metric=str(data["metric"]),
                    threshold_bytes_per_step=int(data["threshold_bytes_per_step"]),
-                   suspects=suspects)
+                   suspects=suspects, workload=data.get("workload"))
 
 
 def _check_rule(warmup_steps: int, window: int, threshold: int) -> None:
@@ -183,8 +194,9 @@ class GrowthTracker:
             return 0.0
         return (n * self._sxy - self._sx * self._sy) / denom
 
-    def verdict(self, metric: str, suspects: Sequence[LeakSuspect] = ()) -> LeakVerdict:
-        """The current :class:`LeakVerdict` for readings of ``metric``."""
+    def verdict(self, metric: str, suspects: Sequence[LeakSuspect] = (), *,
+                workload: str | None = None) -> LeakVerdict:
+        """The current :class:`LeakVerdict` for readings of ``metric`` (of ``workload``)."""
         return LeakVerdict(
             leak=self.leaking,
             conclusive=self.steps >= self.warmup_steps + self.window,
@@ -192,7 +204,28 @@ class GrowthTracker:
             growth_bytes=0 if self.baseline is None or self.last is None
             else self.last - self.baseline,
             steps=self.steps, first_leak_step=self.first_leak_step, metric=metric,
-            threshold_bytes_per_step=self.threshold, suspects=tuple(suspects))
+            threshold_bytes_per_step=self.threshold, suspects=tuple(suspects), workload=workload)
+
+
+def combine_verdicts(verdicts: Iterable[LeakVerdict],
+                     suspects: Sequence[LeakSuspect] = ()) -> LeakVerdict | None:
+    """The one verdict a report shows for the verdicts of several workloads.
+
+    A leaking workload wins (the one growing fastest); else the workload judged on the most
+    steps after warm-up (conclusive ones first). Growth *between* workloads is never judged.
+
+    Args:
+        verdicts: one per workload.
+        suspects: surviving allocations to attach (they are process-wide, not per workload).
+
+    Returns:
+        The chosen verdict with ``suspects``, or ``None`` for no verdicts.
+    """
+    ranked = sorted(verdicts, key=lambda v: (v.leak, v.leak and v.bytes_per_step, v.conclusive,
+                                             v.steps), reverse=True)
+    if not ranked:
+        return None
+    return dataclasses.replace(ranked[0], suspects=tuple(suspects))
 
 
 def _window_leaks(values: Iterable[int], threshold: int) -> bool:
@@ -344,6 +377,10 @@ class LeakDetector:
         max_suspects: groups kept in ``report()`` (default 10).
         freeze_baseline: on CPU, ``gc.freeze()`` the baseline objects so each step's walk only
             visits new objects (default ``True``; skipped when something else already froze).
+
+    Steps given a ``workload`` (see :meth:`step`) are judged per workload: the rule (warm-up,
+    window) applies to each workload's own readings, never across a switch of workload. The
+    baseline of surviving allocations is taken once, after the first ``warmup_steps`` steps.
     """
 
     def __init__(self, device: Any = None, *, warmup_steps: int = 1, window: int = 4,
@@ -351,7 +388,9 @@ class LeakDetector:
                  stack_depth: int = 6, max_suspects: int = 10,
                  freeze_baseline: bool = True) -> None:
         # GrowthTracker validates the rule settings it is given, so the checked values are the used ones
-        self._tracker = GrowthTracker(warmup_steps, window, threshold_bytes_per_step)
+        rule = GrowthTracker(warmup_steps, window, threshold_bytes_per_step)
+        self.warmup_steps, self.window, self.threshold = rule.warmup_steps, rule.window, rule.threshold
+        self._trackers: dict[str | None, GrowthTracker] = {}
         check_int("stack_depth", stack_depth, minimum=1)
         check_int("max_suspects", max_suspects, minimum=1)
         self._index = resolve_cuda_index(device)
@@ -382,7 +421,7 @@ class LeakDetector:
             else:
                 self._recorder = _make_stack_recorder(self.stack_depth)
                 self._recorder.__enter__()
-        if self._tracker.warmup_steps == 0:
+        if self.warmup_steps == 0:
             self._take_baseline()
         return self
 
@@ -408,13 +447,15 @@ class LeakDetector:
         self.stop()
 
     # readings -------------------------------------------------------------------------------
-    def step(self, value: int | None = None) -> None:
+    def step(self, value: int | None = None, *, workload: str | None = None) -> None:
         """Record the reading at the end of a training step (starts the detector if needed).
 
         Args:
             value: on a CUDA detector, the allocated bytes of its device that the caller just
                 read (a profiler passes its own reading so the allocator is read once per step);
                 ``None`` (default) reads them here.
+            workload: the workload this step belongs to (``"swapped"``, ``"resident"``...);
+                each workload's steps are judged apart. Default ``None``.
 
         Raises:
             ConfigError: ``value`` given to a CPU detector (its reading is a walk over live
@@ -426,9 +467,13 @@ class LeakDetector:
         if not self._started:
             self.start()
         reading = self._read() if value is None else int(value)
-        self._tracker.add(reading)
+        tracker = self._trackers.get(workload)
+        if tracker is None:
+            tracker = self._trackers[workload] = GrowthTracker(self.warmup_steps, self.window,
+                                                               self.threshold)
+        tracker.add(reading)
         self.readings.append(reading)
-        if not self._baseline_taken and self._tracker.steps >= self._tracker.warmup_steps:
+        if not self._baseline_taken and len(self.readings) >= self.warmup_steps:
             # the last warm-up step ends here: what is alive now is the baseline
             self._take_baseline()
 
@@ -477,13 +522,26 @@ class LeakDetector:
         return seen
 
     # verdicts -------------------------------------------------------------------------------
+    def verdicts(self) -> dict[str | None, LeakVerdict]:
+        """The verdict of each workload's steps (key ``None``: steps given no workload)."""
+        return {name: tracker.verdict(self.metric, workload=name)
+                for name, tracker in list(self._trackers.items())}
+
     def verdict(self) -> LeakVerdict:
-        """The current verdict from the readings (cheap; no suspects)."""
-        return self._tracker.verdict(self.metric)
+        """The current verdict from the readings (cheap; no suspects): with several workloads,
+        the one :func:`combine_verdicts` picks."""
+        return self._combined(())
 
     def report(self) -> LeakVerdict:
         """The verdict plus the surviving allocations grouped by stack, largest first."""
-        return self._tracker.verdict(self.metric, self.suspects())
+        return self._combined(self.suspects())
+
+    def _combined(self, suspects: Sequence[LeakSuspect]) -> LeakVerdict:
+        combined = combine_verdicts(self.verdicts().values(), suspects)
+        if combined is None:  # no step yet
+            return GrowthTracker(self.warmup_steps, self.window, self.threshold).verdict(
+                self.metric, suspects)
+        return combined
 
     def suspects(self) -> list[LeakSuspect]:
         """Allocations made after the baseline that are still alive, grouped by stack."""

@@ -23,6 +23,19 @@ and module of that interval. ``reset_peak=True`` (default) resets the watermark 
 :meth:`MemoryProfiler.attach` adds forward (and full backward) hooks on every submodule; each
 hook takes a reading, so the report can name the modules that keep the most activation memory and
 the module in which the peak happened.
+
+**Steps and workloads.** :meth:`MemoryProfiler.step` marks the end of a training step; with
+``count_optimizer_steps=True`` the profiler counts steps itself from
+``torch.optim.Optimizer.step`` (a global post hook, so ordinary training scripts need no change).
+Leak verdicts judge the readings at step boundaries of *one workload*: steps taken inside
+:meth:`MemoryProfiler.workload` (``with prof.workload("swapped"): ...``) are judged per workload,
+so a second run that follows (or alternates with) the first is never taken for growth.
+
+**Annotations.** :meth:`MemoryProfiler.event` records an instant of a named kind (block loads
+of a swapper, data-loader waits...), drawn as a lane of ticks under the report's timeline;
+:meth:`MemoryProfiler.set_budget` draws a budget line. A per-process CUDA cap
+(``torch.cuda.set_per_process_memory_fraction``) seen while sampling is reported as
+``memory_limit`` and drawn too.
 """
 
 from __future__ import annotations
@@ -41,7 +54,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from vramkit._validate import check_int, check_number
+from vramkit._validate import check_bool, check_int, check_number, check_size
 from vramkit.devices._runtime import cuda_initialized
 from vramkit.errors import ConfigError, DeviceError
 from vramkit.memory.leaks import (
@@ -49,6 +62,7 @@ from vramkit.memory.leaks import (
     LeakDetector,
     LeakVerdict,
     acquire_memory_history,
+    combine_verdicts,
     release_memory_history,
 )
 from vramkit.memory.report import (
@@ -57,6 +71,7 @@ from vramkit.memory.report import (
     ModuleMemory,
     PeakPoint,
     PhasePeak,
+    ProfileEvent,
     save_report,
 )
 from vramkit.memory.stats import (
@@ -72,14 +87,55 @@ from vramkit.memory.stats import (
     resolve_cuda_index,
     with_memory_tracking,
 )
+from vramkit.units import format_size
 
 __all__ = ["LeakDetector", "MemoryProfiler", "MemoryReport", "MemorySnapshot", "MemoryStats",
-           "with_memory_tracking"]
+           "trace_unsupported_reason", "with_memory_tracking"]
 
 logger = logging.getLogger(__name__)
 
 _ZERO = (0, 0, 0, 0, 0)
 _NVML_GIVE_UP_AFTER = 3  # consecutive None answers: NVML is not there, stop asking
+_TRACE_HINT = ("Run on a machine with a CUDA GPU, in the process that allocates (for `vramkit "
+               "profile`: a Python target, without --subprocess). Without the trace, the "
+               "sampled timeline report (JSON, HTML, PNG) still works, on the CPU too.")
+
+
+def trace_unsupported_reason(device: Any = None, pid: int | None = None) -> str | None:
+    """Why an allocation trace (a memory_viz snapshot) cannot be recorded, or ``None`` if it can.
+
+    PyTorch records allocation history only for its own CUDA caching allocator, in the process
+    that allocates: there is none on the CPU, and another process cannot be traced from here.
+
+    Args:
+        device: the profiler's device (as for :class:`MemoryProfiler`).
+        pid: the profiled process, ``None`` for this one.
+
+    Raises:
+        ConfigError: for a device value that is not a device.
+    """
+    if pid is not None and pid != os.getpid():
+        return (f"an allocation trace records PyTorch's CUDA allocator of this process; it "
+                f"cannot record process {pid} from outside")
+    if resolve_cuda_index(device) is None:
+        return ("an allocation trace (memory_viz snapshot) needs a CUDA device: PyTorch records "
+                "allocation history only for its CUDA caching allocator, and this process has "
+                f"none for device {'cuda' if device is None else device!s}")
+    return None
+
+
+def _cuda_memory_limit(index: int) -> int | None:
+    """Bytes this process may reserve on ``index`` under a per-process fraction below 1, else
+    ``None`` (no cap, or a PyTorch without the getter)."""
+    import torch
+
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if get_fraction is None:
+        return None
+    fraction = float(get_fraction(index))
+    if fraction >= 1.0:
+        return None
+    return int(fraction * torch.cuda.get_device_properties(index).total_memory)
 
 
 class _ModuleStat:
@@ -139,10 +195,20 @@ class MemoryProfiler:
         pid: sample another process (host RSS of it and its children, NVML); torch figures are
             then 0. Default ``None``: this process.
         top_modules: modules listed in the report (default 10).
+        count_optimizer_steps: count a step at every ``torch.optim.Optimizer.step`` while
+            running (a global post hook, removed at :meth:`stop`), so scripts that never call
+            :meth:`step` still get leak checks. Several optimizers stepping in one iteration
+            count once: a step is counted when an optimizer steps and either none has stepped
+            since the last count or this one already has (so the count follows the first
+            optimizer of each iteration). Once :meth:`step` is called by hand, optimizer steps
+            are no longer counted. Default ``False``.
+        budget: a budget in bytes (or a size string) drawn as a line on the timeline; see
+            :meth:`set_budget`. Default ``None``.
 
     Raises:
         ConfigError: for a bad interval or count.
-        DeviceError: ``trace=True`` without a CUDA device.
+        DeviceError: ``trace=True`` where no trace can be recorded (no CUDA device, or another
+            process); :func:`trace_unsupported_reason` says so before anything starts.
     """
 
     def __init__(self, device: Any = None, sample_interval: float = 0.01, *,
@@ -150,7 +216,8 @@ class MemoryProfiler:
                  reset_peak: bool = True, trace: bool = False,
                  trace_max_entries: int = 100_000,
                  detect_leaks: bool | LeakDetector = False, pid: int | None = None,
-                 top_modules: int = 10) -> None:
+                 top_modules: int = 10, count_optimizer_steps: bool = False,
+                 budget: int | str | None = None) -> None:
         self.sample_interval = check_number("sample_interval", sample_interval, minimum=0.0,
                                             low_open=True, hint="Give seconds, > 0.")
         self.nvml_interval = check_number("nvml_interval", nvml_interval, minimum=0.0,
@@ -168,10 +235,14 @@ class MemoryProfiler:
         self._cuda_seen = False  # CUDA, once initialized, stays so: stop asking then
         self._rss_reader = HostRssReader(pid if self._external else None,
                                          include_children=self._external)
-        if trace and self._index is None:
-            raise DeviceError("trace=True needs a CUDA device in this process: PyTorch records "
-                              "allocation history only for its CUDA allocator",
-                              "Drop trace=True on the CPU; the sampled timeline still works.")
+        if trace:
+            reason = trace_unsupported_reason(device, pid)
+            if reason is not None:
+                raise DeviceError(f"trace=True: {reason}", _TRACE_HINT)
+        self.count_optimizer_steps = check_bool("count_optimizer_steps", count_optimizer_steps)
+        self._budget: int | None = None
+        self._budget_label: str | None = None
+        self.set_budget(budget)
         self.max_history = max_history
         self.reset_peak = reset_peak
         self.trace_on_start = trace
@@ -193,6 +264,9 @@ class MemoryProfiler:
         self._trace_token: int | None = None
         self._trace_snapshot: dict[str, Any] | None = None
         self._leak_report: LeakVerdict | None = None
+        self._leak_verdicts: dict[str | None, LeakVerdict] = {}
+        self._workload: str | None = None
+        self._optimizer_hook: Any = None
         self._reset_session()
 
     # session state --------------------------------------------------------------------------
@@ -211,7 +285,14 @@ class MemoryProfiler:
         self._sums = [0.0, 0.0, 0.0, 0]  # allocated, reserved, host_rss, readings with rss
         self._phase_peaks: dict[str, list[Any]] = {}
         self._modules: dict[str, _ModuleStat] = {}
-        self._step_growth = GrowthTracker()  # the verdict without a detector, kept incrementally
+        # the verdicts without a detector, kept incrementally, one per workload
+        self._step_growth: dict[str | None, GrowthTracker] = {}
+        self._events: deque[ProfileEvent] = deque(maxlen=self.max_history)
+        self._events_dropped = 0
+        self._stepped_by_hand = False
+        self._optimizers_since_step: set[int] = set()
+        self._memory_limit: int | None = None
+        self._limit_due = 0.0
         self._last_rss: int | None = None
         self._last_nvml: int | None = None
         self._nvml_due = 0.0
@@ -240,8 +321,13 @@ class MemoryProfiler:
 
     @property
     def steps(self) -> int:
-        """Steps marked in the current (or last) session."""
+        """Steps marked in the current (or last) session (all workloads)."""
         return self._step
+
+    @property
+    def current_workload(self) -> str | None:
+        """The workload set by :meth:`workload` / :meth:`set_workload` (``None``: none)."""
+        return self._workload
 
     def start(self) -> MemoryProfiler:
         """Start a fresh session and the sampler thread (no-op if already running)."""
@@ -261,6 +347,10 @@ class MemoryProfiler:
             self._trace_token = acquire_memory_history("all", self.trace_max_entries)
         if self._leak_detector is not None:
             self._leak_detector.start()
+        if self.count_optimizer_steps:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._optimizer_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
         self._running = True
         self._record("start", full=True)
         self._stop_event.clear()
@@ -273,6 +363,9 @@ class MemoryProfiler:
         """Stop sampling and return the session's :meth:`report` (no-op if not running)."""
         if not self._running:
             return self.report()
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+            self._optimizer_hook = None
         self._stop_event.set()
         if self._thread is not None:
             self._thread.join()
@@ -290,6 +383,7 @@ class MemoryProfiler:
             self._trace_token = None
         if self._leak_detector is not None:
             self._leak_report = self._leak_detector.report()
+            self._leak_verdicts = self._leak_detector.verdicts()
             self._leak_detector.stop()
         return self.report()
 
@@ -363,6 +457,9 @@ class MemoryProfiler:
         if full:
             nvml = self._read_nvml(now)
             pinned = self._read_pinned(now)
+            if index is not None and now >= self._limit_due and self._cuda_ready():
+                self._limit_due = now + self.nvml_interval
+                self._note_limit(index)
         else:
             nvml, pinned = self._last_nvml, self._last_pinned
         with self._lock:
@@ -412,7 +509,16 @@ class MemoryProfiler:
                     step=self._step, module=self._module, kind=kind))
         return alloc if index is not None else (rss or 0)
 
-    # phases and steps -----------------------------------------------------------------------
+    def _note_limit(self, index: int) -> None:
+        try:
+            limit = _cuda_memory_limit(index)
+        except Exception as err:  # a reader must not stop sampling
+            logger.debug("reading the per-process memory fraction failed: %s", err)
+            return
+        if limit is not None and (self._memory_limit is None or limit < self._memory_limit):
+            self._memory_limit = limit
+
+    # phases, steps, workloads, events -------------------------------------------------------
     def mark(self, phase: str | None) -> None:
         """Enter ``phase`` (``"forward"``, ``"backward"``, ``"optimizer"``, ...; ``None`` clears).
 
@@ -436,20 +542,96 @@ class MemoryProfiler:
             self.mark(previous)
 
     def step(self) -> None:
-        """Mark the end of a training step (and step the leak detector, if any)."""
+        """Mark the end of a training step of the current workload (and step the leak detector,
+        if any). Calling it turns off ``count_optimizer_steps`` counting: the script counts."""
+        self._stepped_by_hand = True
+        self._count_step()
+
+    mark_step = step
+
+    def _count_step(self) -> None:
         if not self._running:
             self._step += 1
             return
         value = self._record("step", full=False)
-        self._step_growth.add(value)
+        workload = self._workload
+        tracker = self._step_growth.get(workload)
+        if tracker is None:
+            tracker = self._step_growth[workload] = GrowthTracker()
+        tracker.add(value)
         self._step += 1
         detector = self._leak_detector
         if detector is not None:
             # A CUDA detector on this device reads the very figure just read: hand it over.
             same = self._index is not None and detector.device == self.device
-            detector.step(value if same else None)
+            detector.step(value if same else None, workload=workload)
 
-    mark_step = step
+    def _on_optimizer_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        """The global optimizer post hook: one step per iteration, however many optimizers."""
+        if not self._running or self._stepped_by_hand:
+            return
+        key = id(optimizer)
+        seen = self._optimizers_since_step
+        if not seen or key in seen:
+            seen.clear()
+            seen.add(key)
+            self._count_step()
+        else:
+            seen.add(key)
+
+    def set_workload(self, name: str | None) -> None:
+        """Attribute the following steps to workload ``name`` (``None``: no workload).
+
+        Leak verdicts judge each workload's step readings apart, so a run of another model,
+        optimizer or configuration, before, after or alternating with this one, is never
+        mistaken for growth.
+        """
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ConfigError(f"a workload name must be a non-empty string or None, got "
+                              f"{name!r}", "Name the workload, e.g. prof.workload('swapped').")
+        self._workload = name
+
+    @contextlib.contextmanager
+    def workload(self, name: str) -> Iterator[None]:
+        """Attribute the steps of a ``with`` block to workload ``name`` (restored on exit)."""
+        previous = self._workload
+        self.set_workload(name)
+        try:
+            yield
+        finally:
+            self._workload = previous
+
+    def event(self, kind: str, label: str | None = None, count: int = 1) -> None:
+        """Record that ``count`` things of ``kind`` happened now (drawn as ticks in a lane of
+        ``kind`` under the timeline; ``label`` is their tooltip). No-op when not running.
+
+        Raises:
+            ConfigError: for an empty ``kind`` or a ``count`` below 1.
+        """
+        if not isinstance(kind, str) or not kind:
+            raise ConfigError(f"an event kind must be a non-empty string, got {kind!r}")
+        check_int("count", count, minimum=1)
+        if label is not None and not isinstance(label, str):
+            raise ConfigError(f"an event label must be a string or None, got {label!r}")
+        if not self._running:
+            return
+        now = time.perf_counter() - self._t0
+        with self._lock:
+            if len(self._events) == self._events.maxlen:
+                self._events_dropped += 1
+            self._events.append(ProfileEvent(now, kind, label, count, self._step,
+                                             self._workload))
+
+    def set_budget(self, nbytes: int | str | None, label: str | None = None) -> None:
+        """Draw a budget line at ``nbytes`` (of the report's ``metric``) on the timeline.
+
+        Args:
+            nbytes: bytes or a size string; ``None`` removes it.
+            label: its legend text (default ``"budget <size>"``).
+        """
+        self._budget = check_size("budget", nbytes, allow_none=True)
+        self._budget_label = None if self._budget is None else (
+            label or f"budget {format_size(self._budget)}")
 
     # module attribution ---------------------------------------------------------------------
     def attach(self, model: Any = None, *, backward: bool = True) -> MemoryProfiler:
@@ -575,10 +757,8 @@ class MemoryProfiler:
     # tracing --------------------------------------------------------------------------------
     def _require_cuda(self, what: str) -> None:
         if self._index is None:
-            raise DeviceError(f"{what} needs a CUDA device in this process (profiler device is "
-                              f"{self.device})",
-                              "Allocation traces come from PyTorch's CUDA allocator; on the CPU "
-                              "use the sampled report (save_profile).")
+            reason = trace_unsupported_reason(self.device, self.pid) or "no CUDA device"
+            raise DeviceError(f"{what}: {reason}", _TRACE_HINT)
 
     @contextlib.contextmanager
     def trace(self, path: str | Path | None = None) -> Iterator[None]:
@@ -651,10 +831,16 @@ class MemoryProfiler:
         if self._last_nvml is not None and not self._external:
             outside = self._last_nvml - reserved_all_devices()
         if self._leak_detector is not None:
-            leak = (self._leak_report if not self._running and self._leak_report is not None
-                    else self._leak_detector.report())
+            if not self._running and self._leak_report is not None:
+                leak, verdicts = self._leak_report, self._leak_verdicts
+            else:
+                leak, verdicts = self._leak_detector.report(), self._leak_detector.verdicts()
         else:
-            leak = self._step_growth.verdict(self.metric) if self._step_growth.steps else None
+            verdicts = {name: tracker.verdict(self.metric, workload=name)
+                        for name, tracker in list(self._step_growth.items())}
+            leak = combine_verdicts(verdicts.values())
+        by_workload = ({name or "": verdict for name, verdict in verdicts.items()}
+                       if any(name is not None for name in verdicts) else {})
         finished = (self._stopped_at if self._stopped_at is not None and not self._running
                     else time.perf_counter())
         with self._lock:
@@ -683,7 +869,10 @@ class MemoryProfiler:
                 alloc_retries=delta("num_alloc_retries"), ooms=delta("num_ooms"),
                 fragmentation=fragmentation, inactive_split_ratio=inactive_ratio,
                 outside_torch=outside, leak=leak, history=tuple(self._history),
-                history_dropped=self._dropped)
+                history_dropped=self._dropped, leak_by_workload=by_workload,
+                events=tuple(self._events), events_dropped=self._events_dropped,
+                budget=self._budget, budget_label=self._budget_label,
+                memory_limit=self._memory_limit)
 
     def save_profile(self, path: str | Path) -> Path:
         """Write :meth:`report` to ``path`` (``.json``, ``.html`` or ``.png`` by suffix)."""

@@ -25,15 +25,40 @@ What it does, in order:
    it fits on the device; its median step time gives the swapping overhead, its losses the check
    that swapping computes the same thing.
 
-Step times come from CUDA events (or ``time.perf_counter`` on the CPU); the host stays at most one
-step ahead of the GPU (a step's loss is read while the next step is already queued), so the
-swapper's copy stream is not drained by the demo itself. The first step (order learning, cuBLAS
-start-up) is left out of the median when there are two or more.
+**One step-time statistic.** Every figure of speed is the *median step time with the first step
+left out* (the first learns the block order and starts the libraries):
+``DemoResult.median_step_seconds`` and ``baseline_median_step_seconds``; their ratio is
+``slowdown``. :class:`DemoProgress` carries the running value of the same statistic, so a
+progress bar and the summary agree.
+
+**Timing.** On the CPU the swapped and the resident run are measured in *paired, alternating
+rounds* (``timing == "paired"``), as the benchmarks do: a second copy of the model (same
+weights, adapters, data and checkpointing, its own optimizer) is built, and round ``r`` runs one
+step of each, the swapped one first in even rounds and second in odd ones, so drift of a shared
+machine (other processes, clocks) falls on both alike. The losses of the two runs are still
+compared step by step. On CUDA the runs are sequential (``timing == "sequential"``): a fully
+resident copy next to the swapped model would not fit the enforced budget (the cap is a
+per-process fraction of the device) and would mix into the measured peak; GPU time from CUDA
+events also drifts far less than a shared CPU. Step times come from CUDA events around each step
+(or the host clock on the CPU); the host stays at most one step ahead of the GPU (a step's loss
+is read while the next step is already queued), so the swapper's copy stream is not drained by
+the demo itself.
+
+**Profile.** The swapped and the resident run are profiled as two workloads
+(:meth:`MemoryProfiler.workload <vramkit.memory.profiler.MemoryProfiler.workload>`): the leak
+verdict judges each run's own steps, never the switch from one run to the other. After each
+phase of a swapped step the demo records the swapper's new block loads as ``"block loads"``
+events (a lane of ticks under the report's timeline). On CUDA the budget is drawn as a line above
+what the process held before; on the CPU the budget is simulated and the timeline shows host RSS,
+which it does not bound, so no budget line is drawn. On the CPU the leak verdict reads live
+tensor bytes (a :class:`~vramkit.memory.leaks.LeakDetector`), not host RSS, which also grows while
+the C allocator's arenas settle in the first steps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import statistics
@@ -48,6 +73,7 @@ from torch import nn
 
 from vramkit._validate import check_bool, check_device, check_int, check_number, check_size
 from vramkit.errors import ConfigError, OffloadError
+from vramkit.memory.oom import is_oom_error
 from vramkit.recipes.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
 from vramkit.recipes.lora import LORA_TARGETS, LoRALinear, add_lora_adapters
 from vramkit.units import format_size
@@ -419,6 +445,8 @@ class DemoProgress:
         total: steps of this stage (0 for ``"build"``).
         loss: loss of the step just finished, else ``None``.
         step_seconds: its duration, else ``None``.
+        median_step_seconds: the stage's median step time so far, the first step left out once
+            there are two (the statistic ``DemoResult`` reports), else ``None``.
     """
 
     stage: str
@@ -426,6 +454,7 @@ class DemoProgress:
     total: int
     loss: float | None = None
     step_seconds: float | None = None
+    median_step_seconds: float | None = None
 
 
 ProgressCallback = Callable[[DemoProgress], None]
@@ -452,13 +481,21 @@ class DemoResult:
         peak_breakdown: the planned parts of the peak, in bytes.
         under_budget: ``peak_bytes <= budget``.
         losses / step_seconds: per step of the swapped run.
-        median_step_seconds: median step time (the first step left out when there are two or
-            more: it learns the block order and starts the libraries).
+        median_step_seconds: **the** step-time statistic: the median step time of the swapped
+            run, the first step left out when there are two or more (it learns the block order
+            and starts the libraries). Progress reports carry its running value.
         baseline_median_step_seconds: the same for the fully resident model, or ``None``.
         baseline_skipped: why there is no baseline, or ``None``.
-        slowdown: swapped / resident median step time, or ``None``.
-        baseline_losses / baseline_max_loss_diff: the resident run's losses and the largest
-            difference to the swapped run's (same adapters, same data).
+        slowdown: ``median_step_seconds / baseline_median_step_seconds``, or ``None``.
+        baseline_losses / baseline_step_seconds: the resident run's losses and step times.
+        baseline_max_loss_diff: the largest difference between the two runs' losses (same
+            adapters, same data).
+        timing: ``"paired"`` (CPU: the runs alternate step by step, see the module docstring),
+            ``"sequential"`` (CUDA: the resident run follows the swapped one) or ``"swapped
+            only"`` (no baseline).
+        timing_rounds: for ``"paired"``, one entry per round: ``{"round", "first"`` (the
+            workload that ran first: ``"swapped"`` or ``"resident"``), ``"swapped_seconds",
+            "resident_seconds"}``.
         report_path: the profile report written, or ``None``; ``report_skipped`` says why not.
         build_seconds / wall_seconds: model construction time and the whole run's time.
     """
@@ -486,6 +523,9 @@ class DemoResult:
     slowdown: float | None
     baseline_losses: list[float] = field(default_factory=list)
     baseline_max_loss_diff: float | None = None
+    baseline_step_seconds: list[float] = field(default_factory=list)
+    timing: str = "sequential"
+    timing_rounds: list[dict[str, Any]] = field(default_factory=list)
     report_path: str | None = None
     report_skipped: str | None = None
     build_seconds: float = 0.0
@@ -509,80 +549,135 @@ class DemoResult:
         return data
 
 
-class _StepTimer:
-    """Step durations: CUDA events on the compute stream, or the host clock on the CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.marks: list[Any] = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def seconds(self, step: int) -> float:
-        """Duration of ``step`` (waits for its end on CUDA: the next step is already queued)."""
-        start, end = self.marks[step], self.marks[step + 1]
-        if self.cuda:
-            end.synchronize()
-            return start.elapsed_time(end) / 1000.0
-        return end - start
+#: The host clock CPU step times are read from (a module attribute, so tests can drive it).
+_clock = time.perf_counter
 
 
 def _median_step(step_seconds: list[float]) -> float:
+    """The demo's step-time statistic: the median, the first step left out when there are two
+    or more."""
     timed = step_seconds[1:] if len(step_seconds) >= 2 else step_seconds
     return statistics.median(timed)
 
 
-def _train(model: nn.Module, params: list[nn.Parameter], plan: DemoPlan, device: torch.device,
-           stage: str, profiler: Any, progress: ProgressCallback | None
-           ) -> tuple[list[float], list[float]]:
-    """``plan.steps`` AdamW steps of ``params`` on seeded synthetic batches; (losses, seconds)."""
-    dit_config = plan.dit_config
-    optimizer = torch.optim.AdamW(params, lr=plan.learning_rate, weight_decay=0.0)
-    # One fixed batch, as in a few-image (DreamBooth-style) LoRA fine-tune: the loss falls
-    # visibly within a few steps, and both runs see the same data.
-    generator = torch.Generator(device=device).manual_seed(plan.seed)
-    batch = synthetic_batch(dit_config, plan.batch_size, generator=generator, device=device)
-    timer = _StepTimer(device)
-    losses: list[torch.Tensor] = []
-    seconds: list[float] = []
-    label = "swapped" if stage == "train" else "resident"
+class _Run:
+    """One training run: its model, adapters' AdamW, the fixed batch, and per-step results.
 
-    def mark(phase: str | None) -> None:
-        if profiler is not None:
-            profiler.mark(None if phase is None else f"{label} {phase}")
+    Each :meth:`step` is one AdamW step under the profiler's workload (``"swapped"`` for stage
+    ``"train"``, ``"resident"`` for ``"baseline"``), with phase marks and, when ``loads`` is
+    given, the swapper's new block loads recorded as profiler events after each phase.
+    """
 
-    def report(step: int) -> None:
-        seconds.append(timer.seconds(step))
-        if progress is not None:
-            progress(DemoProgress(stage, step + 1, plan.steps, float(losses[step]),
-                                  seconds[step]))
+    def __init__(self, stage: str, model: nn.Module, params: list[nn.Parameter],
+                 plan: DemoPlan, device: torch.device, profiler: Any,
+                 progress: ProgressCallback | None, loads: Callable[[], int] | None = None
+                 ) -> None:
+        self.stage = stage
+        self.workload = "swapped" if stage == "train" else "resident"
+        self.model = model
+        self.total = plan.steps
+        self.optimizer = torch.optim.AdamW(params, lr=plan.learning_rate, weight_decay=0.0)
+        # One fixed batch, as in a few-image (DreamBooth-style) LoRA fine-tune: the loss falls
+        # visibly within a few steps, and both runs see the same data.
+        generator = torch.Generator(device=device).manual_seed(plan.seed)
+        self.batch = synthetic_batch(plan.dit_config, plan.batch_size, generator=generator,
+                                     device=device)
+        self.cuda = device.type == "cuda"
+        self.profiler = profiler
+        self.progress = progress
+        self.loads = loads
+        self.loads_seen = loads() if loads is not None else 0
+        self.losses: list[torch.Tensor] = []
+        self.seconds: list[float] = []
+        self.pending: list[tuple[Any, Any]] = []  # CUDA events of steps not read yet
 
-    if progress is not None:
-        progress(DemoProgress(stage, 0, plan.steps))
-    timer.mark()
-    for step in range(plan.steps):
-        mark("forward")
-        loss = flow_matching_loss(model, batch)
-        mark("backward")
-        loss.backward()
-        mark("optimizer")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        timer.mark()
-        if profiler is not None:
-            profiler.step()
-        losses.append(loss.detach())
-        if step >= 1:  # the previous step: the host stays one step ahead of the device
-            report(step - 1)
-    report(plan.steps - 1)
-    mark(None)
-    return [float(v) for v in losses], seconds
+    def _now(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return _clock()
+
+    def _mark(self, phase: str | None) -> None:
+        if self.profiler is not None:
+            self.profiler.mark(None if phase is None else f"{self.workload} {phase}")
+
+    def _note_loads(self, phase: str) -> None:
+        if self.loads is None or self.profiler is None:
+            return
+        loads = self.loads()
+        if loads > self.loads_seen:
+            count = loads - self.loads_seen
+            self.profiler.event("block loads", f"{count} block loads in {self.workload} "
+                                               f"{phase}, step {len(self.losses) + 1}", count)
+        self.loads_seen = loads
+
+    def step(self) -> None:
+        """One training step; reports it (on CUDA: the previous one, still on the GPU now)."""
+        if not self.losses and self.progress is not None:
+            self.progress(DemoProgress(self.stage, 0, self.total))
+        workload = (self.profiler.workload(self.workload) if self.profiler is not None
+                    else contextlib.nullcontext())
+        with workload:
+            start = self._now()
+            self._mark("forward")
+            loss = flow_matching_loss(self.model, self.batch)
+            self._note_loads("forward")
+            self._mark("backward")
+            loss.backward()
+            self._note_loads("backward")
+            self._mark("optimizer")
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            end = self._now()
+            self._mark(None)
+            if self.profiler is not None:
+                self.profiler.step()
+        # a 0-d copy: the loss tensor itself keeps a larger storage alive (2 KiB on the CPU)
+        self.losses.append(loss.detach().clone())
+        if self.cuda:
+            self.pending.append((start, end))
+            if len(self.pending) > 1:  # the host stays one step ahead of the device
+                self._report(*self.pending.pop(0))
+        else:
+            self._report(start, end)
+
+    def finish(self) -> None:
+        """Report the steps still on the device."""
+        while self.pending:
+            self._report(*self.pending.pop(0))
+
+    def _report(self, start: Any, end: Any) -> None:
+        if self.cuda:
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1000.0
+        else:
+            seconds = end - start
+        self.seconds.append(seconds)
+        index = len(self.seconds) - 1
+        if self.progress is not None:
+            self.progress(DemoProgress(self.stage, index + 1, self.total,
+                                       float(self.losses[index]), seconds,
+                                       _median_step(self.seconds)))
+
+    def run(self) -> None:
+        for _ in range(self.total):
+            self.step()
+        self.finish()
+
+
+def _alternate(swapped: _Run, resident: _Run) -> list[dict[str, Any]]:
+    """Paired rounds: one step of each run per round, the swapped one first in even rounds and
+    second in odd ones (ABBA), so drift of the machine falls on both alike."""
+    rounds = []
+    for index in range(swapped.total):
+        order = (swapped, resident) if index % 2 == 0 else (resident, swapped)
+        for run in order:
+            run.step()
+        rounds.append({"round": index, "first": order[0].workload,
+                       "swapped_seconds": swapped.seconds[index],
+                       "resident_seconds": resident.seconds[index]})
+    return rounds
 
 
 @contextlib.contextmanager
@@ -606,11 +701,17 @@ def _make_profiler(plan: DemoPlan, report: str | Path | None) -> tuple[Any, str 
     if report is None:
         return None, "no report asked for"
     try:
+        from vramkit.memory.leaks import LeakDetector
         from vramkit.memory.profiler import MemoryProfiler
     except ImportError as exc:  # the profiler is optional for the demo
         return None, f"memory profiler unavailable: {exc}"
+    # On the CPU the leak verdict counts live tensor bytes: host RSS, the timeline's figure
+    # there, also grows while the C allocator's arenas settle in the first steps. On CUDA the
+    # profiler's allocated bytes are exact already.
+    detector = (LeakDetector("cpu", record_stacks=False) if plan.device == "cpu" else False)
     # The demo reads the CUDA peak itself, so the profiler must not reset it.
-    return MemoryProfiler(device=plan.device, sample_interval=0.02, reset_peak=False), None
+    return MemoryProfiler(device=plan.device, sample_interval=0.02, reset_peak=False,
+                          detect_leaks=detector), None
 
 
 def _build_model(plan: DemoPlan) -> tuple[DiT, list[nn.Parameter], list[str]]:
@@ -620,11 +721,19 @@ def _build_model(plan: DemoPlan) -> tuple[DiT, list[nn.Parameter], list[str]]:
     return model, adapters, names
 
 
+def _twin(model: nn.Module, adapters: list[nn.Parameter]) -> tuple[nn.Module, list[nn.Parameter]]:
+    """A deep copy of ``model`` and its parameters matching ``adapters``, in order."""
+    twin = copy.deepcopy(model)
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    params = dict(twin.named_parameters())
+    return twin, [params[name_of[id(p)]] for p in adapters]
+
+
 def _baseline(model: nn.Module, adapters: list[nn.Parameter], initial: list[torch.Tensor],
               plan: DemoPlan, device: torch.device, profiler: Any,
-              progress: ProgressCallback | None
-              ) -> tuple[list[float] | None, list[float], str | None]:
-    """The same training fully resident: (step seconds or None, losses, why skipped or None)."""
+              progress: ProgressCallback | None) -> tuple[_Run | None, str | None]:
+    """The same training fully resident, after the swapped run (CUDA): (the run or None, why
+    skipped or None)."""
     activations = (plan.activation_bytes_checkpointed if plan.checkpointing
                    else plan.activation_bytes_full)
     if device.type == "cuda":
@@ -633,17 +742,20 @@ def _baseline(model: nn.Module, adapters: list[nn.Parameter], initial: list[torc
         need = (plan.model_bytes + plan.trainable_bytes + plan.optimizer_bytes + activations
                 + _MARGIN_FIXED["cuda"])
         if need > free:
-            return None, [], (f"the model does not fit on {device} fully resident (needs about "
-                              f"{format_size(need)}, {format_size(free)} free)")
+            return None, (f"the model does not fit on {device} fully resident (needs about "
+                          f"{format_size(need)}, {format_size(free)} free)")
     with torch.no_grad():
         for param, value in zip(adapters, initial, strict=True):
             param.copy_(value)
     try:
         model.to(device)
-        losses, seconds = _train(model, adapters, plan, device, "baseline", profiler, progress)
-    except torch.OutOfMemoryError:
-        return None, [], f"out of memory on {device} with the model fully resident"
-    return seconds, losses, None
+        run = _Run("baseline", model, adapters, plan, device, profiler, progress)
+        run.run()
+    except Exception as exc:
+        if not is_oom_error(exc):
+            raise
+        return None, f"out of memory on {device} with the model fully resident"
+    return run, None
 
 
 def run_demo(config: DemoConfig | None = None, *, plan: DemoPlan | None = None,
@@ -670,42 +782,62 @@ def run_demo(config: DemoConfig | None = None, *, plan: DemoPlan | None = None,
     config = config or DemoConfig()
     plan = plan or plan_demo(config)
     device = torch.device(plan.device)
+    cuda = device.type == "cuda"
+    paired = config.baseline and not cuda  # see the module docstring ("Timing")
     started = time.perf_counter()
     model, adapters, _ = _build_model(plan)
     initial_adapters = [p.detach().clone() for p in adapters]
+    twin, twin_adapters = _twin(model, adapters) if paired else (None, [])
     build_seconds = time.perf_counter() - started
     if progress is not None:
         progress(DemoProgress("build", 0, 0))
     checkpointed = enable_gradient_checkpointing(model) if plan.checkpointing else []
+    if twin is not None and plan.checkpointing:
+        enable_gradient_checkpointing(twin)
     profiler, report_skipped = _make_profiler(plan, config.report)
-    cuda = device.type == "cuda"
     peak_reserved: int | None = None
     swap_config = SwapConfig(swapped_blocks=plan.swapped_block_names, num_slots=plan.num_slots)
+    swapped: _Run | None = None
+    resident: _Run | None = None
+    rounds: list[dict[str, Any]] = []
+    skipped: str | None = "not asked for (--no-baseline)"
     if profiler is not None:
         profiler.start()
     try:
         with contextlib.ExitStack() as stack:
             allocated_before, reserved_before = stack.enter_context(
                 _memory_cap(device, plan.budget_bytes)) if cuda else (0, 0)
+            if profiler is not None and cuda:
+                held = (f" above the {format_size(allocated_before)} held before"
+                        if allocated_before else "")
+                profiler.set_budget(allocated_before + plan.budget_bytes,
+                                    f"budget {format_size(plan.budget_bytes)}{held}")
             try:
                 with BlockSwapper(model, config=swap_config, device=device) as swapper:
-                    losses, seconds = _train(model, adapters, plan, device, "train", profiler,
-                                             progress)
+                    swapped = _Run("train", model, adapters, plan, device, profiler, progress,
+                                   loads=lambda: swapper.stats().loads)
+                    if twin is not None:
+                        resident = _Run("baseline", twin, twin_adapters, plan, device, profiler,
+                                        progress)
+                        rounds = _alternate(swapped, resident)
+                        skipped = None
+                    else:
+                        swapped.run()
                     stats = swapper.stats()
                     swapped_names = swapper.swapped_names
                     if cuda:
                         peak = torch.cuda.max_memory_allocated(device) - allocated_before
                         peak_reserved = torch.cuda.max_memory_reserved(device) - reserved_before
-            except torch.OutOfMemoryError as exc:
+            except Exception as exc:
+                if not is_oom_error(exc):
+                    raise
                 raise OffloadError(
                     f"out of memory under the {format_size(plan.budget_bytes)} budget: {exc}",
                     hint="Raise --budget, lower --batch-size, or report the plan (vramkit "
                          "demo --json) if the budget should have been enough.") from None
-        if config.baseline:
-            baseline_seconds, baseline_losses, skipped = _baseline(
-                model, adapters, initial_adapters, plan, device, profiler, progress)
-        else:
-            baseline_seconds, baseline_losses, skipped = None, [], "not asked for (--no-baseline)"
+        if config.baseline and twin is None:
+            resident, skipped = _baseline(model, adapters, initial_adapters, plan, device,
+                                          profiler, progress)
     finally:
         report_path = None
         if profiler is not None:
@@ -715,6 +847,7 @@ def run_demo(config: DemoConfig | None = None, *, plan: DemoPlan | None = None,
                 report_path = str(memory_report.save(config.report))
             except ImportError as exc:  # .png without matplotlib: the run still stands
                 report_skipped = f"could not write {config.report}: {exc}"
+    assert swapped is not None  # the swapped run either ran or raised
     breakdown = {
         "weights_on_device": plan.outside_block_bytes + stats.resident_block_bytes,
         "slots": stats.slot_bytes,
@@ -724,12 +857,13 @@ def run_demo(config: DemoConfig | None = None, *, plan: DemoPlan | None = None,
     }
     if not cuda:
         peak = sum(breakdown.values())
-    slowdown = None
-    if baseline_seconds is not None:
-        slowdown = _median_step(seconds) / _median_step(baseline_seconds)
+    losses = [float(v) for v in swapped.losses]
+    median = _median_step(swapped.seconds)
+    baseline_losses = [float(v) for v in resident.losses] if resident is not None else []
+    baseline_median = _median_step(resident.seconds) if resident is not None else None
     diff = (max(abs(a - b) for a, b in zip(losses, baseline_losses, strict=True))
             if baseline_losses else None)
-    del model
+    del model, twin
     if cuda:
         torch.cuda.empty_cache()
     return DemoResult(
@@ -743,10 +877,13 @@ def run_demo(config: DemoConfig | None = None, *, plan: DemoPlan | None = None,
                             "d2h_bytes", "acquisitions", "enqueue_seconds")},
         peak_bytes=int(peak), peak_source="measured" if cuda else "planned (simulated)",
         peak_reserved_bytes=peak_reserved, peak_breakdown=breakdown,
-        under_budget=peak <= plan.budget_bytes, losses=losses, step_seconds=seconds,
-        median_step_seconds=_median_step(seconds),
-        baseline_median_step_seconds=(None if baseline_seconds is None
-                                      else _median_step(baseline_seconds)),
-        baseline_skipped=skipped, slowdown=slowdown, baseline_losses=baseline_losses,
-        baseline_max_loss_diff=diff, report_path=report_path, report_skipped=report_skipped,
+        under_budget=peak <= plan.budget_bytes, losses=losses, step_seconds=swapped.seconds,
+        median_step_seconds=median, baseline_median_step_seconds=baseline_median,
+        baseline_skipped=skipped,
+        slowdown=None if baseline_median is None else median / baseline_median,
+        baseline_losses=baseline_losses, baseline_max_loss_diff=diff,
+        baseline_step_seconds=resident.seconds if resident is not None else [],
+        timing="paired" if rounds else ("sequential" if resident is not None
+                                        else "swapped only"),
+        timing_rounds=rounds, report_path=report_path, report_skipped=report_skipped,
         build_seconds=build_seconds, wall_seconds=time.perf_counter() - started)

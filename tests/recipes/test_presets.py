@@ -68,8 +68,10 @@ def test_presets_by_vram() -> None:
     assert SDXLMemoryConfig.for_vram(80 << 30) == SDXLMemoryConfig.preset_24gb()
     assert FluxTrainingConfig.for_vram("24 GB") == FluxTrainingConfig.preset_24gb()
     assert FluxTrainingConfig.for_vram("16GiB") == FluxTrainingConfig.preset_16gb()
-    with pytest.raises(ConfigError):
-        FluxTrainingConfig.for_vram("8GB")
+    # 8 GB cards have presets now (the issue's point); below the 8 GB preset's minimum it raises.
+    assert FluxTrainingConfig.for_vram("8GB") == FluxTrainingConfig.preset_8gb()
+    with pytest.raises(ConfigError, match="preset_8gb"):
+        FluxTrainingConfig.for_vram("6GB")
     p16, p24 = FluxTrainingConfig.preset_16gb(), FluxTrainingConfig.preset_24gb()
     assert p16.blocks_to_swap > p24.blocks_to_swap and p24.quantize_base_model
     assert SDXLMemoryConfig.preset_16gb().enable_cpu_offload
@@ -368,3 +370,47 @@ def test_flux_needs_trainable_params_for_optimizer_options() -> None:
     assert handle.optimizer is None
     with pytest.raises(ConfigError):
         handle.train_step(lambda m: torch.zeros(()), torch.zeros(1))
+
+
+def _prequantized_flux(blocks_only: bool = False) -> torch.nn.Module:
+    """A LoRA'd Flux whose frozen Linear layers were quantized (int8) before the verb runs, as a
+    load-and-quantize (io.loader's ``quantization=``) leaves them."""
+    from vramkit.quant.model import QuantizationConfig, quantize_model
+
+    model = _flux()
+    for target in ([model.transformer_blocks, model.single_transformer_blocks] if blocks_only
+                   else [model]):
+        adapters = [n for n, m in target.named_modules()
+                    if n and any(p.requires_grad for p in m.parameters(recurse=False))]
+        quantize_model(target, QuantizationConfig(weights_dtype="int8",
+                                                  modules_to_not_quantize=tuple(adapters)))
+    return model
+
+
+def _storage_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
+    linear = pytest.importorskip("vramkit.quant.linear")
+    return {f"{n}.{b}": t.dtype for n, m in model.named_modules()
+            if isinstance(m, linear.QuantizedLinear) for b, t in m.named_buffers(recurse=False)}
+
+
+def test_flux_bf16_cast_keeps_prequantized_storage() -> None:
+    pytest.importorskip("vramkit.quant.model")
+    model = _prequantized_flux()
+    before = _storage_dtypes(model)
+    assert torch.float32 in before.values()  # the int8 layout's per-row scales
+    handle = optimize_flux_memory(_plain(mixed_precision="bf16"), model, device="cpu")
+    assert _storage_dtypes(model) == before  # scales were cast to bf16 before the fix
+    result = handle.train_step(_flux_step(model), _flux_batch(1))
+    assert torch.isfinite(result.loss)
+
+
+def test_flux_quantize_base_accepts_prequantized_layers() -> None:
+    linear = pytest.importorskip("vramkit.quant.linear")
+    model = _prequantized_flux(blocks_only=True)  # blocks quantized, embedders still float
+    layer = model.transformer_blocks[0].attn.to_q.base_layer
+    assert isinstance(layer, linear.QuantizedLinear)
+    handle = optimize_flux_memory(_plain(quantize_base_model=True), model, device="cpu")
+    assert model.transformer_blocks[0].attn.to_q.base_layer is layer  # kept, not redone
+    assert isinstance(model.context_embedder, linear.QuantizedLinear)  # the rest quantized
+    assert "quantized before kept" in handle.applied["quantize_base_model"]
+    handle.train_step(_flux_step(model), _flux_batch(1))

@@ -1,4 +1,4 @@
-"""Memory presets for diffusion models: SDXL and Flux on 16 GB and 24 GB cards.
+"""Memory presets for diffusion models: SDXL and Flux LoRA training on 8, 12, 16 and 24 GB cards.
 
 Two frozen configs and one verb each:
 
@@ -17,8 +17,17 @@ Two frozen configs and one verb each:
   micro-batch.
 
 Both verbs return a :class:`MemoryOptimization` handle that says what was applied and undoes
-what can be undone (:meth:`MemoryOptimization.undo`). The presets' reasoning is in
-docs/recovery_and_presets.md.
+what can be undone (:meth:`MemoryOptimization.undo`).
+
+Presets (``preset_8gb()`` ... ``preset_24gb()``, ``for_vram``) are chosen from estimates, not
+guessed: :meth:`SDXLMemoryConfig.estimate` / :meth:`FluxTrainingConfig.estimate` add up the
+resident weights, swap slots, adapters, optimizer states and activations of one LoRA training
+step at 1024x1024, from model profiles measured on the meta device
+(:func:`measure_model_profile`: the swapper's :meth:`~vramkit.offload.swap.BlockSwapper.footprint`
+and :func:`vramkit.plan.activations.estimate_activations` over the published SDXL and FLUX.1-dev
+configs) and stored here. A config given a ``vram`` whose estimate does not fit it raises when it
+is made. The reasoning and the arithmetic are in docs/recovery_and_presets.md; the measured
+peaks come from benchmarks/presets.py.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,25 +53,46 @@ from vramkit._validate import (
 )
 from vramkit.errors import ConfigError
 from vramkit.offload.swap import SwapConfig
+from vramkit.recipes._preset_memory import (
+    FLUX_DEV_TRANSFORMER_CONFIG,
+    IMAGE_SIZE,
+    PROFILES,
+    QUANT_FORMATS,
+    SDXL_UNET_CONFIG,
+    BlockRow,
+    MemoryEstimate,
+    ModelProfile,
+    card_text,
+    check_fits,
+    estimate_step,
+    for_vram,
+    measure_model_profile,
+    tier_settings,
+    tier_vram,
+    trainable_module_names,
+    unet_blocks,
+)
+from vramkit.units import format_size
 
 __all__ = [
+    "FLUX_DEV_TRANSFORMER_CONFIG",
+    "SDXL_UNET_CONFIG",
+    "BlockRow",
     "FluxTrainingConfig",
+    "MemoryEstimate",
     "MemoryOptimization",
+    "ModelProfile",
     "SDXLMemoryConfig",
+    "measure_model_profile",
     "optimize_flux_memory",
     "optimize_sdxl_memory",
+    "unet_blocks",
 ]
 
 logger = logging.getLogger(__name__)
 
-_GIB = 1 << 30
-# A "24 GB" card has 24 GiB and reports 23.5-24 GiB usable, while "24GB" typed by a person
-# parses to 24e9 bytes (22.4 GiB): the thresholds sit below both readings of each tier.
-_TIER_24 = 22 * _GIB
-_TIER_16 = int(14.5 * _GIB)
 _SLICE_NAMES = ("auto", "max")
 _MIXED_PRECISION = ("bf16", "no")
-_QUANT_FORMATS = ("int8", "int4", "nf4", "fp8")
 # Compute devices the verbs take: those MemoryRecovery runs training steps on.
 _DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
 
@@ -184,9 +215,15 @@ class SDXLMemoryConfig:
         vae_tile_overlap: pixels shared by neighbouring tiles, a multiple of 8 below the tile
             size (default 64).
         offload_resident_blocks: with CPU offload, UNet blocks kept on the GPU (default 0).
+        vram: the card these settings are for (bytes or ``"12GB"``; default ``None``: no
+            check). When set, :meth:`estimate` must fit it (after ``CONTEXT_BYTES`` for the
+            CUDA context and a ``MARGIN`` share), or construction raises with the numbers. The
+            estimate is of one LoRA training step of SDXL's UNet (bf16 weights, rank-16 fp32
+            adapters on the attention projections, AdamW, bf16 autocast) at 1024x1024,
+            batch 1; attention slicing is not modelled.
 
     Raises:
-        ConfigError: for invalid values or combinations.
+        ConfigError: for invalid values or combinations, or settings that do not fit ``vram``.
     """
 
     enable_cpu_offload: bool = False
@@ -197,6 +234,7 @@ class SDXLMemoryConfig:
     vae_tile_size: int = 512
     vae_tile_overlap: int = 64
     offload_resident_blocks: int = 0
+    vram: int | str | None = None
 
     def __post_init__(self) -> None:
         owner = "SDXLMemoryConfig"
@@ -221,40 +259,72 @@ class SDXLMemoryConfig:
         if self.vae_tile_overlap >= self.vae_tile_size:
             raise ConfigError("vae_tile_overlap must be smaller than vae_tile_size")
         check_int(f"{owner}.offload_resident_blocks", self.offload_resident_blocks, minimum=0)
+        object.__setattr__(self, "vram", check_size(f"{owner}.vram", self.vram,
+                                                    allow_none=True))
+        if self.vram is not None:
+            check_fits("SDXL", self.estimate(), self.vram, lambda: _sdxl_hint(self.vram))
+
+    def estimate(self) -> MemoryEstimate:
+        """GPU bytes of one SDXL LoRA training step at 1024x1024 with these settings (see
+        ``vram``), from the UNet's stored :class:`ModelProfile`."""
+        return estimate_step("sdxl", checkpointing=self.enable_gradient_checkpointing,
+                         max_gpu_blocks=(self.offload_resident_blocks
+                                         if self.enable_cpu_offload else None))
+
+    # The tiers' settings are chosen from the estimates (_choose): the fastest that fit the
+    # card's decimal size; docs/recovery_and_presets.md shows the arithmetic.
 
     @classmethod
     def preset_24gb(cls) -> SDXLMemoryConfig:
-        """SDXL on a 24 GB card: checkpointing and VAE tiling; the UNet stays on the GPU."""
-        return cls(enable_gradient_checkpointing=True, vae_tiling=True, vae_tile_size=512)
+        """SDXL LoRA on a 24 GB card: the UNet resident, no checkpointing, VAE tiling."""
+        return cls._tier(24)
 
     @classmethod
     def preset_16gb(cls) -> SDXLMemoryConfig:
-        """SDXL on a 16 GB card: the 24 GB preset plus half of the UNet's blocks swapped."""
-        return cls(enable_cpu_offload=True, offload_resident_blocks=14,
-                   enable_gradient_checkpointing=True, vae_tiling=True, vae_tile_size=512)
+        """SDXL LoRA on a 16 GB card: no checkpointing, 5 of the UNet's 28 blocks swapped."""
+        return cls._tier(16)
+
+    @classmethod
+    def preset_12gb(cls) -> SDXLMemoryConfig:
+        """SDXL LoRA on a 12 GB card: the UNet resident, gradient checkpointing."""
+        return cls._tier(12)
+
+    @classmethod
+    def preset_8gb(cls) -> SDXLMemoryConfig:
+        """SDXL LoRA on an 8 GB card: gradient checkpointing, 6 of 28 blocks swapped."""
+        return cls._tier(8)
+
+    @classmethod
+    def _tier(cls, gigabytes: int) -> SDXLMemoryConfig:
+        return cls(**tier_settings("sdxl", gigabytes), vae_tiling=True, vae_tile_size=512,
+                   vram=tier_vram(gigabytes))
 
     @classmethod
     def for_vram(cls, vram: int | str) -> SDXLMemoryConfig:
-        """The preset for a card of ``vram`` (``"24GB"``, ``"16GiB"``, bytes).
+        """The largest preset whose estimate fits a card of ``vram`` (``"12GB"``, ``"16GiB"``,
+        bytes).
 
         Raises:
-            ConfigError: below the 16 GB tier (no preset was worked out for it).
+            ConfigError: when even :meth:`preset_8gb` does not fit (the message gives the
+                smallest card it fits).
         """
-        return _tiered(vram, cls.preset_24gb, cls.preset_16gb, "SDXL")
+        return for_vram(cls, vram, "SDXL")
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
         return dataclasses.asdict(self)
 
 
-def _tiered(vram: int | str, p24: Callable[[], Any], p16: Callable[[], Any], what: str) -> Any:
-    nbytes = check_size("vram", vram)
-    if nbytes >= _TIER_24:
-        return p24()
-    if nbytes >= _TIER_16:
-        return p16()
-    raise ConfigError(f"no {what} preset below 16 GB (got {vram!r})",
-                      hint="Start from preset_16gb() and offload/swap more blocks.")
+def _sdxl_hint(vram: int) -> str:
+    try:
+        preset = SDXLMemoryConfig.for_vram(vram)
+    except ConfigError:
+        return (f"No SDXL preset fits a card of {card_text(vram)}: train below "
+                f"{IMAGE_SIZE}x{IMAGE_SIZE} or on a larger card.")
+    return (f"SDXLMemoryConfig.for_vram({format_size(vram, binary=False)!r}) fits (checkpointing "
+            f"{preset.enable_gradient_checkpointing}, offload {preset.enable_cpu_offload}, "
+            f"{preset.offload_resident_blocks} resident blocks); or turn on gradient "
+            "checkpointing, or CPU offload with fewer offload_resident_blocks.")
 
 
 def _components(target: Any) -> dict[str, Any]:
@@ -268,27 +338,6 @@ def _components(target: Any) -> dict[str, Any]:
             if getattr(target, name, None) is not None}
 
 
-def unet_blocks(unet: nn.Module) -> list[str]:
-    """The UNet's resnet and attention stacks (block names for checkpointing and swapping).
-
-    A UNet stage is too coarse to swap (SDXL's largest is ~1.4 GB in bf16) and diffusers' own
-    ``ModuleList`` nesting fools the automatic block finder, so blocks are each stage's
-    ``resnets`` and ``attentions`` children.
-    """
-    names = []
-    for stage_name in ("down_blocks", "mid_block", "up_blocks"):
-        stage = getattr(unet, stage_name, None)
-        stages = (list(stage.named_children()) if isinstance(stage, nn.ModuleList)
-                  else [("", stage)] if stage is not None else [])
-        for index, module in stages:
-            prefix = f"{stage_name}.{index}" if index else stage_name
-            for part in ("resnets", "attentions"):
-                if isinstance(getattr(module, part, None), nn.ModuleList) and len(getattr(module, part)):
-                    names.append(f"{prefix}.{part}")
-    if not names:
-        raise ConfigError(f"{type(unet).__name__} has no down/mid/up blocks with resnets or "
-                          "attentions", hint="Pass a diffusers UNet2DConditionModel.")
-    return names
 
 
 def optimize_sdxl_memory(config: SDXLMemoryConfig, pipeline_or_modules: Any, *,
@@ -393,9 +442,16 @@ class FluxTrainingConfig:
             ``torch.optim.AdamW``. Default False.
         learning_rate: the optimizer's learning rate (default 1e-4).
         weight_decay: the optimizer's weight decay (default 1e-2).
+        vram: the card these settings are for (bytes or ``"12GB"``; default ``None``: no
+            check). When set, :meth:`estimate` must fit it (after ``CONTEXT_BYTES`` for the
+            CUDA context and a ``MARGIN`` share), or construction raises with the numbers. The
+            estimate is of one LoRA training step of FLUX.1-dev's transformer (rank-16 fp32
+            adapters on the attention projections, bf16 autocast) at 1024x1024, ``batch_size``
+            rows, with the default ``swap_min_tensor_bytes``; it needs
+            ``mixed_precision="bf16"``.
 
     Raises:
-        ConfigError: for invalid values.
+        ConfigError: for invalid values, or settings that do not fit ``vram``.
     """
 
     batch_size: int = 1
@@ -409,6 +465,7 @@ class FluxTrainingConfig:
     use_8bit_adam: bool = False
     learning_rate: float = 1e-4
     weight_decay: float = 1e-2
+    vram: int | str | None = None
 
     def __post_init__(self) -> None:
         owner = "FluxTrainingConfig"
@@ -418,45 +475,106 @@ class FluxTrainingConfig:
             check_bool(f"{owner}.{name}", getattr(self, name))
         check_choice(f"{owner}.mixed_precision", self.mixed_precision, _MIXED_PRECISION,
                      hint="fp16 needs loss scaling; train Flux in bf16.")
-        check_choice(f"{owner}.base_model_format", self.base_model_format, _QUANT_FORMATS)
+        check_choice(f"{owner}.base_model_format", self.base_model_format, QUANT_FORMATS)
         check_int(f"{owner}.blocks_to_swap", self.blocks_to_swap, minimum=0)
         check_int(f"{owner}.swap_min_tensor_bytes", self.swap_min_tensor_bytes, minimum=0)
         object.__setattr__(self, "learning_rate", check_number(
             f"{owner}.learning_rate", self.learning_rate, minimum=0, low_open=True))
         object.__setattr__(self, "weight_decay", check_number(
             f"{owner}.weight_decay", self.weight_decay, minimum=0))
+        object.__setattr__(self, "vram", check_size(f"{owner}.vram", self.vram,
+                                                    allow_none=True))
+        if self.vram is not None:
+            if self.mixed_precision != "bf16":
+                raise ConfigError(
+                    "FluxTrainingConfig.vram checks the bf16 estimate, but mixed_precision is "
+                    f"{self.mixed_precision!r}",
+                    hint="Train in bf16, or leave vram at None (no check).")
+            check_fits("Flux", self.estimate(), self.vram, lambda: _flux_hint(self))
+
+    def estimate(self) -> MemoryEstimate:
+        """GPU bytes of one FLUX.1-dev LoRA training step at 1024x1024 with these settings
+        (see ``vram``), from the transformer's stored :class:`ModelProfile`."""
+        blocks = len(PROFILES["flux"].block_rows())
+        return estimate_step(
+            "flux", weight_format=self.base_model_format if self.quantize_base_model else "bf16",
+            max_gpu_blocks=blocks - min(self.blocks_to_swap, blocks) if self.blocks_to_swap
+            else None,
+            checkpointing=self.gradient_checkpointing, batch_size=self.batch_size,
+            optimizer=("host" if self.cpu_offload_optimizer
+                       else "adamw8bit" if self.use_8bit_adam else "adamw"))
+
+    # The tiers' settings are chosen from the estimates (_choose): the fastest that fit the
+    # card's decimal size; docs/recovery_and_presets.md shows the arithmetic.
 
     @classmethod
     def preset_24gb(cls) -> FluxTrainingConfig:
-        """Flux LoRA on a 24 GB card: int8 base (~12 GB), checkpointing, bf16, 8-bit AdamW."""
-        return cls(batch_size=1, gradient_checkpointing=True, mixed_precision="bf16",
-                   quantize_base_model=True, base_model_format="int8", use_8bit_adam=True)
+        """Flux LoRA on a 24 GB card: int8 base resident (~11.4 GiB), checkpointing, bf16,
+        8-bit AdamW."""
+        return cls._tier(24)
 
     @classmethod
     def preset_16gb(cls) -> FluxTrainingConfig:
-        """Flux LoRA on a 16 GB card: the 24 GB preset with 16 of 57 blocks swapped and the
-        optimizer on the host."""
+        """Flux LoRA on a 16 GB card: the 24 GB preset with 9 of 57 blocks swapped."""
+        return cls._tier(16)
+
+    @classmethod
+    def preset_12gb(cls) -> FluxTrainingConfig:
+        """Flux LoRA on a 12 GB card: the 24 GB preset with 22 of 57 blocks swapped."""
+        return cls._tier(12)
+
+    @classmethod
+    def preset_8gb(cls) -> FluxTrainingConfig:
+        """Flux LoRA on an 8 GB card: the 24 GB preset with 37 of 57 blocks swapped."""
+        return cls._tier(8)
+
+    @classmethod
+    def _tier(cls, gigabytes: int) -> FluxTrainingConfig:
         return cls(batch_size=1, gradient_checkpointing=True, mixed_precision="bf16",
-                   quantize_base_model=True, base_model_format="int8", blocks_to_swap=16,
-                   use_8bit_adam=True, cpu_offload_optimizer=True)
+                   quantize_base_model=True, use_8bit_adam=True,
+                   **tier_settings("flux", gigabytes), vram=tier_vram(gigabytes))
 
     @classmethod
     def for_vram(cls, vram: int | str) -> FluxTrainingConfig:
-        """The preset for a card of ``vram`` (``"24GB"``, ``"16GiB"``, bytes).
+        """The largest preset whose estimate fits a card of ``vram`` (``"12GB"``, ``"16GiB"``,
+        bytes).
 
         Raises:
-            ConfigError: below the 16 GB tier.
+            ConfigError: when even :meth:`preset_8gb` does not fit (the message gives the
+                smallest card it fits).
         """
-        return _tiered(vram, cls.preset_24gb, cls.preset_16gb, "Flux")
+        return for_vram(cls, vram, "Flux")
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
         return dataclasses.asdict(self)
 
 
-def _trainable_module_names(model: nn.Module) -> list[str]:
-    return [name for name, module in model.named_modules()
-            if name and any(p.requires_grad for p in module.parameters(recurse=False))]
+def _flux_hint(config: FluxTrainingConfig) -> str:
+    blocks = len(PROFILES["flux"].block_rows())
+    usable = MemoryEstimate.usable(config.vram)  # type: ignore[arg-type]
+    fmt = config.base_model_format if config.quantize_base_model else "bf16"
+    for swapped in range(config.blocks_to_swap, blocks + 1):
+        trial = dataclasses.replace(config, blocks_to_swap=swapped, vram=None)
+        if trial.estimate().needed <= usable:
+            return (f"Swap more blocks: blocks_to_swap={swapped} fits (with the {fmt} base), "
+                    "or use FluxTrainingConfig.for_vram("
+                    f"{format_size(config.vram, binary=False)!r}).")  # type: ignore[arg-type]
+    return ("Even with every block swapped it does not fit: quantize the base "
+            "(quantize_base_model=True, base_model_format='nf4'), turn on checkpointing, "
+            f"lower batch_size, or train below {IMAGE_SIZE}x{IMAGE_SIZE}.")
+
+
+def _quantized_layer_names(model: nn.Module) -> list[str]:
+    """Names of the layers of ``model`` that hold quantized weights already."""
+    if "vramkit.quant.linear" not in sys.modules:
+        return []  # never imported: nothing can be quantized, and no need to import it now
+    from vramkit.quant.linear import QuantizedConv2d, QuantizedLinear
+
+    return [name for name, m in model.named_modules()
+            if name and isinstance(m, (QuantizedLinear, QuantizedConv2d))]
+
+
 
 
 @contextlib.contextmanager
@@ -504,24 +622,32 @@ def optimize_flux_memory(config: FluxTrainingConfig, model_or_pipeline: Any, *,
         raise ConfigError("optimizer options are set but the model has no trainable parameters",
                           hint="Add LoRA adapters or unfreeze parameters first.")
     with _undo_on_error(handle):
+        # Layers quantized before (a load-and-quantize, io.loader's quantization=): their
+        # packed storage keeps its dtypes and they are not quantized again.
+        prequantized = _quantized_layer_names(model)
+        storage = {id(t) for name in prequantized
+                   for t in model.get_submodule(name).buffers(recurse=False)}
         if config.mixed_precision == "bf16":
             cast = 0
             with torch.no_grad():
                 for tensor in [*model.parameters(), *model.buffers()]:
                     if (tensor.is_floating_point() and not tensor.requires_grad
-                            and tensor.dtype != torch.bfloat16):
+                            and tensor.dtype != torch.bfloat16 and id(tensor) not in storage):
                         tensor.data = tensor.data.to(torch.bfloat16)
                         cast += 1
             handle.autocast_dtype = torch.bfloat16
             handle._record("mixed_precision", f"{cast} frozen tensors in bf16, bf16 autocast")
         if config.quantize_base_model:
-            from vramkit.quant.model import QuantizationConfig, quantize_model
+            from vramkit.quant.model import QuantizationConfig, quantizable_layers, quantize_model
 
-            keep = _trainable_module_names(model)
-            quantize_model(model, QuantizationConfig(weights_dtype=config.base_model_format,
-                                                     modules_to_not_quantize=tuple(keep)))
+            quant = QuantizationConfig(
+                weights_dtype=config.base_model_format,
+                modules_to_not_quantize=(*trainable_module_names(model), *prequantized))
+            if quantizable_layers(model, quant):
+                quantize_model(model, quant)
+            kept = f" ({len(prequantized)} layers quantized before kept)" if prequantized else ""
             handle._record("quantize_base_model", f"frozen Linear weights in "
-                                                  f"{config.base_model_format}")
+                                                  f"{config.base_model_format}{kept}")
         if config.gradient_checkpointing:
             from vramkit.offload.checkpointing import (
                 disable_gradient_checkpointing,

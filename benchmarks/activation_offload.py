@@ -46,6 +46,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, write_result
+from vramkit.memory.oom import is_oom_error
 from vramkit.memory.transfer import transfer_streams
 from vramkit.offload.activations import ActivationOffloadConfig, ActivationOffloader
 
@@ -216,7 +217,9 @@ def run_mode(model: nn.Module, x: torch.Tensor, mode: str, args: argparse.Namesp
         if cuda:
             torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / args.steps
-    except torch.OutOfMemoryError:
+    except Exception as exc:
+        if not is_oom_error(exc):
+            raise
         for p in params:
             p.grad = None
         gc.collect()

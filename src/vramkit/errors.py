@@ -4,7 +4,8 @@ Every error carries a ``hint``: one sentence on what to try next. ``str(err)`` s
 message followed by the hint, so a traceback alone tells the user what to do.
 
 Out-of-memory conditions are detected by exception *type* (``torch.OutOfMemoryError`` and
-friends, see :mod:`vramkit.memory.oom`), never by matching message strings.
+friends) or by the CUDA error code torch puts on ``torch.AcceleratorError`` (see
+:mod:`vramkit.memory.oom`), never by matching message strings.
 """
 
 from __future__ import annotations

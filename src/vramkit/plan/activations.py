@@ -139,7 +139,8 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        q, k, v = args[:3]
+        names = ("query", "key", "value")
+        q, k, v = (args[i] if i < len(args) else kwargs[names[i]] for i in range(3))
         out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
         # A zero-valued link keeps the output in the graph without saving anything.
         out = out + (q.sum() + k.sum() + v.sum()) * 0

@@ -58,12 +58,18 @@ class ActivationEstimate:
 
     @property
     def checkpointed(self) -> int:
-        """Every block checkpointed: what is saved outside the blocks, each block's inputs, one
-        block's saved tensors while it is recomputed, plus one block's backward temporaries."""
+        """Every block checkpointed (see :meth:`bytes_with`)."""
         return self.bytes_with(self.per_block)
 
     def bytes_with(self, checkpointed: Collection[str]) -> int:
-        """The step's activation bytes when the blocks named in ``checkpointed`` recompute.
+        """The step's peak activation bytes when the blocks named in ``checkpointed`` recompute.
+
+        Blocks are taken in execution order (the order of ``per_block``). A block keeps its
+        saved tensors, or only its inputs when checkpointed. Backward runs the blocks in
+        reverse and frees each one's tensors when it is done, so the peak is reached at some
+        block ``i``: what the blocks before it keep, plus ``i``'s own saved tensors (kept, or
+        rebuilt by its recomputation), plus one block's backward temporaries. Checkpointing a
+        block never raises the estimate.
 
         Raises:
             ConfigError: for a name that is not a block of the estimate.
@@ -73,9 +79,12 @@ class ActivationEstimate:
             raise ConfigError(f"not blocks of this estimate: {unknown[:4]}",
                               hint=f"Blocks: {list(self.per_block)[:6]}...")
         chosen = set(checkpointed)
-        kept = sum(self.inputs[n] if n in chosen else b for n, b in self.per_block.items())
-        recompute = max((self.per_block[n] for n in chosen), default=0)
-        return self.outside + kept + recompute + self.largest_block
+        kept_before = 0
+        peak = 0
+        for name, saved in self.per_block.items():
+            peak = max(peak, kept_before + saved)
+            kept_before += self.inputs[name] if name in chosen else saved
+        return self.outside + peak + self.largest_block
 
 
 def _storage_key(t: torch.Tensor) -> int:

@@ -55,6 +55,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, parse_variants, write_result
 from _timing import log
+from vramkit.devices.resolve import resolve_device
 from vramkit.memory.oom import is_oom_error
 from vramkit.offload.blocks import find_blocks
 from vramkit.recipes._preset_memory import IMAGE_SIZE, PROFILE_LORA_RANK, PROFILE_LORA_TARGETS
@@ -284,7 +285,7 @@ def sync(device: torch.device) -> None:
 
 def run_row(model: str, tier: int, s: Settings) -> dict[str, Any]:
     """Build, apply the preset, train ``s.steps`` steps; the row's numbers (raises on failure)."""
-    device = torch.device(s.device)
+    device = resolve_device(s.device, owner="benchmarks/presets.py")  # cuda -> cuda:N
     cuda = device.type == "cuda"
     row: dict[str, Any] = {"model": model, "tier_gb": tier}
     if cuda:

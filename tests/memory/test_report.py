@@ -134,3 +134,19 @@ def test_summary_rows_name_peak_context() -> None:
     assert rows["leak"].startswith("LEAK")
     html = render_html(_synthetic())
     assert "GPU memory outside PyTorch" in html
+
+
+def test_cpu_reports_show_allocator_figures_as_not_measured() -> None:
+    # Issue 17: figures that were not measured show as n/a, never "0 B".
+    from vramkit.memory.profiler import MemoryProfiler
+
+    with MemoryProfiler(device="cpu", sample_interval=0.01) as prof:
+        prof.mark("work")
+    report = prof.report()
+    rows = dict(report.summary_rows())
+    assert not report.measures_cuda
+    for label in ("peak allocated", "peak reserved", "mean allocated", "peak pinned pools"):
+        assert rows[label].startswith("n/a"), (label, rows[label])
+    from vramkit.memory.report import render_html
+
+    assert "n/a (no CUDA allocator)" in render_html(report)

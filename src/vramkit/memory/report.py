@@ -282,6 +282,15 @@ class MemoryReport:
         """Write the report; the format follows the suffix (see :func:`save_report`)."""
         return save_report(self, path)
 
+    @property
+    def measures_cuda(self) -> bool:
+        """Whether the report is of a CUDA device (whose allocator and pinned pools are read);
+        on the CPU those figures were not measured and show as n/a, never 0 B."""
+        return self.device.startswith("cuda")
+
+    def _allocator_size(self, nbytes: int) -> str:
+        return format_size(nbytes) if self.measures_cuda else "n/a (no CUDA allocator)"
+
     def summary_rows(self) -> list[tuple[str, str]]:
         """``(label, value)`` rows for tables (CLI and HTML)."""
         rows = [
@@ -290,9 +299,9 @@ class MemoryReport:
                          f"{self.steps} steps)"),
             (f"peak ({self.metric})", f"{format_size(self.peak.value)} at "
                                       f"{_where(self.peak)}"),
-            ("peak allocated", format_size(self.peak_allocated.value)),
-            ("peak reserved", format_size(self.peak_reserved.value)),
-            ("mean allocated", format_size(self.mean_allocated)),
+            ("peak allocated", self._allocator_size(self.peak_allocated.value)),
+            ("peak reserved", self._allocator_size(self.peak_reserved.value)),
+            ("mean allocated", self._allocator_size(self.mean_allocated)),
         ]
         if self.peak_host_rss is not None:
             rows.append(("peak host RSS", format_size(self.peak_host_rss.value)))
@@ -300,7 +309,7 @@ class MemoryReport:
             rows.append(("peak NVML process memory", format_size(self.peak_nvml_used)))
         if self.outside_torch is not None:
             rows.append(("GPU memory outside PyTorch", format_size(self.outside_torch)))
-        rows.append(("peak pinned pools", format_size(self.peak_pinned)))
+        rows.append(("peak pinned pools", self._allocator_size(self.peak_pinned)))
         if self.budget is not None:
             size = format_size(self.budget)
             label = self.budget_label
@@ -825,7 +834,8 @@ def render_html(report: MemoryReport) -> str:
         parts.append("<h2>Phases</h2>")
         parts.append(_table(("phase", "peak allocated", "peak reserved", "peak host RSS",
                              "readings"),
-                            [(name, format_size(p.allocated), format_size(p.reserved),
+                            [(name, report._allocator_size(p.allocated),
+                              report._allocator_size(p.reserved),
                               format_size(p.host_rss) if p.host_rss is not None else "n/a",
                               p.readings) for name, p in report.phase_peaks.items()]))
     if report.top_modules:

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vramkit.errors import ConfigError
-from vramkit.recipes import _preset_memory, presets
+from vramkit.plan._meta import MetaAutocast
+from vramkit.recipes import presets
 from vramkit.recipes.presets import FluxTrainingConfig, SDXLMemoryConfig
 from vramkit.units import format_size, parse_size
 
@@ -55,7 +56,7 @@ def test_stored_profiles_are_what_the_meta_models_measure(model: str) -> None:
 def test_meta_autocast_follows_cuda_autocasts_rules() -> None:
     x = torch.empty(2, 8, device="meta")  # fp32
     w = torch.empty(4, 8, device="meta", dtype=torch.bfloat16)
-    with _preset_memory._MetaAutocast():
+    with MetaAutocast():
         assert F.linear(x, w).dtype == torch.bfloat16
         assert F.layer_norm(F.linear(x, w), (4,)).dtype == torch.float32
         q = torch.empty(1, 2, 16, 8, device="meta")
@@ -82,7 +83,7 @@ def test_activation_estimate_sees_keyword_attention_under_meta_autocast() -> Non
     x = torch.empty(1, 64, 32, device="meta", requires_grad=True)
 
     def step() -> torch.Tensor:
-        with _preset_memory._MetaAutocast():
+        with MetaAutocast():
             return model(x).float().square().mean()
 
     saved = estimate_activations(model, step, ["0", "1"])

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from vramkit._validate import (
     check_choice,
@@ -28,14 +27,10 @@ from vramkit._validate import (
 )
 from vramkit.errors import ConfigError
 from vramkit.offload.swap import SwapConfig
+from vramkit.plan._meta import MetaAutocast, quantize_on_meta
 from vramkit.units import format_size
 
 QUANT_FORMATS = ("int8", "int4", "nf4", "fp8")
-
-def trainable_module_names(model: nn.Module) -> list[str]:
-    return [name for name, module in model.named_modules()
-            if name and any(p.requires_grad for p in module.parameters(recurse=False))]
-
 
 def unet_blocks(unet: nn.Module) -> list[str]:
     """The UNet's resnet and attention stacks (block names for checkpointing and swapping).
@@ -334,46 +329,6 @@ def tier_settings(model: str, gigabytes: int) -> dict[str, Any]:
 
 # -- measuring the profiles (diffusers + peft, meta device) ----------------------------------
 
-_LOW_PRECISION_OPS = frozenset({
-    F.linear, F.conv1d, F.conv2d, F.conv3d, F.scaled_dot_product_attention, torch.matmul,
-    torch.mm, torch.bmm, torch.baddbmm, torch.addmm, torch.Tensor.matmul, torch.Tensor.__matmul__,
-    torch.Tensor.mm, torch.Tensor.bmm})
-_FLOAT32_OPS = frozenset({F.layer_norm, F.group_norm, F.softmax, F.log_softmax, torch.softmax,
-                          torch.Tensor.softmax, F.mse_loss})
-
-
-def _autocast_cast(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_autocast_cast(v, dtype) for v in value)
-    return value
-
-
-class _MetaAutocast(TorchFunctionMode):
-    """bf16 autocast for meta tensors (``torch.autocast`` acts on CUDA/CPU tensors only).
-
-    Follows CUDA autocast's lists for the ops these models use: matmuls, convolutions and
-    attention in bf16; norms, softmax and the loss in fp32. The casts' copies are real tensors
-    autograd may save, as under autocast. Attention called with keyword arguments (diffusers'
-    dispatcher) is passed on positionally, the form the activation estimator reads.
-    """
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = dict(kwargs or {})
-        if func is F.scaled_dot_product_attention and len(args) < 3:
-            args = (*(kwargs.pop(k) for k in ("query", "key", "value")), *args)
-        if func in _LOW_PRECISION_OPS:
-            dtype = torch.bfloat16
-        elif func in _FLOAT32_OPS:
-            dtype = torch.float32
-        else:
-            return func(*args, **kwargs)
-        return func(*_autocast_cast(args, dtype),
-                    **{k: _autocast_cast(v, dtype) for k, v in kwargs.items()})
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -407,7 +362,7 @@ def _meta_step(module: nn.Module, model: str) -> torch.Tensor:
     """Forward and loss of one row at IMAGE_SIZE, on meta tensors under bf16 autocast."""
     meta = {"device": "meta", "dtype": torch.bfloat16}
     text = _TEXT_TOKENS[model]
-    with _MetaAutocast():
+    with MetaAutocast():
         if model == "sdxl":
             side = IMAGE_SIZE // 8  # the VAE's scale factor
             cfg = SDXL_UNET_CONFIG
@@ -432,29 +387,6 @@ def _meta_step(module: nn.Module, model: str) -> torch.Tensor:
                          txt_ids=torch.zeros(text, 3, device="meta"),
                          guidance=torch.ones(1, device="meta"), return_dict=False)[0]
         return F.mse_loss(out.float(), x.float())
-
-
-def _quantize_on_meta(module: nn.Module, weight_format: str) -> nn.Module:
-    """Replace ``module``'s frozen layers by quantized ones holding meta storage of the exact
-    layout (the selection of :func:`vramkit.quant.model.quantize_model`, adapters excluded)."""
-    from vramkit.quant.formats import QuantizedTensor, expected_layout
-    from vramkit.quant.model import QuantizationConfig, quantizable_layers, quantized_layer
-
-    config = QuantizationConfig(weights_dtype=weight_format,
-                                modules_to_not_quantize=tuple(trainable_module_names(module)))
-    fmt = config.weight_format()
-    for name, layer in quantizable_layers(module, config):
-        tensors = {key: torch.empty(shape, dtype=dtype, device="meta")
-                   for key, (shape, dtype) in expected_layout(fmt, layer.weight.shape).items()}
-        q = QuantizedTensor(config=fmt, data=tensors["data"], scales=tensors["scales"],
-                            zero_points=tensors.get("zero_points"), shape=layer.weight.shape,
-                            dtype=layer.weight.dtype,
-                            extras={k.removeprefix("extra."): v for k, v in tensors.items()
-                                    if k.startswith("extra.")})
-        parent, _, attr = name.rpartition(".")
-        setattr(module.get_submodule(parent), attr,
-                quantized_layer(layer, q, layer.bias, config, name=name))
-    return module
 
 
 def _block_names(module: nn.Module, model: str) -> list[str]:
@@ -490,7 +422,7 @@ def measure_model_profile(model: str) -> ModelProfile:
     kept: dict[str, dict[str, int]] = {n: {} for n in names}
     outside: dict[str, int] = {}
     for fmt in _FORMATS if model == "flux" else ("bf16",):
-        module = base if fmt == "bf16" else _quantize_on_meta(copy.deepcopy(base), fmt)
+        module = base if fmt == "bf16" else quantize_on_meta(copy.deepcopy(base), fmt)
         in_blocks: set[int] = set()
         for name in names:
             block = module.get_submodule(name)

@@ -53,6 +53,7 @@ from vramkit._validate import (
 )
 from vramkit.errors import ConfigError
 from vramkit.offload.swap import SwapConfig
+from vramkit.plan._meta import trainable_module_names
 from vramkit.recipes._preset_memory import (
     FLUX_DEV_TRANSFORMER_CONFIG,
     IMAGE_SIZE,
@@ -69,7 +70,6 @@ from vramkit.recipes._preset_memory import (
     measure_model_profile,
     tier_settings,
     tier_vram,
-    trainable_module_names,
     unet_blocks,
 )
 from vramkit.units import format_size
@@ -255,9 +255,13 @@ class SDXLMemoryConfig:
         check_int(f"{owner}.vae_tile_overlap", self.vae_tile_overlap, minimum=0)
         if self.vae_tile_size % 8 or self.vae_tile_overlap % 8:
             raise ConfigError("vae_tile_size and vae_tile_overlap must be multiples of 8 (the "
-                              "SDXL VAE's scale factor)")
+                              "SDXL VAE's scale factor)",
+                              hint="Round vae_tile_size and vae_tile_overlap to multiples of 8, "
+                                   "e.g. 512 and 64.")
         if self.vae_tile_overlap >= self.vae_tile_size:
-            raise ConfigError("vae_tile_overlap must be smaller than vae_tile_size")
+            raise ConfigError("vae_tile_overlap must be smaller than vae_tile_size",
+                              hint="Use an overlap well under the tile size, e.g. "
+                                   "vae_tile_size=512 with vae_tile_overlap=64.")
         check_int(f"{owner}.offload_resident_blocks", self.offload_resident_blocks, minimum=0)
         object.__setattr__(self, "vram", check_size(f"{owner}.vram", self.vram,
                                                     allow_none=True))
@@ -358,7 +362,9 @@ def optimize_sdxl_memory(config: SDXLMemoryConfig, pipeline_or_modules: Any, *,
         ConfigError: when an option needs a component that is missing.
     """
     if not isinstance(config, SDXLMemoryConfig):
-        raise ConfigError(f"config must be an SDXLMemoryConfig, got {type(config).__name__}")
+        raise ConfigError(f"config must be an SDXLMemoryConfig, got {type(config).__name__}",
+                          hint="Pass an SDXLMemoryConfig, e.g. SDXLMemoryConfig.for_vram('16GB') "
+                               "or SDXLMemoryConfig.preset_12gb().")
     parts = _components(pipeline_or_modules)
     unet, vae = parts.get("unet"), parts.get("vae")
     handle = MemoryOptimization(check_device("optimize_sdxl_memory device",
@@ -367,9 +373,14 @@ def optimize_sdxl_memory(config: SDXLMemoryConfig, pipeline_or_modules: Any, *,
     needs_unet = (config.enable_gradient_checkpointing or config.enable_attention_slicing
                   or config.enable_cpu_offload)
     if needs_unet and unet is None:
-        raise ConfigError("the options need a UNet, but none was given")
+        raise ConfigError("the options need a UNet, but none was given",
+                          hint="Pass the pipeline (with .unet) or {'unet': unet, ...}, or turn off "
+                               "enable_gradient_checkpointing, enable_attention_slicing and "
+                               "enable_cpu_offload.")
     if config.vae_tiling and vae is None:
-        raise ConfigError("vae_tiling needs a VAE, but none was given")
+        raise ConfigError("vae_tiling needs a VAE, but none was given",
+                          hint="Pass the pipeline (with .vae) or {'vae': vae, ...}, or set "
+                               "vae_tiling=False.")
     try:
         if config.enable_gradient_checkpointing:
             from vramkit.offload.checkpointing import (
@@ -610,10 +621,15 @@ def optimize_flux_memory(config: FluxTrainingConfig, model_or_pipeline: Any, *,
             optimizer options on a model with nothing trainable.
     """
     if not isinstance(config, FluxTrainingConfig):
-        raise ConfigError(f"config must be a FluxTrainingConfig, got {type(config).__name__}")
+        raise ConfigError(f"config must be a FluxTrainingConfig, got {type(config).__name__}",
+                          hint="Pass a FluxTrainingConfig, e.g. "
+                               "FluxTrainingConfig.for_vram('24GB') or "
+                               "FluxTrainingConfig.preset_16gb().")
     model = getattr(model_or_pipeline, "transformer", model_or_pipeline)
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"expected a Flux transformer module, got {type(model).__name__}")
+        raise ConfigError(f"expected a Flux transformer module, got {type(model).__name__}",
+                          hint="Pass the Flux transformer (an nn.Module) or a pipeline with a "
+                               ".transformer.")
     handle = MemoryOptimization(check_device("optimize_flux_memory device",
                                              "cuda" if device is None else device,
                                              types=_DEVICE_TYPES))
@@ -664,7 +680,8 @@ def optimize_flux_memory(config: FluxTrainingConfig, model_or_pipeline: Any, *,
             count = len(find_blocks(model))
             if config.blocks_to_swap > count:
                 raise ConfigError(f"blocks_to_swap={config.blocks_to_swap} but the model has "
-                                  f"{count} blocks")
+                                  f"{count} blocks",
+                                  hint=f"Set FluxTrainingConfig.blocks_to_swap to {count} or fewer.")
             swapper = BlockSwapper(model, device=handle.device, config=SwapConfig(
                 max_gpu_blocks=count - config.blocks_to_swap,
                 min_param_bytes=config.swap_min_tensor_bytes))

@@ -22,6 +22,7 @@ __all__ = [
     "KernelError",
     "NvmlError",
     "OffloadError",
+    "PlanError",
     "PoolExhaustedError",
     "QuantizationError",
     "RecoveryError",
@@ -65,7 +66,8 @@ def _rebuild(cls: type[VramkitError], state: dict[str, Any]) -> VramkitError:
 class ConfigError(VramkitError, ValueError):
     """An invalid configuration value. Also a ``ValueError``, so generic handlers catch it."""
 
-    default_hint = "Check the value against the documented range of this setting."
+    default_hint = ("See the docstring of the function or config named in the message for the "
+                    "accepted values.")
 
 
 class DeviceError(VramkitError):
@@ -163,16 +165,16 @@ class OffloadError(VramkitError):
     """Offloading or block swapping cannot do what was asked (a missing block, a detached swapper,
     a module layout it cannot handle)."""
 
-    default_hint = ("Check the block names or patterns against model.named_modules(), and call "
-                    "swapper.detach() only once.")
+    default_hint = ("See the docstring of the offloading class or function named in the message "
+                    "for what it supports.")
 
 
 class QuantizationError(VramkitError):
     """A tensor or layer cannot be quantized or dequantized as asked (an unsupported dtype, an
     already-quantized layer, a file whose quantized layout is unknown)."""
 
-    default_hint = ("Check the quantization config: supported weight formats are int8, int4, nf4 "
-                    "and fp8, on floating-point tensors.")
+    default_hint = ("See the docstring of the quantization function named in the message; the "
+                    "weight formats are int8, int4, nf4 and fp8, of floating-point tensors.")
 
 
 class SafetensorsFormatError(VramkitError, ValueError):
@@ -206,8 +208,8 @@ class KernelError(VramkitError):
         log: the compiler log, for compile errors.
     """
 
-    default_hint = ("Install the kernels extra (pip install 'vramkit[kernels]') on a machine with an "
-                    "NVIDIA GPU, and check the kernel source and launch configuration.")
+    default_hint = ("See the docstring of the KernelManager method named in the message; kernels "
+                    "need an NVIDIA GPU and the kernels extra (pip install 'vramkit[kernels]').")
 
     def __init__(self, message: str, hint: str | None = None, log: str | None = None) -> None:
         self.log = log
@@ -219,6 +221,22 @@ class RecoveryError(VramkitError, MemoryError):
 
     default_hint = ("Lower the memory need another way: enable gradient checkpointing, block "
                     "swapping (BlockSwapper) or a quantized base model.")
+
+
+class PlanError(VramkitError):
+    """No plan fits the budget (:func:`vramkit.plan`).
+
+    Args:
+        minimum_budget: the smallest budget a plan would fit with the options given, in bytes
+            (``None`` when no budget would).
+    """
+
+    default_hint = "Raise the budget, allow packed storage (allow_formats), or lower the batch."
+
+    def __init__(self, message: str, hint: str | None = None,
+                 minimum_budget: int | None = None) -> None:
+        self.minimum_budget = minimum_budget
+        super().__init__(message, hint)
 
 
 class VramkitWarning(UserWarning):

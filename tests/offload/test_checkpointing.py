@@ -665,3 +665,13 @@ def test_cuda_pinned_pool_frees_the_device_copy() -> None:
     assert torch.cuda.memory_allocated() - before < 4 * 2**20
     out.backward()
     assert weight.grad is not None and pool.stats().allocated == 0
+
+
+def test_disable_only_the_named_blocks() -> None:
+    model = make_model()
+    enable_gradient_checkpointing(model)
+    assert disable_gradient_checkpointing(model, ["blocks.1", "blocks.3"]) == ["blocks.1",
+                                                                              "blocks.3"]
+    assert [is_checkpointed(b) for b in model.blocks] == [i not in (1, 3) for i in range(6)]
+    with pytest.raises(ConfigError):
+        disable_gradient_checkpointing(model, "blocks.0")  # type: ignore[arg-type]

@@ -95,7 +95,9 @@ def _torch_version() -> tuple[int, int]:
 def _parse_version(text: str) -> tuple[int, int]:
     match = re.match(r"\s*(\d+)\.(\d+)", text)
     if match is None:
-        raise ConfigError(f"cannot parse the torch version {text!r}")
+        raise ConfigError(f"cannot parse the torch version {text!r}",
+                          hint="torch.__version__ should start with MAJOR.MINOR (e.g. "
+                               "'2.5.1+cu124'); reinstall PyTorch from pytorch.org if it does not.")
     return int(match.group(1)), int(match.group(2))
 
 
@@ -368,7 +370,10 @@ def setup_cuda_memory_management(
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = old
-            raise ConfigError(f"torch rejected the allocator settings {value!r}: {err}") from err
+            raise ConfigError(f"torch rejected the allocator settings {value!r}: {err}",
+                              hint="Fix or drop the option torch names in this message "
+                                   "(see the arguments of setup_cuda_memory_management), "
+                                   "or leave it at its default.") from err
         applied = True
     logger.info("allocator settings %s=%r (applied at run time: %s)", variables[0], value, applied)
 

@@ -496,7 +496,9 @@ class JAXDeviceManager:
         mesh_devices = list(devices) if devices is not None else self._default_targets()
         rows = self._leading_dim(data, len(mesh_devices))
         if not axis_name or not isinstance(axis_name, str):
-            raise ConfigError(f"axis_name must be a non-empty string, got {axis_name!r}")
+            raise ConfigError(f"axis_name must be a non-empty string, got {axis_name!r}",
+                              hint="Pass the mesh axis name as a string, e.g. axis_name='data' "
+                                   "(the default).")
         if rows % len(mesh_devices) != 0:
             raise ConfigError(
                 f"{rows} rows do not divide evenly over {len(mesh_devices)} devices",

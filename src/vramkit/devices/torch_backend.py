@@ -541,7 +541,9 @@ def ensure_same_device(*tensors: torch.Tensor) -> torch.device:
         DeviceMismatchError: naming the first argument (by position) on another device.
     """
     if not tensors:
-        raise ConfigError("ensure_same_device() needs at least one tensor")
+        raise ConfigError("ensure_same_device() needs at least one tensor",
+                          hint="Pass the tensors to compare, e.g. ensure_same_device(x, "
+                               "weight); with none there is no device to return.")
     expected = _require_tensor(tensors[0], "argument 0").device
     for position, value in enumerate(tensors[1:], start=1):
         got = _require_tensor(value, f"argument {position}").device
@@ -578,7 +580,9 @@ def distribute_batch(batch: Batch, devices: Sequence[DeviceLike], *,
     """
     targets = [Device.from_torch(d) for d in devices]
     if not targets:
-        raise ConfigError("distribute_batch() needs at least one device")
+        raise ConfigError("distribute_batch() needs at least one device",
+                          hint="Pass a non-empty list of devices, e.g. distribute_batch(batch, "
+                               "['cuda:0', 'cuda:1']).")
     leaves: list[tuple[str, torch.Tensor]] = []
     _collect_leaves(batch, "batch", leaves)
     if not leaves:
@@ -603,7 +607,10 @@ def distribute_batch(batch: Batch, devices: Sequence[DeviceLike], *,
 def _collect_leaves(node: Any, path: str, out: list[tuple[str, torch.Tensor]]) -> None:
     if isinstance(node, torch.Tensor):
         if node.dim() == 0:
-            raise ConfigError(f"{path} is a 0-d tensor and has no dim 0 to split")
+            raise ConfigError(f"{path} is a 0-d tensor and has no dim 0 to split",
+                              hint="Give every batched tensor a leading batch dimension (e.g. "
+                                   "t.unsqueeze(0)); pass per-batch scalars as Python numbers "
+                                   "instead of 0-d tensors.")
         out.append((path, node))
     elif isinstance(node, Mapping):
         for key, value in node.items():

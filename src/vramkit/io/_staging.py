@@ -90,7 +90,9 @@ def plan_chunks(entries: Sequence[TensorEntry], chunk_bytes: int) -> Iterator[li
         The pieces of each chunk.
     """
     if chunk_bytes < _ALIGN or chunk_bytes % _ALIGN:
-        raise ConfigError(f"chunk_bytes must be a positive multiple of {_ALIGN}, got {chunk_bytes}")
+        raise ConfigError(f"chunk_bytes must be a positive multiple of {_ALIGN}, got {chunk_bytes}",
+                          hint="Use a staging chunk that is a multiple of 16 bytes, e.g. "
+                               "chunk_bytes='64MiB' (the default).")
     chunk = _Chunk()
     for entry in entries:
         start = 0

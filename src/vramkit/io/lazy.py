@@ -241,7 +241,9 @@ class LazySafetensors:
         self.use_mmap = bool(use_mmap)
         self.bad_shards: list[BadShard] = list(bad_shards)
         if source is None and not self._headers:
-            raise ConfigError("LazySafetensors needs a source path when it has no headers")
+            raise ConfigError("LazySafetensors needs a source path when it has no headers",
+                              hint="Build it with LazySafetensors.open(path), which reads the "
+                                   "headers for you.")
         self.source = source if source is not None else self._headers[0].path
         self._entries: dict[str, TensorEntry] = {}
         for header in self._headers:
@@ -415,7 +417,9 @@ class LazySafetensors:
         """
         if start < 0 or start + dst.numel() > entry.nbytes:
             raise ConfigError(f"bytes [{start}, {start + dst.numel()}) are outside tensor "
-                              f"{entry.name!r} ({entry.nbytes} bytes)")
+                              f"{entry.name!r} ({entry.nbytes} bytes)",
+                              hint="Keep start >= 0 and start + dst.numel() <= entry.nbytes; read "
+                                   "a large tensor in several calls with increasing start.")
         self.reader(entry.path).read_into(dst, entry.file_offset + start, threads)
 
     def load_tensor(self, name: str, index: Any = None, *,
@@ -472,7 +476,8 @@ class LazySafetensors:
                       threads: ReadThreads | None) -> torch.Tensor:
         parts = index if isinstance(index, tuple) else (index,)
         if not entry.shape:
-            raise ConfigError(f"tensor {entry.name!r} is 0-dimensional and cannot be sliced")
+            raise ConfigError(f"tensor {entry.name!r} is 0-dimensional and cannot be sliced",
+                              hint="Load a 0-d tensor whole, with load_tensor(name) and no index.")
         for part in parts:
             if not (part is Ellipsis or isinstance(part, slice)
                     or (isinstance(part, int) and not isinstance(part, bool))):
@@ -480,10 +485,14 @@ class LazySafetensors:
                                   hint="Load the tensor and index it with torch for advanced "
                                        "indexing.")
             if isinstance(part, slice) and part.step is not None and part.step <= 0:
-                raise ConfigError(f"slice step must be positive, got {part.step}")
+                raise ConfigError(f"slice step must be positive, got {part.step}",
+                                  hint="Use a positive step (e.g. [::2]), or load the range and "
+                                       "call torch.flip for reversed order.")
         if sum(part is not Ellipsis for part in parts) > len(entry.shape):
             raise ConfigError(f"too many indices for tensor {entry.name!r} of shape "
-                              f"{list(entry.shape)}")
+                              f"{list(entry.shape)}",
+                              hint="Give at most one index per dimension of the tensor (see "
+                                   "entry.shape); use ... for the rest.")
         first = parts[0]
         rows = entry.shape[0]
         if first is Ellipsis:

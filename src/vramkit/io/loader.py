@@ -139,7 +139,9 @@ class MemoryEfficientLoader:
         # The form only: whether a CUDA device is there is asked when a load starts.
         self.device: torch.device = check_device("MemoryEfficientLoader device", device)
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ConfigError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+            raise ConfigError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}",
+                              hint="Pass a floating-point dtype such as torch.bfloat16 or "
+                                   "torch.float16, or None to keep each tensor's stored dtype.")
         check_bool("use_mmap", use_mmap)
         self.chunk_bytes: int = check_size("chunk_bytes", chunk_bytes, minimum=1)
         if self.chunk_bytes % _CHUNK_MULTIPLE:
@@ -200,7 +202,9 @@ class MemoryEfficientLoader:
         """
         if not (isinstance(target_dtype, torch.dtype) and target_dtype.is_floating_point):
             raise ConfigError(f"target_dtype must be a floating-point torch.dtype, got "
-                              f"{target_dtype!r}")
+                              f"{target_dtype!r}",
+                              hint="Pass target_dtype as a floating-point torch.dtype, e.g. "
+                                   "target_dtype=torch.bfloat16.")
         out: dict[str, torch.Tensor] = {}
         with self._open(path) as checkpoint:
             self._stream(checkpoint, checkpoint.entries(), _floating_to(target_dtype),
@@ -522,7 +526,9 @@ class _ModuleFiller:
 
         if not isinstance(config, QuantizationConfig):
             raise ConfigError(f"quantization must be a {QuantizationConfig.__name__}, got "
-                              f"{type(config).__name__}")
+                              f"{type(config).__name__}",
+                              hint="Pass quantization=QuantizationConfig(weights_dtype='int8') "
+                                   "(from vramkit.quant.model), or None to load unquantized.")
         if config.min_sqnr_db is not None:
             raise ConfigError(
                 "load_into(quantization=...) cannot apply min_sqnr_db: it quantizes each weight "

@@ -28,14 +28,18 @@ def _group_key(index: int, a: torch.Tensor, b: torch.Tensor) -> tuple[object, ..
 
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise ConfigError(f"batch_matmul: pair {index} is not two tensors "
-                          f"({type(a).__name__}, {type(b).__name__})")
+                          f"({type(a).__name__}, {type(b).__name__})",
+                          hint="Give each item as an (a, b) pair of torch.Tensor, e.g. "
+                               "batch_matmul([(a1, b1), (a2, b2)]).")
     if a.dim() < 2 or b.dim() < 2:
         raise ConfigError(f"batch_matmul: pair {index} has shapes {tuple(a.shape)} and "
                           f"{tuple(b.shape)}; both operands need at least 2 dimensions",
                           "Use a.unsqueeze(0) / b.unsqueeze(-1) for vectors.")
     if a.shape[-1] != b.shape[-2]:
         raise ConfigError(f"batch_matmul: pair {index} cannot be multiplied: "
-                          f"{tuple(a.shape)} @ {tuple(b.shape)}")
+                          f"{tuple(a.shape)} @ {tuple(b.shape)}",
+                          hint="The last dimension of a must equal the second-to-last of b, as for "
+                               "torch.matmul; transpose one operand (b.mT) if they are swapped.")
     if a.device != b.device:
         raise DeviceMismatchError(a.device, b.device, what=f"b of pair {index}")
     if a.dtype != b.dtype:
@@ -76,7 +80,9 @@ def batch_matmul(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
     groups: dict[tuple[object, ...], list[int]] = {}
     for index, pair in enumerate(items):
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-            raise ConfigError(f"batch_matmul: item {index} is not an (a, b) pair")
+            raise ConfigError(f"batch_matmul: item {index} is not an (a, b) pair",
+                              hint="Pass an iterable of 2-tuples, e.g. batch_matmul([(a1, b1), "
+                                   "(a2, b2)]).")
         groups.setdefault(_group_key(index, pair[0], pair[1]), []).append(index)
     results: list[torch.Tensor | None] = [None] * len(items)
     for members in groups.values():

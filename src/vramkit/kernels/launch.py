@@ -189,9 +189,13 @@ def _dims(value: Any, what: str) -> tuple[int, int, int]:
         items = tuple(value)
     else:
         raise ConfigError(f"LaunchConfig.{what} must be an int or a tuple of 1-3 ints, "
-                          f"got {value!r}")
+                          f"got {value!r}",
+                          hint="Give it as an int or a tuple of 1-3 positive ints, e.g. block=256 "
+                               "or block=(16, 16).")
     if not 1 <= len(items) <= 3:
-        raise ConfigError(f"LaunchConfig.{what} has {len(items)} dimensions; CUDA allows 1-3")
+        raise ConfigError(f"LaunchConfig.{what} has {len(items)} dimensions; CUDA allows 1-3",
+                          hint="Give at most 3 dimensions (x, y, z), e.g. grid=(64, 64) or "
+                               "grid=(8, 8, 4).")
     for item in items:
         check_int(f"a LaunchConfig.{what} dimension", item, minimum=1)
     padded = (*items, 1, 1)[:3]
@@ -257,7 +261,10 @@ class LaunchConfig:
         for axis, (value, limit) in enumerate(zip(block, max_block, strict=True)):
             if value > limit:
                 raise ConfigError(f"block dimension {'xyz'[axis]}={value} exceeds {where}'s "
-                                  f"limit {limit}")
+                                  f"limit {limit}",
+                                  hint="Move threads from this axis to another (block x and y "
+                                       "allow 1024 on current GPUs, z allows 64), e.g. "
+                                       "block=(256, 4, 1).")
         for axis, (value, limit) in enumerate(zip(grid, max_grid, strict=True)):
             if value > limit:
                 raise ConfigError(

@@ -438,7 +438,10 @@ class KernelManager:
             return manager
         reason = _unavailable_reason()
         if reason is not None:
-            raise KernelError(reason)
+            raise KernelError(reason,
+                              hint="Kernels need an NVIDIA GPU visible to PyTorch and the kernels "
+                                   "extra (pip install 'vramkit[kernels]'); check "
+                                   "vramkit.kernels.is_available() first to fall back.")
         import torch
 
         from vramkit.devices.resolve import cuda_ordinal
@@ -497,12 +500,19 @@ class KernelManager:
                 is not found in the compiled module.
         """
         if not isinstance(name, str) or not name.isidentifier():
-            raise ConfigError(f"kernel name must be a C identifier, got {name!r}")
+            raise ConfigError(f"kernel name must be a C identifier, got {name!r}",
+                              hint="Pass the kernel's function name, declared extern \"C\" "
+                                   "__global__ in the source, e.g. ensure_kernel('vector_add', "
+                                   "source).")
         if not isinstance(source, str) or not source.strip():
-            raise ConfigError(f"kernel {name!r}: source must be non-empty CUDA C text")
+            raise ConfigError(f"kernel {name!r}: source must be non-empty CUDA C text",
+                              hint="Pass the CUDA C++ source text that defines the kernel (an "
+                                   "extern \"C\" __global__ function).")
         if isinstance(options, str) or not all(isinstance(o, str) for o in options):
             raise ConfigError(f"kernel {name!r}: options must be a sequence of strings, "
-                              f"got {options!r}")
+                              f"got {options!r}",
+                              hint="Pass NVRTC options as a list of strings, e.g. "
+                                   "options=['--use_fast_math', '-DTILE=16'].")
         options = tuple(options)
         for option in options:
             if option.split("=", 1)[0] in _ARCH_OPTIONS:
@@ -578,7 +588,9 @@ class KernelManager:
             raise KernelError(f"{kernel!r} is not a kernel of the manager of {self.device}",
                               "Launch through the manager that compiled it.")
         if not isinstance(config, LaunchConfig):
-            raise ConfigError(f"launch needs a LaunchConfig, got {type(config).__name__}")
+            raise ConfigError(f"launch needs a LaunchConfig, got {type(config).__name__}",
+                              hint="Pass a LaunchConfig(grid, block), e.g. LaunchConfig(grid=64, "
+                                   "block=256).")
         if config not in compiled._validated:
             config.validate(self._backend.limits, compiled)
             if len(compiled._validated) >= 1024:  # sizes that vary per call: keep it bounded

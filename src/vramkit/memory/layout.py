@@ -153,7 +153,8 @@ def align_up(offset: int, alignment: int) -> int:
     offset = _as_int("align_up offset", offset, 0)
     alignment = _as_int("align_up alignment", alignment, 1)
     if alignment & (alignment - 1):
-        raise ConfigError(f"align_up: alignment must be a power of two, got {alignment}")
+        raise ConfigError(f"align_up: alignment must be a power of two, got {alignment}",
+                          hint="Use a power-of-two alignment such as 256 or 512.")
     return (offset + alignment - 1) & ~(alignment - 1)
 
 

@@ -463,7 +463,9 @@ class LeakDetector:
         """
         if value is not None and self._index is None:
             raise ConfigError("a CPU LeakDetector takes its own readings: call step() without "
-                              "a value")
+                              "a value",
+                              hint="On the CPU call detector.step() with no value; pass a reading "
+                                   "as value only to a CUDA LeakDetector.")
         if not self._started:
             self.start()
         reading = self._read() if value is None else int(value)

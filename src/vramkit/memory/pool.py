@@ -156,7 +156,10 @@ class MemoryPool:
         if config is None:
             config = PoolConfig()
         elif not isinstance(config, PoolConfig):
-            raise ConfigError(f"config must be a PoolConfig, got {type(config).__name__}")
+            raise ConfigError(f"config must be a PoolConfig, got {type(config).__name__}",
+                              hint="Pass a PoolConfig, e.g. MemoryPool('cuda', "
+                                   "PoolConfig(max_size='4GiB')), or leave config out for the "
+                                   "defaults.")
         self.config = config
         self.device, self.kind = _resolve_device(device, pinned)
         self._lock = threading.Lock()
@@ -180,7 +183,10 @@ class MemoryPool:
                 initial = (config.initial_size + self._align_mask) & ~self._align_mask
                 if self._grow_locked(initial) is None:
                     raise ConfigError("PoolConfig.initial_size does not fit under max_size once "
-                                      "rounded to this pool's segment sizes")
+                                      "rounded to this pool's segment sizes",
+                                      hint="Lower PoolConfig.initial_size or raise "
+                                           "PoolConfig.max_size so initial_size fits with room to "
+                                           "spare (segment sizes are rounded up).")
         _LIVE_POOLS.add(self)
         logger.debug("created %s", self)
 
@@ -516,7 +522,9 @@ class MemoryPool:
             return
         device = getattr(stream, "device", None)
         if device is None or not hasattr(stream, "query") or torch.device(device).type != "cuda":
-            raise ConfigError(f"record_stream expects a torch.cuda.Stream, got {stream!r}")
+            raise ConfigError(f"record_stream expects a torch.cuda.Stream, got {stream!r}",
+                              hint="Pass a torch.cuda.Stream on the pool's device, e.g. "
+                                   "block.record_stream(torch.cuda.current_stream()).")
         if self.kind == "cuda" and torch.device(device) != self.device:
             raise DeviceMismatchError(self.device, torch.device(device), what="stream")
 
@@ -746,5 +754,6 @@ def _resolve_device(device: str | int | torch.device, pinned: bool) -> tuple[tor
         return torch.device("cpu"), "pinned" if pinned else "cpu"
     if pinned:
         raise ConfigError("pinned=True applies to host pools: use MemoryPool('cpu', pinned=True) "
-                          "or MemoryPool.pinned()")
+                          "or MemoryPool.pinned()",
+                          hint="Drop pinned=True for a device pool; pinned memory is host memory.")
     return torch.device("cuda", cuda_ordinal(parsed, owner="MemoryPool")), "cuda"

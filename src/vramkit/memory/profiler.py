@@ -526,7 +526,9 @@ class MemoryProfiler:
         attributed to the phase it happened in.
         """
         if phase is not None and not isinstance(phase, str):
-            raise ConfigError(f"phase must be a string or None, got {phase!r}")
+            raise ConfigError(f"phase must be a string or None, got {phase!r}",
+                              hint="Name the phase with a string such as 'forward', or pass None "
+                                   "to clear it.")
         if self._running:
             self._record("mark", full=False)
         self._phase = phase
@@ -609,10 +611,14 @@ class MemoryProfiler:
             ConfigError: for an empty ``kind`` or a ``count`` below 1.
         """
         if not isinstance(kind, str) or not kind:
-            raise ConfigError(f"an event kind must be a non-empty string, got {kind!r}")
+            raise ConfigError(f"an event kind must be a non-empty string, got {kind!r}",
+                              hint="Name the event kind with a non-empty string, e.g. "
+                                   "profiler.event('swap').")
         check_int("count", count, minimum=1)
         if label is not None and not isinstance(label, str):
-            raise ConfigError(f"an event label must be a string or None, got {label!r}")
+            raise ConfigError(f"an event label must be a string or None, got {label!r}",
+                              hint="Pass label as a string (shown as the tick's tooltip) or leave "
+                                   "it out.")
         if not self._running:
             return
         now = time.perf_counter() - self._t0
@@ -661,7 +667,9 @@ class MemoryProfiler:
                     module_api.register_module_full_backward_hook(self._global_bwd_post)]
             return self
         if not isinstance(model, nn.Module):
-            raise ConfigError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
+            raise ConfigError(f"attach() needs a torch.nn.Module, got {type(model).__name__}",
+                              hint="Pass the model (a torch.nn.Module) to attach(), or call "
+                                   "attach() with no model to hook every module.")
         for name, module in model.named_modules():
             label = name or type(model).__name__
             self._names[module] = label

@@ -139,7 +139,9 @@ def batch_size_of(batch: Any) -> int:
         raise ConfigError("the batch holds no tensor with a batch dimension",
                           hint="Pass a tensor, or a dict/tuple/list of tensors batched on dim 0.")
     if len(set(sizes)) != 1:
-        raise ConfigError(f"the batch's tensors disagree on dim 0: sizes {sorted(set(sizes))}")
+        raise ConfigError(f"the batch's tensors disagree on dim 0: sizes {sorted(set(sizes))}",
+                          hint="Give every batched tensor the same dim-0 size; pass per-batch "
+                               "values as non-tensor leaves or 0-d tensors.")
     return sizes[0]
 
 
@@ -269,14 +271,18 @@ class MemoryRecovery:
                   allow_none=True)
         check_bool("run_backward", run_backward)
         if on_oom is not None and not callable(on_oom):
-            raise ConfigError("on_oom must be callable")
+            raise ConfigError("on_oom must be callable",
+                              hint="Pass a function that takes an OomEvent, e.g. on_oom=print, or "
+                                   "None.")
         if isinstance(params, nn.Module):
             params = params.parameters()
         if isinstance(params, torch.Tensor):
             params = [params]
         self.params: list[torch.Tensor] = list(params)
         if not all(isinstance(p, torch.Tensor) for p in self.params):
-            raise ConfigError("params must be tensors (or an nn.Module)")
+            raise ConfigError("params must be tensors (or an nn.Module)",
+                              hint="Pass model.parameters(), the nn.Module itself, a list of "
+                                   "tensors, or () for steps without gradients.")
         self.run_backward = run_backward
         self.on_oom = on_oom
         self.device = _resolve_device(device)
@@ -489,7 +495,9 @@ class _BatchSizeSearch:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if "batch_size" in kwargs:
             raise ConfigError("do not pass batch_size: find_executable_batch_size passes it as "
-                              "the first argument")
+                              "the first argument",
+                              hint="Call the decorated function without batch_size: "
+                                   "fn(*other_args); it is called as fn(batch_size, *other_args).")
         self.probes = []
         self.diagnoses = []
         start = self.batch_size or self.starting_batch_size
@@ -567,7 +575,9 @@ def find_executable_batch_size(fn: Callable[..., Any] | None = None, *,
 
     def decorate(function: Callable[..., Any]) -> _BatchSizeSearch:
         if not callable(function):
-            raise ConfigError(f"fn must be callable, got {type(function).__name__}")
+            raise ConfigError(f"fn must be callable, got {type(function).__name__}",
+                              hint="Decorate a function whose first parameter is the batch size: "
+                                   "@find_executable_batch_size(starting_batch_size=64).")
         return _BatchSizeSearch(function, starting_batch_size, mode, headroom, resolved)
 
     return decorate if fn is None else decorate(fn)

@@ -185,5 +185,7 @@ def as_patterns(value: str | Iterable[str] | None, what: str) -> list[str]:
     patterns = [value] if isinstance(value, str) else list(value)
     for pattern in patterns:
         if not isinstance(pattern, str) or not pattern:
-            raise ConfigError(f"{what} must be non-empty name patterns (str), got {pattern!r}")
+            raise ConfigError(f"{what} must be non-empty name patterns (str), got {pattern!r}",
+                              hint="Give name patterns as non-empty strings, e.g. 'blocks.*' or "
+                                   "['encoder.*', 'decoder.*'].")
     return patterns

@@ -270,7 +270,10 @@ class SlotRing:
         working inside swapped blocks."""
         slot = block.slot
         if slot is None:
-            raise OffloadError(f"swapped block {block.name} runs without a slot")
+            raise OffloadError(f"swapped block {block.name} runs without a slot",
+                               hint="A swapped block ran outside the swapper's forward (e.g. a "
+                                    "backward that outlived swapper.detach()); finish backward "
+                                    "before detaching, and report a bug if it did.")
         base = slot.buffer.data_ptr()
         end = base + block.nbytes
         device = self.device
@@ -335,7 +338,9 @@ class SlotRing:
         streams.record(ready, streams.current())
         streams.wait(streams.d2h, ready)
         if block.grad_buffer is None:
-            raise OffloadError(f"swapped block {block.name} has no gradient buffer")
+            raise OffloadError(f"swapped block {block.name} has no gradient buffer",
+                               hint="Run backward() before swapper.detach(): detaching frees the "
+                                    "host gradient buffers.")
         copied = False
         for e in block.trainable_entries:
             grad = e.tensor.grad

@@ -227,7 +227,10 @@ class ActivationOffloader:
             config = ActivationOffloadConfig()
         elif not isinstance(config, ActivationOffloadConfig):
             raise ConfigError(f"config must be an ActivationOffloadConfig, got "
-                              f"{type(config).__name__}")
+                              f"{type(config).__name__}",
+                              hint="Pass an ActivationOffloadConfig, e.g. ActivationOffloader("
+                                   "ActivationOffloadConfig(min_bytes='1MiB')), or leave config "
+                                   "out for the defaults.")
         self.config = config
         self.device = resolve_offload_device(device, "activation offload")
         self._cuda = self.device.type == "cuda"
@@ -584,7 +587,9 @@ class ActivationOffloader:
                 self._load(handle)  # the original is gone; the host copy was kept for this
             result, loaded = handle.result, handle.loaded
         if result is None:  # pragma: no cover - every path above sets it
-            raise OffloadError("internal error: an offloaded tensor has no device copy")
+            raise OffloadError("internal error: an offloaded tensor has no device copy",
+                               hint="This is a vramkit bug in activation offloading; please report "
+                                    "it, and run without the ActivationOffloader meanwhile.")
         self._streams.wait(self._streams.current(), loaded)
         return result
 
@@ -601,7 +606,9 @@ class ActivationOffloader:
             self._in_flight_bytes -= held.nbytes
             held.nbytes = 0
         if original is None:  # pragma: no cover - an in-flight handle's tensor is queued
-            raise OffloadError("internal error: an in-flight tensor left the queue")
+            raise OffloadError("internal error: an in-flight tensor left the queue",
+                               hint="This is a vramkit bug in the activation offload queue; please "
+                                    "report it, and run without the ActivationOffloader meanwhile.")
         if self._cuda:
             # Backward frees it whenever it likes; the copy may still be reading it and the host
             # copy must stay valid for a reload. Only the last tensors of a forward pass take
@@ -617,7 +624,9 @@ class ActivationOffloader:
         """Issue the host->device copy of ``handle`` and free its host block (stream-ordered)."""
         block = handle.block
         if block is None:  # pragma: no cover - a live handle on the host holds its block
-            raise OffloadError("internal error: an offloaded tensor lost its host copy")
+            raise OffloadError("internal error: an offloaded tensor lost its host copy",
+                               hint="This is a vramkit bug (a host copy freed too early); please "
+                                    "report it, and run without the ActivationOffloader meanwhile.")
         streams = self._streams
         h2d = streams.h2d
         compute = streams.current()

@@ -75,7 +75,9 @@ class BlockSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
-            raise ConfigError(f"a block needs a non-empty name, got {self.name!r}")
+            raise ConfigError(f"a block needs a non-empty name, got {self.name!r}",
+                              hint="Use the block's qualified module name from "
+                                   "model.named_modules(), e.g. 'layers.0'.")
         check_int(f"block {self.name!r}: nbytes", self.nbytes, minimum=0)
 
 
@@ -120,7 +122,9 @@ def find_blocks(model: nn.Module,
         ConfigError: for a ``blocks`` argument of the wrong type.
     """
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}")
+        raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}",
+                          hint="Pass the model itself (an nn.Module), e.g. "
+                               "find_blocks(pipe.transformer), not a pipeline or a state dict.")
     if isinstance(blocks, str) and blocks == "auto":
         found = _auto_blocks(model)
         if not found:
@@ -131,7 +135,9 @@ def find_blocks(model: nn.Module,
     if isinstance(blocks, str):
         blocks = [blocks]
     if not isinstance(blocks, Sequence) or not all(isinstance(b, str) for b in blocks):
-        raise ConfigError(f"blocks must be 'auto' or a sequence of names/patterns, got {blocks!r}")
+        raise ConfigError(f"blocks must be 'auto' or a sequence of names/patterns, got {blocks!r}",
+                          hint="Pass blocks='auto', a name such as 'layers', or a list of patterns "
+                               "such as ['blocks.*'].")
     return _named_blocks(model, list(blocks))
 
 

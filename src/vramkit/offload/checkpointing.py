@@ -204,8 +204,10 @@ def enable_gradient_checkpointing(model: nn.Module, blocks: str | Sequence[str] 
     return names
 
 
-def disable_gradient_checkpointing(model: nn.Module) -> list[str]:
-    """Undo :func:`enable_gradient_checkpointing` on every module of ``model``.
+def disable_gradient_checkpointing(model: nn.Module,
+                                   blocks: Sequence[str] | None = None) -> list[str]:
+    """Undo :func:`enable_gradient_checkpointing` on every module of ``model`` (or on the
+    modules named in ``blocks``).
 
     A block's ``forward`` becomes exactly what it was before (the class method, or the instance
     attribute it had); hooks and parameters are untouched. When something replaced the block's
@@ -214,12 +216,23 @@ def disable_gradient_checkpointing(model: nn.Module) -> list[str]:
 
     Args:
         model: the model.
+        blocks: qualified names of the modules to restore (default ``None``: every one).
 
     Returns:
         Qualified names of the modules restored.
+
+    Raises:
+        ConfigError: for ``blocks`` that is not a sequence of names.
     """
+    if blocks is not None and (isinstance(blocks, str) or not all(
+            isinstance(b, str) for b in blocks)):
+        raise ConfigError(f"blocks must be a list of module names, got {blocks!r}",
+                          hint="Pass the names enable_gradient_checkpointing returned.")
+    wanted = None if blocks is None else set(blocks)
     restored: list[str] = []
     for name, module in model.named_modules():
+        if wanted is not None and name not in wanted:
+            continue
         state = _state_of(module)
         if state is None:
             continue
@@ -259,7 +272,9 @@ class GradientCheckpointer:
         if not isinstance(checkpoint_blocks, Sequence) or not all(
                 isinstance(p, str) and p for p in checkpoint_blocks):
             raise ConfigError("checkpoint_blocks must be a sequence of non-empty name patterns, "
-                              f"got {checkpoint_blocks!r}")
+                              f"got {checkpoint_blocks!r}",
+                              hint="Pass fnmatch patterns as strings, e.g. "
+                                   "checkpoint_blocks=['down_blocks.*', 'mid_block'].")
         self._patterns: tuple[str, ...] = tuple(checkpoint_blocks)
         self._enabled = check_bool("enabled", enabled)
         self._preserve_rng_state = check_bool("preserve_rng_state", preserve_rng_state)

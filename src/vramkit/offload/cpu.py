@@ -135,7 +135,10 @@ class CPUOffloadManager:
         if config is None:
             config = CPUOffloadConfig()
         elif not isinstance(config, CPUOffloadConfig):
-            raise ConfigError(f"config must be a CPUOffloadConfig, got {type(config).__name__}")
+            raise ConfigError(f"config must be a CPUOffloadConfig, got {type(config).__name__}",
+                              hint="Pass a CPUOffloadConfig, e.g. CPUOffloadManager('cuda', "
+                                   "config=CPUOffloadConfig()), or leave config out for the "
+                                   "defaults.")
         self.config = config
         self.device = resolve_offload_device(device, "CPUOffloadManager")
         if pinned_pool is not None:
@@ -226,7 +229,9 @@ class CPUOffloadManager:
             items = weights.items()
         else:
             raise OffloadError(f"offload_weights expects an nn.Module or a mapping of name -> "
-                               f"tensor, got {type(weights).__name__}")
+                               f"tensor, got {type(weights).__name__}",
+                               hint="Pass a module (manager.offload_weights(model.text_encoder)) "
+                                    "or a dict such as model.state_dict().")
         by_id: dict[int, tuple[list[str], torch.Tensor]] = {}
         for name, tensor in items:
             if not isinstance(tensor, torch.Tensor):
@@ -693,7 +698,9 @@ class CPUOffloadManager:
 
 def _check_pool(pool: object, device: torch.device, config: CPUOffloadConfig) -> None:
     if not isinstance(pool, MemoryPool):
-        raise ConfigError(f"pinned_pool must be a MemoryPool, got {type(pool).__name__}")
+        raise ConfigError(f"pinned_pool must be a MemoryPool, got {type(pool).__name__}",
+                          hint="Pass pinned_pool=MemoryPool.pinned() (or MemoryPool('cpu')), or "
+                               "leave it out to let the offloader create one.")
     if pool.kind == "cuda":
         raise ConfigError("pinned_pool is a device pool; the masters need a host pool",
                           hint="Pass MemoryPool.pinned(PoolConfig(...)).")

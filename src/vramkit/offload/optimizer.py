@@ -228,7 +228,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if not (isinstance(optimizer_class, type)
                 and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ConfigError(f"optimizer_class must be a torch.optim.Optimizer subclass, got "
-                              f"{optimizer_class!r}")
+                              f"{optimizer_class!r}",
+                              hint="Pass the class itself, not an instance, e.g. "
+                                   "optimizer_class=torch.optim.AdamW.")
         check_number("max_grad_norm", max_grad_norm, minimum=0, low_open=True, allow_none=True)
         if max_grad_norm is not None:
             if overlap:
@@ -283,7 +285,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._inner = optimizer_class(master_groups, **opt_kwargs)
         except (TypeError, ValueError, RuntimeError) as exc:
             self.close()
-            raise ConfigError(f"{optimizer_class.__name__} rejected its arguments: {exc}") from exc
+            raise ConfigError(f"{optimizer_class.__name__} rejected its arguments: {exc}",
+                              hint="Check the keyword arguments passed through to the "
+                                   "optimizer class (lr, betas, weight_decay...) against "
+                                   "its signature.") from exc
         for slot in self._slots:
             self._attach(slot)
         logger.debug("CPUOffloadOptimizer over %d params (%s, overlap=%s, offload_gradients=%s)",
@@ -330,7 +335,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         try:
             self._inner.add_param_group(master_group)
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"cannot add the parameter group: {exc}") from exc
+            raise ConfigError(f"cannot add the parameter group: {exc}",
+                              hint="Give the group as {'params': [tensors], ...} with "
+                                   "options the inner optimizer accepts.") from exc
         for slot in self._slots[first:]:
             self._attach(slot)
 
@@ -499,13 +506,18 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                               "tensor", hint="Pass model.parameters() or [tensor].")
         groups = list(params)
         if not groups:
-            raise ConfigError("CPUOffloadOptimizer got an empty parameter list")
+            raise ConfigError("CPUOffloadOptimizer got an empty parameter list",
+                              hint="Pass the parameters to optimize, e.g. model.parameters() or [p "
+                                   "for p in model.parameters() if p.requires_grad]; check that "
+                                   "the model has trainable parameters.")
         if not isinstance(groups[0], dict):
             groups = [{"params": groups}]
         normalized = []
         for group in groups:
             if not isinstance(group, dict) or "params" not in group:
-                raise ConfigError("each parameter group must be a dict with a 'params' entry")
+                raise ConfigError("each parameter group must be a dict with a 'params' entry",
+                                  hint="Give each group as a dict: [{'params': "
+                                       "model.encoder.parameters(), 'lr': 1e-4}, ...].")
             members = group["params"]
             members = [members] if isinstance(members, torch.Tensor) else list(members)
             normalized.append({**group, "params": members})
@@ -543,7 +555,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 block = self._pool.allocate(pinned_bytes)
             except MemoryError as exc:
                 raise OffloadError(f"cannot allocate {pinned_bytes} bytes of host memory for "
-                                   f"the optimizer masters: {exc}") from exc
+                                   f"the optimizer masters: {exc}",
+                                   hint="Free host memory (other processes, or the "
+                                        "container's pinned-memory limit), raise "
+                                        "PoolConfig.max_size if you passed a capped "
+                                        "pool=, or offload fewer parameters.") from exc
             self._blocks.append(block)
             raw = block.tensor
         # fp32 gradients are never copied to or from the device: plain host memory suffices.
@@ -576,7 +592,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 slot.streams = transfer_streams(param.device)
             except ValueError as exc:
                 raise ConfigError(f"{slot.name}: parameters on {param.device} are not supported "
-                                  "(CUDA devices and the CPU are)") from exc
+                                  "(CUDA devices and the CPU are)",
+                                  hint="Keep the parameters on a CUDA device or on the "
+                                       "CPU (model.to('cuda')) before building the "
+                                       "optimizer.") from exc
             slot.ready = slot.streams.event()
             slot.done = slot.streams.event()
         self._slots.extend(slots)
@@ -584,14 +603,23 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _validate_param(self, param: Any, name: str) -> None:
         if not isinstance(param, torch.Tensor):
-            raise ConfigError(f"{name}: expected a tensor, got {type(param).__name__}")
+            raise ConfigError(f"{name}: expected a tensor, got {type(param).__name__}",
+                              hint="Every entry of 'params' must be a torch.Tensor, e.g. from "
+                                   "model.parameters().")
         if id(param) in self._seen:
-            raise ConfigError(f"{name}: a parameter appears twice in the parameter groups")
+            raise ConfigError(f"{name}: a parameter appears twice in the parameter groups",
+                              hint="List each parameter once across all groups (shared/tied "
+                                   "weights included).")
         if not param.is_leaf:
-            raise ConfigError(f"{name}: can't optimize a non-leaf tensor")
+            raise ConfigError(f"{name}: can't optimize a non-leaf tensor",
+                              hint="Pass the leaf parameters (model.parameters()), not tensors "
+                                   "computed from them; use t.detach().requires_grad_() to make a "
+                                   "new leaf.")
         if not param.is_floating_point() or param.is_sparse:
             raise ConfigError(f"{name}: parameters must be dense floating-point tensors, got "
-                              f"{param.dtype} ({param.layout})")
+                              f"{param.dtype} ({param.layout})",
+                              hint="Leave integer, boolean and sparse tensors out of the parameter "
+                                   "groups, e.g. filter with p.is_floating_point().")
         self._seen.add(id(param))
 
     def _attach(self, slot: _Slot) -> None:

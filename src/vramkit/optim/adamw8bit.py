@@ -105,7 +105,8 @@ def _validate_hyper(group: dict[str, Any]) -> None:
                  hint="Pass a Python float >= 0 (tensor learning rates are not supported).")
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ConfigError(f"betas must be a pair of numbers, got {betas!r}")
+        raise ConfigError(f"betas must be a pair of numbers, got {betas!r}",
+                          hint="Give betas as two numbers in [0, 1), e.g. betas=(0.9, 0.999).")
     for i, beta in enumerate(betas):
         check_number(f"betas[{i}]", beta, minimum=0.0, maximum=1.0, high_open=True)
     check_number("eps", group["eps"], minimum=0.0)
@@ -157,7 +158,10 @@ class AdamW8bit(torch.optim.Optimizer):
         except (TypeError, ValueError) as exc:
             if isinstance(exc, ConfigError):
                 raise
-            raise ConfigError(f"invalid parameters for AdamW8bit: {exc}") from exc
+            raise ConfigError(f"invalid parameters for AdamW8bit: {exc}",
+                              hint="Pass parameters as model.parameters() or a list of "
+                                   "{'params': ..., 'lr': ...} dicts; see the torch "
+                                   "message above for the entry at fault.") from exc
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group (validated like the constructor's arguments).
@@ -170,7 +174,9 @@ class AdamW8bit(torch.optim.Optimizer):
         for param in self.param_groups[-1]["params"]:
             if not param.is_floating_point() or param.is_complex():
                 self.param_groups.pop()
-                raise ConfigError(f"AdamW8bit optimizes floating-point tensors, got {param.dtype}")
+                raise ConfigError(f"AdamW8bit optimizes floating-point tensors, got {param.dtype}",
+                                  hint="Leave integer and complex tensors out of the parameter "
+                                       "groups, e.g. filter with p.is_floating_point().")
 
     # -- inspection and checkpoints ----------------------------------------------------------
 
@@ -300,7 +306,9 @@ class AdamW8bit(torch.optim.Optimizer):
                 if grad is not None:
                     if grad.shape != param.shape:
                         raise ConfigError(f"gradient of shape {tuple(grad.shape)} for a parameter "
-                                          f"of shape {tuple(param.shape)}")
+                                          f"of shape {tuple(param.shape)}",
+                                          hint="Give each gradient in gradients= the shape of its "
+                                               "parameter (param.shape).")
                     self._step_param(param, grad, group)
         return loss
 

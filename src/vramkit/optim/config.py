@@ -143,7 +143,9 @@ class Int8TrainingConfig:
         try:
             return torch.optim.AdamW(params, lr=lr, **optimizer_kwargs)
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"invalid torch.optim.AdamW arguments: {exc}") from exc
+            raise ConfigError(f"invalid torch.optim.AdamW arguments: {exc}",
+                              hint="Check the extra keyword arguments passed through to "
+                                   "torch.optim.AdamW (betas, eps, weight_decay, ...).") from exc
 
 
 class Int8Training:

@@ -244,7 +244,9 @@ class QuantizedTensor:
         try:
             version = metadata.get("layout_version", _LAYOUT_VERSION)
             if version != _LAYOUT_VERSION:
-                raise QuantizationError(f"unknown quantized layout version {version!r}")
+                raise QuantizationError(f"unknown quantized layout version {version!r}",
+                                        hint="The file was written by a newer vramkit; upgrade "
+                                             "vramkit to read it.")
             config = config_from_dict(metadata["format"], json.loads(metadata["config"]))
             shape = torch.Size(int(s) for s in json.loads(metadata["shape"]))
             dtype = _DTYPE_NAMES[metadata["dtype"]]
@@ -257,12 +259,18 @@ class QuantizedTensor:
         layout = expected_layout(config, shape)
         if set(tensors) != set(layout):
             raise QuantizationError(f"{config.format.value} layout needs tensors {sorted(layout)}, "
-                                    f"got {sorted(tensors)}")
+                                    f"got {sorted(tensors)}",
+                                    hint="The quantized tensors do not match their metadata: "
+                                         "re-save the weights with save_quantized, or pass the "
+                                         "tensors of QuantizedTensor.tensors() unchanged.")
         for name, (want_shape, want_dtype) in layout.items():
             got = tensors[name]
             if tuple(got.shape) != want_shape or got.dtype != want_dtype:
                 raise QuantizationError(f"tensor {name!r}: expected {want_dtype} {want_shape}, "
-                                        f"got {got.dtype} {tuple(got.shape)}")
+                                        f"got {got.dtype} {tuple(got.shape)}",
+                                        hint="The tensor was altered or comes from another layout; "
+                                             "re-quantize the float weight, or re-save with "
+                                             "save_quantized.")
         return cls(config=config, data=tensors["data"], scales=tensors["scales"],
                    zero_points=tensors.get("zero_points"), shape=shape, dtype=dtype,
                    extras={k.removeprefix("extra."): v for k, v in tensors.items()
@@ -298,11 +306,15 @@ def quantize_tensor(t: torch.Tensor, fmt: str | QuantFormat | QuantConfigT = "in
         ConfigError: an unknown format or invalid group size.
     """
     if not isinstance(t, torch.Tensor):
-        raise QuantizationError(f"quantize_tensor expects a torch.Tensor, got {type(t).__name__}")
+        raise QuantizationError(f"quantize_tensor expects a torch.Tensor, got {type(t).__name__}",
+                                hint="Pass a floating-point torch.Tensor, e.g. "
+                                     "quantize_tensor(linear.weight.data, 'int8').")
     _check_float(t)
     config = format_config(fmt, group_size)
     if t.numel() == 0:
-        raise QuantizationError(f"cannot quantize an empty tensor (shape {tuple(t.shape)})")
+        raise QuantizationError(f"cannot quantize an empty tensor (shape {tuple(t.shape)})",
+                                hint="Skip empty tensors (t.numel() == 0): keep them in floating "
+                                     "point.")
     rows, cols = _rows_cols(t.shape)
     x = t.detach().reshape(rows, cols).to(torch.float32)
     # one sync per tensor, at load time: inf/nan would silently poison a whole group's scale
@@ -323,7 +335,10 @@ def _broadcast_affine(param: torch.Tensor | float, rows: int, cols: int,
         groups = -(-cols // group_size)
         if p.numel() != rows * groups:
             raise QuantizationError(f"{name} has {p.numel()} elements; per-group with group_size="
-                                    f"{group_size} needs rows * groups = {rows} * {groups}")
+                                    f"{group_size} needs rows * groups = {rows} * {groups}",
+                                    hint="Give scale/zero_point one value per (row, group) with "
+                                         "the same group_size used to quantize, a scalar, or a "
+                                         "per-row tensor.")
         return p.reshape(rows, groups).repeat_interleave(group_size, dim=1)[:, :cols]
     if p.numel() == rows:
         return p.reshape(rows, 1)
@@ -375,7 +390,9 @@ def _dequantize_affine(tensor: torch.Tensor, scale: torch.Tensor | float,
                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor) or tensor.dtype == torch.bool or tensor.is_complex():
         raise QuantizationError("dequantize_tensor expects an integer or floating tensor of codes, "
-                                f"got {getattr(tensor, 'dtype', type(tensor).__name__)}")
+                                f"got {getattr(tensor, 'dtype', type(tensor).__name__)}",
+                                hint="Pass integer (or fp8) codes with their scale, or call "
+                                     "dequantize_tensor(q) / q.dequantize() on a QuantizedTensor.")
     check_int("group_size", group_size, minimum=1, allow_none=True)
     rows, cols = _rows_cols(tensor.shape)
     values = tensor.reshape(rows, cols).to(torch.float32)

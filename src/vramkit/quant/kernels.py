@@ -314,13 +314,19 @@ def quantized_matmul(x: torch.Tensor, q: "QuantizedTensor", bias: torch.Tensor |
     """
     if len(q.shape) != 2:
         raise QuantizationError(f"quantized_matmul needs a 2-D Linear weight, got shape "
-                                f"{tuple(q.shape)}")
+                                f"{tuple(q.shape)}",
+                                hint="Quantize the weight of an nn.Linear ([out_features, "
+                                     "in_features]); reshape other weights to 2-D first.")
     if not x.is_floating_point():
-        raise QuantizationError(f"quantized_matmul needs floating activations, got {x.dtype}")
+        raise QuantizationError(f"quantized_matmul needs floating activations, got {x.dtype}",
+                                hint="Cast the input to a floating dtype first, e.g. "
+                                     "x.to(torch.bfloat16).")
     n_out, n_in = q.rows, q.cols
     if x.shape[-1] != n_in:
         raise QuantizationError(f"activations end in {x.shape[-1]} features, the weight takes "
-                                f"{n_in}")
+                                f"{n_in}",
+                                hint="Give x a last dimension of the weight's in_features "
+                                     "(x.shape[-1] == q.cols).")
     x2d = x.reshape(-1, n_in)
     if activation_fp8:
         _check_fp8_gemm(x, q)

@@ -102,7 +102,9 @@ class _QuantizedWeightModule(nn.Module):
     def __init__(self, q: QuantizedTensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         if not isinstance(q, QuantizedTensor):
-            raise QuantizationError(f"expected a QuantizedTensor, got {type(q).__name__}")
+            raise QuantizationError(f"expected a QuantizedTensor, got {type(q).__name__}",
+                                    hint="Build the layer with QuantizedLinear.from_linear(linear, "
+                                         "'int8'), or pass quantize_tensor(weight, fmt).")
         names = tuple(q.tensors())
         for name in ("data", "scales"):
             if name not in names:
@@ -113,7 +115,9 @@ class _QuantizedWeightModule(nn.Module):
             self.register_buffer(_buffer_name(name), tensor.detach())
         if bias is not None and tuple(bias.shape) != (q.shape[0],):
             raise QuantizationError(f"bias shape {list(bias.shape)} does not match the "
-                                    f"{q.shape[0]} outputs of the weight")
+                                    f"{q.shape[0]} outputs of the weight",
+                                    hint="Pass a bias of shape [out_features] (the weight's first "
+                                         "dimension), or None.")
         if isinstance(bias, nn.Parameter):
             # The same object: optimizers and tied references keep working.
             self.bias: nn.Parameter | None = bias
@@ -195,7 +199,9 @@ class _QuantizedWeightModule(nn.Module):
         """The input and bias in the dtype the matmul runs in (autocast's, else the input's)."""
         if not x.is_floating_point():
             raise QuantizationError(f"{type(self).__name__} needs a floating-point input, got "
-                                    f"{x.dtype}")
+                                    f"{x.dtype}",
+                                    hint="Cast the input to a floating dtype first, e.g. "
+                                         "x.to(torch.bfloat16).")
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             x = x.to(torch.get_autocast_dtype(device_type))
@@ -261,7 +267,9 @@ class QuantizedLinear(_QuantizedWeightModule):
         super().__init__(q, bias)
         if len(q.shape) != 2:
             raise QuantizationError(f"QuantizedLinear needs a 2-D weight, got shape "
-                                    f"{list(q.shape)}")
+                                    f"{list(q.shape)}",
+                                    hint="Quantize a 2-D [out_features, in_features] weight here, "
+                                         "or use QuantizedConv2d for 4-D conv weights.")
         if activation_fp8 and not _fp8_per_channel(q.config):
             raise QuantizationError(
                 "activation_fp8 needs an fp8 weight with channel granularity, got "
@@ -297,7 +305,9 @@ class QuantizedLinear(_QuantizedWeightModule):
                                          "with modules_to_not_quantize.")
         if not isinstance(linear, nn.Linear):
             raise QuantizationError(f"from_linear needs an nn.Linear, got "
-                                    f"{type(linear).__name__}")
+                                    f"{type(linear).__name__}",
+                                    hint="Pass an nn.Linear layer; use QuantizedConv2d.from_conv2d "
+                                         "for nn.Conv2d.")
         _check_float_weight(linear.weight, "this nn.Linear")
         q = quantize_tensor(linear.weight.detach(), format_config(fmt_config, group_size))
         layer = cls.from_quantized(q, linear.bias, activation_fp8=activation_fp8)
@@ -385,7 +395,9 @@ class QuantizedConv2d(_QuantizedWeightModule):
         super().__init__(q, bias)
         if len(q.shape) != 4:
             raise QuantizationError(f"QuantizedConv2d needs a 4-D weight, got shape "
-                                    f"{list(q.shape)}")
+                                    f"{list(q.shape)}",
+                                    hint="Quantize a 4-D [out, in/groups, kh, kw] conv weight "
+                                         "here, or use QuantizedLinear for 2-D weights.")
         # nn.Conv2d validates the geometry and computes the explicit padding of "same".
         probe = nn.Conv2d(q.shape[1] * groups, q.shape[0], tuple(q.shape[2:]), stride=stride,
                           padding=padding, dilation=dilation, groups=groups, bias=False,
@@ -411,7 +423,9 @@ class QuantizedConv2d(_QuantizedWeightModule):
                                     hint="Quantize the original nn.Conv2d, or skip this layer "
                                          "with modules_to_not_quantize.")
         if not isinstance(conv, nn.Conv2d):
-            raise QuantizationError(f"from_conv2d needs an nn.Conv2d, got {type(conv).__name__}")
+            raise QuantizationError(f"from_conv2d needs an nn.Conv2d, got {type(conv).__name__}",
+                                    hint="Pass an nn.Conv2d layer; use QuantizedLinear.from_linear "
+                                         "for nn.Linear.")
         _check_float_weight(conv.weight, "this nn.Conv2d")
         q = quantize_tensor(conv.weight.detach(), format_config(fmt_config, group_size))
         layer = cls.from_quantized(q, conv.bias, **conv_geometry(conv))
@@ -486,7 +500,10 @@ def _peft_layer_class() -> type[nn.Module]:
                          "quantize the result.")
 
             def unmerge(self) -> None:
-                raise QuantizationError("a quantized base layer holds no merged adapter")
+                raise QuantizationError("a quantized base layer holds no merged adapter",
+                                        hint="Nothing was merged into a quantized layer, so there "
+                                             "is nothing to unmerge; drop the unmerge() call (or "
+                                             "use the float model).")
 
         _PEFT_LAYER = QuantizedLoraLinear
     return _PEFT_LAYER

@@ -133,7 +133,9 @@ class QuantizationConfig:
             patterns = (patterns,)
         if not isinstance(patterns, Sequence) or not all(isinstance(p, str) for p in patterns):
             raise ConfigError("QuantizationConfig.modules_to_not_quantize must be a sequence of "
-                              f"name patterns (str), got {self.modules_to_not_quantize!r}")
+                              f"name patterns (str), got {self.modules_to_not_quantize!r}",
+                              hint="Give fnmatch patterns as strings, e.g. "
+                                   "modules_to_not_quantize=('proj_out', '*norm*').")
         for pattern in patterns:
             # Components never start or end with a dot: such a name could match no module.
             if not pattern or pattern.startswith(".") or pattern.endswith(".") or ".." in pattern:
@@ -393,13 +395,17 @@ def quantize_model(model_or_state_dict: nn.Module | Mapping[str, Any],
             meta weights, or unsupported weight dtypes.
     """
     if not isinstance(config, QuantizationConfig):
-        raise ConfigError(f"config must be a QuantizationConfig, got {type(config).__name__}")
+        raise ConfigError(f"config must be a QuantizationConfig, got {type(config).__name__}",
+                          hint="Pass a QuantizationConfig, e.g. quantize_model(model, "
+                               "QuantizationConfig(weights_dtype='int8')).")
     if isinstance(model_or_state_dict, nn.Module):
         return _quantize_module(model_or_state_dict, config)
     if isinstance(model_or_state_dict, Mapping):
         return _quantize_state_dict(model_or_state_dict, config)
     raise ConfigError(f"quantize_model needs an nn.Module or a state dict, got "
-                      f"{type(model_or_state_dict).__name__}")
+                      f"{type(model_or_state_dict).__name__}",
+                      hint="Pass the model (nn.Module) or its state_dict() (a dict of name -> "
+                           "tensor).")
 
 
 def quantized_layer(layer: nn.Module, weight: QuantizedTensor, bias: torch.Tensor | None,
@@ -435,7 +441,10 @@ def quantized_layer(layer: nn.Module, weight: QuantizedTensor, bias: torch.Tenso
         new = QuantizedLinear.from_quantized(weight, bias, activation_fp8=fp8_gemm)
     else:
         raise QuantizationError(f"{name} is a {type(layer).__name__}; only nn.Linear and "
-                                "nn.Conv2d layers are replaced by quantized ones")
+                                "nn.Conv2d layers are replaced by quantized ones",
+                                hint="Exclude this layer with "
+                                     "QuantizationConfig.modules_to_not_quantize, or quantize its "
+                                     "weight tensor with quantize_tensor.")
     new.train(layer.training)
     return new
 
@@ -480,7 +489,10 @@ def _check_not_meta(name: str, tensor: torch.Tensor) -> None:
 
 def _quantize_module(model: nn.Module, config: QuantizationConfig) -> nn.Module:
     if isinstance(model, _QuantizedWeightModule):
-        raise QuantizationError(f"{type(model).__name__} is already quantized")
+        raise QuantizationError(f"{type(model).__name__} is already quantized",
+                                hint="Quantize the original float model; a quantized model is "
+                                     "ready to use as is (save and reload it with save_quantized / "
+                                     "load_quantized_model).")
     if config.should_quantize("", model):  # a bare layer: nothing to replace it in
         replaced = _replace_layer("<root>", model, config)
         return replaced if replaced is not None else model

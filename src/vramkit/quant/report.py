@@ -161,20 +161,27 @@ def quantization_report(model_or_state_dict: nn.Module | Mapping[str, Any],
             weights are gone, there is nothing to compare with).
     """
     if not isinstance(config, QuantizationConfig):
-        raise ConfigError(f"config must be a QuantizationConfig, got {type(config).__name__}")
+        raise ConfigError(f"config must be a QuantizationConfig, got {type(config).__name__}",
+                          hint="Pass a QuantizationConfig, e.g. quantization_report(model, "
+                               "QuantizationConfig(weights_dtype='nf4')).")
     if sample_inputs is not None and not isinstance(sample_inputs, Mapping):
         raise ConfigError("sample_inputs must be a dict of the model's forward keyword "
-                          f"arguments, got {type(sample_inputs).__name__}")
+                          f"arguments, got {type(sample_inputs).__name__}",
+                          hint="Pass the forward's keyword arguments as a dict, e.g. "
+                               "sample_inputs={'x': x}, or None for random inputs.")
     generator = torch.Generator().manual_seed(seed)
     if isinstance(model_or_state_dict, nn.Module):
         return _report_module(model_or_state_dict, config, sample_inputs, generator)
     if isinstance(model_or_state_dict, Mapping):
         if sample_inputs is not None:
             raise ConfigError("sample_inputs need a model to run; a state dict is measured on "
-                              "random inputs")
+                              "random inputs",
+                              hint="Pass the nn.Module to run sample_inputs through it, or drop "
+                                   "sample_inputs for a state dict.")
         return _report_state_dict(model_or_state_dict, config, generator)
     raise ConfigError(f"quantization_report needs an nn.Module or a state dict, got "
-                      f"{type(model_or_state_dict).__name__}")
+                      f"{type(model_or_state_dict).__name__}",
+                      hint="Pass the float model (nn.Module) or its state_dict().")
 
 
 def _report_module(model: nn.Module, config: QuantizationConfig,
@@ -215,7 +222,9 @@ def _report_state_dict(state: Mapping[str, Any], config: QuantizationConfig,
     for key, value in state.items():
         if isinstance(value, QuantizedTensor):
             raise QuantizationError(f"{key} is already quantized: there is no float weight to "
-                                    "compare with")
+                                    "compare with",
+                                    hint="Report on the float state dict before quantize_model / "
+                                         "save_quantized replaced it.")
         if not _selects_tensor(key, value, config):
             continue
         module_name = key.rpartition(".")[0]

@@ -116,9 +116,13 @@ def save_quantized(model_or_state_dict: nn.Module | Mapping[str, Any], path: str
     user = dict(metadata or {})
     for key, value in user.items():
         if not isinstance(key, str) or not isinstance(value, str):
-            raise ConfigError(f"safetensors metadata must map str to str, got {key!r}: {value!r}")
+            raise ConfigError(f"safetensors metadata must map str to str, got {key!r}: {value!r}",
+                              hint="Give metadata as a dict of strings, e.g. metadata={'step': "
+                                   "str(step)}.")
         if key.startswith("vramkit.quant."):
-            raise ConfigError(f"metadata key {key!r} is reserved for the quantized layout")
+            raise ConfigError(f"metadata key {key!r} is reserved for the quantized layout",
+                              hint="Rename the key: keys starting with 'vramkit.quant.' are "
+                                   "written by save_quantized itself.")
     if isinstance(model_or_state_dict, nn.Module):
         state = quantized_state_dict(model_or_state_dict)
         modules = _module_info(model_or_state_dict)
@@ -126,7 +130,10 @@ def save_quantized(model_or_state_dict: nn.Module | Mapping[str, Any], path: str
         state, modules = dict(model_or_state_dict), {}
     else:
         raise ConfigError(f"save_quantized needs an nn.Module or a dict, got "
-                          f"{type(model_or_state_dict).__name__}")
+                          f"{type(model_or_state_dict).__name__}",
+                          hint="Pass the model (nn.Module) or a dict of name -> "
+                               "Tensor/QuantizedTensor, e.g. from quantize_model(state_dict, "
+                               "config).")
     tensors: dict[str, torch.Tensor] = {}
     layout: dict[str, dict[str, Any]] = {}
     for key, value in state.items():
@@ -151,7 +158,9 @@ def save_quantized(model_or_state_dict: nn.Module | Mapping[str, Any], path: str
             tensors[key] = value
         else:
             raise ConfigError(f"{key}: expected a Tensor or QuantizedTensor, got "
-                              f"{type(value).__name__}")
+                              f"{type(value).__name__}",
+                              hint="Keep only tensors in the dict (torch.Tensor or "
+                                   "QuantizedTensor); store other values in metadata= as strings.")
     user[VERSION_KEY] = FORMAT_VERSION
     user[LAYOUT_KEY] = json.dumps(layout, sort_keys=True)
     save_file(_storable(tensors), os.fspath(path), metadata=user)
@@ -192,12 +201,17 @@ def _read_layout(metadata: Mapping[str, str] | None, path: str) -> dict[str, dic
         layout = json.loads(metadata[LAYOUT_KEY])
     except json.JSONDecodeError as exc:
         raise QuantizationError(
-            f"{path}: the quantized layout is not valid JSON ({exc})") from None
+            f"{path}: the quantized layout is not valid JSON ({exc})",
+            hint="The file's quantized layout was damaged; re-save it with "
+                 "save_quantized.") from None
     if not isinstance(layout, dict) or not all(
             isinstance(v, dict) and isinstance(v.get("tensors"), dict)
             and isinstance(v.get("record"), dict) for v in layout.values()):
         raise QuantizationError(f"{path}: unknown quantized layout (each entry needs 'tensors' "
-                                "and 'record' objects)")
+                                "and 'record' objects)",
+                                hint="The file was not written by save_quantized (or was edited); "
+                                     "re-save it with save_quantized, or load it with safetensors "
+                                     "directly.")
     return layout
 
 
@@ -233,7 +247,9 @@ def load_quantized(path: str | os.PathLike[str], device: str | torch.device = "c
             for part, stored in entry["tensors"].items():
                 if stored not in names:
                     raise QuantizationError(f"{path_str}: the layout of {key!r} names tensor "
-                                            f"{stored!r}, which the file does not hold")
+                                            f"{stored!r}, which the file does not hold",
+                                            hint="The file lost tensors after it was written; "
+                                                 "re-save it with save_quantized.")
                 parts[part] = handle.get_tensor(stored)
                 parts_used.add(stored)
             record = {str(k): str(v) for k, v in entry["record"].items()}
@@ -282,7 +298,9 @@ def load_quantized_model(model: nn.Module, path: str | os.PathLike[str], *,
             continue
         layer_name, _, leaf = key.rpartition(".")
         if leaf != "weight":
-            raise QuantizationError(f"quantized entry {key!r} is not a layer weight")
+            raise QuantizationError(f"quantized entry {key!r} is not a layer weight",
+                                    hint="Only layer weights load into layers; read this file with "
+                                         "load_quantized(path) as a state dict instead.")
         try:
             layer = model.get_submodule(layer_name)
         except AttributeError:
@@ -313,7 +331,10 @@ def load_quantized_model(model: nn.Module, path: str | os.PathLike[str], *,
                 q, bias, activation_fp8=bool(info.get("activation_fp8", False)))
         else:
             raise QuantizationError(f"{layer_name!r} is a {type(layer).__name__}; quantized "
-                                    "weights load into Linear or Conv2d layers")
+                                    "weights load into Linear or Conv2d layers",
+                                    hint="Load into a model of the class the file was saved from, "
+                                         "or read the file with load_quantized(path) as a state "
+                                         "dict.")
         if isinstance(getattr(layer, "weight", None), nn.Parameter):
             _release(layer.weight)
         new.train(layer.training)
@@ -341,7 +362,10 @@ def _layer_device(layer: nn.Module) -> torch.device:
 
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     if not name:
-        raise QuantizationError("cannot replace the root module; pass its parent")
+        raise QuantizationError("cannot replace the root module; pass its parent",
+                                hint="Wrap the layer in a container (e.g. nn.Sequential(layer)) so "
+                                     "it can be replaced, or use "
+                                     "QuantizedLinear.from_linear(layer) directly.")
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, attr, new)

@@ -161,7 +161,9 @@ class DemoConfig:
         check_bool("DemoConfig.baseline", self.baseline)
         if self.report is not None:
             if not isinstance(self.report, (str, Path)):
-                raise ConfigError(f"report must be a path or None, got {self.report!r}")
+                raise ConfigError(f"report must be a path or None, got {self.report!r}",
+                                  hint="Give report as a path such as 'profile.html' (or a "
+                                       "pathlib.Path), or None for no report.")
             if str(self.report) == "":
                 object.__setattr__(self, "report", None)
             elif Path(self.report).suffix.lower() not in (".html", ".htm", ".json", ".png"):

@@ -145,10 +145,13 @@ class DiTConfig:
             check_int(f"DiTConfig.{name}", getattr(self, name), minimum=minimum)
         if self.num_double_blocks + self.num_single_blocks < 1:
             raise ConfigError("DiTConfig needs at least one block "
-                              "(num_double_blocks + num_single_blocks >= 1)")
+                              "(num_double_blocks + num_single_blocks >= 1)",
+                              hint="Set num_double_blocks or num_single_blocks to 1 or more.")
         if self.hidden_size % self.num_heads:
             raise ConfigError(f"DiTConfig.hidden_size ({self.hidden_size}) must be divisible by "
-                              f"num_heads ({self.num_heads})")
+                              f"num_heads ({self.num_heads})",
+                              hint="Pick num_heads that divides hidden_size, e.g. hidden_size=3072 "
+                                   "with num_heads=24 (Flux).")
         if self.head_dim % 4:
             raise ConfigError(
                 f"DiTConfig head_dim = hidden_size / num_heads = {self.head_dim} must be a "
@@ -158,10 +161,14 @@ class DiTConfig:
             "DiTConfig.mlp_ratio", self.mlp_ratio, minimum=0, low_open=True))
         if self.mlp_hidden_size < 1:
             raise ConfigError(f"DiTConfig.mlp_ratio {self.mlp_ratio} gives an empty MLP for "
-                              f"hidden_size {self.hidden_size}")
+                              f"hidden_size {self.hidden_size}",
+                              hint="Raise DiTConfig.mlp_ratio (Flux uses 4.0) so hidden_size * "
+                                   "mlp_ratio is at least 1.")
         if self.image_size % self.patch_size:
             raise ConfigError(f"DiTConfig.image_size ({self.image_size}) must be a multiple of "
-                              f"patch_size ({self.patch_size})")
+                              f"patch_size ({self.patch_size})",
+                              hint="Pick image_size as a multiple of patch_size, e.g. "
+                                   "image_size=64 with patch_size=2.")
         check_choice("DiTConfig.dtype", self.dtype, _DTYPES)
         check_bool("DiTConfig.qk_norm", self.qk_norm)
 
@@ -259,7 +266,9 @@ class DiTConfig:
         try:
             return cls(**fields)
         except TypeError as exc:  # an override naming no field
-            raise ConfigError(f"invalid override for DiT preset {name!r}: {exc}") from None
+            raise ConfigError(f"invalid override for DiT preset {name!r}: {exc}",
+                              hint="Override only DiTConfig fields, e.g. "
+                                   "DiTConfig.preset('tiny', num_single_blocks=4).") from None
 
     @classmethod
     def for_bytes(cls, target_bytes: int | str, dtype: str = "bfloat16",
@@ -592,7 +601,8 @@ class DiT(nn.Module):
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         if not isinstance(config, DiTConfig):
-            raise ConfigError(f"DiT needs a DiTConfig, got {type(config).__name__}")
+            raise ConfigError(f"DiT needs a DiTConfig, got {type(config).__name__}",
+                              hint="Pass a DiTConfig, e.g. DiT(DiTConfig.preset('tiny')).")
         self.config = config
         h = config.hidden_size
         target = torch.device(device if device is not None else "cpu")
@@ -685,10 +695,14 @@ class DiT(nn.Module):
                               hint="Build the model with a DiTConfig matching your data.")
         batch = latents.shape[0]
         if timesteps.shape != (batch,):
-            raise ConfigError(f"DiT expects timesteps [{batch}], got {list(timesteps.shape)}")
+            raise ConfigError(f"DiT expects timesteps [{batch}], got {list(timesteps.shape)}",
+                              hint="Pass one timestep per sample: a 1-D tensor of shape [batch], "
+                                   "e.g. torch.rand(batch).")
         if text.dim() != 3 or tuple(text.shape) != (batch, c.text_tokens, c.text_dim):
             raise ConfigError(f"DiT expects text [{batch}, {c.text_tokens}, {c.text_dim}], "
-                              f"got {list(text.shape)}")
+                              f"got {list(text.shape)}",
+                              hint="Pass text embeddings of shape [batch, DiTConfig.text_tokens, "
+                                   "DiTConfig.text_dim].")
 
 
 def _patchify(latents: torch.Tensor, patch: int) -> torch.Tensor:

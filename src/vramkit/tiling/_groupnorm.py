@@ -53,7 +53,9 @@ def group_stats(x: torch.Tensor, num_groups: int) -> GroupStats:
     """
     batch, channels = x.shape[0], x.shape[1]
     if channels % num_groups:
-        raise ConfigError(f"{channels} channels do not split into {num_groups} groups")
+        raise ConfigError(f"{channels} channels do not split into {num_groups} groups",
+                          hint="The GroupNorm's num_groups must divide the channels; check the "
+                               "model's norm layers, or use exact_groupnorm=False.")
     per_channel = x.shape[2] * x.shape[3]
     var_c, mean_c = torch.var_mean(x.float(), dim=(2, 3), correction=0)  # (B, C)
     mean_c = mean_c.double().view(batch, num_groups, -1)

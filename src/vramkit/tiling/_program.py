@@ -106,7 +106,10 @@ def _check_conv(conv: Any, what: str) -> nn.Conv2d:
 def _check_act(act: Any, what: str) -> nn.Module:
     if not isinstance(act, _POINTWISE_ACTIVATIONS):
         raise ConfigError(f"exact tiling needs a pointwise activation for {what}, got "
-                          f"{type(act).__name__}")
+                          f"{type(act).__name__}",
+                          hint="Exact tiling supports SiLU, ReLU, GELU, Mish, LeakyReLU, Tanh, "
+                               "Sigmoid and Identity activations; use exact_groupnorm=False for "
+                               "this model.")
     return act
 
 
@@ -262,7 +265,9 @@ def _resnet_steps(resnet: nn.Module, name: str, source: int, first_index: int
     if shortcut is not None:
         shortcut = _check_conv(shortcut, "a resnet shortcut")
         if shortcut.kernel_size != (1, 1) or shortcut.stride != (1, 1):
-            raise ConfigError("exact tiling needs 1x1 resnet shortcuts")
+            raise ConfigError("exact tiling needs 1x1 resnet shortcuts",
+                              hint="Exact tiling handles 1x1 stride-1 shortcut convs only; use "
+                                   "exact_groupnorm=False for this model.")
     return [
         _ConvStep(f"{name}.conv1", source, _check_conv(resnet.conv1, "conv1"), resnet.norm1, act),
         _ConvStep(f"{name}.conv2", first_index + 1, _check_conv(resnet.conv2, "conv2"),
@@ -276,7 +281,9 @@ def _mid_block_steps(mid: nn.Module, name: str, source: int, first_index: int,
     """Steps of a diffusers ``UNetMidBlock2D``: resnet, then (attention, resnet) pairs."""
     if not hasattr(mid, "resnets") or not hasattr(mid, "attentions"):
         raise ConfigError(f"exact tiling needs a diffusers UNetMidBlock2D, got "
-                          f"{type(mid).__name__}")
+                          f"{type(mid).__name__}",
+                          hint="Pass a diffusers AutoencoderKL (whose mid block has .resnets and "
+                               ".attentions), or use exact_groupnorm=False.")
     steps: list[_Step] = _resnet_steps(mid.resnets[0], f"{name}.resnets.0", source, first_index)
     current = first_index + len(steps)
     processor = attention or ChunkedAttnProcessor()
@@ -287,7 +294,9 @@ def _mid_block_steps(mid: nn.Module, name: str, source: int, first_index: int,
                     or getattr(attn, "norm_q", None) is not None
                     or getattr(attn, "norm_k", None) is not None
                     or getattr(attn, "is_cross_attention", False)):
-                raise ConfigError("exact tiling supports VAE self-attention with a GroupNorm only")
+                raise ConfigError("exact tiling supports VAE self-attention with a GroupNorm only",
+                                  hint="Exact tiling handles GroupNorm self-attention as in the "
+                                       "SD/SDXL VAEs; use exact_groupnorm=False for this model.")
             steps.append(_AttnStep(f"{name}.attentions.{index}", current, attn,
                                    processor.query_chunk, processor.max_score_bytes))
             current = first_index + len(steps)
@@ -347,7 +356,9 @@ def _decoder_program(decoder: nn.Module, attention: ChunkedAttnProcessor | None
                                    "exact_groupnorm=False.")
     if not isinstance(decoder.conv_norm_out, nn.GroupNorm):
         raise ConfigError("exact tiling needs GroupNorm in the decoder (SpatialNorm is not "
-                          "supported)")
+                          "supported)",
+                          hint="Decoders with SpatialNorm (norm_type='spatial') are not supported "
+                               "by exact tiling; use exact_groupnorm=False.")
     remaining = sum(1 for b in decoder.up_blocks if getattr(b, "upsamplers", None))
     steps: list[_Step] = [_ConvStep("conv_in", 0, _check_conv(decoder.conv_in, "conv_in"))]
     steps += _mid_block_steps(decoder.mid_block, "mid_block", 1, 1, attention)
@@ -355,7 +366,10 @@ def _decoder_program(decoder: nn.Module, attention: ChunkedAttnProcessor | None
     current = len(steps)
     for block_index, block in enumerate(decoder.up_blocks):
         if getattr(block, "attentions", None):
-            raise ConfigError("exact tiling cannot tile attention inside up blocks")
+            raise ConfigError("exact tiling cannot tile attention inside up blocks",
+                              hint="Exact tiling handles attention in the mid block only; use "
+                                   "exact_groupnorm=False for decoders with attention in up "
+                                   "blocks.")
         for resnet_index, resnet in enumerate(block.resnets):
             steps += _resnet_steps(resnet, f"up_blocks.{block_index}.resnets.{resnet_index}",
                                    current, len(steps))
@@ -365,7 +379,10 @@ def _decoder_program(decoder: nn.Module, attention: ChunkedAttnProcessor | None
             if (getattr(upsampler, "use_conv_transpose", False)
                     or getattr(upsampler, "norm", None) is not None
                     or not getattr(upsampler, "interpolate", True) or not upsampler.use_conv):
-                raise ConfigError("exact tiling supports nearest-x2 + conv upsamplers only")
+                raise ConfigError("exact tiling supports nearest-x2 + conv upsamplers only",
+                                  hint="Exact tiling handles nearest-neighbour x2 upsampling "
+                                       "followed by a conv (the SD/SDXL VAE); use "
+                                       "exact_groupnorm=False for other upsamplers.")
             remaining -= 1
             steps.append(_ConvStep(f"up_blocks.{block_index}.upsamplers.0", current,
                                    _check_conv(upsampler.conv, "an upsampler"), upsample=True))
@@ -387,13 +404,18 @@ def _encoder_program(encoder: nn.Module, attention: ChunkedAttnProcessor | None
                               hint="Pass an AutoencoderKL or its .encoder, or use "
                                    "exact_groupnorm=False.")
     if not isinstance(encoder.conv_norm_out, nn.GroupNorm):
-        raise ConfigError("exact tiling needs GroupNorm in the encoder")
+        raise ConfigError("exact tiling needs GroupNorm in the encoder",
+                          hint="Exact tiling needs a GroupNorm before the encoder's conv_out; use "
+                               "exact_groupnorm=False for this model.")
     steps: list[_Step] = [_ConvStep("conv_in", 0, _check_conv(encoder.conv_in, "conv_in"))]
     scales = [1]
     current, down = 1, 1
     for block_index, block in enumerate(encoder.down_blocks):
         if getattr(block, "attentions", None):
-            raise ConfigError("exact tiling cannot tile attention inside down blocks")
+            raise ConfigError("exact tiling cannot tile attention inside down blocks",
+                              hint="Exact tiling handles attention in the mid block only; use "
+                                   "exact_groupnorm=False for encoders with attention in down "
+                                   "blocks.")
         for resnet_index, resnet in enumerate(block.resnets):
             steps += _resnet_steps(resnet, f"down_blocks.{block_index}.resnets.{resnet_index}",
                                    current, len(steps))
@@ -403,7 +425,10 @@ def _encoder_program(encoder: nn.Module, attention: ChunkedAttnProcessor | None
             conv = getattr(down_sampler, "conv", None)
             if (getattr(down_sampler, "norm", None) is not None
                     or not getattr(down_sampler, "use_conv", False)):
-                raise ConfigError("exact tiling supports conv downsamplers only")
+                raise ConfigError("exact tiling supports conv downsamplers only",
+                                  hint="Exact tiling handles strided-conv downsamplers (the "
+                                       "SD/SDXL VAE); use exact_groupnorm=False for other "
+                                       "downsamplers.")
             extra = (0, 1, 0, 1) if down_sampler.padding == 0 else (0, 0, 0, 0)
             down *= 2
             steps.append(_ConvStep(f"down_blocks.{block_index}.downsamplers.0", current,

@@ -111,7 +111,9 @@ def plan_tiles(length: int, tile: int, overlap: int) -> list[TileSpan]:
         The spans, in order.
     """
     if length < 1 or tile < 1 or not 0 <= overlap < tile:
-        raise ConfigError(f"cannot plan tiles of {tile} with overlap {overlap} over {length}")
+        raise ConfigError(f"cannot plan tiles of {tile} with overlap {overlap} over {length}",
+                          hint="Give length >= 1, tile >= 1 and 0 <= overlap < tile, e.g. "
+                               "plan_tiles(128, 64, 8).")
     if tile >= length:
         return [TileSpan(0, length, 0, 0)]
     count = math.ceil((length - overlap) / (tile - overlap))
@@ -240,7 +242,9 @@ def seam_error(output: torch.Tensor, reference: torch.Tensor, seams_y: list[int]
     """
     if output.shape != reference.shape:
         raise ConfigError(f"output {tuple(output.shape)} and reference {tuple(reference.shape)} "
-                          "differ in shape")
+                          "differ in shape",
+                          hint="Compare outputs of the same input: the tiled and untiled runs must "
+                               "return the same shape.")
     value_range = check_number("value_range", value_range, minimum=0, low_open=True)
     diff = (output.float() - reference.float()).abs_() / value_range
     height, width = diff.shape[-2], diff.shape[-1]
@@ -478,7 +482,9 @@ class VAETiling:
 def _check_spatial(x: Any, what: str) -> None:
     if not isinstance(x, torch.Tensor) or x.ndim != 4:
         raise ConfigError(f"{what} must be a (B, C, H, W) tensor, got "
-                          f"{getattr(x, 'shape', type(x).__name__)}")
+                          f"{getattr(x, 'shape', type(x).__name__)}",
+                          hint="Pass a 4-D (batch, channels, height, width) tensor; add a batch "
+                               "dimension with x.unsqueeze(0).")
 
 
 def _check_divisible(image: torch.Tensor, scale: int) -> None:
@@ -491,7 +497,9 @@ def _as_callable(model: Any, parts: Any, kind: str) -> Callable[[torch.Tensor], 
     if parts is not None:
         return module_callable(parts, kind)
     if not callable(model):
-        raise ConfigError(f"cannot {kind} with a {type(model).__name__}: it is not callable")
+        raise ConfigError(f"cannot {kind} with a {type(model).__name__}: it is not callable",
+                          hint="Pass the VAE itself (a diffusers AutoencoderKL or a callable "
+                               "module), not its output or a config.")
     return model
 
 
@@ -551,7 +559,9 @@ def _tiled_apply(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, sc
                 span_x.start * out_scale:span_x.stop * out_scale] += piece * weight
             del piece
     if out is None:  # unreachable: plan_tiles never returns an empty plan
-        raise ConfigError("nothing to tile")
+        raise ConfigError("nothing to tile",
+                          hint="This is a vramkit bug (plan_tiles returned no tiles); please "
+                               "report it with the input shape and the VAETiling settings.")
     seams_y = _seams(ys, out_scale)
     seams_x = _seams(xs, out_scale)
     return out.to(result_dtype), seams_y, seams_x

@@ -294,3 +294,44 @@ def test_auto_takes_the_model_when_it_is_the_stack() -> None:
     mixed = nn.Sequential(nn.Linear(16, 16), nn.ModuleList(Block() for _ in range(3)),
                           nn.LayerNorm(16))
     assert _names(find_blocks(mixed)) == ["1.0", "1.1", "1.2"]
+
+
+# --------------------------------------------------------------------------------------------
+# diffusers UNets: each stage's resnets and attentions
+# --------------------------------------------------------------------------------------------
+
+
+class _Stage(nn.Module):
+    def __init__(self, resnets: int, attentions: int) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(Block() for _ in range(resnets))
+        if attentions:
+            self.attentions = nn.ModuleList(SingleBlock() for _ in range(attentions))
+
+
+class _UNetShaped(nn.Module):
+    """The layout of diffusers' UNet2DConditionModel: ModuleLists of stages, a mid block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv_in = nn.Linear(16, 16)
+        self.down_blocks = nn.ModuleList([_Stage(2, 0), _Stage(2, 2)])
+        self.mid_block = _Stage(2, 1)
+        self.up_blocks = nn.ModuleList([_Stage(3, 3), _Stage(3, 0)])
+
+
+def test_unet_blocks_are_each_stages_resnets_and_attentions() -> None:
+    from vramkit.offload.blocks import unet_blocks
+
+    unet = _UNetShaped()
+    assert unet_blocks(unet) == [
+        "down_blocks.0.resnets", "down_blocks.1.resnets", "down_blocks.1.attentions",
+        "mid_block.resnets", "mid_block.attentions", "up_blocks.0.resnets",
+        "up_blocks.0.attentions", "up_blocks.1.resnets"]
+    names = _names(find_blocks(unet))
+    assert names[:4] == ["down_blocks.0.resnets.0", "down_blocks.0.resnets.1",
+                         "down_blocks.1.resnets.0", "down_blocks.1.resnets.1"]
+    assert "mid_block.attentions.0" in names and "up_blocks.1.resnets.2" in names
+    assert len(names) == 2 + 4 + 3 + 6 + 3
+    assert unet_blocks(Stack()) == []  # not a UNet: the generic rule applies
+    assert _names(find_blocks(Stack())) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]

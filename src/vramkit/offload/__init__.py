@@ -22,7 +22,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".swap": ("BlockSwapper", "SwapConfig", "SwapStats", "BlockFootprint"),
     ".blocks": ("BlockScheduleEntry", "BlockSpec", "find_blocks", "module_bytes",
                 "as_block_specs", "choose_swapped", "named_schedule", "natural_key",
-                "spread_evenly"),
+                "spread_evenly", "unet_blocks"),
     ".checkpointing": ("SDXL_CHECKPOINT_BLOCKS", "enable_gradient_checkpointing", "disable_gradient_checkpointing",
                        "is_checkpointed", "unwrapped_forward", "checkpoint",
                        "checkpoint_with_pool", "GradientCheckpointer", "SDXLGradientCheckpoint"),

@@ -32,6 +32,7 @@ __all__ = [
     "named_schedule",
     "natural_key",
     "spread_evenly",
+    "unet_blocks",
 ]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
@@ -106,7 +107,8 @@ def find_blocks(model: nn.Module,
         model: any ``nn.Module``.
         blocks: ``"auto"`` (default) finds the stacks of repeated blocks: the model itself
             when it is an ``nn.Sequential`` / ``nn.ModuleList`` of blocks of one class
-            (children named ``"0"``, ``"1"``...); otherwise the outermost containers inside it
+            (children named ``"0"``, ``"1"``...); a diffusers UNet's resnets and attention
+            transformers (:func:`unet_blocks`); otherwise the outermost containers inside it
             with at least two children of one class that hold at least 1% of the model's bytes;
             every child with parameters becomes a block. Containers are taken in registration order (diffusers' Flux:
             ``transformer_blocks`` then ``single_transformer_blocks``) and children by index.
@@ -141,11 +143,41 @@ def find_blocks(model: nn.Module,
     return _named_blocks(model, list(blocks))
 
 
+def unet_blocks(unet: nn.Module) -> list[str]:
+    """The container names of a diffusers UNet's resnet and attention stacks.
+
+    A UNet stage (``down_blocks.1``) is too coarse to swap (SDXL's largest is ~1.4 GB in bf16)
+    and its nesting of ``ModuleList``s misleads the generic rule, so a UNet's blocks are each
+    stage's ``resnets`` and ``attentions`` children (``find_blocks`` expands the names).
+
+    Returns:
+        Names such as ``"down_blocks.1.resnets"``, ``"mid_block.attentions"``; empty when the
+        model has no such stages.
+    """
+    names = []
+    for stage_name in ("down_blocks", "mid_block", "up_blocks"):
+        stage = getattr(unet, stage_name, None)
+        if not isinstance(stage, nn.Module):
+            continue
+        stages = (list(stage.named_children()) if isinstance(stage, nn.ModuleList)
+                  else [("", stage)])
+        for index, module in stages:
+            prefix = f"{stage_name}.{index}" if index else stage_name
+            for part in ("resnets", "attentions"):
+                stack = getattr(module, part, None)
+                if isinstance(stack, nn.ModuleList) and len(stack):
+                    names.append(f"{prefix}.{part}")
+    return names
+
+
 def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     total = module_bytes(model)
     root = _root_stack(model)
     if root:
         return root
+    unet = unet_blocks(model)
+    if unet:
+        return _named_blocks(model, unet)
     found: list[tuple[str, nn.Module]] = []
     taken: list[str] = []
     for name, module in model.named_modules():

@@ -26,7 +26,7 @@ FLOORS: dict[str, int] = {
     "vramkit.devices": 1,
     "vramkit.memory": 2, "vramkit.kernels": 2, "vramkit.quant": 2, "vramkit.optim": 2,
     "vramkit.io": 3, "vramkit.offload": 3,
-    "vramkit.plan": 4, "vramkit.tiling": 4, "vramkit.distributed": 4,
+    "vramkit.planning": 4, "vramkit.tiling": 4, "vramkit.distributed": 4,
     "vramkit.recipes": 5,
     "vramkit.cli": 6, "vramkit.__main__": 6,
     "vramkit": 7,  # the package itself: the curated public API, re-exported lazily

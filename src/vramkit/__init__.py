@@ -23,7 +23,8 @@ __all__, _lazy_getattr, __dir__ = lazy_exports(__name__, {
     "vramkit.errors": (
         "VramkitError", "ConfigError", "DeviceError", "DeviceMismatchError", "InvalidDeviceError",
         "NvmlError", "JaxUnavailableError", "TooLateError", "PoolExhaustedError",
-        "InvalidBlockError", "OffloadError", "QuantizationError", "SafetensorsFormatError",
+        "InvalidBlockError", "OffloadError", "PlanError", "QuantizationError",
+        "SafetensorsFormatError",
         "KernelError", "RecoveryError", "VramkitWarning"),
     "vramkit.units": ("parse_size", "format_size"),
     # -- floor 1: devices: what hardware there is and how it is configured ---------------------
@@ -80,7 +81,11 @@ __all__, _lazy_getattr, __dir__ = lazy_exports(__name__, {
                                       "unwrapped_forward", "checkpoint", "checkpoint_with_pool",
                                       "GradientCheckpointer", "SDXLGradientCheckpoint"),
     # -- floor 4: planning and tiling ---------------------------------------------------------
-    "vramkit.plan.activations": ("ActivationEstimate", "estimate_activations"),
+    "vramkit.planning.api": ("plan",),
+    "vramkit.planning.fitting": ("fit", "Fitted", "FitReport"),
+    "vramkit.planning.planner": ("Plan",),
+    "vramkit.planning.hardware": ("hardware_profile",),
+    "vramkit.planning.activations": ("ActivationEstimate", "estimate_activations"),
     "vramkit.tiling.vae": ("VAETiling", "TilingHandle", "SeamReport", "seam_error"),
     # -- floor 5: recipes built from the floors below -----------------------------------------
     "vramkit.recipes.presets": ("SDXLMemoryConfig", "FluxTrainingConfig", "optimize_sdxl_memory",
@@ -139,7 +144,11 @@ if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.offload.swap import *  # noqa: F403
     from vramkit.optim.adamw8bit import *  # noqa: F403
     from vramkit.optim.config import *  # noqa: F403
-    from vramkit.plan.activations import *  # noqa: F403
+    from vramkit.planning.activations import *  # noqa: F403
+    from vramkit.planning.api import *  # noqa: F403
+    from vramkit.planning.fitting import *  # noqa: F403
+    from vramkit.planning.hardware import *  # noqa: F403
+    from vramkit.planning.planner import *  # noqa: F403
     from vramkit.quant.formats import *  # noqa: F403
     from vramkit.quant.linear import *  # noqa: F403
     from vramkit.quant.model import *  # noqa: F403

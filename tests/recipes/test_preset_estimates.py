@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vramkit.errors import ConfigError
-from vramkit.plan._meta import MetaAutocast
+from vramkit.planning._meta import MetaAutocast
 from vramkit.recipes import presets
 from vramkit.recipes.presets import FluxTrainingConfig, SDXLMemoryConfig
 from vramkit.units import format_size, parse_size
@@ -66,7 +66,7 @@ def test_meta_autocast_follows_cuda_autocasts_rules() -> None:
 
 
 def test_activation_estimate_sees_keyword_attention_under_meta_autocast() -> None:
-    from vramkit.plan.activations import estimate_activations
+    from vramkit.planning.activations import estimate_activations
 
     class Block(nn.Module):
         def __init__(self) -> None:

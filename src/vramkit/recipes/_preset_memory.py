@@ -2,7 +2,7 @@
 presets of :mod:`vramkit.recipes.presets`.
 
 The published model configs, the profiles measured from them on the meta device (block
-footprints by the swapper's own rule, activations by :func:`vramkit.plan.activations.
+footprints by the swapper's own rule, activations by :func:`vramkit.planning.activations.
 estimate_activations`), the estimate of a preset's peak, and the choice of the fastest settings
 that fit a card.
 """
@@ -26,29 +26,20 @@ from vramkit._validate import (
     check_size,
 )
 from vramkit.errors import ConfigError
+from vramkit.offload.blocks import unet_blocks as find_unet_blocks
 from vramkit.offload.swap import SwapConfig
-from vramkit.plan._meta import MetaAutocast, quantize_on_meta
+from vramkit.planning._meta import MetaAutocast, quantize_on_meta
 from vramkit.units import format_size
 
 QUANT_FORMATS = ("int8", "int4", "nf4", "fp8")
 
 def unet_blocks(unet: nn.Module) -> list[str]:
-    """The UNet's resnet and attention stacks (block names for checkpointing and swapping).
+    """The UNet's resnet and attention stacks (:func:`vramkit.offload.blocks.unet_blocks`).
 
-    A UNet stage is too coarse to swap (SDXL's largest is ~1.4 GB in bf16) and diffusers' own
-    ``ModuleList`` nesting fools the automatic block finder, so blocks are each stage's
-    ``resnets`` and ``attentions`` children.
+    Raises:
+        ConfigError: for a model without down/mid/up blocks holding resnets or attentions.
     """
-    names = []
-    for stage_name in ("down_blocks", "mid_block", "up_blocks"):
-        stage = getattr(unet, stage_name, None)
-        stages = (list(stage.named_children()) if isinstance(stage, nn.ModuleList)
-                  else [("", stage)] if stage is not None else [])
-        for index, module in stages:
-            prefix = f"{stage_name}.{index}" if index else stage_name
-            for part in ("resnets", "attentions"):
-                if isinstance(getattr(module, part, None), nn.ModuleList) and len(getattr(module, part)):
-                    names.append(f"{prefix}.{part}")
+    names = find_unet_blocks(unet)
     if not names:
         raise ConfigError(f"{type(unet).__name__} has no down/mid/up blocks with resnets or "
                           "attentions", hint="Pass a diffusers UNet2DConditionModel.")
@@ -224,7 +215,7 @@ def estimate_step(model: str, *, weight_format: str = "bf16", max_gpu_blocks: in
     """Combine a stored profile: the swapper's own schedule rule picks the swapped blocks
     (``max_gpu_blocks``: ``None`` = no swapper), the planner's activation rule the activations."""
     from vramkit.offload.swap import BlockSwapper
-    from vramkit.plan.activations import ActivationEstimate
+    from vramkit.planning.activations import ActivationEstimate
 
     profile = PROFILES[model]
     rows = profile.block_rows()
@@ -403,7 +394,7 @@ def measure_model_profile(model: str) -> ModelProfile:
     Builds the published config (:data:`SDXL_UNET_CONFIG`, :data:`FLUX_DEV_TRANSFORMER_CONFIG`)
     with LoRA adapters (:data:`PROFILE_LORA_RANK` on :data:`PROFILE_LORA_TARGETS`) and asks the
     swapper's rule (:meth:`BlockSwapper.footprint`, for bf16 and, for Flux, each quantized base
-    format) and the activation estimator (:func:`vramkit.plan.activations.estimate_activations`,
+    format) and the activation estimator (:func:`vramkit.planning.activations.estimate_activations`,
     one row at :data:`IMAGE_SIZE` under bf16 autocast). The presets use the stored result.
 
     Args:
@@ -413,7 +404,7 @@ def measure_model_profile(model: str) -> ModelProfile:
         ConfigError: for another name, or without diffusers/peft.
     """
     from vramkit.offload.swap import BlockSwapper
-    from vramkit.plan.activations import estimate_activations
+    from vramkit.planning.activations import estimate_activations
 
     check_choice("model", model, _MODELS)
     base = _meta_model(model)

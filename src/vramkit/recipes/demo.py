@@ -307,7 +307,7 @@ def estimate_activations(model: nn.Module, config: DiTConfig, batch_size: int,
     """Activation bytes of one demo training step, without and with block checkpointing.
 
     The demo's step (:func:`~vramkit.recipes.dit.flow_matching_loss` on a synthetic batch)
-    measured by :func:`vramkit.plan.activations.estimate_activations` on the meta device.
+    measured by :func:`vramkit.planning.activations.estimate_activations` on the meta device.
 
     Args:
         model: the model on the meta device (adapters included).
@@ -318,7 +318,7 @@ def estimate_activations(model: nn.Module, config: DiTConfig, batch_size: int,
     Returns:
         ``(full, checkpointed)`` in bytes.
     """
-    from vramkit.plan.activations import estimate_activations as estimate
+    from vramkit.planning.activations import estimate_activations as estimate
 
     batch = synthetic_batch(config, batch_size, device="meta")
     found = estimate(model, lambda: flow_matching_loss(model, batch), block_names)

@@ -24,7 +24,7 @@ guessed: :meth:`SDXLMemoryConfig.estimate` / :meth:`FluxTrainingConfig.estimate`
 resident weights, swap slots, adapters, optimizer states and activations of one LoRA training
 step at 1024x1024, from model profiles measured on the meta device
 (:func:`measure_model_profile`: the swapper's :meth:`~vramkit.offload.swap.BlockSwapper.footprint`
-and :func:`vramkit.plan.activations.estimate_activations` over the published SDXL and FLUX.1-dev
+and :func:`vramkit.planning.activations.estimate_activations` over the published SDXL and FLUX.1-dev
 configs) and stored here. A config given a ``vram`` whose estimate does not fit it raises when it
 is made. The reasoning and the arithmetic are in docs/recovery_and_presets.md; the measured
 peaks come from benchmarks/presets.py.
@@ -53,7 +53,7 @@ from vramkit._validate import (
 )
 from vramkit.errors import ConfigError
 from vramkit.offload.swap import SwapConfig
-from vramkit.plan._meta import trainable_module_names
+from vramkit.planning._meta import trainable_module_names
 from vramkit.recipes._preset_memory import (
     FLUX_DEV_TRANSFORMER_CONFIG,
     IMAGE_SIZE,

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from vramkit.errors import ConfigError
-from vramkit.plan.hardware import PROFILES, HardwareProfile, hardware_profile
+from vramkit.planning.hardware import PROFILES, HardwareProfile, hardware_profile
 
 REQUIRED = ("rtx3090", "rtx4090", "rtx5090", "rtx4060ti-16gb", "a100-80gb", "h100-pcie",
             "h100-sxm", "h200", "l4")
@@ -175,7 +175,7 @@ def test_sources_may_come_as_a_list() -> None:
 
 
 def test_the_module_imports_no_torch() -> None:
-    probe = ("import sys, vramkit.plan.hardware as h; h.hardware_profile('4090'); "
+    probe = ("import sys, vramkit.planning.hardware as h; h.hardware_profile('4090'); "
              "assert 'torch' not in sys.modules, 'torch imported'")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=60)

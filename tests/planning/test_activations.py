@@ -1,4 +1,4 @@
-"""vramkit.plan.activations: activation bytes of a step by block, on the meta device."""
+"""vramkit.planning.activations: activation bytes of a step by block, on the meta device."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vramkit.errors import ConfigError
-from vramkit.plan.activations import ActivationEstimate, estimate_activations
+from vramkit.planning.activations import ActivationEstimate, estimate_activations
 
 TOKENS, DIM, HEADS = 256, 64, 4
 

@@ -14,8 +14,9 @@ what a planner searches over.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from vramkit.errors import ConfigError
 
-__all__ = ["ActivationEstimate", "estimate_activations"]
+__all__ = ["ActivationEstimate", "activation_accounting", "estimate_activations"]
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ class ActivationEstimate:
         reverse and frees each one's tensors when it is done, so the peak is reached at some
         block ``i``: what the blocks before it keep, plus ``i``'s own saved tensors (kept, or
         rebuilt by its recomputation), plus one block's backward temporaries. Checkpointing a
-        block never raises the estimate.
+        block lowers the estimate unless its inputs weigh more than what it saves (a UNet's
+        late resnets, fed the skip connections, can): then it raises it.
 
         Raises:
             ConfigError: for a name that is not a block of the estimate.
@@ -103,7 +105,12 @@ class _SavedBytes:
         self.per_block = dict.fromkeys(block_names, 0)
         self.inputs = dict.fromkeys(self.per_block, 0)
         self.current: str | None = None
+        self.order: list[str] = []  # blocks in the order they first ran
+        self.called: set[str] = set()
         self.outside = 0
+        # Forward FLOPs of attention by block (None: outside), counted here because the fused
+        # stand-in below replaces the matmuls a FLOP counter would see.
+        self.attention_flops: dict[str | None, int] = {}
         # Held until the estimate is done: a freed storage's address could be reused by a new
         # one, which would then be taken for a tensor already counted. (Meta: costs nothing.)
         self.alive: list[torch.Tensor] = []
@@ -122,8 +129,19 @@ class _SavedBytes:
             self.add_bytes(t.untyped_storage().nbytes())
         return t
 
+    def estimate(self) -> ActivationEstimate:
+        """The estimate, blocks in the order the step first ran them (their execution order;
+        blocks that never ran come last)."""
+        order = self.order + [n for n in self.per_block if n not in self.called]
+        return ActivationEstimate(per_block={n: self.per_block[n] for n in order},
+                                  inputs={n: self.inputs[n] for n in order},
+                                  outside=self.outside)
+
     def enter(self, name: str, tensors: Iterable[Any]) -> None:
         self.current = name
+        if name not in self.called:
+            self.called.add(name)
+            self.order.append(name)
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 continue
@@ -156,6 +174,11 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
         for t in (q, k, v, out):
             self.saved.pack(t)
         self.saved.add_bytes(math.prod(q.shape[:-1]) * 4)  # log-sum-exp
+        # q @ k^T and p @ v: 2 FLOPs per multiply-add, over every query-key pair.
+        pairs = math.prod(q.shape[:-1]) * k.shape[-2]
+        flops = 2 * pairs * q.shape[-1] + 2 * pairs * v.shape[-1]
+        key = self.saved.current
+        self.saved.attention_flops[key] = self.saved.attention_flops.get(key, 0) + flops
         return out
 
 
@@ -173,18 +196,14 @@ def _flat_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     return out
 
 
-def estimate_activations(model: nn.Module, step: Callable[[], Any],
-                         block_names: Iterable[str]) -> ActivationEstimate:
-    """Measure what ``step()`` saves for backward, by block, without running anything real.
+@contextlib.contextmanager
+def activation_accounting(model: nn.Module, block_names: Iterable[str]) -> Iterator[_SavedBytes]:
+    """Count what autograd saves while the ``with`` body runs a forward on meta tensors.
 
-    Args:
-        model: the model, on the meta device (adapters included); its parameters and buffers
-            are not activations.
-        step: runs the forward and loss on meta inputs (``lambda: loss_fn(model, batch)``).
-        block_names: the blocks, as the swapper finds them (qualified module names).
-
-    Returns:
-        An :class:`ActivationEstimate`.
+    The yielded record has ``per_block``, ``inputs``, ``outside`` (bytes, as in
+    :class:`ActivationEstimate`) and ``attention_flops`` (forward FLOPs of attention by block,
+    ``None`` for attention outside the blocks). :func:`estimate_activations` is this around
+    one step; a planner can run a FLOP counter in the same pass.
 
     Raises:
         ConfigError: when ``block_names`` names a module the model does not have.
@@ -212,9 +231,28 @@ def estimate_activations(model: nn.Module, step: Callable[[], Any],
                         block.register_forward_hook(leave)]
         with (torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t),
               _FusedAttentionOnMeta(saved)):
-            step()
+            yield saved
     finally:
         for handle in handles:
             handle.remove()
-    return ActivationEstimate(per_block=dict(saved.per_block), inputs=dict(saved.inputs),
-                              outside=saved.outside)
+
+
+def estimate_activations(model: nn.Module, step: Callable[[], Any],
+                         block_names: Iterable[str]) -> ActivationEstimate:
+    """Measure what ``step()`` saves for backward, by block, without running anything real.
+
+    Args:
+        model: the model, on the meta device (adapters included); its parameters and buffers
+            are not activations.
+        step: runs the forward and loss on meta inputs (``lambda: loss_fn(model, batch)``).
+        block_names: the blocks, as the swapper finds them (qualified module names).
+
+    Returns:
+        An :class:`ActivationEstimate`.
+
+    Raises:
+        ConfigError: when ``block_names`` names a module the model does not have.
+    """
+    with activation_accounting(model, block_names) as saved:
+        step()
+    return saved.estimate()

@@ -1,0 +1,44 @@
+"""The planner: choose swapping, slots, checkpointing, storage formats and activation offload for
+a model, its inputs and a memory budget, before anything is allocated; apply the plan.
+
+* :func:`vramkit.plan` (:mod:`.api`): the plan for a budget, at the best predicted step time.
+* :func:`vramkit.fit` (:mod:`.fitting`): plan and apply, then check the prediction after the first
+  steps; :meth:`Fitted.detach` gives the model back exactly.
+* :mod:`.analysis`: a model's costs by block on the meta device (FLOPs, activation bytes,
+  weight bytes per storage format by the swapper's own rule).
+* :mod:`.planner`: the model of time (phases simulated block by block) and memory, the search.
+* :mod:`.machine` / :mod:`.hardware`: the machine, measured or from sourced GPU profiles.
+* :mod:`.activations`: activation bytes of a step by block, with and without checkpointing.
+* :mod:`.models`: the shipped model presets (FLUX.1-dev, SDXL, SD3.5-large, Qwen-Image,
+  Wan2.1-14B, Llama-3.1-8B) built on the meta device, and local model folders.
+
+The package is ``vramkit.planning``; its verbs are ``vramkit.plan`` and ``vramkit.fit``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vramkit._lazy import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    ".api": ("plan", "DEFAULT_HEADROOM", "resolve_headroom"),
+    ".fitting": ("fit", "Fitted", "FitReport"),
+    ".planner": ("Plan", "PhaseTime", "search"),
+    ".analysis": ("analyze", "ModelCost", "BlockCost", "FORMATS", "meta_copy"),
+    ".machine": ("Machine", "machine_for", "measure_machine", "ACHIEVED_FRACTION"),
+    ".hardware": ("HardwareProfile", "PROFILES", "hardware_profile"),
+    ".activations": ("ActivationEstimate", "estimate_activations", "activation_accounting"),
+    ".models": ("build_target", "PlanTarget", "ModelPreset", "MODEL_PRESETS", "LORA_TARGETS",
+                "list_presets"),
+})
+
+if TYPE_CHECKING:  # static analysers see the real definitions
+    from vramkit.planning.activations import *  # noqa: F403
+    from vramkit.planning.analysis import *  # noqa: F403
+    from vramkit.planning.api import *  # noqa: F403
+    from vramkit.planning.fitting import *  # noqa: F403
+    from vramkit.planning.hardware import *  # noqa: F403
+    from vramkit.planning.machine import *  # noqa: F403
+    from vramkit.planning.models import *  # noqa: F403
+    from vramkit.planning.planner import *  # noqa: F403

@@ -1,0 +1,300 @@
+"""What a model costs, block by block, measured on the meta device (nothing allocated, nothing
+computed): FLOPs forward and backward, activation bytes with and without checkpointing, and
+weight bytes in each storage format by the swapper's own rule.
+
+One pass runs the step (forward and loss, then backward for training) under a FLOP counter
+(``torch.utils.flop_counter``, attributed to modules), the activation accounting of
+:mod:`vramkit.planning.activations` and, optionally, bf16 autocast for meta tensors. Attention is
+replaced by a stand-in that saves what fused kernels save, so its FLOPs are counted there
+(forward: ``q @ k^T`` and ``p @ v``; backward: 2.5x, the five matmuls of a flash-attention
+backward). Storage formats are measured on quantized copies of each block built on the meta
+device with the exact packed layout.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from vramkit._validate import check_choice
+from vramkit.errors import ConfigError
+from vramkit.offload.blocks import find_blocks
+from vramkit.offload.swap import BlockSwapper, SwapConfig
+from vramkit.planning._meta import MetaAutocast, quantize_on_meta
+from vramkit.planning.activations import ActivationEstimate, activation_accounting
+
+__all__ = ["FORMATS", "BlockCost", "ModelCost", "analyze", "meta_copy"]
+
+logger = logging.getLogger(__name__)
+
+#: Storage formats a plan may choose for a block's frozen weights.
+FORMATS = ("bf16", "fp8", "int8", "nf4", "int4")
+#: Backward of fused attention over its forward (flash attention: 5 matmuls vs 2).
+ATTENTION_BACKWARD_FACTOR = 2.5
+_MODES = ("train", "infer")
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block's costs.
+
+    Attributes:
+        name: qualified module name.
+        forward_flops / backward_flops: FLOPs of one call and of its backward.
+        activations: bytes it saves for backward without checkpointing.
+        inputs: bytes of its inputs (what it keeps when checkpointed).
+        swapped: format -> bytes of its flat master (its share of a GPU slot) when swapped
+            (0: nothing in it is swappable).
+        kept: format -> bytes of its frozen tensors that stay on the device even when it is
+            swapped (small tensors).
+        adapters: bytes of its trainable parameters (always on the device).
+    """
+
+    name: str
+    forward_flops: float
+    backward_flops: float
+    activations: int
+    inputs: int
+    swapped: Mapping[str, int]
+    kept: Mapping[str, int]
+    adapters: int
+
+    def resident_bytes(self, fmt: str) -> int:
+        """Frozen bytes on the device when the block stays resident in ``fmt``."""
+        return self.swapped[fmt] + self.kept[fmt]
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """A model's costs for one step (see :func:`analyze`).
+
+    Attributes:
+        mode: ``"train"`` or ``"infer"``.
+        blocks: the blocks in execution order.
+        outside_bytes: frozen bytes outside the blocks (embedders, final layers).
+        outside_forward_flops / outside_backward_flops: their FLOPs.
+        trainable_params: parameters that require grad (LoRA adapters, or everything).
+        trainable_bytes: their bytes.
+        activations: the activation estimate by block (batch of the example inputs).
+        formats: the formats measured (always ``"bf16"`` first: the model as built).
+        seconds: how long the analysis took.
+    """
+
+    mode: str
+    blocks: tuple[BlockCost, ...]
+    outside_bytes: int
+    outside_forward_flops: float
+    outside_backward_flops: float
+    trainable_params: int
+    trainable_bytes: int
+    activations: ActivationEstimate
+    formats: tuple[str, ...]
+    seconds: float = 0.0
+    block_index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_index", {b.name: i for i, b in enumerate(self.blocks)})
+
+    @property
+    def forward_flops(self) -> float:
+        return self.outside_forward_flops + sum(b.forward_flops for b in self.blocks)
+
+    @property
+    def backward_flops(self) -> float:
+        return self.outside_backward_flops + sum(b.backward_flops for b in self.blocks)
+
+    def weight_bytes(self, fmt: str = "bf16") -> int:
+        """Frozen bytes of the whole model with every block stored in ``fmt``."""
+        return self.outside_bytes + sum(b.resident_bytes(fmt) for b in self.blocks)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """``model`` itself when it is on the meta device, else a copy whose parameters and buffers
+    are meta tensors of the same shapes, dtypes and ``requires_grad`` (no data is copied)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if all(t.device.type == "meta" for t in tensors):
+        return model
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
+                                   requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "meta":
+            return value
+        out = torch.empty_like(value, device="meta")
+        return out.requires_grad_(value.requires_grad) if value.is_floating_point() else out
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    return value
+
+
+def default_step(model: nn.Module, inputs: Any) -> torch.Tensor:
+    """Run ``model`` on ``inputs`` (a tuple of positional arguments or a dict of keyword ones)
+    and reduce its floating-point outputs to a scalar (what a loss would cost, roughly)."""
+    out = model(**inputs) if isinstance(inputs, Mapping) else model(*inputs)
+    tensors = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors:
+        raise ConfigError(f"{type(model).__name__} returned no floating-point tensor",
+                          hint="Pass step=lambda model, inputs: <a scalar loss> to plan().")
+    total = tensors[0].float().mean()
+    for t in tensors[1:]:
+        total = total + t.float().mean()
+    return total
+
+
+def _flatten(value: Any) -> list[Any]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        return [x for v in value.values() for x in _flatten(v)]
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _flatten(v)]
+    for attr in ("sample", "logits", "last_hidden_state"):  # diffusers / transformers outputs
+        inner = getattr(value, attr, None)
+        if isinstance(inner, torch.Tensor):
+            return [inner]
+    return []
+
+
+def _flop_counts(counter: FlopCounterMode) -> dict[str, float]:
+    return {name: float(sum(ops.values())) for name, ops in counter.get_flop_counts().items()}
+
+
+def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
+            step: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+            blocks: str | Sequence[str] = "auto", formats: Sequence[str] = ("bf16",),
+            swap_config: SwapConfig | None = None,
+            autocast: torch.dtype | None = torch.bfloat16) -> ModelCost:
+    """Measure a model's per-block costs on the meta device.
+
+    Args:
+        model: the model (on the meta device, or a real one: a meta copy is made without
+            copying data).
+        inputs: a tuple of positional arguments or a dict of keyword arguments (tensors on any
+            device, meta included: they are only looked at).
+        mode: ``"train"`` (forward, loss, backward) or ``"infer"`` (forward only).
+        step: ``step(model, inputs) -> scalar loss`` (default: the mean of the float outputs).
+        blocks: ``"auto"`` or names, as :func:`vramkit.offload.blocks.find_blocks` takes them.
+        formats: storage formats to measure (``"bf16"`` is always included).
+        swap_config: the swapper settings whose rule decides what a swapped block moves
+            (default ``SwapConfig()``; ``trainable`` follows: adapters stay resident).
+        autocast: the low-precision dtype of bf16-style autocast during the step (default
+            bf16; ``None``: no autocast).
+
+    Returns:
+        A :class:`ModelCost`.
+
+    Raises:
+        ConfigError: for an unknown mode or format, or a model whose step cannot run on meta.
+    """
+    check_choice("mode", mode, _MODES)
+    for fmt in formats:
+        check_choice("format", fmt, FORMATS)
+    started = time.perf_counter()
+    rule = swap_config if swap_config is not None else SwapConfig()
+    meta = meta_copy(model)
+    found = find_blocks(meta, blocks)
+    names = [n for n, _ in found]
+    meta_inputs = _to_meta(inputs)
+    run = step if step is not None else default_step
+    counter = FlopCounterMode(display=False)
+    try:
+        with counter:
+            with activation_accounting(meta, names) as saved:
+                context = MetaAutocast(autocast) if autocast is not None else None
+                if context is not None:
+                    with context:
+                        loss = run(meta, meta_inputs)
+                else:
+                    loss = run(meta, meta_inputs)
+            forward = _flop_counts(counter)
+            if mode == "train":
+                if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+                    raise ConfigError(
+                        "the training step's loss does not require grad: nothing is trainable",
+                        hint="Add LoRA adapters (peft) or unfreeze the parameters to train, or "
+                             "plan with mode='infer'.")
+                loss.backward()
+            total = _flop_counts(counter)
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        raise ConfigError(f"{type(model).__name__} cannot run its step on the meta device: "
+                          f"{exc}",
+                          hint="Check example_inputs against the model's forward, or pass a "
+                               "step=lambda model, inputs: loss that runs it.") from exc
+    root = type(meta).__name__
+    attention = saved.attention_flops
+    estimate = saved.estimate()
+    all_formats = ("bf16", *[f for f in dict.fromkeys(formats) if f != "bf16"])
+    footprints = _footprints(meta, found, all_formats, rule)
+    # The FLOP counter's per-module attribution is exact in forward; in backward it is not
+    # (its module tracker can lose its place in large graphs), so the backward total (exact)
+    # is shared among the blocks by their forward matmul FLOPs: a frozen layer's backward is
+    # its input gradient (1x), a trainable one's adds the weight gradient (2x), the same for
+    # every block of a model trained one way. Attention's backward is counted apart.
+    matmul = {name: forward.get(f"{root}.{name}", 0.0) for name in names}
+    matmul_total = forward.get("Global", 0.0)
+    backward_matmul = (total.get("Global", 0.0) - matmul_total) if mode == "train" else 0.0
+    costs = []
+    modules = dict(found)
+    for name in estimate.per_block:  # execution order, as the step ran the blocks
+        module = modules[name]
+        attn = attention.get(name, 0)
+        share = matmul[name] / matmul_total if matmul_total else 0.0
+        bwd = share * backward_matmul + ATTENTION_BACKWARD_FACTOR * attn
+        swapped, kept = footprints[name]
+        adapters = sum(_nbytes(p) for p in module.parameters() if p.requires_grad)
+        costs.append(BlockCost(name, matmul[name] + attn, bwd if mode == "train" else 0.0,
+                               estimate.per_block[name], estimate.inputs[name], swapped, kept,
+                               adapters))
+    in_blocks = {id(t) for _, m in found for t in (*m.parameters(), *m.buffers())}
+    outside = sum(_nbytes(t) for t in (*meta.parameters(), *meta.buffers())
+                  if id(t) not in in_blocks and not t.requires_grad)
+    block_fwd = sum(c.forward_flops for c in costs)
+    block_bwd = sum(c.backward_flops for c in costs)
+    total_fwd = matmul_total + sum(attention.values())
+    total_bwd = backward_matmul + ATTENTION_BACKWARD_FACTOR * sum(attention.values())
+    trainable = [p for p in meta.parameters() if p.requires_grad]
+    result = ModelCost(
+        mode=mode, blocks=tuple(costs), outside_bytes=outside,
+        outside_forward_flops=max(0.0, total_fwd - block_fwd),
+        outside_backward_flops=max(0.0, total_bwd - block_bwd) if mode == "train" else 0.0,
+        trainable_params=sum(p.numel() for p in trainable),
+        trainable_bytes=sum(_nbytes(p) for p in trainable),
+        activations=estimate, formats=all_formats, seconds=time.perf_counter() - started)
+    logger.debug("analyzed %s in %.1f s: %d blocks, %.1f TFLOP forward", root, result.seconds,
+                 len(costs), result.forward_flops / 1e12)
+    return result
+
+
+def _footprints(meta: nn.Module, found: list[tuple[str, nn.Module]], formats: Sequence[str],
+                rule: SwapConfig) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
+    """name -> (swapped bytes by format, kept bytes by format) of each block."""
+    out: dict[str, tuple[dict[str, int], dict[str, int]]] = {n: ({}, {}) for n, _ in found}
+    for fmt in formats:
+        for name, module in found:
+            block = module if fmt == "bf16" else quantize_on_meta(copy.deepcopy(module), fmt)
+            footprint = BlockSwapper.footprint(block, rule)
+            adapters = sum(_nbytes(p) for p in block.parameters() if p.requires_grad)
+            out[name][0][fmt] = footprint.swapped
+            out[name][1][fmt] = max(0, footprint.resident - adapters)
+    return out

@@ -1,0 +1,136 @@
+"""``vramkit.plan``: choose swapping, slots, checkpointing, storage formats and activation offload
+for a model, its inputs and a memory budget, at the best predicted speed, before anything runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from vramkit._validate import check_bool, check_choice, check_int, check_number, check_size
+from vramkit.errors import ConfigError
+from vramkit.planning.analysis import FORMATS, ModelCost, analyze
+from vramkit.planning.hardware import HardwareProfile
+from vramkit.planning.machine import Machine, machine_for
+from vramkit.planning.planner import Plan, search
+
+__all__ = ["DEFAULT_HEADROOM", "plan", "resolve_headroom"]
+
+logger = logging.getLogger(__name__)
+
+#: Kept free of the budget by default: the allocator's rounding and fragmentation, cuBLAS and
+#: attention workspaces, and what the meta-device estimate does not see (a share of the
+#: budget) plus a fixed part for the CUDA libraries' own buffers.
+DEFAULT_HEADROOM = (0.08, 256 << 20)
+
+
+def resolve_headroom(budget: int, headroom: int | str | float | None) -> int:
+    """Bytes kept free: ``None`` = the default (8 % of the budget + 256 MiB), a fraction in
+    [0, 1), or a size."""
+    if headroom is None:
+        share, fixed = DEFAULT_HEADROOM
+        return int(budget * share) + fixed
+    if isinstance(headroom, float) and not isinstance(headroom, bool) and headroom < 1:
+        return int(budget * check_number("headroom", headroom, minimum=0, maximum=1,
+                                         high_open=True))
+    return int(check_size("headroom", headroom))
+
+
+def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str = "train",
+         hardware: str | HardwareProfile | Machine | None = None,
+         allow_formats: Sequence[str] = (), host_budget: int | str | None = None,
+         headroom: int | str | float | None = None,
+         step: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+         blocks: str | Sequence[str] = "auto", num_slots: Sequence[int] = (1, 2, 3),
+         activation_offload: bool = True, autocast: torch.dtype | None = torch.bfloat16,
+         cost: ModelCost | None = None) -> Plan:
+    """Plan a model's memory for a budget at the best predicted step time.
+
+    Nothing is allocated or computed: the model runs on the meta device (a meta copy of a real
+    model is made without copying data). The plan chooses which blocks swap and how many ring
+    slots, which blocks are checkpointed (any subset, not only all or none), the storage format
+    of the swapped and the resident blocks' frozen weights among ``allow_formats``, and
+    activation offload; see :mod:`vramkit.planning.planner` for the model of time and memory.
+
+    Args:
+        model: the model (meta or real), with its trainable parameters marked (LoRA adapters
+            added, the base frozen).
+        example_inputs: a tuple of positional arguments or a dict of keyword arguments for the
+            model's forward (meta tensors are enough), at the batch and resolution to plan for.
+        budget: device memory the step may use (``"12GiB"``, bytes): a card's size, or the cap
+            ``torch.cuda.set_per_process_memory_fraction`` enforces.
+        mode: ``"train"`` (forward, backward, AdamW on the trainable parameters) or
+            ``"infer"`` (forward under no_grad).
+        hardware: a GPU name (``"rtx4090"``, ``"h100-pcie"``, see
+            :data:`vramkit.planning.PROFILES`) to plan offline from its published figures; a
+            :class:`HardwareProfile` or :class:`Machine`; ``None`` (default) measures this
+            machine's GPU.
+        allow_formats: packed storage the plan may use for frozen weights: ``"fp8"``,
+            ``"int8"``, ``"nf4"``, ``"int4"`` (default none: the weights as built).
+        host_budget: pinned host memory the swapped blocks (and offloaded activations) may
+            take (default: no limit).
+        headroom: bytes of the budget kept free: a size, a fraction, or ``None`` (8 % + 256 MiB).
+        step: ``step(model, inputs) -> loss`` (default: the mean of the float outputs).
+        blocks: ``"auto"`` or block names (:func:`vramkit.offload.blocks.find_blocks`).
+        num_slots: ring sizes to consider (default 1, 2, 3).
+        activation_offload: consider offloading saved activations (default ``True``).
+        autocast: the dtype of autocast during the step (default bf16; ``None``: none).
+        cost: a :class:`~vramkit.planning.analysis.ModelCost` from an earlier :func:`analyze` of
+            the same model and inputs (skips the meta-device pass).
+
+    Returns:
+        The :class:`~vramkit.planning.planner.Plan`.
+
+    Raises:
+        PlanError: when no plan fits; the message names the smallest budget that would, and
+            what would make it fit.
+        ConfigError: for bad arguments, or a model whose step cannot run on meta tensors.
+        DeviceError: for ``hardware=None`` without a GPU.
+    """
+    check_choice("mode", mode, ("train", "infer"))
+    budget_bytes = check_size("budget", budget, minimum=1)
+    host = check_size("host_budget", host_budget, allow_none=True)
+    check_bool("activation_offload", activation_offload)
+    if isinstance(allow_formats, str):
+        allow_formats = (allow_formats,)
+    for fmt in allow_formats:
+        check_choice("allow_formats", fmt, FORMATS)
+    slots = tuple(num_slots)
+    if not slots:
+        raise ConfigError("num_slots is empty", hint="Pass num_slots=(1, 2, 3) (the default).")
+    for r in slots:
+        check_int("num_slots", r, minimum=1)
+    reserved = resolve_headroom(budget_bytes, headroom)
+    if reserved >= budget_bytes and headroom is not None:  # the default: PlanError below
+        raise ConfigError(f"headroom {reserved} bytes leaves nothing of the "
+                          f"{budget_bytes}-byte budget",
+                          hint="Lower headroom= (a fraction such as 0.05, or a size).")
+    machine = machine_for(hardware)
+    if cost is None:
+        cost = analyze(model, example_inputs, mode=mode, step=step, blocks=blocks,
+                       formats=("bf16", *allow_formats), autocast=autocast)
+    elif cost.mode != mode:
+        raise ConfigError(f"cost= was analyzed for mode {cost.mode!r}, not {mode!r}",
+                          hint="Analyze again with the same mode, or leave cost=None.")
+    def budget_for(need: int) -> int:
+        """The smallest budget whose room after this headroom rule holds ``need`` bytes."""
+        low, high = need, max(need, 1) * 4 + (1 << 30)
+        while low < high:
+            mid = (low + high) // 2
+            if mid - resolve_headroom(mid, headroom) >= need:
+                high = mid
+            else:
+                low = mid + 1
+        return low
+
+    result = search(cost, machine, budget_bytes, reserved, allow_formats=allow_formats,
+                    num_slots=slots, activation_offload=activation_offload, host_budget=host,
+                    budget_for=budget_for)
+    logger.info("plan: %d of %d blocks swapped, %d checkpointed, predicted %.0f ms, peak %d",
+                len(result.swapped), len(cost.blocks), len(result.checkpointed),
+                result.predicted_step_seconds * 1e3, result.predicted_peak_bytes)
+    return result

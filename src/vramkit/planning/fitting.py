@@ -1,0 +1,316 @@
+"""``vramkit.fit``: plan a model for a budget and apply the plan with vramkit's pieces, then check
+the prediction against the first steps.
+
+The plan's parts are applied in this order: packed storage of the blocks the plan stores in
+another format (``quantize_model`` on those blocks; the original layers are kept on the host,
+so :meth:`Fitted.detach` gives the model back exactly), gradient checkpointing of the planned
+blocks, the block swapper with exactly the planned blocks and slots
+(``SwapConfig(swapped_blocks=...)``), and activation offload around the model's forward. After
+``observe_steps`` steps (a step is the time between two calls of the model), the measured peak
+and step time are compared with the prediction, logged, and kept for :meth:`Fitted.report`.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from vramkit._validate import check_int
+from vramkit.devices.resolve import resolve_device
+from vramkit.errors import ConfigError, OffloadError
+from vramkit.offload import _patch
+from vramkit.offload.activations import ActivationOffloader
+from vramkit.offload.checkpointing import (
+    disable_gradient_checkpointing,
+    enable_gradient_checkpointing,
+    is_checkpointed,
+)
+from vramkit.offload.swap import BlockSwapper, SwapConfig
+from vramkit.planning._meta import trainable_module_names
+from vramkit.planning.api import plan as make_plan
+from vramkit.planning.planner import Plan
+from vramkit.units import format_size
+
+__all__ = ["FitReport", "Fitted", "fit"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """The prediction next to what the first steps measured.
+
+    Attributes:
+        steps: steps observed (the first is left out of the step time).
+        predicted_peak_bytes / measured_peak_bytes: the peak of allocated memory (measured on
+            CUDA only; ``None`` on the CPU).
+        predicted_step_seconds / measured_step_seconds: median step time (``None`` until two
+            steps ran).
+        budget_bytes: the budget.
+    """
+
+    steps: int
+    budget_bytes: int
+    predicted_peak_bytes: int
+    measured_peak_bytes: int | None
+    predicted_step_seconds: float
+    measured_step_seconds: float | None
+
+    @property
+    def peak_error(self) -> float | None:
+        """``measured / predicted - 1`` of the peak."""
+        if self.measured_peak_bytes is None:
+            return None
+        return self.measured_peak_bytes / self.predicted_peak_bytes - 1
+
+    @property
+    def step_error(self) -> float | None:
+        """``measured / predicted - 1`` of the step time."""
+        if self.measured_step_seconds is None:
+            return None
+        return self.measured_step_seconds / self.predicted_step_seconds - 1
+
+    def describe(self) -> str:
+        parts = [f"after {self.steps} steps:"]
+        if self.measured_peak_bytes is not None:
+            parts.append(f"peak {format_size(self.measured_peak_bytes)} measured vs "
+                         f"{format_size(self.predicted_peak_bytes)} predicted "
+                         f"({self.peak_error:+.1%}), budget {format_size(self.budget_bytes)}")
+        if self.measured_step_seconds is not None:
+            parts.append(f"step {self.measured_step_seconds * 1e3:.0f} ms measured vs "
+                         f"{self.predicted_step_seconds * 1e3:.0f} ms predicted "
+                         f"({self.step_error:+.1%})")
+        return " ".join(parts)
+
+
+class _OffloadingForward(_patch.MethodWrapper):
+    """The model's forward with saved activations offloaded while it runs."""
+
+    __slots__ = ("offloader",)
+    kind = "activation_offload"
+
+    def __init__(self, offloader: ActivationOffloader) -> None:
+        super().__init__()
+        self.offloader = offloader
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.active or self.offloader.active:
+            return self.inner(*args, **kwargs)
+        with self.offloader:
+            return self.inner(*args, **kwargs)
+
+
+class Fitted:
+    """A model with a plan applied (:func:`fit`). Use the model as usual.
+
+    Attributes:
+        model: the model.
+        plan: the :class:`~vramkit.planning.planner.Plan` applied.
+        swapper: the :class:`~vramkit.offload.swap.BlockSwapper`, or ``None`` when nothing is
+            swapped.
+        device: where the model runs.
+    """
+
+    def __init__(self, model: nn.Module, plan: Plan, device: torch.device, *,
+                 blocks: str | Sequence[str] = "auto", observe_steps: int = 3) -> None:
+        self.model = model
+        self.plan = plan
+        self.device = device
+        self.swapper: BlockSwapper | None = None
+        self._observe_steps = observe_steps
+        self._originals: list[tuple[nn.Module, str, nn.Module,
+                                    list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        self._checkpointed: list[str] = []
+        self._moved: list[tuple[torch.Tensor, torch.device]] = []
+        self._offload: _OffloadingForward | None = None
+        self._marks: list[float] = []
+        self._report: FitReport | None = None
+        self._hook: Any = None
+        self._attached = False
+        try:
+            self._apply(blocks)
+        except BaseException:
+            self._undo()
+            raise
+        self._attached = True
+
+    # -- applying ---------------------------------------------------------------------------
+
+    def _apply(self, blocks: str | Sequence[str]) -> None:
+        model, plan = self.model, self.plan
+        for name, fmt in plan.formats.items():
+            if fmt != "bf16":
+                self._quantize_block(name, fmt)
+        if plan.mode == "train" and plan.checkpointed:
+            todo = [n for n in plan.checkpointed if not is_checkpointed(model.get_submodule(n))]
+            if todo:
+                self._checkpointed = enable_gradient_checkpointing(model, todo)
+        if plan.swapped:
+            self.swapper = BlockSwapper(model, blocks, config=SwapConfig(
+                swapped_blocks=plan.swapped, num_slots=max(1, plan.num_slots)),
+                device=self.device)
+        else:
+            for t in (*model.parameters(), *model.buffers()):
+                if t.device != self.device:
+                    self._moved.append((t, t.device))
+                    t.data = t.data.to(self.device)
+        if plan.activation_offload:
+            self._offload = _patch.install(model, _OffloadingForward(ActivationOffloader(
+                device=self.device)))
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._hook = model.register_forward_pre_hook(self._on_forward)
+
+    def _quantize_block(self, name: str, fmt: str) -> None:
+        from vramkit.quant.model import QuantizationConfig, quantize_model
+
+        block = self.model.get_submodule(name)
+        keep = tuple(trainable_module_names(block))
+        before = dict(block.named_modules())
+        # quantize_model releases a replaced layer's weights: keep their storage (no copy) so
+        # detach() can put the very same bytes back.
+        held = {id(m): [(t, t.data) for t in (*m._parameters.values(), *m._buffers.values())
+                        if t is not None] for m in before.values()}
+        quantize_model(block, QuantizationConfig(weights_dtype=fmt,
+                                                 modules_to_not_quantize=keep))
+        after = dict(block.named_modules())
+        for qual, module in before.items():
+            if qual and after.get(qual) is not module:
+                parent, _, attr = qual.rpartition(".")
+                owner = block.get_submodule(parent) if parent else block
+                self._originals.append((owner, attr, module, held[id(module)]))
+
+    def _on_forward(self, module: nn.Module, args: Any) -> None:
+        if self._report is not None and len(self._marks) > self._observe_steps:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._marks.append(time.perf_counter())
+        if len(self._marks) == self._observe_steps + 1:
+            self._report = self._measure()
+            logger.info("vramkit.fit %s", self._report.describe())
+            if (self._report.measured_peak_bytes is not None
+                    and self._report.measured_peak_bytes > self.plan.budget_bytes):
+                logger.warning("vramkit.fit: the measured peak %s is above the budget %s",
+                               format_size(self._report.measured_peak_bytes),
+                               format_size(self.plan.budget_bytes))
+
+    def _measure(self) -> FitReport:
+        steps = len(self._marks) - 1
+        durations = [b - a for a, b in zip(self._marks, self._marks[1:], strict=False)]
+        measured = statistics.median(durations[1:] or durations) if durations else None
+        peak = (int(torch.cuda.max_memory_allocated(self.device))
+                if self.device.type == "cuda" else None)
+        return FitReport(steps=steps, budget_bytes=self.plan.budget_bytes,
+                         predicted_peak_bytes=self.plan.predicted_peak_bytes,
+                         measured_peak_bytes=peak,
+                         predicted_step_seconds=self.plan.predicted_step_seconds,
+                         measured_step_seconds=measured)
+
+    # -- public -----------------------------------------------------------------------------
+
+    def report(self) -> FitReport:
+        """The prediction next to what was measured so far (step times need two calls of the
+        model: one step is the time between two forwards)."""
+        if self._report is not None:
+            return self._report
+        return self._measure()
+
+    def stats(self) -> dict[str, Any]:
+        """The swapper's counters (when swapping), and the report so far."""
+        out: dict[str, Any] = {"plan": self.plan.to_dict(), "report": self.report().__dict__}
+        if self.swapper is not None:
+            out["swap"] = self.swapper.stats().as_dict()
+        return out
+
+    def detach(self) -> None:
+        """Give the model back exactly as it was: the swapper detached, checkpointing and
+        activation offload removed, the original (unquantized) layers back, tensors on their
+        devices.
+
+        Raises:
+            OffloadError: when called twice.
+        """
+        if not self._attached:
+            raise OffloadError("this Fitted model is already detached",
+                               hint="Call vramkit.fit(...) again to apply a plan anew.")
+        self._attached = False
+        self._undo()
+
+    def _undo(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self._offload is not None:
+            _patch.restore(self.model, self._offload)
+            self._offload = None
+        if self.swapper is not None:
+            self.swapper.detach()
+            self.swapper = None
+        for tensor, device in self._moved:
+            tensor.data = tensor.data.to(device)
+        self._moved = []
+        if self._checkpointed:
+            disable_gradient_checkpointing(self.model, self._checkpointed)
+            self._checkpointed = []
+        for owner, attr, module, tensors in reversed(self._originals):
+            for tensor, data in tensors:
+                tensor.data = data
+            setattr(owner, attr, module)
+        self._originals = []
+
+    def __enter__(self) -> Fitted:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._attached:
+            self.detach()
+
+    def __repr__(self) -> str:
+        state = "attached" if self._attached else "detached"
+        return (f"Fitted({len(self.plan.swapped)} swapped, {len(self.plan.checkpointed)} "
+                f"checkpointed, predicted {self.plan.predicted_step_seconds * 1e3:.0f} ms, "
+                f"{state})")
+
+
+def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
+        device: str | int | torch.device | None = None, plan: Plan | None = None,
+        observe_steps: int = 3, **plan_options: Any) -> Fitted:
+    """Plan ``model`` for ``budget`` and apply the plan; train or run the model as usual.
+
+    Args:
+        model: the model with its weights (on the CPU, or anywhere), trainable parameters
+            marked (LoRA adapters added, the base frozen).
+        example_inputs: as for :func:`vramkit.plan`.
+        budget: as for :func:`vramkit.plan`.
+        device: where to run (default: the current CUDA device).
+        plan: a plan made earlier for this model (default: made now with ``plan_options``).
+        observe_steps: steps after which the prediction is checked (logged; :meth:`Fitted.report`).
+        **plan_options: the keyword arguments of :func:`vramkit.plan` (``mode``,
+            ``hardware``, ``allow_formats``, ``host_budget``, ``headroom``, ``step``, ...).
+
+    Returns:
+        The :class:`Fitted` model; :meth:`Fitted.detach` restores it exactly.
+
+    Raises:
+        ConfigError: for a model on the meta device (fit needs the weights).
+        PlanError: when no plan fits the budget.
+    """
+    check_int("observe_steps", observe_steps, minimum=1)
+    if any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers())):
+        raise ConfigError("vramkit.fit needs the model's weights, and some are on the meta "
+                          "device",
+                          hint="Load them first (vramkit.load_into(model, path)), or call "
+                               "vramkit.plan for a plan without weights.")
+    target = resolve_device(device, owner="vramkit.fit")
+    if plan is None:
+        plan = make_plan(model, example_inputs, budget, **plan_options)
+    blocks = plan_options.get("blocks", "auto")
+    return Fitted(model, plan, target, blocks=blocks, observe_steps=observe_steps)

@@ -1,0 +1,134 @@
+"""The machine a plan is made for: copy bandwidth, achieved compute throughput, memory.
+
+Either from a named :class:`~vramkit.planning.hardware.HardwareProfile` (offline planning: the
+vendor's dense bf16 peak times an achieved fraction), or measured on this machine's GPU
+(:func:`measure_machine`: a pinned host->device copy and a bf16 matmul, timed with CUDA events).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from vramkit._validate import check_number
+from vramkit.errors import DeviceError
+from vramkit.planning.hardware import HardwareProfile, hardware_profile
+
+__all__ = ["ACHIEVED_FRACTION", "Machine", "machine_for", "measure_machine"]
+
+#: Share of the dense bf16 peak a diffusion-transformer or LLM training step achieves: measured
+#: on an H100 80GB PCIe for FLUX.1-dev LoRA at 1024x1024 with checkpointing (748 ms for
+#: 74.5 + 74.5 + 96.7 TFLOP: 0.43 of 756 TFLOP/s). A measured machine needs no such factor.
+ACHIEVED_FRACTION = 0.43
+#: Host time the swapper adds per block acquisition (enqueue of a copy and events), seconds:
+#: docs/benchmarks.md, 0.036-0.047 ms per block on the H200 host.
+SWAP_HOST_SECONDS = 50e-6
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a plan assumes of the machine.
+
+    Attributes:
+        name: a hardware profile's name, or ``"measured: <GPU name>"``.
+        memory_bytes: device memory (``None`` when unknown).
+        h2d_bytes_per_s / d2h_bytes_per_s: pinned copy bandwidth each way.
+        flops_per_s: achieved bf16 throughput of the model's matmuls.
+        fp8_flops_per_s: the same for fp8 GEMMs (``None``: no fp8 tensor cores).
+        memory_bandwidth_bytes_per_s: device memory bandwidth (dequantization, optimizer).
+        measured: whether the figures were measured on this machine.
+    """
+
+    name: str
+    memory_bytes: int | None
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    flops_per_s: float
+    fp8_flops_per_s: float | None
+    memory_bandwidth_bytes_per_s: float
+    measured: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "flops_per_s",
+                     "memory_bandwidth_bytes_per_s"):
+            check_number(f"Machine.{name}", getattr(self, name), minimum=0, low_open=True)
+
+    @classmethod
+    def from_profile(cls, profile: HardwareProfile,
+                     achieved_fraction: float = ACHIEVED_FRACTION) -> Machine:
+        """The machine a hardware profile describes, at ``achieved_fraction`` of its peaks."""
+        check_number("achieved_fraction", achieved_fraction, minimum=0, maximum=1,
+                     low_open=True)
+        fp8 = profile.fp8_flops * achieved_fraction if profile.fp8_flops else None
+        return cls(name=profile.name, memory_bytes=profile.memory_bytes,
+                   h2d_bytes_per_s=profile.h2d_bytes_per_s,
+                   d2h_bytes_per_s=profile.d2h_bytes_per_s,
+                   flops_per_s=profile.bf16_flops * achieved_fraction, fp8_flops_per_s=fp8,
+                   memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s)
+
+
+def machine_for(hardware: str | HardwareProfile | Machine | None,
+                device: torch.device | None = None) -> Machine:
+    """The machine to plan for: a name or profile (offline), a :class:`Machine`, or ``None``
+    (measure this machine's GPU).
+
+    Raises:
+        ConfigError: for an unknown hardware name.
+        DeviceError: for ``None`` on a machine without a CUDA GPU.
+    """
+    if isinstance(hardware, Machine):
+        return hardware
+    if isinstance(hardware, HardwareProfile):
+        return Machine.from_profile(hardware)
+    if hardware is not None:
+        return Machine.from_profile(hardware_profile(hardware))
+    return measure_machine(device)
+
+
+def measure_machine(device: torch.device | None = None) -> Machine:
+    """Measure this machine's GPU: pinned host<->device bandwidth (256 MiB copies) and the
+    throughput of a bf16 matmul of transformer size (8192 x 3072 x 3072), with CUDA events.
+
+    Raises:
+        DeviceError: without a CUDA GPU (plan offline with ``hardware="<name>"`` instead).
+    """
+    if not torch.cuda.is_available():
+        raise DeviceError("planning without hardware= measures this machine's GPU, and "
+                          "PyTorch sees none",
+                          hint="Plan offline for a named GPU: hardware='rtx4090' (see "
+                               "vramkit.planning.PROFILES for the names).")
+    device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    nbytes = 256 << 20
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def timed(fn: object, repeat: int) -> float:
+        fn()  # type: ignore[operator]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeat):
+            fn()  # type: ignore[operator]
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000 / repeat
+
+    h2d = nbytes / timed(lambda: dev.copy_(host, non_blocking=True), 5)
+    d2h = nbytes / timed(lambda: host.copy_(dev, non_blocking=True), 5)
+    a = torch.randn(8192, 3072, device=device, dtype=torch.bfloat16)
+    b = torch.randn(3072, 3072, device=device, dtype=torch.bfloat16)
+    flops = 2 * 8192 * 3072 * 3072 / timed(lambda: a @ b, 20)
+    # A training step reaches about 0.6 of an isolated large matmul (launch gaps, norms,
+    # attention, element-wise kernels): ACHIEVED_FRACTION / the matmul's own share of peak.
+    step_flops = flops * 0.6
+    big = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    bandwidth = 2 * big.numel() / timed(lambda: dev[:nbytes // 2].copy_(big), 10)
+    name = torch.cuda.get_device_name(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    if not all(math.isfinite(x) and x > 0 for x in (h2d, d2h, flops, bandwidth)):
+        raise DeviceError(f"measuring {name} gave no usable figures",
+                          hint="Plan offline with hardware='<name>' instead.")
+    return Machine(name=f"measured: {name}", memory_bytes=int(total), h2d_bytes_per_s=h2d,
+                   d2h_bytes_per_s=d2h, flops_per_s=step_flops, fp8_flops_per_s=None,
+                   memory_bandwidth_bytes_per_s=bandwidth, measured=True)

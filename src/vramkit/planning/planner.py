@@ -1,0 +1,451 @@
+"""The planner: which blocks to swap, how many slots, which blocks to checkpoint, which storage
+formats, whether to offload activations, for the best predicted step time under a budget.
+
+The model (:class:`~vramkit.planning.analysis.ModelCost`) gives per block FLOPs, activation bytes
+and weight bytes per format; the machine (:class:`~vramkit.planning.machine.Machine`) gives copy
+bandwidth and throughput. A candidate is predicted phase by phase (DESIGN.md §4):
+
+* memory: frozen weights kept on the device + ``R`` slots of the largest swapped block +
+  trainable parameters, their gradients and AdamW state + activations for the checkpointed set
+  (:meth:`~vramkit.planning.activations.ActivationEstimate.bytes_with`) <= budget - headroom;
+* time: forward and backward (with recomputation) are each simulated block by block
+  (:func:`simulate_phase`): the compute stream runs the blocks in order, a swapped block waits
+  for its copy, and a copy waits for the copy engine and for a free slot (the slot of the
+  swapped block ``R`` places earlier frees when that block's compute ends); the first ``R``
+  swapped blocks of a phase are already loaded (kept across the forward/backward turn). So a
+  phase costs at least ``max(compute, copies)``, and more where slots are too few or swapped
+  blocks too close together for the copies to hide. Plus the optimizer and the swapper's host
+  time per block.
+
+The search: for each pair of formats (swapped blocks, resident blocks) among the allowed ones,
+each ``R`` and each number of swapped blocks (spread evenly by bytes, as the swapper's own
+schedule does), the fewest checkpointed blocks that fit (blocks in order of activation saved
+per recomputed FLOP; a binary search, since checkpointing more never needs more memory), then
+activation offload where nothing else fits. The fastest candidate wins; ties go to less
+swapping, less recomputation and fewer slots.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from vramkit.errors import PlanError
+from vramkit.offload.blocks import spread_evenly
+from vramkit.planning.analysis import BlockCost, ModelCost
+from vramkit.planning.machine import SWAP_HOST_SECONDS, Machine
+from vramkit.units import format_size
+
+__all__ = ["PhaseTime", "Plan", "search"]
+
+#: Optimizer state bytes per trainable parameter (AdamW: two fp32 moments).
+ADAMW_STATE_BYTES = 8
+#: Activations an offloader keeps on the device while copies are in flight (its default window).
+OFFLOAD_WINDOW_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class PhaseTime:
+    """One phase's prediction.
+
+    Attributes:
+        seconds: the phase's time, from a simulation of the compute stream and the copy engine
+            (a block waits for its copy, a copy for a free slot and for the engine).
+        compute_seconds: the kernels alone (recomputation included in backward).
+        copy_seconds: the copy engine's busy time (swapped blocks, restored activations).
+        copy_bytes: the bytes those copies move.
+    """
+
+    seconds: float
+    compute_seconds: float
+    copy_seconds: float
+    copy_bytes: int
+
+    @property
+    def transfer_bound(self) -> bool:
+        """Whether compute waits for copies for more than 1 % of the phase."""
+        return self.seconds > 1.01 * self.compute_seconds
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to turn on, and what it is predicted to cost (:func:`vramkit.plan`).
+
+    Attributes:
+        mode: ``"train"`` or ``"infer"``.
+        machine: the machine's name (a hardware profile, or ``"measured: ..."``).
+        budget_bytes / headroom_bytes: the budget and the part of it kept free.
+        swapped / resident: block names in execution order.
+        checkpointed: blocks recomputed in backward.
+        num_slots: R, the swapper's GPU slots.
+        swapped_format / resident_format: storage of the swapped / resident blocks' frozen
+            weights (``"bf16"`` = as built).
+        activation_offload: whether saved activations go to pinned host memory.
+        predicted_peak_bytes: the predicted peak of allocated memory.
+        peak_breakdown: its parts, in bytes.
+        forward / backward: per-phase predictions (``backward`` is zero for inference).
+        optimizer_seconds / overhead_seconds: the optimizer step and the swapper's host time.
+        host_bytes: pinned host memory for the swapped blocks' masters and offloaded
+            activations.
+        notes: remarks on the prediction (an offline machine's figures, ...).
+        block_order: every block, swapped or resident, in execution order.
+    """
+
+    mode: str
+    machine: str
+    budget_bytes: int
+    headroom_bytes: int
+    swapped: tuple[str, ...]
+    resident: tuple[str, ...]
+    checkpointed: tuple[str, ...]
+    num_slots: int
+    swapped_format: str
+    resident_format: str
+    activation_offload: bool
+    predicted_peak_bytes: int
+    peak_breakdown: dict[str, int]
+    forward: PhaseTime
+    backward: PhaseTime
+    optimizer_seconds: float
+    overhead_seconds: float
+    host_bytes: int
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    block_order: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def predicted_step_seconds(self) -> float:
+        """Forward + backward + optimizer + host overhead."""
+        return (self.forward.seconds + self.backward.seconds + self.optimizer_seconds
+                + self.overhead_seconds)
+
+    @property
+    def formats(self) -> dict[str, str]:
+        """Block name -> storage format of its frozen weights."""
+        out = dict.fromkeys(self.resident, self.resident_format)
+        out.update(dict.fromkeys(self.swapped, self.swapped_format))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready data, with the derived figures."""
+        data = asdict(self)
+        data["predicted_step_seconds"] = self.predicted_step_seconds
+        for phase in ("forward", "backward"):
+            data[phase]["transfer_bound"] = getattr(self, phase).transfer_bound
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def explain(self) -> str:
+        """The plan and its reasons, in plain words."""
+        lines = []
+        n = len(self.swapped) + len(self.resident)
+        budget = (f"{format_size(self.budget_bytes)} budget "
+                  f"({format_size(self.headroom_bytes)} kept free)")
+        parts = ", ".join(f"{k.replace('_', ' ')} {format_size(v)}"
+                          for k, v in self.peak_breakdown.items() if v)
+        lines.append(f"Predicted peak {format_size(self.predicted_peak_bytes)} of a {budget}: "
+                     f"{parts}.")
+        if self.swapped:
+            lines.append(f"Swap {len(self.swapped)} of {n} blocks through {self.num_slots} "
+                         f"slot{'s' if self.num_slots > 1 else ''}; "
+                         f"{format_size(self.host_bytes)} of pinned host memory.")
+        else:
+            lines.append(f"Every one of the {n} blocks stays on the GPU: no swapping.")
+        if self.mode == "train":
+            if self.checkpointed:
+                lines.append(f"Checkpoint {len(self.checkpointed)} of {n} blocks (recomputed "
+                             "in backward) so their activations fit.")
+            else:
+                lines.append("No checkpointing: the activations fit.")
+        formats = {self.swapped_format if self.swapped else None,
+                   self.resident_format if self.resident else None} - {None}
+        if formats != {"bf16"}:
+            lines.append(f"Store frozen weights as {self.swapped_format} (swapped) / "
+                         f"{self.resident_format} (resident).")
+        if self.activation_offload:
+            lines.append("Offload saved activations to pinned host memory.")
+        for label, phase in (("forward", self.forward), ("backward", self.backward)):
+            if self.mode != "train" and label == "backward":
+                continue
+            compute = f"{phase.compute_seconds * 1e3:.0f} ms of compute"
+            if phase.copy_bytes:
+                copies = (f"{format_size(phase.copy_bytes)} of copies "
+                          f"({phase.copy_seconds * 1e3:.0f} ms)")
+                bound = ("transfer-bound" if phase.transfer_bound else
+                         "compute-bound (the copies hide behind compute)")
+                lines.append(f"{label.capitalize()} {phase.seconds * 1e3:.0f} ms, {bound}: "
+                             f"{copies} vs {compute}.")
+            else:
+                lines.append(f"{label.capitalize()} {phase.seconds * 1e3:.0f} ms: {compute}, "
+                             "no copies.")
+        lines.append(f"Predicted step: {self.predicted_step_seconds * 1e3:.0f} ms on "
+                     f"{self.machine}.")
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+
+def _checkpoint_order(cost: ModelCost) -> list[str]:
+    """Blocks in the order a planner checkpoints them: most activation bytes saved per FLOP
+    recomputed first; earlier blocks first among equals (they lower every later block's
+    peak). A block whose inputs weigh as much as what it saves is left out: checkpointing it
+    would keep as much and cost a recomputation."""
+    def gain(i: int) -> tuple[float, int]:
+        block = cost.blocks[i]
+        saved = block.activations - block.inputs
+        return (-saved / max(block.forward_flops, 1.0), i)
+
+    useful = [i for i, b in enumerate(cost.blocks) if b.activations > b.inputs]
+    return [cost.blocks[i].name for i in sorted(useful, key=gain)]
+
+
+def simulate_phase(compute: Sequence[float], copies: Sequence[float],
+                   swapped: Sequence[bool], slots: int,
+                   restores: Sequence[float] | None = None) -> float:
+    """The time of one phase over blocks in their order of execution.
+
+    The compute stream runs the blocks one after another. A swapped block waits for its copy;
+    the copy starts when the copy engine is free and a slot is: the slot of the swapped block
+    ``slots`` places earlier frees when that block's compute ends (the swapper prefetches at
+    release). The first ``slots`` swapped blocks are in their slots when the phase starts (kept
+    across the forward/backward turn and between steps). ``restores`` are copies a block needs
+    before it runs whatever its slot (offloaded activations coming back), on the same engine.
+    """
+    t = 0.0
+    engine = 0.0
+    ends: list[float] = []
+    for i, (c, w, s) in enumerate(zip(compute, copies, swapped, strict=True)):
+        ready = t
+        if restores is not None and restores[i]:
+            engine = max(engine, 0.0) + restores[i]
+            ready = max(ready, engine)
+        if s:
+            j = len(ends)
+            if j >= slots:
+                engine = max(engine, ends[j - slots]) + w
+                ready = max(ready, engine)
+        t = ready + c
+        if s:
+            ends.append(t)
+    return t
+
+
+def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
+           allow_formats: Sequence[str] = (), num_slots: Sequence[int] = (1, 2, 3),
+           activation_offload: bool = True, host_budget: int | None = None,
+           budget_for: Callable[[int], int] | None = None) -> Plan:
+    """The fastest plan that fits (see the module docstring).
+
+    Args:
+        budget_for: the smallest budget whose room (after headroom) holds a given number of
+            bytes (default ``need + headroom``); names the minimum when nothing fits.
+
+    Raises:
+        PlanError: when nothing fits, naming the smallest budget that would, and what would
+            make it fit.
+    """
+    train = cost.mode == "train"
+    formats = ["bf16", *[f for f in allow_formats if f != "bf16" and f in cost.formats]]
+    avail = budget - headroom
+    n = len(cost.blocks)
+    names = [b.name for b in cost.blocks]
+    order = _checkpoint_order(cost) if train else []
+    estimate = cost.activations
+    trainable = (2 * cost.trainable_bytes + ADAMW_STATE_BYTES * cost.trainable_params
+                 if train else cost.trainable_bytes)
+    if train:
+        act_choices = [estimate.bytes_with(order[:m]) for m in range(len(order) + 1)]
+    else:
+        act_choices = [estimate.largest_block + max((b.inputs for b in cost.blocks), default=0)]
+    least_activations = min(act_choices)
+    if activation_offload and train:
+        least_activations = min(least_activations, _offloaded(estimate, train))
+    flops = machine.flops_per_s
+    bw = machine.h2d_bytes_per_s
+    optimizer = 4 * cost.trainable_bytes / machine.memory_bandwidth_bytes_per_s if train else 0.0
+    outside_fwd = cost.outside_forward_flops / flops
+    outside_bwd = cost.outside_backward_flops / flops
+    candidates: list[dict[str, Any]] = []
+    smallest = math.inf  # the least memory any candidate needs (for the error)
+    for fmt_s in formats:
+        sizes = [b.swapped[fmt_s] for b in cost.blocks]
+        for fmt_r in formats:
+            resident_all = [b.resident_bytes(fmt_r) for b in cost.blocks]
+            for k in range(n + 1):
+                chosen = spread_evenly(sizes, k) if k else []
+                if k and not all(sizes[i] for i in chosen):
+                    continue  # a block with nothing swappable cannot be swapped
+                swapped_set = set(chosen)
+                flags = [i in swapped_set for i in range(n)]
+                weights = cost.outside_bytes + sum(
+                    cost.blocks[i].kept[fmt_s] if flags[i] else resident_all[i]
+                    for i in range(n))
+                slot = max((sizes[i] for i in chosen), default=0)
+                master_bytes = sum(sizes[i] for i in chosen)
+                dequant = [_dequant(cost.blocks[i], fmt_s if flags[i] else fmt_r, machine)
+                           for i in range(n)]
+                fwd_s = [b.forward_flops / flops + d for b, d in zip(cost.blocks, dequant,
+                                                                     strict=True)]
+                copy_s = [sizes[i] / bw if flags[i] else 0.0 for i in range(n)]
+                for r in sorted(set(num_slots)):
+                    if k and r > k:
+                        continue  # slots beyond the swapped blocks would hold nothing
+                    slots = r * slot if chosen else 0
+                    rest = weights + slots + trainable
+                    smallest = min(smallest, rest + least_activations)
+                    if rest >= avail:
+                        continue
+                    m, offload = _fit_activations(act_choices, avail - rest, train, estimate,
+                                                  activation_offload)
+                    if m is None:
+                        continue
+                    ckpt = order[:m]
+                    act = act_choices[m] if not offload else _offloaded(estimate, train)
+                    offload_bytes = _offload_bytes(estimate, ckpt) if offload else 0
+                    host = master_bytes + offload_bytes
+                    if host_budget is not None and host > host_budget:
+                        continue
+                    copies = int(master_bytes * max(0, k - r) / k) if k else 0
+                    fwd_time = outside_fwd + simulate_phase(fwd_s, copy_s, flags, r)
+                    if offload:  # device->host copies run on the other engine
+                        fwd_time = max(fwd_time, offload_bytes / machine.d2h_bytes_per_s)
+                    fwd = PhaseTime(fwd_time, outside_fwd + sum(fwd_s), copies / bw, copies)
+                    if train:
+                        ckpt_set = set(ckpt)
+                        bwd_s = [b.backward_flops / flops + dequant[i]
+                                 + (fwd_s[i] if b.name in ckpt_set else 0.0)
+                                 for i, b in enumerate(cost.blocks)]
+                        restores = ([_kept_bytes(estimate, b.name, ckpt_set) / bw
+                                     for b in cost.blocks] if offload else None)
+                        back = simulate_phase(bwd_s[::-1], copy_s[::-1], flags[::-1], r,
+                                              restores[::-1] if restores else None)
+                        bwd = PhaseTime(outside_bwd + back, outside_bwd + sum(bwd_s),
+                                        (copies + offload_bytes) / bw, copies + offload_bytes)
+                    else:
+                        bwd = PhaseTime(0.0, 0.0, 0.0, 0)
+                    overhead = SWAP_HOST_SECONDS * k * (2 if train else 1)
+                    seconds = fwd.seconds + bwd.seconds + optimizer + overhead
+                    breakdown = {"resident_weights": weights, "swap_slots": slots,
+                                 "trainable_and_optimizer": trainable, "activations": act}
+                    candidates.append({
+                        "seconds": seconds, "k": k, "m": m, "r": r, "offload": offload,
+                        "fmt_rank": (formats.index(fmt_s), formats.index(fmt_r)),
+                        "chosen": chosen, "ckpt": ckpt, "breakdown": breakdown, "fwd": fwd,
+                        "bwd": bwd, "overhead": overhead, "host": host, "fmt_s": fmt_s,
+                        "fmt_r": fmt_r})
+    best = _prefer_simple(candidates)
+    if best is None:
+        need = (budget_for or (lambda n: n + headroom))(int(smallest)) if math.isfinite(
+            smallest) else None
+        raise _impossible(cost, budget, headroom, need, allow_formats, host_budget)
+    chosen_set = set(best["chosen"])
+    swapped = tuple(names[i] for i in best["chosen"])
+    resident = tuple(name for i, name in enumerate(names) if i not in chosen_set)
+    ckpt_set = set(best["ckpt"])
+    notes = []
+    if not machine.measured:
+        notes.append(f"Times are estimates from {machine.name}'s published peak throughput "
+                     "and copy bandwidth; vramkit.fit measures and compares after the first "
+                     "steps.")
+    return Plan(
+        mode=cost.mode, machine=machine.name, budget_bytes=budget, headroom_bytes=headroom,
+        swapped=swapped, resident=resident,
+        checkpointed=tuple(name for name in names if name in ckpt_set),
+        num_slots=best["r"] if swapped else 0,
+        swapped_format=best["fmt_s"], resident_format=best["fmt_r"],
+        activation_offload=best["offload"],
+        predicted_peak_bytes=sum(best["breakdown"].values()),
+        peak_breakdown=best["breakdown"], forward=best["fwd"], backward=best["bwd"],
+        optimizer_seconds=optimizer, overhead_seconds=best["overhead"],
+        host_bytes=best["host"], notes=tuple(notes), block_order=tuple(names))
+
+
+#: Plans within this share of the fastest one count as equally fast: among them the one with
+#: the least machinery wins (fewer swapped blocks, less recomputation, no activation offload,
+#: fewer slots, the formats as built).
+EQUAL_TIME_SHARE = 1e-6
+
+
+def _prefer_simple(candidates: list[dict[str, Any]]) -> dict[str, Any] | None:
+    if not candidates:
+        return None
+    fastest = min(c["seconds"] for c in candidates)
+    near = [c for c in candidates if c["seconds"] <= fastest * (1 + EQUAL_TIME_SHARE)]
+    return min(near, key=lambda c: (c["k"], c["m"], c["offload"], c["r"], c["fmt_rank"],
+                                    c["seconds"]))
+
+
+def _fit_activations(act_choices: list[int], room: int, train: bool, estimate: Any,
+                     activation_offload: bool) -> tuple[int | None, bool]:
+    """The fewest checkpointed blocks whose activations fit ``room`` (``act_choices`` falls
+    as more are checkpointed), else everything checkpointed plus activation offload."""
+    if not train:
+        return (0, False) if act_choices[0] <= room else (None, False)
+    # act_choices falls as blocks are added (each saves more than its inputs); the running
+    # minimum makes the search exact even if an estimate ever broke that.
+    negated = [-a for a in itertools.accumulate(act_choices, min)]
+    m = bisect.bisect_left(negated, -room)
+    if m < len(act_choices):
+        return m, False
+    if activation_offload and _offloaded(estimate, train) <= room:
+        return len(act_choices) - 1, True
+    return None, False
+
+
+def _offloaded(estimate: Any, train: bool) -> int:
+    """Activations on the device with offload on: the in-flight window plus the block being
+    recomputed and one block's temporaries."""
+    if not train:
+        return estimate.largest_block
+    return OFFLOAD_WINDOW_BYTES + 2 * estimate.largest_block + estimate.outside
+
+
+def _offload_bytes(estimate: Any, checkpointed: Sequence[str]) -> int:
+    """Bytes an activation offloader moves each way: what the blocks keep."""
+    chosen = set(checkpointed)
+    return sum(_kept_bytes(estimate, n, chosen) for n in estimate.per_block)
+
+
+def _dequant(block: BlockCost, fmt: str, machine: Machine) -> float:
+    """Dequantizing a block's packed weights at a call: reading the packed bytes and writing
+    bf16 ones (the matmul then reads them as it would the bf16 weights)."""
+    if fmt == "bf16":
+        return 0.0
+    return (block.swapped[fmt] + block.swapped["bf16"]) / machine.memory_bandwidth_bytes_per_s
+
+
+def _kept_bytes(estimate: Any, name: str, checkpointed: set[str]) -> int:
+    return int(estimate.inputs[name] if name in checkpointed else estimate.per_block[name])
+
+
+def _impossible(cost: ModelCost, budget: int, headroom: int, need: int | None,
+                allow_formats: Sequence[str], host_budget: int | None) -> PlanError:
+    ideas = []
+    quantizable = [f for f in ("fp8", "nf4") if f not in allow_formats]
+    if quantizable:
+        effect = {"fp8": "halves", "nf4": "quarters"}[quantizable[0]]
+        ideas.append(f"packed storage of the frozen weights (allow_formats=('{quantizable[0]}',)"
+                     f" {effect} them and the bytes swapped)")
+    ideas.append("a smaller batch or resolution (activations scale with them)")
+    if host_budget is not None:
+        ideas.append("a larger host_budget (pinned memory for the swapped blocks)")
+    if need is None:
+        return PlanError("no plan exists for this model: it has no block that can be swapped",
+                         hint="Try " + "; ".join(ideas) + ".")
+    if need <= budget and host_budget is not None:
+        return PlanError(f"no plan fits the host budget of {format_size(host_budget)}: the "
+                         "blocks that must be swapped to fit the device budget need more "
+                         "pinned host memory",
+                         hint="Raise host_budget, allow packed storage (allow_formats) so the "
+                              "swapped blocks take less, or raise the device budget.",
+                         minimum_budget=None)
+    message = (f"a budget of {format_size(budget)} cannot hold this {cost.mode} step: the "
+               f"smallest plan (every block swapped, 1 slot, everything checkpointed) needs a "
+               f"budget of {format_size(need)} (with the headroom kept free)")
+    return PlanError(message, hint=f"Raise the budget to {format_size(need)} or more, or try "
+                                   + "; or ".join(ideas) + ".", minimum_budget=need)

@@ -1,0 +1,55 @@
+"""A small transformer-like stack for planner tests: frozen base layers with trainable LoRA-style
+adapters, the shape of what vramkit plans for."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DIM = 256
+TOKENS = 64
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = DIM, hidden: int = 4 * DIM, rank: int = 4) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+        self.lora_a = nn.Parameter(torch.randn(rank, dim) * 0.01)
+        self.lora_b = nn.Parameter(torch.zeros(dim, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        adapted = h @ self.lora_a.t() @ self.lora_b.t()
+        return x + self.down(F.gelu(self.up(h))) + adapted
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 6, dim: int = DIM) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(n))
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def stack(seed: int = 0, n: int = 6, device: str = "cpu") -> Stack:
+    """A stack with its base frozen and its adapters trainable (fp32)."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Stack(n)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return model
+
+
+def inputs(batch: int = 2, device: str = "cpu") -> tuple[torch.Tensor]:
+    return (torch.randn(batch, TOKENS, DIM, generator=torch.Generator().manual_seed(1)).to(
+        device),)

@@ -1,0 +1,125 @@
+"""vramkit.fit on the CPU: the plan applied with the swapper, checkpointing and packed storage
+trains exactly like the unfitted model, and detach gives the model back exactly."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import vramkit
+from tests.planning._models import inputs, stack
+from vramkit.errors import ConfigError, OffloadError
+from vramkit.offload import _patch
+from vramkit.offload.checkpointing import is_checkpointed
+
+MiB = 1 << 20
+OPTIONS = {"hardware": "rtx4090", "headroom": 0, "autocast": None, "device": "cpu"}
+
+
+def _train(model: torch.nn.Module, steps: int = 3) -> list[float]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.1)
+    (x,) = inputs()
+    losses = []
+    for _ in range(steps):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_fit_swaps_and_trains_exactly_like_the_unfitted_model() -> None:
+    reference, model = stack(), stack()
+    fitted = vramkit.fit(model, inputs(), 6 * MiB, **OPTIONS)
+    assert fitted.plan.swapped and fitted.swapper is not None
+    assert fitted.swapper.swapped_names == list(fitted.plan.swapped)
+    assert all(is_checkpointed(model.get_submodule(n)) for n in fitted.plan.checkpointed)
+    assert _train(model) == _train(reference)
+    for (name, a), b in zip(model.named_parameters(), reference.parameters(), strict=True):
+        if a.requires_grad:  # the adapters were trained identically
+            assert torch.equal(a, b), name
+    report = fitted.report()
+    assert report.steps >= 2 and report.measured_step_seconds is not None
+    assert report.measured_peak_bytes is None  # the CPU measures no allocator peak
+    assert "step" in report.describe()
+    fitted.detach()
+
+
+def test_detach_gives_the_model_back_exactly() -> None:
+    model = stack()
+    ids = [id(p) for p in model.parameters()]
+    before = _state(model)
+    fitted = vramkit.fit(model, inputs(), 6 * MiB, **OPTIONS)
+    _train(model, steps=1)
+    trained = _state(model)  # read through the host masters while attached
+    fitted.detach()
+    assert [id(p) for p in model.parameters()] == ids
+    after = _state(model)
+    assert after.keys() == before.keys()
+    for key, value in after.items():
+        assert torch.equal(value, trained[key]), key
+        if "lora_" not in key:
+            assert torch.equal(value, before[key]), key  # the frozen base is untouched
+    assert all(not is_checkpointed(b) for b in model.blocks)
+    assert all(not _patch.wrappers(m) for m in model.modules())
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    with pytest.raises(OffloadError):
+        fitted.detach()
+
+
+def test_packed_storage_is_applied_and_undone() -> None:
+    model = stack()
+    originals = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    before = _state(model)
+    with vramkit.fit(model, inputs(), 4 * MiB, allow_formats=("fp8",), **OPTIONS) as fitted:
+        assert "fp8" in fitted.plan.formats.values()
+        quantized = [n for n, m in model.named_modules() if type(m).__name__ == "QuantizedLinear"]
+        assert quantized
+        assert all(float(v) == v for v in _train(model, steps=1))  # it runs
+    # detach by the context manager: the very same Linear modules, the same bytes
+    assert {n: m for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear)} == originals
+    for key, value in _state(model).items():
+        if "lora_" not in key:
+            assert torch.equal(value, before[key]), key
+
+
+def test_fit_logs_the_comparison_after_the_first_steps(caplog: pytest.LogCaptureFixture) -> None:
+    model = stack()
+    with caplog.at_level(logging.INFO, logger="vramkit.planning.fitting"):
+        fitted = vramkit.fit(model, inputs(), 6 * MiB, observe_steps=2, **OPTIONS)
+        _train(model, steps=3)
+    assert any("after 2 steps" in r.getMessage() and "predicted" in r.getMessage()
+               for r in caplog.records)
+    fitted.detach()
+
+
+def test_a_plan_made_earlier_is_applied_as_is() -> None:
+    model = stack()
+    made = vramkit.plan(model, inputs(), 8 * MiB, hardware="rtx4090", headroom=0, autocast=None)
+    fitted = vramkit.fit(model, inputs(), 8 * MiB, plan=made, device="cpu")
+    assert fitted.plan is made
+    fitted.detach()
+
+
+def test_a_model_on_meta_needs_its_weights() -> None:
+    with pytest.raises(ConfigError, match="meta"):
+        vramkit.fit(stack(device="meta"), inputs(), 6 * MiB, **OPTIONS)
+
+
+def test_nothing_to_swap_moves_the_model_and_back() -> None:
+    model = stack()
+    reference = copy.deepcopy(model)
+    fitted = vramkit.fit(model, inputs(), 1 << 30, **OPTIONS)
+    assert fitted.swapper is None and fitted.plan.swapped == ()
+    assert _train(model) == _train(reference)
+    fitted.detach()

@@ -1,0 +1,116 @@
+"""Offline plans for full-size models built on the meta device (FLUX.1-dev, SDXL, Llama-3.1-8B)
+for named GPUs and budgets: the properties a user relies on."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+
+import vramkit
+from vramkit.errors import PlanError
+from vramkit.planning import analyze, build_target
+
+pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+GiB = 1 << 30
+BUDGETS = (80, 24, 16, 12, 8)
+HARDWARE = ("rtx4090", "h100-pcie", "rtx3090")
+
+
+@pytest.fixture(scope="module", params=["flux-dev", "sdxl", "llama-3.1-8b"])
+def target_and_cost(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    started = time.perf_counter()
+    target = build_target(request.param, lora_rank=16)
+    cost = analyze(target.model, target.inputs, step=target.step, autocast=None,
+                   formats=("bf16", "fp8", "nf4"))
+    seconds = time.perf_counter() - started
+    return target, cost, seconds
+
+
+def _plan(target, cost, budget_gib: float, **kw):  # type: ignore[no-untyped-def]
+    kw.setdefault("hardware", "rtx4090")
+    return vramkit.plan(target.model, target.inputs, int(budget_gib * GiB), cost=cost, **kw)
+
+
+def test_planning_takes_seconds_not_minutes(target_and_cost) -> None:  # type: ignore[no-untyped-def]
+    target, cost, seconds = target_and_cost
+    assert seconds < 30, f"building and analyzing {target.name} took {seconds:.1f} s"
+    started = time.perf_counter()
+    _plan(target, cost, 12, allow_formats=("fp8",))
+    assert time.perf_counter() - started < 10
+
+
+@pytest.mark.parametrize("hardware", HARDWARE)
+def test_more_budget_never_swaps_more_or_predicts_slower(target_and_cost,  # type: ignore[no-untyped-def]
+                                                         hardware: str) -> None:
+    target, cost, _ = target_and_cost
+    plans = []
+    for budget in BUDGETS:
+        try:
+            plans.append(_plan(target, cost, budget, hardware=hardware))
+        except PlanError:
+            break  # smaller budgets cannot fit either
+    assert plans, f"{target.name} fits no budget on {hardware}"
+    for bigger, smaller in itertools.pairwise(plans):
+        assert bigger.predicted_step_seconds <= smaller.predicted_step_seconds * (1 + 1e-9)
+        # More budget swaps no more blocks, except to buy back recomputation: one more swapped
+        # block can free just the memory that spares checkpointing one more block, a faster
+        # step where the copies hide behind compute (the planner minimizes time).
+        if len(bigger.swapped) > len(smaller.swapped):
+            assert len(bigger.checkpointed) < len(smaller.checkpointed)
+    for plan in plans:
+        assert plan.predicted_peak_bytes <= plan.budget_bytes - plan.headroom_bytes
+        assert set(plan.formats.values()) == {"bf16"}  # nothing allowed, nothing packed
+
+
+def test_nothing_swapped_when_everything_fits(target_and_cost) -> None:  # type: ignore[no-untyped-def]
+    target, cost, _ = target_and_cost
+    plan = _plan(target, cost, 200, hardware="h200")
+    assert plan.swapped == () and plan.checkpointed == ()
+    assert plan.forward.copy_bytes == 0
+
+
+def test_packed_formats_only_when_allowed_and_they_help(target_and_cost) -> None:  # type: ignore[no-untyped-def]
+    target, cost, _ = target_and_cost
+    tight = 6 if target.name.startswith(("sdxl", "SDXL")) else 8
+    bf16 = None
+    try:
+        bf16 = _plan(target, cost, tight)
+        assert set(bf16.formats.values()) == {"bf16"}
+    except PlanError:
+        pass
+    packed = _plan(target, cost, tight, allow_formats=("fp8",))
+    assert set(packed.formats.values()) <= {"bf16", "fp8"}
+    if bf16 is not None:
+        assert packed.predicted_step_seconds <= bf16.predicted_step_seconds * (1 + 1e-9)
+
+
+def test_an_impossible_budget_names_the_minimum_that_works(target_and_cost) -> None:  # type: ignore[no-untyped-def]
+    target, cost, _ = target_and_cost
+    with pytest.raises(PlanError) as info:
+        _plan(target, cost, 1)
+    minimum = info.value.minimum_budget
+    assert minimum is not None and minimum > GiB
+    assert "allow_formats" in info.value.hint
+    plan = vramkit.plan(target.model, target.inputs, minimum, cost=cost, hardware="rtx4090")
+    assert plan.predicted_peak_bytes <= plan.budget_bytes - plan.headroom_bytes
+    with pytest.raises(PlanError):
+        vramkit.plan(target.model, target.inputs, minimum - (64 << 20), cost=cost,
+                     hardware="rtx4090")
+
+
+def test_flux_on_a_12gb_card_explains_its_bounds(target_and_cost) -> None:  # type: ignore[no-untyped-def]
+    target, cost, _ = target_and_cost
+    if not target.name.lower().startswith("flux"):
+        pytest.skip("the Flux figures")
+    plan = _plan(target, cost, 12)
+    assert 0 < len(plan.swapped) < len(cost.blocks) + 1
+    assert plan.checkpointed
+    text = plan.explain()
+    assert "Forward" in text and "Backward" in text and "ms" in text
+    # Swapping tens of GB through a PCIe 4.0 link: the forward cannot hide it.
+    assert plan.forward.copy_bytes > 5 * GiB

@@ -1,0 +1,168 @@
+"""The planner on a small stack: what it chooses, what it predicts, and its properties."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from tests.planning._models import inputs, stack
+from vramkit.errors import ConfigError, PlanError
+from vramkit.planning.analysis import analyze
+from vramkit.planning.api import plan, resolve_headroom
+from vramkit.planning.machine import Machine
+from vramkit.planning.planner import PhaseTime, simulate_phase
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def cost():  # type: ignore[no-untyped-def]
+    return analyze(stack(device="meta"), inputs(device="meta"), mode="train", autocast=None,
+                   formats=("bf16", "fp8", "nf4"))
+
+
+def _plan(cost, budget: int, **kw):  # type: ignore[no-untyped-def]
+    kw.setdefault("hardware", "rtx4090")
+    kw.setdefault("headroom", 0)
+    return plan(stack(device="meta"), inputs(device="meta"), budget, cost=cost, **kw)
+
+
+def test_the_analysis_sees_blocks_flops_activations_and_formats(cost) -> None:  # type: ignore[no-untyped-def]
+    assert [b.name for b in cost.blocks] == [f"blocks.{i}" for i in range(6)]
+    block = cost.blocks[0]
+    # Two frozen bf16? no: fp32 weights: up 256x1024 + down 1024x256, 4 bytes each.
+    assert block.swapped["bf16"] == 2 * 256 * 1024 * 4
+    assert block.swapped["fp8"] < block.swapped["bf16"] / 3  # packed: 1 byte + scales
+    assert block.swapped["nf4"] < block.swapped["fp8"]
+    assert block.adapters == 2 * 4 * 256 * 4  # lora_a, lora_b in fp32
+    tokens = 2 * 64
+    assert block.forward_flops == pytest.approx(2 * tokens * 2 * 256 * 1024, rel=0.05)
+    assert 0 < block.backward_flops < 3 * block.forward_flops
+    assert cost.activations.checkpointed < cost.activations.full
+    assert cost.trainable_params == 6 * 2 * 4 * 256
+
+
+def test_nothing_is_swapped_or_checkpointed_when_everything_fits(cost) -> None:  # type: ignore[no-untyped-def]
+    p = _plan(cost, 1 << 30)
+    assert p.swapped == () and p.checkpointed == () and not p.activation_offload
+    assert p.forward.copy_bytes == 0 and p.predicted_peak_bytes <= 1 << 30
+    assert set(p.formats.values()) == {"bf16"}
+
+
+def test_more_budget_never_swaps_more_or_predicts_slower(cost) -> None:  # type: ignore[no-untyped-def]
+    plans = [_plan(cost, b * MiB) for b in (5, 6, 7, 8, 10, 12, 16, 32)]
+    swapped = [len(p.swapped) for p in plans]
+    steps = [p.predicted_step_seconds for p in plans]
+    assert swapped == sorted(swapped, reverse=True)
+    assert all(later <= earlier * (1 + 1e-9) for earlier, later in itertools.pairwise(steps))
+    assert swapped[0] > 0 and swapped[-1] == 0
+    for b, p in zip((5, 6, 7, 8, 10, 12, 16, 32), plans, strict=True):
+        assert p.predicted_peak_bytes <= b * MiB
+
+
+def test_checkpointing_is_chosen_per_block(cost) -> None:  # type: ignore[no-untyped-def]
+    sizes = {len(_plan(cost, b).checkpointed) for b in range(6 * MiB, 16 * MiB, MiB // 4)}
+    assert sizes - {0, 6}, f"only all-or-none checkpointing was chosen: {sorted(sizes)}"
+
+
+def test_formats_only_when_allowed(cost) -> None:  # type: ignore[no-untyped-def]
+    for budget in (5 * MiB, 8 * MiB, 16 * MiB):
+        assert set(_plan(cost, budget).formats.values()) == {"bf16"}
+    packed = _plan(cost, 4 * MiB, allow_formats=("fp8",))  # bf16 alone needs more
+    assert set(packed.formats.values()) <= {"bf16", "fp8"} and "fp8" in packed.formats.values()
+    assert set(_plan(cost, 4 * MiB, allow_formats=("nf4",)).formats.values()) <= {"bf16", "nf4"}
+
+
+def test_an_impossible_budget_names_the_minimum(cost) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(PlanError) as info:
+        _plan(cost, 2 * MiB)
+    minimum = info.value.minimum_budget
+    assert minimum is not None and minimum > 2 * MiB
+    assert "allow_formats" in info.value.hint and "batch" in info.value.hint
+    assert _plan(cost, minimum).predicted_peak_bytes <= minimum  # the minimum works
+    with pytest.raises(PlanError):
+        _plan(cost, minimum - 64 * 1024)
+    # With packed storage allowed the same budget can work.
+    assert _plan(cost, 4 * MiB, allow_formats=("nf4",)).swapped
+
+
+def test_the_plan_serializes_and_explains_itself(cost) -> None:  # type: ignore[no-untyped-def]
+    p = _plan(cost, 7 * MiB)
+    data = json.loads(p.to_json())
+    assert data["swapped"] == list(p.swapped)
+    assert data["predicted_step_seconds"] == pytest.approx(p.predicted_step_seconds)
+    assert data["forward"]["transfer_bound"] == p.forward.transfer_bound
+    text = p.explain()
+    assert f"Swap {len(p.swapped)} of 6 blocks" in text and "Predicted step" in text
+    assert "rtx4090" in text
+
+
+def test_a_phase_waits_for_copies_and_for_slots() -> None:
+    # Two blocks, both swapped, 1 ms compute and 2 ms copy each, one slot: the second copy
+    # waits for the first block to finish (slot) -> 1 + 2 + 1.
+    assert simulate_phase([1.0, 1.0], [2.0, 2.0], [True, True], slots=1) == pytest.approx(4.0)
+    # Two slots: both are in place at the start of the phase.
+    assert simulate_phase([1.0, 1.0], [2.0, 2.0], [True, True], slots=2) == pytest.approx(2.0)
+    # A resident block between two swapped ones hides the copy (slot freed, engine free).
+    assert simulate_phase([1.0, 3.0, 1.0], [2.0, 0.0, 2.0], [True, False, True],
+                          slots=1) == pytest.approx(5.0)
+    # Transfer-bound with one slot: each later block waits for the previous one to free the
+    # slot, then for its own copy: 1 + 3 x (5 + 1).
+    assert simulate_phase([1.0] * 4, [5.0] * 4, [True] * 4, slots=1) == pytest.approx(19.0)
+    assert PhaseTime(2.0, 1.0, 2.0, 10).transfer_bound
+    assert not PhaseTime(1.0, 1.0, 0.5, 10).transfer_bound
+
+
+def test_the_machine_changes_the_prediction(cost) -> None:  # type: ignore[no-untyped-def]
+    fast = _plan(cost, 6 * MiB, hardware="h100-sxm")
+    slow = _plan(cost, 6 * MiB, hardware="rtx3090")
+    assert fast.predicted_step_seconds < slow.predicted_step_seconds
+    custom = Machine("custom", None, 1e9, 1e9, 1e12, None, 1e11)
+    assert _plan(cost, 6 * MiB, hardware=custom).machine == "custom"
+
+
+def test_host_budget_limits_what_is_swapped(cost) -> None:  # type: ignore[no-untyped-def]
+    free = _plan(cost, 6 * MiB)
+    assert free.host_bytes > 0
+    with pytest.raises(PlanError, match="host budget"):
+        _plan(cost, 6 * MiB, host_budget=free.host_bytes // 4)
+
+
+def test_inference_plans_have_no_backward(cost) -> None:  # type: ignore[no-untyped-def]
+    model, xs = stack(device="meta"), inputs(device="meta")
+    infer = analyze(model, xs, mode="infer", autocast=None)
+    p = plan(model, xs, 4 * MiB, mode="infer", hardware="rtx4090", headroom=0, cost=infer)
+    assert p.backward.seconds == 0 and p.checkpointed == () and p.swapped
+    assert p.peak_breakdown["activations"] < cost.activations.checkpointed
+
+
+def test_bad_arguments() -> None:
+    model, xs = stack(device="meta"), inputs(device="meta")
+    for kw in ({"mode": "fit"}, {"allow_formats": ("fp4",)}, {"num_slots": ()},
+               {"num_slots": (0,)}, {"headroom": "lots"}, {"host_budget": -1}):
+        with pytest.raises(ConfigError):
+            plan(model, xs, "8MiB", hardware="rtx4090", **kw)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="budget"):
+        plan(model, xs, 0, hardware="rtx4090")
+    with pytest.raises(ConfigError, match="leaves nothing"):
+        plan(model, xs, "8MiB", hardware="rtx4090", headroom="8MiB")
+    with pytest.raises(ConfigError, match="rtx9999"):
+        plan(model, xs, "8MiB", hardware="rtx9999", headroom=0)
+
+
+def test_default_headroom() -> None:
+    assert resolve_headroom(10 << 30, None) == int(0.08 * (10 << 30)) + (256 << 20)
+    assert resolve_headroom(1000, 0.1) == 100
+    assert resolve_headroom(1000, "64") == 64
+
+
+def test_a_real_model_is_planned_without_touching_its_weights() -> None:
+    model = stack()
+    before = [p.detach().clone() for p in model.parameters()]
+    p = plan(model, inputs(), "6MiB", hardware="rtx4090", headroom=0, autocast=None)
+    assert p.swapped
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(t.device.type == "cpu" for t in model.parameters())

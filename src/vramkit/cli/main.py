@@ -44,7 +44,7 @@ from vramkit.errors import VramkitError
 __all__ = ["build_parser", "describe_error", "main"]
 
 # Sub-command modules, in the order `vramkit --help` lists them.
-_COMMAND_MODULES = ("info", "select", "profile", "inspect", "demo")
+_COMMAND_MODULES = ("info", "select", "plan", "profile", "inspect", "demo")
 
 # Where the sub-command's name goes: a name no sub-command uses for its own arguments
 # (`profile` has a positional called `command`).

@@ -1,0 +1,307 @@
+"""``vramkit plan MODEL --budget SIZE``: what to turn on for a model on a card, and how fast.
+
+MODEL is a shipped preset name (``flux-dev``, ``sdxl``, ``sd3.5-large``, ``qwen-image``,
+``wan2.1-14b``, ``llama-3.1-8b``: published configs only, no weights) or a local diffusers /
+transformers folder (only its ``config.json`` is read). The model is built on the meta device
+(nothing allocated, no weight read), one step is traced there, and :func:`vramkit.plan` chooses
+the swapped blocks, ring slots, checkpointed blocks, storage formats and activation offload with
+the best predicted step time under the budget. The command prints the plan, its predicted peak
+and step time per phase, and the reasons (``--json``: one object).
+
+Hardware. ``--hardware NAME`` plans offline for a GPU of :data:`vramkit.planning.PROFILES`
+(``--list`` shows them). Without it, the GPU of this machine is measured when PyTorch sees one;
+on a machine without a GPU the plan is made for :data:`DEFAULT_OFFLINE_HARDWARE` and says so.
+
+Errors. A budget nothing fits in exits with code 1 and names the smallest budget that works
+(and ``--allow`` formats that would lower it); bad flag values exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["DEFAULT_OFFLINE_HARDWARE", "FLAG_NAMES", "make_plan", "register", "run"]
+
+#: The GPU planned for when no ``--hardware`` is given and PyTorch sees no GPU.
+DEFAULT_OFFLINE_HARDWARE = "rtx4090"
+
+#: Python names of the settings the flags feed (errors speak of the flags).
+FLAG_NAMES = {"budget": "--budget", "mode": "--mode", "lora_rank": "--lora-rank",
+              "resolution": "--resolution", "batch": "--batch", "seq_len": "--seq-len",
+              "frames": "--frames", "hardware": "--hardware", "allow_formats": "--allow",
+              "host_budget": "--host-budget", "headroom": "--headroom"}
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``plan`` sub-command to the ``vramkit`` parser."""
+    parser = subparsers.add_parser(
+        "plan", help="plan swapping, checkpointing and storage for a model and a memory budget",
+        description="Build a model from its config on the meta device (no weights, nothing "
+                    "allocated), trace one step, and choose which blocks to swap, how many "
+                    "slots, which blocks to checkpoint, storage formats and activation offload "
+                    "for the best predicted step time under a memory budget.")
+    parser.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                        help="a preset (flux-dev, sdxl, sd3.5-large, qwen-image, wan2.1-14b, "
+                             "llama-3.1-8b) or a local diffusers/transformers folder")
+    parser.add_argument("--budget", metavar="SIZE", default=None,
+                        help="device memory for the step, e.g. 12GiB (a card's size or a cap)")
+    parser.add_argument("--mode", choices=("train", "infer"), default="train",
+                        help="a LoRA (or full) training step, or inference (default train)")
+    parser.add_argument("--lora-rank", metavar="N", default="16",
+                        help="LoRA rank when training; 0 trains every parameter (default 16)")
+    parser.add_argument("--resolution", metavar="PX|HxW", default=None,
+                        help="image size, e.g. 1024 or 480x832 (default: the model's own)")
+    parser.add_argument("--batch", metavar="N", default="1", help="rows per step (default 1)")
+    parser.add_argument("--seq-len", metavar="N", default=None,
+                        help="a language model's tokens per row (default 4096); a diffusion "
+                             "model's text tokens (default: the model's own)")
+    parser.add_argument("--frames", metavar="N", default=None,
+                        help="a video model's frames (Wan: 4k+1, default 81)")
+    parser.add_argument("--hardware", metavar="GPU", default=None,
+                        help="plan offline for a named GPU (see --list); default: measure "
+                             f"this machine's GPU, or {DEFAULT_OFFLINE_HARDWARE} without one")
+    parser.add_argument("--allow", metavar="FORMATS", default="",
+                        help="packed storage the plan may use for frozen weights, e.g. "
+                             "fp8,int8 (fp8, int8, int4, nf4; default none)")
+    parser.add_argument("--host-budget", metavar="SIZE", default=None,
+                        help="pinned host memory the plan may use (default: no limit)")
+    parser.add_argument("--headroom", metavar="SIZE|FRACTION", default=None,
+                        help="part of the budget kept free (default 8%% + 256 MiB)")
+    parser.add_argument("--blocks", action="store_true",
+                        help="list every block with its placement, format and checkpointing")
+    parser.add_argument("--list", action="store_true",
+                        help="list the model presets and hardware names, and exit")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run, flag_names=FLAG_NAMES)
+
+
+def _int_flag(flag: str, text: str | None, minimum: int, example: int) -> int | None:
+    from vramkit._validate import check_int
+    from vramkit.errors import ConfigError
+
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"{flag} must be a whole number, got {text!r}",
+                          hint=f"Pass a whole number of {minimum} or more, e.g. {flag} "
+                               f"{example}.") from None
+    return check_int(flag, value, minimum=minimum)
+
+
+def _headroom(text: str | None) -> int | float | None:
+    """``--headroom``: a fraction (``0.1``) or a size (``2GiB``)."""
+    from vramkit.units import parse_size
+
+    if text is None:
+        return None
+    with contextlib.suppress(ValueError):
+        value = float(text)
+        if 0 <= value < 1:
+            return value
+    from vramkit.errors import ConfigError
+
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise ConfigError(f"--headroom must be a fraction below 1 or a size, got {text!r}",
+                          hint="Pass --headroom 0.1 or --headroom 2GiB.") from None
+
+
+def _formats(text: str) -> tuple[str, ...]:
+    from vramkit._validate import check_choice
+    from vramkit.planning.analysis import FORMATS
+
+    names = [part.strip().lower() for part in text.split(",") if part.strip()]
+    for name in names:
+        check_choice("--allow", name, tuple(f for f in FORMATS if f != "bf16"))
+    return tuple(dict.fromkeys(names))
+
+
+def _hardware(name: str | None) -> tuple[Any, str | None]:
+    """The hardware to plan for, and a note when it was chosen for the user."""
+    from vramkit.planning.hardware import hardware_profile
+
+    if name is not None:
+        return hardware_profile(name), None
+    import torch
+
+    if torch.cuda.is_available():
+        return None, None  # measured by the planner
+    return (hardware_profile(DEFAULT_OFFLINE_HARDWARE),
+            f"PyTorch sees no GPU here: planned offline for {DEFAULT_OFFLINE_HARDWARE} "
+            "(--hardware chooses another GPU).")
+
+
+def make_plan(args: argparse.Namespace,
+              status: Any = None) -> tuple[Any, Any, str | None]:
+    """Check the flags, build the model on meta and plan it.
+
+    Returns:
+        ``(target, plan, note)``: the :class:`~vramkit.planning.models.PlanTarget`, the
+        :class:`~vramkit.planning.planner.Plan` and a note on the hardware (or ``None``).
+
+    Raises:
+        FlagError: for a bad flag value (exit code 2).
+        PlanError: when no plan fits the budget.
+    """
+    from vramkit._validate import check_size
+    from vramkit.cli._output import flag_values
+    from vramkit.errors import ConfigError, PlanError
+    from vramkit.planning.api import plan
+    from vramkit.planning.models import build_target
+
+    def say(text: str) -> None:
+        if status is not None:
+            status(text)
+
+    with flag_values():
+        if args.model is None:
+            raise ConfigError("MODEL is missing",
+                              hint="Name a preset (vramkit plan --list) or a model folder: "
+                                   "vramkit plan flux-dev --budget 12GiB.")
+        if args.budget is None:
+            raise ConfigError("--budget is missing",
+                              hint="Pass the card's memory or a cap, e.g. --budget 12GiB.")
+        budget = check_size("--budget", args.budget, minimum=1)
+        host_budget = check_size("--host-budget", args.host_budget, allow_none=True)
+        lora_rank = _int_flag("--lora-rank", args.lora_rank, 0, 16)
+        batch = _int_flag("--batch", args.batch, 1, 1)
+        seq_len = _int_flag("--seq-len", args.seq_len, 1, 4096)
+        frames = _int_flag("--frames", args.frames, 1, 81)
+        allow = _formats(args.allow)
+        headroom = _headroom(args.headroom)
+        hardware, note = _hardware(args.hardware)
+        say(f"building {args.model} on the meta device")
+        target = build_target(args.model, mode=args.mode, lora_rank=lora_rank,
+                              resolution=args.resolution, batch=batch, seq_len=seq_len,
+                              frames=frames)
+    say(f"tracing one {args.mode} step of {target.name} and planning")
+    try:
+        result = plan(target.model, target.inputs, budget, mode=args.mode, hardware=hardware,
+                      allow_formats=allow, host_budget=host_budget, headroom=headroom,
+                      step=target.step, autocast=None)
+    except PlanError as err:  # the hint's Python call, as this command's flag
+        hint = re.sub(r"allow_formats=\(([^)]*)\)",
+                      lambda m: "--allow " + ",".join(re.findall(r"'(\w+)'", m.group(1))),
+                      err.hint or "")
+        raise PlanError(err.message, hint=hint, minimum_budget=err.minimum_budget) from None
+    return target, result, note
+
+
+@contextlib.contextmanager
+def _spinner(enabled: bool) -> Iterator[Any]:
+    """A transient spinner on stderr whose text :func:`make_plan` updates."""
+    if not enabled:
+        yield None
+        return
+    from vramkit.cli._output import console
+
+    with console(stderr=True).status("planning") as status:
+        yield lambda text: status.update(text)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan and print; returns the exit code."""
+    from vramkit.cli._output import print_json
+
+    if args.list:
+        return _print_lists(args.json)
+    with _spinner(not args.json) as status:
+        target, result, note = make_plan(args, status)
+    if args.json:
+        print_json({"model": target.name, "mode": target.mode, "trainable": target.trainable,
+                    "shapes": target.shapes, "note": note, "plan": result.to_dict()})
+        return 0
+    _print_plan(target, result, note, args.blocks)
+    return 0
+
+
+def _print_lists(as_json: bool) -> int:
+    from vramkit.cli._output import console, print_json
+    from vramkit.planning.hardware import PROFILES
+    from vramkit.planning.models import MODEL_PRESETS
+    from vramkit.units import format_size
+
+    if as_json:
+        print_json({"models": {name: {"library": p.library, "class": p.class_name,
+                                      "source": p.source}
+                               for name, p in MODEL_PRESETS.items()},
+                    "hardware": {name: {"memory_bytes": p.memory_bytes}
+                                 for name, p in PROFILES.items()}})
+        return 0
+    from rich.table import Table
+
+    con = console()
+    models = Table(title="Model presets (configs only, no weights)")
+    for column in ("preset", "library", "class", "config from"):
+        models.add_column(column)
+    for name, preset in MODEL_PRESETS.items():
+        models.add_row(name, preset.library, preset.class_name, preset.source)
+    con.print(models)
+    gpus = Table(title="Hardware (--hardware)")
+    gpus.add_column("name")
+    gpus.add_column("memory", justify="right")
+    for name, profile in PROFILES.items():
+        gpus.add_row(name, format_size(profile.memory_bytes))
+    con.print(gpus)
+    return 0
+
+
+def _print_plan(target: Any, plan: Any, note: str | None, list_blocks: bool) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from vramkit.cli._output import console
+    from vramkit.units import format_size
+
+    con = console()
+    con.print(f"[bold]{escape(target.name)}[/bold], {target.mode}: {escape(target.shapes)}")
+    if target.mode == "train":
+        con.print(f"Trains: {escape(target.trainable)}")
+    if note:
+        con.print(f"[yellow]{escape(note)}[/yellow]")
+    n = len(plan.swapped) + len(plan.resident)
+    table = Table(title=f"Plan for {format_size(plan.budget_bytes)} on {escape(plan.machine)}")
+    table.add_column("setting")
+    table.add_column("value")
+    swapped = (f"{len(plan.swapped)} of {n} blocks, {plan.num_slots} slot(s), stored "
+               f"{plan.swapped_format}" if plan.swapped else f"none of {n} blocks")
+    table.add_row("swapped", swapped)
+    table.add_row("resident", f"{len(plan.resident)} blocks, stored {plan.resident_format}")
+    if plan.mode == "train":
+        table.add_row("checkpointed", f"{len(plan.checkpointed)} of {n} blocks")
+        table.add_row("activation offload", "on" if plan.activation_offload else "off")
+    table.add_row("predicted peak", f"{format_size(plan.predicted_peak_bytes)} "
+                                    f"(+ {format_size(plan.headroom_bytes)} kept free)")
+    for part, value in plan.peak_breakdown.items():
+        table.add_row(f"  {part.replace('_', ' ')}", format_size(value))
+    table.add_row("predicted step", f"{plan.predicted_step_seconds * 1e3:.0f} ms")
+    phases = [("forward", plan.forward)]
+    if plan.mode == "train":
+        phases.append(("backward", plan.backward))
+    for label, phase in phases:
+        bound = "transfer-bound" if phase.transfer_bound else "compute-bound"
+        table.add_row(f"  {label}", f"{phase.seconds * 1e3:.0f} ms ({bound}: compute "
+                                    f"{phase.compute_seconds * 1e3:.0f} ms, copies "
+                                    f"{format_size(phase.copy_bytes)} = "
+                                    f"{phase.copy_seconds * 1e3:.0f} ms)")
+    if plan.swapped:
+        table.add_row("pinned host memory", format_size(plan.host_bytes))
+    con.print(table)
+    if list_blocks:
+        blocks = Table(title="Blocks (execution order)")
+        for column in ("block", "placement", "format", "checkpointed"):
+            blocks.add_column(column)
+        swapped_set, checkpointed = set(plan.swapped), set(plan.checkpointed)
+        formats = plan.formats
+        for name in plan.block_order:
+            blocks.add_row(escape(name), "swapped" if name in swapped_set else "resident",
+                           formats[name], "yes" if name in checkpointed else "")
+        con.print(blocks)
+    con.print(escape(plan.explain()))

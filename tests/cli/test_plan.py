@@ -1,0 +1,165 @@
+"""`vramkit plan`: presets and local folders planned offline, tables and JSON, flag errors as
+exit code 2, an impossible budget as exit code 1 with the minimum and the flag to try."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.cli._helpers import check_error, run_vramkit
+from vramkit.cli.main import main
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+GiB = 1 << 30
+
+# A Llama small enough to trace in a fraction of a second, written as a transformers folder.
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+    "intermediate_size": 688, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_hidden_layers": 6, "vocab_size": 1024, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture
+def llama_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "tiny-llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return folder
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    return json.loads(out)  # exactly one JSON document on stdout
+
+
+def test_a_local_folder_plans_offline_as_json(llama_dir: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(capsys, str(llama_dir), "--budget", "8GiB", "--hardware", "rtx4090",
+                 "--seq-len", "512")
+    assert data["mode"] == "train" and "LoRA r16" in data["trainable"]
+    assert "512" in data["shapes"]
+    plan = data["plan"]
+    assert plan["machine"] == "rtx4090" and plan["budget_bytes"] == 8 * GiB
+    assert plan["swapped"] == [] and len(plan["resident"]) == 6  # everything fits
+    assert plan["predicted_peak_bytes"] <= plan["budget_bytes"] - plan["headroom_bytes"]
+    assert plan["predicted_step_seconds"] > 0
+    assert data["note"] is None  # the hardware was named
+
+
+def test_a_tight_budget_swaps_and_the_table_explains_it(llama_dir: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    import vramkit
+    from vramkit.errors import PlanError
+    from vramkit.planning import build_target
+
+    target = build_target(llama_dir, seq_len=512)
+    with pytest.raises(PlanError) as info:
+        vramkit.plan(target.model, target.inputs, 1, step=target.step, autocast=None,
+                     hardware="l4", headroom=0)
+    minimum = info.value.minimum_budget
+    assert minimum is not None
+    code = main(["plan", str(llama_dir), "--budget", str(minimum), "--headroom", "0",
+                 "--hardware", "l4", "--seq-len", "512", "--blocks"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "on l4" in out and "predicted step" in out and "Predicted peak" in out
+    assert "Trains: LoRA r16" in out
+    assert "model.layers.5" in out  # --blocks lists every block
+    data = _json(capsys, str(llama_dir), "--budget", str(minimum), "--headroom", "0",
+                 "--hardware", "l4", "--seq-len", "512")
+    assert data["plan"]["swapped"]  # the smallest budget that works swaps blocks
+    assert data["plan"]["predicted_peak_bytes"] <= minimum
+    placements = [line.split()[3] for line in out.splitlines()
+                  if line.startswith("│ model.layers.")]
+    assert len(placements) == 6 and "swapped" in placements
+    # Full fine-tuning: every parameter trains, so no block has frozen weights to swap.
+    assert main(["plan", str(llama_dir), "--budget", "8GiB", "--hardware", "l4",
+                 "--lora-rank", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "Trains: all" in out and "full fine-tuning" in out
+    # The 1-byte budget of the CLI: a plan error with the minimum, not a headroom complaint.
+    code = main(["plan", str(llama_dir), "--budget", "1", "--hardware", "rtx4090", "--json"])
+    error = json.loads(capsys.readouterr().out)
+    assert code == 1 and "needs a budget of" in error["error"]
+
+
+def test_without_a_gpu_the_plan_says_which_gpu_it_assumed(
+        llama_dir: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from vramkit.cli import plan as plan_cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    data = _json(capsys, str(llama_dir), "--budget", "8GiB")
+    assert data["plan"]["machine"] == plan_cli.DEFAULT_OFFLINE_HARDWARE
+    assert plan_cli.DEFAULT_OFFLINE_HARDWARE in data["note"]
+
+
+def test_an_impossible_budget_names_the_minimum_and_the_flag(
+        llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", str(llama_dir), "--budget", "64MiB", "--hardware", "rtx4090"])
+    captured = capsys.readouterr()
+    text = check_error(code, captured.out, captured.err, sub="plan", exit_code=1,
+                       says=("needs a budget of", "--allow fp8"))
+    assert "allow_formats" not in text
+    # With both packed formats allowed, the minimum falls and no format is left to suggest.
+    code = main(["plan", str(llama_dir), "--budget", "64MiB", "--hardware", "rtx4090",
+                 "--allow", "fp8,nf4", "--json"])
+    captured = capsys.readouterr()
+    packed = check_error(code, captured.out, captured.err, sub="plan", exit_code=1,
+                         as_json=True, says=("needs a budget of", "smaller batch"),
+                         not_says=("--allow",))
+    assert packed
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    ([], ("MODEL is missing", "vramkit plan --list")),
+    (["sdxl"], ("--budget is missing",)),
+    (["sdxl", "--budget", "lots"], ("--budget",)),
+    (["sdxl", "--budget", "12GiB", "--allow", "fp9"], ("--allow", "fp8")),
+    (["sdxl", "--budget", "12GiB", "--lora-rank", "x"], ("--lora-rank", "16")),
+    (["sdxl", "--budget", "12GiB", "--batch", "0"], ("--batch",)),
+    (["sdxl", "--budget", "12GiB", "--hardware", "rtx9999"], ("rtx9999",)),
+    (["sdxl", "--budget", "12GiB", "--headroom", "much"], ("--headroom",)),
+    (["no-such-model", "--budget", "12GiB"], ("no-such-model", "flux-dev")),
+])
+def test_flag_errors_exit_2(argv: list[str], says: tuple[str, ...],
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", *argv])
+    captured = capsys.readouterr()
+    check_error(code, captured.out, captured.err, sub="plan", exit_code=2, says=says)
+    code = main(["plan", *argv, "--json"])
+    captured = capsys.readouterr()
+    check_error(code, captured.out, captured.err, sub="plan", exit_code=2, as_json=True,
+                says=says)
+
+
+def test_list_names_the_presets_and_the_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(capsys, "--list")
+    assert {"flux-dev", "sdxl", "sd3.5-large", "qwen-image", "wan2.1-14b",
+            "llama-3.1-8b"} <= set(data["models"])
+    assert {"rtx3090", "rtx4090", "h100-pcie", "l4"} <= set(data["hardware"])
+    assert main(["plan", "--list"]) == 0
+    assert "llama-3.1-8b" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_readme_command_plans_flux_dev_on_a_cpu_machine() -> None:
+    pytest.importorskip("diffusers")
+    done = run_vramkit("plan", "flux-dev", "--budget", "12GiB", "--json",
+                       env={"CUDA_VISIBLE_DEVICES": ""}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    plan = data["plan"]
+    assert len(plan["block_order"]) == 57  # 19 double + 38 single blocks
+    assert plan["swapped"] and plan["checkpointed"]
+    assert plan["predicted_peak_bytes"] <= 12 * GiB - plan["headroom_bytes"]
+    assert "planned offline" in data["note"]

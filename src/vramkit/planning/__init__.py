@@ -8,6 +8,7 @@ a model, its inputs and a memory budget, before anything is allocated; apply the
   weight bytes per storage format by the swapper's own rule).
 * :mod:`.planner`: the model of time (phases simulated block by block) and memory, the search.
 * :mod:`.machine` / :mod:`.hardware`: the machine, measured or from sourced GPU profiles.
+* :mod:`.calibration`: the compute time of one block of each kind, measured on the device.
 * :mod:`.activations`: activation bytes of a step by block, with and without checkpointing.
 * :mod:`.models`: the shipped model presets (FLUX.1-dev, SDXL, SD3.5-large, Qwen-Image,
   Wan2.1-14B, Llama-3.1-8B) built on the meta device, and local model folders.
@@ -25,7 +26,9 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".api": ("plan", "DEFAULT_HEADROOM", "resolve_headroom"),
     ".fitting": ("fit", "Fitted", "FitReport"),
     ".planner": ("Plan", "PhaseTime", "search"),
-    ".analysis": ("analyze", "ModelCost", "BlockCost", "FORMATS", "meta_copy"),
+    ".analysis": ("analyze", "ModelCost", "BlockCost", "FORMATS", "default_step", "meta_copy",
+                  "to_meta"),
+    ".calibration": ("BlockTimes", "calibrate_blocks"),
     ".machine": ("Machine", "machine_for", "measure_machine", "ACHIEVED_FRACTION"),
     ".hardware": ("HardwareProfile", "PROFILES", "hardware_profile"),
     ".activations": ("ActivationEstimate", "estimate_activations", "activation_accounting"),
@@ -37,6 +40,7 @@ if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.planning.activations import *  # noqa: F403
     from vramkit.planning.analysis import *  # noqa: F403
     from vramkit.planning.api import *  # noqa: F403
+    from vramkit.planning.calibration import *  # noqa: F403
     from vramkit.planning.fitting import *  # noqa: F403
     from vramkit.planning.hardware import *  # noqa: F403
     from vramkit.planning.machine import *  # noqa: F403

@@ -31,7 +31,7 @@ from vramkit.offload.swap import BlockSwapper, SwapConfig
 from vramkit.planning._meta import MetaAutocast, quantize_on_meta
 from vramkit.planning.activations import ActivationEstimate, activation_accounting
 
-__all__ = ["FORMATS", "BlockCost", "ModelCost", "analyze", "meta_copy"]
+__all__ = ["FORMATS", "BlockCost", "ModelCost", "analyze", "default_step", "meta_copy", "to_meta"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,16 +135,18 @@ def meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _to_meta(value: Any) -> Any:
+def to_meta(value: Any) -> Any:
+    """``value`` (a tensor, or lists, tuples and dicts of them) with every tensor as a meta
+    tensor of the same shape and dtype (floats keep ``requires_grad``)."""
     if isinstance(value, torch.Tensor):
         if value.device.type == "meta":
             return value
         out = torch.empty_like(value, device="meta")
         return out.requires_grad_(value.requires_grad) if value.is_floating_point() else out
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_meta(v) for v in value)
+        return type(value)(to_meta(v) for v in value)
     if isinstance(value, dict):
-        return {k: _to_meta(v) for k, v in value.items()}
+        return {k: to_meta(v) for k, v in value.items()}
     return value
 
 
@@ -215,7 +217,7 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
     meta = meta_copy(model)
     found = find_blocks(meta, blocks)
     names = [n for n, _ in found]
-    meta_inputs = _to_meta(inputs)
+    meta_inputs = to_meta(inputs)
     run = step if step is not None else default_step
     counter = FlopCounterMode(display=False)
     try:

@@ -11,9 +11,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from vramkit._validate import check_bool, check_choice, check_int, check_number, check_size
+from vramkit._validate import (
+    check_bool,
+    check_choice,
+    check_device,
+    check_int,
+    check_number,
+    check_size,
+)
 from vramkit.errors import ConfigError
 from vramkit.planning.analysis import FORMATS, ModelCost, analyze
+from vramkit.planning.calibration import BlockTimes, calibrate_blocks
 from vramkit.planning.hardware import HardwareProfile
 from vramkit.planning.machine import Machine, machine_for
 from vramkit.planning.planner import Plan, search
@@ -47,7 +55,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
          step: Callable[[nn.Module, Any], torch.Tensor] | None = None,
          blocks: str | Sequence[str] = "auto", num_slots: Sequence[int] = (1, 2, 3),
          activation_offload: bool = True, autocast: torch.dtype | None = torch.bfloat16,
-         cost: ModelCost | None = None) -> Plan:
+         cost: ModelCost | None = None, block_times: BlockTimes | None = None,
+         device: str | torch.device | None = None) -> Plan:
     """Plan a model's memory for a budget at the best predicted step time.
 
     Nothing is allocated or computed: the model runs on the meta device (a meta copy of a real
@@ -68,7 +77,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         hardware: a GPU name (``"rtx4090"``, ``"h100-pcie"``, see
             :data:`vramkit.planning.PROFILES`) to plan offline from its published figures; a
             :class:`HardwareProfile` or :class:`Machine`; ``None`` (default) measures this
-            machine's GPU.
+            machine's GPU: its copy bandwidth, and the compute time of one block of each kind
+            (:func:`~vramkit.planning.calibration.calibrate_blocks`).
         allow_formats: packed storage the plan may use for frozen weights: ``"fp8"``,
             ``"int8"``, ``"nf4"``, ``"int4"`` (default none: the weights as built).
         host_budget: pinned host memory the swapped blocks (and offloaded activations) may
@@ -81,6 +91,10 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         autocast: the dtype of autocast during the step (default bf16; ``None``: none).
         cost: a :class:`~vramkit.planning.analysis.ModelCost` from an earlier :func:`analyze` of
             the same model and inputs (skips the meta-device pass).
+        block_times: measured block times from an earlier
+            :func:`~vramkit.planning.calibration.calibrate_blocks` (used with any
+            ``hardware``; with ``None`` they skip the timing runs).
+        device: the GPU ``hardware=None`` measures (default: the current CUDA device).
 
     Returns:
         The :class:`~vramkit.planning.planner.Plan`.
@@ -109,13 +123,24 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         raise ConfigError(f"headroom {reserved} bytes leaves nothing of the "
                           f"{budget_bytes}-byte budget",
                           hint="Lower headroom= (a fraction such as 0.05, or a size).")
-    machine = machine_for(hardware)
+    target = check_device("device", device, types=("cuda",), allow_none=True)
+    machine = machine_for(hardware, target)
     if cost is None:
         cost = analyze(model, example_inputs, mode=mode, step=step, blocks=blocks,
                        formats=("bf16", *allow_formats), autocast=autocast)
     elif cost.mode != mode:
         raise ConfigError(f"cost= was analyzed for mode {cost.mode!r}, not {mode!r}",
                           hint="Analyze again with the same mode, or leave cost=None.")
+    if block_times is None and hardware is None:
+        block_times = calibrate_blocks(model, example_inputs, mode=mode, step=step,
+                                       blocks=blocks, autocast=autocast, device=target)
+    if block_times is not None:
+        missing = [b.name for b in cost.blocks if b.name not in block_times.forward]
+        if missing:
+            raise ConfigError(f"block_times has no time for {len(missing)} block(s) of the "
+                              f"model ({missing[:3]}...)",
+                              hint="Calibrate the same model with the same blocks=, or leave "
+                                   "block_times=None.")
     def budget_for(need: int) -> int:
         """The smallest budget whose room after this headroom rule holds ``need`` bytes."""
         low, high = need, max(need, 1) * 4 + (1 << 30)
@@ -129,7 +154,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
 
     result = search(cost, machine, budget_bytes, reserved, allow_formats=allow_formats,
                     num_slots=slots, activation_offload=activation_offload, host_budget=host,
-                    budget_for=budget_for)
+                    budget_for=budget_for, times=block_times)
     logger.info("plan: %d of %d blocks swapped, %d checkpointed, predicted %.0f ms, peak %d",
                 len(result.swapped), len(cost.blocks), len(result.checkpointed),
                 result.predicted_step_seconds * 1e3, result.predicted_peak_bytes)

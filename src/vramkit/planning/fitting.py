@@ -311,6 +311,8 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
                                "vramkit.plan for a plan without weights.")
     target = resolve_device(device, owner="vramkit.fit")
     if plan is None:
+        if target.type == "cuda" and plan_options.get("hardware") is None:
+            plan_options.setdefault("device", target)  # measure the GPU it will run on
         plan = make_plan(model, example_inputs, budget, **plan_options)
     blocks = plan_options.get("blocks", "auto")
     return Fitted(model, plan, target, blocks=blocks, observe_steps=observe_steps)

@@ -38,6 +38,7 @@ from typing import Any
 from vramkit.errors import PlanError
 from vramkit.offload.blocks import spread_evenly
 from vramkit.planning.analysis import BlockCost, ModelCost
+from vramkit.planning.calibration import BlockTimes
 from vramkit.planning.machine import SWAP_HOST_SECONDS, Machine
 from vramkit.units import format_size
 
@@ -238,12 +239,16 @@ def simulate_phase(compute: Sequence[float], copies: Sequence[float],
 def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
            allow_formats: Sequence[str] = (), num_slots: Sequence[int] = (1, 2, 3),
            activation_offload: bool = True, host_budget: int | None = None,
-           budget_for: Callable[[int], int] | None = None) -> Plan:
+           budget_for: Callable[[int], int] | None = None,
+           times: BlockTimes | None = None) -> Plan:
     """The fastest plan that fits (see the module docstring).
 
     Args:
         budget_for: the smallest budget whose room (after headroom) holds a given number of
             bytes (default ``need + headroom``); names the minimum when nothing fits.
+        times: measured block times (:func:`~vramkit.planning.calibration.calibrate_blocks`)
+            to use instead of FLOPs over the machine's throughput; the work outside the blocks
+            then runs at the throughput the timed blocks reached.
 
     Raises:
         PlanError: when nothing fits, naming the smallest budget that would, and what would
@@ -266,6 +271,15 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     if activation_offload and train:
         least_activations = min(least_activations, _offloaded(estimate, train))
     flops = machine.flops_per_s
+    block_fwd = [b.forward_flops / flops for b in cost.blocks]
+    block_bwd = [b.backward_flops / flops for b in cost.blocks]
+    if times is not None:
+        measured = set(times.forward) - set(times.fallbacks)
+        block_fwd = [times.forward[b.name] if b.name in measured else t
+                     for b, t in zip(cost.blocks, block_fwd, strict=True)]
+        block_bwd = [times.backward[b.name] if b.name in measured else t
+                     for b, t in zip(cost.blocks, block_bwd, strict=True)]
+        flops = times.flops_per_s(cost) or flops
     bw = machine.h2d_bytes_per_s
     optimizer = 4 * cost.trainable_bytes / machine.memory_bandwidth_bytes_per_s if train else 0.0
     outside_fwd = cost.outside_forward_flops / flops
@@ -289,8 +303,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                 master_bytes = sum(sizes[i] for i in chosen)
                 dequant = [_dequant(cost.blocks[i], fmt_s if flags[i] else fmt_r, machine)
                            for i in range(n)]
-                fwd_s = [b.forward_flops / flops + d for b, d in zip(cost.blocks, dequant,
-                                                                     strict=True)]
+                fwd_s = [t + d for t, d in zip(block_fwd, dequant, strict=True)]
                 copy_s = [sizes[i] / bw if flags[i] else 0.0 for i in range(n)]
                 for r in sorted(set(num_slots)):
                     if k and r > k:
@@ -317,7 +330,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                     fwd = PhaseTime(fwd_time, outside_fwd + sum(fwd_s), copies / bw, copies)
                     if train:
                         ckpt_set = set(ckpt)
-                        bwd_s = [b.backward_flops / flops + dequant[i]
+                        bwd_s = [block_bwd[i] + dequant[i]
                                  + (fwd_s[i] if b.name in ckpt_set else 0.0)
                                  for i, b in enumerate(cost.blocks)]
                         restores = ([_kept_bytes(estimate, b.name, ckpt_set) / bw
@@ -348,6 +361,10 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     resident = tuple(name for i, name in enumerate(names) if i not in chosen_set)
     ckpt_set = set(best["ckpt"])
     notes = []
+    if times is not None:
+        notes.append(f"Block times measured on {times.device} ({times.kinds} kind(s) of block "
+                     "timed" + (f"; {len(times.fallbacks)} block(s) from FLOP counts"
+                                if times.fallbacks else "") + ").")
     if not machine.measured:
         notes.append(f"Times are estimates from {machine.name}'s published peak throughput "
                      "and copy bandwidth; vramkit.fit measures and compares after the first "

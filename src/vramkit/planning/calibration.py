@@ -1,0 +1,270 @@
+"""Per-block compute times measured on this machine: one block of each kind, timed for real.
+
+A plan made for ``hardware=None`` does not trust FLOP counts for the blocks, which is where a
+step spends its time: attention kernels, norms and element-wise work run far from a matmul's
+throughput, and differently on every GPU. :func:`calibrate_blocks` records what each block is
+called with during one forward of the model on the meta device, groups the blocks into kinds
+(same class, same parameter shapes, same input shapes: Flux has two, a Llama one, SDXL a few
+dozen), and for each kind builds one block on the device with random weights (nothing is read
+from the model's own weights) and random inputs of the recorded shapes, and times its forward
+and, for training, its backward (input and adapter gradients, as inside a training step), a few
+rounds after a warm-up. Every block of a kind gets the kind's times.
+
+Times come from CUDA events on a GPU and from the host clock on the CPU (which tests use). A
+kind whose block cannot run on random inputs (an index input that must hold valid values) keeps
+its FLOP-based time and is named in :attr:`BlockTimes.fallbacks`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from vramkit._validate import check_choice, check_device, check_int
+from vramkit.offload.blocks import find_blocks
+from vramkit.planning._meta import MetaAutocast
+from vramkit.planning.analysis import ModelCost, default_step, meta_copy, to_meta
+
+__all__ = ["BlockTimes", "calibrate_blocks"]
+
+logger = logging.getLogger(__name__)
+
+_STD = 0.02  # random weights: the scale of a trained transformer's
+
+
+@dataclass(frozen=True)
+class BlockTimes:
+    """Measured seconds of each block's call (see :func:`calibrate_blocks`).
+
+    Attributes:
+        forward: block name -> seconds of one forward call.
+        backward: block name -> seconds of its backward (0 for inference).
+        kinds: how many distinct kinds were timed.
+        device: where they were timed (``"cuda:0"``, ``"cpu"``).
+        fallbacks: blocks whose kind could not run on random inputs (FLOP-based times).
+        seconds: how long the calibration took.
+    """
+
+    forward: dict[str, float]
+    backward: dict[str, float]
+    kinds: int
+    device: str
+    fallbacks: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+    def flops_per_s(self, cost: ModelCost) -> float | None:
+        """The throughput the timed blocks reached on their FLOPs (for the work outside the
+        blocks); ``None`` when nothing was timed."""
+        names = [b.name for b in cost.blocks if b.name not in self.fallbacks]
+        spent = sum(self.forward[n] + self.backward[n] for n in names)
+        flops = sum(cost.blocks[cost.block_index[n]].forward_flops
+                    + cost.blocks[cost.block_index[n]].backward_flops for n in names)
+        return flops / spent if spent > 0 and flops > 0 else None
+
+
+def _signature(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), value.dtype, value.requires_grad)
+    if isinstance(value, Mapping):
+        return tuple((k, _signature(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(v) for v in value)
+    return repr(value)
+
+
+def _kind(module: nn.Module, args: Any, kwargs: Any) -> Any:
+    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
+                   for n, p in module.named_parameters())
+    return (type(module).__qualname__, params, _signature(args), _signature(kwargs))
+
+
+def _record_calls(meta: nn.Module, names: Sequence[str], inputs: Any,
+                  step: Callable[[nn.Module, Any], torch.Tensor],
+                  autocast: torch.dtype | None) -> dict[str, tuple[Any, Any]]:
+    """Each block's first call (args, kwargs), from one forward on meta."""
+    calls: dict[str, tuple[Any, Any]] = {}
+    handles = []
+    for name in names:
+        def record(module: nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
+            if name not in calls:
+                calls[name] = (args, kwargs)
+        handles.append(meta.get_submodule(name).register_forward_pre_hook(record,
+                                                                          with_kwargs=True))
+    try:
+        with torch.no_grad():
+            if autocast is not None:
+                with MetaAutocast(autocast):
+                    step(meta, inputs)
+            else:
+                step(meta, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+def _real(value: Any, device: torch.device, train: bool, generator: torch.Generator) -> Any:
+    """A meta structure made real: floats random (requiring grad when training), the rest 0."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            out = torch.randn(value.shape, generator=generator, dtype=torch.float32)
+            out = out.to(device=device, dtype=value.dtype)
+            return out.requires_grad_(train)
+        return torch.zeros(value.shape, dtype=value.dtype, device=device)
+    if isinstance(value, Mapping):
+        return {k: _real(v, device, train, generator) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_real(v, device, train, generator) for v in value)
+    return value
+
+
+def _float_outputs(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() and value.requires_grad else []
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _float_outputs(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _float_outputs(v)]
+    return []
+
+
+class _Clock:
+    """Seconds of a region: CUDA events on a GPU, the host clock on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, started: Any) -> float:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            return float(started.elapsed_time(end)) / 1e3
+        return time.perf_counter() - started
+
+
+def _time_block(block: nn.Module, args: Any, kwargs: Any, device: torch.device, train: bool,
+                autocast: torch.dtype | None, repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds of ``block`` over ``repeats`` rounds (one warm-up)."""
+    clock = _Clock(device)
+    context = (torch.autocast(device.type, dtype=autocast) if autocast is not None and train
+               else None)
+    forwards, backwards = [], []
+    for round_ in range(repeats + 1):
+        with torch.set_grad_enabled(train):
+            started = clock.start()
+            if context is not None:
+                with context:
+                    out = block(*args, **kwargs)
+            else:
+                out = block(*args, **kwargs)
+            forward = clock.stop(started)
+        backward = 0.0
+        if train:
+            outputs = _float_outputs(out)
+            if outputs:
+                grads = [torch.ones_like(t) for t in outputs]
+                started = clock.start()
+                torch.autograd.backward(outputs, grads)
+                backward = clock.stop(started)
+            for p in block.parameters():
+                p.grad = None
+        del out
+        if round_:  # the first round warms up kernels and caches
+            forwards.append(forward)
+            backwards.append(backward)
+    return statistics.median(forwards), statistics.median(backwards)
+
+
+def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
+                     step: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+                     blocks: str | Sequence[str] = "auto",
+                     autocast: torch.dtype | None = torch.bfloat16,
+                     device: str | torch.device | None = None, repeats: int = 3,
+                     seed: int = 0) -> BlockTimes:
+    """Time one block of each kind on ``device`` (see the module docstring).
+
+    Args:
+        model: the model (meta or real: only its structure and shapes are used).
+        inputs: the step's example inputs (meta tensors are enough).
+        mode: ``"train"`` (forward under ``autocast`` and backward) or ``"infer"`` (forward
+            without grad).
+        step: ``step(model, inputs)`` as for :func:`vramkit.plan` (its forward is what is
+            recorded).
+        blocks: ``"auto"`` or block names.
+        autocast: the autocast dtype of a training step (``None``: none).
+        device: where to time (default: the current CUDA device).
+        repeats: timed rounds per kind after one warm-up (the median is kept).
+        seed: the random weights' and inputs' seed.
+
+    Returns:
+        :class:`BlockTimes` for every block.
+
+    Raises:
+        ConfigError: for bad arguments.
+    """
+    check_choice("mode", mode, ("train", "infer"))
+    repeats = check_int("repeats", repeats, minimum=1)
+    target = check_device("device", device if device is not None else "cuda")
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    started = time.perf_counter()
+    train = mode == "train"
+    meta = meta_copy(model)
+    names = [n for n, _ in find_blocks(meta, blocks)]
+    calls = _record_calls(meta, names, to_meta(inputs), step or default_step, autocast)
+    kinds: dict[Any, list[str]] = {}
+    for name in names:
+        if name in calls:
+            args, kwargs = calls[name]
+            kinds.setdefault(_kind(meta.get_submodule(name), args, kwargs), []).append(name)
+    generator = torch.Generator().manual_seed(seed)
+    forward: dict[str, float] = {}
+    backward: dict[str, float] = {}
+    fallbacks: list[str] = [n for n in names if n not in calls]
+    for members in kinds.values():
+        first = members[0]
+        block = copy.deepcopy(meta.get_submodule(first)).to_empty(device=target)
+        with torch.no_grad():
+            for tensor in (*block.parameters(), *block.buffers()):
+                if tensor.is_floating_point():
+                    tensor.copy_(torch.randn(tensor.shape, generator=generator) * _STD)
+                else:
+                    tensor.zero_()
+        args, kwargs = _real(calls[first], target, train, generator)
+        try:
+            fwd, bwd = _time_block(block, args, kwargs, target, train, autocast, repeats)
+        except (RuntimeError, IndexError, ValueError) as err:  # e.g. an index input of zeros
+            logger.warning("calibration: %s (%s) cannot run on random inputs (%s); its %d "
+                           "block(s) keep FLOP-based times", first, type(block).__name__, err,
+                           len(members))
+            fallbacks.extend(members)
+            continue
+        finally:
+            del block, args, kwargs
+            if target.type == "cuda":
+                torch.cuda.empty_cache()
+        for name in members:
+            forward[name], backward[name] = fwd, bwd
+    for name in fallbacks:
+        forward.setdefault(name, 0.0)
+        backward.setdefault(name, 0.0)
+    seconds = time.perf_counter() - started
+    logger.info("calibrated %d block kind(s) on %s in %.1f s", len(kinds), target, seconds)
+    return BlockTimes(forward=forward, backward=backward, kinds=len(kinds), device=str(target),
+                      fallbacks=tuple(dict.fromkeys(fallbacks)), seconds=seconds)

@@ -1,0 +1,144 @@
+"""Block calibration (vramkit.planning.calibration): one block of each kind timed for real, the
+times shared within a kind and used by the planner in place of FLOP counts. Timed on the CPU
+here (the host clock); tests/planning/test_calibration_gpu.py times on a GPU."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import vramkit
+from tests.planning import _models
+from vramkit.errors import ConfigError, DeviceError
+from vramkit.planning import Machine, analyze, calibrate_blocks
+
+SLEEP = 0.02
+
+
+class Slow(_models.Block):
+    """A block whose forward waits: its time cannot come from its FLOPs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(SLEEP)
+        return super().forward(x)
+
+
+class Indexed(nn.Module):
+    """A block that cannot run on random inputs: its index input must be 1 or more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(_models.DIM, _models.DIM)
+        self.table = nn.Parameter(torch.zeros(4, _models.DIM), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) + self.table[index - 1 + 8]  # an index of 0 is out of range
+
+
+class Mixed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_models.Block(), Slow(), _models.Block(), Slow()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _frozen(model: nn.Module) -> nn.Module:
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return model
+
+
+def test_one_block_of_each_kind_is_timed_and_its_times_shared() -> None:
+    model = _frozen(Mixed())
+    before = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    times = calibrate_blocks(model, _models.inputs(), device="cpu", autocast=None, repeats=2)
+    assert times.kinds == 2 and times.device == "cpu" and not times.fallbacks
+    names = [f"blocks.{i}" for i in range(4)]
+    assert set(times.forward) == set(names) == set(times.backward)
+    assert times.forward["blocks.0"] == times.forward["blocks.2"]
+    assert times.forward["blocks.1"] == times.forward["blocks.3"] >= SLEEP
+    assert times.forward["blocks.0"] < SLEEP
+    assert all(times.backward[n] > 0 for n in names)  # input and adapter gradients
+    # Only the structure was used: the model's own weights are as they were.
+    assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+
+
+def test_inference_times_forward_only() -> None:
+    model = _frozen(Mixed())
+    times = calibrate_blocks(model, _models.inputs(), mode="infer", device="cpu",
+                             autocast=None, repeats=1)
+    assert all(t == 0 for t in times.backward.values())
+    assert times.forward["blocks.1"] >= SLEEP
+
+
+def test_a_block_that_cannot_run_on_random_inputs_falls_back_to_flops(
+        caplog: pytest.LogCaptureFixture) -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Indexed(), Indexed()])
+
+        def forward(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x, index)
+            return x
+
+    model = Model()
+    inputs = (_models.inputs()[0], torch.ones(2, _models.TOKENS, dtype=torch.long))
+    with caplog.at_level("WARNING"):
+        times = calibrate_blocks(model, inputs, mode="infer", device="cpu", autocast=None,
+                                 repeats=1)
+    assert times.fallbacks == ("blocks.0", "blocks.1")
+    assert "FLOP-based" in caplog.text
+    cost = analyze(model, inputs, mode="infer", autocast=None)
+    plan = vramkit.plan(model, inputs, "1GiB", mode="infer", hardware="l4", cost=cost,
+                        block_times=times, autocast=None)
+    assert plan.forward.compute_seconds > 0  # the FLOP-based times, not the zeros
+
+
+def test_the_planner_uses_measured_times_instead_of_flops() -> None:
+    model = _frozen(Mixed())
+    inputs = _models.inputs()
+    cost = analyze(model, inputs, autocast=None)
+    times = calibrate_blocks(model, inputs, device="cpu", autocast=None, repeats=1)
+    machine = Machine(name="test", memory_bytes=None, h2d_bytes_per_s=10e9,
+                      d2h_bytes_per_s=10e9, flops_per_s=1e15, fp8_flops_per_s=None,
+                      memory_bandwidth_bytes_per_s=1e12)
+    by_flops = vramkit.plan(model, inputs, "1GiB", hardware=machine, cost=cost, autocast=None)
+    measured = vramkit.plan(model, inputs, "1GiB", hardware=machine, cost=cost,
+                            block_times=times, autocast=None)
+    # At 1 PFLOP/s the FLOP model predicts microseconds; the two slow blocks take 40 ms.
+    assert by_flops.forward.compute_seconds < 1e-3
+    blocks = sum(times.forward.values())
+    assert measured.forward.compute_seconds == pytest.approx(
+        blocks + cost.outside_forward_flops / times.flops_per_s(cost))
+    assert measured.forward.compute_seconds >= 2 * SLEEP
+    assert any("Block times measured on cpu" in note for note in measured.notes)
+
+
+def test_block_times_must_cover_the_models_blocks() -> None:
+    model = _frozen(Mixed())
+    other = _models.stack(n=3)
+    times = calibrate_blocks(other, _models.inputs(), device="cpu", autocast=None, repeats=1)
+    with pytest.raises(ConfigError, match=r"no time for 1 block.*blocks\.3"):
+        vramkit.plan(model, _models.inputs(), "1GiB", hardware="l4", block_times=times,
+                     autocast=None)
+
+
+def test_measuring_needs_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = _frozen(Mixed())
+    with pytest.raises(DeviceError, match="measures this machine's GPU") as info:
+        vramkit.plan(model, _models.inputs(), "1GiB", autocast=None)
+    assert "hardware=" in info.value.hint
+    with pytest.raises(ConfigError, match="device"):
+        vramkit.plan(model, _models.inputs(), "1GiB", autocast=None, device="cpu")
+    with pytest.raises(ConfigError, match="repeats"):
+        calibrate_blocks(model, _models.inputs(), device="cpu", repeats=0)

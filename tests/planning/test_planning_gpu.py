@@ -1,0 +1,75 @@
+"""On a GPU: the machine and one block of each kind are measured, and vramkit.fit with a plan
+made by measuring trains exactly like the unfitted model, under its budget, and detaches."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import vramkit
+from vramkit.planning import calibrate_blocks, measure_machine
+from vramkit.recipes.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
+from vramkit.recipes.lora import add_lora_adapters
+
+pytestmark = pytest.mark.gpu
+
+MiB = 1 << 20
+
+
+def _dit(device: str = "cpu") -> tuple[DiT, DiTConfig]:
+    config = DiTConfig.preset("base")  # bf16, 18 blocks of two kinds
+    model = DiT(config, seed=0, device=device)
+    names = [f"double_blocks.{i}" for i in range(config.num_double_blocks)]
+    names += [f"single_blocks.{i}" for i in range(config.num_single_blocks)]
+    add_lora_adapters(model, names, 4)
+    return model, config
+
+
+def _step(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    return flow_matching_loss(model, batch)
+
+
+def test_the_machine_and_each_kind_of_block_are_measured() -> None:
+    machine = measure_machine()
+    assert machine.measured and machine.h2d_bytes_per_s > 1e9 and machine.flops_per_s > 1e12
+    model, config = _dit("meta")
+    batch = synthetic_batch(config, 2, device="meta")
+    assert all(t.device.type == "meta" for t in batch.values())
+    times = calibrate_blocks(model, batch, step=_step, device="cuda")
+    assert times.kinds == 2 and not times.fallbacks  # double and single blocks
+    assert all(t > 0 for t in times.forward.values())
+    assert all(t > 0 for t in times.backward.values())
+
+
+def test_fit_with_a_measured_plan_trains_exactly_and_stays_under_budget() -> None:
+    torch.backends.cuda.enable_cudnn_sdp(False)  # see docs/benchmarks.md (torch 2.11 + H100)
+    model, config = _dit()
+    reference = copy.deepcopy(model).cuda()
+    batch = synthetic_batch(config, 2, device="cuda",
+                            generator=torch.Generator().manual_seed(0))
+    # The smallest budget a plan fits (default headroom kept): everything that can swap does.
+    with pytest.raises(vramkit.PlanError) as info:
+        vramkit.plan(model, batch, 1, step=_step, hardware="h100-pcie")
+    budget = info.value.minimum_budget
+    assert budget is not None
+    fitted = vramkit.fit(model, batch, budget, step=_step, observe_steps=2)
+    assert fitted.plan.swapped, fitted.plan.explain()
+    assert any("Block times measured on cuda" in n for n in fitted.plan.notes)
+    losses, expected = [], []
+    for net, out in ((model, losses), (reference, expected)):
+        params = [p for p in net.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        for _ in range(3):
+            loss = _step(net, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+    assert losses == expected
+    report = fitted.report()
+    assert report.measured_peak_bytes is not None
+    assert report.measured_peak_bytes <= budget
+    fitted.detach()
+    assert all(p.device.type == "cpu" for p in model.parameters())

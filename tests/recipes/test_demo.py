@@ -102,7 +102,35 @@ def test_budget_sets_the_swapped_blocks_and_checkpointing() -> None:
     assert tight.checkpointing and not huge.checkpointing
     assert tight.planned_swapped_blocks > roomy.planned_swapped_blocks
     assert huge.planned_swapped_blocks == 0
-    assert huge.max_gpu_bytes > roomy.max_gpu_bytes > tight.max_gpu_bytes
+    assert huge.max_gpu_bytes >= roomy.max_gpu_bytes > tight.max_gpu_bytes  # all resident: equal
+
+
+def test_the_plan_is_the_planners() -> None:
+    """No second copy of the rules: the demo's layout is what vramkit.plan chooses."""
+    import vramkit
+    from vramkit.recipes.demo import CPU_PLAN_HARDWARE
+    from vramkit.recipes.dit import flow_matching_loss, synthetic_batch
+
+    plan = plan_demo(_tiny(batch_size=16))
+    meta = DiT(plan.dit_config, device="meta")
+    names = [f"double_blocks.{i}" for i in range(2)] + [f"single_blocks.{i}" for i in range(2)]
+    add_lora_adapters(meta, names, plan.lora_rank)
+    batch = synthetic_batch(plan.dit_config, plan.batch_size, device="meta")
+    expected = vramkit.plan(meta, batch, plan.budget_bytes, step=flow_matching_loss,
+                            blocks=names, hardware=CPU_PLAN_HARDWARE, headroom=0.05,
+                            num_slots=(plan.num_slots,), activation_offload=False,
+                            autocast=None)
+    assert plan.swapped_block_names == list(expected.swapped)
+    assert plan.checkpointed_block_names == list(expected.checkpointed)
+    assert plan.predicted_peak_bytes == expected.predicted_peak_bytes <= plan.budget_bytes
+    assert plan.margin_bytes == expected.headroom_bytes
+    assert plan.predicted_step_seconds is None  # simulated on the CPU: no time is claimed
+    assert "Swap" in plan.plan_explanation
+    with pytest.raises(vramkit.PlanError) as info:
+        vramkit.plan(meta, batch, 1, step=flow_matching_loss, blocks=names,
+                     hardware=CPU_PLAN_HARDWARE, headroom=0.05, num_slots=(plan.num_slots,),
+                     activation_offload=False, autocast=None)
+    assert info.value.minimum_budget == plan.minimum_budget_bytes
 
 
 def test_budget_below_the_minimum_is_a_clear_error() -> None:

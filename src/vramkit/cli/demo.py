@@ -232,10 +232,13 @@ def _print_plan(con: Any, plan: Any) -> None:
               f"{cfg.num_parameters() / 1e6:,.1f} M parameters ({format_size(plan.model_bytes)} "
               f"{cfg.dtype}, {cfg.num_tokens} tokens/sample); LoRA rank {plan.lora_rank}: "
               f"{plan.trainable_params:,} trainable parameters.")
+    predicted = (f", predicted step {_ms(plan.predicted_step_seconds)}"
+                 if plan.predicted_step_seconds is not None else "")
     con.print(f"Budget: {format_size(plan.budget_bytes)} (the weights are {ratio:.2f}x the "
-              f"budget). Plan: swap {plan.planned_swapped_blocks} of {plan.num_blocks} blocks "
-              f"through {plan.num_slots} slots; checkpointing "
-              f"{'on' if plan.checkpointing else 'off'}: {plan.checkpointing_reason}.")
+              f"budget). Plan (vramkit.plan): swap {plan.planned_swapped_blocks} of "
+              f"{plan.num_blocks} blocks through {plan.num_slots} slots; checkpointing "
+              f"{'on' if plan.checkpointing else 'off'}: {plan.checkpointing_reason}; "
+              f"predicted peak {format_size(plan.predicted_peak_bytes)}{predicted}.")
 
 
 def _ms(seconds: float) -> str:
@@ -272,6 +275,12 @@ def _print_result(con: Any, result: Any) -> None:
     else:
         speed += f"; no baseline: {result.baseline_skipped}"
     table.add_row(STEP_TIME_LABEL, speed)
+    if plan.predicted_step_seconds is not None and result.peak_source == "measured":
+        table.add_row("planner's prediction",
+                      f"peak {format_size(plan.predicted_peak_bytes)} (measured "
+                      f"{format_size(result.peak_bytes)}), step "
+                      f"{_ms(plan.predicted_step_seconds)} (measured "
+                      f"{_ms(result.median_step_seconds)})")
     loss = f"{result.loss_first:.4f} -> {result.loss_last:.4f} over {len(result.losses)} steps"
     if result.baseline_max_loss_diff is not None:
         loss += f" (fully resident run: max difference {result.baseline_max_loss_diff:.3g})"

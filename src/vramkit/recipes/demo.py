@@ -7,14 +7,14 @@ What it does, in order:
    of about 1.5x the budget, trained at 1024 image tokens. On a CPU the model is the ``small``
    preset in float32 and the budget is *simulated*: nothing enforces it, the planned device
    bytes are compared against it.
-2. **Plan** (on the meta device, before any weight exists): the model's bytes by part, the
-   bytes of LoRA adapters and their AdamW state, and the activation bytes -- measured by running
-   the model's forward on meta tensors and summing the tensors autograd saves, by block. The
-   budget minus a safety margin minus everything that must stay on the device is the room for
-   blocks. **Checkpointing** is turned on when, without it, the activations leave no room for
-   ``num_slots`` slots of the largest block; then only block inputs are kept and one block at a
-   time is recomputed. The room left is ``SwapConfig.max_gpu_bytes``: the swapper keeps as many
-   blocks resident as fit and streams the others through its slot ring.
+2. **Plan** with :func:`vramkit.plan` (on the meta device, before any weight exists): the
+   planner traces one training step of the model (FLOPs, activation bytes by block, the bytes
+   each block moves when swapped by the swapper's own rule) and chooses the swapped blocks and
+   the checkpointed blocks (any subset) with the best predicted step time whose predicted peak
+   fits the budget minus its headroom. On a GPU it measures the copy bandwidth and times one
+   block of each kind there; on the CPU (budget simulated) it plans the layout as for
+   :data:`CPU_PLAN_HARDWARE` and predicts no time. The ring holds ``num_slots`` slots (the
+   planner is held to that number); activation offload and packed storage stay off.
 3. **Train** ``steps`` steps of LoRA fine-tuning (rank-``lora_rank`` adapters of
    :mod:`vramkit.recipes.lora` on the attention projections of every block, float32, AdamW; the
    base weights are frozen, as in a real LoRA fine-tune, so they travel host->device only) on
@@ -100,12 +100,15 @@ GPU_MODEL_FACTOR = 1.5  # the default GPU model is this many times the budget
 GPU_IMAGE_SIZE = 64  # latent side of the default GPU model: 1024 image tokens (Flux at 512 px)
 CPU_PRESET = "small"
 _CPU_BUDGET_FACTOR = 0.85  # the simulated CPU budget is at least this fraction of the weights
+#: The GPU whose figures lay out a CPU run's simulated budget (its times are not shown).
+CPU_PLAN_HARDWARE = "rtx4090"
 _DEFAULT_STEPS = {"cuda": 20, "cpu": 10}
 _DEFAULT_BATCH = 2
-# Margin of the budget kept free: allocator fragmentation, cuBLAS/attention workspaces and
-# temporaries the activation estimate does not see. The CUDA context lies outside the budget.
-_MARGIN_FRACTION = {"cuda": 0.10, "cpu": 0.05}
-_MARGIN_FIXED = {"cuda": 256 * 2**20, "cpu": 0}
+# Margin of the budget kept free (the planner's headroom): allocator fragmentation,
+# cuBLAS/attention workspaces and temporaries the activation estimate does not see; on a GPU
+# the planner's default (8 % + 256 MiB). The CUDA context lies outside the budget.
+_HEADROOM: dict[str, float | None] = {"cuda": None, "cpu": 0.05}
+_CUDA_LIBRARY_BYTES = 256 * 2**20  # cuBLAS and attention workspaces of a resident baseline
 _ADAMW_STATE_FACTOR = 3  # a gradient plus exp_avg and exp_avg_sq per trainable parameter
 
 
@@ -211,15 +214,20 @@ class DemoPlan:
         optimizer_bytes: their gradients plus AdamW states.
         activation_bytes_full / activation_bytes_checkpointed: estimated activation bytes
             (saved tensors plus one block of backward temporaries) without / with checkpointing.
-        budget_bytes / margin_bytes: the budget and the part of it kept free.
-        minimum_budget_bytes: the smallest budget the plan accepts (everything swapped,
-            checkpointing on).
-        checkpointing / checkpointing_reason: the decision and why.
-        max_gpu_bytes: GPU bytes for blocks (resident blocks plus slots) the schedule was
-            chosen under.
-        planned_swapped_blocks: blocks the schedule swaps.
+        budget_bytes / margin_bytes: the budget and the part of it kept free (the planner's
+            headroom).
+        minimum_budget_bytes: the smallest budget a plan fits (:class:`~vramkit.errors.
+            PlanError`'s ``minimum_budget``).
+        checkpointing / checkpointing_reason: whether any block is checkpointed, and why.
+        max_gpu_bytes: GPU bytes the plan gives the blocks (resident blocks plus slots).
+        planned_swapped_blocks: blocks the plan swaps.
         swapped_block_names: their names; the run swaps exactly these
-            (``SwapConfig.swapped_blocks``), so the schedule is computed once.
+            (``SwapConfig.swapped_blocks``).
+        checkpointed_block_names: the blocks the plan checkpoints.
+        activation_bytes_planned: the activations of that choice of checkpointed blocks.
+        predicted_peak_bytes: the planner's predicted peak.
+        predicted_step_seconds: its predicted step time (``None`` on the CPU: simulated).
+        plan_explanation: :meth:`vramkit.planning.Plan.explain`.
     """
 
     device: str
@@ -253,6 +261,11 @@ class DemoPlan:
     max_gpu_bytes: int
     planned_swapped_blocks: int
     swapped_block_names: list[str] = field(default_factory=list)
+    checkpointed_block_names: list[str] = field(default_factory=list)
+    activation_bytes_planned: int = 0
+    predicted_peak_bytes: int = 0
+    predicted_step_seconds: float | None = None
+    plan_explanation: str = ""
 
     @property
     def dit_config(self) -> DiTConfig:
@@ -342,7 +355,8 @@ def _choose_budget(config: DemoConfig, device: torch.device) -> int | None:
 
 
 def plan_demo(config: DemoConfig | None = None) -> DemoPlan:
-    """Resolve ``config`` for this machine and plan the memory, without building weights.
+    """Resolve ``config`` for this machine and plan the memory with :func:`vramkit.plan`,
+    without building weights.
 
     Args:
         config: the demo settings (default :class:`DemoConfig()`).
@@ -354,11 +368,16 @@ def plan_demo(config: DemoConfig | None = None) -> DemoPlan:
         ConfigError: for a device that is not there, a budget larger than the free GPU memory,
             or a budget below the plan's minimum (the message gives the minimum).
     """
-    from vramkit.offload.swap import BlockSwapper, SwapConfig
+    from vramkit.errors import PlanError
+    from vramkit.planning.analysis import analyze
+    from vramkit.planning.api import plan as make_plan
+    from vramkit.planning.calibration import calibrate_blocks
+    from vramkit.planning.machine import measure_machine
 
     config = config or DemoConfig()
     device, device_name, gpu_found = _resolve_device(config.device)
     kind = device.type
+    cuda = kind == "cuda"
     budget = _choose_budget(config, device)
     dit_config, model_name = _model_config(config, device, budget)
     steps = config.steps or _DEFAULT_STEPS[kind]
@@ -370,67 +389,76 @@ def plan_demo(config: DemoConfig | None = None) -> DemoPlan:
     trainable_params = sum(p.numel() for p in adapters)
     trainable_bytes = sum(_tensor_bytes(p) for p in adapters)
     optimizer_bytes = _ADAMW_STATE_FACTOR * trainable_bytes
-    swap_config = SwapConfig(num_slots=config.num_slots)
-    sizes = [BlockSwapper.footprint(meta.get_submodule(n), swap_config) for n in names]
-    block_bytes = [s.swapped for s in sizes]
-    block_resident = sum(s.resident for s in sizes)  # adapters included
-    in_blocks = {id(p) for n in names for p in meta.get_submodule(n).parameters()}
-    outside_bytes = sum(_tensor_bytes(p) for p in meta.parameters() if id(p) not in in_blocks)
-    act_full, act_ckpt = estimate_activations(meta, dit_config, batch_size, names)
-    fixed = outside_bytes + block_resident + optimizer_bytes
+    batch = synthetic_batch(dit_config, batch_size, device="meta")
+    cost = analyze(meta, batch, step=flow_matching_loss, blocks=names, autocast=None)
+    block_bytes = [b.swapped["bf16"] for b in cost.blocks]
+    block_resident = sum(b.kept["bf16"] + b.adapters for b in cost.blocks)
     largest = max(block_bytes, default=0)
-    slots = config.num_slots * largest
-    frac, const = _MARGIN_FRACTION[kind], _MARGIN_FIXED[kind]
-    minimum = math.ceil((fixed + act_ckpt + slots + const) / (1 - frac))
+    options: dict[str, Any] = dict(
+        step=flow_matching_loss, blocks=names, headroom=_HEADROOM[kind],
+        num_slots=(config.num_slots,), activation_offload=False, autocast=None, cost=cost)
+    if cuda:  # measured once, for the probe of the minimum and for the plan
+        options["hardware"] = measure_machine(device)
+        options["block_times"] = calibrate_blocks(meta, batch, step=flow_matching_loss,
+                                                  blocks=names, autocast=None, device=device)
+    else:
+        options["hardware"] = CPU_PLAN_HARDWARE
+    try:
+        minimum: int | None = make_plan(meta, batch, 1, **options).budget_bytes
+    except PlanError as err:  # as expected: the error names the smallest budget that works
+        minimum = err.minimum_budget
+    if minimum is None:
+        raise ConfigError(f"the DiT {model_name} has no block that can be swapped",
+                          hint="Pick a larger --model-size.")
     if budget is None:
         # Simulated CPU budget: below the weights (as on a GPU, the model must not fit), and
         # above the minimum by a quarter of the other blocks' bytes, so that some blocks stay
         # resident and some are swapped. Rounded up to whole MiB.
-        rest = max(sum(block_bytes) - slots, 0)
+        rest = max(sum(block_bytes) - config.num_slots * largest, 0)
         budget = max(int(_CPU_BUDGET_FACTOR * dit_config.weight_bytes()),
-                     math.ceil((fixed + act_ckpt + slots + rest // 4 + const) / (1 - frac)))
+                     minimum + math.ceil(rest / 4 / (1 - (_HEADROOM["cpu"] or 0))))
         budget = -(-budget // 2**20) * 2**20
-    margin = int(budget * frac) + const
     if budget < minimum:
         raise ConfigError(
             f"a budget of {format_size(budget)} cannot train this model: it needs at least "
-            f"{format_size(minimum)} ({config.num_slots} slots of the largest block "
-            f"{format_size(largest)}, {format_size(fixed)} of weights outside the swapped "
-            f"blocks, adapters and optimizer state, {format_size(act_ckpt)} of activations "
-            f"with checkpointing, {format_size(margin)} margin)",
+            f"{format_size(minimum)} (every block swapped through {config.num_slots} slot(s) "
+            f"of the largest block, {format_size(largest)}; every block checkpointed; the "
+            "adapters, their optimizer state and the planner's headroom)",
             hint=f"Raise --budget to {format_size(minimum)} or more, or pick a smaller "
                  "--model-size or --batch-size.")
-    room_full = budget - margin - fixed - act_full
-    if room_full >= slots:
-        checkpointing = False
-        room = room_full
-        reason = (f"activations without checkpointing (~{format_size(act_full)}) fit beside "
-                  f"the weights' minimum ({config.num_slots} slots)")
+    result = make_plan(meta, batch, budget, **options)
+    act_full = cost.activations.full
+    act_planned = result.peak_breakdown["activations"]
+    checkpointed = list(result.checkpointed)
+    if checkpointed:
+        reason = (f"{len(checkpointed)} of {len(names)} blocks recompute in backward: "
+                  f"activations ~{format_size(act_planned)} instead of ~{format_size(act_full)}")
     else:
-        checkpointing = True
-        room = budget - margin - fixed - act_ckpt
-        reason = (f"activations without checkpointing (~{format_size(act_full)}) would leave "
-                  f"no room for {config.num_slots} slots; with it ~{format_size(act_ckpt)}")
-    logger.debug("demo plan: %s model, %s budget, %s for blocks, checkpointing %s (%s)",
+        reason = (f"activations without checkpointing (~{format_size(act_full)}) fit beside "
+                  "the weights the plan keeps on the device")
+    room = (result.peak_breakdown["resident_weights"] - cost.outside_bytes
+            + result.peak_breakdown["swap_slots"])
+    logger.debug("demo plan: %s model, %s budget, %s for blocks, %d checkpointed (%s)",
                  format_size(dit_config.weight_bytes()), format_size(budget), format_size(room),
-                 checkpointing, reason)
-    schedule = BlockSwapper.create_schedule(list(zip(names, block_bytes, strict=True)),
-                                            max_gpu_bytes=room, num_slots=config.num_slots)
+                 len(checkpointed), reason)
     return DemoPlan(
         device=str(device), device_name=device_name, gpu_found=gpu_found,
-        simulated=kind != "cuda", model_name=model_name, model_config=dit_config.to_dict(),
+        simulated=not cuda, model_name=model_name, model_config=dit_config.to_dict(),
         steps=steps, batch_size=batch_size, lora_rank=config.lora_rank,
         learning_rate=config.learning_rate, num_slots=config.num_slots, seed=config.seed,
         model_bytes=dit_config.weight_bytes(), num_blocks=len(names),
         block_bytes=sum(block_bytes), largest_block_bytes=largest,
-        outside_block_bytes=outside_bytes, block_resident_bytes=block_resident,
+        outside_block_bytes=cost.outside_bytes, block_resident_bytes=block_resident,
         trainable_params=trainable_params, trainable_bytes=trainable_bytes,
         optimizer_bytes=optimizer_bytes, activation_bytes_full=act_full,
-        activation_bytes_checkpointed=act_ckpt, budget_bytes=budget, margin_bytes=margin,
-        minimum_budget_bytes=minimum, checkpointing=checkpointing,
-        checkpointing_reason=reason, max_gpu_bytes=room,
-        planned_swapped_blocks=sum(e.swapped for e in schedule),
-        swapped_block_names=[e.name for e in schedule if e.swapped])
+        activation_bytes_checkpointed=cost.activations.checkpointed, budget_bytes=budget,
+        margin_bytes=result.headroom_bytes, minimum_budget_bytes=minimum,
+        checkpointing=bool(checkpointed), checkpointing_reason=reason, max_gpu_bytes=room,
+        planned_swapped_blocks=len(result.swapped), swapped_block_names=list(result.swapped),
+        checkpointed_block_names=checkpointed, activation_bytes_planned=act_planned,
+        predicted_peak_bytes=result.predicted_peak_bytes,
+        predicted_step_seconds=result.predicted_step_seconds if cuda else None,
+        plan_explanation=result.explain())
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -736,13 +764,12 @@ def _baseline(model: nn.Module, adapters: list[nn.Parameter], initial: list[torc
               progress: ProgressCallback | None) -> tuple[_Run | None, str | None]:
     """The same training fully resident, after the swapped run (CUDA): (the run or None, why
     skipped or None)."""
-    activations = (plan.activation_bytes_checkpointed if plan.checkpointing
-                   else plan.activation_bytes_full)
+    activations = plan.activation_bytes_planned
     if device.type == "cuda":
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
         need = (plan.model_bytes + plan.trainable_bytes + plan.optimizer_bytes + activations
-                + _MARGIN_FIXED["cuda"])
+                + _CUDA_LIBRARY_BYTES)
         if need > free:
             return None, (f"the model does not fit on {device} fully resident (needs about "
                           f"{format_size(need)}, {format_size(free)} free)")
@@ -793,9 +820,10 @@ def run_demo(config: DemoConfig | None = None, *, plan: DemoPlan | None = None,
     build_seconds = time.perf_counter() - started
     if progress is not None:
         progress(DemoProgress("build", 0, 0))
-    checkpointed = enable_gradient_checkpointing(model) if plan.checkpointing else []
-    if twin is not None and plan.checkpointing:
-        enable_gradient_checkpointing(twin)
+    chosen = plan.checkpointed_block_names
+    checkpointed = enable_gradient_checkpointing(model, blocks=chosen) if chosen else []
+    if twin is not None and chosen:
+        enable_gradient_checkpointing(twin, blocks=chosen)
     profiler, report_skipped = _make_profiler(plan, config.report)
     peak_reserved: int | None = None
     swap_config = SwapConfig(swapped_blocks=plan.swapped_block_names, num_slots=plan.num_slots)
@@ -854,8 +882,7 @@ def run_demo(config: DemoConfig | None = None, *, plan: DemoPlan | None = None,
         "weights_on_device": plan.outside_block_bytes + stats.resident_block_bytes,
         "slots": stats.slot_bytes,
         "optimizer": plan.optimizer_bytes,
-        "activations_estimate": (plan.activation_bytes_checkpointed if plan.checkpointing
-                                 else plan.activation_bytes_full),
+        "activations_estimate": plan.activation_bytes_planned,
     }
     if not cuda:
         peak = sum(breakdown.values())

@@ -82,3 +82,21 @@ def test_attention_called_with_keywords_is_counted_like_positional() -> None:
 def test_unknown_block_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="no block"):
         estimate_activations(_model(), lambda: None, ["9"])
+
+
+def test_the_tail_after_the_last_block_is_counted() -> None:
+    """A language model's logits and their float32 copy are alive when the forward turns into
+    the backward, and autograd saves neither: the estimate holds them as its tail."""
+    vocab = 4096
+    with torch.device("meta"):
+        model = nn.Sequential(*(Attention(False) for _ in range(3)), nn.Linear(DIM, vocab))
+    x = torch.empty(1, TOKENS, DIM, device="meta", requires_grad=True)
+    estimate = estimate_activations(model, lambda: model(x).float().mean(), ["0", "1", "2"])
+    logits = TOKENS * vocab * 4  # float32 linear output (nothing casts it here)
+    assert estimate.tail >= logits  # the logits (.float() of float32 returns them as they are)
+    assert estimate.tail < 2 * logits
+    everything = estimate.bytes_with(["0", "1", "2"])
+    kept = sum(estimate.inputs.values())
+    assert everything >= estimate.outside + kept + estimate.tail
+    without_tail = ActivationEstimate(estimate.per_block, estimate.inputs, estimate.outside)
+    assert without_tail.bytes_with(["0", "1", "2"]) < everything

@@ -40,11 +40,15 @@ class ActivationEstimate:
         inputs: bytes of each block's tensor inputs not already counted (what a checkpointed
             block keeps for its recomputation).
         outside: bytes saved outside every block (embedders, the final layer, the loss).
+        tail: bytes of the tensors the step makes after its last block that autograd does
+            not save (a language model's logits and their float32 copy for the loss): all
+            alive at the end of the forward, and their gradients at the start of the backward.
     """
 
     per_block: dict[str, int]
     inputs: dict[str, int]
     outside: int
+    tail: int = 0
 
     @property
     def largest_block(self) -> int:
@@ -69,9 +73,11 @@ class ActivationEstimate:
         saved tensors, or only its inputs when checkpointed. Backward runs the blocks in
         reverse and frees each one's tensors when it is done, so the peak is reached at some
         block ``i``: what the blocks before it keep, plus ``i``'s own saved tensors (kept, or
-        rebuilt by its recomputation), plus one block's backward temporaries. Checkpointing a
-        block lowers the estimate unless its inputs weigh more than what it saves (a UNet's
-        late resnets, fed the skip connections, can): then it raises it.
+        rebuilt by its recomputation), plus one block's backward temporaries -- or at the
+        step's turn from forward to backward, where every block keeps what it keeps and the
+        :attr:`tail` (logits, a loss's float32 copies) is alive, whichever is larger.
+        Checkpointing a block lowers the estimate unless its inputs weigh more than what it
+        saves (a UNet's late resnets, fed the skip connections, can): then it raises it.
 
         Raises:
             ConfigError: for a name that is not a block of the estimate.
@@ -86,7 +92,7 @@ class ActivationEstimate:
         for name, saved in self.per_block.items():
             peak = max(peak, kept_before + saved)
             kept_before += self.inputs[name] if name in chosen else saved
-        return self.outside + peak + self.largest_block
+        return self.outside + max(peak + self.largest_block, kept_before + self.tail)
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -114,6 +120,8 @@ class _SavedBytes:
         # Held until the estimate is done: a freed storage's address could be reused by a new
         # one, which would then be taken for a tensor already counted. (Meta: costs nothing.)
         self.alive: list[torch.Tensor] = []
+        # Storages made outside every block since the last block returned (the tail).
+        self.tail_storages: dict[int, int] = {}
 
     def add_bytes(self, nbytes: int) -> None:
         if self.current is None:
@@ -133,12 +141,25 @@ class _SavedBytes:
         """The estimate, blocks in the order the step first ran them (their execution order;
         blocks that never ran come last)."""
         order = self.order + [n for n in self.per_block if n not in self.called]
+        tail = sum(b for key, b in self.tail_storages.items() if key not in self.seen)
         return ActivationEstimate(per_block={n: self.per_block[n] for n in order},
                                   inputs={n: self.inputs[n] for n in order},
-                                  outside=self.outside)
+                                  outside=self.outside, tail=tail)
+
+    def made(self, value: Any) -> None:
+        """Note the tensors an op returned outside every block (the tail so far)."""
+        if self.current is not None or not self.called:
+            return
+        for t in _flat_tensors((value,), {}):
+            if isinstance(t, torch.Tensor):
+                key = _storage_key(t)
+                if key not in self.param_keys and key not in self.tail_storages:
+                    self.alive.append(t)
+                    self.tail_storages[key] = t.untyped_storage().nbytes()
 
     def enter(self, name: str, tensors: Iterable[Any]) -> None:
         self.current = name
+        self.tail_storages.clear()  # a block ran again: what came before is not the tail
         if name not in self.called:
             self.called.add(name)
             self.order.append(name)
@@ -155,7 +176,8 @@ class _SavedBytes:
 
 class _FusedAttentionOnMeta(TorchFunctionMode):
     """Account attention as the fused kernels (flash / memory-efficient on CUDA, flash on the
-    CPU) save it: q, k, v, the output and a float32 log-sum-exp per query."""
+    CPU) save it: q, k, v, the output and a float32 log-sum-exp per query; and note what each
+    op outside the blocks returns (the step's tail)."""
 
     def __init__(self, saved: _SavedBytes) -> None:
         super().__init__()
@@ -165,7 +187,9 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            self.saved.made(out)
+            return out
         names = ("query", "key", "value")
         q, k, v = (args[i] if i < len(args) else kwargs[names[i]] for i in range(3))
         out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)

@@ -10,7 +10,9 @@ from the model's own weights) and random inputs of the recorded shapes, and time
 and, for training, its backward (input and adapter gradients, as inside a training step), a few
 rounds after a warm-up. Every block of a kind gets the kind's times.
 
-Times come from CUDA events on a GPU and from the host clock on the CPU (which tests use). A
+Times come from CUDA events on a GPU (the host enqueues each timed region while a spin kernel
+holds the stream, so the kernels run back to back as inside a step; the host's enqueue time is
+the floor, for host-bound small blocks) and from the host clock on the CPU (which tests use). A
 kind whose block cannot run on random inputs (an index input that must hold valid values) keeps
 its FLOP-based time and is named in :attr:`BlockTimes.fallbacks`.
 """
@@ -137,55 +139,80 @@ def _float_outputs(value: Any) -> list[torch.Tensor]:
 
 
 class _Clock:
-    """Seconds of a region: CUDA events on a GPU, the host clock on the CPU."""
+    """Seconds of a region: CUDA events on a GPU, the host clock on the CPU.
+
+    On a GPU, before the start event the stream is held by a spin kernel
+    (``torch.cuda._sleep``) longer than the host needs to enqueue the region, so the region's
+    kernels run back to back, as they do inside a step whose host runs ahead: the host's launch
+    overhead (Python, autocast, the dispatcher) is not taken for device time. The region's
+    time is the larger of its device time and the host's enqueue time: a block whose kernels
+    take less than its launches (a small block) is host-bound.
+    """
+
+    #: Spin cycles per second of host enqueue time: a 2 GHz clock, doubled for margin.
+    _CYCLES_PER_S = 4e9
+    _MAX_LEAD_S = 0.25
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.lead_s = 0.0  # host seconds to enqueue the region (the warm-up measures it)
 
     def start(self) -> Any:
         if self.cuda:
+            if self.lead_s > 0:
+                torch.cuda._sleep(int(self.lead_s * self._CYCLES_PER_S))
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            return event
+            return (event, time.perf_counter())
         return time.perf_counter()
 
     def stop(self, started: Any) -> float:
         if self.cuda:
+            event, host_start = started
+            host_s = time.perf_counter() - host_start
+            # the last round's enqueue time (the first one's includes one-off set-up)
+            self.lead_s = min(host_s, self._MAX_LEAD_S)
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             end.synchronize()
-            return float(started.elapsed_time(end)) / 1e3
+            # A block runs no faster than the host launches it: small blocks are host-bound.
+            return max(float(event.elapsed_time(end)) / 1e3, host_s)
         return time.perf_counter() - started
+
+
+#: Untimed rounds before the timed ones: kernel selection, caches, the GPU's clocks.
+_WARMUP_ROUNDS = 2
 
 
 def _time_block(block: nn.Module, args: Any, kwargs: Any, device: torch.device, train: bool,
                 autocast: torch.dtype | None, repeats: int) -> tuple[float, float]:
-    """Median forward and backward seconds of ``block`` over ``repeats`` rounds (one warm-up)."""
-    clock = _Clock(device)
+    """Median forward and backward seconds of ``block`` over ``repeats`` rounds (after
+    warm-up rounds)."""
+    forward_clock, backward_clock = _Clock(device), _Clock(device)
     context = (torch.autocast(device.type, dtype=autocast) if autocast is not None and train
                else None)
     forwards, backwards = [], []
-    for round_ in range(repeats + 1):
+    for round_ in range(repeats + _WARMUP_ROUNDS):
         with torch.set_grad_enabled(train):
-            started = clock.start()
+            started = forward_clock.start()
             if context is not None:
                 with context:
                     out = block(*args, **kwargs)
             else:
                 out = block(*args, **kwargs)
-            forward = clock.stop(started)
+            forward = forward_clock.stop(started)
         backward = 0.0
         if train:
             outputs = _float_outputs(out)
             if outputs:
                 grads = [torch.ones_like(t) for t in outputs]
-                started = clock.start()
+                started = backward_clock.start()
                 torch.autograd.backward(outputs, grads)
-                backward = clock.stop(started)
+                backward = backward_clock.stop(started)
             for p in block.parameters():
                 p.grad = None
         del out
-        if round_:  # the first round warms up kernels and caches
+        if round_ >= _WARMUP_ROUNDS:
             forwards.append(forward)
             backwards.append(backward)
     return statistics.median(forwards), statistics.median(backwards)
@@ -195,7 +222,7 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
                      step: Callable[[nn.Module, Any], torch.Tensor] | None = None,
                      blocks: str | Sequence[str] = "auto",
                      autocast: torch.dtype | None = torch.bfloat16,
-                     device: str | torch.device | None = None, repeats: int = 3,
+                     device: str | torch.device | None = None, repeats: int = 5,
                      seed: int = 0) -> BlockTimes:
     """Time one block of each kind on ``device`` (see the module docstring).
 
@@ -209,7 +236,7 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
         blocks: ``"auto"`` or block names.
         autocast: the autocast dtype of a training step (``None``: none).
         device: where to time (default: the current CUDA device).
-        repeats: timed rounds per kind after one warm-up (the median is kept).
+        repeats: timed rounds per kind after two warm-up rounds (the median is kept).
         seed: the random weights' and inputs' seed.
 
     Returns:

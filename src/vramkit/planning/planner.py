@@ -266,7 +266,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     if train:
         act_choices = [estimate.bytes_with(order[:m]) for m in range(len(order) + 1)]
     else:
-        act_choices = [estimate.largest_block + max((b.inputs for b in cost.blocks), default=0)]
+        act_choices = [max(estimate.largest_block
+                           + max((b.inputs for b in cost.blocks), default=0), estimate.tail)]
     least_activations = min(act_choices)
     if activation_offload and train:
         least_activations = min(least_activations, _offloaded(estimate, train))
@@ -416,10 +417,11 @@ def _fit_activations(act_choices: list[int], room: int, train: bool, estimate: A
 
 def _offloaded(estimate: Any, train: bool) -> int:
     """Activations on the device with offload on: the in-flight window plus the block being
-    recomputed and one block's temporaries."""
+    recomputed and one block's temporaries, or the step's tail where that is larger."""
     if not train:
-        return estimate.largest_block
-    return OFFLOAD_WINDOW_BYTES + 2 * estimate.largest_block + estimate.outside
+        return max(estimate.largest_block, estimate.tail)
+    return (OFFLOAD_WINDOW_BYTES + max(2 * estimate.largest_block, estimate.tail)
+            + estimate.outside)
 
 
 def _offload_bytes(estimate: Any, checkpointed: Sequence[str]) -> int:

@@ -141,12 +141,13 @@ def _float_outputs(value: Any) -> list[torch.Tensor]:
 class _Clock:
     """Seconds of a region: CUDA events on a GPU, the host clock on the CPU.
 
-    On a GPU, before the start event the stream is held by a spin kernel
-    (``torch.cuda._sleep``) longer than the host needs to enqueue the region, so the region's
-    kernels run back to back, as they do inside a step whose host runs ahead: the host's launch
-    overhead (Python, autocast, the dispatcher) is not taken for device time. The region's
-    time is the larger of its device time and the host's enqueue time: a block whose kernels
-    take less than its launches (a small block) is host-bound.
+    On a GPU, the warm-up rounds measure how long the host takes to enqueue the region
+    (Python, autocast, the dispatcher; waits the region itself makes included). In the timed
+    rounds the stream is first held by a spin kernel (``torch.cuda._sleep``) for longer than
+    that, so the region's kernels run back to back, as inside a step whose host runs ahead,
+    and the events see device time alone. The region's time is the larger of its device time
+    and the host's enqueue time: a block whose kernels take less than its launches (a small
+    block) is host-bound.
     """
 
     #: Spin cycles per second of host enqueue time: a 2 GHz clock, doubled for margin.
@@ -155,12 +156,14 @@ class _Clock:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.lead_s = 0.0  # host seconds to enqueue the region (the warm-up measures it)
+        self.host_s = 0.0  # the last warm-up round's enqueue time
+        self.timing = False  # warm-up rounds until set
 
     def start(self) -> Any:
         if self.cuda:
-            if self.lead_s > 0:
-                torch.cuda._sleep(int(self.lead_s * self._CYCLES_PER_S))
+            if self.timing and self.host_s > 0:
+                lead = min(self.host_s, self._MAX_LEAD_S)
+                torch.cuda._sleep(int(lead * self._CYCLES_PER_S))
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return (event, time.perf_counter())
@@ -170,13 +173,14 @@ class _Clock:
         if self.cuda:
             event, host_start = started
             host_s = time.perf_counter() - host_start
-            # the last round's enqueue time (the first one's includes one-off set-up)
-            self.lead_s = min(host_s, self._MAX_LEAD_S)
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             end.synchronize()
-            # A block runs no faster than the host launches it: small blocks are host-bound.
-            return max(float(event.elapsed_time(end)) / 1e3, host_s)
+            device_s = float(event.elapsed_time(end)) / 1e3
+            if not self.timing:  # a warm-up round: the host's enqueue time, nothing held
+                self.host_s = host_s
+                return device_s
+            return max(device_s, self.host_s)
         return time.perf_counter() - started
 
 
@@ -193,6 +197,7 @@ def _time_block(block: nn.Module, args: Any, kwargs: Any, device: torch.device, 
                else None)
     forwards, backwards = [], []
     for round_ in range(repeats + _WARMUP_ROUNDS):
+        forward_clock.timing = backward_clock.timing = round_ >= _WARMUP_ROUNDS
         with torch.set_grad_enabled(train):
             started = forward_clock.start()
             if context is not None:

@@ -66,11 +66,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, write_result
 from _timing import log
+from presets import fill_random as fill_weights
 from vramkit.devices.resolve import resolve_device
 from vramkit.memory.oom import is_oom_error
 
 GIB = 1 << 30
-INIT_STD = 0.02
 FLUX_LORA = ("to_q", "to_k", "to_v", "to_out.0")
 DEFAULT_ROWS = (
     "plan:flux",
@@ -136,18 +136,12 @@ def meta_target(model: str, s: Settings, mode: str = "train") -> Any:
 
 
 @torch.no_grad()
-def fill_random(module: nn.Module, generator: torch.Generator) -> None:
-    """Random weights in place: matrices N(0, 0.02), norm scales 1, biases 0, LoRA B 0 (peft's
-    init: the adapters start as the identity); rotary tables rebuilt from the config."""
-    for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        if not t.is_floating_point():
-            continue
-        if t.dim() >= 2 and "lora_B" not in name:
-            t.copy_(torch.randn(t.shape, generator=generator, device=generator.device)
-                    .mul_(INIT_STD))
-        else:
-            t.fill_(1.0 if name.endswith("weight") and t.dim() == 1 else 0.0)
-    for sub in module.modules():  # transformers' rotary embedding: inv_freq from its config
+def fill_random(module: nn.Module) -> None:
+    """Random weights as benchmarks/presets.py gives them (matrices N(0, 0.02), norm scales 1,
+    biases 0, LoRA B 0: the adapters start as the identity); transformers' rotary tables
+    (``inv_freq``) rebuilt from the model's config."""
+    fill_weights(module)
+    for sub in module.modules():
         if hasattr(sub, "inv_freq") and hasattr(sub, "rope_init_fn"):
             inv_freq, scaling = sub.rope_init_fn(sub.config, sub.inv_freq.device)
             sub.inv_freq.copy_(inv_freq)
@@ -160,8 +154,8 @@ def materialize(target: Any, device: torch.device, seed: int) -> nn.Module:
     """The target's meta model with random weights on ``device``."""
     model = target.model
     model.to_empty(device=device)
-    gen_device = device if device.type == "cuda" else torch.device("cpu")
-    fill_random(model, torch.Generator(device=gen_device).manual_seed(seed))
+    torch.manual_seed(seed)
+    fill_random(model)
     return model
 
 

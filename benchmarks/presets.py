@@ -58,7 +58,7 @@ from _timing import log
 from vramkit.devices.resolve import resolve_device
 from vramkit.memory.oom import is_oom_error
 from vramkit.offload.blocks import find_blocks
-from vramkit.recipes._preset_memory import IMAGE_SIZE, PROFILE_LORA_RANK, PROFILE_LORA_TARGETS
+from vramkit.recipes._preset_memory import IMAGE_SIZE, _meta_model
 from vramkit.recipes.presets import (
     FLUX_DEV_TRANSFORMER_CONFIG,
     SDXL_UNET_CONFIG,
@@ -128,25 +128,9 @@ def cap_bytes(tier: int) -> int:
 
 
 def meta_model(model: str, shape: Shapes) -> nn.Module:
-    """The model on the meta device: frozen bf16 weights and fp32 peft LoRA adapters."""
-    import diffusers
-    import peft
-
-    with torch.device("meta"):
-        if model == "sdxl":
-            module: nn.Module = diffusers.UNet2DConditionModel(**shape.unet)
-        else:
-            module = diffusers.FluxTransformer2DModel(**shape.flux)
-    module.requires_grad_(False)
-    for tensor in (*module.parameters(), *module.buffers()):
-        if tensor.is_floating_point():
-            tensor.data = tensor.data.to(torch.bfloat16)
-    module.add_adapter(peft.LoraConfig(r=PROFILE_LORA_RANK, lora_alpha=PROFILE_LORA_RANK,
-                                       target_modules=list(PROFILE_LORA_TARGETS)))
-    for p in module.parameters():
-        if p.requires_grad:
-            p.data = p.data.to(torch.float32)
-    return module
+    """The model on the meta device: frozen bf16 weights and fp32 peft LoRA adapters (the
+    profiles' own builder, given this run's config)."""
+    return _meta_model(model, shape.unet if model == "sdxl" else shape.flux)
 
 
 def block_names(module: nn.Module, model: str) -> list[str]:

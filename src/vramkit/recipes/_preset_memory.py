@@ -29,6 +29,7 @@ from vramkit.errors import ConfigError
 from vramkit.offload.blocks import unet_blocks as find_unet_blocks
 from vramkit.offload.swap import SwapConfig
 from vramkit.planning._meta import MetaAutocast, quantize_on_meta
+from vramkit.planning.models import MODEL_PRESETS
 from vramkit.units import format_size
 
 QUANT_FORMATS = ("int8", "int4", "nf4", "fp8")
@@ -50,26 +51,11 @@ def unet_blocks(unet: nn.Module) -> list[str]:
 # Memory estimates: what one LoRA training step of SDXL / FLUX.1-dev keeps on the GPU
 # ------------------------------------------------------------------------------------------
 
-#: SDXL base 1.0's UNet (``stabilityai/stable-diffusion-xl-base-1.0``, ``unet/config.json``; the
-#: fields left out are diffusers' defaults): 2,567,463,684 parameters.
-SDXL_UNET_CONFIG: dict[str, Any] = {
-    "sample_size": 128, "in_channels": 4, "out_channels": 4,
-    "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-    "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-    "block_out_channels": (320, 640, 1280), "layers_per_block": 2,
-    "transformer_layers_per_block": (1, 2, 10), "attention_head_dim": (5, 10, 20),
-    "cross_attention_dim": 2048, "use_linear_projection": True,
-    "addition_embed_type": "text_time", "addition_time_embed_dim": 256,
-    "projection_class_embeddings_input_dim": 2816,
-}
-#: FLUX.1-dev's transformer (``black-forest-labs/FLUX.1-dev``, ``transformer/config.json``):
-#: 11,901,408,320 parameters.
-FLUX_DEV_TRANSFORMER_CONFIG: dict[str, Any] = {
-    "attention_head_dim": 128, "guidance_embeds": True, "in_channels": 64,
-    "joint_attention_dim": 4096, "num_attention_heads": 24, "num_layers": 19,
-    "num_single_layers": 38, "patch_size": 1, "pooled_projection_dim": 768,
-    "axes_dims_rope": (16, 56, 56),
-}
+#: SDXL base 1.0's UNet and FLUX.1-dev's transformer: the planner's model presets'
+#: published configs (:data:`vramkit.planning.models.MODEL_PRESETS`, sourced there):
+#: 2,567,463,684 and 11,901,408,320 parameters.
+SDXL_UNET_CONFIG: dict[str, Any] = dict(MODEL_PRESETS["sdxl"].config)
+FLUX_DEV_TRANSFORMER_CONFIG: dict[str, Any] = dict(MODEL_PRESETS["flux-dev"].config)
 
 #: The step the estimates describe: LoRA adapters of this rank on these projections (fp32), a
 #: bf16 frozen base under bf16 autocast, one IMAGE_SIZE x IMAGE_SIZE image per row (SDXL: 128x128
@@ -324,8 +310,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _meta_model(model: str) -> nn.Module:
-    """The published model on the meta device: bf16 frozen weights, fp32 LoRA adapters."""
+def _meta_model(model: str, config: Mapping[str, Any] | None = None) -> nn.Module:
+    """``model`` (``"sdxl"`` or ``"flux"``) on the meta device, from ``config`` (default: the
+    published one): bf16 frozen weights, fp32 LoRA adapters of the profiles' rank and targets."""
     try:
         import diffusers
         import peft
@@ -334,9 +321,10 @@ def _meta_model(model: str) -> nn.Module:
                           hint="pip install diffusers peft") from err
     with torch.device("meta"):
         if model == "sdxl":
-            module: nn.Module = diffusers.UNet2DConditionModel(**SDXL_UNET_CONFIG)
+            module: nn.Module = diffusers.UNet2DConditionModel(**(config or SDXL_UNET_CONFIG))
         else:
-            module = diffusers.FluxTransformer2DModel(**FLUX_DEV_TRANSFORMER_CONFIG)
+            module = diffusers.FluxTransformer2DModel(
+                **(config or FLUX_DEV_TRANSFORMER_CONFIG))
     module.requires_grad_(False)
     for tensor in (*module.parameters(), *module.buffers()):
         if tensor.is_floating_point():

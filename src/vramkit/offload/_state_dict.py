@@ -118,10 +118,12 @@ def install_master_hooks(module: nn.Module, tensors: list[MasterTensor], owner: 
             module.register_load_state_dict_post_hook(after)]
 
 
-def install_swap_hooks(block: SwappedBlock) -> list[RemovableHandle]:
+def install_swap_hooks(block: SwappedBlock, sync: Callable[[], None] | None = None
+                       ) -> list[RemovableHandle]:
     """The hooks of one swapped block: its masters are always the truth (a slot copy is at
     best equal, and stale after a host optimizer step); after a load the block's slot copy is
-    marked stale, so the next use reloads it."""
+    marked stale, so the next use reloads it. ``sync`` is called before a master is read or
+    written (device->host write-backs of ``trainable="swap"`` land first)."""
     names: dict[int, list[str]] = {}
     for name, module in block.module.named_modules(remove_duplicate=False):
         names.setdefault(id(module), []).append(name)
@@ -132,7 +134,12 @@ def install_swap_hooks(block: SwappedBlock) -> list[RemovableHandle]:
         def restore(e: Any = e) -> None:
             e.tensor.data = e.placeholder
 
-        tensors.append(MasterTensor(keys, e.tensor, lambda m=master: m, restore))
+        def current(m: torch.Tensor = master) -> torch.Tensor:
+            if sync is not None:
+                sync()
+            return m
+
+        tensors.append(MasterTensor(keys, e.tensor, current, restore))
 
     def unbind() -> None:
         block.bound = None  # the next acquire points the tensors at their slot again

@@ -170,7 +170,7 @@ class Slot:
     """One GPU slot of the ring: its bytes, the block in it and the events ordering its use."""
 
     __slots__ = ("block", "buffer", "free_event", "index", "last_used", "loaded_event",
-                 "loaded_version", "locked", "pool_block")
+                 "loaded_version", "locked", "pool_block", "writeback_event")
 
     def __init__(self, index: int, pool_block: Any, buffer: torch.Tensor,
                  streams: Streams) -> None:
@@ -186,6 +186,9 @@ class Slot:
         self.loaded_version = -1
         self.locked = False
         self.last_used = -1
+        # trainable="swap": the last device->host copy of updated weights out of this slot
+        # (the next fill must wait for it).
+        self.writeback_event: Any = None
 
 
 class SwappedBlock:
@@ -203,6 +206,7 @@ class SwappedBlock:
         self.grad_buffer: torch.Tensor | None = None
         self.grad_block: Any = None
         self.grad_event: Any = None
+        self.writeback_event: Any = None  # the last device->host write into the master
         self.slot: Slot | None = None
         self.slot_views: dict[int, list[torch.Tensor]] = {}
         self.slot_flat: dict[int, torch.Tensor] = {}  # the block's bytes of each slot

@@ -47,8 +47,21 @@ __all__ = ["BlockCall", "SwapBlockFunction", "WeightRef"]
 class BlockCall:
     """One call of a swapped block: its inputs' structure, mode and (non-checkpointed) graph."""
 
-    __slots__ = ("block", "checkpointed", "fn", "in_spec", "inner_inputs", "inner_outputs",
-                 "is_tensor", "leaves", "out_is_tensor", "out_leaves", "out_spec", "runtime")
+    __slots__ = (
+        "__weakref__",
+        "block",
+        "checkpointed",
+        "fn",
+        "in_spec",
+        "inner_inputs",
+        "inner_outputs",
+        "is_tensor",
+        "leaves",
+        "out_is_tensor",
+        "out_leaves",
+        "out_spec",
+        "runtime",
+    )
 
     def __init__(self, runtime: BlockRuntime, block: SwappedBlock, fn: Callable[..., Any],
                  leaves: list[Any], in_spec: Any, checkpointed: bool) -> None:
@@ -157,10 +170,12 @@ class SwapBlockFunction(torch.autograd.Function):
         try:
             pairs = [(o, g) for o, g in zip(outs, grads, strict=False)
                      if g is not None and o.requires_grad]
+            # begin/end run even when no gradient reaches the block: its step (or its
+            # accumulation window) counts every backward of a call.
+            runtime.begin_block_backward(block)
             if pairs:
-                runtime.begin_block_backward(block)
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                runtime.end_block_backward(block)
+            runtime.end_block_backward(block)
             input_grads = tuple(t.grad if t.requires_grad else None for t in inputs)
         finally:
             call.inner_inputs = call.inner_outputs = None

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +37,9 @@ from vramkit.errors import OffloadError
 from vramkit.memory.pool import MemoryPool, PoolConfig
 from vramkit.memory.transfer import Streams
 from vramkit.offload._swap_blocks import ALIGN, Slot, SwappedBlock, WeightRef, typed_view
+
+if TYPE_CHECKING:
+    from vramkit.offload._swap_optim import SwapStepper
 
 __all__ = ["SlotRing"]
 
@@ -80,6 +83,8 @@ class SlotRing:
         self._clock = 0
         self._pool: MemoryPool | None = None
         self.slot_bytes = max((b.nbytes for b in blocks), default=0)
+        # trainable="swap": steps the blocks' optimizers (vramkit.offload._swap_optim).
+        self.stepper: SwapStepper | None = None
         if self.slot_bytes:
             self._allocate(num_slots)
 
@@ -244,6 +249,10 @@ class SlotRing:
                 e.tensor.data = e.placeholder
         streams = self.streams
         streams.wait(streams.h2d, slot.free_event)
+        if slot.writeback_event is not None:  # trainable="swap": updated weights leaving it
+            streams.wait(streams.h2d, slot.writeback_event)
+        if block.writeback_event is not None:  # ... and arriving in this block's master
+            streams.wait(streams.h2d, block.writeback_event)
         master = block.master
         if master is None:
             raise OffloadError(f"swapped block {block.name} has no host master",
@@ -291,7 +300,10 @@ class SlotRing:
                 return WeightRef(block, t.data_ptr() - base, t.shape, tuple(t.stride()), t.dtype)
             if outer_pack is not None:
                 return _OuterSaved(outer_pack(t))
-            return t
+            # Detached: a saved *output* (relu, sigmoid...) returned as is would hold its own
+            # grad_fn, a reference cycle through C++ that keeps a graph dropped without
+            # backward (a validation loss under grad mode) alive forever.
+            return t.detach()
 
         def unpack(saved: Any) -> torch.Tensor:
             if isinstance(saved, WeightRef):
@@ -318,7 +330,11 @@ class SlotRing:
 
     def begin_block_backward(self, block: SwappedBlock) -> None:
         """Gradients accumulate as PyTorch's do: while a host gradient holds a value (not set to
-        None by ``zero_grad``), start the GPU gradient from it, so backward adds to it."""
+        None by ``zero_grad``), start the GPU gradient from it, so backward adds to it. With
+        ``trainable="swap"`` the stepper decides (accumulated gradients, the state's load)."""
+        if self.stepper is not None:
+            self.stepper.begin(block)
+            return
         pending = [(e, e.host_param.grad) for e in block.trainable_entries
                    if e.host_param is not None and e.host_param.grad is not None]
         if not pending:
@@ -330,7 +346,11 @@ class SlotRing:
 
     def end_block_backward(self, block: SwappedBlock) -> None:
         """Copy the block's new gradients device->host into its pinned gradient buffer (the
-        GPU gradients are dropped once the copy is enqueued)."""
+        GPU gradients are dropped once the copy is enqueued). With ``trainable="swap"`` the
+        block's optimizer steps on the GPU instead (or its gradients are parked)."""
+        if self.stepper is not None:
+            self.stepper.end(block)
+            return
         if not block.trainable_entries:
             return
         streams = self.streams
@@ -362,7 +382,12 @@ class SlotRing:
     def sync_gradients(self) -> None:
         """Wait (on the host) until every offloaded gradient has arrived and no copy still reads
         the masters; slots of trainable blocks are marked stale (the host step rewrites their
-        masters, and fused optimizers and writes through ``.data`` bump no version counter)."""
+        masters, and fused optimizers and writes through ``.data`` bump no version counter).
+        With ``trainable="swap"`` nothing steps the masters on the host: wait for the
+        write-backs only."""
+        if self.stepper is not None:
+            self.stepper.synchronize()
+            return
         for block in self.blocks:
             if block.grad_event is not None:
                 self.streams.synchronize(block.grad_event)

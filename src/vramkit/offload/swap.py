@@ -55,7 +55,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.hooks import RemovableHandle
 
-from vramkit._validate import check_bool, check_choice, check_int, check_size
+from vramkit._validate import check_bool, check_choice, check_int, check_number, check_size
 from vramkit.devices.resolve import resolve_device
 from vramkit.errors import ConfigError, OffloadError, VramkitWarning
 from vramkit.memory.layout import Random, Sequential, Strided, analyze_access_pattern
@@ -83,6 +83,7 @@ from vramkit.offload._swap_graph import (
     exit_block,
     hook_outputs,
 )
+from vramkit.offload._swap_optim import OptimizerFactory, SwappedOptimizer, SwapStepper
 from vramkit.offload._swap_ring import SlotRing
 from vramkit.offload._swap_structure import shape_key, structure_epoch, watch_structure
 from vramkit.offload.blocks import (
@@ -101,7 +102,7 @@ __all__ = ["BlockFootprint", "BlockScheduleEntry", "BlockSwapper", "SwapConfig",
 
 logger = logging.getLogger(__name__)
 
-_TRAINABLE = ("resident", "cpu")
+_TRAINABLE = ("resident", "cpu", "swap")
 # Argument/output types that are leaves for certain (the fast path skips the tree walk for calls
 # made only of these); a tensor subclass or a container takes the general path.
 _PLAIN_LEAVES = frozenset({torch.Tensor, nn.Parameter, type(None), bool, int, float, str})
@@ -130,7 +131,16 @@ class SwapConfig:
             buffers are read-only: a write in forward is lost at eviction.
         trainable: ``"resident"`` (default) keeps trainable parameters on the GPU;
             ``"cpu"`` swaps them too, offloads their gradients to pinned host memory and expects
-            a CPU optimizer over :meth:`BlockSwapper.host_parameters`.
+            a CPU optimizer over :meth:`BlockSwapper.host_parameters`; ``"swap"`` swaps them
+            with their optimizer state and steps each block's own optimizer on the GPU inside
+            backward (full fine-tuning; give ``BlockSwapper(..., optimizer=factory)``).
+        accumulation_steps: with ``trainable="swap"``, backward passes per optimizer step of the
+            swapped blocks (default 1); the gradients of the first ``N - 1`` wait in pinned
+            host memory.
+        max_grad_norm: with ``trainable="swap"``, clip the gradients by their global L2 norm
+            (resident and swapped together). The swapped blocks' steps are then deferred: call
+            :meth:`BlockSwapper.clip_grad_norm_` and ``swapper.optimizer.step()`` after
+            backward. Default ``None`` (no clipping; blocks step inside backward).
         preserve_rng_state: replay the RNG state when recomputing a checkpointed block, so
             dropout masks match (default ``True``).
         swapped_blocks: the names of the blocks to swap, as a planner chose them (the other
@@ -148,6 +158,8 @@ class SwapConfig:
     trainable: str = "resident"
     preserve_rng_state: bool = True
     swapped_blocks: tuple[str, ...] | None = None
+    accumulation_steps: int = 1
+    max_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         check_int("SwapConfig.max_gpu_blocks", self.max_gpu_blocks, minimum=0, allow_none=True)
@@ -163,6 +175,18 @@ class SwapConfig:
         check_choice("SwapConfig.trainable", self.trainable, _TRAINABLE)
         check_bool("SwapConfig.swap_buffers", self.swap_buffers)
         check_bool("SwapConfig.preserve_rng_state", self.preserve_rng_state)
+        check_int("SwapConfig.accumulation_steps", self.accumulation_steps, minimum=1)
+        object.__setattr__(self, "max_grad_norm", check_number(
+            "SwapConfig.max_grad_norm", self.max_grad_norm, minimum=0.0, low_open=True,
+            allow_none=True))
+        if self.trainable != "swap" and (self.accumulation_steps != 1
+                                         or self.max_grad_norm is not None):
+            knob = ("accumulation_steps" if self.accumulation_steps != 1 else "max_grad_norm")
+            raise ConfigError(
+                f"SwapConfig.{knob} applies to trainable='swap' (the swapper steps the "
+                f"swapped blocks' optimizers), not to trainable={self.trainable!r}",
+                hint="Use trainable='swap' with an optimizer factory, or accumulate and clip "
+                     "in your own training loop.")
         if self.swapped_blocks is not None:
             names = self.swapped_blocks
             if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(
@@ -203,6 +227,10 @@ class SwapStats:
             (:func:`vramkit.memory.layout.analyze_access_pattern`): ``Sequential()`` for a
             plain front-to-back stack, ``Strided``/``Random`` when blocks are called out of
             their container order (prefetch follows the learnt order either way).
+        optimizer_steps: block optimizer steps taken (``trainable="swap"``).
+        state_bytes: pinned host bytes of the block optimizers' state masters (included in
+            ``pinned_bytes``; grows as blocks adopt their state on their first step).
+        state_slot_bytes: GPU bytes of the two optimizer state slots.
     """
 
     blocks: int
@@ -220,6 +248,9 @@ class SwapStats:
     acquisitions: int
     enqueue_seconds: float
     order_pattern: Sequential | Strided | Random = field(default_factory=Sequential)
+    optimizer_steps: int = 0
+    state_bytes: int = 0
+    state_slot_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -256,6 +287,12 @@ class BlockSwapper:
         config: a :class:`SwapConfig` (default: every block swapped, R=2).
         device: where compute runs (default ``"cuda"``; ``"cpu"`` runs the same machinery
             synchronously, for tests and CPU-only machines).
+        optimizer: with ``SwapConfig(trainable="swap")`` (required then, refused otherwise):
+            ``factory(params) -> torch.optim.Optimizer``, called once per swapped block with
+            its trainable parameters (``lambda ps: torch.optim.AdamW(ps, lr=1e-5)``,
+            ``AdamW8bit``, Adafactor, ...). :attr:`optimizer` is those optimizers as one (for
+            LR schedulers and checkpoints); your own optimizer steps
+            :meth:`optimizer_parameters`.
 
     Everything that is not a swapped tensor (other modules, resident blocks, small tensors of
     swapped blocks) is moved to ``device``; :meth:`detach` puts every tensor back where it was,
@@ -269,7 +306,8 @@ class BlockSwapper:
 
     def __init__(self, model: nn.Module, blocks: str | Sequence[str] = "auto",
                  config: SwapConfig | None = None,
-                 device: str | int | torch.device = "cuda") -> None:
+                 device: str | int | torch.device = "cuda", *,
+                 optimizer: OptimizerFactory | None = None) -> None:
         if config is None:
             config = SwapConfig()
         elif not isinstance(config, SwapConfig):
@@ -278,8 +316,22 @@ class BlockSwapper:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}",
                               hint="Pass the torch.nn.Module whose blocks should be swapped.")
+        if config.trainable == "swap" and not callable(optimizer):
+            raise ConfigError(
+                "SwapConfig(trainable='swap') steps each swapped block with its own optimizer: "
+                + ("pass optimizer=factory" if optimizer is None
+                   else f"optimizer must be a callable, got {type(optimizer).__name__}"),
+                hint="BlockSwapper(model, config=..., optimizer=lambda params: "
+                     "torch.optim.AdamW(params, lr=1e-5)).")
+        if config.trainable != "swap" and optimizer is not None:
+            raise ConfigError(
+                f"optimizer= is for SwapConfig(trainable='swap'); with "
+                f"trainable={config.trainable!r} the swapper steps no optimizer",
+                hint="Use trainable='swap' for full fine-tuning with the optimizer on the GPU, "
+                     "or build your optimizer over swapper.optimizer_parameters().")
         self.model = model
         self.config = config
+        self._factory = optimizer
         self.device = resolve_device(device, owner="BlockSwapper")
         self.streams = transfer_streams(self.device)
         self._attached = False
@@ -303,6 +355,8 @@ class BlockSwapper:
         self._master_pool: MemoryPool | None = None
         self._grad_pool: MemoryPool | None = None
         self._anchor: torch.Tensor | None = None
+        self._stepper: SwapStepper | None = None
+        self._optimizer: SwappedOptimizer | None = None
         self._resident_block_bytes = 0
         self._unwatch: weakref.finalize | None = None
         try:
@@ -403,9 +457,17 @@ class BlockSwapper:
                               num_slots=self.config.num_slots, lookahead=self.config.lookahead,
                               preserve_rng_state=self.config.preserve_rng_state,
                               on_backward_turn=self._forget_chain)
+        if self.config.trainable == "swap":
+            assert self._factory is not None  # checked in __init__
+            self._stepper = SwapStepper(
+                [b for b in self._blocks if b.trainable_entries], self._factory, self.device,
+                self.streams, self._state_pool, accumulation_steps=self.config.accumulation_steps,
+                max_grad_norm=self.config.max_grad_norm, counters=self._ring.counters)
+            self._ring.stepper = self._stepper
+            self._optimizer = SwappedOptimizer(self._stepper, self._run_pending_steps)
         for block in self._blocks:
             self._wrap_forward(block)
-            self._state_hooks += install_swap_hooks(block)
+            self._state_hooks += install_swap_hooks(block, self._sync_masters)
         watch_structure(True)
         # Released by detach(), or when the swapper is collected without one.
         self._unwatch = weakref.finalize(self, watch_structure, False)
@@ -444,7 +506,8 @@ class BlockSwapper:
         if config.trainable == "resident" and all(t.requires_grad for t in big):
             return (prefix + "the large tensors of the blocks it chose are trainable and "
                     "trainable='resident' keeps them on the GPU. Freeze the base weights "
-                    "(LoRA), or use SwapConfig(trainable='cpu') for full fine-tuning.")
+                    "(LoRA), or use SwapConfig(trainable='swap') (optimizer on the GPU) or "
+                    "trainable='cpu' for full fine-tuning.")
         return (prefix + "the tensors of the blocks it chose are shared with other blocks, "
                 "buffers with swap_buffers=False, or not dense, so they stay resident.")
 
@@ -468,7 +531,12 @@ class BlockSwapper:
         if not blocks:
             return
         total = sum(b.nbytes for b in blocks)
-        grads = sum(b.nbytes for b in blocks if b.trainable_entries)
+        config = self.config
+        # Pinned gradient buffers: trainable="cpu" always; "swap" only where gradients wait on
+        # the host (accumulation, deferred clipped steps).
+        parked = config.trainable == "cpu" or (config.trainable == "swap" and (
+            config.accumulation_steps > 1 or config.max_grad_norm is not None))
+        grads = sum(b.nbytes for b in blocks if b.trainable_entries) if parked else 0
         self._master_pool = self._host_pool(total)
         if grads:
             self._grad_pool = self._host_pool(grads)
@@ -488,16 +556,26 @@ class BlockSwapper:
                                                              device=self.device)
                 e.placeholder = placeholder_cache[e.dtype].expand(e.shape)
                 e.tensor.data = e.placeholder
-                if e.trainable:
+                if e.trainable and config.trainable == "cpu":
                     e.host_param = nn.Parameter(view, requires_grad=True)  # .grad set by
                     # the first backward that produces one, as for any parameter
 
-    def _host_pool(self, nbytes: int) -> MemoryPool:
-        config = PoolConfig(initial_size=nbytes, max_size=nbytes, growth_factor=1.0,
+    def _host_pool(self, nbytes: int | None = None) -> MemoryPool:
+        # nbytes None: grows by exactly what each allocation needs (optimizer state masters,
+        # adopted block by block on the first step).
+        config = PoolConfig(initial_size=nbytes or 0, max_size=nbytes, growth_factor=1.0,
                             alignment=ALIGN, max_cached_buffers=0)
         if self.device.type == "cuda":
             return MemoryPool.pinned(config)
         return MemoryPool("cpu", config)
+
+    def _state_pool(self) -> MemoryPool:
+        return self._host_pool(None)
+
+    def _sync_masters(self) -> None:
+        """Before the masters are read on the host: pending write-backs land first."""
+        if self._stepper is not None:
+            self._stepper.synchronize()
 
     def _anchor_tensor(self) -> torch.Tensor:
         if self._anchor is None:
@@ -575,6 +653,8 @@ class BlockSwapper:
         if spec is None:
             spec = _tree.flatten((args, kwargs))[1]
         call = BlockCall(ring, block, fn, leaves, spec, block.checkpointed)
+        if self._stepper is not None:
+            self._stepper.forward_call(block, call)  # steps after the last call's backward
         tensors = [x for x, t in zip(leaves, call.is_tensor, strict=True) if t]
         anchor = self._anchor_tensor() if self._has_trainable(block) else None
         outs = SwapBlockFunction.apply(call, anchor, *tensors)
@@ -721,6 +801,79 @@ class BlockSwapper:
                 out.append(p)
         return out + self.host_parameters()
 
+    @property
+    def optimizer(self) -> SwappedOptimizer:
+        """The swapped blocks' optimizers as one ``torch.optim.Optimizer``
+        (``trainable="swap"``): build LR schedulers over it, save and load its
+        ``state_dict()``, call its ``step()`` after your own optimizer's (it runs the deferred
+        steps when clipping; otherwise the blocks already stepped inside backward).
+
+        Raises:
+            ConfigError: without ``trainable="swap"``.
+        """
+        if self._optimizer is None:
+            raise ConfigError(
+                f"swapper.optimizer exists with SwapConfig(trainable='swap'); this swapper has "
+                f"trainable={self.config.trainable!r}",
+                hint="Build your optimizer over swapper.optimizer_parameters() instead.")
+        return self._optimizer
+
+    def clip_grad_norm_(self, max_norm: float | None = None) -> torch.Tensor:
+        """Clip every trainable gradient by the global L2 norm, as
+        ``torch.nn.utils.clip_grad_norm_`` would over the whole model (``trainable="swap"``
+        with ``SwapConfig(max_grad_norm=...)``).
+
+        The resident trainable parameters' gradients (:meth:`optimizer_parameters`) are scaled
+        now; the swapped blocks' gradients, parked in pinned memory at the end of backward,
+        are scaled when ``swapper.optimizer.step()`` runs their deferred steps.
+
+        Args:
+            max_norm: the limit (default ``SwapConfig.max_grad_norm``).
+
+        Returns:
+            The total norm before clipping (a 0-dim device tensor; reading it syncs).
+
+        Raises:
+            ConfigError: without ``max_grad_norm`` in the config, or for a bad ``max_norm``.
+            OffloadError: in the middle of an accumulation window.
+        """
+        if self._stepper is None:
+            raise ConfigError(
+                "swapper.clip_grad_norm_() is for SwapConfig(trainable='swap', "
+                "max_grad_norm=...)",
+                hint="With other modes use torch.nn.utils.clip_grad_norm_ over "
+                     "swapper.optimizer_parameters().")
+        if not self._attached:
+            raise OffloadError("this BlockSwapper is detached",
+                               hint="Clip before swapper.detach().")
+        # The model's order, so norms add up as torch's clip_grad_norm_ adds them.
+        return self._stepper.clip_grad_norm_(self.optimizer_parameters(), max_norm,
+                                             self.model.parameters())
+
+    def _run_pending_steps(self) -> None:
+        """The deferred steps (clipping): blocks in backward order, each acquired (weights),
+        its state and parked gradients loaded, stepped and written back; the ring prefetches
+        the next ones meanwhile."""
+        stepper, ring = self._stepper, self._ring
+        if stepper is None or ring is None:
+            return
+        pending = {id(bo.block): bo for bo in stepper.pending()}
+        if not pending:
+            return
+        if not self._attached:
+            raise OffloadError("this BlockSwapper is detached",
+                               hint="Step before swapper.detach().")
+        for block in reversed(ring.order):
+            bo = pending.get(id(block))
+            if bo is None:
+                continue
+            ring.acquire(block, backward=True)
+            try:
+                stepper.step_pending_block(bo)
+            finally:
+                ring.release(block, backward=True)
+        stepper.finish_pending()
+
     def sync_gradients(self) -> None:
         """Wait (on the host) until every offloaded gradient has arrived and no copy still reads
         the masters: call it once per optimizer step, before stepping the host parameters."""
@@ -744,18 +897,23 @@ class BlockSwapper:
              "acquisitions"), 0)
         pinned = sum(p.stats().reserved for p in (self._master_pool, self._grad_pool)
                      if p is not None)
+        stepper = self._stepper
+        state_bytes = stepper.state_bytes() if stepper is not None else 0
         order = ring.order if ring is not None else []
         return SwapStats(
             blocks=len(self.schedule), swapped_blocks=len(self._blocks),
             swapped_bytes=sum(e.nbytes for b in self._blocks for e in b.entries),
-            pinned_bytes=pinned,
+            pinned_bytes=pinned + state_bytes,
             slot_bytes=ring.slot_bytes * len(ring.slots) if ring is not None else 0,
             resident_block_bytes=self._resident_block_bytes,
             loads=c["loads"], prefetched=c["prefetched"], on_demand=c["on_demand"],
             hits=c["hits"], h2d_bytes=c["h2d_bytes"], d2h_bytes=c["d2h_bytes"],
             acquisitions=c["acquisitions"],
             enqueue_seconds=ring.enqueue_seconds if ring is not None else 0.0,
-            order_pattern=analyze_access_pattern([self._blocks.index(b) for b in order]))
+            order_pattern=analyze_access_pattern([self._blocks.index(b) for b in order]),
+            optimizer_steps=stepper.steps if stepper is not None else 0,
+            state_bytes=state_bytes,
+            state_slot_bytes=stepper.state_slot_bytes() if stepper is not None else 0)
 
     def reset_stats(self) -> None:
         """Zero the transfer counters (sizes are kept)."""
@@ -780,6 +938,9 @@ class BlockSwapper:
         if self.device.type == "cuda" and torch.cuda.is_initialized():
             torch.cuda.current_stream(self.device).synchronize()
             torch.cuda.synchronize(self.device)
+        if self._stepper is not None:
+            self._stepper.close()  # block optimizers keep their state, on the model's devices
+            self._stepper = None
         for handle in self._state_hooks:
             handle.remove()
         self._state_hooks = []

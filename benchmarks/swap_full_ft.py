@@ -275,6 +275,8 @@ def flux_child(kind: str, args: argparse.Namespace, device: torch.device) -> dic
 
     torch.backends.cuda.enable_cudnn_sdp(False)  # illegal memory access on these shapes (2.11)
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_per_process_memory_fraction(
             args.cap_gib * GIB / torch.cuda.get_device_properties(device).total_memory, device)
     tiny = device.type == "cpu"

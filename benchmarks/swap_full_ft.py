@@ -287,10 +287,17 @@ def flux_child(kind: str, args: argparse.Namespace, device: torch.device) -> dic
     else:
         target = build_target("flux-dev", lora_rank=0)
     model = target.model
-    model.to_empty(device=torch.device("cpu"))
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    fill_random(model)
+    # Random weights drawn on the device one top-level child at a time, kept on the CPU (the
+    # CPU's normal_ took 400 s for 11.9 B bf16 values; the device takes seconds).
+    for child in model.children():
+        child.to_empty(device=device)
+        fill_random(child)
+        child.to("cpu")
+    model.to_empty(device=torch.device("cpu"), recurse=False)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     model.requires_grad_(True)
     build_s = time.perf_counter() - t0
     enable_gradient_checkpointing(model)

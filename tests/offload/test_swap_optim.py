@@ -601,3 +601,29 @@ def test_dropped_graph_is_freed() -> None:
     gc.collect()
     assert not [o for o in gc.get_objects() if isinstance(o, WeightRef)]
     swapper.detach()
+
+
+def test_bf16_weights_with_fp32_master_in_the_travelling_state() -> None:
+    """Mixed precision: bf16 weights, AdamW8bit(master_weights=True) keeps the fp32 master in
+    the optimizer state, which lives in the block's host master and travels with it."""
+
+    def factory(params: Any) -> torch.optim.Optimizer:
+        return AdamW8bit(params, lr=1e-3, min_8bit_size=256, block_size=64, master_weights=True)
+
+    torch.manual_seed(0)
+    ref = Net().to(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    swapper = BlockSwapper(model, config=SwapConfig(max_gpu_blocks=1, min_param_bytes=MIN // 2,
+                                                    trainable="swap"),
+                           device="cpu", optimizer=factory)
+    xs = [x.to(torch.bfloat16) for x in batches(3)]
+    train_reference(ref, factory, xs)
+    train_swapped(model, swapper, factory, xs)
+    assert_same(ref, model, atol=0)
+    stats = swapper.stats()
+    # fp32 master (4 bytes) + 8-bit moments (~2 bytes) per 2-byte weight.
+    assert stats.state_bytes >= 2.5 * stats.swapped_bytes
+    sd = swapper.optimizer.state_dict()["blocks"]["blocks.0"]["state"]
+    master = next(v["master"] for v in sd.values() if "master" in v)
+    assert master.dtype == torch.float32
+    swapper.detach()

@@ -383,3 +383,43 @@ def test_fused_kernel_matches_torch_path_under_triton_interpreter() -> None:
                             capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "interpreter check passed" in result.stdout
+
+
+def test_master_weights_keep_small_updates_of_bf16_parameters() -> None:
+    """With master_weights the fp32 copy follows the fp32 run exactly (same gradients), and the
+    bf16 parameter is its rounding; without it, updates below bf16's precision are lost."""
+    torch.manual_seed(0)
+    start = torch.randn(4096)
+    fp32 = torch.nn.Parameter(start.clone())
+    bf16 = torch.nn.Parameter(start.to(torch.bfloat16))
+    plain = torch.nn.Parameter(start.to(torch.bfloat16))
+    opts = [AdamW8bit([fp32], lr=1e-5), AdamW8bit([bf16], lr=1e-5, master_weights=True),
+            AdamW8bit([plain], lr=1e-5)]
+    # The fp32 run starts from the bf16-rounded values, as the master does.
+    fp32.data.copy_(bf16.float())
+    for _ in range(5):
+        g = torch.randn(4096).to(torch.bfloat16)  # the same gradient values for all three
+        for p, opt in zip((fp32, bf16, plain), opts, strict=True):
+            p.grad = g.to(p.dtype)
+            opt.step()
+    master = opts[1].state[bf16]["master"]
+    assert master.dtype == torch.float32
+    assert torch.equal(master, fp32.detach())
+    assert torch.equal(bf16.detach(), fp32.detach().to(torch.bfloat16))
+    moved = (plain.detach().float() != start.to(torch.bfloat16).float()).float().mean()
+    assert moved < 0.5  # most 1e-5 steps vanish in bf16 without a master
+    assert opts[1].state_bytes() >= 4 * 4096
+
+
+def test_master_weights_is_validated_and_checkpointed() -> None:
+    with pytest.raises(ConfigError, match="master_weights"):
+        AdamW8bit([torch.nn.Parameter(torch.zeros(4))], master_weights="yes")
+    p = torch.nn.Parameter(torch.randn(512, dtype=torch.bfloat16))
+    opt = AdamW8bit([p], lr=1e-3, master_weights=True)
+    p.grad = torch.randn(512, dtype=torch.bfloat16)
+    opt.step()
+    q = torch.nn.Parameter(p.detach().clone())
+    opt2 = AdamW8bit([q], lr=1e-3, master_weights=True)
+    opt2.load_state_dict(opt.state_dict())
+    assert torch.equal(opt2.state[q]["master"], opt.state[p]["master"])
+    assert opt2.state[q]["master"].dtype == torch.float32

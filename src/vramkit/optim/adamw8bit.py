@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from vramkit._validate import check_choice, check_int, check_number
+from vramkit._validate import check_bool, check_choice, check_int, check_number
 from vramkit.errors import ConfigError
 from vramkit.optim._blockwise import (
     SIGNED,
@@ -112,6 +112,7 @@ def _validate_hyper(group: dict[str, Any]) -> None:
     check_number("eps", group["eps"], minimum=0.0)
     check_number("weight_decay", group["weight_decay"], minimum=0.0)
     _check_state_settings(group["block_size"], group["min_8bit_size"], group["state_bits"])
+    check_bool("master_weights", group.get("master_weights", False))
 
 
 class AdamW8bit(torch.optim.Optimizer):
@@ -129,6 +130,12 @@ class AdamW8bit(torch.optim.Optimizer):
         min_8bit_size: tensors with fewer elements keep fp32 states (default 4096; 0 quantizes
             everything).
         state_bits: 8 (default) or 4 bits per stored moment value.
+        master_weights: keep an fp32 copy of every 16-bit parameter in the state (4 bytes per
+            parameter) and update it, rounding the result into the parameter: bf16/fp16
+            training without losing updates smaller than the parameter's precision. It is
+            state like the moments, so with ``SwapConfig(trainable="swap")`` it travels with its
+            block. Default ``False`` (16-bit parameters are updated in fp32 and rounded back,
+            as ``torch.optim.AdamW`` does).
 
     Raises:
         ConfigError: for an invalid hyperparameter or parameter.
@@ -145,10 +152,12 @@ class AdamW8bit(torch.optim.Optimizer):
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
                  lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, block_size: int = 256,
-                 min_8bit_size: int = 4096, state_bits: int = 8) -> None:
+                 min_8bit_size: int = 4096, state_bits: int = 8,
+                 master_weights: bool = False) -> None:
         defaults = {"lr": lr, "betas": tuple(betas) if isinstance(betas, list) else betas,
                     "eps": eps, "weight_decay": weight_decay, "block_size": block_size,
-                    "min_8bit_size": min_8bit_size, "state_bits": state_bits}
+                    "min_8bit_size": min_8bit_size, "state_bits": state_bits,
+                    "master_weights": master_weights}
         _validate_hyper(defaults)
         if isinstance(params, torch.Tensor):
             raise ConfigError("params must be an iterable of tensors or dicts, got a single "
@@ -327,20 +336,30 @@ class AdamW8bit(torch.optim.Optimizer):
         bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5  # as torch.optim.AdamW computes it
         hyper = (beta1, beta2, lr, eps, weight_decay, lr / bias_correction1,
                  bias_correction2_sqrt)
+        flat_grad = grad.reshape(-1)
+        master = state.get("master")
+        if master is not None:  # the fp32 copy is updated; the parameter gets its rounding
+            self._update(master, flat_grad, state, hyper)
+            param.copy_(master.view(param.shape))
+            return
         contiguous = param.is_contiguous()
         target = param if contiguous else param.contiguous()
-        flat_param = target.view(-1)
-        flat_grad = grad.reshape(-1)
+        self._update(target.view(-1), flat_grad, state, hyper)
+        if not contiguous:
+            param.copy_(target)
+
+    def _update(self, flat_param: torch.Tensor, flat_grad: torch.Tensor, state: dict[str, Any],
+                hyper: tuple[float, ...]) -> None:
         if "exp_avg" in state:
             self._full_precision_update(flat_param, flat_grad, state, hyper)
         else:
             self._quantized_update(flat_param, flat_grad, state, hyper)
-        if not contiguous:
-            param.copy_(target)
 
     def _init_state(self, param: torch.Tensor, state: dict[str, Any],
                     group: dict[str, Any]) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        if group.get("master_weights") and param.dtype != torch.float32:
+            state["master"] = param.detach().reshape(-1).to(torch.float32, copy=True)
         numel = param.numel()
         if numel < group["min_8bit_size"]:
             state["exp_avg"] = torch.zeros(numel, dtype=torch.float32, device=param.device)

@@ -413,7 +413,8 @@ def main() -> None:
                "x resident": ms / base if base else None,
                "x transfer bound": ms / bound if bound else None,
                "cpu / this": cpu / ms if cpu and not r["variant"].startswith("cpu") else None,
-               "peak GiB": r["peak_gib"],
+               # Stack variants share one process: their peak is the process's, not theirs.
+               "peak GiB": r["peak_gib"] if args.model == "flux" else None,
                "pinned / (W+S)": (r["pinned_gib"] / (r["swapped_gib"] + r["state_gib"])
                                   if r.get("swapped_gib") else None),
                "loss first->last": f"{r['first_loss']:.5f}->{r['last_loss']:.5f}"}

@@ -545,6 +545,16 @@ def test_api_outside_swap_mode() -> None:
         swapped.optimizer.step(lambda: 0.0)
 
 
+def test_clip_max_norm_is_validated() -> None:
+    _, model, swapper = make(adamw, max_grad_norm=1.0)
+    loss_of(model, batches(1)[0]).backward()
+    for bad in (0, -1.0, float("nan"), "1"):
+        with pytest.raises(ConfigError, match="max_norm"):
+            swapper.clip_grad_norm_(bad)  # type: ignore[arg-type]
+    swapper.clip_grad_norm_(2.0)
+    swapper.optimizer.step()
+
+
 def test_clip_mid_accumulation_window_is_refused() -> None:
     _, model, swapper = make(adamw, max_grad_norm=1.0, accumulation_steps=2)
     loss_of(model, batches(1)[0]).backward()

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from vramkit._validate import check_number
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.memory.layout import align_up
 from vramkit.memory.pool import MemoryPool, PoolConfig
@@ -504,17 +505,15 @@ class SwapStepper:
                 "swapped blocks step inside backward, before a global norm exists",
                 hint="Set SwapConfig(max_grad_norm=1.0) (the steps of swapped blocks are then "
                      "deferred to swapper.optimizer.step()).")
-        limit = self.max_grad_norm if max_norm is None else float(max_norm)
-        if not math.isfinite(limit) or limit <= 0:
-            raise ConfigError(f"max_norm must be a positive number, got {max_norm!r}",
-                              hint="Pass e.g. swapper.clip_grad_norm_(1.0).")
-        missing = [bo.block.name for bo in self.by_block.values()
-                   if not bo.step_pending and any(p.requires_grad for p in bo.params)
-                   and bo.micro_steps]
-        if missing:
+        limit = self.max_grad_norm if max_norm is None else check_number(
+            "max_norm", max_norm, minimum=0.0, low_open=True,
+            hint="Pass e.g. swapper.clip_grad_norm_(1.0).")
+        midway = [bo for bo in self.by_block.values()
+                  if not bo.step_pending and bo.micro_steps]
+        if midway:
             raise OffloadError(
-                f"clip_grad_norm_ in the middle of an accumulation window ({missing[0]} has "
-                f"{self.by_block_named(missing[0]).micro_steps} of "
+                f"clip_grad_norm_ in the middle of an accumulation window "
+                f"({midway[0].block.name} has {midway[0].micro_steps} of "
                 f"{self.accumulation_steps} micro-batches)",
                 hint="Clip after the last micro-batch of each window "
                      "(SwapConfig.accumulation_steps).")
@@ -540,9 +539,6 @@ class SwapStepper:
         self._clip_coef = coef
         return total
 
-    def by_block_named(self, name: str) -> BlockOptimizer:
-        return next(bo for bo in self.by_block.values() if bo.block.name == name)
-
     def pending(self) -> list[BlockOptimizer]:
         """Blocks whose (deferred) step is waiting."""
         return [bo for bo in self.by_block.values() if bo.step_pending]
@@ -565,11 +561,14 @@ class SwapStepper:
     # -- synchronization, state dicts, teardown ---------------------------------------------
 
     def synchronize(self) -> None:
-        """Wait (host) until every write-back into the masters has landed."""
+        """Wait (host) until every write-back into the masters has landed. Landed events are
+        forgotten (nothing needs to wait on them any more), so a ``state_dict()``, which asks
+        once per tensor, syncs each block once."""
         for bo in self.by_block.values():
             event = bo.block.writeback_event
             if event is not None:
                 self.streams.synchronize(event)
+                bo.block.writeback_event = None
 
     @contextlib.contextmanager
     def host_state(self) -> Iterator[None]:
@@ -718,8 +717,10 @@ class SwappedOptimizer(torch.optim.Optimizer):
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget gradients accumulated on the host (gradients of swapped blocks never stay on
-        the device: they are dropped after each step)."""
+        """Forget gradients accumulated on the host and a deferred step not taken (gradients of
+        swapped blocks never stay on the device: they are dropped after each step).
+        ``set_to_none`` is there for the ``Optimizer`` signature: forgotten and zeroed parked
+        gradients accumulate the same, so both values do the same."""
         for bo in self._stepper.by_block.values():
             bo.host_grads = [False] * len(bo.params)
             bo.micro_steps = 0

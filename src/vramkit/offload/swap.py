@@ -461,7 +461,7 @@ class BlockSwapper:
             assert self._factory is not None  # checked in __init__
             self._stepper = SwapStepper(
                 [b for b in self._blocks if b.trainable_entries], self._factory, self.device,
-                self.streams, self._state_pool, accumulation_steps=self.config.accumulation_steps,
+                self.streams, self._host_pool, accumulation_steps=self.config.accumulation_steps,
                 max_grad_norm=self.config.max_grad_norm, counters=self._ring.counters)
             self._ring.stepper = self._stepper
             self._optimizer = SwappedOptimizer(self._stepper, self._run_pending_steps)
@@ -568,9 +568,6 @@ class BlockSwapper:
         if self.device.type == "cuda":
             return MemoryPool.pinned(config)
         return MemoryPool("cpu", config)
-
-    def _state_pool(self) -> MemoryPool:
-        return self._host_pool(None)
 
     def _sync_masters(self) -> None:
         """Before the masters are read on the host: pending write-backs land first."""

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from tests.cli._helpers import check_error, run_vramkit
 from tests.devices.fakes import (
     GiB,
     forbid_cuda,
@@ -103,3 +105,77 @@ def test_python_dash_m_runs_the_cli() -> None:
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert "info" in capsys.readouterr().out
+
+
+# -- host memory and --disk ----------------------------------------------------------------------
+
+
+def test_info_shows_host_memory(monkeypatch: pytest.MonkeyPatch,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    from vramkit.devices import host
+
+    install_missing_nvml(monkeypatch)
+    fake = host.HostMemory(total=16 * GiB, available=12 * GiB, process_rss=GiB,
+                           cgroup_limit=8 * GiB, cgroup_usage=6 * GiB, memlock_limit=8 << 20,
+                           wsl=False, pin_limit=8 * GiB, pin_limit_source="cgroup memory.max")
+    monkeypatch.setattr(host, "read_host_memory", lambda **kwargs: fake)
+    data = _run_json(capsys, "--no-torch")
+    assert data["host"] == fake.to_dict()
+    assert data["host"]["headroom"] == 2 * GiB
+    assert "disk" not in data
+
+    assert main(["info", "--no-torch"]) == 0
+    text = capsys.readouterr().out
+    assert "Host memory" in text
+    assert "limit 8.0 GiB, using 6.0 GiB" in text
+    assert "8.0 GiB  (cgroup memory.max)" in text
+    assert "RLIMIT_MEMLOCK" in text
+
+
+def test_info_host_memory_of_this_machine(monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    install_missing_nvml(monkeypatch)
+    host = _run_json(capsys, "--no-torch")["host"]
+    assert {"total", "available", "process_rss", "cgroup_limit", "memlock_limit", "pin_limit",
+            "pin_limit_source", "headroom"} <= set(host)
+
+
+def test_info_disk_measures_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    install_missing_nvml(monkeypatch)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\x01" * (1 << 20))
+    data = _run_json(capsys, "--no-torch", "--disk", str(path))
+    assert data["disk"]["path"] == str(path)
+    assert data["disk"]["bytes"] == 1 << 20
+    assert data["disk"]["gb_per_s"] > 0
+
+    assert main(["info", "--no-torch", "--disk", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "disk read:" in text and "GB/s" in text and "model.safetensors" in text
+
+
+def test_info_disk_on_a_missing_path_is_a_clean_error(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    install_missing_nvml(monkeypatch)
+    missing = str(tmp_path / "nope")
+    code = main(["info", "--no-torch", "--disk", missing])
+    captured = capsys.readouterr()
+    check_error(code, captured.out, captured.err, sub="info", exit_code=1,
+                says=(missing, "does not exist"))
+    assert captured.out == ""  # nothing of the report was printed
+
+    code = main(["info", "--json", "--no-torch", "--disk", missing])
+    captured = capsys.readouterr()
+    check_error(code, captured.out, captured.err, sub="info", exit_code=1, as_json=True,
+                says=("does not exist",))
+
+
+def test_info_disk_errors_in_a_real_process(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.bin"
+    empty.touch()
+    proc = run_vramkit("info", "--no-torch", "--disk", str(empty))
+    check_error(proc.returncode, proc.stdout, proc.stderr, sub="info", exit_code=1,
+                says=("empty",))

@@ -1,7 +1,12 @@
-"""``vramkit info``: devices, versions, allocator settings, environment, and why no GPU shows.
+"""``vramkit info``: devices, versions, host memory, allocator settings, environment, and why no
+GPU shows; ``--disk PATH`` adds the read bandwidth of a checkpoint's disk.
 
 Equivalent in spirit to ``nvidia-smi`` + ``python -c 'import torch; print(torch.cuda...)'``, but
 joined: each physical GPU (NVML) is shown with the CUDA ordinal this process would use for it.
+Host memory is this process's view (:func:`vramkit.devices.host.read_host_memory`): RAM, its
+cgroup's limit, ``RLIMIT_MEMLOCK`` and the cap on pinned memory in effect. ``--disk`` times a
+cold sequential read (:func:`vramkit.io.disk.measure_read_bandwidth`) before anything is
+printed, so a bad path ends as one error (exit code 1) and no partial report.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ def register(subparsers: Any) -> None:
                         help="also start JAX (without preallocation) and join its devices")
     parser.add_argument("--no-torch", action="store_true",
                         help="do not initialize CUDA in PyTorch (NVML view only)")
+    parser.add_argument("--disk", metavar="PATH",
+                        help="also time a cold sequential read (up to 1 GiB) of PATH, a "
+                             "checkpoint file or directory (its largest file is read)")
     parser.set_defaults(func=run)
 
 
@@ -62,10 +70,12 @@ def _version(dist: str) -> str | None:
 
 
 def collect_info(*, include_torch: bool = True, include_jax: bool = False) -> dict[str, Any]:
-    """Everything ``vramkit info`` shows, as plain data (the ``--json`` output)."""
+    """Everything ``vramkit info`` shows, as plain data (the ``--json`` output; ``--disk``
+    adds its ``disk`` key in :func:`run`)."""
     import torch
 
     from vramkit.devices.env import allocator_settings
+    from vramkit.devices.host import read_host_memory
     from vramkit.devices.info import detect_devices, resolve_visible_devices
     from vramkit.devices.nvml import query_nvml
 
@@ -121,6 +131,7 @@ def collect_info(*, include_torch: bool = True, include_jax: bool = False) -> di
         "nvml_available": snapshot.available,
         "gpus": gpus,
         "gpu_count_visible": len(ordinal_of) if snapshot.available else len(torch_devices),
+        "host": read_host_memory().to_dict(),
         "allocator": allocator_settings(),
         "environment": {name: os.environ.get(name) for name, _ in RELEVANT_ENV_VARS},
         "problems": problems,
@@ -144,6 +155,38 @@ def _memory(dev: Any) -> str:
         return "-"
     used = format_size(dev.memory_used) if dev.memory_used is not None else "?"
     return f"{used} / {format_size(dev.memory_total)}"
+
+
+def _size(value: int | None, missing: str = "unknown") -> str:
+    return missing if value is None else format_size(value)
+
+
+def _render_host(out: Any, host: dict[str, Any]) -> None:
+    table = Table(title="Host memory", title_justify="left")
+    table.add_column("what")
+    table.add_column("value")
+    table.add_row("total", _size(host["total"]) + ("  (WSL)" if host["wsl"] else ""))
+    table.add_row("available", _size(host["available"]))
+    table.add_row("this process (RSS)", _size(host["process_rss"]))
+    if host["cgroup_limit"] is not None:
+        cgroup = f"limit {_size(host['cgroup_limit'])}, using {_size(host['cgroup_usage'])}"
+    elif host["cgroup_usage"] is not None:
+        cgroup = f"no limit, using {_size(host['cgroup_usage'])}"
+    else:
+        cgroup = "no memory cgroup read"
+    table.add_row("cgroup", cgroup)
+    table.add_row("headroom", _size(host["headroom"]))
+    table.add_row("RLIMIT_MEMLOCK", _size(host["memlock_limit"], "unlimited or unknown")
+                  + "  (not charged for CUDA pinned memory)")
+    pin = host["pin_limit"]
+    table.add_row("pinning limit", "none known (RAM)" if pin is None
+                  else f"{format_size(pin)}  ({host['pin_limit_source']})")
+    out.print(table)
+
+
+def _render_disk(out: Any, disk: dict[str, Any]) -> None:
+    out.print(f"disk read: {disk['gb_per_s']:.2f} GB/s  ({format_size(disk['bytes'])} of "
+              f"{disk['path']} in {disk['seconds']:.3f} s, {disk['method']})")
 
 
 def render(info: dict[str, Any]) -> None:
@@ -176,6 +219,11 @@ def render(info: dict[str, Any]) -> None:
     else:
         out.print("[bold yellow]No NVIDIA GPU visible.[/bold yellow]")
 
+    if "host" in info:
+        _render_host(out, info["host"])
+    if info.get("disk") is not None:
+        _render_disk(out, info["disk"])
+
     alloc = info["allocator"]
     out.print(f"allocator: {alloc['variable']}={alloc['value'] or '(unset)'}"
               + (f"  backend={alloc['backend']}" if alloc.get("backend") else "")
@@ -201,7 +249,15 @@ def run(args: argparse.Namespace) -> int:
     if args.jax and "jax" not in sys.modules:
         # Starting JAX's GPU client would otherwise take 75% of every GPU for this process.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    disk = None
+    if args.disk is not None:
+        from vramkit.io.disk import measure_read_bandwidth
+
+        # Measured first: a bad path ends as one error, before anything is printed.
+        disk = measure_read_bandwidth(args.disk).to_dict()
     info = collect_info(include_torch=not args.no_torch, include_jax=args.jax)
+    if disk is not None:
+        info["disk"] = disk
     if args.json:
         print_json(info)
     else:

@@ -8,6 +8,8 @@
 * :mod:`vramkit.devices.resolve`: the one device resolver (form and presence).
 * :mod:`vramkit.devices.torch_backend`: :class:`Device` handles, streams, non-blocking placement.
 * :mod:`vramkit.devices.memory_info`: :class:`MemoryInfo`, the one record of a device's memory.
+* :mod:`vramkit.devices.host`: :class:`HostMemory`, host RAM as this process meets it (its
+  cgroup, ``RLIMIT_MEMLOCK``, WSL) and the cap on pinned memory in effect.
 * :mod:`vramkit.devices.env`: CUDA allocator settings, TF32, memory read-outs, cache clearing.
 * :mod:`vramkit.devices.manager` / :mod:`vramkit.devices.jax_backend`: device configuration
   applied to PyTorch and JAX.
@@ -38,6 +40,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
                        "distribute_batch", "enable_peer_access", "ensure_same_device",
                        "to_device"),
     ".memory_info": ("MemoryInfo", "read_memory_info"),
+    ".host": ("HostMemory", "read_host_memory"),
     ".env": ("ALLOC_CONF_VAR", "LEGACY_ALLOC_CONF_VAR", "CudaMemorySettings", "GpuMemoryInfo",
              "allocator_env_var", "allocator_settings", "clear_cuda_cache",
              "get_gpu_memory_info", "log_memory_usage", "setup_cuda_memory_management"),
@@ -57,6 +60,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
 if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.devices.cuda_errors import *  # noqa: F403
     from vramkit.devices.env import *  # noqa: F403
+    from vramkit.devices.host import *  # noqa: F403
     from vramkit.devices.ids import *  # noqa: F403
     from vramkit.devices.info import *  # noqa: F403
     from vramkit.devices.jax_backend import *  # noqa: F403

@@ -10,13 +10,15 @@
   previous chunk copies host->device on the shared copy stream.
 * The header parser (:mod:`vramkit.io._header`) validates every field itself and reports any
   malformed input as :class:`vramkit.errors.SafetensorsFormatError`.
+* :mod:`vramkit.io.disk` -- ``measure_read_bandwidth``: a timed cold read of a checkpoint
+  (``O_DIRECT``, else buffered after ``drop_page_cache``), what ``vramkit info --disk`` shows.
 * Paths are classified before anything is opened (:mod:`vramkit.io._paths`): a named pipe,
   socket or device, a symbolic-link loop, a Hugging Face repo id, a diffusers pipeline root or a
   pickle checkpoint is refused at once with an error saying what it is and what to pass.
 
-The public names of :mod:`~vramkit.io.lazy` and :mod:`~vramkit.io.loader` are re-exported here
-lazily: importing the package imports neither. Nothing here touches CUDA at import time. See
-``docs/loading.md``.
+The public names of :mod:`~vramkit.io.lazy`, :mod:`~vramkit.io.loader` and
+:mod:`~vramkit.io.disk` are re-exported here lazily: importing the package imports none of
+them. Nothing here touches CUDA at import time. See ``docs/loading.md``.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".lazy": ("BadShard", "LazySafetensors", "ReadThreads", "TensorSlice", "resolve_checkpoint"),
     ".loader": ("LoadResult", "LoadStats", "MemoryEfficientLoader", "load_into",
                 "stream_weights"),
+    ".disk": ("DiskReadResult", "drop_page_cache", "measure_read_bandwidth"),
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions
+    from vramkit.io.disk import *  # noqa: F403
     from vramkit.io.lazy import *  # noqa: F403
     from vramkit.io.loader import *  # noqa: F403

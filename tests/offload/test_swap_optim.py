@@ -194,7 +194,7 @@ def test_every_block_swapped_and_gradients_never_reach_the_host() -> None:
     train_reference(ref, adamw, xs)
     train_swapped(model, swapper, adamw, xs)
     assert_same(ref, model)
-    assert swapper._grad_pool is None  # no pinned gradient buffer without accumulation/clipping
+    assert swapper._host.grad_pool is None  # no pinned gradient buffer without accumulation/clipping
     stats = swapper.stats()
     swapped = stats.swapped_bytes
     # Per step: the updated weights and the state come back; nothing else (no gradients).
@@ -263,7 +263,7 @@ def test_gradient_accumulation(ckpt: bool) -> None:
     assert_same(ref, model)
     stats = swapper.stats()
     assert stats.optimizer_steps == 3 * 2
-    assert swapper._grad_pool is not None
+    assert swapper._host.grad_pool is not None
 
 
 def test_accumulation_moves_gradients_only_for_the_first_micro_batches() -> None:

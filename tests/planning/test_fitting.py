@@ -123,3 +123,49 @@ def test_nothing_to_swap_moves_the_model_and_back() -> None:
     assert fitted.swapper is None and fitted.plan.swapped == ()
     assert _train(model) == _train(reference)
     fitted.detach()
+
+
+def test_fit_loads_a_meta_model_from_a_checkpoint_as_it_applies_the_plan(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    reference = stack()
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
+    model = stack(device="meta")
+    with pytest.raises(ConfigError, match="checkpoint="):
+        vramkit.fit(model, inputs(), 6 * MiB, **OPTIONS)  # no weights and no checkpoint
+    fitted = vramkit.fit(model, inputs(), 6 * MiB, checkpoint=path, **OPTIONS)
+    assert fitted.plan.swapped and fitted.swapper is not None
+    assert fitted.swapper.stats().checkpoint_bytes > 0
+    assert not any(t.is_meta for t in model.parameters())
+    assert _train(model) == _train(reference)
+    trained = _state(model)
+    fitted.detach()  # built on meta: materialized on the CPU, trained values kept
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert all(torch.equal(v, trained[k]) for k, v in _state(model).items())
+
+
+def test_fit_from_a_checkpoint_with_nothing_swapped_loads_to_the_device(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    reference = stack()
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
+    model = stack(device="meta")
+    with vramkit.fit(model, inputs(), 1 << 30, checkpoint=path, **OPTIONS) as fitted:
+        assert not fitted.plan.swapped and fitted.swapper is None
+        assert _train(model) == _train(reference)
+
+
+def test_fit_from_a_checkpoint_refuses_a_plan_that_quantizes(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in stack().state_dict().items()}, str(path))
+    model = stack(device="meta")
+    made = vramkit.plan(model, inputs(), 4 * MiB, allow_formats=("fp8",), hardware="rtx4090",
+                        headroom=0, autocast=None)
+    if not any(f != "bf16" for f in made.formats.values()):
+        pytest.skip("the planner found a plan without quantization")
+    with pytest.raises(ConfigError, match="quantize"):
+        vramkit.fit(model, inputs(), 4 * MiB, plan=made, device="cpu", checkpoint=path)

@@ -40,7 +40,7 @@ from vramkit.io._buffers import meta_non_persistent_buffers, recompute_meta_buff
 from vramkit.io._header import TensorEntry
 from vramkit.io.lazy import LazySafetensors, ReadThreads
 
-if TYPE_CHECKING:  # imported on use (see _ModuleFiller._plan_quantization)
+if TYPE_CHECKING:  # imported on use (see ModuleFiller._plan_quantization)
     from vramkit.quant.model import QuantizationConfig
 
 __all__ = ["LoadResult", "LoadStats", "MemoryEfficientLoader", "load_into", "stream_weights"]
@@ -273,11 +273,32 @@ class MemoryEfficientLoader:
             SafetensorsFormatError: for a malformed checkpoint.
         """
         with self._open(path) as checkpoint:
-            filler = _ModuleFiller(module, checkpoint, prefix=prefix, dtype=self.dtype,
+            filler = ModuleFiller(module, checkpoint, prefix=prefix, dtype=self.dtype,
                                   quantization=quantization, device=self.device)
             filler.check(strict)
             stats = self._stream(checkpoint, filler.entries, filler.dtype_for, filler.receive)
             return filler.finish(stats)
+
+    def stream_entries(self, checkpoint: LazySafetensors, entries: Sequence[TensorEntry],
+                       deliver: Callable[[str, torch.Tensor], Any],
+                       dtype_for: Callable[[TensorEntry], torch.dtype] | None = None
+                       ) -> LoadStats:
+        """Stream chosen tensors of an open checkpoint (for callers that place tensors
+        themselves, such as a swapper filling a model built on meta).
+
+        Args:
+            checkpoint: an open :class:`~vramkit.io.lazy.LazySafetensors` (not closed here).
+            entries: the tensors to load (:meth:`LazySafetensors.entries`), read in this order.
+            deliver: ``deliver(name, tensor)`` for each, on the loader's device.
+            dtype_for: the dtype each tensor is delivered as (default: the loader's ``dtype``
+                for floating tensors, else the stored one).
+
+        Returns:
+            The load's :class:`LoadStats`.
+        """
+        return self._stream(checkpoint, entries,
+                            dtype_for if dtype_for is not None else _floating_to(self.dtype),
+                            deliver)
 
     # -- the streaming core ---------------------------------------------------------------
 
@@ -295,7 +316,7 @@ class MemoryEfficientLoader:
         total = sum(entry.nbytes for entry in entries)
         began = time.perf_counter()
         with (ReadThreads(self.read_threads) as threads,
-              _progress_bar(self._show_progress(total), total,
+              progress_bar(self._show_progress(total), total,
                             f"loading {checkpoint.source.name}") as advance):
             if self.device.type == "cuda":
                 counts = self._stream_staged(checkpoint, entries, dtype_for, deliver, threads,
@@ -379,7 +400,7 @@ def _floating_to(dtype: torch.dtype | None) -> Callable[[TensorEntry], torch.dty
 
 
 @contextlib.contextmanager
-def _progress_bar(enabled: bool, total: int, description: str) -> Iterator[Callable[[int], None]]:
+def progress_bar(enabled: bool, total: int, description: str) -> Iterator[Callable[[int], None]]:
     if not enabled:
         yield lambda nbytes: None
         return
@@ -463,7 +484,7 @@ class _QuantPending:
     done: bool = False
 
 
-class _ModuleFiller:
+class ModuleFiller:
     """Maps checkpoint tensors to a module's slots and assigns them as they stream in."""
 
     def __init__(self, module: nn.Module, checkpoint: LazySafetensors, *, prefix: str | None,
@@ -594,10 +615,13 @@ class _ModuleFiller:
             pending.bias = tensor
             self._finish_quantized(pending)
         else:
-            self._assign(key, tensor)
+            self.assign(key, tensor)
         self.loaded.append(key)
 
-    def _assign(self, key: str, tensor: torch.Tensor) -> None:
+    def assign(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Put ``tensor`` in place of the module's tensor ``key`` (under every name it has; a
+        ``Parameter`` stays a ``Parameter`` with its ``requires_grad``); returns the object now
+        in the module."""
         current = self.slots[key]
         value: torch.Tensor = tensor
         if isinstance(current, nn.Parameter):
@@ -607,6 +631,7 @@ class _ModuleFiller:
             owner_name, _, attr = alias.rpartition(".")
             owner = self.module.get_submodule(owner_name) if owner_name else self.module
             setattr(owner, attr, value)
+        return value
 
     def _finish_quantized(self, pending: _QuantPending) -> None:
         if pending.quantized is None or (pending.has_bias and pending.bias is None):

@@ -53,6 +53,7 @@ class MasterTensor:
     tensor: torch.Tensor
     master: Callable[[], torch.Tensor | None]
     restore: Callable[[], None]
+    read_only: str | None = None  # why a load into it is refused (weights kept on disk)
 
 
 def _register(module: nn.Module, public: str, private: str, hook: Any,
@@ -97,6 +98,13 @@ def install_master_hooks(module: nn.Module, tensors: list[MasterTensor], owner: 
             raise OffloadError(
                 f"load_state_dict(assign=True) would replace the offloaded tensors of {owner}",
                 hint="Load with assign=False, or restore the model (detach()/restore()) first.")
+        for t in tensors:
+            if t.read_only is not None and any(prefix + key in state_dict for key in t.keys):
+                raise OffloadError(f"load_state_dict cannot write {prefix + t.keys[0]} of "
+                                   f"{owner}: {t.read_only}",
+                                   hint="Load the weights before attaching (checkpoint=), or "
+                                        "attach without a host_budget that leaves them on "
+                                        "disk.")
         if before_load is not None:
             before_load()
         for t in tensors:
@@ -118,28 +126,39 @@ def install_master_hooks(module: nn.Module, tensors: list[MasterTensor], owner: 
             module.register_load_state_dict_post_hook(after)]
 
 
-def install_swap_hooks(block: SwappedBlock, sync: Callable[[], None] | None = None
+def install_swap_hooks(block: SwappedBlock, sync: Callable[[], None] | None = None, *,
+                       reader: Callable[[SwappedBlock, int, int], torch.Tensor] | None = None
                        ) -> list[RemovableHandle]:
     """The hooks of one swapped block: its masters are always the truth (a slot copy is at
     best equal, and stale after a host optimizer step); after a load the block's slot copy is
     marked stale, so the next use reloads it. ``sync`` is called before a master is read or
-    written (device->host write-backs of ``trainable="swap"`` land first)."""
+    written (device->host write-backs of ``trainable="swap"`` land first). A block kept on
+    disk has no master: ``reader(block, offset, nbytes)`` reads its bytes for ``state_dict``,
+    and loads into it are refused (its weights are frozen on disk)."""
     names: dict[int, list[str]] = {}
     for name, module in block.module.named_modules(remove_duplicate=False):
         names.setdefault(id(module), []).append(name)
     tensors = []
-    for e, master in zip(block.entries, block.master_views, strict=True):
+    masters: list[torch.Tensor | None] = (list(block.master_views) if reader is None
+                                          else [None] * len(block.entries))
+    for e, master in zip(block.entries, masters, strict=True):
         keys = [f"{n}.{e.attr}" if n else e.attr for n in names[id(e.owner)]]
 
         def restore(e: Any = e) -> None:
             e.tensor.data = e.placeholder
 
-        def current(m: torch.Tensor = master) -> torch.Tensor:
+        def current(m: torch.Tensor | None = master, e: Any = e) -> torch.Tensor:
+            if m is None:
+                assert reader is not None
+                raw = reader(block, e.offset, e.nbytes)
+                return raw.view(e.dtype).view(e.shape)
             if sync is not None:
                 sync()
             return m
 
-        tensors.append(MasterTensor(keys, e.tensor, current, restore))
+        tensors.append(MasterTensor(keys, e.tensor, current, restore,
+                                    read_only=None if reader is None else
+                                    "the block's weights are kept on disk (host_budget)"))
 
     def unbind() -> None:
         block.bound = None  # the next acquire points the tensors at their slot again

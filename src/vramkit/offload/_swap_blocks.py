@@ -219,6 +219,7 @@ class SwappedBlock:
         self.params_epoch = -1  # structure epoch when ``params`` was listed
         self.submodules: list[nn.Module] = []  # the module's submodules when ``params`` was listed
         self.shape_key = -1  # their child and parameter counts then
+        self.on_disk = False  # no master: read from disk into staging (SwapConfig.host_budget)
 
     def __repr__(self) -> str:
         return f"SwappedBlock({self.name}, {format_size(self.nbytes)})"

@@ -39,6 +39,7 @@ from vramkit.memory.transfer import Streams
 from vramkit.offload._swap_blocks import ALIGN, Slot, SwappedBlock, WeightRef, typed_view
 
 if TYPE_CHECKING:
+    from vramkit.offload._swap_disk import DiskTier
     from vramkit.offload._swap_optim import SwapStepper
 
 __all__ = ["SlotRing"]
@@ -85,6 +86,9 @@ class SlotRing:
         self.slot_bytes = max((b.nbytes for b in blocks), default=0)
         # trainable="swap": steps the blocks' optimizers (vramkit.offload._swap_optim).
         self.stepper: SwapStepper | None = None
+        # host_budget: blocks without a master, read from disk into staging ahead of use.
+        self.disk: DiskTier | None = None
+        self._disk_cache: dict[tuple[int, bool, bool], list[SwappedBlock]] = {}
         if self.slot_bytes:
             self._allocate(num_slots)
 
@@ -127,6 +131,7 @@ class SlotRing:
             self.order = list(self._observed)
             self._position = {id(b): i for i, b in enumerate(self.order)}
             self._upcoming_cache.clear()
+            self._disk_cache.clear()
         self._observed = []
         self._observed_ids = set()
 
@@ -146,8 +151,26 @@ class SlotRing:
             cached = self._upcoming_cache[key] = (blocks, {id(b) for b in blocks})
         return cached
 
-    def _compute_upcoming(self, pos: int, backward: bool) -> list[SwappedBlock]:
-        k = self.lookahead
+    def _upcoming_disk(self, block: SwappedBlock, backward: bool) -> list[SwappedBlock]:
+        """The disk blocks needed after ``block``, in order, as many as the disk tier reads
+        ahead (``block`` first when it is on disk and not in a slot)."""
+        assert self.disk is not None
+        pos = self._position.get(id(block))
+        if pos is None:
+            return []
+        key = (pos, backward, self.training_pass)
+        cached = self._disk_cache.get(key)
+        if cached is None:
+            cached = [b for b in self._compute_upcoming(pos, backward, len(self.order))
+                      if b.on_disk][:self.disk.depth]
+            self._disk_cache[key] = cached
+        if block.on_disk and block.slot is None:
+            return [block, *(b for b in cached if b is not block)]
+        return cached
+
+    def _compute_upcoming(self, pos: int, backward: bool, k: int | None = None
+                          ) -> list[SwappedBlock]:
+        k = self.lookahead if k is None else k
         order = self.order
         n = len(order)
         if not k or not n:
@@ -181,8 +204,10 @@ class SlotRing:
             if self.on_backward_turn is not None:
                 self.on_backward_turn()
         self.counters["acquisitions"] += 1
+        if self.disk is not None:
+            self.disk.want(self._upcoming_disk(block, backward))
         slot = block.slot
-        if slot is not None and slot.loaded_version == block.master._version:  # type: ignore[union-attr]
+        if slot is not None and slot.loaded_version == _version(block):
             self.counters["hits"] += 1
         else:
             slot = self._load(block, on_demand=True)
@@ -217,7 +242,7 @@ class SlotRing:
         upcoming, keep = self._upcoming(block, backward)
         for b in upcoming:
             held = b.slot
-            if held is not None and held.loaded_version == b.master._version:  # type: ignore[union-attr]
+            if held is not None and held.loaded_version == _version(b):
                 continue
             if self._load(b, on_demand=False, keep=keep) is None:
                 break
@@ -226,7 +251,14 @@ class SlotRing:
     def _load(self, block: SwappedBlock, *, on_demand: bool,
               keep: set[int] | None = None) -> Slot | None:
         """Fill a slot with ``block``: the least recently used unlocked slot whose block is not
-        wanted soon. Returns ``None`` when every slot is locked or wanted."""
+        wanted soon. Returns ``None`` when every slot is locked or wanted, or (a prefetch) when
+        a block on disk is not read yet."""
+        source: torch.Tensor | None = None
+        if block.on_disk:
+            assert self.disk is not None
+            source = self.disk.request(block, wait=on_demand)
+            if source is None:
+                return None
         slot: Slot | None = None
         for s in self.slots:  # R is small: a plain loop beats building candidate lists
             if s.locked:
@@ -240,6 +272,8 @@ class SlotRing:
             if slot is None or s.last_used < slot.last_used:
                 slot = s
         if slot is None:
+            if source is not None:
+                self.disk.copied(block)  # type: ignore[union-attr]  # nothing copied: unreserve
             return None
         old = slot.block
         if old is not None and old is not block:
@@ -253,14 +287,18 @@ class SlotRing:
             streams.wait(streams.h2d, slot.writeback_event)
         if block.writeback_event is not None:  # ... and arriving in this block's master
             streams.wait(streams.h2d, block.writeback_event)
-        master = block.master
-        if master is None:
-            raise OffloadError(f"swapped block {block.name} has no host master",
-                               hint="This is a vramkit bug; please report it with the model.")
-        streams.copy(block.slot_flat[slot.index], master, streams.h2d, block.name)
+        if source is None:
+            source = block.master
+            if source is None:
+                raise OffloadError(f"swapped block {block.name} has no host master",
+                                   hint="This is a vramkit bug; please report it with the "
+                                        "model.")
+        streams.copy(block.slot_flat[slot.index], source, streams.h2d, block.name)
         streams.record(slot.loaded_event, streams.h2d)
+        if block.on_disk:
+            self.disk.copied(block)  # type: ignore[union-attr]
         slot.block = block
-        slot.loaded_version = master._version
+        slot.loaded_version = _version(block)
         self._clock += 1
         slot.last_used = self._clock
         block.slot = slot
@@ -405,9 +443,14 @@ class SlotRing:
         for key in self.counters:
             self.counters[key] = 0
         self.enqueue_seconds = 0.0
+        if self.disk is not None:
+            self.disk.reset_counters()
 
     def close(self) -> None:
-        """Free the slots (the caller has synchronized the device)."""
+        """Free the slots (the caller has synchronized the device); stop the disk reader."""
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
         for slot in self.slots:
             if not slot.pool_block.freed:
                 slot.pool_block.free()
@@ -431,3 +474,10 @@ def _outer_saved_tensor_hooks() -> tuple[Callable[..., Any], Callable[..., Any]]
     if top is None:  # older PyTorch: outer hooks do not reach inside swapped blocks
         return None
     return top(False)  # type: ignore[no-any-return]
+
+
+def _version(block: SwappedBlock) -> int:
+    """The version of the bytes a slot copy of ``block`` was made from: its master's counter
+    (bumped by host optimizer steps); disk blocks are frozen and never change."""
+    master = block.master
+    return master._version if master is not None else 0

@@ -44,6 +44,8 @@ parameters (LoRA adapters, say) stay on the GPU and only frozen weights are swap
 from __future__ import annotations
 
 import logging
+import os
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -59,12 +61,10 @@ from vramkit._validate import check_bool, check_choice, check_int, check_number,
 from vramkit.devices.resolve import resolve_device
 from vramkit.errors import ConfigError, OffloadError, VramkitWarning
 from vramkit.memory.layout import Random, Sequential, Strided, analyze_access_pattern
-from vramkit.memory.pool import MemoryPool, PoolConfig
 from vramkit.memory.transfer import transfer_streams
 from vramkit.offload import _patch, _tree
 from vramkit.offload._state_dict import install_swap_hooks
 from vramkit.offload._swap_blocks import (
-    ALIGN,
     BlockFootprint,
     SwapEntry,
     SwappedBlock,
@@ -73,7 +73,6 @@ from vramkit.offload._swap_blocks import (
     is_swappable,
     layout_entries,
     schedule_bytes,
-    typed_view,
 )
 from vramkit.offload._swap_function import BlockCall, SwapBlockFunction
 from vramkit.offload._swap_graph import (
@@ -83,8 +82,10 @@ from vramkit.offload._swap_graph import (
     exit_block,
     hook_outputs,
 )
+from vramkit.offload._swap_host import HostStore
 from vramkit.offload._swap_optim import OptimizerFactory, SwappedOptimizer, SwapStepper
 from vramkit.offload._swap_ring import SlotRing
+from vramkit.offload._swap_source import CheckpointSource
 from vramkit.offload._swap_structure import shape_key, structure_epoch, watch_structure
 from vramkit.offload.blocks import (
     BlockScheduleEntry,
@@ -103,6 +104,7 @@ __all__ = ["BlockFootprint", "BlockScheduleEntry", "BlockSwapper", "SwapConfig",
 logger = logging.getLogger(__name__)
 
 _TRAINABLE = ("resident", "cpu", "swap")
+_STAGING_MIN = 3  # disk tier: one buffer copying to the GPU, one ready, one being read
 # Argument/output types that are leaves for certain (the fast path skips the tree walk for calls
 # made only of these); a tensor subclass or a container takes the general path.
 _PLAIN_LEAVES = frozenset({torch.Tensor, nn.Parameter, type(None), bool, int, float, str})
@@ -146,6 +148,15 @@ class SwapConfig:
         swapped_blocks: the names of the blocks to swap, as a planner chose them (the other
             blocks stay resident); a list is stored as a tuple. Not with ``max_gpu_blocks`` or
             ``max_gpu_bytes``. Default ``None``: the schedule chooses by the limits.
+        host_budget: pinned host bytes the swapper may hold (masters, gradient buffers and
+            disk staging; an int or a string such as ``"8GiB"``). Swapped blocks whose masters
+            do not fit stay on disk (frozen weights only): in the checkpoint the swapper was
+            attached with, or in a cache file written once, and are read ahead of use into a
+            few pinned staging buffers (:mod:`vramkit.offload._swap_disk`). Default ``None``:
+            every swapped block is pinned.
+        disk_cache_dir: where the disk tier writes its cache file when blocks cannot be read
+            from a checkpoint (default: ``$VRAMKIT_CACHE_DIR`` or ``~/.cache/vramkit``). Use a
+            local disk, not tmpfs (that would be RAM again).
     """
 
     max_gpu_blocks: int | None = None
@@ -160,6 +171,8 @@ class SwapConfig:
     swapped_blocks: tuple[str, ...] | None = None
     accumulation_steps: int = 1
     max_grad_norm: float | None = None
+    host_budget: int | str | None = None
+    disk_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         check_int("SwapConfig.max_gpu_blocks", self.max_gpu_blocks, minimum=0, allow_none=True)
@@ -187,6 +200,16 @@ class SwapConfig:
                 f"swapped blocks' optimizers), not to trainable={self.trainable!r}",
                 hint="Use trainable='swap' with an optimizer factory, or accumulate and clip "
                      "in your own training loop.")
+        object.__setattr__(self, "host_budget", check_size(
+            "SwapConfig.host_budget", self.host_budget, allow_none=True))
+        if self.disk_cache_dir is not None:
+            if not isinstance(self.disk_cache_dir, (str, os.PathLike)) or not str(
+                    self.disk_cache_dir):
+                raise ConfigError(
+                    f"SwapConfig.disk_cache_dir must be a directory path, got "
+                    f"{self.disk_cache_dir!r}",
+                    hint="Pass a path on a local disk, e.g. '/scratch/vramkit-cache'.")
+            object.__setattr__(self, "disk_cache_dir", os.fspath(self.disk_cache_dir))
         if self.swapped_blocks is not None:
             names = self.swapped_blocks
             if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(
@@ -231,6 +254,17 @@ class SwapStats:
         state_bytes: pinned host bytes of the block optimizers' state masters (included in
             ``pinned_bytes``; grows as blocks adopt their state on their first step).
         state_slot_bytes: GPU bytes of the two optimizer state slots.
+        pageable_bytes: host bytes of masters/buffers that could not be page-locked (the
+            pinned pool fell back to pageable memory: copies from them are slower).
+        disk_blocks / disk_bytes: swapped blocks kept on disk (``host_budget``) and their
+            bytes; ``staging_bytes`` the pinned staging buffers they are read into (included
+            in ``pinned_bytes``).
+        disk_reads / disk_read_bytes / disk_read_seconds: blocks read from disk, bytes and
+            time the reader spent; ``disk_hits`` copies served from a staging buffer without a
+            read; ``disk_waits`` / ``disk_wait_seconds`` times (and time) a block was needed
+            before its read finished.
+        checkpoint_bytes / load_seconds: bytes read from the checkpoint at attach and the
+            time attaching took (``checkpoint=``).
     """
 
     blocks: int
@@ -251,6 +285,18 @@ class SwapStats:
     optimizer_steps: int = 0
     state_bytes: int = 0
     state_slot_bytes: int = 0
+    pageable_bytes: int = 0
+    disk_blocks: int = 0
+    disk_bytes: int = 0
+    staging_bytes: int = 0
+    disk_reads: int = 0
+    disk_read_bytes: int = 0
+    disk_read_seconds: float = 0.0
+    disk_hits: int = 0
+    disk_waits: int = 0
+    disk_wait_seconds: float = 0.0
+    checkpoint_bytes: int = 0
+    load_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -293,10 +339,21 @@ class BlockSwapper:
             ``AdamW8bit``, Adafactor, ...). :attr:`optimizer` is those optimizers as one (for
             LR schedulers and checkpoints); your own optimizer steps
             :meth:`optimizer_parameters`.
+        checkpoint: a safetensors file, sharded directory, index or diffusers component folder
+            to fill ``model`` from as it attaches. Build the model on the meta device
+            (``with torch.device("meta"): model = ...``): swapped tensors are read straight into
+            their pinned masters (or left on disk, ``SwapConfig.host_budget``), the rest goes
+            to ``device`` through pinned staging; the model never exists as a CPU copy.
+            Tensors already materialized are overwritten by the checkpoint's values.
+        prefix: with ``checkpoint``, the prefix checkpoint names carry (``"model."``).
+        strict: with ``checkpoint``, refuse missing or unexpected keys (default ``True``).
+        progress: with ``checkpoint``, show a progress bar (default: for loads of at least
+            1 GiB on a terminal).
 
     Everything that is not a swapped tensor (other modules, resident blocks, small tensors of
     swapped blocks) is moved to ``device``; :meth:`detach` puts every tensor back where it was,
-    with its values, and removes the swapper's wrappers.
+    with its values, and removes the swapper's wrappers (tensors that were on the meta device
+    and came from ``checkpoint`` go to the CPU).
 
     Example:
         >>> swapper = BlockSwapper(model, config=SwapConfig(max_gpu_blocks=8))  # doctest: +SKIP
@@ -307,7 +364,9 @@ class BlockSwapper:
     def __init__(self, model: nn.Module, blocks: str | Sequence[str] = "auto",
                  config: SwapConfig | None = None,
                  device: str | int | torch.device = "cuda", *,
-                 optimizer: OptimizerFactory | None = None) -> None:
+                 optimizer: OptimizerFactory | None = None,
+                 checkpoint: str | os.PathLike[str] | None = None, prefix: str | None = None,
+                 strict: bool = True, progress: bool | None = None) -> None:
         if config is None:
             config = SwapConfig()
         elif not isinstance(config, SwapConfig):
@@ -352,18 +411,35 @@ class BlockSwapper:
         # Output hooks of the swapped call just made (node sequence number, hook): the next
         # call chains to them when its inputs come from one of those nodes (_call_in_graph).
         self._last_hooks: list[tuple[int, OutputHook]] = []
-        self._master_pool: MemoryPool | None = None
-        self._grad_pool: MemoryPool | None = None
         self._anchor: torch.Tensor | None = None
         self._stepper: SwapStepper | None = None
         self._optimizer: SwappedOptimizer | None = None
         self._resident_block_bytes = 0
         self._unwatch: weakref.finalize | None = None
+        self._source: CheckpointSource | None = None
+        self._host = HostStore(config, self.device, self.streams, None)
+        self._load_stats = (0, 0.0)
+        began = time.perf_counter()
         try:
+            if checkpoint is not None:
+                check_bool("strict", strict)
+                check_bool("progress", progress, allow_none=True)
+                self._source = CheckpointSource(model, checkpoint, prefix=prefix, strict=strict,
+                                                progress=progress)
+                self._host.source = self._source
+            elif prefix is not None:
+                raise ConfigError("prefix= applies to checkpoint=",
+                                  hint="Pass checkpoint=path with it, or drop prefix.")
             self._attach(found)
+            if self._source is not None:
+                self._load_stats = (self._source.bytes_read, time.perf_counter() - began)
         except BaseException:
             self._undo_attach()
             raise
+        finally:
+            if self._source is not None:
+                self._source.close()
+                self._source = self._host.source = None
 
     # -- the schedule and the swappable rule ------------------------------------------------
 
@@ -437,37 +513,60 @@ class BlockSwapper:
                     self._resident_block_bytes += tensor.numel() * tensor.element_size()
                     continue
                 nbytes = tensor.numel() * tensor.element_size()
+                # A tensor built on meta comes back to the CPU at detach, with its values.
+                home = torch.device("cpu") if tensor.is_meta else tensor.device
                 entries.append(SwapEntry(owner, attr, is_param, tensor, 0, nbytes,
                                          tensor.shape, tuple(tensor.stride()), tensor.dtype,
-                                         tensor.device, bool(tensor.requires_grad)))
+                                         home, bool(tensor.requires_grad)))
             if not entries:
                 continue  # nothing worth swapping: the block stays resident
             self._blocks.append(SwappedBlock(entry.index, name, module, entries,
                                              layout_entries(entries)))
-        self._allocate_host(self._blocks)
+        self._host.place(self._blocks)
         swapped_ids = {id(e.tensor) for b in self._blocks for e in b.entries}
-        # Everything else goes to the device (placement recorded for detach).
+        # Everything else goes to the device (placement recorded for detach); from the
+        # checkpoint when one is given and holds it.
+        source = self._source
+        from_file: list[torch.Tensor] = []
+        seen: set[int] = set()
         for owner in self.model.modules():
             for tensors in (owner._parameters, owner._buffers):
                 for t in tensors.values():
-                    if t is not None and id(t) not in swapped_ids and t.device != self.device:
+                    if t is None or id(t) in swapped_ids or id(t) in seen:
+                        continue
+                    seen.add(id(t))
+                    if source is not None and source.entry(t) is not None:
+                        from_file.append(t)
+                    elif t.is_meta:
+                        continue  # a non-persistent buffer recomputed below, or an error
+                    elif t.device != self.device:
                         self._moved.append((t, t.device))
                         t.data = t.data.to(self.device)
+        if source is not None:
+            homes = {id(t): t.device for t in from_file}
+            for t, was_meta in source.load_to_device(from_file, self.device):
+                self._moved.append((t, torch.device("cpu") if was_meta
+                                    else homes.get(id(t), t.device)))
+            source.finish(self.device)
         self._ring = SlotRing(self._blocks, self.device, self.streams,
                               num_slots=self.config.num_slots, lookahead=self.config.lookahead,
                               preserve_rng_state=self.config.preserve_rng_state,
                               on_backward_turn=self._forget_chain)
+        self._ring.disk = self._host.disk
         if self.config.trainable == "swap":
             assert self._factory is not None  # checked in __init__
             self._stepper = SwapStepper(
                 [b for b in self._blocks if b.trainable_entries], self._factory, self.device,
-                self.streams, self._host_pool, accumulation_steps=self.config.accumulation_steps,
+                self.streams, self._host.pool, accumulation_steps=self.config.accumulation_steps,
                 max_grad_norm=self.config.max_grad_norm, counters=self._ring.counters)
             self._ring.stepper = self._stepper
             self._optimizer = SwappedOptimizer(self._stepper, self._run_pending_steps)
         for block in self._blocks:
             self._wrap_forward(block)
-            self._state_hooks += install_swap_hooks(block, self._sync_masters)
+            self._state_hooks += install_swap_hooks(
+                block, self._sync_masters,
+                reader=(self._host.disk.read_tensor if block.on_disk and self._host.disk
+                        else None))
         watch_structure(True)
         # Released by detach(), or when the swapper is collected without one.
         self._unwatch = weakref.finalize(self, watch_structure, False)
@@ -526,48 +625,6 @@ class BlockSwapper:
                 if t is not None:
                     owners.setdefault(id(t), set()).add(where)
         return {k for k, v in owners.items() if len(v) > 1}
-
-    def _allocate_host(self, blocks: list[SwappedBlock]) -> None:
-        if not blocks:
-            return
-        total = sum(b.nbytes for b in blocks)
-        config = self.config
-        # Pinned gradient buffers: trainable="cpu" always; "swap" only where gradients wait on
-        # the host (accumulation, deferred clipped steps).
-        parked = config.trainable == "cpu" or (config.trainable == "swap" and (
-            config.accumulation_steps > 1 or config.max_grad_norm is not None))
-        grads = sum(b.nbytes for b in blocks if b.trainable_entries) if parked else 0
-        self._master_pool = self._host_pool(total)
-        if grads:
-            self._grad_pool = self._host_pool(grads)
-        placeholder_cache: dict[torch.dtype, torch.Tensor] = {}
-        for block in blocks:
-            block.master_block = self._master_pool.allocate(block.nbytes)
-            block.master = block.master_block.view((block.nbytes,), torch.uint8)
-            if block.trainable_entries and self._grad_pool is not None:
-                block.grad_block = self._grad_pool.allocate(block.nbytes)
-                block.grad_buffer = block.grad_block.view((block.nbytes,), torch.uint8)
-            for e in block.entries:
-                view = typed_view(block.master, e.offset, e)
-                view.copy_(e.tensor.detach())
-                block.master_views.append(view)
-                if e.dtype not in placeholder_cache:
-                    placeholder_cache[e.dtype] = torch.zeros((), dtype=e.dtype,
-                                                             device=self.device)
-                e.placeholder = placeholder_cache[e.dtype].expand(e.shape)
-                e.tensor.data = e.placeholder
-                if e.trainable and config.trainable == "cpu":
-                    e.host_param = nn.Parameter(view, requires_grad=True)  # .grad set by
-                    # the first backward that produces one, as for any parameter
-
-    def _host_pool(self, nbytes: int | None = None) -> MemoryPool:
-        # nbytes None: grows by exactly what each allocation needs (optimizer state masters,
-        # adopted block by block on the first step).
-        config = PoolConfig(initial_size=nbytes or 0, max_size=nbytes, growth_factor=1.0,
-                            alignment=ALIGN, max_cached_buffers=0)
-        if self.device.type == "cuda":
-            return MemoryPool.pinned(config)
-        return MemoryPool("cpu", config)
 
     def _sync_masters(self) -> None:
         """Before the masters are read on the host: pending write-backs land first."""
@@ -892,15 +949,14 @@ class BlockSwapper:
         c = ring.counters if ring is not None else dict.fromkeys(
             ("loads", "prefetched", "on_demand", "hits", "h2d_bytes", "d2h_bytes",
              "acquisitions"), 0)
-        pinned = sum(p.stats().reserved for p in (self._master_pool, self._grad_pool)
-                     if p is not None)
+        host = self._host.stats()
         stepper = self._stepper
         state_bytes = stepper.state_bytes() if stepper is not None else 0
         order = ring.order if ring is not None else []
         return SwapStats(
             blocks=len(self.schedule), swapped_blocks=len(self._blocks),
             swapped_bytes=sum(e.nbytes for b in self._blocks for e in b.entries),
-            pinned_bytes=pinned + state_bytes,
+            pinned_bytes=host.pop("pinned") + state_bytes,
             slot_bytes=ring.slot_bytes * len(ring.slots) if ring is not None else 0,
             resident_block_bytes=self._resident_block_bytes,
             loads=c["loads"], prefetched=c["prefetched"], on_demand=c["on_demand"],
@@ -910,7 +966,9 @@ class BlockSwapper:
             order_pattern=analyze_access_pattern([self._blocks.index(b) for b in order]),
             optimizer_steps=stepper.steps if stepper is not None else 0,
             state_bytes=state_bytes,
-            state_slot_bytes=stepper.state_slot_bytes() if stepper is not None else 0)
+            state_slot_bytes=stepper.state_slot_bytes() if stepper is not None else 0,
+            **host,
+            checkpoint_bytes=self._load_stats[0], load_seconds=self._load_stats[1])
 
     def reset_stats(self) -> None:
         """Zero the transfer counters (sizes are kept)."""
@@ -945,7 +1003,8 @@ class BlockSwapper:
             if block.wrapper is not None:
                 _patch.restore(block.module, block.wrapper)
                 block.wrapper = None
-            for e, master_view in zip(block.entries, block.master_views, strict=False):
+            for e, master_view in zip(block.entries, self._host.restored_views(block),
+                                      strict=False):
                 restored = torch.empty_strided(e.shape, e.stride, dtype=e.dtype,
                                                device=e.original_device)
                 restored.copy_(master_view)
@@ -970,11 +1029,9 @@ class BlockSwapper:
                 tensor.grad = grad.to(device)
         self._moved = []
         if self._ring is not None:
+            self._ring.disk = None  # the host store stops the reader
             self._ring.close()
-        for pool in (self._master_pool, self._grad_pool):
-            if pool is not None:
-                pool.clear(force=True)
-        self._master_pool = self._grad_pool = None
+        self._host.close()
         self._blocks = []
         self._anchor = None
         self._last_hooks = []
@@ -993,3 +1050,4 @@ class BlockSwapper:
         return (f"BlockSwapper({len(self._blocks)}/{len(self.schedule)} blocks swapped, "
                 f"{slots} slots of {format_size(slot_bytes)}, "
                 f"device={self.device}, {state})")
+

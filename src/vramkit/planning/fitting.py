@@ -13,6 +13,7 @@ and step time are compared with the prediction, logged, and kept for :meth:`Fitt
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -119,7 +120,9 @@ class Fitted:
     """
 
     def __init__(self, model: nn.Module, plan: Plan, device: torch.device, *,
-                 blocks: str | Sequence[str] = "auto", observe_steps: int = 3) -> None:
+                 blocks: str | Sequence[str] = "auto", observe_steps: int = 3,
+                 checkpoint: str | os.PathLike[str] | None = None, prefix: str | None = None,
+                 strict: bool = True) -> None:
         self.model = model
         self.plan = plan
         self.device = device
@@ -134,6 +137,7 @@ class Fitted:
         self._report: FitReport | None = None
         self._hook: Any = None
         self._attached = False
+        self._checkpoint = (checkpoint, prefix, strict)
         try:
             self._apply(blocks)
         except BaseException:
@@ -145,6 +149,14 @@ class Fitted:
 
     def _apply(self, blocks: str | Sequence[str]) -> None:
         model, plan = self.model, self.plan
+        checkpoint, prefix, strict = self._checkpoint
+        if checkpoint is not None and any(f != "bf16" for f in plan.formats.values()):
+            raise ConfigError(
+                "vramkit.fit(checkpoint=...) does not yet quantize blocks while they stream in, "
+                f"and the plan stores {sorted(set(plan.formats.values()) - {'bf16'})} blocks",
+                hint="Plan without allow_formats, or load first with "
+                     "vramkit.load_into(model, path, quantization=...) and fit without "
+                     "checkpoint=.")
         for name, fmt in plan.formats.items():
             if fmt != "bf16":
                 self._quantize_block(name, fmt)
@@ -155,7 +167,16 @@ class Fitted:
         if plan.swapped:
             self.swapper = BlockSwapper(model, blocks, config=SwapConfig(
                 swapped_blocks=plan.swapped, num_slots=max(1, plan.num_slots)),
-                device=self.device)
+                device=self.device, checkpoint=checkpoint, prefix=prefix, strict=strict)
+        elif checkpoint is not None:
+            from vramkit.io.loader import MemoryEfficientLoader
+
+            homes = {id(t): t.device for t in (*model.parameters(), *model.buffers())}
+            MemoryEfficientLoader(self.device).load_into(model, checkpoint, prefix=prefix,
+                                                         strict=strict)
+            for t in (*model.parameters(), *model.buffers()):  # detach: back to the CPU
+                home = homes.get(id(t), torch.device("meta"))
+                self._moved.append((t, torch.device("cpu") if home.type == "meta" else home))
         else:
             for t in (*model.parameters(), *model.buffers()):
                 if t.device != self.device:
@@ -282,7 +303,8 @@ class Fitted:
 
 def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
         device: str | int | torch.device | None = None, plan: Plan | None = None,
-        observe_steps: int = 3, **plan_options: Any) -> Fitted:
+        observe_steps: int = 3, checkpoint: str | os.PathLike[str] | None = None,
+        prefix: str | None = None, strict: bool = True, **plan_options: Any) -> Fitted:
     """Plan ``model`` for ``budget`` and apply the plan; train or run the model as usual.
 
     Args:
@@ -293,6 +315,12 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
         device: where to run (default: the current CUDA device).
         plan: a plan made earlier for this model (default: made now with ``plan_options``).
         observe_steps: steps after which the prediction is checked (logged; :meth:`Fitted.report`).
+        checkpoint: a safetensors checkpoint to fill ``model`` from while the plan is applied
+            (``model`` may then be on the meta device): swapped blocks are read straight into
+            their pinned masters, the rest goes to ``device`` (``BlockSwapper(checkpoint=)``).
+            Plans that store blocks in a packed format are refused with it for now.
+        prefix: with ``checkpoint``, the prefix its names carry.
+        strict: with ``checkpoint``, refuse missing or unexpected keys (default ``True``).
         **plan_options: the keyword arguments of :func:`vramkit.plan` (``mode``,
             ``hardware``, ``allow_formats``, ``host_budget``, ``headroom``, ``step``, ...).
 
@@ -304,10 +332,12 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
         PlanError: when no plan fits the budget.
     """
     check_int("observe_steps", observe_steps, minimum=1)
-    if any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers())):
+    if checkpoint is None and any(t.device.type == "meta"
+                                  for t in (*model.parameters(), *model.buffers())):
         raise ConfigError("vramkit.fit needs the model's weights, and some are on the meta "
                           "device",
-                          hint="Load them first (vramkit.load_into(model, path)), or call "
+                          hint="Pass checkpoint=path to load them as the plan is applied, load "
+                               "them first (vramkit.load_into(model, path)), or call "
                                "vramkit.plan for a plan without weights.")
     target = resolve_device(device, owner="vramkit.fit")
     if plan is None:
@@ -315,4 +345,5 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
             plan_options.setdefault("device", target)  # measure the GPU it will run on
         plan = make_plan(model, example_inputs, budget, **plan_options)
     blocks = plan_options.get("blocks", "auto")
-    return Fitted(model, plan, target, blocks=blocks, observe_steps=observe_steps)
+    return Fitted(model, plan, target, blocks=blocks, observe_steps=observe_steps,
+                  checkpoint=checkpoint, prefix=prefix, strict=strict)

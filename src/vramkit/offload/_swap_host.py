@@ -1,0 +1,317 @@
+"""The host side of a block swapper: pinned masters, gradient buffers and the disk tier.
+
+:class:`HostStore` places each swapped block's bytes when a
+:class:`~vramkit.offload.swap.BlockSwapper` attaches:
+
+* **Pinned masters**, one per block, from a pinned :class:`~vramkit.memory.pool.MemoryPool`
+  that grows by exactly each master (one segment each), so the next block's memory is
+  page-locked on a helper thread while this one is filled -- from the model's tensors, or
+  straight from a checkpoint (:mod:`vramkit.offload._swap_source`).
+* **Gradient buffers** where gradients wait on the host (``trainable="cpu"``, accumulation and
+  deferred clipped steps with ``trainable="swap"``).
+* **The disk tier** (``SwapConfig.host_budget``): the fewest frozen blocks, spread evenly, stay
+  on disk so that masters plus staging buffers fit the budget; what is left of the budget buys
+  more staging buffers (a deeper read-ahead, a larger cache). See
+  :mod:`vramkit.offload._swap_disk`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from vramkit.errors import ConfigError
+from vramkit.io.lazy import ReadThreads
+from vramkit.memory.pool import MemoryPool, PoolConfig
+from vramkit.memory.transfer import Streams
+from vramkit.offload._swap_blocks import ALIGN, SwapEntry, SwappedBlock, typed_view
+from vramkit.offload._swap_disk import DISK_ALIGN, CacheFile, DiskRead, DiskTier, open_read
+from vramkit.offload.blocks import spread_evenly
+from vramkit.units import format_size
+
+if TYPE_CHECKING:
+    from vramkit.offload._swap_source import CheckpointSource
+    from vramkit.offload.swap import SwapConfig
+
+__all__ = ["HostStore"]
+
+logger = logging.getLogger(__name__)
+
+_STAGING_MIN = 3  # disk tier: one buffer copying to the GPU, one ready, one being read
+
+
+class HostStore:
+    """Where a swapper's blocks live on the host (see the module docstring).
+
+    Args:
+        config: the swapper's config (``trainable``, ``host_budget``, ``disk_cache_dir``...).
+        device: the compute device (pinned pools for CUDA, plain host pools for the CPU).
+        streams: the device's copy streams.
+        source: the checkpoint swapped tensors are read from, when the swapper was given one
+            (used during :meth:`place` only).
+    """
+
+    def __init__(self, config: SwapConfig, device: torch.device, streams: Streams,
+                 source: CheckpointSource | None) -> None:
+        self.config = config
+        self.device = device
+        self.streams = streams
+        self.source = source
+        self.blocks: list[SwappedBlock] = []
+        self.master_pool: MemoryPool | None = None
+        self.grad_pool: MemoryPool | None = None
+        self.staging_pool: MemoryPool | None = None
+        self.staging_blocks: list[Any] = []
+        self.cache: CacheFile | None = None
+        self.disk: DiskTier | None = None
+        self.disk_blocks: list[SwappedBlock] = []
+
+    def place(self, blocks: list[SwappedBlock]) -> None:
+        """Give every block a master or a place on disk, filled with its tensors' values, and
+        point its tensors at placeholders."""
+        self.blocks = blocks
+        self.disk_blocks = self._choose_disk_blocks(blocks)
+        on_disk = {id(b) for b in self.disk_blocks}
+        self._allocate([b for b in blocks if id(b) not in on_disk])
+        if self.disk_blocks:
+            self._build_disk_tier(self.disk_blocks)
+
+    def _allocate(self, blocks: list[SwappedBlock]) -> None:
+        if not blocks:
+            return
+        total = sum(b.nbytes for b in blocks)
+        config = self.config
+        grads = sum(b.nbytes for b in blocks if b.trainable_entries) if self.parks_grads() else 0
+        # One segment per master (the pool grows by exactly each request, up to the total), so
+        # the next block's memory is page-locked on a helper thread while this one is filled.
+        self.master_pool = self.pool(total, initial=0)
+        if grads:
+            self.grad_pool = self.pool(grads)
+        placeholder_cache: dict[torch.dtype, torch.Tensor] = {}
+        source = self.source
+        with (ThreadPoolExecutor(1, thread_name_prefix="vramkit-pin") as pinner,
+              (source.progress_bar(total) if source is not None
+               else contextlib.nullcontext(lambda n: None)) as advance):
+            pool = self.master_pool
+            pending = pinner.submit(pool.allocate, blocks[0].nbytes)
+            for i, block in enumerate(blocks):
+                block.master_block = pending.result()
+                if i + 1 < len(blocks):
+                    pending = pinner.submit(pool.allocate, blocks[i + 1].nbytes)
+                block.master = block.master_block.view((block.nbytes,), torch.uint8)
+                if block.trainable_entries and self.grad_pool is not None:
+                    block.grad_block = self.grad_pool.allocate(block.nbytes)
+                    block.grad_buffer = block.grad_block.view((block.nbytes,), torch.uint8)
+                for e in block.entries:
+                    view = typed_view(block.master, e.offset, e)
+                    self.fill(e, view)
+                    block.master_views.append(view)
+                    self.evict(e, placeholder_cache)
+                    if e.trainable and config.trainable == "cpu":
+                        e.host_param = nn.Parameter(view, requires_grad=True)  # .grad set by
+                        # the first backward that produces one, as for any parameter
+                advance(block.nbytes)
+
+    def parks_grads(self) -> bool:
+        """Pinned gradient buffers: trainable="cpu" always; "swap" only where gradients wait
+        on the host (accumulation, deferred clipped steps)."""
+        config = self.config
+        return config.trainable == "cpu" or (config.trainable == "swap" and (
+            config.accumulation_steps > 1 or config.max_grad_norm is not None))
+
+    def fill(self, e: SwapEntry, view: torch.Tensor) -> None:
+        """Write a swapped tensor's value into ``view`` (its place in a master or staging)."""
+        if self.source is not None and self.source.entry(e.tensor) is not None:
+            self.source.read(e.tensor, view)
+        elif e.tensor.is_meta:
+            raise ConfigError(
+                f"{e.attr} of {type(e.owner).__name__} is on the meta device and "
+                + ("the checkpoint does not hold it" if self.source is not None
+                   else "no checkpoint was given"),
+                hint="Pass BlockSwapper(..., checkpoint=path) for a model built on meta, or "
+                     "materialize the model first.")
+        else:
+            view.copy_(e.tensor.detach())
+
+    def evict(self, e: SwapEntry,
+                              cache: dict[torch.dtype, torch.Tensor]) -> None:
+        if e.dtype not in cache:
+            cache[e.dtype] = torch.zeros((), dtype=e.dtype, device=self.device)
+        e.placeholder = cache[e.dtype].expand(e.shape)
+        if e.tensor.is_meta:  # a meta tensor cannot take real data: a new object takes its place
+            old = e.tensor
+            e.tensor = (nn.Parameter(e.placeholder, requires_grad=old.requires_grad)
+                        if e.is_param else e.placeholder.clone())
+            (e.owner._parameters if e.is_param else e.owner._buffers)[e.attr] = e.tensor
+            if not e.is_param:
+                e.tensor.data = e.placeholder
+        else:
+            e.tensor.data = e.placeholder
+
+    def _choose_disk_blocks(self, blocks: list[SwappedBlock]) -> list[SwappedBlock]:
+        """The swapped blocks left on disk so pinned memory stays within ``host_budget``."""
+        budget = self.config.host_budget
+        if budget is None or not blocks:
+            return []
+        assert isinstance(budget, int)  # normalized by SwapConfig
+        grads = (sum(b.nbytes for b in blocks if b.trainable_entries)
+                 if self.parks_grads() else 0)
+        pinned = sum(b.nbytes for b in blocks) + grads
+        if pinned <= budget:
+            return []
+        frozen = [b for b in blocks if not b.trainable_entries]
+        kept = pinned - sum(b.nbytes for b in frozen)  # trainable masters (+ grads) stay
+        if not frozen:
+            raise ConfigError(
+                f"SwapConfig.host_budget={format_size(budget)} cannot hold the swapped blocks "
+                f"({format_size(pinned)} pinned), and a disk tier holds frozen weights only "
+                "(trainable weights change every step)",
+                hint="Raise host_budget, or freeze the base weights (LoRA) so they can stay on "
+                     "disk.")
+        for count in range(1, len(frozen) + 1):
+            chosen = [frozen[i] for i in spread_evenly([b.nbytes for b in frozen], count)]
+            slot = _disk_aligned(max(b.nbytes for b in chosen))
+            buffers = min(count, _STAGING_MIN) if count > 1 else 2
+            need = pinned - sum(b.nbytes for b in chosen) + buffers * slot
+            if need <= budget:
+                return chosen
+        slot = _disk_aligned(max(b.nbytes for b in frozen))
+        smallest = kept + _STAGING_MIN * slot
+        raise ConfigError(
+            f"SwapConfig.host_budget={format_size(budget)} is too small: even with every "
+            f"frozen swapped block on disk the swapper needs {format_size(smallest)} of pinned "
+            f"memory ({_STAGING_MIN} staging buffers of {format_size(slot)}"
+            + (f" and {format_size(kept)} of trainable masters" if kept else "") + ")",
+            hint=f"Raise host_budget to at least {format_size(smallest)}, or swap smaller "
+                 "blocks (find_blocks with finer names).")
+
+    def _build_disk_tier(self, blocks: list[SwappedBlock]) -> None:
+        budget = self.config.host_budget
+        assert isinstance(budget, int)
+        slot = _disk_aligned(max(b.nbytes for b in blocks))
+        pinned = sum(b.nbytes for b in self.blocks if b not in blocks)
+        if self.parks_grads():
+            pinned += sum(b.nbytes for b in self.blocks if b.trainable_entries)
+        base = min(len(blocks), _STAGING_MIN) if len(blocks) > 1 else 2
+        # The rest of the budget buys more buffers: a deeper read-ahead and a larger cache.
+        count = max(base, min(len(blocks), (budget - pinned) // slot))
+        self.staging_pool = self.pool(count * slot, initial=0, alignment=DISK_ALIGN)
+        self.staging_blocks = [self.staging_pool.allocate(slot) for _ in range(count)]
+        staging = [b.view((slot,), torch.uint8) for b in self.staging_blocks]
+        placeholders: dict[torch.dtype, torch.Tensor] = {}
+        reads: dict[SwappedBlock, list[DiskRead]] = {}
+        files: dict[Path, Any] = {}
+        source = self.source
+        for block in blocks:
+            direct = source is not None and all(source.same_bytes(e.tensor)
+                                                for e in block.entries)
+            if direct:
+                assert source is not None
+                block_reads = []
+                for e in block.entries:
+                    entry = source.entry(e.tensor)
+                    assert entry is not None
+                    file = files.get(entry.path)
+                    if file is None:
+                        file = files[entry.path] = open_read(entry.path)
+                    block_reads.append(DiskRead(file, entry.file_offset, e.nbytes, e.offset))
+                reads[block] = block_reads
+            else:  # written once in the swapped layout, through the first staging buffer
+                if self.cache is None:
+                    self.cache = CacheFile(self._cache_dir())
+                buf = staging[0][:block.nbytes]
+                buf.zero_()
+                for e in block.entries:
+                    self.fill(e, typed_view(buf, e.offset, e))
+                offset = self.cache.append(buf)
+                reads[block] = [DiskRead(self.cache.reader, offset, _disk_aligned(block.nbytes),
+                                         0)]
+            for e in block.entries:
+                self.evict(e, placeholders)
+        self.disk = DiskTier(reads, staging, self.streams,
+                              ReadThreads(max(1, min(8, os.cpu_count() or 1))))
+        for block in blocks:
+            block.on_disk = True
+        logger.info("BlockSwapper: %d swapped blocks (%s) stay on disk, read through %d pinned "
+                    "staging buffers of %s", len(blocks),
+                    format_size(sum(b.nbytes for b in blocks)), count, format_size(slot))
+
+    def _cache_dir(self) -> Path:
+        configured = self.config.disk_cache_dir or os.environ.get("VRAMKIT_CACHE_DIR")
+        directory = Path(configured) if configured else Path.home() / ".cache" / "vramkit"
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the disk tier's cache directory {directory}: {exc}",
+                              hint="Set SwapConfig.disk_cache_dir to a writable directory."
+                              ) from exc
+        return directory
+
+    def pool(self, nbytes: int | None = None, *, initial: int | None = None,
+                   alignment: int = ALIGN) -> MemoryPool:
+        # nbytes None: grows by exactly what each allocation needs (optimizer state masters,
+        # adopted block by block on the first step).
+        config = PoolConfig(initial_size=(nbytes or 0) if initial is None else initial,
+                            max_size=nbytes, growth_factor=1.0, alignment=alignment,
+                            max_cached_buffers=0)
+        if self.device.type == "cuda":
+            return MemoryPool.pinned(config)
+        return MemoryPool("cpu", config)
+
+    def restored_views(self, block: SwappedBlock) -> list[torch.Tensor]:
+        """The current value of each of ``block``'s tensors, on the host (detach)."""
+        if block.on_disk and self.disk is not None:
+            disk = self.disk
+            return [typed_view(disk.read_tensor(block, e.offset, e.nbytes), 0, e)
+                    for e in block.entries]
+        return list(block.master_views)
+
+    def stats(self) -> dict[str, Any]:
+        """Pinned, pageable and staging bytes, and the disk tier's counters."""
+        live = [p for p in (self.master_pool, self.grad_pool, self.staging_pool) if p is not None]
+        pools = [p.stats() for p in live]
+        disk = self.disk.counters if self.disk is not None else {}
+        return {
+            "pinned": sum(p.reserved for p in pools),
+            "pageable_bytes": sum(getattr(s, "pageable_bytes", 0)
+                                  for p, s in zip(live, pools, strict=True)
+                                  if p.kind == "pinned"),
+            "disk_blocks": len(self.disk_blocks),
+            "disk_bytes": sum(b.nbytes for b in self.disk_blocks),
+            "staging_bytes": (self.staging_pool.stats().reserved
+                              if self.staging_pool is not None else 0),
+            "disk_reads": int(disk.get("reads", 0)),
+            "disk_read_bytes": int(disk.get("read_bytes", 0)),
+            "disk_read_seconds": float(disk.get("read_seconds", 0.0)),
+            "disk_hits": int(disk.get("hits", 0)),
+            "disk_waits": int(disk.get("waits", 0)),
+            "disk_wait_seconds": float(disk.get("wait_seconds", 0.0)),
+        }
+
+    def close(self) -> None:
+        """Stop the disk reader and free every host buffer (the device is synchronized)."""
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
+        if self.cache is not None:
+            self.cache.close()
+            self.cache = None
+        for handle in self.staging_blocks:
+            if not handle.freed:
+                handle.free()
+        self.staging_blocks = []
+        for pool in (self.master_pool, self.grad_pool, self.staging_pool):
+            if pool is not None:
+                pool.clear(force=True)
+        self.master_pool = self.grad_pool = self.staging_pool = None
+
+
+def _disk_aligned(nbytes: int) -> int:
+    return -(-nbytes // DISK_ALIGN) * DISK_ALIGN

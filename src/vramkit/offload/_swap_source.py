@@ -1,0 +1,180 @@
+"""Where a swapper's weights come from when it attaches to a model built on the meta device:
+a safetensors checkpoint, read straight into the swapped layout.
+
+``BlockSwapper(model_on_meta, config, checkpoint=path)`` never builds the model on the CPU:
+
+* each swapped tensor is read from the file into its place in the block's pinned master (one
+  ``pread`` per byte, split across read threads; no intermediate pageable copy). A tensor stored
+  in another dtype than the module's is read into a temporary and converted, one tensor at a
+  time;
+* every other tensor (resident blocks, the rest of the model, swapped blocks' small tensors)
+  goes to the device through the loader's double-buffered pinned staging
+  (:meth:`vramkit.io.loader.MemoryEfficientLoader.stream_entries`);
+* non-persistent buffers left on meta are recomputed where the model offers a way
+  (:func:`vramkit.io._buffers.recompute_meta_buffers`).
+
+Keys are matched as :func:`vramkit.io.loader.load_into` matches them (``prefix``, tied tensors,
+shape checks, ``strict``), before any memory is allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from vramkit.errors import ConfigError
+from vramkit.io._buffers import recompute_meta_buffers
+from vramkit.io._header import TensorEntry
+from vramkit.io.lazy import LazySafetensors, ReadThreads
+from vramkit.io.loader import MemoryEfficientLoader, ModuleFiller, progress_bar
+
+__all__ = ["CheckpointSource"]
+
+logger = logging.getLogger(__name__)
+
+_AUTO_PROGRESS_BYTES = 1 << 30
+
+
+class CheckpointSource:
+    """An open checkpoint matched against a model's tensors.
+
+    Args:
+        model: the model (typically built under ``torch.device("meta")``).
+        path: a safetensors file, a sharded directory, a ``*.safetensors.index.json`` or a
+            diffusers component folder.
+        prefix: checkpoint names start with this prefix, removed to form module keys.
+        strict: refuse missing or unexpected keys (default ``True``).
+        progress: show a progress bar (``None``: for at least 1 GiB on a terminal).
+
+    Raises:
+        ConfigError: for keys that do not match (``strict``) or shapes that differ.
+        SafetensorsFormatError: for a malformed checkpoint.
+    """
+
+    def __init__(self, model: nn.Module, path: str | os.PathLike[str], *,
+                 prefix: str | None = None, strict: bool = True,
+                 progress: bool | None = None) -> None:
+        # Positional reads: bytes go from the file straight into the pinned masters.
+        self.checkpoint = LazySafetensors.open(path, use_mmap=False)
+        try:
+            self._filler = ModuleFiller(model, self.checkpoint, prefix=prefix, dtype=None,
+                                        quantization=None, device=torch.device("cpu"))
+            self._filler.check(strict)
+        except BaseException:
+            self.checkpoint.close()
+            raise
+        self.model = model
+        self.progress = progress
+        self._entry_of: dict[int, TensorEntry] = {}
+        for name, key in self._filler.file_key.items():
+            self._entry_of.setdefault(id(self._filler.slots[key]), self.checkpoint.entry(name))
+        self._threads = ReadThreads(max(1, min(8, os.cpu_count() or 1)))
+        self.bytes_read = 0
+        self.seconds = 0.0
+
+    @property
+    def source(self) -> str:
+        return str(self.checkpoint.source)
+
+    @property
+    def missing_keys(self) -> list[str]:
+        return list(self._filler.missing)
+
+    @property
+    def unexpected_keys(self) -> list[str]:
+        return list(self._filler.unexpected)
+
+    def entry(self, tensor: torch.Tensor) -> TensorEntry | None:
+        """The checkpoint tensor that fills ``tensor`` (``None`` when the file lacks it)."""
+        return self._entry_of.get(id(tensor))
+
+    def same_bytes(self, tensor: torch.Tensor) -> bool:
+        """Whether the file holds ``tensor``'s bytes as they are (same dtype), so they can be
+        read in place of a copy (the disk tier reads such tensors from the checkpoint)."""
+        entry = self.entry(tensor)
+        return entry is not None and entry.dtype == tensor.dtype
+
+    def read(self, tensor: torch.Tensor, dst: torch.Tensor) -> None:
+        """Fill ``dst`` (a contiguous CPU view, ``tensor``'s shape and dtype) from the file."""
+        entry = self._entry_of[id(tensor)]
+        began = time.perf_counter()
+        if entry.dtype == dst.dtype:
+            self.checkpoint.read_bytes(entry, dst.reshape(-1).view(torch.uint8),
+                                       threads=self._threads)
+        else:  # another dtype on disk: one tensor-sized temporary, converted into place
+            dst.copy_(self.checkpoint.load_tensor(entry.name, threads=self._threads)
+                      .reshape(dst.shape))
+        self.seconds += time.perf_counter() - began
+        self.bytes_read += entry.nbytes
+
+    def progress_bar(self, total: int) -> Any:
+        """A progress bar over ``total`` bytes (a context manager yielding ``advance(n)``)."""
+        show = self.progress
+        if show is None:
+            import sys
+
+            show = total >= _AUTO_PROGRESS_BYTES and sys.stderr.isatty()
+        return progress_bar(show, total, f"loading {self.checkpoint.source.name}")
+
+    def load_to_device(self, tensors: Sequence[torch.Tensor], device: torch.device
+                       ) -> list[tuple[torch.Tensor, bool]]:
+        """Load ``tensors`` (the model's own objects) from the file to ``device`` through
+        pinned staging. A tensor that is not on meta keeps its object (``.data`` is set); a meta
+        one is replaced in the module, under every name it has, by a new object of the same
+        kind (meta and real tensors cannot share one).
+
+        Returns:
+            ``(object now in the module, whether it replaced a meta tensor)`` per loaded tensor.
+        """
+        by_name: dict[str, torch.Tensor] = {}
+        for t in tensors:
+            entry = self._entry_of.get(id(t))
+            if entry is not None:
+                by_name.setdefault(entry.name, t)
+        if not by_name:
+            return []
+        entries = self.checkpoint.entries(list(by_name))
+        placed: list[tuple[torch.Tensor, bool]] = []
+
+        def deliver(name: str, value: torch.Tensor) -> None:
+            target = by_name[name]
+            if target.is_meta:
+                placed.append((self._filler.assign(self._filler.file_key[name], value), True))
+            else:
+                target.data = value
+                placed.append((target, False))
+
+        loader = MemoryEfficientLoader(device, use_mmap=False, progress=self.progress)
+        stats = loader.stream_entries(self.checkpoint, entries, deliver,
+                                      self._filler.dtype_for)
+        self.bytes_read += stats.file_bytes
+        self.seconds += stats.seconds
+        return placed
+
+    def finish(self, device: torch.device) -> None:
+        """Recompute non-persistent buffers left on meta; refuse a model that still has meta
+        tensors (it could not run)."""
+        recomputed = recompute_meta_buffers(self.model, device)
+        if recomputed:
+            logger.info("recomputed %d non-persistent buffer(s) on %s: %s", len(recomputed),
+                        device, ", ".join(recomputed))
+        still = [name for name, t in (*self.model.named_parameters(),
+                                      *self.model.named_buffers()) if t.is_meta]
+        if still:
+            raise ConfigError(
+                f"{len(still)} tensor(s) of the model are still on the meta device after "
+                f"loading {self.checkpoint.source.name}: {', '.join(still[:8])}"
+                + (" ..." if len(still) > 8 else ""),
+                hint="The checkpoint lacks them (load with strict=True to see which keys are "
+                     "missing), or they are non-persistent buffers the model cannot recompute: "
+                     "build those modules off the meta device.")
+
+    def close(self) -> None:
+        self._threads.close()
+        self.checkpoint.close()

@@ -895,7 +895,7 @@ def test_cache_hits_do_not_query_pending_events(fake_cuda: tuple,
 def test_registration_failure_is_a_device_error(fake_cuda: tuple) -> None:
     cudart, log = fake_cuda
     cudart.fail_with = 2  # cudaErrorMemoryAllocation
-    pool = MemoryPool.pinned()
+    pool = MemoryPool.pinned(PoolConfig(pin_fallback=False))  # (the default falls back)
     with pytest.raises(DeviceError, match="cudaHostRegister") as info:
         pool.allocate(4096)
     assert "max_size" in info.value.hint

@@ -258,6 +258,12 @@ class PoolConfig:
         enable_memory_tracking: record the allocation stack of every block (shown by
             ``check_leaks``). Default: on when ``VRAMKIT_MEMORY_DEBUG=1``.
         alignment: byte alignment of every block offset and size, a power of two. Default ``512``.
+        pin_fallback: pinned pools only. When a new segment cannot be page-locked
+            (``cudaHostRegister`` or PyTorch's pinned allocator fails, or the segment would pass
+            the host's pinning cap: a container's memory limit, WSL's half of RAM), keep it as
+            plain pageable memory, warn once per process with the figures, and go on: copies
+            stay correct but are several times slower (``PoolStats.pageable_bytes`` counts such
+            segments). ``False`` raises ``DeviceError`` instead. Default ``True``.
     """
 
     initial_size: int | str = 0
@@ -268,6 +274,7 @@ class PoolConfig:
     cleanup_interval: float = 30.0
     enable_memory_tracking: bool = field(default_factory=_tracking_from_env)
     alignment: int = 512
+    pin_fallback: bool = True
 
     def __post_init__(self) -> None:
         initial = check_size("PoolConfig.initial_size", self.initial_size)
@@ -288,6 +295,7 @@ class PoolConfig:
             "PoolConfig.cleanup_interval", self.cleanup_interval, minimum=0.0, low_open=True,
             hint="Give the seconds an unused cached block is kept, > 0."))
         check_bool("PoolConfig.enable_memory_tracking", self.enable_memory_tracking)
+        check_bool("PoolConfig.pin_fallback", self.pin_fallback)
         align = check_int("PoolConfig.alignment", self.alignment, minimum=1, maximum=1 << 30,
                           hint="A power of two; the default, 512, suits CUDA kernels.")
         if align & (align - 1):
@@ -377,6 +385,10 @@ class PoolStats:
         leaked_frees: blocks returned by the finalizer because their handle was dropped.
         cache_expired: cached blocks returned to the arena after ``cleanup_interval``.
         defragmentations: compactions run (explicit or automatic).
+        pageable_bytes: reserved host bytes that are not page-locked: on a pinned pool, the
+            segments that fell back to pageable memory (``PoolConfig.pin_fallback``); on a plain
+            host pool, all of ``reserved``; 0 on a CUDA pool. A host pool's page-locked bytes
+            are ``reserved - pageable_bytes``.
     """
 
     allocated: int
@@ -399,6 +411,7 @@ class PoolStats:
     cache_expired: int = 0
     defragmentations: int = 0
     total_allocated: int = 0
+    pageable_bytes: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -554,6 +567,8 @@ class PoolLedger:
         self.allocated = self.requested = self.reserved = 0
         self.peak_allocated = self.peak_reserved = 0
         self.relocatable_live = 0
+        self.pageable: dict[int, int] = {}  # segment id -> size, host segments not page-locked
+        self.pageable_bytes = 0
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -638,10 +653,13 @@ class PoolLedger:
 
     # -- segments ---------------------------------------------------------------------------
 
-    def add_segment(self, segment: int, size: int) -> None:
-        """Register a new, all-free segment."""
+    def add_segment(self, segment: int, size: int, pageable: bool = False) -> None:
+        """Register a new, all-free segment (``pageable``: host memory that is not page-locked)."""
         self.arena.add_segment(segment, size)
         self.reserved += size
+        if pageable:
+            self.pageable[segment] = size
+            self.pageable_bytes += size
         if self.reserved > self.peak_reserved:
             self.peak_reserved = self.reserved
 
@@ -649,6 +667,7 @@ class PoolLedger:
         """Forget an empty segment; returns its size."""
         size = self.arena.remove_segment(segment)
         self.reserved -= size
+        self.pageable_bytes -= self.pageable.pop(segment, 0)
         return size
 
     def clear(self) -> None:
@@ -659,6 +678,8 @@ class PoolLedger:
         self.cached_bytes = self.pending_bytes = 0
         self.next_expiry = math.inf
         self.allocated = self.requested = self.reserved = self.relocatable_live = 0
+        self.pageable.clear()
+        self.pageable_bytes = 0
 
     # -- reporting --------------------------------------------------------------------------
 
@@ -684,7 +705,8 @@ class PoolLedger:
             free=self.reserved - self.allocated, cached=self.cached_bytes,
             pending=self.pending_bytes, live_blocks=live_blocks,
             leaked_frees=self.leaked_frees, cache_expired=self.cache_expired,
-            defragmentations=self.defragmentations, total_allocated=self.total_allocated)
+            defragmentations=self.defragmentations, total_allocated=self.total_allocated,
+            pageable_bytes=self.pageable_bytes)
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,6 +24,32 @@ relies on. An mmap owns its pages outright and is page aligned (4 KiB or more), 
 pool alignment up to the page size without padding. ``torch.frombuffer`` keeps the mapping alive
 for as long as any tensor views it, so a stale view can never point at unmapped memory.
 
+When pinning fails or is capped (:class:`PinnedSegmentBackend`), a pinned pool does not crash:
+with ``PoolConfig.pin_fallback`` (the default) the segment is kept as plain pageable memory --
+for the registered backend the same anonymous mapping, simply not registered (and so never
+unregistered) -- and the process is told once, with the figures (:func:`warn_pin_fallback`).
+That covers three cases:
+
+* ``cudaHostRegister`` returns an error code (the driver could not lock the pages: RAM, a WSL
+  cap, a driver limit);
+* ``torch.empty(pin_memory=True)`` raises a CUDA error, recognized by type
+  (``torch.OutOfMemoryError``) or by CUDA error code, never by message;
+* before pinning, the segment would take the page-locked bytes of all vramkit pinned pools of
+  this process past the host's pinning cap (``HostMemory.pin_limit`` of
+  :func:`vramkit.devices.host.read_host_memory`: the cgroup memory limit, where exceeding it is
+  an OOM kill and no error ever comes back, or half of RAM on WSL 2). The pool then falls back
+  proactively (and, when the request alone fits, grows by less first:
+  :meth:`PinnedSegmentBackend.pin_room`).
+
+Pageable host memory is slower but correct for every copy vramkit makes (see
+:mod:`vramkit.memory.transfer`); nothing is allocated per copy. With ``pin_fallback=False`` each
+case raises :class:`~vramkit.errors.DeviceError` instead.
+
+A failed ``cudaHostRegister`` also leaves its error as the CUDA runtime's *last error* of the
+calling thread (torch's binding returns the code without clearing it), and PyTorch's next kernel
+launch check (``cudaGetLastError``) would then raise that stale error from an unrelated op.
+:func:`drain_last_cuda_error` consumes it right away.
+
 ``torch.cuda.cudart()`` exposes ``cudaHostRegister(ptr: int, size: int, flags: int)`` and
 ``cudaHostUnregister(ptr: int)`` (``torch/csrc/cuda/shared/cudart.cpp``, present from PyTorch
 2.0 through at least 2.13); both return a ``cudaError`` enum whose ``int()`` is the CUDA error
@@ -35,28 +61,72 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
+import sys
 import threading
+import warnings
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vramkit.errors import DeviceError
+from vramkit.devices.cuda_errors import cuda_error_code
+from vramkit.errors import DeviceError, VramkitWarning
 from vramkit.memory._block import Segment
+from vramkit.units import format_size
+
+if TYPE_CHECKING:
+    from vramkit.devices.host import HostMemory
 
 __all__ = [
     "DeviceSegments",
     "HostSegments",
+    "PinnedSegmentBackend",
     "PowerOfTwoPinnedSegments",
     "RegisteredPinnedSegments",
     "SegmentBackend",
+    "drain_last_cuda_error",
     "host_register_api",
     "make_segment_backend",
+    "pinned_bytes",
+    "warn_pin_fallback",
 ]
 
 logger = logging.getLogger(__name__)
 
 _HOST_REGISTER_DEFAULT = 0  # cudaHostRegisterDefault: mapped and portable under UVA
+
+# Page-locked bytes held by every vramkit pinned pool of this process (what counts against the
+# host's pinning cap), and whether the process was told that pinning fell back.
+_PROCESS_LOCK = threading.Lock()
+_pinned_total = 0
+_fallback_warned = False
+
+_MEMORY_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def pinned_bytes() -> int:
+    """Page-locked bytes that vramkit's pinned pools hold in this process now.
+
+    Returns:
+        The sum over every live pinned segment (registered or from PyTorch's pinned allocator);
+        segments that fell back to pageable memory are not counted.
+    """
+    return _pinned_total
+
+
+def _count_pinned(delta: int) -> None:
+    global _pinned_total
+    with _PROCESS_LOCK:
+        _pinned_total += delta
+
+
+def _reset_pin_fallback_warning() -> None:
+    """Forget that the pin-fallback warning was given (tests; the next fallback warns again)."""
+    global _fallback_warned
+    with _PROCESS_LOCK:
+        _fallback_warned = False
 
 
 class SegmentBackend:
@@ -84,13 +154,19 @@ class SegmentBackend:
         Raises:
             torch.OutOfMemoryError: when the memory cannot be obtained.
         """
-        storage = self._raw(size)
-        if storage.data_ptr() % self.alignment:  # heap memory is only 64-byte aligned: pad
-            del storage
-            padded = self._raw(size + self.alignment)
-            start = (-padded.data_ptr()) % self.alignment
-            storage = padded[start:start + size]
-        return storage
+        return self._aligned(size, self._raw)
+
+    def page_locked(self, storage: torch.Tensor) -> bool:
+        """Whether ``storage`` (from :meth:`new_storage`) is page-locked host memory.
+
+        Args:
+            storage: a segment's storage.
+
+        Returns:
+            ``True`` only for pinned segments; plain host memory, device memory and pinned
+            segments that fell back to pageable memory give ``False``.
+        """
+        return False
 
     def release(self, segment: Segment) -> None:
         """Give a segment's storage back; the segment holds no live or pending block.
@@ -102,6 +178,15 @@ class SegmentBackend:
 
     def empty_cache(self) -> None:
         """Ask the backing allocator to return cached memory to the system (after a trim)."""
+
+    def _aligned(self, size: int, raw: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        storage = raw(size)
+        if storage.data_ptr() % self.alignment:  # heap memory is only 64-byte aligned: pad
+            del storage
+            padded = raw(size + self.alignment)
+            start = (-padded.data_ptr()) % self.alignment
+            storage = padded[start:start + size]
+        return storage
 
     def _raw(self, size: int) -> torch.Tensor:
         return torch.empty(size, dtype=torch.uint8)
@@ -139,40 +224,149 @@ class DeviceSegments(SegmentBackend):
         torch.cuda.empty_cache()
 
 
-class PowerOfTwoPinnedSegments(SegmentBackend):
-    """Pinned memory from PyTorch's caching host allocator, which rounds up to powers of two."""
+class PinnedSegmentBackend(SegmentBackend):
+    """What the two pinned backends share: the pinning cap, the fallback, the byte count.
+
+    Every segment that is really page-locked is listed in ``locked`` (base address -> bytes
+    locked) and counted in :func:`pinned_bytes` until it is released; a segment that fell back to
+    pageable memory is in neither.
+
+    Args:
+        alignment: segment base alignment in bytes.
+        pin_fallback: keep a segment that cannot be pinned as pageable memory (warning once per
+            process) instead of raising :class:`~vramkit.errors.DeviceError`.
+    """
+
+    def __init__(self, alignment: int, pin_fallback: bool = True) -> None:
+        super().__init__(alignment)
+        self.pin_fallback = pin_fallback
+        self.locked: dict[int, int] = {}
+        self._lock = threading.Lock()  # the finalizer may run on any thread
+
+    def page_locked(self, storage: torch.Tensor) -> bool:
+        return storage.data_ptr() in self.locked
+
+    def pin_room(self) -> int | None:
+        """Bytes this process may still pin before the host's pinning cap, if one is known.
+
+        Returns:
+            ``pin_limit - pinned_bytes()`` (at least 0), or ``None`` when no cap is known.
+        """
+        host = read_host()
+        if host is None or host.pin_limit is None:
+            return None
+        return max(0, host.pin_limit - pinned_bytes())
+
+    def close(self) -> None:
+        """Forget every segment still counted as pinned (idempotent)."""
+        with self._lock:
+            released = sum(self.locked.values())
+            self.locked.clear()
+        if released:
+            _count_pinned(-released)
+
+    def _mark_locked(self, storage: torch.Tensor, nbytes: int) -> None:
+        with self._lock:
+            self.locked[storage.data_ptr()] = nbytes
+        _count_pinned(nbytes)
+
+    def _forget_locked(self, ptr: int) -> int:
+        with self._lock:
+            nbytes = self.locked.pop(ptr, 0)
+        if nbytes:
+            _count_pinned(-nbytes)
+        return nbytes
+
+    def _over_cap(self, host: HostMemory | None, size: int) -> str | None:
+        """Why pinning ``size`` more bytes would pass the host's pinning cap, or ``None``."""
+        if host is None or host.pin_limit is None:
+            return None
+        held = pinned_bytes()
+        if held + size <= host.pin_limit:
+            return None
+        consequence = (" (pinned pages count against it and cannot be swapped out: past it the "
+                       "process is OOM-killed, no error comes back)"
+                       if host.pin_limit_source.startswith("cgroup") else "")
+        return (f"pinning it would take vramkit's page-locked memory in this process to "
+                f"{format_size(held + size)}, past the host's pinning cap of "
+                f"{format_size(host.pin_limit)} ({host.pin_limit_source}){consequence}")
+
+    def _not_pinned(self, size: int, cause: str, host: HostMemory | None, capped: bool) -> None:
+        """The segment of ``size`` bytes will not be pinned: raise, or say so (once)."""
+        if not self.pin_fallback:
+            raise DeviceError(f"cannot pin a {format_size(size)} pool segment: {cause}",
+                              hint=_fallback_hint(host, capped=capped, fallback_on=False))
+        warn_pin_fallback(size, cause, host, capped=capped)
+
+
+class PowerOfTwoPinnedSegments(PinnedSegmentBackend):
+    """Pinned memory from PyTorch's caching host allocator, which rounds up to powers of two.
+
+    When that allocation raises a CUDA error (by type or by CUDA error code) or the segment would
+    pass the host's pinning cap, the segment is plain ``torch.empty(n)`` pageable memory (with
+    ``pin_fallback``).
+    """
 
     sizing = "pinned"
 
-    def _raw(self, size: int) -> torch.Tensor:
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    def new_storage(self, size: int) -> torch.Tensor:
+        host = read_host()
+        cause = self._over_cap(host, size)
+        capped = cause is not None
+        if cause is None:
+            try:
+                storage = self._aligned(size, self._raw)
+            except RuntimeError as exc:
+                code = cuda_error_code(exc)
+                out_of_memory = getattr(torch, "OutOfMemoryError", None)
+                is_cuda = code is not None or (isinstance(out_of_memory, type)
+                                               and isinstance(exc, out_of_memory))
+                if not is_cuda or not self.pin_fallback:
+                    raise  # as before: the pool retries a smaller size on out-of-memory
+                what = f"cudaError {code}" if code is not None else "out of memory"
+                cause = (f"torch.empty(pin_memory=True) raised {type(exc).__name__} ({what})")
+            else:
+                self._mark_locked(storage, storage.numel())
+                return storage
+        self._not_pinned(size, cause, host, capped)
+        return self._aligned(size, _pageable)
+
+    def release(self, segment: Segment) -> None:
+        if segment.storage is not None:
+            self._forget_locked(segment.base_ptr)
+        segment.storage = None  # type: ignore[assignment]
 
     def empty_cache(self) -> None:
         host_empty_cache = getattr(torch._C, "_host_emptyCache", None)
         if host_empty_cache is not None:
             host_empty_cache()
 
+    def _raw(self, size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
-class RegisteredPinnedSegments(SegmentBackend):
+
+class RegisteredPinnedSegments(PinnedSegmentBackend):
     """Exact-size pinned segments: anonymous mmap + ``cudaHostRegister``.
 
     The backend keeps every registered segment's storage in ``registered`` (address -> storage)
     until it unregisters it, so the memory cannot be freed while registered; :func:`close`
-    unregisters whatever is left (run by the pool's finalizer).
+    unregisters whatever is left (run by the pool's finalizer). A segment that fell back to
+    pageable memory is the same mapping, never registered: it is not in ``registered`` and is
+    never unregistered.
 
     Args:
         cudart: the module returned by ``torch.cuda.cudart()`` (or a stand-in with the same two
             functions).
         alignment: segment base alignment in bytes.
+        pin_fallback: keep a segment that cannot be registered as pageable memory.
     """
 
     sizing = "cpu"  # exact: only rounded to the pool's alignment
 
-    def __init__(self, cudart: Any, alignment: int) -> None:
-        super().__init__(alignment)
+    def __init__(self, cudart: Any, alignment: int, pin_fallback: bool = True) -> None:
+        super().__init__(alignment, pin_fallback)
         self.cudart = cudart
         self.registered: dict[int, torch.Tensor] = {}
-        self._lock = threading.Lock()  # the finalizer may run on any thread
 
     def new_storage(self, size: int) -> torch.Tensor:
         # mmap is page aligned; only alignments above the page size need padding.
@@ -188,17 +382,33 @@ class RegisteredPinnedSegments(SegmentBackend):
         start = (-whole.data_ptr()) % self.alignment
         storage = whole[start:start + size]
         ptr = storage.data_ptr()
-        code = _cuda_code(self.cudart.cudaHostRegister(ptr, size, _HOST_REGISTER_DEFAULT))
-        if code != 0:
-            del whole, storage  # unmap now, not when the caller drops the traceback
-            raise DeviceError(
-                f"cudaHostRegister of a {size}-byte pinned segment failed: "
-                f"{_error_name(self.cudart, code)} (cudaError {code})",
-                hint="Page-locked memory comes out of physical RAM: lower PoolConfig.max_size, "
-                     "or use a plain host pool (MemoryPool('cpu')).")
-        with self._lock:
-            self.registered[ptr] = storage
-        return storage
+        host = read_host()
+        cause = self._over_cap(host, size)
+        capped = cause is not None
+        if cause is None:
+            code = _cuda_code(self.cudart.cudaHostRegister(ptr, size, _HOST_REGISTER_DEFAULT))
+            if code == 0:
+                with self._lock:
+                    self.registered[ptr] = storage
+                self._mark_locked(storage, size)
+                return storage
+            drain_last_cuda_error(self.cudart)
+            if not self.pin_fallback:
+                del whole, storage  # unmap now, not when the caller drops the traceback
+                raise DeviceError(
+                    f"cudaHostRegister of a {size}-byte pinned segment failed: "
+                    f"{_error_name(self.cudart, code)} (cudaError {code})",
+                    hint="Page-locked memory comes out of physical RAM: lower "
+                         "PoolConfig.max_size, use a plain host pool (MemoryPool('cpu')), or "
+                         "leave PoolConfig.pin_fallback on to go on with pageable memory.")
+            cause = (f"cudaHostRegister returned {_error_name(self.cudart, code)} "
+                     f"(cudaError {code})")
+        try:
+            self._not_pinned(size, cause, host, capped)
+        except DeviceError:
+            del whole, storage
+            raise
+        return storage  # the same mapping, pageable
 
     def release(self, segment: Segment) -> None:
         if segment.storage is not None:
@@ -218,16 +428,134 @@ class RegisteredPinnedSegments(SegmentBackend):
     def _unregister(self, ptr: int) -> None:
         with self._lock:
             storage = self.registered.pop(ptr, None)
-        if storage is None:  # never unregister twice
+        if storage is None:  # never unregister twice, nor a pageable (never registered) segment
             return
+        self._forget_locked(ptr)
         # ``storage`` is still referenced here, so the memory is mapped while it is unregistered.
         code = _cuda_code(self.cudart.cudaHostUnregister(ptr))
         del storage
         if code != 0:
+            drain_last_cuda_error(self.cudart)
             raise DeviceError(f"cudaHostUnregister({ptr:#x}) failed: "
                               f"{_error_name(self.cudart, code)} (cudaError {code})",
                               hint="A CUDA error from earlier work may be reported here; rerun "
                                    "with CUDA_LAUNCH_BLOCKING=1 to find it.")
+
+
+def _pageable(size: int) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.uint8)
+
+
+def read_host() -> HostMemory | None:
+    """:func:`vramkit.devices.host.read_host_memory`, or ``None`` when it cannot be read."""
+    try:
+        from vramkit.devices.host import read_host_memory
+
+        return read_host_memory()
+    except Exception as exc:  # a reader that fails must not stop a pool from growing
+        logger.debug("reading host memory for the pinning cap failed: %s", exc)
+        return None
+
+
+def warn_pin_fallback(size: int, cause: str, host: HostMemory | None, *,
+                      capped: bool = False) -> None:
+    """Say once per process that a pinned segment is pageable memory instead, with the figures.
+
+    The first call warns (``VramkitWarning`` and ``logger.warning``); later calls log at debug
+    level only.
+
+    Args:
+        size: bytes of the segment that is not pinned.
+        cause: what failed or which cap applies.
+        host: the host's memory figures, when read.
+        capped: the cause is the host's pinning cap (the hint then says how to raise it).
+    """
+    global _fallback_warned
+    with _PROCESS_LOCK:
+        first = not _fallback_warned
+        _fallback_warned = True
+    held = pinned_bytes()
+    if not first:
+        logger.debug("pinned pool segment of %s is pageable memory: %s (vramkit holds %s "
+                     "pinned)", format_size(size), cause, format_size(held))
+        return
+    figures = [f"segment {format_size(size)}",
+               f"already pinned by vramkit in this process {format_size(held)}"]
+    if host is not None and host.pin_limit is not None:
+        figures.append(f"pinning cap {format_size(host.pin_limit)} ({host.pin_limit_source})")
+    elif host is not None:
+        figures.append("no pinning cap known")
+    memlock = host.memlock_limit if host is not None else None
+    if memlock is not None:
+        figures.append(f"RLIMIT_MEMLOCK {format_size(memlock)} (not charged for CUDA pinning "
+                       "by the NVIDIA driver)")
+    message = (
+        f"vramkit: a pinned host pool could not pin a new segment: {cause}. "
+        f"Figures: {'; '.join(figures)}. "
+        "The segment is plain pageable memory instead (and so is any later one that cannot be "
+        "pinned; this is said once per process): results stay correct, but host<->device "
+        "copies from or into it are staged by the CUDA driver, block the Python thread and run "
+        "several times slower than from pinned memory (see docs/benchmarks.md). "
+        f"Hint: {_fallback_hint(host, capped=capped, fallback_on=True)}")
+    logger.warning("%s", message)
+    warnings.warn(message, VramkitWarning, stacklevel=_caller_stacklevel())
+
+
+def _fallback_hint(host: HostMemory | None, *, capped: bool, fallback_on: bool) -> str:
+    source = host.pin_limit_source if host is not None else "none"
+    if capped and source.startswith("WSL"):
+        raise_it = "give the WSL 2 VM more memory (memory= in %UserProfile%\\.wslconfig)"
+    elif capped:
+        raise_it = ("raise the container's memory limit (docker run --memory, Kubernetes "
+                    "resources.limits.memory, the cgroup's memory.max)")
+    else:
+        raise_it = ("free host memory or raise the limit that applies (the container's memory "
+                    "limit; `ulimit -l` where pinned memory is charged to RLIMIT_MEMLOCK)")
+    tail = ("PoolConfig(pin_fallback=False) makes this an error instead."
+            if fallback_on else "PoolConfig(pin_fallback=True) goes on with pageable memory "
+            "(slower copies) instead.")
+    return (f"To pin, {raise_it}; or pin less: SwapConfig(host_budget=...) (vramkit.plan()/fit() "
+            f"take host_budget= too), or a smaller PoolConfig.max_size. {tail}")
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside ``vramkit/memory`` (the code that allocated)."""
+    level = 1
+    frame = sys._getframe(1)  # the function calling warnings.warn is stacklevel 1
+    while frame.f_back is not None and os.path.dirname(
+            os.path.abspath(frame.f_code.co_filename)) == _MEMORY_DIR:
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def drain_last_cuda_error(cudart: Any) -> None:
+    """Consume the CUDA runtime's last error that a failed call left on this thread.
+
+    The cudart bindings return the error of ``cudaHostRegister`` without clearing it, and
+    PyTorch's next ``C10_CUDA_KERNEL_LAUNCH_CHECK`` (``cudaGetLastError``) would raise it from an
+    unrelated op. ``cudart.cudaGetLastError`` clears it where the bindings have it; otherwise a
+    one-byte kernel launch in PyTorch's own runtime reads (and so clears) it, and the error that
+    launch raises is the stale one, logged at debug level.
+
+    Args:
+        cudart: the runtime bindings the failed call went through.
+    """
+    get_last_error = getattr(cudart, "cudaGetLastError", None)
+    if callable(get_last_error):
+        try:
+            get_last_error()
+            return
+        except Exception as exc:
+            logger.debug("cudaGetLastError() failed: %s", exc)
+    try:
+        device = torch.device("cuda", torch.cuda.current_device())
+        torch.empty(1, dtype=torch.uint8, device=device).fill_(0)
+    except RuntimeError as exc:  # the stale error, read and cleared by PyTorch's launch check
+        logger.debug("cleared the CUDA error left by a failed call (cudaError %s)",
+                     cuda_error_code(exc))
+    except Exception as exc:  # no usable CUDA here (a stand-in runtime)
+        logger.debug("could not clear the last CUDA error: %s", exc)
 
 
 def host_register_api() -> Any | None:
@@ -249,13 +577,16 @@ def host_register_api() -> Any | None:
     return cudart
 
 
-def make_segment_backend(kind: str, device: torch.device, alignment: int) -> SegmentBackend:
+def make_segment_backend(kind: str, device: torch.device, alignment: int, *,
+                         pin_fallback: bool = True) -> SegmentBackend:
     """The backend for a pool of ``kind`` (``"cuda"``, ``"pinned"`` or ``"cpu"``).
 
     Args:
         kind: the pool kind.
         device: the pool's device.
         alignment: segment base alignment in bytes.
+        pin_fallback: pinned pools only: keep a segment that cannot be pinned as pageable
+            memory (``PoolConfig.pin_fallback``).
 
     Returns:
         A new backend. Pinned pools get :class:`RegisteredPinnedSegments` when
@@ -268,11 +599,11 @@ def make_segment_backend(kind: str, device: torch.device, alignment: int) -> Seg
         return HostSegments(alignment)
     cudart = host_register_api()
     if cudart is not None:
-        return RegisteredPinnedSegments(cudart, alignment)
+        return RegisteredPinnedSegments(cudart, alignment, pin_fallback)
     logger.warning("PyTorch %s does not expose cudaHostRegister through torch.cuda.cudart(); "
                    "pinned pool segments fall back to torch.empty(pin_memory=True), which rounds "
                    "every segment up to a power of two", torch.__version__)
-    return PowerOfTwoPinnedSegments(alignment)
+    return PowerOfTwoPinnedSegments(alignment, pin_fallback)
 
 
 def finalize_pinned_pool(backend: RegisteredPinnedSegments, pending: Any) -> None:
@@ -297,11 +628,14 @@ def register_finalizer(pool: object, backend: SegmentBackend, ledger: Any) -> No
 
     Args:
         pool: the pool (only weakly referenced).
-        backend: its segment backend; only :class:`RegisteredPinnedSegments` needs a finalizer.
+        backend: its segment backend; only pinned backends need a finalizer (the power-of-two
+            one to take its segments out of :func:`pinned_bytes`).
         ledger: the pool's :class:`~vramkit.memory._arena.PoolLedger`.
     """
     if isinstance(backend, RegisteredPinnedSegments):
         weakref.finalize(pool, finalize_pinned_pool, backend, ledger)
+    elif isinstance(backend, PinnedSegmentBackend):
+        weakref.finalize(pool, backend.close)
 
 
 def _anonymous_mmap(size: int) -> mmap.mmap:
@@ -317,8 +651,22 @@ def _cuda_code(result: object) -> int:
     return int(result)  # type: ignore[call-overload]
 
 
+# The cudaError_t names (driver_types.h) of what cudaHostRegister and cudaHostUnregister return.
+_HOST_REGISTER_ERRORS = {
+    1: "cudaErrorInvalidValue", 2: "cudaErrorMemoryAllocation",
+    3: "cudaErrorInitializationError", 100: "cudaErrorNoDevice",
+    304: "cudaErrorOperatingSystem", 712: "cudaErrorHostMemoryAlreadyRegistered",
+    713: "cudaErrorHostMemoryNotRegistered", 801: "cudaErrorNotSupported",
+    999: "cudaErrorUnknown",
+}
+
+
 def _error_name(cudart: Any, code: int) -> str:
+    name = _HOST_REGISTER_ERRORS.get(code)
     try:
-        return str(cudart.cudaGetErrorString(cudart.cudaError(code)))
+        text = str(cudart.cudaGetErrorString(cudart.cudaError(code)))
     except Exception:  # a stand-in cudart, or an enum without that value
-        return "unknown error"
+        text = None
+    if name and text:
+        return f"{name}: {text}"
+    return name or text or "unknown error"

@@ -12,7 +12,10 @@ How it works:
   exactly ``n`` bytes (an anonymous mmap) page-locked with ``cudaHostRegister`` -- never
   per-tensor pinning, and no power-of-two rounding (PyTorch versions without
   ``torch.cuda.cudart().cudaHostRegister`` fall back to ``torch.empty(n, pin_memory=True)``
-  sized in powers of two). When it needs more it grows the reserved total by ``growth_factor``
+  sized in powers of two). A pinned segment that cannot be page-locked -- the call fails, or it
+  would pass the host's pinning cap (a container's memory limit, WSL's) -- is kept as pageable
+  memory with one warning per process (``PoolConfig.pin_fallback``; counted in
+  ``PoolStats.pageable_bytes``). When it needs more it grows the reserved total by ``growth_factor``
   (at least by the request), never past ``max_size``. A pinned segment is unregistered when it
   is released (only ever when it holds no live or pending block), and a finalizer unregisters
   what is left when the pool is garbage collected or the interpreter exits.
@@ -83,6 +86,7 @@ from vramkit.memory._arena import (
 )
 from vramkit.memory._block import AllocRecord, Block, CudaBlockBuffer, Segment, shape_tuple
 from vramkit.memory._segments import (
+    PinnedSegmentBackend,
     PowerOfTwoPinnedSegments,
     make_segment_backend,
     register_finalizer,
@@ -174,7 +178,8 @@ class MemoryPool:
         self._alignment = config.alignment
         self._align_mask = config.alignment - 1
         self._tracking = config.enable_memory_tracking
-        self._backend = make_segment_backend(self.kind, self.device, config.alignment)
+        self._backend = make_segment_backend(self.kind, self.device, config.alignment,
+                                             pin_fallback=config.pin_fallback)
         # Pinned registrations must be undone while the memory is still held (weakref.finalize,
         # not __del__: it also runs at interpreter exit).
         register_finalizer(self, self._backend, self._book)
@@ -201,6 +206,16 @@ class MemoryPool:
         On a PyTorch whose ``torch.cuda.cudart()`` lacks ``cudaHostRegister`` the pool warns and
         falls back to ``torch.empty(n, pin_memory=True)``, whose allocator rounds every
         allocation up to a power of two; segments are then sized as powers of two.
+
+        When a segment cannot be page-locked (``cudaHostRegister`` returns an error,
+        PyTorch's pinned allocator raises a CUDA error, or the segment would take vramkit's
+        pinned bytes in this process past the host's pinning cap, see
+        :func:`vramkit.devices.host.read_host_memory`), the pool keeps it as plain pageable
+        memory and warns once per process with the figures (``PoolConfig.pin_fallback``, on by
+        default; off, it raises ``DeviceError``). Copies from and into such memory are correct
+        but slower and block the calling thread; ``stats().pageable_bytes`` counts it, and a
+        block's ``tensor.is_pinned()`` tells which memory it is in. Before falling back, a pool
+        whose growth would pass the cap grows by only the request when that fits under it.
 
         Args:
             config: the pool's settings (default ``PoolConfig()``).
@@ -511,9 +526,11 @@ class MemoryPool:
 
     def __repr__(self) -> str:
         cap = format_size(self.config.max_size) if self.config.max_size else "unlimited"
+        pageable = (f", pageable={format_size(self._book.pageable_bytes)}"
+                    if self.kind == "pinned" and self._book.pageable_bytes else "")
         return (f"MemoryPool({self.kind}, device={self.device}, reserved="
                 f"{format_size(self._book.reserved)}, allocated="
-                f"{format_size(self._book.allocated)}, max_size={cap})")
+                f"{format_size(self._book.allocated)}{pageable}, max_size={cap})")
 
     # -- internals: release paths -----------------------------------------------------------
 
@@ -622,6 +639,8 @@ class MemoryPool:
         size = fit_segment(sizing, capacity, target, room, self._alignment)
         if size is None:
             return None
+        if isinstance(self._backend, PinnedSegmentBackend):
+            size = self._fit_pin_room_locked(size, capacity, room)
         try:
             storage = self._backend.new_storage(size)
         except RuntimeError as exc:
@@ -638,9 +657,24 @@ class MemoryPool:
             storage = self._backend.new_storage(size)
         segment = Segment(next(self._segment_ids), storage)
         self._segments[segment.id] = segment
-        book.add_segment(segment.id, size)
+        book.add_segment(segment.id, size,
+                         pageable=self.kind != "cuda" and not self._backend.page_locked(storage))
         logger.debug("%s: new segment %d of %s", self, segment.id, format_size(size))
         return segment
+
+    def _fit_pin_room_locked(self, size: int, capacity: int, room: int | None) -> int:
+        """Grow a pinned pool by only the request when growing by ``size`` would pass the host's
+        pinning cap but the request alone fits under it (else the segment falls back to pageable
+        memory in the backend)."""
+        pin_room = self._backend.pin_room()  # type: ignore[attr-defined]
+        if pin_room is None or size <= pin_room:
+            return size
+        smaller = fit_segment(self._backend.sizing, capacity, capacity, room, self._alignment)
+        if smaller is None or smaller >= size or smaller > pin_room:
+            return size
+        logger.info("%s: growing by %s would pass the host's pinning cap (%s left); growing by "
+                    "%s", self, format_size(size), format_size(pin_room), format_size(smaller))
+        return smaller
 
     def _release_empty_segments_locked(self) -> tuple[int, int]:
         count = released = 0
@@ -711,8 +745,10 @@ class MemoryPool:
     def _exhausted_locked(self, nbytes: int, capacity: int, why: str) -> PoolExhaustedError:
         stats = self._book.snapshot(len(self._live))
         cap = self.config.max_size
+        pageable = (f", {format_size(stats.pageable_bytes)} of it pageable"
+                    if self.kind == "pinned" and stats.pageable_bytes else "")
         message = (f"{self.kind} pool on {self.device} cannot allocate {format_size(nbytes)}: {why} "
-                   f"(reserved {format_size(stats.reserved)} of max_size "
+                   f"(reserved {format_size(stats.reserved)}{pageable} of max_size "
                    f"{format_size(cap) if cap else 'unlimited'}, allocated "
                    f"{format_size(stats.allocated)}, largest free block "
                    f"{format_size(stats.largest_free_block)}, pending {format_size(stats.pending)})")

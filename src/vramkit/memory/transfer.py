@@ -8,6 +8,20 @@ PCIe link, which is the copy budget they share.
 On a CPU device the same interface runs synchronously (copies happen at once, events are always
 complete) and can keep a log of every record/wait/copy, which is how the event and slot ordering
 is unit-tested without a GPU.
+
+Host memory need not be page-locked: a pinned pool whose segment could not be pinned hands out
+pageable memory (``PoolConfig.pin_fallback``), and :meth:`CudaStreams.copy` stays correct with it
+without a per-copy check. PyTorch turns a non-blocking host<->device ``copy_`` into one
+``cudaMemcpyAsync`` on the copy stream whatever the host memory is. From pageable memory the
+driver stages the bytes through its own pinned bounce buffers (fixed in size: nothing is
+allocated per copy) and returns once the source has been read, so the source may be reused at
+once; into pageable memory it returns once the copy has landed (CUDA's "API synchronization
+behavior"; on systems where the GPU reads pageable memory directly, HMM/ATS, the copy may stay
+asynchronous). Either way a pageable copy is never *more* asynchronous than a pinned one, so the
+event ordering every caller already needs for pinned memory (record after the copy, wait or
+query before the host reads the destination or reuses the source) covers it. The price is
+speed: the staged copy blocks the calling thread and runs at a fraction of pinned bandwidth
+(``benchmarks/pinning_fallback.py``).
 """
 
 from __future__ import annotations

@@ -237,7 +237,8 @@ class SwapStats:
     Attributes:
         blocks: blocks found; ``swapped_blocks`` of them are swapped.
         swapped_bytes: bytes of the swapped tensors (their pinned masters, before alignment).
-        pinned_bytes: pinned host bytes reserved for masters (and gradient buffers).
+        pinned_bytes: host bytes reserved for masters (and gradient buffers, disk staging), page
+            locked on a GPU except ``pageable_bytes`` of them.
         slot_bytes: GPU bytes of the ring (R x the largest swapped block).
         resident_block_bytes: bytes of blocks (and swapped blocks' small tensors) kept on GPU.
         loads: slot fills; ``prefetched`` of them were issued ahead of use, ``on_demand`` when

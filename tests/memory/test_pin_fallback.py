@@ -9,12 +9,12 @@ from __future__ import annotations
 import gc
 import logging
 import warnings
-import weakref
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from tests.memory.test_pool import install_fake_cuda
 from vramkit.devices import host as host_module
 from vramkit.devices.host import HostMemory
 from vramkit.errors import ConfigError, DeviceError, VramkitWarning
@@ -55,22 +55,6 @@ class FailingCudart:
         return error
 
 
-class FakeEvent:
-    def record(self, stream: object = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
-class FakeStream:
-    def synchronize(self) -> None:
-        pass
-
-
 def host_memory(pin_limit: int | None = None, source: str = "none",
                 memlock: int | None = None) -> HostMemory:
     return HostMemory(total=64 << 30, available=32 << 30, memlock_limit=memlock,
@@ -91,22 +75,7 @@ def fresh_process_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def cudart(monkeypatch: pytest.MonkeyPatch) -> tuple[FailingCudart, list[tuple[str, int]]]:
     """CUDA 'available' with a failing runtime; ("freed", base) is logged when a mapping goes."""
     fake = FailingCudart()
-    stream = FakeStream()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    log: list[tuple[str, int]] = []
-    real_mmap = _segments._anonymous_mmap
-    watched: list[object] = []
-
-    def watched_mmap(size: int) -> object:
-        mapping = real_mmap(size)
-        base = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
-        watched.append(weakref.ref(mapping, lambda _: log.append(("freed", base))))
-        return mapping
-
-    monkeypatch.setattr(_segments, "_anonymous_mmap", watched_mmap)
+    log = install_fake_cuda(monkeypatch, fake)
     return fake, log
 
 

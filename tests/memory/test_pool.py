@@ -765,14 +765,12 @@ class FakeStream:
         pass
 
 
-@pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeCudart, list[tuple[str, int]]]:
-    """A pinned pool can be built without a GPU: CUDA 'available', a fake runtime and events.
-
-    Every mapping a pinned segment gets is watched: ("freed", base) is logged when it is unmapped.
-    """
-    log: list[tuple[str, int]] = []
-    cudart = FakeCudart(log)
+def install_fake_cuda(monkeypatch: pytest.MonkeyPatch, cudart: object,
+                      log: list[tuple[str, int]] | None = None) -> list[tuple[str, int]]:
+    """Make CUDA look available with ``cudart`` as its runtime, fake streams and events; every
+    mapping a pinned segment gets is watched: ("freed", base) is appended to ``log`` (returned)
+    when it is unmapped."""
+    log = [] if log is None else log
     stream = FakeStream()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
@@ -789,7 +787,15 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeCudart, list[tuple[s
         return mapping
 
     monkeypatch.setattr(_segments, "_anonymous_mmap", watched_mmap)
-    return cudart, log
+    return log
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeCudart, list[tuple[str, int]]]:
+    """A pinned pool can be built without a GPU: CUDA 'available', a fake runtime and events."""
+    log: list[tuple[str, int]] = []
+    cudart = FakeCudart(log)
+    return cudart, install_fake_cuda(monkeypatch, cudart, log)
 
 
 def test_pinned_segments_are_registered_at_their_exact_size(fake_cuda: tuple) -> None:

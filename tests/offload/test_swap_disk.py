@@ -22,12 +22,12 @@ def _config(budget: str | int | None, cache: Path | None = None, **kw: object) -
                       disk_cache_dir=str(cache) if cache else None, **kw)  # type: ignore[arg-type]
 
 
-def _train(net: Net, steps: int = 3) -> list[float]:
-    torch.manual_seed(1)
+def _train(net: Net, steps: int = 3, device: str = "cpu") -> list[float]:
+    gen = torch.Generator().manual_seed(1)
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
     losses = []
     for _ in range(steps):
-        x = torch.randn(3, 16)
+        x = torch.randn(3, 16, generator=gen).to(device)
         loss = net(x).square().mean()
         loss.backward()
         opt.step()
@@ -151,3 +151,14 @@ def test_an_unwritable_cache_directory_is_a_clear_error(tmp_path: Path) -> None:
 def test_config_validation(kw: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         SwapConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_disk_knobs_that_would_change_nothing_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no disk tier without host_budget"):
+        SwapConfig(disk_cache_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="trainable='swap'"):
+        SwapConfig(host_budget="8GiB", trainable="swap")
+    for knob in ({"strict": False}, {"progress": True}):
+        with pytest.raises(ConfigError, match="applies to checkpoint="):
+            BlockSwapper(_reference(), config=_config(None), device="cpu",
+                         **knob)  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ from torch import nn
 
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("deterministic_cuda")]
 
 D = 256
 
@@ -58,14 +58,6 @@ class _Net(nn.Module):
         for block in self.blocks:
             x = block(x, scale)
         return self.out(x)
-
-
-@pytest.fixture(autouse=True)
-def _deterministic():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.cuda.synchronize()
 
 
 def _frozen_base(model: _Net) -> _Net:

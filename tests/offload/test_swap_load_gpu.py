@@ -7,31 +7,14 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import save_file
 
-from tests.offload.test_swap_load import Net, _meta, _reference
+from tests.offload.test_swap_disk import BLOCK, _train
+from tests.offload.test_swap_load import _meta, _reference
 from vramkit.errors import VramkitWarning
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 
-pytestmark = pytest.mark.gpu
-
-BLOCK = 65536
-
-
-def _train(net: Net, steps: int = 3) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(3, 16, generator=gen).cuda()
-        loss = net(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach().cpu())
-    return losses
-
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("deterministic_cuda")]
 
 @pytest.fixture()
 def checkpoint(tmp_path: Path) -> Path:
@@ -40,8 +23,8 @@ def checkpoint(tmp_path: Path) -> Path:
     return path
 
 
-def _expected() -> list[torch.Tensor]:
-    return _train(_reference().cuda())
+def _expected() -> list[float]:
+    return _train(_reference().cuda(), device="cuda")
 
 
 def test_checkpoint_into_pinned_masters_trains_like_the_resident_model(checkpoint: Path) -> None:
@@ -52,8 +35,8 @@ def test_checkpoint_into_pinned_masters_trains_like_the_resident_model(checkpoin
         assert swapper.stats().pinned_bytes >= swapper.stats().swapped_bytes > 0
         assert all(b.master.is_pinned() for b in swapper.blocks)
         assert net.embed.weight.is_cuda
-        losses = _train(net)
-    assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True))
+        losses = _train(net, device="cuda")
+    assert losses == expected
 
 
 @pytest.mark.parametrize("source", ["checkpoint", "cache"])
@@ -71,9 +54,9 @@ def test_disk_tier_on_the_gpu_trains_identically(checkpoint: Path, tmp_path: Pat
     with swapper:
         stats = swapper.stats()
         assert stats.disk_blocks == 5 and stats.pinned_bytes <= 3 * BLOCK
-        losses = _train(net)
+        losses = _train(net, device="cuda")
         assert swapper.stats().disk_reads > 0
-    assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True))
+    assert losses == expected
 
 
 def test_a_swapper_whose_pinning_fails_warns_once_and_trains_identically(
@@ -102,7 +85,7 @@ def test_a_swapper_whose_pinning_fails_warns_once_and_trains_identically(
                           checkpoint=checkpoint) as swapper:
             stats = swapper.stats()
             assert stats.pageable_bytes == stats.pinned_bytes > 0
-            losses = _train(net)
+            losses = _train(net, device="cuda")
     ours = [w for w in caught if issubclass(w.category, VramkitWarning)]
     assert len(ours) == 1, [str(w.message) for w in ours]
-    assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True))
+    assert losses == expected

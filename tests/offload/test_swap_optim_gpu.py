@@ -16,7 +16,7 @@ from torch import nn
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 from vramkit.optim import AdamW8bit
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("deterministic_cuda")]
 
 D = 256
 
@@ -52,14 +52,6 @@ class _Net(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.out(x)
-
-
-@pytest.fixture(autouse=True)
-def _deterministic():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.cuda.synchronize()
 
 
 FACTORIES: dict[str, Callable[[Any], torch.optim.Optimizer]] = {

@@ -130,6 +130,21 @@ class ReadThreads:
         self.close()
 
 
+def pread_into(fd: int, dst: torch.Tensor, offset: int) -> int:
+    """Read from ``fd`` at ``offset`` into the contiguous uint8 CPU tensor ``dst`` (no copy in
+    between: the kernel writes into its memory); returns the bytes read, fewer only at the end
+    of the file."""
+    nbytes = dst.numel()
+    view = memoryview((ctypes.c_char * nbytes).from_address(dst.data_ptr())).cast("B")
+    done = 0
+    while done < nbytes:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            break
+        done += got
+    return done
+
+
 class _FileReader:
     """One open checkpoint file: a descriptor, and a read-only memory map in mmap mode."""
 
@@ -196,15 +211,10 @@ class _FileReader:
             start = offset - offset % _PAGE
             self._map.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
             return
-        buffer = (ctypes.c_char * nbytes).from_address(dst.data_ptr())
-        view = memoryview(buffer).cast("B")
-        done = 0
-        while done < nbytes:
-            got = os.preadv(self._fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise SafetensorsFormatError(f"unexpected end of file at byte {offset + done}",
-                                             path=self.path)
-            done += got
+        done = pread_into(self._fd, dst, offset)
+        if done < nbytes:
+            raise SafetensorsFormatError(f"unexpected end of file at byte {offset + done}",
+                                         path=self.path)
 
     def close(self) -> None:
         if self._map is not None:

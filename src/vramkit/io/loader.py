@@ -385,9 +385,7 @@ class MemoryEfficientLoader:
         return self._pinned_pool
 
     def _show_progress(self, total: int) -> bool:
-        if self.progress is not None:
-            return self.progress
-        return total >= _AUTO_PROGRESS_BYTES and sys.stderr.isatty()
+        return show_progress(self.progress, total)
 
 
 def _floating_to(dtype: torch.dtype | None) -> Callable[[TensorEntry], torch.dtype]:
@@ -397,6 +395,14 @@ def _floating_to(dtype: torch.dtype | None) -> Callable[[TensorEntry], torch.dty
         return entry.dtype
 
     return dtype_for
+
+
+def show_progress(progress: bool | None, total: int) -> bool:
+    """Whether a load of ``total`` bytes shows a bar: ``progress`` when set, else for loads of at
+    least 1 GiB when stderr is a terminal."""
+    if progress is not None:
+        return progress
+    return total >= _AUTO_PROGRESS_BYTES and sys.stderr.isatty()
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ measure the disk, not a warm cache.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import mmap
 import os
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 
 from vramkit.errors import OffloadError
-from vramkit.io.lazy import ReadThreads
+from vramkit.io.lazy import ReadThreads, pread_into
 from vramkit.memory.transfer import Streams
 from vramkit.offload._swap_blocks import SwappedBlock
 
@@ -74,20 +75,11 @@ class _DiskFile:
         nbytes = dst.numel()
         if nbytes == 0:
             return
-        import ctypes
-
-        view = memoryview((ctypes.c_char * nbytes).from_address(dst.data_ptr())).cast("B")
-        done = 0
-        while done < nbytes:
-            got = os.preadv(self.fd, [view[done:]], offset + done)
-            if got <= 0:
-                if self.direct:  # O_DIRECT past a file end padded by whole blocks: zeros
-                    view[done:] = bytes(nbytes - done)
-                    break
-                raise OffloadError(f"unexpected end of {self.path} at byte {offset + done}",
-                                   hint="The file changed after the swapper attached; attach "
-                                        "again.")
-            done += got
+        done = pread_into(self.fd, dst, offset)
+        if done < nbytes:
+            raise OffloadError(f"unexpected end of {self.path} at byte {offset + done}",
+                               hint="The file changed after the swapper attached; attach "
+                                    "again.")
         if _DONTNEED is not None and not self.direct:
             with contextlib.suppress(OSError):  # the page cache holds nothing we asked for
                 os.posix_fadvise(self.fd, offset, nbytes, _DONTNEED)
@@ -138,8 +130,6 @@ class CacheFile:
         """Write the uint8 CPU tensor ``data`` at the next aligned offset; returns it."""
         offset = self.size
         nbytes = data.numel()
-        import ctypes
-
         view = memoryview((ctypes.c_char * nbytes).from_address(data.data_ptr())).cast("B")
         done = 0
         try:

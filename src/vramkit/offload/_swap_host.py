@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,12 @@ __all__ = ["HostStore"]
 logger = logging.getLogger(__name__)
 
 _STAGING_MIN = 3  # disk tier: one buffer copying to the GPU, one ready, one being read
+
+
+def _min_staging(disk_blocks: int) -> int:
+    """Staging buffers a disk tier of ``disk_blocks`` needs: three, or two for one or two blocks
+    (the reader's rule: a buffer never holding an upcoming block is always free to refill)."""
+    return max(2, min(disk_blocks, _STAGING_MIN))
 
 
 class HostStore:
@@ -161,9 +168,7 @@ class HostStore:
         if budget is None or not blocks:
             return []
         assert isinstance(budget, int)  # normalized by SwapConfig
-        grads = (sum(b.nbytes for b in blocks if b.trainable_entries)
-                 if self.parks_grads() else 0)
-        pinned = sum(b.nbytes for b in blocks) + grads
+        pinned = self._pinned_bytes(blocks, ())
         if pinned <= budget:
             return []
         frozen = [b for b in blocks if not b.trainable_entries]
@@ -178,30 +183,33 @@ class HostStore:
         for count in range(1, len(frozen) + 1):
             chosen = [frozen[i] for i in spread_evenly([b.nbytes for b in frozen], count)]
             slot = _disk_aligned(max(b.nbytes for b in chosen))
-            buffers = min(count, _STAGING_MIN) if count > 1 else 2
-            need = pinned - sum(b.nbytes for b in chosen) + buffers * slot
+            need = self._pinned_bytes(blocks, chosen) + _min_staging(count) * slot
             if need <= budget:
                 return chosen
         slot = _disk_aligned(max(b.nbytes for b in frozen))
-        smallest = kept + _STAGING_MIN * slot
+        smallest = kept + _min_staging(len(frozen)) * slot
         raise ConfigError(
             f"SwapConfig.host_budget={format_size(budget)} is too small: even with every "
             f"frozen swapped block on disk the swapper needs {format_size(smallest)} of pinned "
-            f"memory ({_STAGING_MIN} staging buffers of {format_size(slot)}"
+            f"memory ({_min_staging(len(frozen))} staging buffers of {format_size(slot)}"
             + (f" and {format_size(kept)} of trainable masters" if kept else "") + ")",
             hint=f"Raise host_budget to at least {format_size(smallest)}, or swap smaller "
                  "blocks (find_blocks with finer names).")
+
+    def _pinned_bytes(self, blocks: list[SwappedBlock], on_disk: Sequence[SwappedBlock]) -> int:
+        """Pinned bytes of ``blocks``' masters (and gradient buffers) with ``on_disk`` on disk."""
+        away = {id(b) for b in on_disk}
+        grads = (sum(b.nbytes for b in blocks if b.trainable_entries)
+                 if self.parks_grads() else 0)
+        return sum(b.nbytes for b in blocks if id(b) not in away) + grads
 
     def _build_disk_tier(self, blocks: list[SwappedBlock]) -> None:
         budget = self.config.host_budget
         assert isinstance(budget, int)
         slot = _disk_aligned(max(b.nbytes for b in blocks))
-        pinned = sum(b.nbytes for b in self.blocks if b not in blocks)
-        if self.parks_grads():
-            pinned += sum(b.nbytes for b in self.blocks if b.trainable_entries)
-        base = min(len(blocks), _STAGING_MIN) if len(blocks) > 1 else 2
+        pinned = self._pinned_bytes(self.blocks, blocks)
         # The rest of the budget buys more buffers: a deeper read-ahead and a larger cache.
-        count = max(base, min(len(blocks), (budget - pinned) // slot))
+        count = max(_min_staging(len(blocks)), min(len(blocks), (budget - pinned) // slot))
         self.staging_pool = self.pool(count * slot, initial=0, alignment=DISK_ALIGN)
         self.staging_blocks = [self.staging_pool.allocate(slot) for _ in range(count)]
         staging = [b.view((slot,), torch.uint8) for b in self.staging_blocks]
@@ -275,17 +283,17 @@ class HostStore:
 
     def stats(self) -> dict[str, Any]:
         """Pinned, pageable and staging bytes, and the disk tier's counters."""
-        live = [p for p in (self.master_pool, self.grad_pool, self.staging_pool) if p is not None]
-        pools = [p.stats() for p in live]
+        stats = {id(p): p.stats() for p in (self.master_pool, self.grad_pool, self.staging_pool)
+                 if p is not None}
+        pinned_pools = [p for p in (self.master_pool, self.grad_pool, self.staging_pool)
+                        if p is not None and p.kind == "pinned"]
         disk = self.disk.counters if self.disk is not None else {}
         return {
-            "pinned": sum(p.reserved for p in pools),
-            "pageable_bytes": sum(getattr(s, "pageable_bytes", 0)
-                                  for p, s in zip(live, pools, strict=True)
-                                  if p.kind == "pinned"),
+            "pinned": sum(s.reserved for s in stats.values()),
+            "pageable_bytes": sum(stats[id(p)].pageable_bytes for p in pinned_pools),
             "disk_blocks": len(self.disk_blocks),
             "disk_bytes": sum(b.nbytes for b in self.disk_blocks),
-            "staging_bytes": (self.staging_pool.stats().reserved
+            "staging_bytes": (stats[id(self.staging_pool)].reserved
                               if self.staging_pool is not None else 0),
             "disk_reads": int(disk.get("reads", 0)),
             "disk_read_bytes": int(disk.get("read_bytes", 0)),

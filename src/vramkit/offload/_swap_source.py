@@ -32,14 +32,11 @@ from vramkit.errors import ConfigError
 from vramkit.io._buffers import recompute_meta_buffers
 from vramkit.io._header import TensorEntry
 from vramkit.io.lazy import LazySafetensors, ReadThreads
-from vramkit.io.loader import MemoryEfficientLoader, ModuleFiller, progress_bar
+from vramkit.io.loader import MemoryEfficientLoader, ModuleFiller, progress_bar, show_progress
 
 __all__ = ["CheckpointSource"]
 
 logger = logging.getLogger(__name__)
-
-_AUTO_PROGRESS_BYTES = 1 << 30
-
 
 class CheckpointSource:
     """An open checkpoint matched against a model's tensors.
@@ -115,12 +112,8 @@ class CheckpointSource:
 
     def progress_bar(self, total: int) -> Any:
         """A progress bar over ``total`` bytes (a context manager yielding ``advance(n)``)."""
-        show = self.progress
-        if show is None:
-            import sys
-
-            show = total >= _AUTO_PROGRESS_BYTES and sys.stderr.isatty()
-        return progress_bar(show, total, f"loading {self.checkpoint.source.name}")
+        return progress_bar(show_progress(self.progress, total), total,
+                            f"loading {self.checkpoint.source.name}")
 
     def load_to_device(self, tensors: Sequence[torch.Tensor], device: torch.device
                        ) -> list[tuple[torch.Tensor, bool]]:

@@ -210,6 +210,17 @@ class SwapConfig:
                     f"{self.disk_cache_dir!r}",
                     hint="Pass a path on a local disk, e.g. '/scratch/vramkit-cache'.")
             object.__setattr__(self, "disk_cache_dir", os.fspath(self.disk_cache_dir))
+            if self.host_budget is None:
+                raise ConfigError(
+                    "SwapConfig.disk_cache_dir is where the disk tier writes, and there is no "
+                    "disk tier without host_budget",
+                    hint="Set host_budget (e.g. '8GiB') as well, or drop disk_cache_dir.")
+        if self.host_budget is not None and self.trainable == "swap":
+            raise ConfigError(
+                "SwapConfig.host_budget does not bound trainable='swap' yet: the block "
+                "optimizers' state masters are pinned on their first step and not counted",
+                hint="Drop host_budget for full fine-tuning (pinned = weights + optimizer "
+                     "state), or use it with frozen swapped weights (LoRA).")
         if self.swapped_blocks is not None:
             names = self.swapped_blocks
             if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(
@@ -428,9 +439,11 @@ class BlockSwapper:
                 self._source = CheckpointSource(model, checkpoint, prefix=prefix, strict=strict,
                                                 progress=progress)
                 self._host.source = self._source
-            elif prefix is not None:
-                raise ConfigError("prefix= applies to checkpoint=",
-                                  hint="Pass checkpoint=path with it, or drop prefix.")
+            elif prefix is not None or strict is not True or progress is not None:
+                knob = ("prefix" if prefix is not None
+                        else "strict" if strict is not True else "progress")
+                raise ConfigError(f"{knob}= applies to checkpoint=",
+                                  hint=f"Pass checkpoint=path with it, or drop {knob}.")
             self._attach(found)
             if self._source is not None:
                 self._load_stats = (self._source.bytes_read, time.perf_counter() - began)

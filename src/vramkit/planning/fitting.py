@@ -171,12 +171,12 @@ class Fitted:
         elif checkpoint is not None:
             from vramkit.io.loader import MemoryEfficientLoader
 
-            homes = {id(t): t.device for t in (*model.parameters(), *model.buffers())}
-            MemoryEfficientLoader(self.device).load_into(model, checkpoint, prefix=prefix,
-                                                         strict=strict)
-            for t in (*model.parameters(), *model.buffers()):  # detach: back to the CPU
-                home = homes.get(id(t), torch.device("meta"))
-                self._moved.append((t, torch.device("cpu") if home.type == "meta" else home))
+            result = MemoryEfficientLoader(self.device).load_into(
+                model, checkpoint, prefix=prefix, strict=strict)
+            # load_into puts new tensor objects in the module: detach leaves them on the CPU.
+            loaded = set(result.loaded_keys)
+            state = model.state_dict(keep_vars=True)
+            self._moved += [(state[k], torch.device("cpu")) for k in state if k in loaded]
         else:
             for t in (*model.parameters(), *model.buffers()):
                 if t.device != self.device:

@@ -101,9 +101,11 @@ def reference() -> Net:
     return _reference()
 
 
+@pytest.mark.parametrize("background", [True, False], ids=["background", "foreground"])
 @pytest.mark.parametrize("layout", ["file", "sharded", "diffusers", "diffusers-sharded"])
 def test_loads_into_the_swapped_layout_equal_to_a_normal_load(tmp_path: Path, reference: Net,
-                                                              layout: str) -> None:
+                                                              layout: str,
+                                                              background: bool) -> None:
     state = {k: v.contiguous() for k, v in reference.state_dict().items()}
     if layout == "file":
         path = tmp_path / "model.safetensors"
@@ -120,12 +122,14 @@ def test_loads_into_the_swapped_layout_equal_to_a_normal_load(tmp_path: Path, re
         else:
             _save_sharded(state, path, "diffusion_pytorch_model", 2)
     net = _meta()
-    swapper = BlockSwapper(net, config=CONFIG, device="cpu", checkpoint=path)
-    stats = swapper.stats()
-    assert stats.swapped_blocks == 5 and stats.checkpoint_bytes == sum(
-        v.numel() * v.element_size() for v in state.values())
+    swapper = BlockSwapper(net, config=CONFIG, device="cpu", checkpoint=path,
+                           load_in_background=background)
     assert not any(t.is_meta for t in (*net.parameters(), *net.buffers()))
-    _assert_same(net, reference)
+    _assert_same(net, reference)  # in the background: each block waits for its own bytes
+    swapper.wait_loaded()
+    stats = swapper.stats()
+    assert stats.swapped_blocks == 5 and not stats.loading and stats.checkpoint_bytes == sum(
+        v.numel() * v.element_size() for v in state.values())
     saved = net.state_dict()
     assert all(torch.equal(saved[k], v) for k, v in state.items())
     swapper.detach()  # built on meta: the weights come back to the CPU, with their values
@@ -224,6 +228,7 @@ _RSS_CHILD = textwrap.dedent("""
             net = t.Net(blocks=12)
         net.blocks.requires_grad_(False)
         swapper = BlockSwapper(net, config=CONFIG, device="cpu", checkpoint=path)
+        swapper.wait_loaded()  # the masters fill in the background
     else:  # today's way: the whole model on the CPU, then attached
         net = t.Net(blocks=12)
         net.load_state_dict(load_file(path))

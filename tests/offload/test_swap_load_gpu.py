@@ -27,15 +27,19 @@ def _expected() -> list[float]:
     return _train(_reference().cuda(), device="cuda")
 
 
-def test_checkpoint_into_pinned_masters_trains_like_the_resident_model(checkpoint: Path) -> None:
+@pytest.mark.parametrize("background", [True, False], ids=["background", "foreground"])
+def test_checkpoint_into_pinned_masters_trains_like_the_resident_model(checkpoint: Path,
+                                                                       background: bool) -> None:
     expected = _expected()
     net = _meta()
     with BlockSwapper(net, config=SwapConfig(min_param_bytes=1024), device="cuda",
-                      checkpoint=checkpoint) as swapper:
+                      checkpoint=checkpoint, load_in_background=background) as swapper:
+        assert net.embed.weight.is_cuda
+        losses = _train(net, device="cuda")  # in the background: blocks wait for their bytes
+        swapper.wait_loaded()
+        assert not swapper.stats().loading
         assert swapper.stats().pinned_bytes >= swapper.stats().swapped_bytes > 0
         assert all(b.master.is_pinned() for b in swapper.blocks)
-        assert net.embed.weight.is_cuda
-        losses = _train(net, device="cuda")
     assert losses == expected
 
 

@@ -139,22 +139,19 @@ def install_swap_hooks(block: SwappedBlock, sync: Callable[[], None] | None = No
     for name, module in block.module.named_modules(remove_duplicate=False):
         names.setdefault(id(module), []).append(name)
     tensors = []
-    masters: list[torch.Tensor | None] = (list(block.master_views) if reader is None
-                                          else [None] * len(block.entries))
-    for e, master in zip(block.entries, masters, strict=True):
+    for i, e in enumerate(block.entries):
         keys = [f"{n}.{e.attr}" if n else e.attr for n in names[id(e.owner)]]
 
         def restore(e: Any = e) -> None:
             e.tensor.data = e.placeholder
 
-        def current(m: torch.Tensor | None = master, e: Any = e) -> torch.Tensor:
-            if m is None:
-                assert reader is not None
+        def current(i: int = i, e: Any = e) -> torch.Tensor:
+            if reader is not None:
                 raw = reader(block, e.offset, e.nbytes)
                 return raw.view(e.dtype).view(e.shape)
             if sync is not None:
                 sync()
-            return m
+            return block.master_views[i]  # looked up late: a master may still be filling
 
         tensors.append(MasterTensor(keys, e.tensor, current, restore,
                                     read_only=None if reader is None else

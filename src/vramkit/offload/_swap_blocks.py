@@ -220,6 +220,7 @@ class SwappedBlock:
         self.submodules: list[nn.Module] = []  # the module's submodules when ``params`` was listed
         self.shape_key = -1  # their child and parameter counts then
         self.on_disk = False  # no master: read from disk into staging (SwapConfig.host_budget)
+        self.fill: Any = None  # the MasterFill still writing its master (wait before reading)
 
     def __repr__(self) -> str:
         return f"SwappedBlock({self.name}, {format_size(self.nbytes)})"

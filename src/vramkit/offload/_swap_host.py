@@ -20,20 +20,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from vramkit.errors import ConfigError
-from vramkit.io.lazy import ReadThreads
+from vramkit.errors import ConfigError, OffloadError
 from vramkit.memory.pool import MemoryPool, PoolConfig
 from vramkit.memory.transfer import Streams
 from vramkit.offload._swap_blocks import ALIGN, SwapEntry, SwappedBlock, typed_view
 from vramkit.offload._swap_disk import DISK_ALIGN, CacheFile, DiskRead, DiskTier, open_read
+from vramkit.offload._swap_fill import FillSpec, MasterFill
 from vramkit.offload.blocks import spread_evenly
 from vramkit.units import format_size
 
@@ -79,52 +78,110 @@ class HostStore:
         self.cache: CacheFile | None = None
         self.disk: DiskTier | None = None
         self.disk_blocks: list[SwappedBlock] = []
+        self.filler: MasterFill | None = None
 
     def place(self, blocks: list[SwappedBlock]) -> None:
-        """Give every block a master or a place on disk, filled with its tensors' values, and
-        point its tensors at placeholders."""
+        """Decide where every block lives (a master, or disk), build the disk tier, and point
+        the blocks' tensors at placeholders. The masters are filled by :meth:`fill_masters`."""
         self.blocks = blocks
         self.disk_blocks = self._choose_disk_blocks(blocks)
-        on_disk = {id(b) for b in self.disk_blocks}
-        self._allocate([b for b in blocks if id(b) not in on_disk])
+        # Where each value comes from, taken before the tensors are replaced by placeholders.
+        specs = {id(b): [self._spec(e) for e in b.entries] for b in blocks}
         if self.disk_blocks:
-            self._build_disk_tier(self.disk_blocks)
+            self._build_disk_tier(self.disk_blocks, specs)
+        on_disk = {id(b) for b in self.disk_blocks}
+        in_ram = [b for b in blocks if id(b) not in on_disk]
+        if in_ram:
+            self._prepare_masters(in_ram, specs)
+        # Only now (every value has a way back: a master's fill, or the disk tier).
+        placeholders: dict[torch.dtype, torch.Tensor] = {}
+        for block in blocks:
+            for e in block.entries:
+                self.evict(e, placeholders)
 
-    def _allocate(self, blocks: list[SwappedBlock]) -> None:
-        if not blocks:
-            return
+    def _spec(self, e: SwapEntry) -> FillSpec:
+        source = self.source
+        file = source.entry(e.tensor) if source is not None else None
+        if file is None and e.tensor.is_meta:
+            raise ConfigError(
+                f"{e.attr} of {type(e.owner).__name__} is on the meta device and "
+                + ("the checkpoint does not hold it" if source is not None
+                   else "no checkpoint was given"),
+                hint="Pass BlockSwapper(..., checkpoint=path) for a model built on meta, or "
+                     "materialize the model first.")
+        # The model's own tensor is kept until the block is filled: from it when the file
+        # lacks the tensor, and back into the model should the attach fail.
+        return FillSpec(e, file, None if e.tensor.is_meta else e.tensor.detach())
+
+    def _prepare_masters(self, blocks: list[SwappedBlock], specs: dict[int, list[FillSpec]]
+                         ) -> None:
         total = sum(b.nbytes for b in blocks)
-        config = self.config
         grads = sum(b.nbytes for b in blocks if b.trainable_entries) if self.parks_grads() else 0
         # One segment per master (the pool grows by exactly each request, up to the total), so
-        # the next block's memory is page-locked on a helper thread while this one is filled.
+        # the next block's memory is page-locked while this one is filled.
         self.master_pool = self.pool(total, initial=0)
         if grads:
             self.grad_pool = self.pool(grads)
-        placeholder_cache: dict[torch.dtype, torch.Tensor] = {}
+        self.filler = MasterFill(blocks, specs, self._give_master, self.source,
+                                 threads=_fill_threads())
+
+    def _give_master(self, block: SwappedBlock) -> torch.Tensor:
+        """Pin ``block``'s master (and gradient buffer) and create its views (fill driver)."""
+        assert self.master_pool is not None
+        block.master_block = self.master_pool.allocate(block.nbytes)
+        block.master = block.master_block.view((block.nbytes,), torch.uint8)
+        if block.trainable_entries and self.grad_pool is not None:
+            block.grad_block = self.grad_pool.allocate(block.nbytes)
+            block.grad_buffer = block.grad_block.view((block.nbytes,), torch.uint8)
+        for e in block.entries:
+            view = typed_view(block.master, e.offset, e)
+            block.master_views.append(view)
+            if e.trainable and self.config.trainable == "cpu":
+                e.host_param = nn.Parameter(view, requires_grad=True)  # .grad set by the first
+                # backward that produces one, as for any parameter
+        return block.master
+
+    def fill_masters(self, *, background: bool,
+                     on_done: Callable[[], None] | None = None) -> None:
+        """Fill the masters: now (with a progress bar over a checkpoint's bytes), or in the
+        background (each block's first use waits for it; ``on_done`` runs when all are
+        filled). Background filling is for frozen weights only: trainable masters are read by
+        optimizers the swapper does not see."""
+        filler = self.filler
+        if filler is None:
+            if on_done is not None:
+                on_done()
+            return
+        if background and any(b.trainable_entries for b in filler.blocks):
+            background = False
+        filler._on_done = on_done
+        filler.start(background=background)
+        if background:
+            return
         source = self.source
-        with (ThreadPoolExecutor(1, thread_name_prefix="vramkit-pin") as pinner,
-              (source.progress_bar(total) if source is not None
-               else contextlib.nullcontext(lambda n: None)) as advance):
-            pool = self.master_pool
-            pending = pinner.submit(pool.allocate, blocks[0].nbytes)
-            for i, block in enumerate(blocks):
-                block.master_block = pending.result()
-                if i + 1 < len(blocks):
-                    pending = pinner.submit(pool.allocate, blocks[i + 1].nbytes)
-                block.master = block.master_block.view((block.nbytes,), torch.uint8)
-                if block.trainable_entries and self.grad_pool is not None:
-                    block.grad_block = self.grad_pool.allocate(block.nbytes)
-                    block.grad_buffer = block.grad_block.view((block.nbytes,), torch.uint8)
-                for e in block.entries:
-                    view = typed_view(block.master, e.offset, e)
-                    self.fill(e, view)
-                    block.master_views.append(view)
-                    self.evict(e, placeholder_cache)
-                    if e.trainable and config.trainable == "cpu":
-                        e.host_param = nn.Parameter(view, requires_grad=True)  # .grad set by
-                        # the first backward that produces one, as for any parameter
-                advance(block.nbytes)
+        try:
+            with (source.progress_bar(filler.nbytes) if source is not None
+                  else contextlib.nullcontext(None)) as advance:
+                filler.wait_all(advance)
+        except BaseException:
+            filler.cancel()
+            raise
+
+    def wait(self, block: SwappedBlock | None = None) -> None:
+        """Wait until ``block``'s master (every master: ``None``) is filled."""
+        filler = self.filler
+        if filler is None:
+            return
+        if block is None:
+            filler.wait_all()
+        elif block.fill is not None:
+            filler.wait(block)
+
+    def stop_fill(self) -> None:
+        """Stop a fill still running (a failed attach): nothing writes into the masters once
+        this returns."""
+        if self.filler is not None:
+            self.filler.cancel()
 
     def parks_grads(self) -> bool:
         """Pinned gradient buffers: trainable="cpu" always; "swap" only where gradients wait
@@ -133,22 +190,16 @@ class HostStore:
         return config.trainable == "cpu" or (config.trainable == "swap" and (
             config.accumulation_steps > 1 or config.max_grad_norm is not None))
 
-    def fill(self, e: SwapEntry, view: torch.Tensor) -> None:
-        """Write a swapped tensor's value into ``view`` (its place in a master or staging)."""
-        if self.source is not None and self.source.entry(e.tensor) is not None:
-            self.source.read(e.tensor, view)
-        elif e.tensor.is_meta:
-            raise ConfigError(
-                f"{e.attr} of {type(e.owner).__name__} is on the meta device and "
-                + ("the checkpoint does not hold it" if self.source is not None
-                   else "no checkpoint was given"),
-                hint="Pass BlockSwapper(..., checkpoint=path) for a model built on meta, or "
-                     "materialize the model first.")
+    def fill(self, spec: FillSpec, view: torch.Tensor) -> None:
+        """Write a swapped tensor's value into ``view`` (its place in staging), now."""
+        if spec.file is not None:
+            assert self.source is not None
+            self.source.read(spec.file, view)
         else:
-            view.copy_(e.tensor.detach())
+            assert spec.data is not None
+            view.copy_(spec.data)
 
-    def evict(self, e: SwapEntry,
-                              cache: dict[torch.dtype, torch.Tensor]) -> None:
+    def evict(self, e: SwapEntry, cache: dict[torch.dtype, torch.Tensor]) -> None:
         if e.dtype not in cache:
             cache[e.dtype] = torch.zeros((), dtype=e.dtype, device=self.device)
         e.placeholder = cache[e.dtype].expand(e.shape)
@@ -203,7 +254,8 @@ class HostStore:
                  if self.parks_grads() else 0)
         return sum(b.nbytes for b in blocks if id(b) not in away) + grads
 
-    def _build_disk_tier(self, blocks: list[SwappedBlock]) -> None:
+    def _build_disk_tier(self, blocks: list[SwappedBlock], specs: dict[int, list[FillSpec]]
+                         ) -> None:
         budget = self.config.host_budget
         assert isinstance(budget, int)
         slot = _disk_aligned(max(b.nbytes for b in blocks))
@@ -213,18 +265,15 @@ class HostStore:
         self.staging_pool = self.pool(count * slot, initial=0, alignment=DISK_ALIGN)
         self.staging_blocks = [self.staging_pool.allocate(slot) for _ in range(count)]
         staging = [b.view((slot,), torch.uint8) for b in self.staging_blocks]
-        placeholders: dict[torch.dtype, torch.Tensor] = {}
         reads: dict[SwappedBlock, list[DiskRead]] = {}
         files: dict[Path, Any] = {}
-        source = self.source
         for block in blocks:
-            direct = source is not None and all(source.same_bytes(e.tensor)
-                                                for e in block.entries)
-            if direct:
-                assert source is not None
+            block_specs = specs[id(block)]
+            # Read from the checkpoint itself where it holds the bytes as the module keeps them.
+            if all(s.file is not None and s.file.dtype == s.entry.dtype for s in block_specs):
                 block_reads = []
-                for e in block.entries:
-                    entry = source.entry(e.tensor)
+                for spec in block_specs:
+                    e, entry = spec.entry, spec.file
                     assert entry is not None
                     file = files.get(entry.path)
                     if file is None:
@@ -236,15 +285,12 @@ class HostStore:
                     self.cache = CacheFile(self._cache_dir())
                 buf = staging[0][:block.nbytes]
                 buf.zero_()
-                for e in block.entries:
-                    self.fill(e, typed_view(buf, e.offset, e))
+                for spec in block_specs:
+                    self.fill(spec, typed_view(buf, spec.entry.offset, spec.entry))
                 offset = self.cache.append(buf)
                 reads[block] = [DiskRead(self.cache.reader, offset, _disk_aligned(block.nbytes),
                                          0)]
-            for e in block.entries:
-                self.evict(e, placeholders)
-        self.disk = DiskTier(reads, staging, self.streams,
-                              ReadThreads(max(1, min(8, os.cpu_count() or 1))))
+        self.disk = DiskTier(reads, staging, self.streams, _fill_threads())
         for block in blocks:
             block.on_disk = True
         logger.info("BlockSwapper: %d swapped blocks (%s) stay on disk, read through %d pinned "
@@ -273,13 +319,22 @@ class HostStore:
             return MemoryPool.pinned(config)
         return MemoryPool("cpu", config)
 
-    def restored_views(self, block: SwappedBlock) -> list[torch.Tensor]:
-        """The current value of each of ``block``'s tensors, on the host (detach)."""
+    def restored_views(self, block: SwappedBlock
+                       ) -> tuple[list[torch.Tensor | None], OffloadError | None]:
+        """The current value of each of ``block``'s tensors, on the host (detach); for a block
+        whose master was never filled, the model's own tensors where it had them (``None``
+        where it did not) and the error that stopped the fill."""
         if block.on_disk and self.disk is not None:
             disk = self.disk
             return [typed_view(disk.read_tensor(block, e.offset, e.nbytes), 0, e)
-                    for e in block.entries]
-        return list(block.master_views)
+                    for e in block.entries], None
+        filler = self.filler
+        if filler is not None and filler.covers(block):
+            try:
+                filler.wait(block)
+            except OffloadError as exc:
+                return filler.originals(block), exc
+        return list(block.master_views), None
 
     def stats(self) -> dict[str, Any]:
         """Pinned, pageable and staging bytes, and the disk tier's counters."""
@@ -304,7 +359,11 @@ class HostStore:
         }
 
     def close(self) -> None:
-        """Stop the disk reader and free every host buffer (the device is synchronized)."""
+        """Stop the fill and the disk reader and free every host buffer (the device is
+        synchronized)."""
+        if self.filler is not None:
+            self.filler.cancel()
+            self.filler = None
         if self.disk is not None:
             self.disk.close()
             self.disk = None
@@ -319,6 +378,10 @@ class HostStore:
             if pool is not None:
                 pool.clear(force=True)
         self.master_pool = self.grad_pool = self.staging_pool = None
+
+
+def _fill_threads() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 def _disk_aligned(nbytes: int) -> int:

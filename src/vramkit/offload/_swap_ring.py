@@ -288,6 +288,9 @@ class SlotRing:
         if block.writeback_event is not None:  # ... and arriving in this block's master
             streams.wait(streams.h2d, block.writeback_event)
         if source is None:
+            fill = block.fill
+            if fill is not None:  # loading in the background: this block's bytes first
+                fill.wait(block)
             source = block.master
             if source is None:
                 raise OffloadError(f"swapped block {block.name} has no host master",

@@ -19,10 +19,11 @@ shape checks, ``strict``), before any memory is allocated.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import time
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +38,8 @@ from vramkit.io.loader import MemoryEfficientLoader, ModuleFiller, progress_bar,
 __all__ = ["CheckpointSource"]
 
 logger = logging.getLogger(__name__)
+
+_PIECE = 16 << 20  # reads of a tensor are split into pieces of this size across the threads
 
 class CheckpointSource:
     """An open checkpoint matched against a model's tensors.
@@ -72,8 +75,8 @@ class CheckpointSource:
         for name, key in self._filler.file_key.items():
             self._entry_of.setdefault(id(self._filler.slots[key]), self.checkpoint.entry(name))
         self._threads = ReadThreads(max(1, min(8, os.cpu_count() or 1)))
+        self._lock = threading.Lock()
         self.bytes_read = 0
-        self.seconds = 0.0
 
     @property
     def source(self) -> str:
@@ -91,24 +94,33 @@ class CheckpointSource:
         """The checkpoint tensor that fills ``tensor`` (``None`` when the file lacks it)."""
         return self._entry_of.get(id(tensor))
 
-    def same_bytes(self, tensor: torch.Tensor) -> bool:
-        """Whether the file holds ``tensor``'s bytes as they are (same dtype), so they can be
-        read in place of a copy (the disk tier reads such tensors from the checkpoint)."""
-        entry = self.entry(tensor)
-        return entry is not None and entry.dtype == tensor.dtype
+    def read(self, entry: TensorEntry, dst: torch.Tensor) -> None:
+        """Fill ``dst`` (a contiguous CPU view of ``entry``'s shape, in the module's dtype)
+        from the file, split across the read threads."""
+        self._threads.run(self.read_jobs(entry, dst, _PIECE))
 
-    def read(self, tensor: torch.Tensor, dst: torch.Tensor) -> None:
-        """Fill ``dst`` (a contiguous CPU view, ``tensor``'s shape and dtype) from the file."""
-        entry = self._entry_of[id(tensor)]
-        began = time.perf_counter()
-        if entry.dtype == dst.dtype:
-            self.checkpoint.read_bytes(entry, dst.reshape(-1).view(torch.uint8),
-                                       threads=self._threads)
-        else:  # another dtype on disk: one tensor-sized temporary, converted into place
-            dst.copy_(self.checkpoint.load_tensor(entry.name, threads=self._threads)
-                      .reshape(dst.shape))
-        self.seconds += time.perf_counter() - began
-        self.bytes_read += entry.nbytes
+    def read_jobs(self, entry: TensorEntry, dst: torch.Tensor, piece: int
+                  ) -> list[Callable[[], None]]:
+        """Jobs (run on any thread, in any order) that fill ``dst`` from the file: positional
+        reads of at most ``piece`` bytes straight into ``dst`` when the file holds the module's
+        dtype; else one job reading a tensor-sized temporary and converting it into place."""
+        if entry.dtype != dst.dtype:
+            return [functools.partial(self._convert, entry, dst)]
+        raw = dst.reshape(-1).view(torch.uint8)
+        reader = self.checkpoint.reader(entry.path)
+        return [functools.partial(self._read_piece, reader, raw[start:start + piece],
+                                  entry.file_offset + start)
+                for start in range(0, entry.nbytes, piece)]
+
+    def _read_piece(self, reader: Any, dst: torch.Tensor, offset: int) -> None:
+        reader.read_into(dst, offset)
+        with self._lock:
+            self.bytes_read += dst.numel()
+
+    def _convert(self, entry: TensorEntry, dst: torch.Tensor) -> None:
+        dst.copy_(self.checkpoint.load_tensor(entry.name).reshape(dst.shape))
+        with self._lock:
+            self.bytes_read += entry.nbytes
 
     def progress_bar(self, total: int) -> Any:
         """A progress bar over ``total`` bytes (a context manager yielding ``advance(n)``)."""
@@ -146,8 +158,8 @@ class CheckpointSource:
         loader = MemoryEfficientLoader(device, use_mmap=False, progress=self.progress)
         stats = loader.stream_entries(self.checkpoint, entries, deliver,
                                       self._filler.dtype_for)
-        self.bytes_read += stats.file_bytes
-        self.seconds += stats.seconds
+        with self._lock:
+            self.bytes_read += stats.file_bytes
         return placed
 
     def finish(self, device: torch.device) -> None:

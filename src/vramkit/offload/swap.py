@@ -43,6 +43,7 @@ parameters (LoRA adapters, say) stay on the GPU and only frozen weights are swap
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -275,8 +276,10 @@ class SwapStats:
             time the reader spent; ``disk_hits`` copies served from a staging buffer without a
             read; ``disk_waits`` / ``disk_wait_seconds`` times (and time) a block was needed
             before its read finished.
-        checkpoint_bytes / load_seconds: bytes read from the checkpoint at attach and the
-            time attaching took (``checkpoint=``).
+        checkpoint_bytes / load_seconds: bytes read from the checkpoint and the time from
+            the start of the attach to the end of the load (``checkpoint=``); ``loading``:
+            swapped blocks are still being read in the background (these two figures and
+            ``pinned_bytes`` are then the ones so far).
     """
 
     blocks: int
@@ -309,6 +312,7 @@ class SwapStats:
     disk_wait_seconds: float = 0.0
     checkpoint_bytes: int = 0
     load_seconds: float = 0.0
+    loading: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -361,6 +365,14 @@ class BlockSwapper:
         strict: with ``checkpoint``, refuse missing or unexpected keys (default ``True``).
         progress: with ``checkpoint``, show a progress bar (default: for loads of at least
             1 GiB on a terminal).
+        load_in_background: with ``checkpoint`` and frozen swapped weights (the default
+            ``trainable="resident"``), return once the resident tensors are on ``device`` and
+            fill the swapped blocks' masters in the background, in execution order: the first
+            forward pass runs while the file is read, each block waiting for its own bytes
+            only, so the first step comes about when the read ends. Read errors surface where
+            the block is next used (an :class:`~vramkit.errors.OffloadError`);
+            :meth:`wait_loaded` waits for the whole load. ``False`` loads everything before
+            returning (as trainable swapped weights always do).
 
     Everything that is not a swapped tensor (other modules, resident blocks, small tensors of
     swapped blocks) is moved to ``device``; :meth:`detach` puts every tensor back where it was,
@@ -378,7 +390,8 @@ class BlockSwapper:
                  device: str | int | torch.device = "cuda", *,
                  optimizer: OptimizerFactory | None = None,
                  checkpoint: str | os.PathLike[str] | None = None, prefix: str | None = None,
-                 strict: bool = True, progress: bool | None = None) -> None:
+                 strict: bool = True, progress: bool | None = None,
+                 load_in_background: bool = True) -> None:
         if config is None:
             config = SwapConfig()
         elif not isinstance(config, SwapConfig):
@@ -430,8 +443,9 @@ class BlockSwapper:
         self._unwatch: weakref.finalize | None = None
         self._source: CheckpointSource | None = None
         self._host = HostStore(config, self.device, self.streams, None)
+        self._load_began = time.perf_counter()
         self._load_stats = (0, 0.0)
-        began = time.perf_counter()
+        check_bool("load_in_background", load_in_background)
         try:
             if checkpoint is not None:
                 check_bool("strict", strict)
@@ -439,21 +453,27 @@ class BlockSwapper:
                 self._source = CheckpointSource(model, checkpoint, prefix=prefix, strict=strict,
                                                 progress=progress)
                 self._host.source = self._source
-            elif prefix is not None or strict is not True or progress is not None:
+            elif (prefix is not None or strict is not True or progress is not None
+                  or load_in_background is not True):
                 knob = ("prefix" if prefix is not None
-                        else "strict" if strict is not True else "progress")
+                        else "strict" if strict is not True
+                        else "progress" if progress is not None else "load_in_background")
                 raise ConfigError(f"{knob}= applies to checkpoint=",
                                   hint=f"Pass checkpoint=path with it, or drop {knob}.")
-            self._attach(found)
-            if self._source is not None:
-                self._load_stats = (self._source.bytes_read, time.perf_counter() - began)
+            self._attach(found, background=load_in_background)
         except BaseException:
             self._undo_attach()
+            self._close_source()
             raise
-        finally:
-            if self._source is not None:
-                self._source.close()
-                self._source = self._host.source = None
+
+    def _close_source(self) -> None:
+        """The checkpoint is done with (the load ended, or failed): record its figures, close
+        it. Runs on the fill's driver thread when the masters fill in the background."""
+        source = self._source
+        if source is not None:
+            self._load_stats = (source.bytes_read, time.perf_counter() - self._load_began)
+            source.close()
+            self._source = self._host.source = None
 
     # -- the schedule and the swappable rule ------------------------------------------------
 
@@ -513,7 +533,7 @@ class BlockSwapper:
 
     # -- attaching --------------------------------------------------------------------------
 
-    def _attach(self, found: list[tuple[str, nn.Module]]) -> None:
+    def _attach(self, found: list[tuple[str, nn.Module]], *, background: bool = False) -> None:
         shared = self._shared_tensor_ids(found)
         for entry in self.schedule:
             name, module = found[entry.index]
@@ -562,6 +582,10 @@ class BlockSwapper:
                 self._moved.append((t, torch.device("cpu") if was_meta
                                     else homes.get(id(t), t.device)))
             source.finish(self.device)
+        # Last: the resident tensors are in place, the masters fill (in the background when
+        # asked, and the source is closed when they are filled).
+        self._host.fill_masters(background=background and source is not None,
+                                on_done=self._close_source)
         self._ring = SlotRing(self._blocks, self.device, self.streams,
                               num_slots=self.config.num_slots, lookahead=self.config.lookahead,
                               preserve_rng_state=self.config.preserve_rng_state,
@@ -578,7 +602,7 @@ class BlockSwapper:
         for block in self._blocks:
             self._wrap_forward(block)
             self._state_hooks += install_swap_hooks(
-                block, self._sync_masters,
+                block, functools.partial(self._sync_masters, block),
                 reader=(self._host.disk.read_tensor if block.on_disk and self._host.disk
                         else None))
         watch_structure(True)
@@ -640,8 +664,10 @@ class BlockSwapper:
                     owners.setdefault(id(t), set()).add(where)
         return {k for k, v in owners.items() if len(v) > 1}
 
-    def _sync_masters(self) -> None:
-        """Before the masters are read on the host: pending write-backs land first."""
+    def _sync_masters(self, block: SwappedBlock | None = None) -> None:
+        """Before ``block``'s master (every master: ``None``) is read or written on the host:
+        a background fill and pending write-backs land first."""
+        self._host.wait(block)
         if self._stepper is not None:
             self._stepper.synchronize()
 
@@ -981,8 +1007,15 @@ class BlockSwapper:
             optimizer_steps=stepper.steps if stepper is not None else 0,
             state_bytes=state_bytes,
             state_slot_bytes=stepper.state_slot_bytes() if stepper is not None else 0,
-            **host,
-            checkpoint_bytes=self._load_stats[0], load_seconds=self._load_stats[1])
+            **host, **self._load_figures())
+
+    def _load_figures(self) -> dict[str, Any]:
+        source = self._source  # still open: the masters are filling in the background
+        if source is None:
+            return {"checkpoint_bytes": self._load_stats[0],
+                    "load_seconds": self._load_stats[1], "loading": False}
+        return {"checkpoint_bytes": source.bytes_read,
+                "load_seconds": time.perf_counter() - self._load_began, "loading": True}
 
     def reset_stats(self) -> None:
         """Zero the transfer counters (sizes are kept)."""
@@ -998,9 +1031,24 @@ class BlockSwapper:
                                hint="Each swapper is detached once; create a new one to swap "
                                     "the model again.")
         self._attached = False
-        self._undo_attach()
+        self._undo_attach(detaching=True)
 
-    def _undo_attach(self) -> None:
+    def wait_loaded(self) -> None:
+        """Wait until every swapped block loaded from ``checkpoint=`` is in its master (the
+        load continues in the background after the constructor; see ``load_in_background``).
+
+        Raises:
+            OffloadError: reading the checkpoint failed.
+        """
+        self._host.wait()
+
+    def _undo_attach(self, *, detaching: bool = False) -> None:
+        """Undo what attaching did: every swapped tensor gets its master's value (a failed
+        attach stops a fill still running first; the model's own tensors go back where the
+        masters were not filled, meta tensors stay on meta)."""
+        failed: OffloadError | None = None
+        if not detaching:
+            self._host.stop_fill()
         if self._unwatch is not None:
             self._unwatch()  # runs watch_structure(False) once
             self._unwatch = None
@@ -1017,13 +1065,19 @@ class BlockSwapper:
             if block.wrapper is not None:
                 _patch.restore(block.module, block.wrapper)
                 block.wrapper = None
-            for e, master_view in zip(block.entries, self._host.restored_views(block),
-                                      strict=False):
+            views, error = self._host.restored_views(block)
+            if error is not None and detaching:
+                failed = failed or error
+            # (no views: the attach failed before this block's tensors were replaced)
+            for e, view in zip(block.entries, views, strict=False):
+                e.host_param = None
+                if view is None:  # built on meta and never read (a failed load): meta again
+                    self._back_to_meta(e)
+                    continue
                 restored = torch.empty_strided(e.shape, e.stride, dtype=e.dtype,
                                                device=e.original_device)
-                restored.copy_(master_view)
+                restored.copy_(view)
                 e.tensor.data = restored
-                e.host_param = None
             block.slot = block.bound = None
             block.slot_views.clear()
             block.slot_flat.clear()
@@ -1049,6 +1103,20 @@ class BlockSwapper:
         self._blocks = []
         self._anchor = None
         self._last_hooks = []
+        if failed is not None:
+            raise OffloadError(
+                f"detached, but the swapped blocks whose load failed are left on the meta "
+                f"device: {failed}", hint="Load the model again once the checkpoint reads "
+                "cleanly.") from failed
+
+    @staticmethod
+    def _back_to_meta(e: SwapEntry) -> None:
+        # A meta tensor cannot take another device's data, nor the reverse: a new object.
+        meta = torch.empty_strided(e.shape, e.stride, dtype=e.dtype, device="meta")
+        tensor = (nn.Parameter(meta, requires_grad=e.tensor.requires_grad) if e.is_param
+                  else meta)
+        (e.owner._parameters if e.is_param else e.owner._buffers)[e.attr] = tensor
+        e.tensor = tensor
 
     def __enter__(self) -> BlockSwapper:
         return self

@@ -1,0 +1,259 @@
+"""Filling a swapper's pinned masters at attach, in the foreground or in the background.
+
+:class:`MasterFill` gives each swapped block its pinned master and writes the block's tensors
+into it, block by block in execution order:
+
+* a driver thread page-locks the next block's master (``cudaHostRegister`` through the pinned
+  pool) while the read threads fill the ones before it;
+* every tensor's bytes are split into pieces and all pieces of a block are queued at once, so
+  the disk sees a steady queue of large positional reads across tensors and blocks (no barrier
+  per tensor) -- straight from the checkpoint file into the master;
+* a tensor that comes from the model instead (a model on the CPU) is copied by the same
+  threads.
+
+In the foreground (``wait_all`` at once) this is the attach. In the background
+(``BlockSwapper(..., checkpoint=path)`` with frozen swapped weights) the swapper returns as soon
+as the resident tensors are on the device and the first steps run while the masters fill: a
+block's first use waits for its own bytes only (:meth:`MasterFill.wait`), so the first forward
+pass keeps pace with the disk and the time to the first step is close to the checkpoint's read
+time. A read error surfaces where the block is next needed, as an :class:`OffloadError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vramkit.errors import OffloadError
+from vramkit.io._header import TensorEntry
+from vramkit.offload._swap_blocks import SwapEntry, SwappedBlock, typed_view
+
+if TYPE_CHECKING:
+    from vramkit.offload._swap_source import CheckpointSource
+
+__all__ = ["FillSpec", "MasterFill"]
+
+logger = logging.getLogger(__name__)
+
+PIECE = 16 << 20  # large enough for the disk to stream, small enough to keep every thread busy
+
+
+@dataclass(frozen=True)
+class FillSpec:
+    """Where one swapped tensor's value comes from: ``file`` (a checkpoint tensor) or ``data``
+    (the model's tensor as it was before the swapper replaced it by a placeholder)."""
+
+    entry: SwapEntry
+    file: TensorEntry | None
+    data: torch.Tensor | None
+
+
+def _stopped() -> OffloadError:
+    return OffloadError("the swapper was detached (or its attach failed) before this block's "
+                        "master was filled", hint="Attach again to load the weights.")
+
+
+class _Pending:
+    """One block's fill: how many of its jobs are still running, and the first error."""
+
+    __slots__ = ("error", "event", "lock", "remaining", "specs")
+
+    def __init__(self, specs: list[FillSpec]) -> None:
+        self.specs: list[FillSpec] | None = specs  # dropped once filled (frees model tensors)
+        self.event = threading.Event()
+        self.lock = threading.Lock()
+        self.remaining = 0
+        self.error: BaseException | None = None
+
+
+class MasterFill:
+    """Allocates and fills the masters of ``blocks`` (see the module docstring).
+
+    Args:
+        blocks: the blocks, in the order they are filled (execution order).
+        specs: per block, where each of its entries' values come from.
+        allocate: gives a block its master (pinning it) and returns it; runs on the driver
+            thread, one block at a time.
+        source: the checkpoint ``FillSpec.file`` entries are read from.
+        threads: read/copy threads.
+        on_done: called once on the driver thread when every block is filled or the fill
+            stopped (closes the checkpoint in the background case).
+    """
+
+    def __init__(self, blocks: Sequence[SwappedBlock], specs: dict[int, list[FillSpec]],
+                 allocate: Callable[[SwappedBlock], torch.Tensor],
+                 source: CheckpointSource | None, *, threads: int,
+                 on_done: Callable[[], None] | None = None) -> None:
+        self.blocks = list(blocks)
+        self._pending = {id(b): _Pending(specs[id(b)]) for b in self.blocks}
+        self._allocate = allocate
+        self._source = source
+        self._threads = threads
+        self._on_done = on_done
+        self._cancelled = False
+        self._error: BaseException | None = None
+        self._driver: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self.background = False
+        self.started = 0.0
+        self.seconds: float | None = None  # from start until every block is filled
+        self.nbytes = sum(b.nbytes for b in self.blocks)
+
+    # -- running ---------------------------------------------------------------------------
+
+    def start(self, *, background: bool) -> None:
+        """Start filling; blocks are usable as :meth:`wait` returns for them."""
+        self.background = background
+        self.started = time.perf_counter()
+        for block in self.blocks:
+            block.fill = self
+        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="vramkit-fill")
+        self._driver = threading.Thread(target=self._drive, name="vramkit-fill-driver",
+                                        daemon=True)
+        self._driver.start()
+
+    def _drive(self) -> None:
+        pool = self._pool
+        assert pool is not None
+        try:
+            for block in self.blocks:
+                pending = self._pending[id(block)]
+                if self._cancelled or self._error is not None:
+                    self._fail(pending, self._error or _stopped())
+                    continue
+                try:
+                    master = self._allocate(block)
+                    jobs = self._jobs(block, master, pending)
+                except BaseException as exc:
+                    self._error = self._error or exc
+                    self._fail(pending, exc)
+                    continue
+                pending.remaining = len(jobs)
+                if not jobs:
+                    self._finish_block(pending)
+                for job in jobs:
+                    pool.submit(self._run_job, job, pending)
+        finally:
+            pool.shutdown(wait=True)
+            if self._error is None and not self._cancelled:
+                self.seconds = time.perf_counter() - self.started
+                for block in self.blocks:
+                    block.fill = None  # every later use finds its bytes in place
+                if self.background:
+                    logger.info("BlockSwapper: %d swapped blocks (%.2f GiB) filled in the "
+                                "background in %.1f s", len(self.blocks), self.nbytes / 2**30,
+                                self.seconds)
+            if self._on_done is not None:
+                self._on_done()
+
+    def _jobs(self, block: SwappedBlock, master: torch.Tensor,
+              pending: _Pending) -> list[Callable[[], None]]:
+        jobs: list[Callable[[], None]] = []
+        assert pending.specs is not None
+        for spec in pending.specs:
+            view = typed_view(master, spec.entry.offset, spec.entry)
+            if spec.file is not None:
+                assert self._source is not None
+                jobs += self._source.read_jobs(spec.file, view, PIECE)
+            else:
+                data = spec.data
+                assert data is not None
+                jobs.append(lambda v=view, d=data: v.copy_(d))
+        return jobs
+
+    def _run_job(self, job: Callable[[], None], pending: _Pending) -> None:
+        if pending.error is None and not self._cancelled:
+            try:
+                job()
+            except BaseException as exc:
+                with pending.lock:
+                    pending.error = pending.error or exc
+                self._error = self._error or exc
+        with pending.lock:
+            pending.remaining -= 1
+            last = pending.remaining == 0
+        if last:
+            if self._cancelled and pending.error is None:
+                pending.error = _stopped()
+            self._finish_block(pending)
+
+    def _finish_block(self, pending: _Pending) -> None:
+        if pending.error is None:
+            pending.specs = None  # kept on failure: the model's own values can still go back
+        pending.event.set()
+
+    def _fail(self, pending: _Pending, exc: BaseException) -> None:
+        pending.error = pending.error or exc
+        self._finish_block(pending)
+
+    # -- waiting -----------------------------------------------------------------------------
+
+    def wait(self, block: SwappedBlock) -> None:
+        """Return once ``block``'s master holds its values.
+
+        Raises:
+            OffloadError: reading or copying them failed (or the fill was cancelled).
+        """
+        pending = self._pending[id(block)]
+        pending.event.wait()
+        if pending.error is not None:
+            raise self._wrapped(block, pending.error)
+
+    def wait_all(self, advance: Callable[[int], Any] | None = None) -> None:
+        """Wait for every block in fill order (``advance(bytes)`` after each)."""
+        for block in self.blocks:
+            self.wait(block)
+            if advance is not None:
+                advance(block.nbytes)
+        self.join()
+
+    def join(self) -> None:
+        """Wait for the driver to finish (every job done or dropped)."""
+        if self._driver is not None and self._driver is not threading.current_thread():
+            self._driver.join()
+
+    def cancel(self) -> None:
+        """Stop filling: queued reads are dropped, running ones finish; returns when nothing
+        writes into the masters any more (blocks not filled by then fail)."""
+        self._cancelled = True
+        if self._driver is None:  # never started
+            for pending in self._pending.values():
+                if not pending.event.is_set():
+                    self._fail(pending, _stopped())
+        self.join()
+
+    def covers(self, block: SwappedBlock) -> bool:
+        """Whether ``block``'s master is (or was to be) filled by this fill."""
+        return id(block) in self._pending
+
+    def originals(self, block: SwappedBlock) -> list[torch.Tensor | None]:
+        """The model's own tensors a block not filled came from (``None`` for those read from
+        the checkpoint, which were never anywhere else)."""
+        pending = self._pending[id(block)]
+        if pending.specs is None:
+            return [None] * len(block.entries)
+        return [spec.data for spec in pending.specs]
+
+    @property
+    def done(self) -> bool:
+        """Whether every block is filled (or failed)."""
+        return all(p.event.is_set() for p in self._pending.values())
+
+    def _wrapped(self, block: SwappedBlock, exc: BaseException) -> OffloadError:
+        if isinstance(exc, OffloadError):
+            return exc
+        where = (f"reading swapped block {block.name} from {self._source.source}"
+                 if self._source is not None else f"copying swapped block {block.name}")
+        error = OffloadError(f"{where} failed: {type(exc).__name__}: {exc}",
+                             hint="Check the checkpoint file and the disk (a file changed or "
+                                  "truncated after it was opened?); the swapper cannot run "
+                                  "without these weights.")
+        error.__cause__ = exc
+        return error

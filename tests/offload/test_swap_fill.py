@@ -1,0 +1,166 @@
+"""Masters filled in the background (``BlockSwapper(..., checkpoint=path)``): the swapper returns
+before the swapped blocks are read, each block's first use waits for its own bytes, read errors
+surface where a block is needed, and detach / state_dict / a failed attach never lose values."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.offload.test_swap_load import CONFIG, Net, _assert_same, _meta, _reference
+from vramkit.errors import ConfigError, OffloadError
+from vramkit.offload._swap_source import CheckpointSource
+from vramkit.offload.swap import BlockSwapper, SwapConfig
+
+
+@pytest.fixture()
+def reference() -> Net:
+    return _reference()
+
+
+@pytest.fixture()
+def path(tmp_path: Path, reference: Net) -> Path:
+    file = tmp_path / "model.safetensors"
+    save_file(reference.state_dict(), str(file))
+    return file
+
+
+def _fill_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("vramkit-fill")]
+
+
+@pytest.fixture()
+def patch_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., list[str]]]:
+    """``patch_reads(fail=prefix, delay=s)``: checkpoint reads of tensors whose name starts
+    with ``fail`` raise OSError, every read first sleeps ``delay``; returns the names of the
+    tensors in the order their reads started."""
+    started: list[str] = []
+    real = CheckpointSource.read_jobs
+
+    def install(fail: str | None = None, delay: float = 0.0) -> list[str]:
+        def read_jobs(self: CheckpointSource, entry: Any, dst: torch.Tensor,
+                      piece: int) -> list[Callable[[], None]]:
+            jobs = real(self, entry, dst, piece)
+
+            def wrapped(job: Callable[[], None]) -> Callable[[], None]:
+                def run() -> None:
+                    started.append(entry.name)
+                    time.sleep(delay)
+                    if fail is not None and entry.name.startswith(fail):
+                        raise OSError(5, "Input/output error")
+                    job()
+                return run
+            return [wrapped(j) for j in jobs]
+
+        monkeypatch.setattr(CheckpointSource, "read_jobs", read_jobs)
+        return started
+
+    yield install
+    assert not _fill_threads(), "a fill thread outlived its swapper"
+
+
+def test_the_swapper_returns_before_the_masters_are_read_and_the_forward_waits(
+        path: Path, reference: Net, patch_reads: Callable[..., list[str]]) -> None:
+    started = patch_reads(delay=0.05)
+    net = _meta()
+    swapper = BlockSwapper(net, config=CONFIG, device="cpu", checkpoint=path)
+    assert swapper.stats().loading  # 10 reads of 50 ms on 8 threads: still under way
+    _assert_same(net, reference)  # each block waited for its own bytes
+    swapper.wait_loaded()
+    stats = swapper.stats()
+    assert not stats.loading and stats.load_seconds > 0
+    # Filled in execution order: a block's reads start after the ones before it.
+    blocks = [int(name.split(".")[1]) for name in started if name.startswith("blocks.")]
+    assert blocks == sorted(blocks) and set(blocks) == set(range(5))
+    swapper.detach()
+
+
+def test_a_read_error_surfaces_where_the_block_is_needed(
+        path: Path, reference: Net, patch_reads: Callable[..., list[str]]) -> None:
+    patch_reads(fail="blocks.3.")
+    net = _meta()
+    swapper = BlockSwapper(net, config=CONFIG, device="cpu", checkpoint=path)
+    with pytest.raises(OffloadError, match=r"blocks\.3.*Input/output error") as info:
+        net(torch.randn(2, 16))
+    assert "checkpoint" in info.value.hint
+    with pytest.raises(OffloadError, match=r"blocks\.3"):
+        swapper.wait_loaded()
+    # Detach still undoes everything; the block never read goes back to meta, the rest has
+    # its values.
+    with pytest.raises(OffloadError, match="meta"):
+        swapper.detach()
+    lost = {"blocks.3.up.weight", "blocks.3.down.weight"}  # its swapped tensors
+    ref = reference.state_dict()
+    for name, value in net.state_dict().items():
+        if name in lost:
+            assert value.is_meta, name
+        else:
+            assert value.device.type == "cpu" and torch.equal(value, ref[name]), name
+
+
+def test_a_failed_foreground_load_gives_a_materialized_model_its_values_back(
+        path: Path, reference: Net, patch_reads: Callable[..., list[str]]) -> None:
+    patch_reads(fail="blocks.2.")
+    net = _reference(seed=1)  # on the CPU with other values: the checkpoint's would win
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(OffloadError, match=r"blocks\.2"):
+        BlockSwapper(net, config=CONFIG, device="cpu", checkpoint=path,
+                     load_in_background=False)
+    # What was read has the checkpoint's values; the swapped tensors of the block whose read
+    # failed keep the model's own (so may later blocks', the fill stopped at the error);
+    # nothing is left on meta or as a placeholder.
+    after, ref = net.state_dict(), reference.state_dict()
+    for name, value in after.items():
+        assert value.device.type == "cpu", name
+        swapped = name.endswith(("up.weight", "down.weight"))
+        if swapped and name.startswith("blocks.2."):
+            assert torch.equal(value, before[name]), name
+        elif swapped and name.startswith(("blocks.3.", "blocks.4.")):
+            assert torch.equal(value, before[name]) or torch.equal(value, ref[name]), name
+        else:
+            assert torch.equal(value, ref[name]), name
+
+
+def test_detach_and_state_dict_during_the_load_wait_for_it(
+        path: Path, reference: Net, patch_reads: Callable[..., list[str]]) -> None:
+    patch_reads(delay=0.05)
+    ref = reference.state_dict()
+    net = _meta()
+    swapper = BlockSwapper(net, config=CONFIG, device="cpu", checkpoint=path)
+    saved = net.state_dict()  # reads each master as it is filled
+    assert all(torch.equal(saved[k], v) for k, v in ref.items())
+    net2 = _meta()
+    swapper2 = BlockSwapper(net2, config=CONFIG, device="cpu", checkpoint=path)
+    assert swapper2.stats().loading
+    swapper2.detach()  # waits: the weights come back with their values
+    assert all(torch.equal(net2.state_dict()[k], v) for k, v in ref.items())
+    swapper.detach()
+
+
+def test_trainable_swapped_weights_load_before_the_constructor_returns(
+        path: Path, reference: Net) -> None:
+    net = _meta()
+    net.blocks.requires_grad_(True)
+    swapper = BlockSwapper(net, config=SwapConfig(min_param_bytes=1024, trainable="cpu"),
+                           device="cpu", checkpoint=path)
+    assert not swapper.stats().loading  # host_parameters() are the masters: filled already
+    ref = reference.state_dict()
+    host = swapper.host_parameters()
+    assert host and all(not p.is_meta for p in host)
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in ref.items())
+    swapper.detach()
+
+
+def test_load_in_background_is_checked(path: Path, reference: Net) -> None:
+    with pytest.raises(ConfigError, match="load_in_background"):
+        BlockSwapper(reference, config=CONFIG, device="cpu", load_in_background=False)
+    with pytest.raises(ConfigError, match="load_in_background"):
+        BlockSwapper(_meta(), config=CONFIG, device="cpu", checkpoint=path,
+                     load_in_background="yes")  # type: ignore[arg-type]

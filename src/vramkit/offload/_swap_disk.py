@@ -30,7 +30,8 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 
 from vramkit.errors import OffloadError
-from vramkit.io.lazy import ReadThreads, pread_into
+from vramkit.io.lazy import pread_into
 from vramkit.memory.transfer import Streams
 from vramkit.offload._swap_blocks import SwappedBlock
 
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 DISK_ALIGN = 4096  # O_DIRECT: offsets, lengths and buffer addresses in whole logical blocks
 _PIECE = 8 << 20  # reads larger than this are split across the read threads
+_IN_FLIGHT = 2  # blocks being read at once
 _DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
 
 
@@ -179,11 +181,13 @@ class DiskTier:
         staging: the pinned staging buffers (uint8, at least as large as every disk block).
         streams: the device's copy streams (a buffer's host->device copy is waited for, on the
             reader thread, before it is refilled).
-        threads: read threads large reads are split across.
+        threads: read threads; the pieces of up to two blocks' reads are queued on them at
+            once, so the disk never idles between one block's last piece and the next one's
+            first.
     """
 
     def __init__(self, reads: dict[SwappedBlock, list[DiskRead]], staging: Sequence[torch.Tensor],
-                 streams: Streams, threads: ReadThreads) -> None:
+                 streams: Streams, threads: int) -> None:
         if len(staging) < 2:
             raise OffloadError("the disk tier needs at least two staging buffers",
                                hint="This is a vramkit bug; please report it.")
@@ -193,6 +197,8 @@ class DiskTier:
         self.depth = len(self.staging) - 1  # upcoming blocks wanted; one buffer stays free
         self.streams = streams
         self._threads = threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="vramkit-disk-read")
+        self._in_flight = 0
         self._cond = threading.Condition()
         self._wanted: list[SwappedBlock] = []
         self._closed = False
@@ -297,46 +303,71 @@ class DiskTier:
             with self._cond:
                 job = None
                 while not self._closed and self._error is None:
-                    job = self._next_job()
-                    if job is not None:
-                        break
+                    if self._in_flight < _IN_FLIGHT:
+                        job = self._next_job()
+                        if job is not None:
+                            break
                     self._cond.wait()
                 if job is None:
                     return
                 buf, block = job
                 buf.block, buf.state = block, "reading"
                 event, buf.event = buf.event, None
+                self._in_flight += 1
             try:
                 if event is not None:  # its last copy to the GPU must be done before a refill
                     self.streams.synchronize(event)
-                began = time.perf_counter()
-                self._read_block(block, buf.tensor)
-                seconds = time.perf_counter() - began
+                self._start_read(block, buf)
             except BaseException as exc:  # surfaced by the next request()
-                with self._cond:
-                    buf.block, buf.state = None, "empty"
-                    self._error = exc
-                    self._cond.notify_all()
+                self._read_done(buf, block, 0.0, exc)
                 return
-            with self._cond:
+
+    def _start_read(self, block: SwappedBlock, buf: _Staging) -> None:
+        """Queue every piece of ``block``'s reads; the last one to finish marks ``buf`` ready."""
+        pieces: list[tuple[_DiskFile, torch.Tensor, int]] = []
+        for r in self.reads[block]:
+            target = buf.tensor[r.dst_offset:r.dst_offset + r.nbytes]
+            step = max(_PIECE, -(-r.nbytes // self._threads))
+            step = -(-step // DISK_ALIGN) * DISK_ALIGN
+            pieces += [(r.file, target[start:start + step], r.file_offset + start)
+                       for start in range(0, r.nbytes, step)]
+        state = {"left": len(pieces), "error": None}
+        lock = threading.Lock()
+        began = time.perf_counter()
+
+        def piece(file: _DiskFile, dst: torch.Tensor, offset: int) -> None:
+            error = None
+            try:
+                file.read(dst, offset)
+            except BaseException as exc:
+                error = exc
+            with lock:
+                state["error"] = state["error"] or error
+                state["left"] -= 1
+                last = state["left"] == 0
+            if last:
+                self._read_done(buf, block, time.perf_counter() - began, state["error"])
+
+        if not pieces:
+            self._read_done(buf, block, 0.0, None)
+        for file, dst, offset in pieces:
+            self._pool.submit(piece, file, dst, offset)
+
+    def _read_done(self, buf: _Staging, block: SwappedBlock, seconds: float,
+                   error: BaseException | None) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            if error is not None:
+                buf.block, buf.state = None, "empty"
+                self._error = self._error or error
+            else:
                 buf.state = "ready"
                 self._clock += 1
                 buf.last_used = self._clock
                 self.counters["reads"] += 1
                 self.counters["read_bytes"] += sum(r.nbytes for r in self.reads[block])
                 self.counters["read_seconds"] += seconds
-                self._cond.notify_all()
-
-    def _read_block(self, block: SwappedBlock, dst: torch.Tensor) -> None:
-        jobs: list[Callable[[], None]] = []
-        for r in self.reads[block]:
-            target = dst[r.dst_offset:r.dst_offset + r.nbytes]
-            step = max(_PIECE, -(-r.nbytes // self._threads.threads))
-            step = -(-step // DISK_ALIGN) * DISK_ALIGN
-            for start in range(0, r.nbytes, step):
-                piece = target[start:start + step]
-                jobs.append(lambda f=r.file, p=piece, o=r.file_offset + start: f.read(p, o))
-        self._threads.run(jobs)
+            self._cond.notify_all()
 
     def _read_direct(self, r: DiskRead, out: torch.Tensor) -> None:
         # O_DIRECT wants an aligned buffer: read into an anonymous mapping, then copy.
@@ -369,6 +400,7 @@ class DiskTier:
             self._closed = True
             self._cond.notify_all()
         self._thread.join()
+        self._pool.shutdown(wait=True)  # reads under way finish before the files close
         files = {id(r.file): r.file for reads in self.reads.values() for r in reads}
         for f in files.values():
             f.close()

@@ -179,3 +179,19 @@ def test_info_disk_errors_in_a_real_process(tmp_path: Path) -> None:
     proc = run_vramkit("info", "--no-torch", "--disk", str(empty))
     check_error(proc.returncode, proc.stdout, proc.stderr, sub="info", exit_code=1,
                 says=("empty",))
+
+
+def test_info_disk_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    install_missing_nvml(monkeypatch)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\x01" * (1 << 20))
+    data = _run_json(capsys, "--no-torch", "--disk", str(path), "--disk-threads", "4")
+    assert data["disk"]["threads"] == 4 and data["disk"]["bytes"] == 1 << 20
+    assert main(["info", "--no-torch", "--disk", str(path), "--disk-threads", "4"]) == 0
+    assert "4 threads" in capsys.readouterr().out
+    for argv, says in ((["--disk-threads", "4"], "--disk"),
+                       (["--disk", str(path), "--disk-threads", "0"], "threads")):
+        code = main(["info", "--no-torch", *argv])
+        captured = capsys.readouterr()
+        check_error(code, captured.out, captured.err, sub="info", exit_code=1, says=(says,))

@@ -83,8 +83,27 @@ def test_to_dict_is_json_serializable(tmp_path: Path) -> None:
     path = _file(tmp_path / "f.bin", 64 * 1024)
     result = measure_read_bandwidth(str(path))
     data = json.loads(json.dumps(result.to_dict()))
-    assert set(data) == {"path", "bytes", "seconds", "gb_per_s", "method"}
+    assert set(data) == {"path", "bytes", "seconds", "gb_per_s", "method", "threads"}
     assert "GB/s" in str(result)
+
+
+@pytest.mark.parametrize("cold", [True, False])
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_parallel_reads_cover_the_file_once(tmp_path: Path, threads: int, cold: bool) -> None:
+    # 5 ranges of 16 KiB and a short one: every byte counted once, whatever the thread count
+    path = _file(tmp_path / "f.bin", 5 * 16384 + 5000)
+    result = measure_read_bandwidth(path, block_bytes="16KiB", threads=threads, cold=cold)
+    assert result.bytes == 5 * 16384 + 5000 and result.threads == threads
+    assert (f"{threads} threads" in str(result)) == (threads > 1)
+    capped = measure_read_bandwidth(path, block_bytes="16KiB", max_bytes="40KiB",
+                                    threads=threads, cold=cold)
+    assert capped.bytes == 40 * 1024
+
+
+def test_bad_thread_count(tmp_path: Path) -> None:
+    path = _file(tmp_path / "f.bin", 4096)
+    with pytest.raises(ConfigError, match="threads"):
+        measure_read_bandwidth(path, threads=0)
 
 
 def test_missing_path(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from vramkit import __version__
 from vramkit.cli._output import console, print_json
-from vramkit.errors import VramkitError
+from vramkit.errors import ConfigError, VramkitError
 from vramkit.units import format_size
 
 # Variables that change which devices a process sees or how memory is managed. The deprecated
@@ -59,6 +59,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--disk", metavar="PATH",
                         help="also time a cold sequential read (up to 1 GiB) of PATH, a "
                              "checkpoint file or directory (its largest file is read)")
+    parser.add_argument("--disk-threads", type=int, default=1, metavar="N",
+                        help="with --disk: N reads in flight at once (default 1; NVMe and "
+                             "network disks often need several to reach their bandwidth)")
     parser.set_defaults(func=run)
 
 
@@ -185,8 +188,10 @@ def _render_host(out: Any, host: dict[str, Any]) -> None:
 
 
 def _render_disk(out: Any, disk: dict[str, Any]) -> None:
+    threads = disk.get("threads", 1)
     out.print(f"disk read: {disk['gb_per_s']:.2f} GB/s  ({format_size(disk['bytes'])} of "
-              f"{disk['path']} in {disk['seconds']:.3f} s, {disk['method']})")
+              f"{disk['path']} in {disk['seconds']:.3f} s, {disk['method']}"
+              + (f", {threads} threads" if threads > 1 else "") + ")")
 
 
 def render(info: dict[str, Any]) -> None:
@@ -254,7 +259,9 @@ def run(args: argparse.Namespace) -> int:
         from vramkit.io.disk import measure_read_bandwidth
 
         # Measured first: a bad path ends as one error, before anything is printed.
-        disk = measure_read_bandwidth(args.disk).to_dict()
+        disk = measure_read_bandwidth(args.disk, threads=args.disk_threads).to_dict()
+    elif args.disk_threads != 1:
+        raise ConfigError("--disk-threads applies to --disk", hint="Add --disk PATH.")
     info = collect_info(include_torch=not args.no_torch, include_jax=args.jax)
     if disk is not None:
         info["disk"] = disk

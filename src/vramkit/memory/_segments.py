@@ -381,7 +381,30 @@ class RegisteredPinnedSegments(PinnedSegmentBackend):
         del mapping  # the tensor keeps the mapping alive; it is unmapped with the last view
         start = (-whole.data_ptr()) % self.alignment
         storage = whole[start:start + size]
-        ptr = storage.data_ptr()
+        del whole
+        try:
+            self.pin(storage)
+        except DeviceError:
+            del storage  # unmap now, not when the caller drops the traceback
+            raise
+        return storage  # page-locked, or the same mapping pageable
+
+    def pin(self, storage: torch.Tensor) -> bool:
+        """Page-lock ``storage`` (host memory mapped by this process: a segment, or a mapping
+        shared with other processes) with ``cudaHostRegister``; it stays registered until
+        :meth:`release`-d or :meth:`close`-d.
+
+        Args:
+            storage: a 1-D uint8 CPU tensor whose memory outlives the registration.
+
+        Returns:
+            ``True`` when locked; ``False`` when it stays pageable (the process is told once,
+            :func:`warn_pin_fallback`).
+
+        Raises:
+            DeviceError: it cannot be locked and ``pin_fallback`` is off.
+        """
+        ptr, size = storage.data_ptr(), storage.numel()
         host = read_host()
         cause = self._over_cap(host, size)
         capped = cause is not None
@@ -391,10 +414,10 @@ class RegisteredPinnedSegments(PinnedSegmentBackend):
                 with self._lock:
                     self.registered[ptr] = storage
                 self._mark_locked(storage, size)
-                return storage
+                return True
             drain_last_cuda_error(self.cudart)
             if not self.pin_fallback:
-                del whole, storage  # unmap now, not when the caller drops the traceback
+                del storage  # the traceback keeps this frame: it must not keep the memory
                 raise DeviceError(
                     f"cudaHostRegister of a {size}-byte pinned segment failed: "
                     f"{_error_name(self.cudart, code)} (cudaError {code})",
@@ -403,12 +426,9 @@ class RegisteredPinnedSegments(PinnedSegmentBackend):
                          "leave PoolConfig.pin_fallback on to go on with pageable memory.")
             cause = (f"cudaHostRegister returned {_error_name(self.cudart, code)} "
                      f"(cudaError {code})")
-        try:
-            self._not_pinned(size, cause, host, capped)
-        except DeviceError:
-            del whole, storage
-            raise
-        return storage  # the same mapping, pageable
+        del storage
+        self._not_pinned(size, cause, host, capped)
+        return False
 
     def release(self, segment: Segment) -> None:
         if segment.storage is not None:

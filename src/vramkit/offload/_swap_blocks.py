@@ -13,7 +13,7 @@ swapper only through that interface.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import torch
 from torch import nn
 
+from vramkit.errors import OffloadError
 from vramkit.memory.layout import align_up, calculate_alignment, is_dense
 from vramkit.offload.blocks import module_bytes
 from vramkit.units import format_size
@@ -221,6 +222,7 @@ class SwappedBlock:
         self.shape_key = -1  # their child and parameter counts then
         self.on_disk = False  # no master: read from disk into staging (SwapConfig.host_budget)
         self.fill: Any = None  # the MasterFill still writing its master (wait before reading)
+        self.module_type: type = type(module)  # FSDP re-classes a module it shards: seen here
 
     def __repr__(self) -> str:
         return f"SwappedBlock({self.name}, {format_size(self.nbytes)})"
@@ -258,3 +260,24 @@ class BlockRuntime(Protocol):
 
     def end_block_backward(self, block: SwappedBlock) -> None:
         """After it did: its gradients leave the GPU."""
+
+
+def complete_gradients(hook: Callable[[str, list[torch.Tensor]], None] | None,
+                       block: SwappedBlock, grads: list[torch.Tensor]) -> None:
+    """A swapped block's trainable gradients are complete for the step: give them to the
+    swapper's gradient hook (``BlockSwapper.set_gradient_hook``). Without a hook in a job of
+    several processes, refuse: DDP does not see swapped weights, so each rank would step its own
+    gradients and the replicas would drift apart without a word."""
+    if hook is not None:
+        if grads:
+            hook(block.name, grads)
+        return
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise OffloadError(
+            f"swapped block {block.name} has trainable weights whose gradients no one reduces "
+            f"across the {dist.get_world_size()} processes of this job (DDP leaves swapped "
+            "weights to the swapper)",
+            hint="Wrap the model with vramkit.distributed.wrap_ddp(model, swapper), which "
+                 "averages them; or call swapper.set_gradient_hook(lambda name, grads: None) "
+                 "to train each rank's copy on its own on purpose.")

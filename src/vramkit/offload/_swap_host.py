@@ -13,6 +13,9 @@
   on disk so that masters plus staging buffers fit the budget; what is left of the budget buys
   more staging buffers (a deeper read-ahead, a larger cache). See
   :mod:`vramkit.offload._swap_disk`.
+* **Masters in memory the swapper does not own** (:class:`MasterMemory`): frozen blocks' masters
+  can live in memory shared by the processes of one node (``vramkit.distributed``), one copy
+  per node instead of one per rank; one process writes them, the others only map them.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -40,11 +43,37 @@ if TYPE_CHECKING:
     from vramkit.offload._swap_source import CheckpointSource
     from vramkit.offload.swap import SwapConfig
 
-__all__ = ["HostStore"]
+__all__ = ["HostStore", "MasterMemory"]
 
 logger = logging.getLogger(__name__)
 
 _STAGING_MIN = 3  # disk tier: one buffer copying to the GPU, one ready, one being read
+
+
+class MasterMemory(Protocol):
+    """Memory for frozen blocks' masters that the swapper does not allocate itself.
+
+    ``vramkit.distributed.NodeSharedMasters`` implements it with one shared mapping per node.
+    Every method that says *collective* is called by every process of the job at the same
+    point (each attaches a swapper to the same model with the same config).
+    """
+
+    @property
+    def writer(self) -> bool:
+        """Whether this process writes the masters' values (the others only read them)."""
+
+    def reserve(self, names: list[str], sizes: list[int], device: torch.device
+                ) -> list[torch.Tensor] | None:
+        """Collective: one uint8 tensor of ``sizes[i]`` bytes per block (page-locked for a CUDA
+        ``device`` where possible), or ``None`` when the memory cannot be had this way (the
+        swapper then pins its own masters; the implementation says why)."""
+
+    def published(self, ok: bool) -> None:
+        """Collective: the writer filled the masters (``ok``) or failed; returns when every
+        process may read them, raises in every process when the writer failed."""
+
+    def close(self) -> None:
+        """The masters are no longer used (detach): unpin and unmap this process's view."""
 
 
 def _min_staging(disk_blocks: int) -> int:
@@ -62,14 +91,19 @@ class HostStore:
         streams: the device's copy streams.
         source: the checkpoint swapped tensors are read from, when the swapper was given one
             (used during :meth:`place` only).
+        shared: where frozen blocks' masters live instead of the swapper's own pinned pool
+            (:class:`MasterMemory`); ``None``: the swapper pins its own.
     """
 
     def __init__(self, config: SwapConfig, device: torch.device, streams: Streams,
-                 source: CheckpointSource | None) -> None:
+                 source: CheckpointSource | None, shared: MasterMemory | None = None) -> None:
         self.config = config
         self.device = device
         self.streams = streams
         self.source = source
+        self.shared = shared
+        self.shared_masters: dict[int, torch.Tensor] = {}  # id(block) -> its shared master
+        self._published = False
         self.blocks: list[SwappedBlock] = []
         self.master_pool: MemoryPool | None = None
         self.grad_pool: MemoryPool | None = None
@@ -85,14 +119,20 @@ class HostStore:
         the blocks' tensors at placeholders. The masters are filled by :meth:`fill_masters`."""
         self.blocks = blocks
         self.disk_blocks = self._choose_disk_blocks(blocks)
-        # Where each value comes from, taken before the tensors are replaced by placeholders.
-        specs = {id(b): [self._spec(e) for e in b.entries] for b in blocks}
-        if self.disk_blocks:
-            self._build_disk_tier(self.disk_blocks, specs)
         on_disk = {id(b) for b in self.disk_blocks}
         in_ram = [b for b in blocks if id(b) not in on_disk]
+        self._reserve_shared([b for b in in_ram if not b.trainable_entries])
+        # Blocks whose shared master another process writes need no value from this one (their
+        # tensors may even be on meta).
+        readonly = set() if self.shared is None or self.shared.writer else set(
+            self.shared_masters)
+        # Where each value comes from, taken before the tensors are replaced by placeholders.
+        specs = {id(b): [self._spec(e) for e in b.entries] for b in blocks
+                 if id(b) not in readonly}
+        if self.disk_blocks:
+            self._build_disk_tier(self.disk_blocks, specs)
         if in_ram:
-            self._prepare_masters(in_ram, specs)
+            self._prepare_masters(in_ram, specs, readonly)
         # Only now (every value has a way back: a master's fill, or the disk tier).
         placeholders: dict[torch.dtype, torch.Tensor] = {}
         for block in blocks:
@@ -113,23 +153,42 @@ class HostStore:
         # lacks the tensor, and back into the model should the attach fail.
         return FillSpec(e, file, None if e.tensor.is_meta else e.tensor.detach())
 
-    def _prepare_masters(self, blocks: list[SwappedBlock], specs: dict[int, list[FillSpec]]
-                         ) -> None:
-        total = sum(b.nbytes for b in blocks)
+    def _reserve_shared(self, frozen: list[SwappedBlock]) -> None:
+        """Ask the shared memory for the frozen in-RAM blocks' masters (collective)."""
+        if self.shared is None or not frozen:
+            return
+        masters = self.shared.reserve([b.name for b in frozen], [b.nbytes for b in frozen],
+                                      self.device)
+        if masters is not None:
+            self.shared_masters = {id(b): m for b, m in zip(frozen, masters, strict=True)}
+
+    def _prepare_masters(self, blocks: list[SwappedBlock], specs: dict[int, list[FillSpec]],
+                         readonly: set[int]) -> None:
+        own = sum(b.nbytes for b in blocks if id(b) not in self.shared_masters)
         grads = sum(b.nbytes for b in blocks if b.trainable_entries) if self.parks_grads() else 0
         # One segment per master (the pool grows by exactly each request, up to the total), so
         # the next block's memory is page-locked while this one is filled.
-        self.master_pool = self.pool(total, initial=0)
+        if own:
+            self.master_pool = self.pool(own, initial=0)
         if grads:
             self.grad_pool = self.pool(grads)
-        self.filler = MasterFill(blocks, specs, self._give_master, self.source,
-                                 threads=_fill_threads())
+        for block in blocks:
+            if id(block) in readonly:  # another process writes it: only the views here
+                self._give_master(block)
+        filled = [b for b in blocks if id(b) not in readonly]
+        if filled:
+            self.filler = MasterFill(filled, specs, self._give_master, self.source,
+                                     threads=_fill_threads())
 
     def _give_master(self, block: SwappedBlock) -> torch.Tensor:
         """Pin ``block``'s master (and gradient buffer) and create its views (fill driver)."""
-        assert self.master_pool is not None
-        block.master_block = self.master_pool.allocate(block.nbytes)
-        block.master = block.master_block.view((block.nbytes,), torch.uint8)
+        shared = self.shared_masters.get(id(block))
+        if shared is not None:
+            block.master = shared
+        else:
+            assert self.master_pool is not None
+            block.master_block = self.master_pool.allocate(block.nbytes)
+            block.master = block.master_block.view((block.nbytes,), torch.uint8)
         if block.trainable_entries and self.grad_pool is not None:
             block.grad_block = self.grad_pool.allocate(block.nbytes)
             block.grad_buffer = block.grad_block.view((block.nbytes,), torch.uint8)
@@ -151,9 +210,11 @@ class HostStore:
         if filler is None:
             if on_done is not None:
                 on_done()
+            self._publish(True)
             return
-        if background and any(b.trainable_entries for b in filler.blocks):
-            background = False
+        if background and (self.shared_masters
+                           or any(b.trainable_entries for b in filler.blocks)):
+            background = False  # other processes read shared masters once all are written
         filler._on_done = on_done
         filler.start(background=background)
         if background:
@@ -165,7 +226,15 @@ class HostStore:
                 filler.wait_all(advance)
         except BaseException:
             filler.cancel()
+            self._publish(False)
             raise
+        self._publish(True)
+
+    def _publish(self, ok: bool) -> None:
+        """Shared masters: tell the other processes they are written (collective, once)."""
+        if self.shared is not None and self.shared_masters and not self._published:
+            self._published = True
+            self.shared.published(ok)
 
     def wait(self, block: SwappedBlock | None = None) -> None:
         """Wait until ``block``'s master (every master: ``None``) is filled."""
@@ -343,8 +412,10 @@ class HostStore:
         pinned_pools = [p for p in (self.master_pool, self.grad_pool, self.staging_pool)
                         if p is not None and p.kind == "pinned"]
         disk = self.disk.counters if self.disk is not None else {}
+        shared = sum(m.numel() for m in self.shared_masters.values())
         return {
-            "pinned": sum(s.reserved for s in stats.values()),
+            "pinned": sum(s.reserved for s in stats.values()) + shared,
+            "shared_bytes": shared,
             "pageable_bytes": sum(stats[id(p)].pageable_bytes for p in pinned_pools),
             "disk_blocks": len(self.disk_blocks),
             "disk_bytes": sum(b.nbytes for b in self.disk_blocks),
@@ -378,6 +449,10 @@ class HostStore:
             if pool is not None:
                 pool.clear(force=True)
         self.master_pool = self.grad_pool = self.staging_pool = None
+        if self.shared is not None and self.shared_masters:
+            self._publish(False)  # an attach that failed before the fill: nobody waits forever
+            self.shared_masters = {}
+            self.shared.close()
 
 
 def _fill_threads() -> int:

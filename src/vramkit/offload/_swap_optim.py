@@ -51,7 +51,7 @@ from vramkit._validate import check_number
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.memory.layout import align_up
 from vramkit.memory.pool import MemoryPool, PoolConfig
-from vramkit.offload._swap_blocks import ALIGN, SwappedBlock, typed_view
+from vramkit.offload._swap_blocks import ALIGN, SwappedBlock, complete_gradients, typed_view
 
 if TYPE_CHECKING:
     from vramkit.memory.transfer import Streams
@@ -148,6 +148,7 @@ class SwapStepper:
         self.max_grad_norm = max_grad_norm
         self.counters = counters
         self.steps = 0  # block optimizer steps taken
+        self.gradient_hook: Any = None  # BlockSwapper.set_gradient_hook
         self._host_pool_factory = host_pool
         self._state_pool: MemoryPool | None = None
         self._slot_pool: MemoryPool | None = None
@@ -221,6 +222,8 @@ class SwapStepper:
             self._park_grads(bo)
             return
         bo.micro_steps = 0
+        complete_gradients(self.gradient_hook, block,
+                           [p.grad for p in bo.params if p.grad is not None])
         if self.max_grad_norm is None:
             self._step(bo)
             return

@@ -36,7 +36,14 @@ import torch
 from vramkit.errors import OffloadError
 from vramkit.memory.pool import MemoryPool, PoolConfig
 from vramkit.memory.transfer import Streams
-from vramkit.offload._swap_blocks import ALIGN, Slot, SwappedBlock, WeightRef, typed_view
+from vramkit.offload._swap_blocks import (
+    ALIGN,
+    Slot,
+    SwappedBlock,
+    WeightRef,
+    complete_gradients,
+    typed_view,
+)
 
 if TYPE_CHECKING:
     from vramkit.offload._swap_disk import DiskTier
@@ -86,6 +93,7 @@ class SlotRing:
         self.slot_bytes = max((b.nbytes for b in blocks), default=0)
         # trainable="swap": steps the blocks' optimizers (vramkit.offload._swap_optim).
         self.stepper: SwapStepper | None = None
+        self.gradient_hook: Any = None  # BlockSwapper.set_gradient_hook
         # host_budget: blocks without a master, read from disk into staging ahead of use.
         self.disk: DiskTier | None = None
         self._disk_cache: dict[tuple[int, bool, bool], list[SwappedBlock]] = {}
@@ -394,6 +402,9 @@ class SlotRing:
             return
         if not block.trainable_entries:
             return
+        complete_gradients(self.gradient_hook, block,
+                           [e.tensor.grad for e in block.trainable_entries
+                            if e.tensor.grad is not None and e.host_param is not None])
         streams = self.streams
         ready = streams.event()
         streams.record(ready, streams.current())

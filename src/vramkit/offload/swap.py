@@ -83,7 +83,7 @@ from vramkit.offload._swap_graph import (
     exit_block,
     hook_outputs,
 )
-from vramkit.offload._swap_host import HostStore
+from vramkit.offload._swap_host import HostStore, MasterMemory
 from vramkit.offload._swap_optim import OptimizerFactory, SwappedOptimizer, SwapStepper
 from vramkit.offload._swap_ring import SlotRing
 from vramkit.offload._swap_source import CheckpointSource
@@ -100,7 +100,12 @@ from vramkit.offload.blocks import (
 from vramkit.offload.checkpointing import is_checkpointed, unwrapped_forward
 from vramkit.units import format_size
 
-__all__ = ["BlockFootprint", "BlockScheduleEntry", "BlockSwapper", "SwapConfig", "SwapStats"]
+__all__ = ["BlockFootprint", "BlockScheduleEntry", "BlockSwapper", "GradientHook", "MasterMemory",
+           "SwapConfig", "SwapStats"]
+
+# Called with a swapped block's name and its trainable weights' gradients on the device, once
+# they are complete for the step (see BlockSwapper.set_gradient_hook).
+GradientHook = Callable[[str, list[torch.Tensor]], None]
 
 logger = logging.getLogger(__name__)
 
@@ -276,6 +281,8 @@ class SwapStats:
             time the reader spent; ``disk_hits`` copies served from a staging buffer without a
             read; ``disk_waits`` / ``disk_wait_seconds`` times (and time) a block was needed
             before its read finished.
+        shared_bytes: of ``pinned_bytes``, the masters in memory shared by the processes of
+            one node (``vramkit.distributed``): one copy per node, not per process.
         checkpoint_bytes / load_seconds: bytes read from the checkpoint and the time from
             the start of the attach to the end of the load (``checkpoint=``); ``loading``:
             swapped blocks are still being read in the background (these two figures and
@@ -313,6 +320,7 @@ class SwapStats:
     checkpoint_bytes: int = 0
     load_seconds: float = 0.0
     loading: bool = False
+    shared_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -373,6 +381,16 @@ class BlockSwapper:
             the block is next used (an :class:`~vramkit.errors.OffloadError`);
             :meth:`wait_loaded` waits for the whole load. ``False`` loads everything before
             returning (as trainable swapped weights always do).
+        master_memory: where frozen blocks' masters live instead of this swapper's own pinned
+            pool (a :class:`MasterMemory`); ``vramkit.distributed.shared_swapper`` passes
+            memory shared by the local ranks of a node, so the node holds one copy. Its masters
+            are filled before the constructor returns.
+
+    Distributed training: attach the swapper first, then wrap the model in
+    ``DistributedDataParallel`` (``vramkit.distributed.wrap_ddp`` also broadcasts the masters
+    and reduces swapped trainable gradients). The swapped tensors are listed in the model's
+    ``_ddp_params_and_buffers_to_ignore`` while attached, so DDP neither broadcasts nor reduces
+    their placeholders. A model already wrapped by DDP or sharded by FSDP is refused.
 
     Everything that is not a swapped tensor (other modules, resident blocks, small tensors of
     swapped blocks) is moved to ``device``; :meth:`detach` puts every tensor back where it was,
@@ -391,7 +409,8 @@ class BlockSwapper:
                  optimizer: OptimizerFactory | None = None,
                  checkpoint: str | os.PathLike[str] | None = None, prefix: str | None = None,
                  strict: bool = True, progress: bool | None = None,
-                 load_in_background: bool = True) -> None:
+                 load_in_background: bool = True,
+                 master_memory: MasterMemory | None = None) -> None:
         if config is None:
             config = SwapConfig()
         elif not isinstance(config, SwapConfig):
@@ -400,6 +419,7 @@ class BlockSwapper:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}",
                               hint="Pass the torch.nn.Module whose blocks should be swapped.")
+        _refuse_wrapped(model)
         if config.trainable == "swap" and not callable(optimizer):
             raise ConfigError(
                 "SwapConfig(trainable='swap') steps each swapped block with its own optimizer: "
@@ -442,7 +462,10 @@ class BlockSwapper:
         self._resident_block_bytes = 0
         self._unwatch: weakref.finalize | None = None
         self._source: CheckpointSource | None = None
-        self._host = HostStore(config, self.device, self.streams, None)
+        self._host = HostStore(config, self.device, self.streams, None, master_memory)
+        self._gradient_hook: GradientHook | None = None
+        self._ddp_ignored: tuple[bool, Any] | None = None  # (had the attribute, its value)
+        self._model_type = type(model)
         self._load_began = time.perf_counter()
         self._load_stats = (0, 0.0)
         check_bool("load_in_background", load_in_background)
@@ -605,6 +628,7 @@ class BlockSwapper:
                 block, functools.partial(self._sync_masters, block),
                 reader=(self._host.disk.read_tensor if block.on_disk and self._host.disk
                         else None))
+        self._ignore_in_ddp()
         watch_structure(True)
         # Released by detach(), or when the swapper is collected without one.
         self._unwatch = weakref.finalize(self, watch_structure, False)
@@ -615,6 +639,32 @@ class BlockSwapper:
                     len(self._blocks), len(self.schedule),
                     format_size(sum(b.nbytes for b in self._blocks)), len(self._ring.slots),
                     format_size(self._ring.slot_bytes))
+
+    def _ignore_in_ddp(self) -> None:
+        """List the swapped tensors in ``model._ddp_params_and_buffers_to_ignore`` (DDP's own
+        way to leave tensors out): their placeholders must not be broadcast (they alias one
+        element) nor reduced (vramkit.distributed reduces swapped trainable gradients)."""
+        swapped = {id(e.tensor) for b in self._blocks for e in b.entries}
+        if not swapped:
+            return
+        names = [n for n, t in (*self.model.named_parameters(remove_duplicate=False),
+                                *self.model.named_buffers(remove_duplicate=False))
+                 if id(t) in swapped]
+        had = hasattr(self.model, "_ddp_params_and_buffers_to_ignore")
+        before = getattr(self.model, "_ddp_params_and_buffers_to_ignore", None)
+        self._ddp_ignored = (had, before)
+        merged = list(before or []) + [n for n in names if n not in set(before or [])]
+        self.model._ddp_params_and_buffers_to_ignore = merged  # type: ignore[assignment]
+
+    def _restore_ddp_ignored(self) -> None:
+        if self._ddp_ignored is None:
+            return
+        had, before = self._ddp_ignored
+        self._ddp_ignored = None
+        if had:
+            self.model._ddp_params_and_buffers_to_ignore = before  # type: ignore[assignment]
+        elif hasattr(self.model, "_ddp_params_and_buffers_to_ignore"):
+            del self.model._ddp_params_and_buffers_to_ignore
 
     def _nothing_swapped_reason(self, found: list[tuple[str, nn.Module]]) -> str:
         """Why an attached swapper swaps no block, in words a user can act on."""
@@ -685,6 +735,7 @@ class BlockSwapper:
         block.checkpointed = (checkpointed if self.config.checkpointing is None
                               else self.config.checkpointing)
         block.wrapper = _patch.install(module, _SwappedForward(self, block, fn))
+        block.module_type = type(module)
 
     def _forget_chain(self) -> None:
         self._last_hooks = []
@@ -697,6 +748,9 @@ class BlockSwapper:
             raise OffloadError(f"swapped block {block.name} called after detach()",
                                hint="Call the model, not a forward kept from before detach().")
         ring: SlotRing = self._ring  # type: ignore[assignment]  # set before _attached
+        if type(block.module) is not block.module_type or type(self.model) is not self._model_type:
+            _refuse_wrapped(self.model, attached=True)
+            block.module_type, self._model_type = type(block.module), type(self.model)
         if ring.observe(block):
             self._trainable_cache.clear()
         chain = self._last_hooks
@@ -968,6 +1022,33 @@ class BlockSwapper:
                 ring.release(block, backward=True)
         stepper.finish_pending()
 
+    def set_gradient_hook(self, hook: GradientHook | None) -> None:
+        """Call ``hook(block_name, grads)`` on each swapped block's trainable gradients.
+
+        ``grads`` are the block's gradients on the device (``trainable="cpu"`` or ``"swap"``),
+        complete for the step: after the block's last backward of the step and, with
+        ``accumulation_steps``, of the window; before they go to the host or the block's
+        optimizer steps (and before clipping's norms). The hook may change them in place: a
+        data-parallel job averages them over its ranks here
+        (``vramkit.distributed.wrap_ddp`` installs such a hook). ``None`` removes it.
+
+        In a job of several processes (``torch.distributed`` initialized, world size > 1) a
+        swapper with swapped trainable weights refuses to back-propagate without a hook, since
+        DDP does not see those weights and the ranks would drift apart silently; pass a hook
+        that does nothing to train them per rank on purpose.
+
+        Raises:
+            ConfigError: ``hook`` is not callable.
+        """
+        if hook is not None and not callable(hook):
+            raise ConfigError(f"hook must be callable or None, got {type(hook).__name__}",
+                              hint="Pass a function hook(block_name, grads).")
+        self._gradient_hook = hook
+        if self._ring is not None:
+            self._ring.gradient_hook = hook
+        if self._stepper is not None:
+            self._stepper.gradient_hook = hook
+
     def sync_gradients(self) -> None:
         """Wait (on the host) until every offloaded gradient has arrived and no copy still reads
         the masters: call it once per optimizer step, before stepping the host parameters."""
@@ -1096,6 +1177,7 @@ class BlockSwapper:
             if grad is not None:
                 tensor.grad = grad.to(device)
         self._moved = []
+        self._restore_ddp_ignored()
         if self._ring is not None:
             self._ring.disk = None  # the host store stops the reader
             self._ring.close()
@@ -1108,6 +1190,16 @@ class BlockSwapper:
                 f"detached, but the swapped blocks whose load failed are left on the meta "
                 f"device: {failed}", hint="Load the model again once the checkpoint reads "
                 "cleanly.") from failed
+
+    @property
+    def master_memory(self) -> MasterMemory | None:
+        """The shared memory the frozen masters live in (``None``: this swapper's own pool, or
+        the shared memory could not be had)."""
+        return self._host.shared if self._host.shared_masters else None
+
+    def is_shared(self, block: SwappedBlock) -> bool:
+        """Whether ``block``'s master lives in :attr:`master_memory` (one copy per node)."""
+        return id(block) in self._host.shared_masters
 
     @staticmethod
     def _back_to_meta(e: SwapEntry) -> None:
@@ -1133,3 +1225,37 @@ class BlockSwapper:
                 f"{slots} slots of {format_size(slot_bytes)}, "
                 f"device={self.device}, {state})")
 
+
+
+def _refuse_wrapped(model: nn.Module, *, attached: bool = False) -> None:
+    """Refuse a model wrapped by DDP or sharded by FSDP (``attached``: it happened after the
+    swapper attached, seen at the next call of a swapped block)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        raise ConfigError(
+            "BlockSwapper cannot attach to a DistributedDataParallel wrapper: DDP has already "
+            "registered the weights it would swap (and broadcast them)",
+            hint="Attach to the plain model first, then wrap it: swapper = BlockSwapper(model, "
+                 "...); ddp = vramkit.distributed.wrap_ddp(model, swapper).")
+    sharded = [name or "the model" for name, m in model.named_modules() if _is_fsdp(m)]
+    if sharded:
+        when = ("was sharded by FSDP after the swapper attached" if attached
+                else "is sharded by FSDP")
+        raise ConfigError(
+            f"{sharded[0]} {when}: FSDP and BlockSwapper both own the storage of the same "
+            "parameters (FSDP shards and all-gathers them, the swapper streams them from host "
+            "masters), so they cannot manage one module",
+            hint="Use BlockSwapper with DistributedDataParallel (vramkit.distributed.wrap_ddp), "
+                 "or FSDP with its own CPUOffloadPolicy, not both on the same module "
+                 "(docs/distributed.md has the compatibility matrix).")
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    """Whether ``module`` is managed by FSDP (FSDP2's ``fully_shard`` or FSDP1's wrapper),
+    without importing torch.distributed's FSDP unless torch.distributed is already loaded."""
+    for cls in type(module).__mro__:
+        if cls.__name__ in ("FSDPModule", "FullyShardedDataParallel") and cls.__module__.startswith(
+                "torch.distributed"):
+            return True
+    return False

@@ -56,7 +56,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
          blocks: str | Sequence[str] = "auto", num_slots: Sequence[int] = (1, 2, 3),
          activation_offload: bool = True, autocast: torch.dtype | None = torch.bfloat16,
          cost: ModelCost | None = None, block_times: BlockTimes | None = None,
-         device: str | torch.device | None = None) -> Plan:
+         device: str | torch.device | None = None, reserved_bytes: int | str = 0) -> Plan:
     """Plan a model's memory for a budget at the best predicted step time.
 
     Nothing is allocated or computed: the model runs on the meta device (a meta copy of a real
@@ -95,6 +95,9 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
             :func:`~vramkit.planning.calibration.calibrate_blocks` (used with any
             ``hardware``; with ``None`` they skip the timing runs).
         device: the GPU ``hardware=None`` measures (default: the current CUDA device).
+        reserved_bytes: device memory something else holds during the step, on top of the
+            headroom: DDP's gradient buckets in a data-parallel job
+            (:func:`vramkit.distributed.plan_for_rank` passes them). Default 0.
 
     Returns:
         The :class:`~vramkit.planning.planner.Plan`.
@@ -118,9 +121,11 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         raise ConfigError("num_slots is empty", hint="Pass num_slots=(1, 2, 3) (the default).")
     for r in slots:
         check_int("num_slots", r, minimum=1)
-    reserved = resolve_headroom(budget_bytes, headroom)
-    if reserved >= budget_bytes and headroom is not None:  # the default: PlanError below
-        raise ConfigError(f"headroom {reserved} bytes leaves nothing of the "
+    extra = check_size("reserved_bytes", reserved_bytes)
+    kept = resolve_headroom(budget_bytes, headroom)
+    reserved = kept + extra
+    if kept >= budget_bytes and headroom is not None:  # the default: PlanError below
+        raise ConfigError(f"headroom {kept} bytes leaves nothing of the "
                           f"{budget_bytes}-byte budget",
                           hint="Lower headroom= (a fraction such as 0.05, or a size).")
     target = check_device("device", device, types=("cuda",), allow_none=True)
@@ -146,7 +151,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         low, high = need, max(need, 1) * 4 + (1 << 30)
         while low < high:
             mid = (low + high) // 2
-            if mid - resolve_headroom(mid, headroom) >= need:
+            if mid - resolve_headroom(mid, headroom) - extra >= need:
                 high = mid
             else:
                 low = mid + 1

@@ -145,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
     from vramkit.cli._output import flag_values, print_json
     from vramkit.recipes.demo import plan_demo, run_demo
 
+    if _world_size() > 1:
+        return _run_distributed(args)
     with flag_values():  # every flag, the report path and the plan: before any work
         config = config_from_args(args)
         plan = plan_demo(config)
@@ -290,4 +292,102 @@ def _print_result(con: Any, result: Any) -> None:
                                f"{t['on_demand']} on demand), {format_size(t['h2d_bytes'])} "
                                "host -> device")
     table.add_row("report", result.report_path or f"none ({result.report_skipped})")
+    con.print(table)
+
+
+# -- under torchrun -------------------------------------------------------------------------------
+
+
+def _world_size() -> int:
+    import os
+
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1") or "1")
+    except ValueError:
+        return 1  # init_from_env words the error when a job really starts
+
+
+def _run_distributed(args: argparse.Namespace) -> int:
+    """``torchrun --nproc_per_node N -m vramkit demo``: every rank trains its share, rank 0
+    prints (:mod:`vramkit.recipes.demo_ddp`)."""
+    import torch
+
+    from vramkit.cli._output import flag_values, print_json
+    from vramkit.distributed import init_from_env
+    from vramkit.recipes.demo import DemoConfig
+    from vramkit.recipes.demo_ddp import run_distributed_demo
+
+    with flag_values():
+        if args.report is not None and args.report != "":
+            raise ConfigError(
+                "--report is not available under torchrun: each rank would profile its own "
+                "process",
+                hint="Drop --report (or run the one-process demo, which writes it).")
+        config = DemoConfig(
+            budget=_size("--budget", "budget", args.budget),
+            model_size=_model_size(args.model_size),
+            steps=_whole_number("--steps", args.steps),
+            batch_size=_whole_number("--batch-size", args.batch_size),
+            device=args.device, baseline=False, report="")
+        info = init_from_env(backend="gloo" if args.device == "cpu" else None)
+    try:
+        if args.json:
+            result = run_distributed_demo(config, info)
+            if info.is_main:
+                print_json(result.to_dict())
+            return 0
+        from vramkit.cli._output import console
+
+        con = console()
+        if info.is_main:
+            con.print(f"Data-parallel job: {info.world_size} ranks ({info.backend}); rank 0 "
+                      "reports.")
+        bar = _ProgressBar(con) if info.is_main else None
+        with bar if bar is not None else _nothing():
+            result = run_distributed_demo(config, info,
+                                          progress=bar.update if bar is not None else None)
+        if info.is_main:
+            _print_plan(con, result.plan)
+            _print_distributed(con, result)
+        return 0
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _nothing() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _print_distributed(con: Any, result: Any) -> None:
+    from rich.table import Table
+
+    from vramkit.units import format_size
+
+    plan = result.plan
+    table = Table(title=f"vramkit demo, {result.world_size} ranks", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    table.add_row("swapped", f"{result.swapped_blocks} of {result.total_blocks} blocks per rank, "
+                             f"{format_size(result.swapped_bytes)}"
+                             + ("" if result.plans_agree else " (ranks planned differently)"))
+    shared = (f"{format_size(result.shared_bytes)} of masters shared by the node's ranks (one "
+              "copy)" if result.shared_bytes else "not shared: each rank pins its own")
+    pss = [p for p in result.pss_bytes if p is not None]
+    table.add_row("host memory", shared + (f"; ranks' proportional set size "
+                                           f"{format_size(sum(pss))} together" if pss else ""))
+    verdict = "under" if result.under_budget else "OVER"
+    table.add_row("peak memory", ", ".join(format_size(p) for p in result.peak_bytes)
+                  + f" of {format_size(plan.budget_bytes)} per rank: {verdict} budget "
+                    f"({result.peak_source})")
+    table.add_row(STEP_TIME_LABEL, f"{_ms(result.median_step_seconds)} (slowest rank); "
+                                   f"{result.samples_per_second:.2f} samples/s over the job")
+    table.add_row("loss", f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f} over "
+                          f"{len(result.losses)} steps (mean over ranks)")
+    table.add_row("replicas", "equal on every rank" if result.replicas_max_diff == 0 else
+                  f"differ by up to {result.replicas_max_diff:.3g}")
+    table.add_row("baseline", "not run under torchrun (each rank would hold a second copy); "
+                              "run the one-process demo for it")
     con.print(table)

@@ -2,6 +2,8 @@
 
 * :mod:`vramkit.recipes.demo`: what ``vramkit demo`` runs (plan, LoRA-train a DiT larger than a
   budget under swapping and checkpointing, compare with the resident model).
+* :mod:`vramkit.recipes.demo_ddp`: the demo as a data-parallel job
+  (``torchrun --nproc_per_node N -m vramkit demo``).
 * :mod:`vramkit.recipes.lora`: the demo's LoRA layer (``LoRALinear``, ``add_lora_adapters``).
 * :mod:`vramkit.recipes.presets`: SDXL and Flux memory presets and the verbs that apply them.
 * :mod:`vramkit.recipes.dit`: a Flux-style diffusion transformer with random weights, for the demo
@@ -17,6 +19,7 @@ from vramkit._lazy import lazy_exports
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".demo": ("run_demo", "plan_demo", "DemoConfig", "DemoPlan", "DemoResult", "DemoProgress",
               "DEFAULT_REPORT"),
+    ".demo_ddp": ("run_distributed_demo", "DistributedDemoResult"),
     ".presets": ("SDXLMemoryConfig", "FluxTrainingConfig", "optimize_sdxl_memory",
                  "optimize_flux_memory", "MemoryOptimization", "MemoryEstimate", "ModelProfile",
                  "BlockRow", "measure_model_profile", "unet_blocks", "SDXL_UNET_CONFIG",
@@ -28,6 +31,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
 
 if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.recipes.demo import *  # noqa: F403
+    from vramkit.recipes.demo_ddp import *  # noqa: F403
     from vramkit.recipes.dit import *  # noqa: F403
     from vramkit.recipes.lora import *  # noqa: F403
     from vramkit.recipes.presets import *  # noqa: F403

@@ -354,12 +354,15 @@ def _choose_budget(config: DemoConfig, device: torch.device) -> int | None:
     return budget
 
 
-def plan_demo(config: DemoConfig | None = None) -> DemoPlan:
+def plan_demo(config: DemoConfig | None = None, *, data_parallel: bool = False) -> DemoPlan:
     """Resolve ``config`` for this machine and plan the memory with :func:`vramkit.plan`,
     without building weights.
 
     Args:
         config: the demo settings (default :class:`DemoConfig()`).
+        data_parallel: plan one rank of a DDP job (``torchrun ... vramkit demo``): DDP's
+            gradient buckets (one copy of the adapters' gradients) are kept free as well
+            (:func:`vramkit.distributed.ddp_bucket_bytes`).
 
     Returns:
         The :class:`DemoPlan`.
@@ -394,9 +397,16 @@ def plan_demo(config: DemoConfig | None = None) -> DemoPlan:
     block_bytes = [b.swapped["bf16"] for b in cost.blocks]
     block_resident = sum(b.kept["bf16"] + b.adapters for b in cost.blocks)
     largest = max(block_bytes, default=0)
+    check_bool("data_parallel", data_parallel)
+    buckets = 0
+    if data_parallel:
+        from vramkit.distributed.planning import ddp_bucket_bytes
+
+        buckets = ddp_bucket_bytes(meta)
     options: dict[str, Any] = dict(
         step=flow_matching_loss, blocks=names, headroom=_HEADROOM[kind],
-        num_slots=(config.num_slots,), activation_offload=False, autocast=None, cost=cost)
+        num_slots=(config.num_slots,), activation_offload=False, autocast=None, cost=cost,
+        reserved_bytes=buckets)
     if cuda:  # measured once, for the probe of the minimum and for the plan
         options["hardware"] = measure_machine(device)
         options["block_times"] = calibrate_blocks(meta, batch, step=flow_matching_loss,

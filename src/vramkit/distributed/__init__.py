@@ -1,0 +1,40 @@
+"""Swapped training under torch.distributed: DDP around a swapper, one pinned host copy per node.
+
+* :func:`init_from_env` joins the job ``torchrun`` started (NCCL on GPUs, gloo on the CPU).
+* :func:`shared_swapper` attaches a :class:`~vramkit.offload.swap.BlockSwapper` whose frozen
+  masters live in memory shared by the node's local ranks (:class:`NodeSharedMasters`).
+* :func:`wrap_ddp` wraps the swapped model in ``DistributedDataParallel``: rank 0's masters are
+  broadcast, swapped trainable gradients are averaged by the swapper's hook
+  (:class:`GradientAverager`), the rest by DDP.
+* :func:`plan_for_rank` plans one rank (DDP's buckets counted).
+
+FSDP: the swapper and FSDP both own the storage of the parameters they manage, so one module
+cannot be both swapped and sharded; ``BlockSwapper`` refuses a model FSDP shards, before or
+after it attaches. ``docs/distributed.md`` has the compatibility matrix.
+"""
+
+from __future__ import annotations
+
+from vramkit.distributed.ddp import (
+    GradientAverager,
+    RankInfo,
+    broadcast_masters,
+    init_from_env,
+    shared_swapper,
+    wrap_ddp,
+)
+from vramkit.distributed.planning import ddp_bucket_bytes, plan_for_rank
+from vramkit.distributed.shared import NodeSharedMasters, process_pss_bytes
+
+__all__ = [
+    "GradientAverager",
+    "NodeSharedMasters",
+    "RankInfo",
+    "broadcast_masters",
+    "ddp_bucket_bytes",
+    "init_from_env",
+    "plan_for_rank",
+    "process_pss_bytes",
+    "shared_swapper",
+    "wrap_ddp",
+]

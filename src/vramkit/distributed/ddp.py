@@ -1,0 +1,349 @@
+"""Data-parallel training of swapped models: DDP around a :class:`BlockSwapper`.
+
+The supported order is *swap, then wrap*::
+
+    info = vramkit.distributed.init_from_env()          # torchrun's environment
+    swapper = vramkit.distributed.shared_swapper(model, config=..., device=info.device)
+    ddp = vramkit.distributed.wrap_ddp(model, swapper)  # a DistributedDataParallel
+
+* The swapper lists its swapped tensors in ``model._ddp_params_and_buffers_to_ignore`` while it
+  is attached, DDP's own switch for tensors it must leave alone: their placeholders (one
+  element seen through a zero stride) are neither broadcast at construction -- which is where a
+  plain ``DistributedDataParallel(model)`` failed before ("more than one element of the
+  written-to tensor refers to a single memory location") -- nor bucketed for reduction.
+* The gradients of trainable parameters that are not swapped (LoRA adapters, resident layers)
+  reduce through DDP as usual, overlapped with backward by its buckets.
+* Swapped trainable weights (``SwapConfig(trainable="cpu")`` or ``"swap"``) reduce through the
+  swapper's gradient hook (:class:`GradientAverager`): as soon as a block's gradients are
+  complete, on the device, before they go to the host or the block's optimizer steps. The
+  all-reduce is queued behind the block's backward on the compute stream; the copy streams keep
+  prefetching meanwhile.
+* The initial state goes through the host masters (:func:`broadcast_masters`): rank 0's masters
+  reach every rank (node-shared masters only between nodes: a node holds one copy already).
+* Attaching a swapper to a model DDP already wraps is refused (``BlockSwapper`` raises): DDP
+  would have broadcast and registered the very tensors the swapper replaces.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from vramkit._validate import check_choice
+from vramkit.distributed.shared import NodeSharedMasters
+from vramkit.errors import ConfigError, OffloadError
+from vramkit.offload.swap import BlockSwapper, SwapConfig
+from vramkit.units import format_size
+
+__all__ = ["GradientAverager", "RankInfo", "broadcast_masters", "init_from_env",
+           "shared_swapper", "wrap_ddp"]
+
+logger = logging.getLogger(__name__)
+
+_STAGING = 64 << 20  # bytes per broadcast through the GPU (NCCL reduces device tensors only)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process stands in its job.
+
+    Attributes:
+        rank / world_size: this process and the job's processes.
+        local_rank / local_world_size: the same on this node.
+        device: this process's device (``cuda:<local_rank>``, or ``cpu``).
+        backend: the process group's backend (``"nccl"``, ``"gloo"``), ``None`` when the job is
+            one process and no group was created.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is rank 0 (the one that prints)."""
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} is not an integer",
+                          hint="Launch with torchrun, which sets RANK, WORLD_SIZE and "
+                               "LOCAL_RANK.") from None
+
+
+def init_from_env(backend: str | None = None, *, timeout_seconds: float = 600.0) -> RankInfo:
+    """Join the job torchrun (or ``accelerate launch``) started, from its environment.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; with a GPU per
+    local rank it makes ``cuda:<LOCAL_RANK>`` the current device *before* creating the group
+    (NCCL binds to it). Without ``WORLD_SIZE`` (a plain ``python``) or with ``WORLD_SIZE=1`` no
+    group is created and the job is this one process.
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``; default NCCL where every local rank has a GPU,
+            else gloo (CPU).
+        timeout_seconds: how long a collective may wait for the other ranks.
+
+    Returns:
+        The :class:`RankInfo`.
+
+    Raises:
+        ConfigError: malformed variables, NCCL asked without enough GPUs.
+    """
+    if backend is not None:
+        check_choice("backend", backend, ("nccl", "gloo"))
+    dist = torch.distributed
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", rank if world > 1 else 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", world)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend is None:
+        backend = "nccl" if gpus >= local_world and gpus > 0 else "gloo"
+    if backend == "nccl" and local_rank >= gpus:
+        raise ConfigError(
+            f"NCCL needs a GPU per local rank: local rank {local_rank}, {gpus} visible GPU(s)",
+            hint="Start at most as many processes per node as GPUs (torchrun "
+                 "--nproc_per_node), or use backend='gloo' on the CPU.")
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world <= 1:
+        return RankInfo(0, 1, 0, 1, device, dist.get_backend() if dist.is_initialized()
+                        else None)
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {"backend": backend,
+                                  "timeout": timedelta(seconds=timeout_seconds)}
+        if device.type == "cuda":
+            kwargs["device_id"] = device
+        dist.init_process_group(**kwargs)
+    return RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, local_world, device,
+                    str(dist.get_backend()))
+
+
+def _require_group(what: str) -> None:
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(f"{what} needs torch.distributed, which is not initialized",
+                          hint="Call vramkit.distributed.init_from_env() (under torchrun) or "
+                               "torch.distributed.init_process_group() first.")
+
+
+def shared_swapper(model: nn.Module, blocks: str | Sequence[str] = "auto",
+                   config: SwapConfig | None = None,
+                   device: str | int | torch.device | None = None, *, group: Any = None,
+                   **swapper_options: Any) -> BlockSwapper:
+    """A :class:`BlockSwapper` whose frozen masters are shared by the local ranks of each node.
+
+    Collective: every rank calls it with the same model and config. The lowest local rank
+    fills the masters (from ``model`` or ``checkpoint=``); the others map them, so their model
+    may be built on the meta device and the node holds one copy (see
+    :mod:`vramkit.distributed.shared`). Trainable swapped weights keep per-rank masters (each
+    rank steps its own copy). A rank alone on its node, or a node where the memory cannot be
+    shared, pins per rank as a plain swapper does (the latter with one warning).
+
+    Args:
+        model / blocks / config: as for :class:`BlockSwapper`.
+        device: this rank's device (default: the current CUDA device, or the CPU without one).
+        group: the process group (default: the whole job).
+        **swapper_options: the other keyword arguments of :class:`BlockSwapper`
+            (``checkpoint``, ``prefix``, ``optimizer``...).
+
+    Returns:
+        The attached swapper; ``swapper.master_memory`` is the shared memory (``None`` when not
+        shared), ``swapper.stats().shared_bytes`` its size.
+    """
+    _require_group("shared_swapper")
+    if "master_memory" in swapper_options:
+        raise ConfigError("shared_swapper chooses master_memory itself",
+                          hint="Use BlockSwapper(..., master_memory=...) directly for your own.")
+    if device is None:
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if torch.cuda.is_available() else torch.device("cpu"))
+    return BlockSwapper(model, blocks, config, device, master_memory=NodeSharedMasters(group),
+                        **swapper_options)
+
+
+class GradientAverager:
+    """A swapper gradient hook that averages a block's gradients over the ranks of ``group``
+    (one all-reduce per block and dtype, on flattened gradients; what DDP's default hook does
+    for its buckets: divide by the world size, then sum).
+
+    Args:
+        group: the process group (default: the whole job).
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        _require_group("GradientAverager")
+        self.group = group
+        self.world_size = torch.distributed.get_world_size(group)
+        self.calls = 0
+        self.bytes = 0
+
+    def __call__(self, block_name: str, grads: list[torch.Tensor]) -> None:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for same in by_dtype.values():
+            if len(same) == 1 and same[0].is_contiguous():
+                flat = same[0]
+                flat.div_(self.world_size)
+                torch.distributed.all_reduce(flat, group=self.group)
+            else:
+                flat = torch.cat([g.reshape(-1) for g in same])
+                flat.div_(self.world_size)
+                torch.distributed.all_reduce(flat, group=self.group)
+                offset = 0
+                for g in same:
+                    n = g.numel()
+                    g.copy_(flat[offset:offset + n].view_as(g))
+                    offset += n
+            self.bytes += flat.numel() * flat.element_size()
+        self.calls += 1
+
+
+def _node_leaders(group: Any) -> tuple[list[int], int]:
+    """(the lowest rank of each node, in rank order; the number of nodes) -- collective."""
+    dist = torch.distributed
+    hosts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    leaders = sorted({h: r for r, h in reversed(list(enumerate(hosts)))}.values())
+    return leaders, len(leaders)
+
+
+def broadcast_masters(swapper: BlockSwapper, *, src: int = 0, group: Any = None) -> int:
+    """Give every rank ``src``'s swapped weights, through the host masters (collective).
+
+    Masters of this process are broadcast among all ranks; node-shared masters only among the
+    nodes' writers (the local ranks map the same memory), and not at all on one node. Blocks
+    kept on disk (``SwapConfig.host_budget``) are read from each rank's own checkpoint and are
+    not broadcast. With NCCL the bytes go through a 64 MiB device buffer.
+
+    Args:
+        swapper: an attached swapper (every rank's swaps the same blocks).
+        src: the rank whose weights win (default 0, which is always its node's writer).
+        group: the process group (default: the whole job).
+
+    Returns:
+        Bytes this rank received (or sent, on ``src``).
+    """
+    _require_group("broadcast_masters")
+    dist = torch.distributed
+    rank = dist.get_rank(group)
+    swapper.wait_loaded()
+    swapper.sync_gradients()
+    shared = swapper.master_memory
+    leaders, nodes = _node_leaders(group)
+    shared_group = None
+    if shared is not None and nodes > 1:
+        if src not in leaders:
+            raise ConfigError(f"broadcast_masters(src={src}): with node-shared masters the "
+                              f"source must write its node's copy (ranks {leaders})",
+                              hint="Use src=0.")
+        # Every rank must take part in creating a group, members or not.
+        shared_group = dist.new_group(leaders)
+    is_nccl = "nccl" in str(dist.get_backend(group)).lower()
+    staging = (torch.empty(_STAGING, dtype=torch.uint8, device=swapper.device)
+               if is_nccl else None)
+    moved = 0
+    for block in swapper.blocks:
+        if block.master is None or block.on_disk:
+            continue
+        if swapper.is_shared(block):
+            if shared_group is None or rank not in leaders:
+                continue
+            moved += _broadcast(block.master, src, shared_group, staging)
+        else:
+            moved += _broadcast(block.master, src, group, staging)
+    dist.barrier(group=group)  # readers of shared masters wait for their writer's copy
+    logger.info("vramkit.distributed: broadcast %s of masters from rank %d",
+                format_size(moved), src)
+    return moved
+
+
+def _broadcast(tensor: torch.Tensor, src: int, group: Any, staging: torch.Tensor | None) -> int:
+    dist = torch.distributed
+    if staging is None:
+        dist.broadcast(tensor, src, group=group)
+        return tensor.numel()
+    rank = dist.get_rank()
+    for start in range(0, tensor.numel(), staging.numel()):
+        piece = tensor[start:start + staging.numel()]
+        buf = staging[:piece.numel()]
+        if rank == src:
+            buf.copy_(piece)
+        dist.broadcast(buf, src, group=group)
+        if rank != src:
+            piece.copy_(buf)
+    return tensor.numel()
+
+
+def wrap_ddp(model: nn.Module, swapper: BlockSwapper, *, group: Any = None,
+             broadcast: bool = True, **ddp_options: Any) -> nn.Module:
+    """Wrap a swapped model in ``DistributedDataParallel`` (collective; see the module
+    docstring for what goes where).
+
+    Args:
+        model: the model ``swapper`` is attached to (not yet wrapped).
+        swapper: its attached :class:`BlockSwapper` (from :func:`shared_swapper` for one copy
+            of the masters per node).
+        group: the process group (default: the whole job).
+        broadcast: broadcast rank 0's masters first (:func:`broadcast_masters`; default
+            ``True``); DDP broadcasts the rest of the model's state itself.
+        **ddp_options: passed to ``DistributedDataParallel`` (``device_ids`` defaults to the
+            swapper's GPU).
+
+    Returns:
+        The ``DistributedDataParallel`` module; the model itself when nothing is left for DDP
+        to reduce (every trainable weight is swapped: the swapper's hook reduces them all).
+
+    Raises:
+        ConfigError: torch.distributed not initialized, or ``swapper`` not attached to
+            ``model``.
+    """
+    _require_group("wrap_ddp")
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        raise ConfigError("wrap_ddp got a model DDP already wraps",
+                          hint="Pass the plain model: swap first, then wrap once.")
+    if swapper.model is not model:
+        raise ConfigError("wrap_ddp: the swapper is attached to another model",
+                          hint="Pass the model the swapper was built with.")
+    if not swapper.swapped_names and not swapper.blocks:
+        logger.info("wrap_ddp: the swapper swaps no block; DDP as usual")
+    if broadcast:
+        broadcast_masters(swapper, group=group)
+    if any(b.trainable_entries for b in swapper.blocks):
+        swapper.set_gradient_hook(GradientAverager(group))
+    ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()) or ())
+    if not any(p.requires_grad for n, p in model.named_parameters() if n not in ignored):
+        logger.info("wrap_ddp: every trainable weight is swapped; the swapper's gradient hook "
+                    "reduces them, no DDP wrapper is needed")
+        return model
+    if swapper.device.type == "cuda":
+        ddp_options.setdefault("device_ids", [swapper.device.index])
+    try:
+        return DistributedDataParallel(model, process_group=group, **ddp_options)
+    except RuntimeError as exc:
+        raise OffloadError(f"DistributedDataParallel refused the swapped model: {exc}",
+                           hint="Report this with the model and SwapConfig; swapped tensors "
+                                "should be in model._ddp_params_and_buffers_to_ignore."
+                           ) from exc

@@ -6,7 +6,8 @@
 * :func:`wrap_ddp` wraps the swapped model in ``DistributedDataParallel``: rank 0's masters are
   broadcast, swapped trainable gradients are averaged by the swapper's hook
   (:class:`GradientAverager`), the rest by DDP.
-* :func:`plan_for_rank` plans one rank (DDP's buckets counted).
+* :func:`plan_for_rank` plans one rank (DDP's buckets counted); :func:`fit_rank` plans every
+  rank, agrees on one plan and applies it with node-shared masters.
 
 FSDP: the swapper and FSDP both own the storage of the parameters they manage, so one module
 cannot be both swapped and sharded; ``BlockSwapper`` refuses a model FSDP shards, before or
@@ -23,15 +24,17 @@ from vramkit.distributed.ddp import (
     shared_swapper,
     wrap_ddp,
 )
-from vramkit.distributed.planning import ddp_bucket_bytes, plan_for_rank
+from vramkit.distributed.planning import agree_on_plan, ddp_bucket_bytes, fit_rank, plan_for_rank
 from vramkit.distributed.shared import NodeSharedMasters, process_pss_bytes
 
 __all__ = [
     "GradientAverager",
     "NodeSharedMasters",
     "RankInfo",
+    "agree_on_plan",
     "broadcast_masters",
     "ddp_bucket_bytes",
+    "fit_rank",
     "init_from_env",
     "plan_for_rank",
     "process_pss_bytes",

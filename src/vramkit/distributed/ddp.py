@@ -93,8 +93,9 @@ def init_from_env(backend: str | None = None, *, timeout_seconds: float = 600.0)
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; with a GPU per
     local rank it makes ``cuda:<LOCAL_RANK>`` the current device *before* creating the group
-    (NCCL binds to it). Without ``WORLD_SIZE`` (a plain ``python``) or with ``WORLD_SIZE=1`` no
-    group is created and the job is this one process.
+    (NCCL binds to it). A launcher's job of one process (``torchrun --nproc_per_node 1``) gets a
+    group of one; without the launcher's variables (a plain ``python``) no group is created and
+    the job is this one process.
 
     Args:
         backend: ``"nccl"`` or ``"gloo"``; default NCCL where every local rank has a GPU,
@@ -125,7 +126,8 @@ def init_from_env(backend: str | None = None, *, timeout_seconds: float = 600.0)
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world <= 1:
+    launched = "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ
+    if world <= 1 and not launched:
         return RankInfo(0, 1, 0, 1, device, dist.get_backend() if dist.is_initialized()
                         else None)
     if not dist.is_initialized():

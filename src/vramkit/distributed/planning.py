@@ -10,7 +10,10 @@ is the single-GPU plan for that GPU with two differences, both counted here:
   masters are pinned once per node, so ``host_budget`` is the node's budget for them, not a
   share of it per rank.
 
-Calibration (``hardware=None``) times this rank's own GPU.
+Calibration (``hardware=None``) times this rank's own GPU. :func:`fit_rank` then makes the ranks
+agree on one plan (:func:`agree_on_plan`), because the local ranks of a node share one copy of
+the swapped masters and must therefore swap the same blocks, and applies it with node-shared
+masters.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from torch import nn
 
 from vramkit._validate import check_bool, check_size
 from vramkit.planning.api import plan
+from vramkit.planning.fitting import Fitted, fit
 from vramkit.planning.planner import Plan
 
-__all__ = ["ddp_bucket_bytes", "plan_for_rank"]
+__all__ = ["agree_on_plan", "ddp_bucket_bytes", "fit_rank", "plan_for_rank"]
 
 
 def ddp_bucket_bytes(model: nn.Module) -> int:
@@ -63,3 +67,61 @@ def plan_for_rank(model: nn.Module, example_inputs: Any, budget: int | str, *,
         device = torch.device("cuda", torch.cuda.current_device())
     return plan(model, example_inputs, budget, device=device, reserved_bytes=extra,
                 **plan_options)
+
+
+def agree_on_plan(own: Plan, group: Any = None) -> Plan:
+    """Collective: one plan for every rank. When the ranks' own plans (each calibrated on its
+    GPU) differ -- timing noise, or GPUs of different speeds -- the one predicting the slowest
+    step wins: it is the plan of the rank that sets the pace, and it fits every budget it was
+    checked against (the ranks share the budget).
+
+    Args:
+        own: this rank's plan.
+        group: the process group (default: the whole job).
+
+    Returns:
+        The plan every rank applies.
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return own
+    plans: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(plans, own, group=group)
+    return max(plans, key=lambda p: (p.predicted_step_seconds, len(p.swapped)))
+
+
+def fit_rank(model: nn.Module, example_inputs: Any, budget: int | str, *,
+             device: str | int | torch.device | None = None, group: Any = None,
+             gradient_as_bucket_view: bool = False, shared: bool = True,
+             **options: Any) -> Fitted:
+    """:func:`vramkit.fit` for one rank of a DDP job (collective): plan this rank
+    (:func:`plan_for_rank`), agree on one plan with the other ranks (:func:`agree_on_plan`), and
+    apply it with the frozen masters shared by the node's ranks. Wrap the model next:
+    ``vramkit.distributed.wrap_ddp(model, fitted.swapper)`` (when the plan swaps anything).
+
+    Args:
+        model / example_inputs / budget: as for :func:`vramkit.fit` (this rank's batch and
+            GPU budget).
+        device: this rank's device (default: the current CUDA device).
+        group: the process group (default: the whole job).
+        gradient_as_bucket_view: as for :func:`plan_for_rank`.
+        shared: keep the frozen masters in node-shared memory (default ``True``).
+        **options: the other options of :func:`vramkit.fit` and :func:`vramkit.plan`.
+
+    Returns:
+        The :class:`~vramkit.planning.fitting.Fitted` model.
+    """
+    from vramkit.distributed.shared import NodeSharedMasters
+
+    fit_keys = ("observe_steps", "checkpoint", "prefix", "strict")
+    fit_options = {k: options.pop(k) for k in fit_keys if k in options}
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    if options.get("hardware") is None and torch.device(device or "cpu").type == "cuda":
+        options["device"] = device
+    own = plan_for_rank(model, example_inputs, budget,
+                        gradient_as_bucket_view=gradient_as_bucket_view, **options)
+    chosen = agree_on_plan(own, group)
+    memory = NodeSharedMasters(group) if shared and chosen.swapped else None
+    return fit(model, example_inputs, budget, device=device, plan=chosen,
+               master_memory=memory, **fit_options)

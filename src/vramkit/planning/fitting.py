@@ -33,7 +33,7 @@ from vramkit.offload.checkpointing import (
     enable_gradient_checkpointing,
     is_checkpointed,
 )
-from vramkit.offload.swap import BlockSwapper, SwapConfig
+from vramkit.offload.swap import BlockSwapper, MasterMemory, SwapConfig
 from vramkit.planning._meta import trainable_module_names
 from vramkit.planning.api import plan as make_plan
 from vramkit.planning.planner import Plan
@@ -122,7 +122,7 @@ class Fitted:
     def __init__(self, model: nn.Module, plan: Plan, device: torch.device, *,
                  blocks: str | Sequence[str] = "auto", observe_steps: int = 3,
                  checkpoint: str | os.PathLike[str] | None = None, prefix: str | None = None,
-                 strict: bool = True) -> None:
+                 strict: bool = True, master_memory: MasterMemory | None = None) -> None:
         self.model = model
         self.plan = plan
         self.device = device
@@ -138,6 +138,7 @@ class Fitted:
         self._hook: Any = None
         self._attached = False
         self._checkpoint = (checkpoint, prefix, strict)
+        self._master_memory = master_memory
         try:
             self._apply(blocks)
         except BaseException:
@@ -167,7 +168,8 @@ class Fitted:
         if plan.swapped:
             self.swapper = BlockSwapper(model, blocks, config=SwapConfig(
                 swapped_blocks=plan.swapped, num_slots=max(1, plan.num_slots)),
-                device=self.device, checkpoint=checkpoint, prefix=prefix, strict=strict)
+                device=self.device, checkpoint=checkpoint, prefix=prefix, strict=strict,
+                master_memory=self._master_memory)
         elif checkpoint is not None:
             from vramkit.io.loader import MemoryEfficientLoader
 
@@ -304,7 +306,8 @@ class Fitted:
 def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
         device: str | int | torch.device | None = None, plan: Plan | None = None,
         observe_steps: int = 3, checkpoint: str | os.PathLike[str] | None = None,
-        prefix: str | None = None, strict: bool = True, **plan_options: Any) -> Fitted:
+        prefix: str | None = None, strict: bool = True,
+        master_memory: MasterMemory | None = None, **plan_options: Any) -> Fitted:
     """Plan ``model`` for ``budget`` and apply the plan; train or run the model as usual.
 
     Args:
@@ -321,6 +324,9 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
             Plans that store blocks in a packed format are refused with it for now.
         prefix: with ``checkpoint``, the prefix its names carry.
         strict: with ``checkpoint``, refuse missing or unexpected keys (default ``True``).
+        master_memory: where the swapper keeps frozen masters
+            (``BlockSwapper(master_memory=)``; :func:`vramkit.distributed.fit_rank` passes
+            memory shared by a node's ranks). Default: the swapper's own pinned pool.
         **plan_options: the keyword arguments of :func:`vramkit.plan` (``mode``,
             ``hardware``, ``allow_formats``, ``host_budget``, ``headroom``, ``step``, ...).
 
@@ -346,4 +352,5 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
         plan = make_plan(model, example_inputs, budget, **plan_options)
     blocks = plan_options.get("blocks", "auto")
     return Fitted(model, plan, target, blocks=blocks, observe_steps=observe_steps,
-                  checkpoint=checkpoint, prefix=prefix, strict=strict)
+                  checkpoint=checkpoint, prefix=prefix, strict=strict,
+                  master_memory=master_memory)

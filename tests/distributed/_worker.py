@@ -1,0 +1,330 @@
+"""One rank of the distributed tests, launched by torchrun (``tests/distributed/_launch.py``).
+
+Each scenario runs on every rank and writes ``<out>/<scenario>-rank<R>.json`` with what the
+pytest side checks; a scenario that raises writes its error there instead. The device is the one
+``vramkit.distributed.init_from_env`` chooses: the CPU with gloo (the CPU tests hide the GPUs),
+or ``cuda:<LOCAL_RANK>`` with NCCL when every rank has a GPU (the multigpu tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vramkit.distributed import (
+    init_from_env,
+    process_pss_bytes,
+    shared_swapper,
+    wrap_ddp,
+)
+from vramkit.errors import ConfigError, OffloadError
+from vramkit.offload.swap import BlockSwapper, SwapConfig
+
+GLOBAL_BATCH = 8
+IN, WIDTH, HIDDEN, BLOCKS, OUT = 12, 32, 64, 4, 5
+
+
+class Adapter(nn.Module):
+    """A frozen linear plus a trainable low-rank update (LoRA-like), kept resident."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4) -> None:
+        super().__init__()
+        self.base = base
+        self.down = nn.Parameter(torch.randn(rank, base.in_features) * 0.1)
+        self.up = nn.Parameter(torch.randn(base.out_features, rank) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.down.t()) @ self.up.t()
+
+
+class Net(nn.Module):
+    """Trainable input/output layers around frozen residual MLP blocks."""
+
+    def __init__(self, lora: bool, frozen: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(IN, WIDTH)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(WIDTH, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, WIDTH))
+            for _ in range(BLOCKS))
+        self.out = nn.Linear(WIDTH, OUT)
+        if frozen:
+            for p in self.blocks.parameters():
+                p.requires_grad_(False)
+        if lora:
+            for block in self.blocks:
+                block[0] = Adapter(block[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.out(x)
+
+
+DEVICE = torch.device("cpu")  # this rank's device (set in main): cuda:<LOCAL_RANK> with NCCL
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(GLOBAL_BATCH, IN, generator=g), torch.randn(GLOBAL_BATCH, OUT, generator=g)
+    return x.to(DEVICE), y.to(DEVICE)
+
+
+def shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    per = GLOBAL_BATCH // world
+    return t[rank * per:(rank + 1) * per]
+
+
+CONFIG = SwapConfig(min_param_bytes=0)
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k].float().cpu() - b[k].float().cpu()).abs().max()) for k in a)
+
+
+def train_reference(model: nn.Module, steps: int, make_opt: Any) -> dict[str, torch.Tensor]:
+    """One process, the whole batch: the result every rank of the job must reproduce."""
+    model.to(DEVICE)
+    opt = make_opt([p for p in model.parameters() if p.requires_grad])
+    for step in range(steps):
+        x, y = batch(step)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return trainable_state(model)
+
+
+def scenario_lora(info: Any, out: dict[str, Any]) -> None:
+    """LoRA adapters and resident layers reduce through DDP; the frozen swapped base is shared."""
+    model = Net(lora=True)
+    reference = copy.deepcopy(model).to(DEVICE)
+    x, y = batch(0)
+    loss = nn.functional.mse_loss(reference(x), y)
+    loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters() if p.requires_grad}
+    swapper = shared_swapper(model, "blocks.*", CONFIG, device=info.device)
+    ddp = wrap_ddp(model, swapper)
+    out["ddp_type"] = type(ddp).__name__
+    local = nn.functional.mse_loss(ddp(shard(x, info.rank, info.world_size)),
+                                   shard(y, info.rank, info.world_size))
+    local.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    out["grad_diff"] = max_diff(grads, ref_grads)
+    stats = swapper.stats()
+    out["shared_bytes"] = stats.shared_bytes
+    out["swapped_bytes"] = stats.swapped_bytes
+    out["swapped_blocks"] = stats.swapped_blocks
+    out["ignored"] = sorted(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    # Three optimizer steps: the replicas stay equal to the one-process run.
+    opt = torch.optim.AdamW(swapper.optimizer_parameters(), lr=1e-2)
+    opt.zero_grad(set_to_none=True)
+    reference = Net(lora=True)
+    ref_state = train_reference(reference, 3, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    for step in range(3):
+        x, y = batch(step)
+        loss = nn.functional.mse_loss(ddp(shard(x, info.rank, info.world_size)),
+                                      shard(y, info.rank, info.world_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out["param_diff"] = max_diff(trainable_state(model), ref_state)
+    swapper.detach()
+    out["ignored_after_detach"] = hasattr(model, "_ddp_params_and_buffers_to_ignore")
+
+
+def scenario_plain_ddp(info: Any, out: dict[str, Any]) -> None:
+    """A plain DistributedDataParallel(model) around a swapped model works (frozen blocks)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = Net(lora=True)
+    swapper = BlockSwapper(model, "blocks.*", CONFIG, device=info.device)
+    ddp = DistributedDataParallel(model)
+    x, y = batch(0)
+    nn.functional.mse_loss(ddp(shard(x, info.rank, info.world_size)),
+                           shard(y, info.rank, info.world_size)).backward()
+    reference = Net(lora=True).to(DEVICE)
+    nn.functional.mse_loss(reference(x), y).backward()
+    out["grad_diff"] = max_diff(
+        {n: p.grad for n, p in model.named_parameters() if p.requires_grad},
+        {n: p.grad for n, p in reference.named_parameters() if p.requires_grad})
+    try:
+        BlockSwapper(ddp, "module.blocks.*", CONFIG, device=info.device)
+        out["wrapped_refused"] = None
+    except ConfigError as exc:
+        out["wrapped_refused"] = str(exc)
+        out["wrapped_hint"] = exc.hint
+    swapper.detach()
+
+
+def scenario_full(info: Any, out: dict[str, Any], trainable: str) -> None:
+    """Swapped trainable weights (full fine-tuning) reduce through the swapper's hook."""
+    def factory(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-2)
+
+    reference = Net(lora=False, frozen=False)
+    ref_state = train_reference(reference, 3, factory)
+    model = Net(lora=False, frozen=False)
+    config = SwapConfig(min_param_bytes=0, trainable=trainable)
+    # Swapped trainable weights: per-rank masters, not shared.
+    swapper = shared_swapper(model, "blocks.*", config, device=info.device,
+                             optimizer=factory if trainable == "swap" else None)
+    ddp = wrap_ddp(model, swapper)
+    opt = factory(swapper.optimizer_parameters())
+    for step in range(3):
+        x, y = batch(step)
+        loss = nn.functional.mse_loss(ddp(shard(x, info.rank, info.world_size)),
+                                      shard(y, info.rank, info.world_size))
+        loss.backward()
+        if trainable == "cpu":
+            swapper.sync_gradients()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out["shared_bytes"] = swapper.stats().shared_bytes
+    swapper.detach()
+    out["param_diff"] = max_diff(trainable_state(model), ref_state)
+    # Without the hook, a job of several processes refuses to train swapped weights.
+    model = Net(lora=False, frozen=False)
+    swapper = BlockSwapper(model, "blocks.*", config, device=info.device,
+                           optimizer=factory if trainable == "swap" else None)
+    try:
+        x, y = batch(0)
+        nn.functional.mse_loss(model(x), y).backward()
+        out["unreduced_refused"] = None
+    except OffloadError as exc:
+        out["unreduced_refused"] = str(exc)
+    swapper.detach()
+
+
+def scenario_pss(info: Any, out: dict[str, Any], directory: Path) -> None:
+    """Host memory of the swapped weights over the local ranks: ~1x shared, ~Nx per rank."""
+    from safetensors.torch import save_file
+
+    width = 1024
+    path = directory / "big.safetensors"
+    if info.rank == 0:
+        torch.manual_seed(0)
+        tensors = {f"blocks.{i}.weight": torch.randn(width, width) for i in range(16)}
+        save_file(tensors, str(path))
+    dist.barrier()
+
+    class Big(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(16))
+            for p in self.parameters():
+                p.requires_grad_(False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    for mode in ("shared", "per_rank"):
+        with torch.device("meta"):
+            model = Big()
+        dist.barrier()
+        before = process_pss_bytes()
+        if mode == "shared":
+            swapper = shared_swapper(model, "blocks.*", CONFIG, device=info.device,
+                                     checkpoint=str(path))
+        else:
+            swapper = BlockSwapper(model, "blocks.*", CONFIG, device=info.device,
+                                   checkpoint=str(path), load_in_background=False)
+        y = model(torch.ones(2, width, device=DEVICE))  # every rank has read every master
+        dist.barrier()
+        after = process_pss_bytes()
+        out[f"{mode}_out"] = float(y.double().sum())
+        out[f"{mode}_pss_delta"] = (after - before) if before is not None else None
+        out[f"{mode}_swapped_bytes"] = swapper.stats().swapped_bytes
+        # On the CPU the swapper's "device" slots are host memory too: in the delta, not masters.
+        out[f"{mode}_slot_bytes"] = swapper.stats().slot_bytes
+        dist.barrier()
+        swapper.detach()
+        del swapper, model
+
+
+def scenario_fsdp(info: Any, out: dict[str, Any]) -> None:
+    """FSDP2 and the swapper on one module: refused in both orders."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError as exc:  # torch < 2.6
+        out["skipped"] = f"no fully_shard: {exc}"
+        return
+    model = Net(lora=True)
+    fully_shard(model)
+    try:
+        BlockSwapper(model, "blocks.*", CONFIG, device=info.device)
+        out["before"] = None
+    except ConfigError as exc:
+        out["before"] = str(exc)
+    model = Net(lora=True)
+    swapper = BlockSwapper(model, "blocks.*", CONFIG, device=info.device)
+    try:
+        fully_shard(model)
+        x, _ = batch(0)
+        model(shard(x, info.rank, info.world_size))
+        out["after"] = None
+    except ConfigError as exc:
+        out["after"] = str(exc)
+    except Exception as exc:  # FSDP itself refused first: say what it said
+        out["after"] = f"fsdp: {type(exc).__name__}: {exc}"
+    swapper.detach()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--scenarios", required=True)
+    args = parser.parse_args()
+    info = init_from_env()
+    global DEVICE
+    DEVICE = info.device
+    if DEVICE.type == "cuda":  # compare in full fp32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    directory = Path(args.out)
+    for name in args.scenarios.split(","):
+        result: dict[str, Any] = {"rank": info.rank, "world_size": info.world_size,
+                                  "local_rank": info.local_rank, "backend": info.backend}
+        try:
+            if name == "lora":
+                scenario_lora(info, result)
+            elif name == "plain_ddp":
+                scenario_plain_ddp(info, result)
+            elif name in ("full_cpu", "full_swap"):
+                scenario_full(info, result, name.split("_")[1])
+            elif name == "pss":
+                scenario_pss(info, result, directory)
+            elif name == "fsdp":
+                scenario_fsdp(info, result)
+            else:
+                raise SystemExit(f"unknown scenario {name}")
+        except Exception as exc:
+            result["error"] = f"{type(exc).__name__}: {exc}"
+            result["traceback"] = traceback.format_exc()
+        (directory / f"{name}-rank{info.rank}.json").write_text(json.dumps(result))
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

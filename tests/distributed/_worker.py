@@ -260,6 +260,39 @@ def scenario_pss(info: Any, out: dict[str, Any], directory: Path) -> None:
         del swapper, model
 
 
+def scenario_shm_fallback(info: Any, out: dict[str, Any]) -> None:
+    """No room to share (a tmpfs directory that does not exist): every rank pins its own
+    masters, rank 0 says why once, training is unchanged."""
+    import warnings
+
+    from vramkit.distributed import NodeSharedMasters
+    from vramkit.errors import VramkitWarning
+
+    model = Net(lora=True)
+    memory = NodeSharedMasters(directory="/nonexistent/vramkit-shm")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        swapper = BlockSwapper(model, "blocks.*", CONFIG, device=info.device,
+                               master_memory=memory)
+    said = [str(w.message) for w in caught if issubclass(w.category, VramkitWarning)]
+    out["warnings"] = said
+    out["reason"] = memory.reason
+    out["shared"] = swapper.master_memory is not None
+    out["shared_bytes"] = swapper.stats().shared_bytes
+    out["pinned_bytes"] = swapper.stats().pinned_bytes
+    out["swapped_bytes"] = swapper.stats().swapped_bytes
+    ddp = wrap_ddp(model, swapper)
+    x, y = batch(0)
+    nn.functional.mse_loss(ddp(shard(x, info.rank, info.world_size)),
+                           shard(y, info.rank, info.world_size)).backward()
+    reference = Net(lora=True).to(DEVICE)
+    nn.functional.mse_loss(reference(x), y).backward()
+    out["grad_diff"] = max_diff(
+        {n: p.grad for n, p in model.named_parameters() if p.requires_grad},
+        {n: p.grad for n, p in reference.named_parameters() if p.requires_grad})
+    swapper.detach()
+
+
 def scenario_fsdp(info: Any, out: dict[str, Any]) -> None:
     """FSDP2 and the swapper on one module: refused in both orders."""
     try:
@@ -314,6 +347,8 @@ def main() -> int:
                 scenario_pss(info, result, directory)
             elif name == "fsdp":
                 scenario_fsdp(info, result)
+            elif name == "shm_fallback":
+                scenario_shm_fallback(info, result)
             else:
                 raise SystemExit(f"unknown scenario {name}")
         except Exception as exc:
@@ -321,6 +356,9 @@ def main() -> int:
             result["traceback"] = traceback.format_exc()
         (directory / f"{name}-rank{info.rank}.json").write_text(json.dumps(result))
         dist.barrier()
+    import gc
+
+    gc.collect()  # DDP reducers in reference cycles go before the group does
     dist.destroy_process_group()
     return 0
 

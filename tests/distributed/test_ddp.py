@@ -18,7 +18,7 @@ from tests.distributed._launch import NPROC, WORKER, describe, require_gloo, tor
 require_gloo()
 pytestmark = pytest.mark.slow  # torchrun jobs: ~10 s each
 
-SCENARIOS = ("lora", "plain_ddp", "full_cpu", "full_swap", "pss", "fsdp")
+SCENARIOS = ("lora", "plain_ddp", "full_cpu", "full_swap", "pss", "fsdp", "shm_fallback")
 TOLERANCE = 1e-6
 PAGE = 4096
 
@@ -92,7 +92,8 @@ def test_parameters_after_three_adamw_steps_equal_one_process(
 
 
 # Values that differ between processes by nature: who they are, and their own memory.
-_PER_PROCESS = {"rank", "local_rank", "shared_pss_delta", "per_rank_pss_delta"}
+_PER_PROCESS = {"rank", "local_rank", "shared_pss_delta", "per_rank_pss_delta",
+                "warnings"}  # rank 0 alone warns
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
@@ -204,3 +205,21 @@ def test_fsdp_applied_after_attaching_is_refused(results: dict[str, Ranks]) -> N
         ours = "sharded by FSDP after the swapper attached" in after
         theirs = after.startswith("fsdp: ") and "non-contiguous" in after
         assert ours or theirs, after
+
+
+# -- sharing impossible: per-rank copies, said once --------------------------------------------
+
+
+def test_without_room_to_share_every_rank_pins_its_own_and_rank_0_says_why(
+        results: dict[str, Ranks]) -> None:
+    ranks = scenario(results, "shm_fallback")
+    for r in ranks:
+        assert r["shared"] is False and r["shared_bytes"] == 0
+        assert r["pinned_bytes"] >= r["swapped_bytes"] > 0  # its own masters
+        assert "does not exist" in r["reason"]
+        assert r["grad_diff"] <= TOLERANCE
+    first, other = ranks
+    assert len(first["warnings"]) == 1 and other["warnings"] == []
+    message = first["warnings"][0]
+    assert "cannot share" in message and "/nonexistent/vramkit-shm" in message
+    assert "--shm-size" in message  # the hint says how to give /dev/shm room

@@ -166,6 +166,7 @@ def run_distributed_demo(config: DemoConfig, info: Any, *,
         peak = (torch.cuda.max_memory_allocated(device) - allocated_before if cuda
                 else plan.predicted_peak_bytes)
         pss = process_pss_bytes()
+        del ddp, optimizer, loss  # DDP's reducer goes now, not at interpreter exit
     # Losses averaged over ranks; step time of the slowest rank.
     stacked = torch.cat(losses).to(device)
     torch.distributed.all_reduce(stacked)

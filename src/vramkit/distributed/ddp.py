@@ -15,9 +15,9 @@ The supported order is *swap, then wrap*::
   reduce through DDP as usual, overlapped with backward by its buckets.
 * Swapped trainable weights (``SwapConfig(trainable="cpu")`` or ``"swap"``) reduce through the
   swapper's gradient hook (:class:`GradientAverager`): as soon as a block's gradients are
-  complete, on the device, before they go to the host or the block's optimizer steps. The
-  all-reduce is queued behind the block's backward on the compute stream; the copy streams keep
-  prefetching meanwhile.
+  complete, on the device, an asynchronous all-reduce starts; with ``trainable="cpu"`` only the
+  device->host copy stream waits for it, so the next blocks' backward overlaps the reduction;
+  with ``"swap"`` the block's optimizer step (next on the compute stream) waits for it.
 * The initial state goes through the host masters (:func:`broadcast_masters`): rank 0's masters
   reach every rank (node-shared masters only between nodes: a node holds one copy already).
 * Attaching a swapper to a model DDP already wraps is refused (``BlockSwapper`` raises): DDP
@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -199,26 +199,37 @@ class GradientAverager:
         self.calls = 0
         self.bytes = 0
 
-    def __call__(self, block_name: str, grads: list[torch.Tensor]) -> None:
+    def __call__(self, block_name: str, grads: list[torch.Tensor]) -> Callable[[], None]:
+        """Start the all-reduces (asynchronously) and return the ``finish()`` the swapper runs
+        on the stream that reads the gradients: it waits for them there (on a GPU: that stream
+        waits, the host does not) and copies flattened results back."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
+        pending: list[tuple[Any, torch.Tensor, list[torch.Tensor] | None]] = []
         for same in by_dtype.values():
-            if len(same) == 1 and same[0].is_contiguous():
-                flat = same[0]
-                flat.div_(self.world_size)
-                torch.distributed.all_reduce(flat, group=self.group)
-            else:
-                flat = torch.cat([g.reshape(-1) for g in same])
-                flat.div_(self.world_size)
-                torch.distributed.all_reduce(flat, group=self.group)
+            single = len(same) == 1 and same[0].is_contiguous()
+            flat = same[0] if single else torch.cat([g.reshape(-1) for g in same])
+            flat.div_(self.world_size)
+            work = torch.distributed.all_reduce(flat, group=self.group, async_op=True)
+            pending.append((work, flat, None if single else same))
+            self.bytes += flat.numel() * flat.element_size()
+        self.calls += 1
+
+        def finish() -> None:
+            for work, flat, parts in pending:
+                work.wait()
+                if parts is None:
+                    continue
+                if flat.device.type == "cuda":  # freed by Python, reused only after this stream
+                    flat.record_stream(torch.cuda.current_stream(flat.device))
                 offset = 0
-                for g in same:
+                for g in parts:
                     n = g.numel()
                     g.copy_(flat[offset:offset + n].view_as(g))
                     offset += n
-            self.bytes += flat.numel() * flat.element_size()
-        self.calls += 1
+
+        return finish
 
 
 def _node_leaders(group: Any) -> tuple[list[int], int]:

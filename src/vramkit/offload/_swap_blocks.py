@@ -262,16 +262,23 @@ class BlockRuntime(Protocol):
         """After it did: its gradients leave the GPU."""
 
 
-def complete_gradients(hook: Callable[[str, list[torch.Tensor]], None] | None,
-                       block: SwappedBlock, grads: list[torch.Tensor]) -> None:
+def complete_gradients(hook: Callable[[str, list[torch.Tensor]], Any] | None,
+                       block: SwappedBlock, grads: list[torch.Tensor]
+                       ) -> Callable[[], None] | None:
     """A swapped block's trainable gradients are complete for the step: give them to the
-    swapper's gradient hook (``BlockSwapper.set_gradient_hook``). Without a hook in a job of
-    several processes, refuse: DDP does not see swapped weights, so each rank would step its own
+    swapper's gradient hook (``BlockSwapper.set_gradient_hook``) and return what the hook
+    returned for later (a ``finish()`` to run on the stream that reads the gradients, for a
+    hook whose work is still in flight), else ``None``. Without a hook in a job of several
+    processes, refuse: DDP does not see swapped weights, so each rank would step its own
     gradients and the replicas would drift apart without a word."""
     if hook is not None:
-        if grads:
-            hook(block.name, grads)
-        return
+        finish = hook(block.name, grads) if grads else None
+        if finish is not None and not callable(finish):
+            raise OffloadError(
+                f"the gradient hook returned a {type(finish).__name__} for block {block.name}",
+                hint="A gradient hook returns None, or a function to call once before the "
+                     "gradients are read (on the stream that reads them).")
+        return finish
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise OffloadError(

@@ -222,8 +222,10 @@ class SwapStepper:
             self._park_grads(bo)
             return
         bo.micro_steps = 0
-        complete_gradients(self.gradient_hook, block,
-                           [p.grad for p in bo.params if p.grad is not None])
+        finish = complete_gradients(self.gradient_hook, block,
+                                    [p.grad for p in bo.params if p.grad is not None])
+        if finish is not None:  # the step (or the norms) read them next, on this stream
+            finish()
         if self.max_grad_norm is None:
             self._step(bo)
             return

@@ -402,13 +402,16 @@ class SlotRing:
             return
         if not block.trainable_entries:
             return
-        complete_gradients(self.gradient_hook, block,
-                           [e.tensor.grad for e in block.trainable_entries
-                            if e.tensor.grad is not None and e.host_param is not None])
+        finish = complete_gradients(self.gradient_hook, block,
+                                    [e.tensor.grad for e in block.trainable_entries
+                                     if e.tensor.grad is not None and e.host_param is not None])
         streams = self.streams
         ready = streams.event()
         streams.record(ready, streams.current())
         streams.wait(streams.d2h, ready)
+        if finish is not None:  # a reduction in flight: the copy stream waits, compute goes on
+            with streams.on(streams.d2h):
+                finish()
         if block.grad_buffer is None:
             raise OffloadError(f"swapped block {block.name} has no gradient buffer",
                                hint="Run backward() before swapper.detach(): detaching frees the "

@@ -104,8 +104,9 @@ __all__ = ["BlockFootprint", "BlockScheduleEntry", "BlockSwapper", "GradientHook
            "SwapConfig", "SwapStats"]
 
 # Called with a swapped block's name and its trainable weights' gradients on the device, once
-# they are complete for the step (see BlockSwapper.set_gradient_hook).
-GradientHook = Callable[[str, list[torch.Tensor]], None]
+# they are complete for the step; may return a finish() for work still in flight (see
+# BlockSwapper.set_gradient_hook).
+GradientHook = Callable[[str, list[torch.Tensor]], "Callable[[], None] | None"]
 
 logger = logging.getLogger(__name__)
 
@@ -1031,6 +1032,12 @@ class BlockSwapper:
         optimizer steps (and before clipping's norms). The hook may change them in place: a
         data-parallel job averages them over its ranks here
         (``vramkit.distributed.wrap_ddp`` installs such a hook). ``None`` removes it.
+
+        A hook that starts asynchronous work (an all-reduce with ``async_op=True``) returns a
+        ``finish()`` instead of waiting: the swapper calls it on the stream that reads the
+        gradients, just before reading them -- with ``trainable="cpu"`` the device->host copy
+        stream, so the next blocks' backward runs while the reduction is in flight; with
+        ``"swap"`` at once, since the block's optimizer steps next.
 
         In a job of several processes (``torch.distributed`` initialized, world size > 1) a
         swapper with swapped trainable weights refuses to back-propagate without a hook, since

@@ -254,3 +254,63 @@ def test_the_model_sharded_after_attaching_is_refused_too() -> None:
     finally:
         model.__class__ = Net
         swapper.detach()
+
+
+# -- the gradient hook's finish() ----------------------------------------------------------------
+
+
+def _full_ft(trainable: str) -> tuple[nn.Module, BlockSwapper, dict[str, torch.Tensor]]:
+    """A fully trainable Net with its blocks swapped, and its weights before attaching."""
+    model = Net()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    factory = None if trainable == "cpu" else (lambda ps: torch.optim.SGD(ps, lr=0.1))
+    swapper = BlockSwapper(model, "blocks.*", SwapConfig(min_param_bytes=0, trainable=trainable),
+                           device="cpu", optimizer=factory)
+    return model, swapper, before
+
+
+@pytest.mark.parametrize("trainable", ["cpu", "swap"])
+def test_a_finish_the_hook_returns_runs_before_the_gradients_are_read(trainable: str) -> None:
+    """The hook starts work and returns finish(); the swapper runs it before the gradients go
+    to the host (cpu) or the block steps (swap): here finish() zeroes them, so nothing moves."""
+    model, swapper, before = _full_ft(trainable)
+    events: list[str] = []
+
+    def hook(name: str, grads: list[torch.Tensor]) -> object:
+        events.append(f"hook {name}")
+
+        def finish() -> None:
+            events.append(f"finish {name}")
+            for g in grads:
+                g.zero_()
+        return finish
+
+    swapper.set_gradient_hook(hook)
+    model(_x()).square().mean().backward()
+    names = [e.split()[1] for e in events if e.startswith("hook")]
+    assert names and events == [f"{kind} {n}" for n in names for kind in ("hook", "finish")]
+    if trainable == "cpu":
+        swapper.sync_gradients()
+        assert all(float(p.grad.abs().max()) == 0 for p in swapper.host_parameters())
+    else:  # SGD stepped with zeroed gradients: the swapped weights did not move
+        swapper.detach()
+        after = dict(model.named_parameters())
+        for n in names:
+            for key, value in before.items():
+                if key.startswith(n + "."):
+                    assert torch.equal(after[key].detach(), value), key
+        return
+    swapper.detach()
+
+
+def test_a_hook_returning_something_not_callable_is_an_error() -> None:
+    from vramkit.errors import OffloadError
+
+    model, swapper, _ = _full_ft("cpu")
+    swapper.set_gradient_hook(lambda name, grads: 42)
+    with pytest.raises(OffloadError, match="returned a int") as info:
+        model(_x()).square().mean().backward()
+    assert "finish" in info.value.hint or "None" in info.value.hint
+    swapper.detach()

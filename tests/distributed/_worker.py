@@ -111,6 +111,19 @@ def train_reference(model: nn.Module, steps: int, make_opt: Any) -> dict[str, to
     return trainable_state(model)
 
 
+def lora_grad_diff(ddp: nn.Module, model: nn.Module, info: Any) -> float:
+    """One backward of this rank's share through ``ddp`` against one process on the whole
+    batch: the largest difference of the trainable gradients."""
+    x, y = batch(0)
+    nn.functional.mse_loss(ddp(shard(x, info.rank, info.world_size)),
+                           shard(y, info.rank, info.world_size)).backward()
+    reference = Net(lora=True).to(DEVICE)
+    nn.functional.mse_loss(reference(x), y).backward()
+    return max_diff(
+        {n: p.grad for n, p in model.named_parameters() if p.requires_grad},
+        {n: p.grad for n, p in reference.named_parameters() if p.requires_grad})
+
+
 def scenario_lora(info: Any, out: dict[str, Any]) -> None:
     """LoRA adapters and resident layers reduce through DDP; the frozen swapped base is shared."""
     model = Net(lora=True)
@@ -156,14 +169,7 @@ def scenario_plain_ddp(info: Any, out: dict[str, Any]) -> None:
     model = Net(lora=True)
     swapper = BlockSwapper(model, "blocks.*", CONFIG, device=info.device)
     ddp = DistributedDataParallel(model)
-    x, y = batch(0)
-    nn.functional.mse_loss(ddp(shard(x, info.rank, info.world_size)),
-                           shard(y, info.rank, info.world_size)).backward()
-    reference = Net(lora=True).to(DEVICE)
-    nn.functional.mse_loss(reference(x), y).backward()
-    out["grad_diff"] = max_diff(
-        {n: p.grad for n, p in model.named_parameters() if p.requires_grad},
-        {n: p.grad for n, p in reference.named_parameters() if p.requires_grad})
+    out["grad_diff"] = lora_grad_diff(ddp, model, info)
     try:
         BlockSwapper(ddp, "module.blocks.*", CONFIG, device=info.device)
         out["wrapped_refused"] = None
@@ -282,14 +288,7 @@ def scenario_shm_fallback(info: Any, out: dict[str, Any]) -> None:
     out["pinned_bytes"] = swapper.stats().pinned_bytes
     out["swapped_bytes"] = swapper.stats().swapped_bytes
     ddp = wrap_ddp(model, swapper)
-    x, y = batch(0)
-    nn.functional.mse_loss(ddp(shard(x, info.rank, info.world_size)),
-                           shard(y, info.rank, info.world_size)).backward()
-    reference = Net(lora=True).to(DEVICE)
-    nn.functional.mse_loss(reference(x), y).backward()
-    out["grad_diff"] = max_diff(
-        {n: p.grad for n, p in model.named_parameters() if p.requires_grad},
-        {n: p.grad for n, p in reference.named_parameters() if p.requires_grad})
+    out["grad_diff"] = lora_grad_diff(ddp, model, info)
     swapper.detach()
 
 

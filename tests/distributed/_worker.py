@@ -292,6 +292,97 @@ def scenario_shm_fallback(info: Any, out: dict[str, Any]) -> None:
     swapper.detach()
 
 
+class Wide(nn.Module):
+    """Frozen blocks large enough to swap (256 KiB each) around a trainable head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(IN, 256)
+        self.blocks = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
+        self.blocks.requires_grad_(False)
+        self.out = nn.Linear(256, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return self.out(x)
+
+
+def scenario_fit_rank(info: Any, out: dict[str, Any]) -> None:
+    """fit_rank plans each rank (DDP buckets counted), agrees on one plan, applies it with shared
+    masters; the job then trains as one process on the whole batch would."""
+    import dataclasses
+
+    import vramkit
+    from vramkit.distributed import agree_on_plan, ddp_bucket_bytes, fit_rank, plan_for_rank
+    from vramkit.errors import PlanError
+
+    model = Wide()
+    x, y = batch(0)
+    inputs = (shard(x, info.rank, info.world_size),)
+    options: dict[str, Any] = {"hardware": "rtx4090", "headroom": 0.05, "blocks": "blocks.*"}
+    minimums = []
+    for planner in (vramkit.plan, plan_for_rank):  # one GPU, then one rank of a DDP job
+        try:
+            planner(model, inputs, 1, **options)
+            minimums.append(0)
+        except PlanError as exc:
+            minimums.append(int(exc.minimum_budget or 0))
+    out["minimum_one_gpu"], out["minimum_rank"] = minimums
+    out["bucket_bytes"] = ddp_bucket_bytes(model)
+    budget = minimums[1]  # the smallest budget a rank can train in
+    fitted = fit_rank(model, inputs, budget, device=info.device, **options)
+    plan = fitted.plan
+    out["swapped"] = list(plan.swapped)
+    out["reserved_at_least_buckets"] = plan.headroom_bytes >= ddp_bucket_bytes(model)
+    swapper = fitted.swapper
+    out["shared_bytes"] = swapper.stats().shared_bytes if swapper is not None else 0
+    ddp = wrap_ddp(model, swapper) if swapper is not None else None
+    if ddp is not None:
+        nn.functional.mse_loss(ddp(inputs[0]), shard(y, info.rank, info.world_size)).backward()
+        reference = Wide().to(DEVICE)
+        nn.functional.mse_loss(reference(x), y).backward()
+        out["grad_diff"] = max_diff(
+            {n: p.grad for n, p in model.named_parameters() if p.requires_grad},
+            {n: p.grad for n, p in reference.named_parameters() if p.requires_grad})
+    fitted.detach()
+    # agree_on_plan: the plan predicting the slowest step wins on every rank.
+    mine = dataclasses.replace(plan, overhead_seconds=plan.overhead_seconds + 1.0 + info.rank)
+    out["agreed_step"] = agree_on_plan(mine).predicted_step_seconds
+
+
+def scenario_two_nodes(info: Any, out: dict[str, Any]) -> None:
+    """Four ranks as two nodes of two (``--fake-hosts``): each node shares one copy; node 1
+    built other weights, and wrap_ddp's broadcast between the nodes' writers makes every rank
+    compute rank 0's model."""
+    node = info.rank // 2
+    torch.manual_seed(0)
+    model = Net(lora=True)
+    if node:  # different frozen weights on the second node
+        with torch.no_grad():
+            for p in model.blocks.parameters():
+                p.add_(1.0)
+    swapper = shared_swapper(model, "blocks.*", CONFIG, device=info.device)
+    out["shared_bytes"] = swapper.stats().shared_bytes
+    out["local_ranks"] = swapper.master_memory.local_ranks if swapper.master_memory else []
+    probe = torch.randn(3, IN, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    with torch.no_grad():
+        before = model(probe).flatten()
+    ddp = wrap_ddp(model, swapper)
+    with torch.no_grad():
+        after = ddp.module(probe).flatten()
+    gathered = [torch.zeros_like(after) for _ in range(info.world_size)]
+    dist.all_gather(gathered, after)
+    out["equal_after"] = all(torch.equal(g, gathered[0]) for g in gathered)
+    rank0_before = before.clone()
+    dist.broadcast(rank0_before, 0)
+    out["differed_before"] = not torch.equal(before, rank0_before)
+    out["same_as_rank0_model"] = torch.equal(after, rank0_before)
+    swapper.detach()
+
+
 def scenario_fsdp(info: Any, out: dict[str, Any]) -> None:
     """FSDP2 and the swapper on one module: refused in both orders."""
     try:
@@ -324,7 +415,15 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--scenarios", required=True)
+    parser.add_argument("--fake-hosts", type=int, default=0,
+                        help="pretend the ranks run on hosts of this many ranks each")
     args = parser.parse_args()
+    if args.fake_hosts:
+        import socket
+
+        per_host = args.fake_hosts
+        rank = int(os.environ["RANK"])
+        socket.gethostname = lambda: f"fake-node-{rank // per_host}"  # type: ignore[assignment]
     info = init_from_env()
     global DEVICE
     DEVICE = info.device
@@ -348,6 +447,10 @@ def main() -> int:
                 scenario_fsdp(info, result)
             elif name == "shm_fallback":
                 scenario_shm_fallback(info, result)
+            elif name == "fit_rank":
+                scenario_fit_rank(info, result)
+            elif name == "two_nodes":
+                scenario_two_nodes(info, result)
             else:
                 raise SystemExit(f"unknown scenario {name}")
         except Exception as exc:

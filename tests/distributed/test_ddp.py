@@ -18,7 +18,8 @@ from tests.distributed._launch import NPROC, WORKER, describe, require_gloo, tor
 require_gloo()
 pytestmark = pytest.mark.slow  # torchrun jobs: ~10 s each
 
-SCENARIOS = ("lora", "plain_ddp", "full_cpu", "full_swap", "pss", "fsdp", "shm_fallback")
+SCENARIOS = ("lora", "plain_ddp", "full_cpu", "full_swap", "pss", "fsdp", "shm_fallback",
+             "fit_rank")
 TOLERANCE = 1e-6
 PAGE = 4096
 
@@ -223,3 +224,50 @@ def test_without_room_to_share_every_rank_pins_its_own_and_rank_0_says_why(
     message = first["warnings"][0]
     assert "cannot share" in message and "/nonexistent/vramkit-shm" in message
     assert "--shm-size" in message  # the hint says how to give /dev/shm room
+
+
+# -- planning a rank -----------------------------------------------------------------------------
+
+
+def test_fit_rank_counts_ddp_buckets_agrees_on_one_plan_and_trains_as_one_process(
+        results: dict[str, Ranks]) -> None:
+    for r in scenario(results, "fit_rank"):
+        # DDP's buckets (one copy of the reduced gradients) raise the smallest budget by them,
+        # grossed up by the 5 % headroom.
+        extra = r["minimum_rank"] - r["minimum_one_gpu"]
+        assert r["bucket_bytes"] <= extra <= r["bucket_bytes"] / 0.95 + 64
+        assert r["reserved_at_least_buckets"]
+        assert r["swapped"] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+        assert r["shared_bytes"] >= 4 * 256 * 256 * 4  # the frozen blocks, once per node
+        assert r["grad_diff"] <= TOLERANCE
+        # rank 1's plan predicted the slower step (2 s more overhead): every rank applies it
+        assert r["agreed_step"] >= 2.0
+
+
+# -- two nodes of two ranks (hosts faked) --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Ranks:
+    out: Path = tmp_path_factory.mktemp("nodes")
+    proc = torchrun([str(WORKER), "--out", str(out), "--scenarios", "two_nodes",
+                     "--fake-hosts", "2"], cwd=out, nproc=4)
+    if proc.returncode != 0:
+        pytest.fail(f"the four-rank worker failed: {describe(proc)}")
+    ranks = [json.loads((out / f"two_nodes-rank{r}.json").read_text()) for r in range(4)]
+    for r in ranks:
+        if "error" in r:
+            pytest.fail(f"rank {r['rank']}: {r['error']}\n{r.get('traceback', '')}")
+    return ranks
+
+
+def test_each_node_shares_one_copy_between_its_own_ranks(two_nodes: Ranks) -> None:
+    assert [r["local_ranks"] for r in two_nodes] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert all(r["shared_bytes"] > 0 for r in two_nodes)
+
+
+def test_wrap_ddp_broadcasts_rank_0s_masters_to_the_other_nodes_writer(two_nodes: Ranks) -> None:
+    """Node 1 built other frozen weights; after wrap_ddp every rank computes rank 0's model
+    (slots loaded before the broadcast are reloaded: a collective bumps no version counter)."""
+    assert [r["differed_before"] for r in two_nodes] == [False, False, True, True]
+    assert all(r["equal_after"] and r["same_as_rank0_model"] for r in two_nodes)

@@ -286,6 +286,7 @@ def broadcast_masters(swapper: BlockSwapper, *, src: int = 0, group: Any = None)
         else:
             moved += _broadcast(block.master, src, group, staging)
     dist.barrier(group=group)  # readers of shared masters wait for their writer's copy
+    swapper.masters_changed()  # collectives bump no version counter: reload stale slots
     logger.info("vramkit.distributed: broadcast %s of masters from rank %d",
                 format_size(moved), src)
     return moved

@@ -453,6 +453,15 @@ class SlotRing:
             if slot.block is not None and slot.block.trainable_entries:
                 slot.loaded_version = -1
 
+    def forget_loaded(self) -> None:
+        """The masters were written where no version counter sees it (a collective, a C++
+        write): wait until no copy reads them, and reload every slot at its next use."""
+        for slot in self.slots:
+            self.streams.synchronize(slot.loaded_event)
+            slot.loaded_version = -1
+        for block in self.blocks:
+            block.bound = None  # the next acquire points the tensors at their slot again
+
     # -- bookkeeping --------------------------------------------------------------------------
 
     def reset_counters(self) -> None:

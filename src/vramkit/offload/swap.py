@@ -1056,6 +1056,15 @@ class BlockSwapper:
         if self._stepper is not None:
             self._stepper.gradient_hook = hook
 
+    def masters_changed(self) -> None:
+        """Say that the host masters were rewritten where PyTorch's version counters do not see
+        it (a ``torch.distributed`` broadcast into them, a write from C++ or another process):
+        slots copied from them are reloaded at their next use. Waits until no copy reads the
+        masters. ``vramkit.distributed.broadcast_masters`` calls it."""
+        self._sync_masters()
+        if self._ring is not None:
+            self._ring.forget_loaded()
+
     def sync_gradients(self) -> None:
         """Wait (on the host) until every offloaded gradient has arrived and no copy still reads
         the masters: call it once per optimizer step, before stepping the host parameters."""

@@ -314,3 +314,23 @@ def test_a_hook_returning_something_not_callable_is_an_error() -> None:
         model(_x()).square().mean().backward()
     assert "finish" in info.value.hint or "None" in info.value.hint
     swapper.detach()
+
+
+def test_masters_changed_reloads_slots_copied_before_a_write_no_counter_saw() -> None:
+    """A write into the masters that bumps no version counter (a collective, numpy, C++) leaves
+    slot copies looking fresh; masters_changed() makes the next use reload them."""
+    model = Net()
+    swapper = BlockSwapper(model, "blocks.*", SwapConfig(min_param_bytes=0, num_slots=3),
+                           device="cpu")
+    try:
+        with torch.no_grad():
+            first = model(_x())
+            for block in swapper.blocks:
+                block.master.numpy()[:] = 0  # behind autograd's back: no version bump
+            stale = model(_x())
+            swapper.masters_changed()
+            fresh = model(_x())
+        assert torch.equal(stale, first)  # every block was still in a slot: nothing reloaded
+        assert not torch.equal(fresh, first)  # the zeroed weights are used now
+    finally:
+        swapper.detach()

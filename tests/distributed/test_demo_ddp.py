@@ -114,3 +114,26 @@ def test_report_is_refused_under_torchrun_with_exit_code_2(tmp_path: Path) -> No
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not (tmp_path / "x.html").exists()
     assert os.listdir(tmp_path) == []
+
+
+def test_ranks_whose_plans_differ_all_run_the_slowest_on_their_own_device() -> None:
+    """Calibration noise can make two GPUs plan differently; the node's ranks share one copy of
+    the masters, so they must swap the same blocks."""
+    import dataclasses
+
+    from vramkit.recipes.demo import DemoConfig, plan_demo
+    from vramkit.recipes.demo_ddp import agree_on_demo_plan
+
+    base = plan_demo(DemoConfig(device="cpu", steps=1))
+    fewer = dataclasses.replace(base, swapped_block_names=base.swapped_block_names[:-1],
+                                planned_swapped_blocks=base.planned_swapped_blocks - 1,
+                                predicted_step_seconds=0.5, device="cuda:1",
+                                device_name="GPU one")
+    slower = dataclasses.replace(base, predicted_step_seconds=0.7, device="cuda:0",
+                                 device_name="GPU zero")
+    chosen, agree = agree_on_demo_plan([slower, fewer], fewer)
+    assert not agree
+    assert chosen.swapped_block_names == slower.swapped_block_names
+    assert (chosen.device, chosen.device_name) == ("cuda:1", "GPU one")  # still mine
+    same, agree = agree_on_demo_plan([base, base], base)
+    assert agree and same is base

@@ -23,6 +23,7 @@ with a one-process ``vramkit demo`` for that.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -36,7 +37,7 @@ from vramkit.recipes.demo import DemoConfig, DemoPlan, DemoProgress, plan_demo
 from vramkit.recipes.dit import flow_matching_loss, synthetic_batch
 from vramkit.units import format_size
 
-__all__ = ["DistributedDemoResult", "run_distributed_demo"]
+__all__ = ["DistributedDemoResult", "agree_on_demo_plan", "run_distributed_demo"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,8 @@ class DistributedDemoResult:
         samples_per_second: ``world_size * batch_size / median_step_seconds``.
         replicas_max_diff: the largest difference between a rank's adapters and rank 0's after
             training (0 when DDP kept the replicas equal).
-        plans_agree: every rank planned the same swapped and checkpointed blocks.
+        plans_agree: every rank planned the same swapped and checkpointed blocks and slots
+            (when not, every rank ran the plan predicting the slowest step).
     """
 
     plan: DemoPlan
@@ -87,6 +89,18 @@ class DistributedDemoResult:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready data (the plan nested under ``"plan"``)."""
         return asdict(self)
+
+
+def agree_on_demo_plan(plans: list[DemoPlan], mine: DemoPlan) -> tuple[DemoPlan, bool]:
+    """The plan this rank runs, given every rank's: its own when all chose the same blocks,
+    checkpointing and slots, else the one predicting the slowest step (the most swapped blocks
+    on a tie), on this rank's device. Returns it and whether the ranks agreed."""
+    choices = [(p.swapped_block_names, p.checkpointed_block_names, p.num_slots) for p in plans]
+    if all(c == choices[0] for c in choices):
+        return mine, True
+    slowest = max(plans, key=lambda p: (p.predicted_step_seconds or 0.0,
+                                        p.planned_swapped_blocks))
+    return dataclasses.replace(slowest, device=mine.device, device_name=mine.device_name), False
 
 
 def _gather(value: Any) -> list[Any]:
@@ -122,7 +136,10 @@ def run_distributed_demo(config: DemoConfig, info: Any, *,
     if device.type == "cuda" and device.index is None:
         device = info.device
     cuda = device.type == "cuda"
-    plans = _gather((plan.swapped_block_names, plan.checkpointed_block_names))
+    # The node's ranks share one copy of the masters, so they must swap the same blocks: where
+    # their plans differ (calibration noise), every rank takes the one predicting the slowest
+    # step (as vramkit.distributed.agree_on_plan does), on its own device.
+    plan, agree = agree_on_demo_plan(_gather(plan), plan)
     model, adapters, _ = _build_model(plan)
     chosen = plan.checkpointed_block_names
     if chosen:
@@ -192,5 +209,5 @@ def run_distributed_demo(config: DemoConfig, info: Any, *,
         under_budget=all(r[3] <= plan.budget_bytes for r in ranks), losses=mean_losses,
         step_seconds=step_seconds, median_step_seconds=median,
         samples_per_second=info.world_size * plan.batch_size / median,
-        replicas_max_diff=float(diff.item()), plans_agree=all(p == plans[0] for p in plans),
+        replicas_max_diff=float(diff.item()), plans_agree=agree,
         wall_seconds=time.perf_counter() - started)

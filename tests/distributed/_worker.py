@@ -383,6 +383,21 @@ def scenario_two_nodes(info: Any, out: dict[str, Any]) -> None:
     swapper.detach()
 
 
+def scenario_one_node_without_room(info: Any, out: dict[str, Any]) -> None:
+    """Two nodes (``--fake-hosts``); the second has no tmpfs to share in. Node 0 shares, node 1
+    pins per rank, and nobody waits forever in a collective the other node skipped."""
+    from vramkit.distributed import NodeSharedMasters
+
+    node = info.rank // 2
+    model = Net(lora=True)
+    memory = NodeSharedMasters(directory="/dev/shm" if node == 0 else "/nonexistent/vramkit")
+    swapper = BlockSwapper(model, "blocks.*", CONFIG, device=info.device, master_memory=memory)
+    out["shared_bytes"] = swapper.stats().shared_bytes
+    out["reason"] = memory.reason
+    out["grad_diff"] = lora_grad_diff(wrap_ddp(model, swapper), model, info)
+    swapper.detach()
+
+
 def scenario_fsdp(info: Any, out: dict[str, Any]) -> None:
     """FSDP2 and the swapper on one module: refused in both orders."""
     try:
@@ -451,6 +466,8 @@ def main() -> int:
                 scenario_fit_rank(info, result)
             elif name == "two_nodes":
                 scenario_two_nodes(info, result)
+            elif name == "one_node_without_room":
+                scenario_one_node_without_room(info, result)
             else:
                 raise SystemExit(f"unknown scenario {name}")
         except Exception as exc:

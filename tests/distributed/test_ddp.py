@@ -248,26 +248,40 @@ def test_fit_rank_counts_ddp_buckets_agrees_on_one_plan_and_trains_as_one_proces
 
 
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Ranks:
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Ranks]:
     out: Path = tmp_path_factory.mktemp("nodes")
-    proc = torchrun([str(WORKER), "--out", str(out), "--scenarios", "two_nodes",
-                     "--fake-hosts", "2"], cwd=out, nproc=4)
+    proc = torchrun([str(WORKER), "--out", str(out), "--scenarios",
+                     "two_nodes,one_node_without_room", "--fake-hosts", "2"], cwd=out, nproc=4)
     if proc.returncode != 0:
         pytest.fail(f"the four-rank worker failed: {describe(proc)}")
-    ranks = [json.loads((out / f"two_nodes-rank{r}.json").read_text()) for r in range(4)]
-    for r in ranks:
-        if "error" in r:
-            pytest.fail(f"rank {r['rank']}: {r['error']}\n{r.get('traceback', '')}")
-    return ranks
+    found: dict[str, Ranks] = {}
+    for name in ("two_nodes", "one_node_without_room"):
+        found[name] = [json.loads((out / f"{name}-rank{r}.json").read_text()) for r in range(4)]
+        for r in found[name]:
+            if "error" in r:
+                pytest.fail(f"{name}, rank {r['rank']}: {r['error']}\n{r.get('traceback', '')}")
+    return found
 
 
-def test_each_node_shares_one_copy_between_its_own_ranks(two_nodes: Ranks) -> None:
+def test_each_node_shares_one_copy_between_its_own_ranks(four_ranks: dict[str, Ranks]) -> None:
+    two_nodes = four_ranks["two_nodes"]
     assert [r["local_ranks"] for r in two_nodes] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert all(r["shared_bytes"] > 0 for r in two_nodes)
 
 
-def test_wrap_ddp_broadcasts_rank_0s_masters_to_the_other_nodes_writer(two_nodes: Ranks) -> None:
+def test_wrap_ddp_broadcasts_rank_0s_masters_to_the_other_nodes_writer(
+        four_ranks: dict[str, Ranks]) -> None:
     """Node 1 built other frozen weights; after wrap_ddp every rank computes rank 0's model
     (slots loaded before the broadcast are reloaded: a collective bumps no version counter)."""
+    two_nodes = four_ranks["two_nodes"]
     assert [r["differed_before"] for r in two_nodes] == [False, False, True, True]
     assert all(r["equal_after"] and r["same_as_rank0_model"] for r in two_nodes)
+
+
+def test_a_node_without_room_pins_per_rank_while_the_other_shares(
+        four_ranks: dict[str, Ranks]) -> None:
+    ranks = four_ranks["one_node_without_room"]
+    assert [r["shared_bytes"] > 0 for r in ranks] == [True, True, False, False]
+    assert [r["reason"] is None for r in ranks] == [True, True, False, False]
+    assert all("does not exist" in r["reason"] for r in ranks[2:])
+    assert all(r["grad_diff"] <= TOLERANCE for r in ranks)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -232,46 +231,46 @@ class GradientAverager:
         return finish
 
 
-def _node_leaders(group: Any) -> tuple[list[int], int]:
-    """(the lowest rank of each node, in rank order; the number of nodes) -- collective."""
-    dist = torch.distributed
-    hosts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    leaders = sorted({h: r for r, h in reversed(list(enumerate(hosts)))}.values())
-    return leaders, len(leaders)
-
-
 def broadcast_masters(swapper: BlockSwapper, *, src: int = 0, group: Any = None) -> int:
     """Give every rank ``src``'s swapped weights, through the host masters (collective).
 
-    Masters of this process are broadcast among all ranks; node-shared masters only among the
-    nodes' writers (the local ranks map the same memory), and not at all on one node. Blocks
-    kept on disk (``SwapConfig.host_budget``) are read from each rank's own checkpoint and are
-    not broadcast. With NCCL the bytes go through a 64 MiB device buffer.
+    Masters of trainable swapped weights (one per rank) are broadcast among all ranks. Frozen
+    masters are broadcast among the ranks that own a writable copy: on a node that shares its
+    masters only the node's writer (its local ranks map the same memory), on a node that does
+    not every rank; on one sharing node nothing moves. Blocks kept on disk
+    (``SwapConfig.host_budget``) are read from each rank's own checkpoint and are not
+    broadcast. With NCCL the bytes go through a 64 MiB device buffer. Ranks are global ranks.
 
     Args:
         swapper: an attached swapper (every rank's swaps the same blocks).
-        src: the rank whose weights win (default 0, which is always its node's writer).
+        src: the rank whose weights win (default 0, which always writes its node's copy).
         group: the process group (default: the whole job).
 
     Returns:
         Bytes this rank received (or sent, on ``src``).
+
+    Raises:
+        ConfigError: ``src`` only maps its node's shared copy (it is not its node's writer).
     """
     _require_group("broadcast_masters")
     dist = torch.distributed
-    rank = dist.get_rank(group)
+    rank = dist.get_rank()
     swapper.wait_loaded()
     swapper.sync_gradients()
-    shared = swapper.master_memory
-    leaders, nodes = _node_leaders(group)
-    shared_group = None
-    if shared is not None and nodes > 1:
-        if src not in leaders:
-            raise ConfigError(f"broadcast_masters(src={src}): with node-shared masters the "
-                              f"source must write its node's copy (ranks {leaders})",
-                              hint="Use src=0.")
-        # Every rank must take part in creating a group, members or not.
-        shared_group = dist.new_group(leaders)
+    memory = swapper.master_memory
+    reader = memory is not None and not memory.writer
+    size = dist.get_world_size(group)
+    roles: list[Any] = [None] * size
+    dist.all_gather_object(roles, (rank, reader), group=group)
+    owners = [r for r, is_reader in roles if not is_reader]  # global ranks
+    if src not in owners:
+        raise ConfigError(f"broadcast_masters(src={src}): rank {src} maps its node's shared "
+                          "masters but does not write them",
+                          hint="Use src=0 (rank 0 always writes its node's copy).")
+    # Every rank takes part in creating a group, member or not, in the same order.
+    spread = len(owners) > 1  # frozen masters exist in more than one writable copy
+    frozen_group = group if len(owners) == size else (
+        dist.new_group(owners) if spread else None)
     is_nccl = "nccl" in str(dist.get_backend(group)).lower()
     staging = (torch.empty(_STAGING, dtype=torch.uint8, device=swapper.device)
                if is_nccl else None)
@@ -279,12 +278,10 @@ def broadcast_masters(swapper: BlockSwapper, *, src: int = 0, group: Any = None)
     for block in swapper.blocks:
         if block.master is None or block.on_disk:
             continue
-        if swapper.is_shared(block):
-            if shared_group is None or rank not in leaders:
-                continue
-            moved += _broadcast(block.master, src, shared_group, staging)
-        else:
+        if block.trainable_entries:  # one master per rank
             moved += _broadcast(block.master, src, group, staging)
+        elif spread and not reader:
+            moved += _broadcast(block.master, src, frozen_group, staging)
     dist.barrier(group=group)  # readers of shared masters wait for their writer's copy
     swapper.masters_changed()  # collectives bump no version counter: reload stale slots
     logger.info("vramkit.distributed: broadcast %s of masters from rank %d",

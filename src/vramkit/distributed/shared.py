@@ -146,27 +146,33 @@ class NodeSharedMasters:
             total += -(-size // _PAGE) * _PAGE
         layout = hashlib.sha1(repr((names, sizes)).encode()).hexdigest()
         me = (socket.gethostname(), layout, _room(self.directory), uuid.uuid4().hex)
+        # Every rank takes part in every gather below, whatever its node decides: a rank that
+        # stopped early would leave the others waiting in the next collective.
         everyone = self._gather(me)
-        local = [r for r, v in enumerate(everyone) if v[0] == me[0]]
-        self._local = local
-        if len(local) < 2:
-            return None
-        layouts = {everyone[r][1] for r in local}
-        if len(layouts) > 1:
+        nodes: dict[str, list[int]] = {}
+        for r, v in enumerate(everyone):
+            nodes.setdefault(v[0], []).append(r)
+        mixed = [host for host, ranks in nodes.items()
+                 if len({everyone[r][1] for r in ranks}) > 1]
+        if mixed:  # raised on every rank of every node, so that none waits for the others
             raise ConfigError(
-                "the local ranks attached swappers to different blocks (the models or "
-                "SwapConfigs differ between ranks), so they cannot share one copy of the masters",
+                f"the local ranks of {mixed[0]} attached swappers to different blocks (the "
+                "models or SwapConfigs differ between ranks), so they cannot share one copy of "
+                "the masters",
                 hint="Build the same model with the same SwapConfig on every rank (plan once, "
                      "or plan with the same inputs everywhere).")
+        local = nodes[me[0]]
+        self._local = local
         leader = local[0]
         short = min(everyone[r][2] for r in local)
-        if short < total:
-            where = (f"{self.directory} does not exist" if short < 0 else
-                     f"{self.directory} has {format_size(short)} free on {me[0]}")
-            self._fallback(f"{where}, and the masters need {format_size(total)}", total)
-            return None
+        sharing = len(local) >= 2 and short >= total
+        why = None
+        if len(local) >= 2 and not sharing:
+            why = (f"{self.directory} does not exist" if short < 0 else
+                   f"{self.directory} has {format_size(short)} free on {me[0]}")
+            why += f", and the masters need {format_size(total)}"
         path = os.path.join(self.directory, f"vramkit-masters-{everyone[leader][3]}")
-        self._writer = self.rank == leader
+        self._writer = sharing and self.rank == leader
         fd = -1
         error = None
         if self._writer:
@@ -176,8 +182,8 @@ class NodeSharedMasters:
             except OSError as exc:
                 error = f"creating {path} ({format_size(total)}) failed: {exc}"
         created = self._gather(error)
-        failed = next((e for e in created if e is not None), None)
-        if failed is None and not self._writer:
+        failed = next((created[r] for r in local if created[r] is not None), None)
+        if sharing and failed is None and not self._writer:
             try:
                 fd = os.open(path, os.O_RDWR)
             except OSError as exc:
@@ -197,9 +203,15 @@ class NodeSharedMasters:
                 os.unlink(path)
             except OSError:
                 pass
-        failed = failed or next((e for e in opened if e is not None), None)
+        if not sharing:
+            self._writer = False
+            if why is not None:
+                self._fallback(why, total)
+            return None
+        failed = failed or next((opened[r] for r in local if opened[r] is not None), None)
         if failed is not None:
             del mapping
+            self._writer = False
             self._fallback(failed, total)
             return None
         assert mapping is not None

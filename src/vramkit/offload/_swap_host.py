@@ -103,6 +103,7 @@ class HostStore:
         self.source = source
         self.shared = shared
         self.shared_masters: dict[int, torch.Tensor] = {}  # id(block) -> its shared master
+        self._reserved = False  # reserve() was called: published() must be called too
         self._published = False
         self.blocks: list[SwappedBlock] = []
         self.master_pool: MemoryPool | None = None
@@ -157,6 +158,7 @@ class HostStore:
         """Ask the shared memory for the frozen in-RAM blocks' masters (collective)."""
         if self.shared is None or not frozen:
             return
+        self._reserved = True
         masters = self.shared.reserve([b.name for b in frozen], [b.nbytes for b in frozen],
                                       self.device)
         if masters is not None:
@@ -212,9 +214,9 @@ class HostStore:
                 on_done()
             self._publish(True)
             return
-        if background and (self.shared_masters
+        if background and (self._reserved
                            or any(b.trainable_entries for b in filler.blocks)):
-            background = False  # other processes read shared masters once all are written
+            background = False  # other processes wait for published(), after the whole fill
         filler._on_done = on_done
         filler.start(background=background)
         if background:
@@ -231,8 +233,9 @@ class HostStore:
         self._publish(True)
 
     def _publish(self, ok: bool) -> None:
-        """Shared masters: tell the other processes they are written (collective, once)."""
-        if self.shared is not None and self.shared_masters and not self._published:
+        """Shared masters: tell the other processes they are written (collective, once; also
+        where this node could not share, since the other nodes' ranks wait for everyone)."""
+        if self.shared is not None and self._reserved and not self._published:
             self._published = True
             self.shared.published(ok)
 
@@ -449,10 +452,11 @@ class HostStore:
             if pool is not None:
                 pool.clear(force=True)
         self.master_pool = self.grad_pool = self.staging_pool = None
-        if self.shared is not None and self.shared_masters:
+        if self.shared is not None:
             self._publish(False)  # an attach that failed before the fill: nobody waits forever
-            self.shared_masters = {}
-            self.shared.close()
+            if self.shared_masters:
+                self.shared_masters = {}
+                self.shared.close()
 
 
 def _fill_threads() -> int:

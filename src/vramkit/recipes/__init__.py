@@ -19,7 +19,7 @@ from vramkit._lazy import lazy_exports
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".demo": ("run_demo", "plan_demo", "DemoConfig", "DemoPlan", "DemoResult", "DemoProgress",
               "DEFAULT_REPORT"),
-    ".demo_ddp": ("run_distributed_demo", "DistributedDemoResult"),
+    ".demo_ddp": ("run_distributed_demo", "DistributedDemoResult", "agree_on_demo_plan"),
     ".presets": ("SDXLMemoryConfig", "FluxTrainingConfig", "optimize_sdxl_memory",
                  "optimize_flux_memory", "MemoryOptimization", "MemoryEstimate", "ModelProfile",
                  "BlockRow", "measure_model_profile", "unet_blocks", "SDXL_UNET_CONFIG",

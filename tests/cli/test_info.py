@@ -117,7 +117,8 @@ def test_info_shows_host_memory(monkeypatch: pytest.MonkeyPatch,
     install_missing_nvml(monkeypatch)
     fake = host.HostMemory(total=16 * GiB, available=12 * GiB, process_rss=GiB,
                            cgroup_limit=8 * GiB, cgroup_usage=6 * GiB, memlock_limit=8 << 20,
-                           wsl=False, pin_limit=8 * GiB, pin_limit_source="cgroup memory.max")
+                           wsl=False, pin_limit=8 * GiB, pin_limit_source="cgroup memory.max",
+                           shm_free=GiB, shm_total=2 * GiB)
     monkeypatch.setattr(host, "read_host_memory", lambda **kwargs: fake)
     data = _run_json(capsys, "--no-torch")
     assert data["host"] == fake.to_dict()
@@ -130,6 +131,7 @@ def test_info_shows_host_memory(monkeypatch: pytest.MonkeyPatch,
     assert "limit 8.0 GiB, using 6.0 GiB" in text
     assert "8.0 GiB  (cgroup memory.max)" in text
     assert "RLIMIT_MEMLOCK" in text
+    assert "1.0 GiB free of 2.0 GiB" in text  # /dev/shm: room for node-shared weights
 
 
 def test_info_host_memory_of_this_machine(monkeypatch: pytest.MonkeyPatch,

@@ -190,7 +190,8 @@ def test_to_dict_is_json_serializable(tmp_path: Path) -> None:
     assert data["headroom"] == 5 * GiB
     assert data["pin_limit_source"] == "cgroup memory.max"
     assert set(data) == {"total", "available", "process_rss", "cgroup_limit", "cgroup_usage",
-                         "memlock_limit", "wsl", "pin_limit", "pin_limit_source", "headroom"}
+                         "memlock_limit", "wsl", "pin_limit", "pin_limit_source", "headroom",
+                         "shm_free", "shm_total"}
     assert "6.0 GiB (cgroup memory.max)" in str(memory)
 
 
@@ -209,3 +210,28 @@ def test_memlock_limit_reads_the_process_limit(monkeypatch: pytest.MonkeyPatch) 
     soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
     expected = None if soft == resource.RLIM_INFINITY else soft
     assert host_module._memlock_limit() == expected
+
+
+def test_dev_shm_room_is_read_and_absent_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/dev/shm is where vramkit.distributed shares a node's swapped weights."""
+    import os
+    import types
+
+    seen: list[str] = []
+
+    def statvfs(path: str) -> object:
+        seen.append(path)
+        return types.SimpleNamespace(f_bavail=100, f_blocks=250, f_frsize=4096)
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    info = host_module.read_host_memory()
+    assert os.path.join("/", "dev", "shm") in seen
+    assert (info.shm_free, info.shm_total) == (100 * 4096, 250 * 4096)
+    assert info.to_dict()["shm_total"] == 250 * 4096
+
+    def missing(path: str) -> object:
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(os, "statvfs", missing)
+    info = host_module.read_host_memory()
+    assert info.shm_free is None and info.shm_total is None

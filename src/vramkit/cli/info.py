@@ -184,6 +184,10 @@ def _render_host(out: Any, host: dict[str, Any]) -> None:
     pin = host["pin_limit"]
     table.add_row("pinning limit", "none known (RAM)" if pin is None
                   else f"{format_size(pin)}  ({host['pin_limit_source']})")
+    shm = host.get("shm_total")
+    table.add_row("/dev/shm", "absent" if shm is None else
+                  f"{_size(host['shm_free'])} free of {format_size(shm)}  (one copy of the "
+                  "swapped weights per node under torchrun)")
     out.print(table)
 
 

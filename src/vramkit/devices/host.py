@@ -70,6 +70,9 @@ class HostMemory:
             cgroup limit (when below ``total``; exceeding it is an OOM kill, not an error) or,
             on WSL, half of ``total``; ``None`` when neither applies (RAM itself, minus what
             else needs it, is then the bound).
+        shm_free / shm_total: free and total bytes of ``/dev/shm`` (the tmpfs
+            ``vramkit.distributed`` shares a node's swapped weights in; Docker gives it 64 MiB
+            unless ``--shm-size``), ``None`` where there is none.
         pin_limit_source: where ``pin_limit`` comes from: ``"cgroup memory.max"``,
             ``"cgroup v1 memory.limit_in_bytes"``, ``"WSL (half of RAM)"`` or ``"none"``.
     """
@@ -83,6 +86,8 @@ class HostMemory:
     wsl: bool = False
     pin_limit: int | None = None
     pin_limit_source: str = "none"
+    shm_free: int | None = None
+    shm_total: int | None = None
 
     @property
     def headroom(self) -> int | None:
@@ -256,8 +261,8 @@ def read_host_memory(*, root: str = "/") -> HostMemory:
     """Read this process's host memory now (a few small file reads; no subprocess).
 
     Args:
-        root: where ``proc/`` and ``sys/fs/cgroup/`` are looked for (default ``"/"``); tests
-            point it at a fake tree. ``RLIMIT_MEMLOCK`` is always this process's, and psutil
+        root: where ``proc/``, ``sys/fs/cgroup/`` and ``dev/shm`` are looked for (default
+            ``"/"``); tests point it at a fake tree. ``RLIMIT_MEMLOCK`` is always this process's, and psutil
             stands in for a missing ``/proc/meminfo`` only when ``root`` is ``"/"``.
 
     Returns:
@@ -282,7 +287,17 @@ def read_host_memory(*, root: str = "/") -> HostMemory:
     if wsl and total is not None:
         candidates.append((total // 2, "WSL (half of RAM)"))
     pin_limit, pin_source = min(candidates) if candidates else (None, "none")
+    shm_free, shm_total = _tmpfs_room(os.path.join(root, "dev", "shm"))
     return HostMemory(total=total, available=available, process_rss=rss,
                       cgroup_limit=cgroup_limit, cgroup_usage=cgroup_usage,
                       memlock_limit=_memlock_limit(), wsl=wsl, pin_limit=pin_limit,
-                      pin_limit_source=pin_source)
+                      pin_limit_source=pin_source, shm_free=shm_free, shm_total=shm_total)
+
+
+def _tmpfs_room(path: str) -> tuple[int | None, int | None]:
+    """(free, total) bytes of the filesystem at ``path``; ``(None, None)`` when it is absent."""
+    try:
+        st = os.statvfs(path)
+    except (OSError, AttributeError):  # no such directory; no statvfs (Windows)
+        return None, None
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize

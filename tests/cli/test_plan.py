@@ -130,6 +130,8 @@ def test_an_impossible_budget_names_the_minimum_and_the_flag(
     (["sdxl", "--budget", "12GiB", "--hardware", "rtx9999"], ("rtx9999",)),
     (["sdxl", "--budget", "12GiB", "--headroom", "much"], ("--headroom",)),
     (["no-such-model", "--budget", "12GiB"], ("no-such-model", "flux-dev")),
+    (["sdxl", "--budget", "12GiB", "--disk-speed", "fast"], ("--disk-speed", "GB/s")),
+    (["sdxl", "--budget", "12GiB", "--disk-speed", "0"], ("--disk-speed", "> 0")),
 ])
 def test_flag_errors_exit_2(argv: list[str], says: tuple[str, ...],
                             capsys: pytest.CaptureFixture[str]) -> None:
@@ -163,3 +165,29 @@ def test_the_readme_command_plans_flux_dev_on_a_cpu_machine() -> None:
     assert plan["swapped"] and plan["checkpointed"]
     assert plan["predicted_peak_bytes"] <= 12 * GiB - plan["headroom_bytes"]
     assert "planned offline" in data["note"]
+
+
+def test_a_host_budget_below_the_masters_keeps_blocks_on_disk(
+        llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--host-budget plans the swapper's disk tier, its reads at --disk-speed."""
+    common = [str(llama_dir), "--hardware", "l4", "--seq-len", "512", "--headroom", "0"]
+    import vramkit
+    from vramkit.errors import PlanError
+    from vramkit.planning import build_target
+
+    target = build_target(llama_dir, seq_len=512)
+    with pytest.raises(PlanError) as info:
+        vramkit.plan(target.model, target.inputs, 1, step=target.step, autocast=None,
+                     hardware="l4", headroom=0)
+    budget = str(info.value.minimum_budget)
+    in_ram = _json(capsys, *common, "--budget", budget)["plan"]
+    assert in_ram["swapped"] and in_ram["disk_blocks"] == []
+    host = str(in_ram["host_bytes"] // 2)
+    data = _json(capsys, *common, "--budget", budget, "--host-budget", host,
+                 "--disk-speed", "0.5")["plan"]
+    assert data["disk_blocks"] and data["host_bytes"] <= int(host)
+    assert data["disk_bytes_per_s"] == 0.5e9
+    assert data["predicted_step_seconds"] > in_ram["predicted_step_seconds"]
+    assert main(["plan", *common, "--budget", budget, "--host-budget", host]) == 0
+    out = capsys.readouterr().out
+    assert "on disk" in out and "assumed at 1.0 GB/s" in out

@@ -33,7 +33,25 @@ DEFAULT_OFFLINE_HARDWARE = "rtx4090"
 FLAG_NAMES = {"budget": "--budget", "mode": "--mode", "lora_rank": "--lora-rank",
               "resolution": "--resolution", "batch": "--batch", "seq_len": "--seq-len",
               "frames": "--frames", "hardware": "--hardware", "allow_formats": "--allow",
-              "host_budget": "--host-budget", "headroom": "--headroom"}
+              "host_budget": "--host-budget", "headroom": "--headroom",
+              "disk_bytes_per_s": "--disk-speed"}
+
+
+def _disk_speed(text: str | None) -> float | None:
+    """``--disk-speed``: GB/s (decimal, as disks are rated) -> bytes per second."""
+    from vramkit.errors import ConfigError
+
+    if text is None:
+        return None
+    hint = "Give the disk's read speed in GB/s, e.g. --disk-speed 2.5."
+    try:
+        value = float(text.removesuffix("GB/s").strip())
+    except ValueError:
+        raise ConfigError(f"--disk-speed must be a number of GB/s, got {text!r}",
+                          hint=hint) from None
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"--disk-speed must be > 0 GB/s, got {text!r}", hint=hint)
+    return value * 1e9
 
 
 def register(subparsers: Any) -> None:
@@ -68,7 +86,11 @@ def register(subparsers: Any) -> None:
                         help="packed storage the plan may use for frozen weights, e.g. "
                              "fp8,int8 (fp8, int8, int4, nf4; default none)")
     parser.add_argument("--host-budget", metavar="SIZE", default=None,
-                        help="pinned host memory the plan may use (default: no limit)")
+                        help="pinned host memory the plan may use (default: no limit); "
+                             "swapped blocks that do not fit stay on disk")
+    parser.add_argument("--disk-speed", metavar="GB/s", default=None,
+                        help="read speed of the disk a disk tier reads from, in GB/s "
+                             "(default 1.0; vramkit info --disk PATH measures it)")
     parser.add_argument("--headroom", metavar="SIZE|FRACTION", default=None,
                         help="part of the budget kept free (default 8%% + 256 MiB)")
     parser.add_argument("--blocks", action="store_true",
@@ -170,6 +192,7 @@ def make_plan(args: argparse.Namespace,
                               hint="Pass the card's memory or a cap, e.g. --budget 12GiB.")
         budget = check_size("--budget", args.budget, minimum=1)
         host_budget = check_size("--host-budget", args.host_budget, allow_none=True)
+        disk_speed = _disk_speed(args.disk_speed)
         lora_rank = _int_flag("--lora-rank", args.lora_rank, 0, 16)
         batch = _int_flag("--batch", args.batch, 1, 1)
         seq_len = _int_flag("--seq-len", args.seq_len, 1, 4096)
@@ -185,7 +208,7 @@ def make_plan(args: argparse.Namespace,
     try:
         result = plan(target.model, target.inputs, budget, mode=args.mode, hardware=hardware,
                       allow_formats=allow, host_budget=host_budget, headroom=headroom,
-                      step=target.step, autocast=None)
+                      step=target.step, autocast=None, disk_bytes_per_s=disk_speed)
     except PlanError as err:  # the hint's Python call, as this command's flag
         hint = re.sub(r"allow_formats=\(([^)]*)\)",
                       lambda m: "--allow " + ",".join(re.findall(r"'(\w+)'", m.group(1))),
@@ -293,6 +316,10 @@ def _print_plan(target: Any, plan: Any, note: str | None, list_blocks: bool) -> 
                                     f"{phase.copy_seconds * 1e3:.0f} ms)")
     if plan.swapped:
         table.add_row("pinned host memory", format_size(plan.host_bytes))
+    if plan.disk_blocks:
+        table.add_row("on disk", f"{len(plan.disk_blocks)} of the swapped blocks, read at "
+                                 f"{(plan.disk_bytes_per_s or 0) / 1e9:.2f} GB/s "
+                                 f"(SwapConfig(host_budget='{format_size(plan.swap_host_budget or 0)}'))")
     con.print(table)
     if list_blocks:
         blocks = Table(title="Blocks (execution order)")

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from vramkit.offload._swap_source import CheckpointSource
     from vramkit.offload.swap import SwapConfig
 
-__all__ = ["HostStore", "MasterMemory"]
+__all__ = ["DiskSplit", "HostStore", "MasterMemory", "split_for_host_budget"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,75 @@ class MasterMemory(Protocol):
 
     def close(self) -> None:
         """The masters are no longer used (detach): unpin and unmap this process's view."""
+
+
+@dataclass(frozen=True)
+class DiskSplit:
+    """Which swapped blocks a host budget leaves on disk (:func:`split_for_host_budget`).
+
+    Attributes:
+        on_disk: indices (into the sizes given) of the blocks kept on disk, in order.
+        staging: pinned staging buffers the disk blocks are read into.
+        slot: bytes of each staging buffer (the largest disk block, disk aligned).
+        pinned: pinned bytes in all: masters in RAM, gradient buffers, staging.
+    """
+
+    on_disk: tuple[int, ...]
+    staging: int
+    slot: int
+    pinned: int
+
+
+def split_for_host_budget(sizes: Sequence[int], frozen: Sequence[bool], budget: int | None, *,
+                          grads: int = 0) -> DiskSplit | None:
+    """The swapper's rule for a host budget, on sizes alone (the swapper and the planner both
+    ask it): the fewest frozen blocks, spread evenly, stay on disk so that the masters of the
+    rest, ``grads`` bytes of gradient buffers and the staging buffers fit ``budget``; what is left
+    of the budget buys more staging buffers (a deeper read-ahead), up to one per disk block.
+
+    Args:
+        sizes: each swapped block's master bytes.
+        frozen: whether each block may go to disk (frozen weights only).
+        budget: pinned bytes allowed (``None``: no limit).
+        grads: pinned gradient buffer bytes that stay whatever goes to disk.
+
+    Returns:
+        The :class:`DiskSplit`, or ``None`` when everything fits in RAM.
+
+    Raises:
+        ConfigError: even every frozen block on disk does not fit (the message names the
+            smallest budget that works).
+    """
+    if budget is None or not sizes:
+        return None
+    pinned = sum(sizes) + grads
+    if pinned <= budget:
+        return None
+    candidates = [i for i, f in enumerate(frozen) if f]
+    kept = pinned - sum(sizes[i] for i in candidates)  # trainable masters (+ grads) stay
+    if not candidates:
+        raise ConfigError(
+            f"SwapConfig.host_budget={format_size(budget)} cannot hold the swapped blocks "
+            f"({format_size(pinned)} pinned), and a disk tier holds frozen weights only "
+            "(trainable weights change every step)",
+            hint="Raise host_budget, or freeze the base weights (LoRA) so they can stay on "
+                 "disk.")
+    for count in range(1, len(candidates) + 1):
+        chosen = [candidates[i] for i in spread_evenly([sizes[i] for i in candidates], count)]
+        slot = _disk_aligned(max(sizes[i] for i in chosen))
+        in_ram = pinned - sum(sizes[i] for i in chosen)
+        if in_ram + _min_staging(count) * slot <= budget:
+            staging = max(_min_staging(count), min(count, (budget - in_ram) // slot))
+            return DiskSplit(tuple(sorted(chosen)), staging, slot, in_ram + staging * slot)
+    slot = _disk_aligned(max(sizes[i] for i in candidates))
+    smallest = kept + _min_staging(len(candidates)) * slot
+    raise ConfigError(
+        f"SwapConfig.host_budget={format_size(budget)} is too small: even with every "
+        f"frozen swapped block on disk the swapper needs {format_size(smallest)} of pinned "
+        f"memory ({_min_staging(len(candidates))} staging buffers of {format_size(slot)}"
+        + (f" and {format_size(kept)} of trainable masters" if kept else "") + ")",
+        hint=f"Raise host_budget to at least {format_size(smallest)}, or swap smaller "
+             "blocks (find_blocks with finer names).")
 
 
 def _min_staging(disk_blocks: int) -> int:
@@ -113,6 +183,7 @@ class HostStore:
         self.cache: CacheFile | None = None
         self.disk: DiskTier | None = None
         self.disk_blocks: list[SwappedBlock] = []
+        self.split: DiskSplit | None = None
         self.filler: MasterFill | None = None
 
     def place(self, blocks: list[SwappedBlock]) -> None:
@@ -288,52 +359,22 @@ class HostStore:
     def _choose_disk_blocks(self, blocks: list[SwappedBlock]) -> list[SwappedBlock]:
         """The swapped blocks left on disk so pinned memory stays within ``host_budget``."""
         budget = self.config.host_budget
-        if budget is None or not blocks:
-            return []
-        assert isinstance(budget, int)  # normalized by SwapConfig
-        pinned = self._pinned_bytes(blocks, ())
-        if pinned <= budget:
-            return []
-        frozen = [b for b in blocks if not b.trainable_entries]
-        kept = pinned - sum(b.nbytes for b in frozen)  # trainable masters (+ grads) stay
-        if not frozen:
-            raise ConfigError(
-                f"SwapConfig.host_budget={format_size(budget)} cannot hold the swapped blocks "
-                f"({format_size(pinned)} pinned), and a disk tier holds frozen weights only "
-                "(trainable weights change every step)",
-                hint="Raise host_budget, or freeze the base weights (LoRA) so they can stay on "
-                     "disk.")
-        for count in range(1, len(frozen) + 1):
-            chosen = [frozen[i] for i in spread_evenly([b.nbytes for b in frozen], count)]
-            slot = _disk_aligned(max(b.nbytes for b in chosen))
-            need = self._pinned_bytes(blocks, chosen) + _min_staging(count) * slot
-            if need <= budget:
-                return chosen
-        slot = _disk_aligned(max(b.nbytes for b in frozen))
-        smallest = kept + _min_staging(len(frozen)) * slot
-        raise ConfigError(
-            f"SwapConfig.host_budget={format_size(budget)} is too small: even with every "
-            f"frozen swapped block on disk the swapper needs {format_size(smallest)} of pinned "
-            f"memory ({_min_staging(len(frozen))} staging buffers of {format_size(slot)}"
-            + (f" and {format_size(kept)} of trainable masters" if kept else "") + ")",
-            hint=f"Raise host_budget to at least {format_size(smallest)}, or swap smaller "
-                 "blocks (find_blocks with finer names).")
-
-    def _pinned_bytes(self, blocks: list[SwappedBlock], on_disk: Sequence[SwappedBlock]) -> int:
-        """Pinned bytes of ``blocks``' masters (and gradient buffers) with ``on_disk`` on disk."""
-        away = {id(b) for b in on_disk}
+        assert budget is None or isinstance(budget, int)  # normalized by SwapConfig
         grads = (sum(b.nbytes for b in blocks if b.trainable_entries)
                  if self.parks_grads() else 0)
-        return sum(b.nbytes for b in blocks if id(b) not in away) + grads
+        split = split_for_host_budget([b.nbytes for b in blocks],
+                                      [not b.trainable_entries for b in blocks], budget,
+                                      grads=grads)
+        if split is None:
+            return []
+        self.split = split
+        return [blocks[i] for i in split.on_disk]
 
     def _build_disk_tier(self, blocks: list[SwappedBlock], specs: dict[int, list[FillSpec]]
                          ) -> None:
-        budget = self.config.host_budget
-        assert isinstance(budget, int)
-        slot = _disk_aligned(max(b.nbytes for b in blocks))
-        pinned = self._pinned_bytes(self.blocks, blocks)
-        # The rest of the budget buys more buffers: a deeper read-ahead and a larger cache.
-        count = max(_min_staging(len(blocks)), min(len(blocks), (budget - pinned) // slot))
+        split = self.split
+        assert split is not None  # set by _choose_disk_blocks
+        slot, count = split.slot, split.staging  # the rest of the budget bought more buffers
         self.staging_pool = self.pool(count * slot, initial=0, alignment=DISK_ALIGN)
         self.staging_blocks = [self.staging_pool.allocate(slot) for _ in range(count)]
         staging = [b.view((slot,), torch.uint8) for b in self.staging_blocks]

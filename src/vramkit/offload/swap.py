@@ -83,7 +83,7 @@ from vramkit.offload._swap_graph import (
     exit_block,
     hook_outputs,
 )
-from vramkit.offload._swap_host import HostStore, MasterMemory
+from vramkit.offload._swap_host import DiskSplit, HostStore, MasterMemory, split_for_host_budget
 from vramkit.offload._swap_optim import OptimizerFactory, SwappedOptimizer, SwapStepper
 from vramkit.offload._swap_ring import SlotRing
 from vramkit.offload._swap_source import CheckpointSource
@@ -100,8 +100,8 @@ from vramkit.offload.blocks import (
 from vramkit.offload.checkpointing import is_checkpointed, unwrapped_forward
 from vramkit.units import format_size
 
-__all__ = ["BlockFootprint", "BlockScheduleEntry", "BlockSwapper", "GradientHook", "MasterMemory",
-           "SwapConfig", "SwapStats"]
+__all__ = ["BlockFootprint", "BlockScheduleEntry", "BlockSwapper", "DiskSplit", "GradientHook",
+           "MasterMemory", "SwapConfig", "SwapStats"]
 
 # Called with a swapped block's name and its trainable weights' gradients on the device, once
 # they are complete for the step; may return a finish() for work still in flight (see
@@ -554,6 +554,31 @@ class BlockSwapper:
             A :class:`BlockFootprint` ``(swapped, resident)``.
         """
         return block_footprint(module, config if config is not None else SwapConfig())
+
+    @staticmethod
+    def disk_split(sizes: Sequence[int], frozen: Sequence[bool],
+                   host_budget: int | str | None) -> DiskSplit | None:
+        """Which swapped blocks ``SwapConfig(host_budget=...)`` keeps on disk, from their sizes.
+
+        The rule a swapper applies when it attaches, for planners (never copied): the fewest
+        frozen blocks, spread evenly, stay on disk so that the other masters plus the pinned
+        staging buffers fit the budget; the rest of the budget buys more staging buffers.
+
+        Args:
+            sizes: each swapped block's master bytes (:meth:`footprint`'s ``swapped``), in
+                execution order.
+            frozen: whether each block's swapped weights are frozen (only those go to disk).
+            host_budget: the pinned host budget (bytes or a size string; ``None``: no limit).
+
+        Returns:
+            A :class:`~vramkit.offload._swap_host.DiskSplit` (indices on disk, staging buffers,
+            pinned bytes), or ``None`` when every master fits.
+
+        Raises:
+            ConfigError: the budget is too small even with every frozen block on disk.
+        """
+        budget = check_size("host_budget", host_budget, allow_none=True)
+        return split_for_host_budget(list(sizes), list(frozen), budget)
 
     # -- attaching --------------------------------------------------------------------------
 

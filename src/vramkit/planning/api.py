@@ -56,7 +56,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
          blocks: str | Sequence[str] = "auto", num_slots: Sequence[int] = (1, 2, 3),
          activation_offload: bool = True, autocast: torch.dtype | None = torch.bfloat16,
          cost: ModelCost | None = None, block_times: BlockTimes | None = None,
-         device: str | torch.device | None = None, reserved_bytes: int | str = 0) -> Plan:
+         device: str | torch.device | None = None, reserved_bytes: int | str = 0,
+         disk_bytes_per_s: float | None = None) -> Plan:
     """Plan a model's memory for a budget at the best predicted step time.
 
     Nothing is allocated or computed: the model runs on the meta device (a meta copy of a real
@@ -82,7 +83,9 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         allow_formats: packed storage the plan may use for frozen weights: ``"fp8"``,
             ``"int8"``, ``"nf4"``, ``"int4"`` (default none: the weights as built).
         host_budget: pinned host memory the swapped blocks (and offloaded activations) may
-            take (default: no limit).
+            take (default: no limit). Where the swapped blocks' masters do not fit, the plan
+            keeps some on disk (``Plan.disk_blocks``: the swapper's disk tier, frozen weights
+            only) and predicts their reads at ``disk_bytes_per_s``.
         headroom: bytes of the budget kept free: a size, a fraction, or ``None`` (8 % + 256 MiB).
         step: ``step(model, inputs) -> loss`` (default: the mean of the float outputs).
         blocks: ``"auto"`` or block names (:func:`vramkit.offload.blocks.find_blocks`).
@@ -95,6 +98,9 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
             :func:`~vramkit.planning.calibration.calibrate_blocks` (used with any
             ``hardware``; with ``None`` they skip the timing runs).
         device: the GPU ``hardware=None`` measures (default: the current CUDA device).
+        disk_bytes_per_s: the read bandwidth of the disk a disk tier reads from (default 1 GB/s,
+            said in the plan's notes; ``vramkit info --disk PATH`` measures it, and
+            :func:`vramkit.fit` measures its ``checkpoint``).
         reserved_bytes: device memory something else holds during the step, on top of the
             headroom: DDP's gradient buckets in a data-parallel job
             (:func:`vramkit.distributed.plan_for_rank` passes them). Default 0.
@@ -122,6 +128,10 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
     for r in slots:
         check_int("num_slots", r, minimum=1)
     extra = check_size("reserved_bytes", reserved_bytes)
+    disk_rate = check_number("disk_bytes_per_s", disk_bytes_per_s, minimum=0, low_open=True,
+                             allow_none=True,
+                             hint="Give the disk's read bandwidth in bytes per second, e.g. "
+                                  "2e9 for 2 GB/s (vramkit info --disk PATH measures it).")
     kept = resolve_headroom(budget_bytes, headroom)
     reserved = kept + extra
     if kept >= budget_bytes and headroom is not None:  # the default: PlanError below
@@ -159,7 +169,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
 
     result = search(cost, machine, budget_bytes, reserved, allow_formats=allow_formats,
                     num_slots=slots, activation_offload=activation_offload, host_budget=host,
-                    budget_for=budget_for, times=block_times)
+                    budget_for=budget_for, times=block_times, disk_bytes_per_s=disk_rate)
     logger.info("plan: %d of %d blocks swapped, %d checkpointed, predicted %.0f ms, peak %d",
                 len(result.swapped), len(cost.blocks), len(result.checkpointed),
                 result.predicted_step_seconds * 1e3, result.predicted_peak_bytes)

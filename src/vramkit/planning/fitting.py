@@ -167,7 +167,8 @@ class Fitted:
                 self._checkpointed = enable_gradient_checkpointing(model, todo)
         if plan.swapped:
             self.swapper = BlockSwapper(model, blocks, config=SwapConfig(
-                swapped_blocks=plan.swapped, num_slots=max(1, plan.num_slots)),
+                swapped_blocks=plan.swapped, num_slots=max(1, plan.num_slots),
+                host_budget=plan.swap_host_budget),
                 device=self.device, checkpoint=checkpoint, prefix=prefix, strict=strict,
                 master_memory=self._master_memory)
         elif checkpoint is not None:
@@ -321,7 +322,9 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
         checkpoint: a safetensors checkpoint to fill ``model`` from while the plan is applied
             (``model`` may then be on the meta device): swapped blocks are read straight into
             their pinned masters, the rest goes to ``device`` (``BlockSwapper(checkpoint=)``).
-            Plans that store blocks in a packed format are refused with it for now.
+            Plans that store blocks in a packed format are refused with it for now. With a
+            ``host_budget`` plan option, its disk's read speed is measured first (up to 256 MiB)
+            for the disk tier's prediction (``disk_bytes_per_s``).
         prefix: with ``checkpoint``, the prefix its names carry.
         strict: with ``checkpoint``, refuse missing or unexpected keys (default ``True``).
         master_memory: where the swapper keeps frozen masters
@@ -349,6 +352,13 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
     if plan is None:
         if target.type == "cuda" and plan_options.get("hardware") is None:
             plan_options.setdefault("device", target)  # measure the GPU it will run on
+        if (checkpoint is not None and plan_options.get("host_budget") is not None
+                and plan_options.get("disk_bytes_per_s") is None):
+            # A host budget may keep blocks on disk, read from this checkpoint: time its disk.
+            from vramkit.io.disk import measure_read_bandwidth
+
+            read = measure_read_bandwidth(checkpoint, max_bytes="256MiB")
+            plan_options["disk_bytes_per_s"] = read.bytes / max(read.seconds, 1e-9)
         plan = make_plan(model, example_inputs, budget, **plan_options)
     blocks = plan_options.get("blocks", "auto")
     return Fitted(model, plan, target, blocks=blocks, observe_steps=observe_steps,

@@ -95,6 +95,14 @@ class Plan:
             activations.
         notes: remarks on the prediction (an offline machine's figures, ...).
         block_order: every block, swapped or resident, in execution order.
+        disk_blocks: swapped blocks kept on disk because their masters would not fit
+            ``host_budget`` (the swapper's disk tier, ``SwapConfig(host_budget=...)``), read
+            ahead of use at ``disk_bytes_per_s`` through pinned staging buffers.
+        swap_host_budget: the ``SwapConfig.host_budget`` that keeps exactly ``disk_blocks`` on
+            disk (the host budget less the offloaded activations' pinned bytes); ``None``
+            without a disk tier.
+        disk_bytes_per_s: the disk read bandwidth the prediction assumed (``None`` without a
+            disk tier).
     """
 
     mode: str
@@ -117,6 +125,9 @@ class Plan:
     host_bytes: int
     notes: tuple[str, ...] = field(default_factory=tuple)
     block_order: tuple[str, ...] = field(default_factory=tuple)
+    disk_blocks: tuple[str, ...] = field(default_factory=tuple)
+    swap_host_budget: int | None = None
+    disk_bytes_per_s: float | None = None
 
     @property
     def predicted_step_seconds(self) -> float:
@@ -156,6 +167,13 @@ class Plan:
             lines.append(f"Swap {len(self.swapped)} of {n} blocks through {self.num_slots} "
                          f"slot{'s' if self.num_slots > 1 else ''}; "
                          f"{format_size(self.host_bytes)} of pinned host memory.")
+        if self.disk_blocks:
+            rate = (f"{self.disk_bytes_per_s / 1e9:.2f} GB/s" if self.disk_bytes_per_s
+                    else "the disk's speed")
+            lines.append(f"Keep {len(self.disk_blocks)} of the swapped blocks on disk (the host "
+                         "budget holds the others' masters and the staging buffers), read "
+                         f"ahead of use at {rate}: SwapConfig(host_budget="
+                         f"{format_size(self.swap_host_budget or 0)}).")
         else:
             lines.append(f"Every one of the {n} blocks stays on the GPU: no swapping.")
         if self.mode == "train":
@@ -240,7 +258,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
            allow_formats: Sequence[str] = (), num_slots: Sequence[int] = (1, 2, 3),
            activation_offload: bool = True, host_budget: int | None = None,
            budget_for: Callable[[int], int] | None = None,
-           times: BlockTimes | None = None) -> Plan:
+           times: BlockTimes | None = None, disk_bytes_per_s: float | None = None) -> Plan:
     """The fastest plan that fits (see the module docstring).
 
     Args:
@@ -249,6 +267,10 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         times: measured block times (:func:`~vramkit.planning.calibration.calibrate_blocks`)
             to use instead of FLOPs over the machine's throughput; the work outside the blocks
             then runs at the throughput the timed blocks reached.
+        disk_bytes_per_s: the disk read bandwidth of a disk tier (default
+            :data:`DEFAULT_DISK_BYTES_PER_S`, said in the plan's notes): a candidate whose
+            masters exceed ``host_budget`` keeps blocks on disk as the swapper would
+            (``BlockSwapper.disk_split``), each such block's copy paced by the disk.
 
     Raises:
         PlanError: when nothing fits, naming the smallest budget that would, and what would
@@ -282,6 +304,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                      for b, t in zip(cost.blocks, block_bwd, strict=True)]
         flops = times.flops_per_s(cost) or flops
     bw = machine.h2d_bytes_per_s
+    disk_bw = disk_bytes_per_s if disk_bytes_per_s is not None else DEFAULT_DISK_BYTES_PER_S
     optimizer = 4 * cost.trainable_bytes / machine.memory_bandwidth_bytes_per_s if train else 0.0
     outside_fwd = cost.outside_forward_flops / flops
     outside_bwd = cost.outside_backward_flops / flops
@@ -322,13 +345,29 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                     act = act_choices[m] if not offload else _offloaded(estimate, train)
                     offload_bytes = _offload_bytes(estimate, ckpt) if offload else 0
                     host = master_bytes + offload_bytes
+                    disk: tuple[int, ...] = ()
+                    swap_budget = None
+                    phase_copy_s = copy_s
                     if host_budget is not None and host > host_budget:
-                        continue
+                        swap_budget = host_budget - offload_bytes
+                        split = _disk_split([sizes[i] for i in chosen], swap_budget)
+                        if split is None:
+                            continue
+                        disk = tuple(chosen[j] for j in split.on_disk)
+                        host = split.pinned + offload_bytes
+                        phase_copy_s = list(copy_s)
+                        for i in disk:  # read from disk, then copied: the slower one paces it
+                            phase_copy_s[i] = sizes[i] / min(bw, disk_bw)
                     copies = int(master_bytes * max(0, k - r) / k) if k else 0
-                    fwd_time = outside_fwd + simulate_phase(fwd_s, copy_s, flags, r)
+                    fwd_time = outside_fwd + simulate_phase(fwd_s, phase_copy_s, flags, r)
                     if offload:  # device->host copies run on the other engine
                         fwd_time = max(fwd_time, offload_bytes / machine.d2h_bytes_per_s)
-                    fwd = PhaseTime(fwd_time, outside_fwd + sum(fwd_s), copies / bw, copies)
+                    # Copy engine time: disk blocks are paced by the disk (the same share of
+                    # them as of all swapped blocks is copied in a phase).
+                    share = max(0, k - r) / k if k else 0.0
+                    copy_time = copies / bw + share * sum(
+                        sizes[i] * (1 / min(bw, disk_bw) - 1 / bw) for i in disk)
+                    fwd = PhaseTime(fwd_time, outside_fwd + sum(fwd_s), copy_time, copies)
                     if train:
                         ckpt_set = set(ckpt)
                         bwd_s = [block_bwd[i] + dequant[i]
@@ -336,10 +375,10 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                                  for i, b in enumerate(cost.blocks)]
                         restores = ([_kept_bytes(estimate, b.name, ckpt_set) / bw
                                      for b in cost.blocks] if offload else None)
-                        back = simulate_phase(bwd_s[::-1], copy_s[::-1], flags[::-1], r,
+                        back = simulate_phase(bwd_s[::-1], phase_copy_s[::-1], flags[::-1], r,
                                               restores[::-1] if restores else None)
                         bwd = PhaseTime(outside_bwd + back, outside_bwd + sum(bwd_s),
-                                        (copies + offload_bytes) / bw, copies + offload_bytes)
+                                        copy_time + offload_bytes / bw, copies + offload_bytes)
                     else:
                         bwd = PhaseTime(0.0, 0.0, 0.0, 0)
                     overhead = SWAP_HOST_SECONDS * k * (2 if train else 1)
@@ -351,7 +390,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                         "fmt_rank": (formats.index(fmt_s), formats.index(fmt_r)),
                         "chosen": chosen, "ckpt": ckpt, "breakdown": breakdown, "fwd": fwd,
                         "bwd": bwd, "overhead": overhead, "host": host, "fmt_s": fmt_s,
-                        "fmt_r": fmt_r})
+                        "fmt_r": fmt_r, "disk": disk, "swap_budget": swap_budget})
     best = _prefer_simple(candidates)
     if best is None:
         need = (budget_for or (lambda n: n + headroom))(int(smallest)) if math.isfinite(
@@ -370,6 +409,10 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         notes.append(f"Times are estimates from {machine.name}'s published peak throughput "
                      "and copy bandwidth; vramkit.fit measures and compares after the first "
                      "steps.")
+    if best["disk"] and disk_bytes_per_s is None:
+        notes.append(f"The disk tier's reads are assumed at {DEFAULT_DISK_BYTES_PER_S / 1e9:.1f} "
+                     "GB/s: pass disk_bytes_per_s= (vramkit info --disk PATH measures it; "
+                     "vramkit.fit measures its checkpoint).")
     return Plan(
         mode=cost.mode, machine=machine.name, budget_bytes=budget, headroom_bytes=headroom,
         swapped=swapped, resident=resident,
@@ -380,7 +423,10 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         predicted_peak_bytes=sum(best["breakdown"].values()),
         peak_breakdown=best["breakdown"], forward=best["fwd"], backward=best["bwd"],
         optimizer_seconds=optimizer, overhead_seconds=best["overhead"],
-        host_bytes=best["host"], notes=tuple(notes), block_order=tuple(names))
+        host_bytes=best["host"], notes=tuple(notes), block_order=tuple(names),
+        disk_blocks=tuple(names[i] for i in best["disk"]),
+        swap_host_budget=best["swap_budget"] if best["disk"] else None,
+        disk_bytes_per_s=disk_bw if best["disk"] else None)
 
 
 #: Plans within this share of the fastest one count as equally fast: among them the one with
@@ -394,8 +440,8 @@ def _prefer_simple(candidates: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     fastest = min(c["seconds"] for c in candidates)
     near = [c for c in candidates if c["seconds"] <= fastest * (1 + EQUAL_TIME_SHARE)]
-    return min(near, key=lambda c: (c["k"], c["m"], c["offload"], c["r"], c["fmt_rank"],
-                                    c["seconds"]))
+    return min(near, key=lambda c: (len(c["disk"]), c["k"], c["m"], c["offload"], c["r"],
+                                    c["fmt_rank"], c["seconds"]))
 
 
 def _fit_activations(act_choices: list[int], room: int, train: bool, estimate: Any,
@@ -438,6 +484,24 @@ def _dequant(block: BlockCost, fmt: str, machine: Machine) -> float:
     return (block.swapped[fmt] + block.swapped["bf16"]) / machine.memory_bandwidth_bytes_per_s
 
 
+#: Disk read bandwidth a disk tier is planned with when none is given: a SATA SSD or a cloud
+#: volume; the H100 machine's virtio disk read 1.28 GB/s (docs/benchmarks.md).
+DEFAULT_DISK_BYTES_PER_S = 1.0e9
+
+
+def _disk_split(sizes: list[int], budget: int) -> Any:
+    """The swapper's disk tier for ``sizes`` under ``budget`` (``None``: impossible)."""
+    from vramkit.errors import ConfigError
+    from vramkit.offload.swap import BlockSwapper
+
+    if budget <= 0:
+        return None
+    try:
+        return BlockSwapper.disk_split(sizes, [True] * len(sizes), budget)
+    except ConfigError:
+        return None
+
+
 def _kept_bytes(estimate: Any, name: str, checkpointed: set[str]) -> int:
     return int(estimate.inputs[name] if name in checkpointed else estimate.per_block[name])
 
@@ -457,9 +521,10 @@ def _impossible(cost: ModelCost, budget: int, headroom: int, need: int | None,
         return PlanError("no plan exists for this model: it has no block that can be swapped",
                          hint="Try " + "; ".join(ideas) + ".")
     if need <= budget and host_budget is not None:
-        return PlanError(f"no plan fits the host budget of {format_size(host_budget)}: the "
-                         "blocks that must be swapped to fit the device budget need more "
-                         "pinned host memory",
+        return PlanError(f"no plan fits the host budget of {format_size(host_budget)}: even "
+                         "with swapped blocks kept on disk, the masters that stay and the "
+                         "staging buffers the disk tier reads through need more pinned host "
+                         "memory",
                          hint="Raise host_budget, allow packed storage (allow_formats) so the "
                               "swapped blocks take less, or raise the device budget.",
                          minimum_budget=None)

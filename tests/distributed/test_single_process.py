@@ -476,3 +476,28 @@ def test_gradient_averager_over_one_rank_leaves_gradients_unchanged(group: None)
         assert torch.equal(got, want)
     assert averager.calls == 1
     assert averager.bytes == sum(t.numel() * t.element_size() for t in originals)
+
+
+def test_a_launchers_job_of_one_process_gets_a_group_of_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torchrun --nproc_per_node 1`` sets MASTER_ADDR and WORLD_SIZE=1: the job is real (a
+    group exists, so wrap_ddp and the collectives work), not a plain one-process run."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not torch.distributed.is_initialized()
+    try:
+        info = init_from_env(backend="gloo")
+        assert torch.distributed.is_initialized()
+        assert (info.rank, info.world_size, info.backend) == (0, 1, "gloo")
+        assert info.device == torch.device("cpu")
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -501,3 +501,19 @@ def test_a_launchers_job_of_one_process_gets_a_group_of_one(
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def test_bad_arguments_are_refused_before_any_collective(group: None) -> None:
+    from vramkit.distributed import NodeSharedMasters
+
+    with pytest.raises(ConfigError, match="timeout_seconds"):
+        init_from_env(timeout_seconds=0)
+    with pytest.raises(ConfigError, match="directory"):
+        NodeSharedMasters(directory="")
+    model = Net()
+    swapper = shared_swapper(model, "blocks.*", CONFIG, device="cpu")
+    try:
+        with pytest.raises(ConfigError, match="broadcast"):
+            wrap_ddp(model, swapper, broadcast="yes")
+    finally:
+        swapper.detach()

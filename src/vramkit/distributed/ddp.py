@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vramkit._validate import check_choice
+from vramkit._validate import check_bool, check_choice, check_number
 from vramkit.distributed.shared import NodeSharedMasters
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.offload.swap import BlockSwapper, SwapConfig
@@ -110,6 +110,7 @@ def init_from_env(backend: str | None = None, *, timeout_seconds: float = 600.0)
     """
     if backend is not None:
         check_choice("backend", backend, ("nccl", "gloo"))
+    check_number("timeout_seconds", timeout_seconds, minimum=0, low_open=True)
     dist = torch.distributed
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
@@ -331,6 +332,7 @@ def wrap_ddp(model: nn.Module, swapper: BlockSwapper, *, group: Any = None,
             ``model``.
     """
     _require_group("wrap_ddp")
+    check_bool("broadcast", broadcast)
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):

@@ -101,8 +101,11 @@ class NodeSharedMasters:
                 "job, and torch.distributed is not initialized",
                 hint="Call torch.distributed.init_process_group() first (torchrun sets the "
                      "environment; vramkit.distributed.init_from_env() does both).")
+        if not isinstance(directory, (str, os.PathLike)) or not str(directory):
+            raise ConfigError(f"directory must be a path, got {directory!r}",
+                              hint="Pass a tmpfs directory such as '/dev/shm'.")
         self.group = group
-        self.directory = directory
+        self.directory = os.fspath(directory)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._writer = False

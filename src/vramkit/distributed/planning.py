@@ -113,6 +113,7 @@ def fit_rank(model: nn.Module, example_inputs: Any, budget: int | str, *,
     """
     from vramkit.distributed.shared import NodeSharedMasters
 
+    check_bool("shared", shared)
     fit_keys = ("observe_steps", "checkpoint", "prefix", "strict")
     fit_options = {k: options.pop(k) for k in fit_keys if k in options}
     if device is None and torch.cuda.is_available():

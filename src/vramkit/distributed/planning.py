@@ -8,7 +8,9 @@ is the single-GPU plan for that GPU with two differences, both counted here:
   the budget are kept free on top of the headroom.
 * **Host memory is per node**: with :func:`vramkit.distributed.shared_swapper` the frozen
   masters are pinned once per node, so ``host_budget`` is the node's budget for them, not a
-  share of it per rank.
+  share of it per rank. Where the plan keeps blocks on disk (a disk tier), each rank reads them
+  through its own staging buffers: the node then holds the shared masters plus one set of
+  staging buffers per rank (``Plan.host_bytes`` counts one).
 
 Calibration (``hardware=None``) times this rank's own GPU. :func:`fit_rank` then makes the ranks
 agree on one plan (:func:`agree_on_plan`), because the local ranks of a node share one copy of

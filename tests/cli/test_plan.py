@@ -191,3 +191,17 @@ def test_a_host_budget_below_the_masters_keeps_blocks_on_disk(
     assert main(["plan", *common, "--budget", budget, "--host-budget", host]) == 0
     out = capsys.readouterr().out
     assert "on disk" in out and "assumed at 1.0 GB/s" in out
+
+
+def test_ddp_plans_one_rank_with_the_gradient_buckets_kept_free(
+        llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from vramkit.distributed import ddp_bucket_bytes
+    from vramkit.planning import build_target
+
+    common = [str(llama_dir), "--budget", "8GiB", "--hardware", "rtx4090", "--seq-len", "512"]
+    alone = _json(capsys, *common)
+    rank = _json(capsys, *common, "--ddp")
+    buckets = ddp_bucket_bytes(build_target(llama_dir, seq_len=512).model)
+    assert buckets > 0
+    assert rank["plan"]["headroom_bytes"] == alone["plan"]["headroom_bytes"] + buckets
+    assert "DDP" in rank["note"] and alone["note"] is None

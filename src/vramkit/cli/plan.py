@@ -88,6 +88,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--host-budget", metavar="SIZE", default=None,
                         help="pinned host memory the plan may use (default: no limit); "
                              "swapped blocks that do not fit stay on disk")
+    parser.add_argument("--ddp", action="store_true",
+                        help="plan one rank of a data-parallel job (torchrun + DDP): the "
+                             "budget is each GPU's, DDP's gradient buckets are kept free")
     parser.add_argument("--disk-speed", metavar="GB/s", default=None,
                         help="read speed of the disk a disk tier reads from, in GB/s "
                              "(default 1.0; vramkit info --disk PATH measures it)")
@@ -205,10 +208,21 @@ def make_plan(args: argparse.Namespace,
                               resolution=args.resolution, batch=batch, seq_len=seq_len,
                               frames=frames)
     say(f"tracing one {args.mode} step of {target.name} and planning")
+    reserved = 0
+    if args.ddp:
+        from vramkit.distributed.planning import ddp_bucket_bytes
+
+        reserved = ddp_bucket_bytes(target.model)
+        from vramkit.units import format_size
+
+        ddp_note = (f"One rank of a DDP job: {format_size(reserved)} of DDP's gradient buckets "
+                    "kept free beside the headroom (vramkit.distributed.plan_for_rank).")
+        note = f"{note} {ddp_note}" if note else ddp_note
     try:
         result = plan(target.model, target.inputs, budget, mode=args.mode, hardware=hardware,
                       allow_formats=allow, host_budget=host_budget, headroom=headroom,
-                      step=target.step, autocast=None, disk_bytes_per_s=disk_speed)
+                      step=target.step, autocast=None, disk_bytes_per_s=disk_speed,
+                      reserved_bytes=reserved)
     except PlanError as err:  # the hint's Python call, as this command's flag
         hint = re.sub(r"allow_formats=\(([^)]*)\)",
                       lambda m: "--allow " + ",".join(re.findall(r"'(\w+)'", m.group(1))),

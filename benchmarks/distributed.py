@@ -11,6 +11,8 @@ Arms (one ``torchrun`` job each, ``--nproc_per_node`` = the GPUs):
 * ``vramkit``: ``vramkit.distributed.fit_rank`` (each rank plans its GPU with DDP's buckets
   counted, the ranks agree on one plan, the frozen masters live once per node in shared memory)
   then ``wrap_ddp``.
+* ``vramkit-per-rank``: the same with every rank pinning its own masters (``shared=False``): the
+  host memory that the shared masters save.
 * ``fsdp2``: PyTorch's FSDP2, ``fully_shard`` per transformer block and the root with
   ``CPUOffloadPolicy()`` (sharded parameters in pinned host memory, all-gathered per block) and
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, every block checkpointed
@@ -125,7 +127,8 @@ def arm_vramkit(args: argparse.Namespace, info: Any) -> dict[str, Any]:
             minimum = int(exc.minimum_budget or 0)
         budget = minimum + weights // 3
     t1 = time.perf_counter()
-    fitted = vd.fit_rank(model, inputs, budget, device=device, **options)
+    shared = args.arm == "vramkit"  # "vramkit-per-rank": each rank pins its own masters
+    fitted = vd.fit_rank(model, inputs, budget, device=device, shared=shared, **options)
     fit_s = time.perf_counter() - t1
     plan = fitted.plan
     swapper = fitted.swapper
@@ -141,7 +144,7 @@ def arm_vramkit(args: argparse.Namespace, info: Any) -> dict[str, Any]:
     row = train(args, info, ddp, params, inputs, budget)
     stats = swapper.stats() if swapper is not None else None
     row.update({
-        "arm": "vramkit", "build_s": built, "fit_s": fit_s,
+        "arm": args.arm, "build_s": built, "fit_s": fit_s,
         "plan": {"swapped": len(plan.swapped), "blocks": len(plan.swapped) + len(plan.resident),
                  "checkpointed": len(plan.checkpointed), "slots": plan.num_slots,
                  "activation_offload": plan.activation_offload},
@@ -241,7 +244,7 @@ def rank_main(args: argparse.Namespace) -> int:
         torch.backends.cuda.enable_cudnn_sdp(False)  # torch 2.11 + H100 crash (DESIGN.md §5)
     info = vd.init_from_env(backend="gloo" if args.device == "cpu" else None)
     try:
-        row = arm_vramkit(args, info) if args.arm == "vramkit" else arm_fsdp2(args, info)
+        row = arm_fsdp2(args, info) if args.arm == "fsdp2" else arm_vramkit(args, info)
         if info.is_main:
             Path(args.result).write_text(json.dumps(row))
     finally:
@@ -304,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", default="1,2,4", help="GPU counts (driver)")
     parser.add_argument("--arms", default="vramkit,fsdp2", help="arms (driver)")
     parser.add_argument("--out", default="out/distributed", help="results folder (driver)")
-    parser.add_argument("--arm", choices=("vramkit", "fsdp2"), default="vramkit")
+    parser.add_argument("--arm", choices=("vramkit", "vramkit-per-rank", "fsdp2"),
+                        default="vramkit")
     parser.add_argument("--result", default="distributed.json")
     parser.add_argument("--cap-gib", type=float, default=11.5)
     parser.add_argument("--steps", type=int, default=5)

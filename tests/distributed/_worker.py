@@ -9,6 +9,7 @@ or ``cuda:<LOCAL_RANK>`` with NCCL when every rank has a GPU (the multigpu tests
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -216,6 +217,43 @@ def scenario_full(info: Any, out: dict[str, Any], trainable: str) -> None:
     except OffloadError as exc:
         out["unreduced_refused"] = str(exc)
     swapper.detach()
+
+
+def scenario_accumulate(info: Any, out: dict[str, Any], trainable: str) -> None:
+    """Two micro-batches per optimizer step under DDP's no_sync(): the swapped gradients (the
+    hook: every micro-batch with "cpu", the window's last with "swap" and accumulation_steps=2)
+    and DDP's own give what one process accumulating the whole micro-batches gives."""
+    def factory(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-2)
+
+    reference = Net(lora=False, frozen=False).to(DEVICE)
+    ref_opt = factory([p for p in reference.parameters() if p.requires_grad])
+    for step in range(2):
+        for micro in range(2):
+            x, y = batch(10 * step + micro)
+            nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    model = Net(lora=False, frozen=False)
+    config = SwapConfig(min_param_bytes=0, trainable=trainable,
+                        accumulation_steps=2 if trainable == "swap" else 1)
+    swapper = shared_swapper(model, "blocks.*", config, device=info.device,
+                             optimizer=factory if trainable == "swap" else None)
+    ddp = wrap_ddp(model, swapper)
+    opt = factory(swapper.optimizer_parameters())
+    for step in range(2):
+        for micro in range(2):
+            x, y = batch(10 * step + micro)
+            context = ddp.no_sync() if micro == 0 else contextlib.nullcontext()
+            with context:
+                nn.functional.mse_loss(ddp(shard(x, info.rank, info.world_size)),
+                                       shard(y, info.rank, info.world_size)).backward()
+        if trainable == "cpu":
+            swapper.sync_gradients()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    swapper.detach()
+    out["param_diff"] = max_diff(trainable_state(model), trainable_state(reference))
 
 
 def scenario_pss(info: Any, out: dict[str, Any], directory: Path) -> None:
@@ -456,6 +494,8 @@ def main() -> int:
                 scenario_plain_ddp(info, result)
             elif name in ("full_cpu", "full_swap"):
                 scenario_full(info, result, name.split("_")[1])
+            elif name in ("accumulate_cpu", "accumulate_swap"):
+                scenario_accumulate(info, result, name.split("_")[1])
             elif name == "pss":
                 scenario_pss(info, result, directory)
             elif name == "fsdp":

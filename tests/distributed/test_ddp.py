@@ -19,7 +19,7 @@ require_gloo()
 pytestmark = pytest.mark.slow  # torchrun jobs: ~10 s each
 
 SCENARIOS = ("lora", "plain_ddp", "full_cpu", "full_swap", "pss", "fsdp", "shm_fallback",
-             "fit_rank")
+             "fit_rank", "accumulate_cpu", "accumulate_swap")
 TOLERANCE = 1e-6
 PAGE = 4096
 
@@ -285,3 +285,13 @@ def test_a_node_without_room_pins_per_rank_while_the_other_shares(
     assert [r["reason"] is None for r in ranks] == [True, True, False, False]
     assert all("does not exist" in r["reason"] for r in ranks[2:])
     assert all(r["grad_diff"] <= TOLERANCE for r in ranks)
+
+
+@pytest.mark.parametrize("name", ["accumulate_cpu", "accumulate_swap"])
+def test_accumulating_under_no_sync_equals_one_process_accumulating(
+        results: dict[str, Ranks], name: str) -> None:
+    """Two micro-batches per step, the first under DDP's no_sync(): swapped trainable gradients
+    reduce through the swapper's hook (every micro-batch with trainable='cpu', the window's last
+    with 'swap' and accumulation_steps=2), the rest through DDP at the last micro-batch."""
+    for r in scenario(results, name):
+        assert r["param_diff"] <= TOLERANCE

@@ -15,7 +15,8 @@ import pytest
 pytestmark = pytest.mark.multigpu
 
 ROOT = Path(__file__).resolve().parents[2]
-SCENARIOS = ("lora", "plain_ddp", "full_cpu", "full_swap", "pss")
+SCENARIOS = ("lora", "plain_ddp", "full_cpu", "full_swap", "pss", "accumulate_cpu",
+             "accumulate_swap")
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,8 @@ def test_gradients_equal_one_process_on_the_whole_batch(
         assert r["grad_diff"] <= 1e-6
 
 
-@pytest.mark.parametrize("scenario", ["lora", "full_cpu", "full_swap"])
+@pytest.mark.parametrize("scenario", ["lora", "full_cpu", "full_swap", "accumulate_cpu",
+                                      "accumulate_swap"])
 def test_parameters_after_three_steps_equal_one_process(
         results: dict[str, list[dict[str, Any]]], scenario: str) -> None:
     for r in results[scenario]:

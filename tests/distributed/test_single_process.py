@@ -140,24 +140,41 @@ def test_nccl_without_a_gpu_per_rank_is_refused(no_torchrun_env: None,
 # -- without a process group -------------------------------------------------------------------
 
 
-def test_everything_collective_needs_an_initialized_group() -> None:
+def test_the_explicit_collectives_need_an_initialized_group() -> None:
     assert not torch.distributed.is_initialized()
     model = Net()
     with pytest.raises(ConfigError, match="not initialized") as info:
         NodeSharedMasters()
     assert "init_process_group" in (info.value.hint or "")
-    with pytest.raises(ConfigError, match=r"shared_swapper needs torch\.distributed"):
-        shared_swapper(model, "blocks.*", CONFIG, device="cpu")
     with pytest.raises(ConfigError, match=r"GradientAverager needs torch\.distributed"):
         GradientAverager()
     swapper = BlockSwapper(model, "blocks.*", CONFIG, device="cpu")
     try:
-        with pytest.raises(ConfigError, match=r"wrap_ddp needs torch\.distributed") as info:
-            wrap_ddp(model, swapper)
-        assert "init_from_env" in (info.value.hint or "")
         with pytest.raises(ConfigError, match=r"broadcast_masters needs torch\.distributed"):
             broadcast_masters(swapper)
+        with pytest.raises(ConfigError, match=r"needs torch\.distributed") as info:
+            wrap_ddp(model, swapper, find_unused_parameters=True)  # DDP options, no DDP
+        assert "init_from_env" in (info.value.hint or "")
         assert swapper._gradient_hook is None  # nothing was installed on the way
+    finally:
+        swapper.detach()
+
+
+def test_one_script_runs_alone_too_shared_swapper_and_wrap_ddp_without_a_group() -> None:
+    """``python train.py`` (no torchrun): shared_swapper is a plain swapper, wrap_ddp gives the
+    model back, and training is what it is without vramkit.distributed."""
+    assert not torch.distributed.is_initialized()
+    reference, model = Net(), Net()
+    swapper = shared_swapper(model, "blocks.*", CONFIG, device="cpu")
+    try:
+        assert swapper.master_memory is None and swapper.swapped_names
+        assert wrap_ddp(model, swapper) is model
+        x, y = _batch()
+        for net in (model, reference):
+            nn.functional.mse_loss(net(x), y).backward()
+        for (name, a), b in zip(model.named_parameters(), reference.parameters(), strict=True):
+            if a.requires_grad:
+                assert torch.equal(a.grad, b.grad), name
     finally:
         swapper.detach()
 

@@ -155,7 +155,9 @@ def shared_swapper(model: nn.Module, blocks: str | Sequence[str] = "auto",
                    **swapper_options: Any) -> BlockSwapper:
     """A :class:`BlockSwapper` whose frozen masters are shared by the local ranks of each node.
 
-    Collective: every rank calls it with the same model and config. The lowest local rank
+    Collective: every rank calls it with the same model and config. Without a process group
+    (a plain ``python train.py``: one process, nothing to share) it is a plain
+    :class:`BlockSwapper`, so one script runs alone and under torchrun. The lowest local rank
     fills the masters (from ``model`` or ``checkpoint=``); the others map them, so their model
     may be built on the meta device and the node holds one copy (see
     :mod:`vramkit.distributed.shared`). Trainable swapped weights keep per-rank masters (each
@@ -173,13 +175,17 @@ def shared_swapper(model: nn.Module, blocks: str | Sequence[str] = "auto",
         The attached swapper; ``swapper.master_memory`` is the shared memory (``None`` when not
         shared), ``swapper.stats().shared_bytes`` its size.
     """
-    _require_group("shared_swapper")
     if "master_memory" in swapper_options:
         raise ConfigError("shared_swapper chooses master_memory itself",
                           hint="Use BlockSwapper(..., master_memory=...) directly for your own.")
     if device is None:
         device = (torch.device("cuda", torch.cuda.current_device())
                   if torch.cuda.is_available() else torch.device("cpu"))
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            _require_group("shared_swapper(group=...)")
+        return BlockSwapper(model, blocks, config, device, **swapper_options)
     return BlockSwapper(model, blocks, config, device, master_memory=NodeSharedMasters(group),
                         **swapper_options)
 
@@ -325,13 +331,14 @@ def wrap_ddp(model: nn.Module, swapper: BlockSwapper, *, group: Any = None,
 
     Returns:
         The ``DistributedDataParallel`` module; the model itself when nothing is left for DDP
-        to reduce (every trainable weight is swapped: the swapper's hook reduces them all).
+        to reduce (every trainable weight is swapped: the swapper's hook reduces them all), or
+        when there is no process group (a plain ``python train.py``: one process, nothing to
+        reduce), so one script runs alone and under torchrun.
 
     Raises:
-        ConfigError: torch.distributed not initialized, or ``swapper`` not attached to
-            ``model``.
+        ConfigError: ``swapper`` not attached to ``model``; a ``group`` without
+            torch.distributed initialized.
     """
-    _require_group("wrap_ddp")
     check_bool("broadcast", broadcast)
     from torch.nn.parallel import DistributedDataParallel
 
@@ -341,6 +348,12 @@ def wrap_ddp(model: nn.Module, swapper: BlockSwapper, *, group: Any = None,
     if swapper.model is not model:
         raise ConfigError("wrap_ddp: the swapper is attached to another model",
                           hint="Pass the model the swapper was built with.")
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None or ddp_options:
+            _require_group("wrap_ddp with group= or DDP options")
+        logger.info("wrap_ddp: no process group (one process): the model is used as it is")
+        return model
     if not swapper.swapped_names and not swapper.blocks:
         logger.info("wrap_ddp: the swapper swaps no block; DDP as usual")
     if broadcast:

@@ -27,6 +27,9 @@ def test_a_host_budget_that_holds_the_masters_changes_nothing() -> None:
     held = _plan(host_budget=free.host_bytes)
     assert held.disk_blocks == () and held.swap_host_budget is None
     assert held.predicted_step_seconds == free.predicted_step_seconds
+    text = held.explain()  # swapped, nothing on disk
+    assert f"Swap {len(held.swapped)} of" in text
+    assert "no swapping" not in text and "on disk" not in text
 
 
 def test_a_smaller_host_budget_keeps_blocks_on_disk_as_the_swapper_would() -> None:

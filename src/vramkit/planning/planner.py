@@ -167,6 +167,8 @@ class Plan:
             lines.append(f"Swap {len(self.swapped)} of {n} blocks through {self.num_slots} "
                          f"slot{'s' if self.num_slots > 1 else ''}; "
                          f"{format_size(self.host_bytes)} of pinned host memory.")
+        else:
+            lines.append(f"Every one of the {n} blocks stays on the GPU: no swapping.")
         if self.disk_blocks:
             rate = (f"{self.disk_bytes_per_s / 1e9:.2f} GB/s" if self.disk_bytes_per_s
                     else "the disk's speed")
@@ -174,8 +176,6 @@ class Plan:
                          "budget holds the others' masters and the staging buffers), read "
                          f"ahead of use at {rate}: SwapConfig(host_budget="
                          f"{format_size(self.swap_host_budget or 0)}).")
-        else:
-            lines.append(f"Every one of the {n} blocks stays on the GPU: no swapping.")
         if self.mode == "train":
             if self.checkpointed:
                 lines.append(f"Checkpoint {len(self.checkpointed)} of {n} blocks (recomputed "

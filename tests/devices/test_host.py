@@ -235,3 +235,14 @@ def test_dev_shm_room_is_read_and_absent_is_none(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(os, "statvfs", missing)
     info = host_module.read_host_memory()
     assert info.shm_free is None and info.shm_total is None
+
+
+def test_proportional_set_size_is_read_from_smaps_rollup(tmp_path: Path) -> None:
+    from vramkit.devices.host import process_pss_bytes
+
+    _write(tmp_path, "proc/self/smaps_rollup",
+           "00400000-7fff [rollup]\nRss:   2048 kB\nPss:   1536 kB\nShared_Clean:  0 kB\n")
+    assert process_pss_bytes(root=str(tmp_path)) == 1536 * 1024
+    assert process_pss_bytes(pid=999999, root=str(tmp_path)) is None  # no such process
+    pss = process_pss_bytes()  # this machine (Linux: a positive figure)
+    assert pss is None or pss > 0

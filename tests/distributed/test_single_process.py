@@ -208,13 +208,19 @@ def _host_grads(model: nn.Module, swapper: BlockSwapper) -> dict[str, torch.Tens
     return out
 
 
-def test_the_gradient_hook_sees_each_swapped_blocks_complete_gradients() -> None:
+def _full_cpu_swapper() -> tuple[nn.Module, BlockSwapper, dict[str, torch.Tensor]]:
+    """A fully trainable Net with trainable="cpu" swapping, and the gradients one unswapped
+    backward of the same loss gives."""
     reference = Net(full=True)
     _loss(reference).backward()
-    want = _grads(reference)
     model = Net(full=True)
     swapper = BlockSwapper(model, "blocks.*", SwapConfig(min_param_bytes=0, trainable="cpu"),
                            device="cpu")
+    return model, swapper, _grads(reference)
+
+
+def test_the_gradient_hook_sees_each_swapped_blocks_complete_gradients() -> None:
+    model, swapper, want = _full_cpu_swapper()
     calls: list[tuple[str, list[torch.Tensor]]] = []
     swapper.set_gradient_hook(lambda name, grads: calls.append(
         (name, [g.detach().clone() for g in grads])))
@@ -237,12 +243,7 @@ def test_the_gradient_hook_sees_each_swapped_blocks_complete_gradients() -> None
 
 
 def test_the_gradient_hook_can_change_the_gradients_in_place() -> None:
-    reference = Net(full=True)
-    _loss(reference).backward()
-    want = _grads(reference)
-    model = Net(full=True)
-    swapper = BlockSwapper(model, "blocks.*", SwapConfig(min_param_bytes=0, trainable="cpu"),
-                           device="cpu")
+    model, swapper, want = _full_cpu_swapper()
 
     def zero(name: str, grads: list[torch.Tensor]) -> None:
         for g in grads:

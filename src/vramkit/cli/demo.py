@@ -111,8 +111,9 @@ def _model_size(text: str | None) -> str | int | None:
                  hint=f"Use a preset ({', '.join(presets)}) or a weight size such as 6GiB.")
 
 
-def config_from_args(args: argparse.Namespace) -> Any:
-    """The :class:`vramkit.recipes.demo.DemoConfig` of parsed arguments.
+def config_from_args(args: argparse.Namespace, *, distributed: bool = False) -> Any:
+    """The :class:`vramkit.recipes.demo.DemoConfig` of parsed arguments (``distributed``: for
+    one rank of a torchrun job, which writes no report and runs no resident baseline).
 
     Raises:
         ConfigError: for a bad --budget, --model-size, --steps, --batch-size or --report.
@@ -124,8 +125,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         model_size=_model_size(args.model_size),
         steps=_whole_number("--steps", args.steps),
         batch_size=_whole_number("--batch-size", args.batch_size),
-        device=args.device, baseline=not args.no_baseline,
-        report=_report_path(args))
+        device=args.device, baseline=not args.no_baseline and not distributed,
+        report="" if distributed else _report_path(args))
 
 
 def _report_path(args: argparse.Namespace) -> str:
@@ -310,11 +311,12 @@ def _world_size() -> int:
 def _run_distributed(args: argparse.Namespace) -> int:
     """``torchrun --nproc_per_node N -m vramkit demo``: every rank trains its share, rank 0
     prints (:mod:`vramkit.recipes.demo_ddp`)."""
+    import contextlib
+
     import torch
 
     from vramkit.cli._output import flag_values, print_json
     from vramkit.distributed import init_from_env
-    from vramkit.recipes.demo import DemoConfig
     from vramkit.recipes.demo_ddp import run_distributed_demo
 
     with flag_values():
@@ -323,12 +325,7 @@ def _run_distributed(args: argparse.Namespace) -> int:
                 "--report is not available under torchrun: each rank would profile its own "
                 "process",
                 hint="Drop --report (or run the one-process demo, which writes it).")
-        config = DemoConfig(
-            budget=_size("--budget", "budget", args.budget),
-            model_size=_model_size(args.model_size),
-            steps=_whole_number("--steps", args.steps),
-            batch_size=_whole_number("--batch-size", args.batch_size),
-            device=args.device, baseline=False, report="")
+        config = config_from_args(args, distributed=True)
         info = init_from_env(backend="gloo" if args.device == "cpu" else None)
     try:
         if args.json:
@@ -343,7 +340,7 @@ def _run_distributed(args: argparse.Namespace) -> int:
             con.print(f"Data-parallel job: {info.world_size} ranks ({info.backend}); rank 0 "
                       "reports.")
         bar = _ProgressBar(con) if info.is_main else None
-        with bar if bar is not None else _nothing():
+        with bar if bar is not None else contextlib.nullcontext():
             result = run_distributed_demo(config, info,
                                           progress=bar.update if bar is not None else None)
         if info.is_main:
@@ -359,12 +356,6 @@ def _run_distributed(args: argparse.Namespace) -> int:
 
             gc.collect()
             torch.distributed.destroy_process_group()
-
-
-def _nothing() -> Any:
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def _print_distributed(con: Any, result: Any) -> None:

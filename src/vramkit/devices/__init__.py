@@ -40,7 +40,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
                        "distribute_batch", "enable_peer_access", "ensure_same_device",
                        "to_device"),
     ".memory_info": ("MemoryInfo", "read_memory_info"),
-    ".host": ("HostMemory", "read_host_memory"),
+    ".host": ("HostMemory", "read_host_memory", "filesystem_room", "process_pss_bytes"),
     ".env": ("ALLOC_CONF_VAR", "LEGACY_ALLOC_CONF_VAR", "CudaMemorySettings", "GpuMemoryInfo",
              "allocator_env_var", "allocator_settings", "clear_cuda_cache",
              "get_gpu_memory_info", "log_memory_usage", "setup_cuda_memory_management"),

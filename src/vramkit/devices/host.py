@@ -42,7 +42,7 @@ from typing import Any
 
 from vramkit.units import format_size
 
-__all__ = ["HostMemory", "read_host_memory"]
+__all__ = ["HostMemory", "filesystem_room", "process_pss_bytes", "read_host_memory"]
 
 # cgroup v1 writes "no limit" as PAGE_COUNTER_MAX pages (9223372036854771712 on 4 KiB pages);
 # anything this large is no limit.
@@ -287,17 +287,30 @@ def read_host_memory(*, root: str = "/") -> HostMemory:
     if wsl and total is not None:
         candidates.append((total // 2, "WSL (half of RAM)"))
     pin_limit, pin_source = min(candidates) if candidates else (None, "none")
-    shm_free, shm_total = _tmpfs_room(os.path.join(root, "dev", "shm"))
+    shm_free, shm_total = filesystem_room(os.path.join(root, "dev", "shm"))
     return HostMemory(total=total, available=available, process_rss=rss,
                       cgroup_limit=cgroup_limit, cgroup_usage=cgroup_usage,
                       memlock_limit=_memlock_limit(), wsl=wsl, pin_limit=pin_limit,
                       pin_limit_source=pin_source, shm_free=shm_free, shm_total=shm_total)
 
 
-def _tmpfs_room(path: str) -> tuple[int | None, int | None]:
-    """(free, total) bytes of the filesystem at ``path``; ``(None, None)`` when it is absent."""
+def filesystem_room(path: str) -> tuple[int | None, int | None]:
+    """(free, total) bytes of the filesystem at ``path`` (``/dev/shm``: RAM a tmpfs may still
+    take); ``(None, None)`` when it is absent."""
     try:
         st = os.statvfs(path)
     except (OSError, AttributeError):  # no such directory; no statvfs (Windows)
         return None, None
     return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def process_pss_bytes(pid: int | str = "self", *, root: str = "/") -> int | None:
+    """A process's proportional set size: resident pages, each shared page divided by the
+    number of processes mapping it (``/proc/<pid>/smaps_rollup``). Summed over a node's ranks,
+    memory they share (``vramkit.distributed``'s masters) counts once.
+
+    Returns:
+        Bytes, or ``None`` where ``/proc`` does not give it (not Linux, old kernels).
+    """
+    text = _read_text(os.path.join(root, "proc", str(pid), "smaps_rollup"))
+    return _kib_fields(text, ("Pss",)).get("Pss")

@@ -16,6 +16,7 @@ after it attaches. ``docs/distributed.md`` has the compatibility matrix.
 
 from __future__ import annotations
 
+from vramkit.devices.host import process_pss_bytes
 from vramkit.distributed.ddp import (
     GradientAverager,
     RankInfo,
@@ -25,7 +26,7 @@ from vramkit.distributed.ddp import (
     wrap_ddp,
 )
 from vramkit.distributed.planning import agree_on_plan, ddp_bucket_bytes, fit_rank, plan_for_rank
-from vramkit.distributed.shared import NodeSharedMasters, process_pss_bytes
+from vramkit.distributed.shared import NodeSharedMasters
 
 __all__ = [
     "GradientAverager",

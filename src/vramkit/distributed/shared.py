@@ -17,7 +17,7 @@ masters in one shared mapping per node instead:
   system when the last process unmaps it, even after a crash.
 
 Host memory therefore stays at one copy of the masters per node whatever the number of local
-ranks (measured as proportional set size, :func:`process_pss_bytes`). Where sharing is
+ranks (measured as proportional set size, :func:`vramkit.devices.host.process_pss_bytes`). Where sharing is
 impossible (no ``/dev/shm``, or too little room in it for the masters) every rank pins its own
 copy and the job is told once why (:class:`~vramkit.errors.VramkitWarning`).
 
@@ -34,16 +34,16 @@ import os
 import socket
 import uuid
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from vramkit.devices.host import filesystem_room
 from vramkit.errors import ConfigError, OffloadError, VramkitWarning
 from vramkit.memory._segments import RegisteredPinnedSegments, host_register_api
 from vramkit.units import format_size
 
-__all__ = ["SHM_DIR", "NodeSharedMasters", "process_pss_bytes"]
+__all__ = ["SHM_DIR", "NodeSharedMasters"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,31 +51,10 @@ SHM_DIR = "/dev/shm"
 _PAGE = mmap.PAGESIZE
 
 
-def process_pss_bytes(pid: int | str = "self") -> int | None:
-    """This process's proportional set size: resident pages, each shared page divided by the
-    number of processes mapping it (``/proc/<pid>/smaps_rollup``). Summed over the local ranks,
-    it counts a node-shared master once.
-
-    Returns:
-        Bytes, or ``None`` where ``/proc`` does not give it (not Linux, old kernels).
-    """
-    try:
-        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1]) * 1024
-    return None
-
-
 def _room(directory: str) -> int:
     """Free bytes in ``directory`` (-1 when it does not exist or cannot be read)."""
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return -1
-    return st.f_bavail * st.f_frsize
+    free, _ = filesystem_room(directory)
+    return -1 if free is None else free
 
 
 class NodeSharedMasters:

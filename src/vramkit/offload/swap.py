@@ -1293,8 +1293,8 @@ def _refuse_wrapped(model: nn.Module, *, attached: bool = False) -> None:
 
 
 def _is_fsdp(module: nn.Module) -> bool:
-    """Whether ``module`` is managed by FSDP (FSDP2's ``fully_shard`` or FSDP1's wrapper),
-    without importing torch.distributed's FSDP unless torch.distributed is already loaded."""
+    """Whether ``module`` is managed by FSDP (FSDP2's ``fully_shard`` or FSDP1's wrapper), by
+    its classes' names and modules: FSDP itself is never imported to ask."""
     for cls in type(module).__mro__:
         if cls.__name__ in ("FSDPModule", "FullyShardedDataParallel") and cls.__module__.startswith(
                 "torch.distributed"):

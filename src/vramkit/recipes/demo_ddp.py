@@ -34,7 +34,6 @@ import torch
 from vramkit.errors import OffloadError
 from vramkit.memory.oom import is_oom_error
 from vramkit.recipes.demo import DemoConfig, DemoPlan, DemoProgress, plan_demo
-from vramkit.recipes.dit import flow_matching_loss, synthetic_batch
 from vramkit.units import format_size
 
 __all__ = ["DistributedDemoResult", "agree_on_demo_plan", "run_distributed_demo"]
@@ -126,7 +125,7 @@ def run_distributed_demo(config: DemoConfig, info: Any, *,
     from vramkit.distributed import process_pss_bytes, shared_swapper, wrap_ddp
     from vramkit.offload.checkpointing import enable_gradient_checkpointing
     from vramkit.offload.swap import SwapConfig
-    from vramkit.recipes.demo import _build_model, _median_step, _memory_cap
+    from vramkit.recipes.demo import _build_model, _median_step, _memory_cap, _Run
 
     started = time.perf_counter()
     if config.device is None:
@@ -145,33 +144,18 @@ def run_distributed_demo(config: DemoConfig, info: Any, *,
     if chosen:
         enable_gradient_checkpointing(model, blocks=chosen)
     swap_config = SwapConfig(swapped_blocks=plan.swapped_block_names, num_slots=plan.num_slots)
-    generator = torch.Generator(device=device).manual_seed(plan.seed + 1000 * info.rank)
-    batch = synthetic_batch(plan.dit_config, plan.batch_size, generator=generator,
-                            device=device)
-    losses: list[torch.Tensor] = []
-    seconds: list[float] = []
     with contextlib.ExitStack() as stack:
         allocated_before, _ = (stack.enter_context(_memory_cap(device, plan.budget_bytes))
                                if cuda else (0, 0))
         swapper = stack.enter_context(shared_swapper(model, config=swap_config, device=device))
         ddp = wrap_ddp(model, swapper)
-        optimizer = torch.optim.AdamW(adapters, lr=plan.learning_rate, weight_decay=0.0)
+        # The one-process demo's run (AdamW on the adapters, step times from CUDA events with
+        # the host one step ahead), on this rank's own data: its seed differs per rank.
+        run = _Run("train", ddp, adapters,
+                   dataclasses.replace(plan, seed=plan.seed + 1000 * info.rank), device,
+                   None, progress if info.rank == 0 else None)
         try:
-            for index in range(plan.steps):
-                if cuda:
-                    torch.cuda.synchronize(device)
-                begin = time.perf_counter()
-                loss = flow_matching_loss(ddp, batch)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                if cuda:
-                    torch.cuda.synchronize(device)
-                seconds.append(time.perf_counter() - begin)
-                losses.append(loss.detach().float().reshape(1))
-                if progress is not None and info.rank == 0:
-                    progress(DemoProgress("train", index + 1, plan.steps, float(loss.detach()),
-                                          seconds[-1], _median_step(seconds)))
+            run.run()
         except Exception as exc:
             if not is_oom_error(exc):
                 raise
@@ -183,9 +167,10 @@ def run_distributed_demo(config: DemoConfig, info: Any, *,
         peak = (torch.cuda.max_memory_allocated(device) - allocated_before if cuda
                 else plan.predicted_peak_bytes)
         pss = process_pss_bytes()
-        del ddp, optimizer, loss  # DDP's reducer goes now, not at interpreter exit
+        losses, seconds = run.losses, run.seconds
+        del ddp, run  # DDP's reducer goes now, not at interpreter exit
     # Losses averaged over ranks; step time of the slowest rank.
-    stacked = torch.cat(losses).to(device)
+    stacked = torch.stack([v.float() for v in losses]).to(device)
     torch.distributed.all_reduce(stacked)
     mean_losses = (stacked / info.world_size).cpu().tolist()
     times = torch.tensor(seconds, dtype=torch.float64, device=device)

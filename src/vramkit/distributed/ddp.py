@@ -275,8 +275,13 @@ def broadcast_masters(swapper: BlockSwapper, *, src: int = 0, group: Any = None)
         raise ConfigError(f"broadcast_masters(src={src}): rank {src} maps its node's shared "
                           "masters but does not write them",
                           hint="Use src=0 (rank 0 always writes its node's copy).")
-    # Every rank takes part in creating a group, member or not, in the same order.
     spread = len(owners) > 1  # frozen masters exist in more than one writable copy
+    if group is not None and spread and len(owners) != size:
+        # A group of the owners must be created by every rank of the job, not of ``group``.
+        raise ConfigError("broadcast_masters(group=...) with node-shared masters on several "
+                          "nodes: the writers' group would need the whole job to create it",
+                          hint="Call it (or wrap_ddp) with the default group.")
+    # Every rank takes part in creating a group, member or not, in the same order.
     frozen_group = group if len(owners) == size else (
         dist.new_group(owners) if spread else None)
     is_nccl = "nccl" in str(dist.get_backend(group)).lower()

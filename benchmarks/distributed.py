@@ -13,6 +13,9 @@ Arms (one ``torchrun`` job each, ``--nproc_per_node`` = the GPUs):
   then ``wrap_ddp``.
 * ``vramkit-per-rank``: the same with every rank pinning its own masters (``shared=False``): the
   host memory that the shared masters save.
+* ``vramkit-whole``: ``vramkit`` with every GPU copying whole blocks from the host
+  (``uploads="whole"``), where ``vramkit`` (``uploads="auto"``) shares each block's copy
+  between NVLink-linked GPUs and all-gathers the pieces (:mod:`vramkit.distributed.uploads`).
 * ``fsdp2``: PyTorch's FSDP2, ``fully_shard`` per transformer block and the root with
   ``CPUOffloadPolicy()`` (sharded parameters in pinned host memory, all-gathered per block) and
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, every block checkpointed
@@ -127,8 +130,10 @@ def arm_vramkit(args: argparse.Namespace, info: Any) -> dict[str, Any]:
             minimum = int(exc.minimum_budget or 0)
         budget = minimum + weights // 3
     t1 = time.perf_counter()
-    shared = args.arm == "vramkit"  # "vramkit-per-rank": each rank pins its own masters
-    fitted = vd.fit_rank(model, inputs, budget, device=device, shared=shared, **options)
+    shared = args.arm != "vramkit-per-rank"  # that one: each rank pins its own masters
+    uploads = "whole" if args.arm == "vramkit-whole" else "auto"
+    fitted = vd.fit_rank(model, inputs, budget, device=device, shared=shared, uploads=uploads,
+                         **options)
     fit_s = time.perf_counter() - t1
     plan = fitted.plan
     swapper = fitted.swapper
@@ -152,6 +157,9 @@ def arm_vramkit(args: argparse.Namespace, info: Any) -> dict[str, Any]:
         "predicted_peak": plan.predicted_peak_bytes,
         "swapped_bytes": stats.swapped_bytes if stats is not None else 0,
         "shared_bytes": stats.shared_bytes if stats is not None else 0,
+        "uploads": type(swapper.block_loader).__name__ if swapper is not None else None,
+        "h2d_bytes": stats.h2d_bytes if stats is not None else 0,
+        "gathered_bytes": stats.gathered_bytes if stats is not None else 0,
     })
     # No detach: the process ends here, and restoring the model to the GPU would not fit the cap.
     return row
@@ -258,8 +266,9 @@ def driver(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"),
                PYTHONUNBUFFERED="1")
-    for arm in args.arms.split(","):
-        for gpus in (int(g) for g in args.gpus.split(",")):
+    # GPU counts outer, arms inner: the arms of one count run back to back.
+    for gpus in (int(g) for g in args.gpus.split(",")):
+        for arm in args.arms.split(","):
             result = out / f"{arm}-{gpus}.json"
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                        f"--nproc_per_node={gpus}", __file__, "--arm", arm, "--result",
@@ -279,7 +288,8 @@ def driver(args: argparse.Namespace) -> int:
             rows.append(row)
             (out / "rows.json").write_text(json.dumps(rows, indent=1))
             log(json.dumps({k: row[k] for k in ("arm", "gpus", "median_step_s", "images_per_s",
-                                                "peak_bytes", "pss_bytes_sum",
+                                                "peak_bytes", "pss_bytes_sum", "uploads",
+                                                "h2d_bytes", "gathered_bytes",
                                                 "pinned_bytes_sum") if k in row}))
     one = {r["arm"]: r["images_per_s"] for r in rows if r.get("gpus") == 1 and "images_per_s" in r}
     print("| arm | GPUs | step ms | images/s | weak scaling | peak GiB (max rank) | swapped GiB "
@@ -289,7 +299,8 @@ def driver(args: argparse.Namespace) -> int:
         if "error" in r:
             print(f"| {r['arm']} | {r['gpus']} | failed: {r['error']} | | | | | | | |")
             continue
-        base = one.get(r["arm"])
+        # one GPU has nothing to share: vramkit-whole scales against vramkit's one-GPU row
+        base = one.get(r["arm"]) or (one.get("vramkit") if r["arm"] == "vramkit-whole" else None)
         scaling = (f"{r['images_per_s'] / (r['gpus'] * base):.3f}" if base else "-")
         pss = r.get("pss_bytes_sum")
         print(f"| {r['arm']} | {r['gpus']} | {r['median_step_s'] * 1e3:.0f} | "
@@ -307,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", default="1,2,4", help="GPU counts (driver)")
     parser.add_argument("--arms", default="vramkit,fsdp2", help="arms (driver)")
     parser.add_argument("--out", default="out/distributed", help="results folder (driver)")
-    parser.add_argument("--arm", choices=("vramkit", "vramkit-per-rank", "fsdp2"),
+    parser.add_argument("--arm", choices=("vramkit", "vramkit-per-rank", "vramkit-whole", "fsdp2"),
                         default="vramkit")
     parser.add_argument("--result", default="distributed.json")
     parser.add_argument("--cap-gib", type=float, default=11.5)

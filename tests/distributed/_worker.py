@@ -163,6 +163,65 @@ def scenario_lora(info: Any, out: dict[str, Any]) -> None:
     out["ignored_after_detach"] = hasattr(model, "_ddp_params_and_buffers_to_ignore")
 
 
+def scenario_sharded(info: Any, out: dict[str, Any]) -> None:
+    """Sharded uploads: each rank copies its share of a block and the node's ranks all-gather
+    the rest. Training equals one process (frozen shared base + LoRA, and trainable='cpu'
+    with per-rank masters); rank 0 alone calls the model inside ``local_calls()`` between
+    steps and nobody hangs; swappers that differ between ranks are refused everywhere."""
+    from vramkit.distributed import uploads
+
+    uploads.MIN_SHARDED_BYTES = 0  # the test's blocks are a few KiB
+
+    def adamw(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-2)
+
+    for kind in ("lora", "cpu"):
+        lora = kind == "lora"
+        ref_state = train_reference(Net(lora=lora, frozen=lora), 3, adamw)
+        model = Net(lora=lora, frozen=lora)
+        config = CONFIG if lora else SwapConfig(min_param_bytes=0, trainable="cpu")
+        swapper = shared_swapper(model, "blocks.*", config, device=info.device,
+                                 uploads="sharded")
+        ddp = wrap_ddp(model, swapper)
+        opt = adamw(swapper.optimizer_parameters())
+        for step in range(3):
+            x, y = batch(step)
+            loss = nn.functional.mse_loss(ddp(shard(x, info.rank, info.world_size)),
+                                          shard(y, info.rank, info.world_size))
+            loss.backward()
+            if not lora:
+                swapper.sync_gradients()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step == 0 and info.rank == 0:  # a preview only rank 0 makes
+                with swapper.local_calls(), torch.no_grad():
+                    model(x[:2])
+                    model(x[:1])
+        stats = swapper.stats()
+        loader = swapper.block_loader
+        out[f"{kind}_block_bytes"] = sorted({b.nbytes for b in swapper.blocks})
+        swapper.detach()  # swapped trainable weights are back in the model
+        out[f"{kind}_param_diff"] = max_diff(trainable_state(model), ref_state)
+        out[f"{kind}_loader"] = type(loader).__name__
+        out[f"{kind}_loader_loads"] = getattr(loader, "loads", 0)
+        out[f"{kind}_gathered_bytes"] = stats.gathered_bytes
+        out[f"{kind}_h2d_bytes"] = stats.h2d_bytes
+        out[f"{kind}_loads"] = stats.loads
+        out[f"{kind}_slot_bytes"] = stats.slot_bytes
+        out[f"{kind}_shared_bytes"] = stats.shared_bytes
+    # Ranks that swap different blocks: refused on every rank, nobody waits.
+    from vramkit.distributed import ShardedUploads
+
+    names = ["blocks.0.0", "blocks.0.2"] if info.rank == 0 else ["blocks.0.0"]
+    try:
+        BlockSwapper(Net(lora=True), "blocks.*",
+                     SwapConfig(min_param_bytes=0, swapped_blocks=names), device=info.device,
+                     block_loader=ShardedUploads(None))
+        out["mismatch_refused"] = None
+    except ConfigError as exc:
+        out["mismatch_refused"] = str(exc)
+
+
 def scenario_plain_ddp(info: Any, out: dict[str, Any]) -> None:
     """A plain DistributedDataParallel(model) around a swapped model works (frozen blocks)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -490,6 +549,8 @@ def main() -> int:
         try:
             if name == "lora":
                 scenario_lora(info, result)
+            elif name == "sharded":
+                scenario_sharded(info, result)
             elif name == "plain_ddp":
                 scenario_plain_ddp(info, result)
             elif name in ("full_cpu", "full_swap"):

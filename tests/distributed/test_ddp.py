@@ -13,13 +13,14 @@ from typing import Any
 
 import pytest
 
+from tests.distributed._checks import check_sharded
 from tests.distributed._launch import NPROC, WORKER, describe, require_gloo, torchrun
 
 require_gloo()
 pytestmark = pytest.mark.slow  # torchrun jobs: ~10 s each
 
 SCENARIOS = ("lora", "plain_ddp", "full_cpu", "full_swap", "pss", "fsdp", "shm_fallback",
-             "fit_rank", "accumulate_cpu", "accumulate_swap")
+             "fit_rank", "accumulate_cpu", "accumulate_swap", "sharded")
 TOLERANCE = 1e-6
 PAGE = 4096
 
@@ -94,7 +95,10 @@ def test_parameters_after_three_adamw_steps_equal_one_process(
 
 # Values that differ between processes by nature: who they are, and their own memory.
 _PER_PROCESS = {"rank", "local_rank", "shared_pss_delta", "per_rank_pss_delta",
-                "warnings"}  # rank 0 alone warns
+                "warnings",  # rank 0 alone warns
+                # sharded uploads: each rank copies its own piece; rank 0 also previews alone
+                *(f"{kind}_{key}" for kind in ("lora", "cpu")
+                  for key in ("h2d_bytes", "gathered_bytes", "loads"))}
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
@@ -251,11 +255,12 @@ def test_fit_rank_counts_ddp_buckets_agrees_on_one_plan_and_trains_as_one_proces
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Ranks]:
     out: Path = tmp_path_factory.mktemp("nodes")
     proc = torchrun([str(WORKER), "--out", str(out), "--scenarios",
-                     "two_nodes,one_node_without_room", "--fake-hosts", "2"], cwd=out, nproc=4)
+                     "two_nodes,one_node_without_room,sharded", "--fake-hosts", "2"], cwd=out,
+                    nproc=4)
     if proc.returncode != 0:
         pytest.fail(f"the four-rank worker failed: {describe(proc)}")
     found: dict[str, Ranks] = {}
-    for name in ("two_nodes", "one_node_without_room"):
+    for name in ("two_nodes", "one_node_without_room", "sharded"):
         found[name] = [json.loads((out / f"{name}-rank{r}.json").read_text()) for r in range(4)]
         for r in found[name]:
             if "error" in r:
@@ -295,3 +300,19 @@ def test_accumulating_under_no_sync_equals_one_process_accumulating(
     with 'swap' and accumulation_steps=2), the rest through DDP at the last micro-batch."""
     for r in scenario(results, name):
         assert r["param_diff"] <= TOLERANCE
+
+
+# -- sharded uploads ------------------------------------------------------------------------------
+
+
+def test_sharded_uploads_split_each_block_between_the_ranks_and_train_exactly(
+        results: dict[str, Ranks]) -> None:
+    """uploads='sharded' on gloo: each rank copies half of a block and all-gathers the other
+    half; LoRA over a shared base and trainable='cpu' equal one process; rank 0's preview in
+    local_calls() between steps leaves the ranks' loads matched (no hang)."""
+    check_sharded(scenario(results, "sharded"), NPROC, TOLERANCE)
+
+
+def test_sharded_uploads_gather_within_each_node(four_ranks: dict[str, Ranks]) -> None:
+    """Two (fake) nodes of two ranks: one gather group per node; DDP still spans all four."""
+    check_sharded(four_ranks["sharded"], 2, TOLERANCE)

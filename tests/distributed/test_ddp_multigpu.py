@@ -16,7 +16,7 @@ pytestmark = pytest.mark.multigpu
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ("lora", "plain_ddp", "full_cpu", "full_swap", "pss", "accumulate_cpu",
-             "accumulate_swap")
+             "accumulate_swap", "sharded")
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +67,13 @@ def test_frozen_masters_shared_once_per_node(results: dict[str, list[dict[str, A
     per_rank = sum(r["per_rank_pss_delta"] for r in pss)
     assert shared <= 1.3 * swapped < per_rank
     assert pss[0]["shared_out"] == pss[0]["per_rank_out"]
+
+
+def test_sharded_uploads_all_gather_over_nccl_and_train_exactly(
+        results: dict[str, list[dict[str, Any]]]) -> None:
+    """uploads='sharded' on two GPUs: each copies half of a block from the host and NCCL
+    all-gathers the rest into its slot; rank 0's local_calls() between steps leaves the
+    ranks' collective loads matched."""
+    from tests.distributed._checks import check_sharded
+
+    check_sharded(results["sharded"], 2, 1e-5)  # AdamW on NCCL-reduced grads, as above

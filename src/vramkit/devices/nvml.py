@@ -40,6 +40,7 @@ __all__ = [
     "NvmlProcess",
     "NvmlSnapshot",
     "normalize_pci_bus_id",
+    "nvlink_connected",
     "nvml_session",
     "process_memory",
     "query_nvml",
@@ -461,3 +462,39 @@ def _mig_handles(pynvml: Any, handle: Any, gpu_index: int) -> list[Any]:
             if _nvml_error_value(err) != _NVML_ERROR_NOT_FOUND:
                 logger.debug("MIG slot %d of GPU %d unreadable: %s", slot, gpu_index, err)
     return out
+
+
+def nvlink_connected(uuids: list[str]) -> bool | None:
+    """Whether every pair of these GPUs can reach each other over NVLink (NVML's peer-to-peer
+    status for the NVLink capability).
+
+    Args:
+        uuids: the GPUs' UUIDs, any form :func:`vramkit.devices.ids.normalize_uuid` reads.
+
+    Returns:
+        ``True`` or ``False``; ``None`` when NVML cannot say (no driver, a GPU it does not
+        list, a getter this nvidia-ml-py lacks). One GPU is trivially connected.
+    """
+    from vramkit.devices.ids import normalize_uuid
+    from vramkit.errors import NvmlError
+
+    if len(uuids) < 2:
+        return True
+    try:
+        with nvml_session() as pynvml:
+            status = _getter(pynvml, "nvmlDeviceGetP2PStatus")
+            index = getattr(pynvml, "NVML_P2P_CAPS_INDEX_NVLINK", None)
+            if status is None or index is None:
+                return None
+            ok = getattr(pynvml, "NVML_P2P_STATUS_OK", 0)
+            try:
+                handles = [pynvml.nvmlDeviceGetHandleByUUID("GPU-" + normalize_uuid(u))
+                           for u in uuids]
+                return all(status(a, b, index) == ok
+                           for i, a in enumerate(handles) for b in handles[i + 1:])
+            except pynvml.NVMLError as err:  # a GPU NVML does not list, an old driver
+                logger.debug("NVLink status unavailable: %s", err)
+                return None
+    except NvmlError as err:
+        logger.debug("NVLink status unavailable: %s", err)
+        return None

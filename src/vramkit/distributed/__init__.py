@@ -8,6 +8,9 @@
   (:class:`GradientAverager`), the rest by DDP.
 * :func:`plan_for_rank` plans one rank (DDP's buckets counted); :func:`fit_rank` plans every
   rank, agrees on one plan and applies it with node-shared masters.
+* :class:`ShardedUploads` (:func:`node_uploads`): where NVLink links a node's GPUs, each copies
+  its share of a swapped block from the host and they all-gather the rest (``shared_swapper``
+  and ``fit_rank`` choose it with ``uploads="auto"``).
 
 FSDP: the swapper and FSDP both own the storage of the parameters they manage, so one module
 cannot be both swapped and sharded; ``BlockSwapper`` refuses a model FSDP shards, before or
@@ -27,16 +30,19 @@ from vramkit.distributed.ddp import (
 )
 from vramkit.distributed.planning import agree_on_plan, ddp_bucket_bytes, fit_rank, plan_for_rank
 from vramkit.distributed.shared import NodeSharedMasters
+from vramkit.distributed.uploads import ShardedUploads, node_uploads
 
 __all__ = [
     "GradientAverager",
     "NodeSharedMasters",
     "RankInfo",
+    "ShardedUploads",
     "agree_on_plan",
     "broadcast_masters",
     "ddp_bucket_bytes",
     "fit_rank",
     "init_from_env",
+    "node_uploads",
     "plan_for_rank",
     "process_pss_bytes",
     "shared_swapper",

@@ -37,7 +37,9 @@ import torch
 from torch import nn
 
 from vramkit._validate import check_bool, check_choice, check_number
+from vramkit.devices.resolve import resolve_device
 from vramkit.distributed.shared import NodeSharedMasters
+from vramkit.distributed.uploads import node_uploads
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 from vramkit.units import format_size
@@ -152,7 +154,7 @@ def _require_group(what: str) -> None:
 def shared_swapper(model: nn.Module, blocks: str | Sequence[str] = "auto",
                    config: SwapConfig | None = None,
                    device: str | int | torch.device | None = None, *, group: Any = None,
-                   **swapper_options: Any) -> BlockSwapper:
+                   uploads: str = "auto", **swapper_options: Any) -> BlockSwapper:
     """A :class:`BlockSwapper` whose frozen masters are shared by the local ranks of each node.
 
     Collective: every rank calls it with the same model and config. Without a process group
@@ -168,6 +170,13 @@ def shared_swapper(model: nn.Module, blocks: str | Sequence[str] = "auto",
         model / blocks / config: as for :class:`BlockSwapper`.
         device: this rank's device (default: the current CUDA device, or the CPU without one).
         group: the process group (default: the whole job).
+        uploads: how the node's GPUs fill their slots (:mod:`vramkit.distributed.uploads`):
+            ``"auto"`` (default) shares each block's host->device copy between the node's GPUs
+            and all-gathers the pieces where NVLink links them all, else copies whole blocks;
+            ``"sharded"`` shares them on any node of two or more ranks; ``"whole"`` never.
+            With shared copies every rank must make the same swapped calls (wrap the calls one
+            rank makes alone in ``swapper.local_calls()``); ``"auto"`` copies whole blocks
+            when ``config.host_budget`` keeps some on disk.
         **swapper_options: the other keyword arguments of :class:`BlockSwapper`
             (``checkpoint``, ``prefix``, ``optimizer``...).
 
@@ -175,9 +184,11 @@ def shared_swapper(model: nn.Module, blocks: str | Sequence[str] = "auto",
         The attached swapper; ``swapper.master_memory`` is the shared memory (``None`` when not
         shared), ``swapper.stats().shared_bytes`` its size.
     """
-    if "master_memory" in swapper_options:
-        raise ConfigError("shared_swapper chooses master_memory itself",
-                          hint="Use BlockSwapper(..., master_memory=...) directly for your own.")
+    for own in ("master_memory", "block_loader"):
+        if own in swapper_options:
+            raise ConfigError(f"shared_swapper chooses {own} itself",
+                              hint=f"Use BlockSwapper(..., {own}=...) directly for your own.")
+    check_choice("uploads", uploads, ("auto", "sharded", "whole"))
     if device is None:
         device = (torch.device("cuda", torch.cuda.current_device())
                   if torch.cuda.is_available() else torch.device("cpu"))
@@ -186,8 +197,11 @@ def shared_swapper(model: nn.Module, blocks: str | Sequence[str] = "auto",
         if group is not None:
             _require_group("shared_swapper(group=...)")
         return BlockSwapper(model, blocks, config, device, **swapper_options)
+    on_disk = config is not None and config.host_budget is not None
+    loader = node_uploads(resolve_device(device, owner="shared_swapper"),
+                          "whole" if on_disk and uploads == "auto" else uploads, group)
     return BlockSwapper(model, blocks, config, device, master_memory=NodeSharedMasters(group),
-                        **swapper_options)
+                        block_loader=loader, **swapper_options)
 
 
 class GradientAverager:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vramkit._validate import check_bool, check_size
+from vramkit._validate import check_bool, check_choice, check_size
 from vramkit.planning.api import plan
 from vramkit.planning.fitting import Fitted, fit
 from vramkit.planning.planner import Plan
@@ -95,7 +95,7 @@ def agree_on_plan(own: Plan, group: Any = None) -> Plan:
 def fit_rank(model: nn.Module, example_inputs: Any, budget: int | str, *,
              device: str | int | torch.device | None = None, group: Any = None,
              gradient_as_bucket_view: bool = False, shared: bool = True,
-             **options: Any) -> Fitted:
+             uploads: str = "auto", **options: Any) -> Fitted:
     """:func:`vramkit.fit` for one rank of a DDP job (collective): plan this rank
     (:func:`plan_for_rank`), agree on one plan with the other ranks (:func:`agree_on_plan`), and
     apply it with the frozen masters shared by the node's ranks. Wrap the model next:
@@ -108,14 +108,20 @@ def fit_rank(model: nn.Module, example_inputs: Any, budget: int | str, *,
         group: the process group (default: the whole job).
         gradient_as_bucket_view: as for :func:`plan_for_rank`.
         shared: keep the frozen masters in node-shared memory (default ``True``).
+        uploads: how the node's GPUs fill their slots, as for
+            :func:`vramkit.distributed.shared_swapper` (``"auto"``: sharded over NVLink; whole
+            blocks when the plan keeps some on disk).
         **options: the other options of :func:`vramkit.fit` and :func:`vramkit.plan`.
 
     Returns:
         The :class:`~vramkit.planning.fitting.Fitted` model.
     """
+    from vramkit.devices.resolve import resolve_device
     from vramkit.distributed.shared import NodeSharedMasters
+    from vramkit.distributed.uploads import node_uploads
 
     check_bool("shared", shared)
+    check_choice("uploads", uploads, ("auto", "sharded", "whole"))
     fit_keys = ("observe_steps", "checkpoint", "prefix", "strict")
     fit_options = {k: options.pop(k) for k in fit_keys if k in options}
     if device is None and torch.cuda.is_available():
@@ -126,5 +132,10 @@ def fit_rank(model: nn.Module, example_inputs: Any, budget: int | str, *,
                         gradient_as_bucket_view=gradient_as_bucket_view, **options)
     chosen = agree_on_plan(own, group)
     memory = NodeSharedMasters(group) if shared and chosen.swapped else None
+    loader = None
+    if chosen.swapped:  # collective: every rank has the same plan
+        on_disk = chosen.swap_host_budget is not None
+        loader = node_uploads(resolve_device(device or "cpu", owner="fit_rank"),
+                              "whole" if on_disk and uploads == "auto" else uploads, group)
     return fit(model, example_inputs, budget, device=device, plan=chosen,
-               master_memory=memory, **fit_options)
+               master_memory=memory, block_loader=loader, **fit_options)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -49,9 +49,33 @@ if TYPE_CHECKING:
     from vramkit.offload._swap_disk import DiskTier
     from vramkit.offload._swap_optim import SwapStepper
 
-__all__ = ["SlotRing"]
+__all__ = ["BlockLoader", "SlotRing"]
 
-COUNTERS = ("loads", "prefetched", "on_demand", "hits", "h2d_bytes", "d2h_bytes", "acquisitions")
+COUNTERS = ("loads", "prefetched", "on_demand", "hits", "h2d_bytes", "d2h_bytes", "acquisitions",
+            "gathered_bytes")
+
+
+class BlockLoader(Protocol):
+    """Fills a slot from a block's host master another way than one host->device copy.
+
+    ``vramkit.distributed.ShardedUploads`` implements it: each GPU of a node copies its share of
+    the block and the GPUs all-gather the rest over their links. Loads then become collectives:
+    every process must load the same blocks in the same order, which the ring guarantees when
+    every process makes the same swapped calls (:meth:`SlotRing.local_calls` for the others).
+    """
+
+    def prepare(self, names: list[str], sizes: list[int]) -> None:
+        """Collective, once at attach: the swapped blocks' names and bytes (the processes must
+        agree on them)."""
+
+    def padded_bytes(self, nbytes: int) -> int:
+        """Bytes of slot a block of ``nbytes`` needs (>= ``nbytes``)."""
+
+    def load(self, dest: torch.Tensor, source: torch.Tensor, streams: Streams,
+             what: str) -> int:
+        """Fill ``dest`` (``padded_bytes(source.numel())`` uint8 bytes of a slot) so that its
+        first ``source.numel()`` bytes equal ``source``, ordered on ``streams.h2d``. Returns
+        the bytes copied from the host."""
 
 
 class SlotRing:
@@ -70,7 +94,8 @@ class SlotRing:
 
     def __init__(self, blocks: list[SwappedBlock], device: torch.device, streams: Streams, *,
                  num_slots: int, lookahead: int, preserve_rng_state: bool,
-                 on_backward_turn: Callable[[], None] | None = None) -> None:
+                 on_backward_turn: Callable[[], None] | None = None,
+                 loader: BlockLoader | None = None) -> None:
         self.blocks = blocks
         self.device = device
         self.streams = streams
@@ -91,6 +116,12 @@ class SlotRing:
         self._clock = 0
         self._pool: MemoryPool | None = None
         self.slot_bytes = max((b.nbytes for b in blocks), default=0)
+        # Loads through ``loader`` (a collective) unless ``_local`` (local_calls()).
+        self.loader = loader
+        self._local = False
+        if loader is not None and self.slot_bytes:
+            padded = max(loader.padded_bytes(b.nbytes) for b in blocks)
+            self.slot_bytes = -(-padded // ALIGN) * ALIGN
         # trainable="swap": steps the blocks' optimizers (vramkit.offload._swap_optim).
         self.stepper: SwapStepper | None = None
         self.gradient_hook: Any = None  # BlockSwapper.set_gradient_hook
@@ -304,7 +335,13 @@ class SlotRing:
                 raise OffloadError(f"swapped block {block.name} has no host master",
                                    hint="This is a vramkit bug; please report it with the "
                                         "model.")
-        streams.copy(block.slot_flat[slot.index], source, streams.h2d, block.name)
+        if self.loader is not None and not block.on_disk and not self._local:
+            copied = self.loader.load(slot.buffer[:self.loader.padded_bytes(block.nbytes)],
+                                      source, streams, block.name)
+            self.counters["gathered_bytes"] += block.nbytes - copied
+        else:
+            streams.copy(block.slot_flat[slot.index], source, streams.h2d, block.name)
+            copied = block.nbytes
         streams.record(slot.loaded_event, streams.h2d)
         if block.on_disk:
             self.disk.copied(block)  # type: ignore[union-attr]
@@ -315,7 +352,7 @@ class SlotRing:
         block.slot = slot
         self.counters["loads"] += 1
         self.counters["on_demand" if on_demand else "prefetched"] += 1
-        self.counters["h2d_bytes"] += block.nbytes
+        self.counters["h2d_bytes"] += copied
         return slot
 
     # -- saved tensors ------------------------------------------------------------------------
@@ -461,6 +498,55 @@ class SlotRing:
             slot.loaded_version = -1
         for block in self.blocks:
             block.bound = None  # the next acquire points the tensors at their slot again
+
+    @contextlib.contextmanager
+    def local_calls(self) -> Iterator[None]:
+        """Swapped calls that this process makes alone (see :class:`BlockLoader`): loads are
+        plain copies inside, and on the way out the ring is put back as it was -- the same
+        blocks in the same slots, the same learnt order and clock -- so that the processes'
+        next loads match again. Between block calls only."""
+        if self.loader is None or self._local:
+            yield
+            return
+        if any(s.locked for s in self.slots):
+            raise OffloadError("local_calls() inside a swapped block's call",
+                               hint="Enter it between calls of the model, not inside one.")
+        saved = ([(s.block, s.loaded_version, s.last_used) for s in self.slots], self._clock,
+                 self.order, self._position, self._observed, set(self._observed_ids),
+                 self._direction, self.training_pass)
+        self._observed = list(self._observed)
+        self._local = True
+        try:
+            yield
+        finally:
+            self._local = False
+            self._restore(saved)
+
+    def _restore(self, saved: tuple[Any, ...]) -> None:
+        slots_were, self._clock, self.order, self._position = saved[:4]
+        self._observed, self._observed_ids, self._direction, self.training_pass = saved[4:]
+        self._upcoming_cache.clear()
+        changed = [(s, *was) for s, was in zip(self.slots, slots_were, strict=True)
+                   if (s.block, s.loaded_version) != was[:2]]
+        for slot, *_ in changed:  # evict what the local calls left, then load the old again
+            old = slot.block
+            if old is not None:
+                old.slot = old.bound = None
+                for e in old.entries:
+                    e.tensor.data = e.placeholder
+            slot.block = None
+        streams = self.streams
+        for slot, block, version, last_used in changed:
+            slot.last_used = last_used
+            if block is None or version < 0 or block.master is None:
+                slot.loaded_version = -1
+                continue
+            streams.wait(streams.h2d, slot.free_event)
+            streams.copy(block.slot_flat[slot.index], block.master, streams.h2d, block.name)
+            streams.record(slot.loaded_event, streams.h2d)
+            slot.block, slot.loaded_version = block, version
+            block.slot = slot
+            self.counters["h2d_bytes"] += block.nbytes
 
     # -- bookkeeping --------------------------------------------------------------------------
 

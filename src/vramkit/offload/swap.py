@@ -43,13 +43,14 @@ parameters (LoRA adapters, say) stay on the GPU and only frozen weights are swap
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,7 +86,7 @@ from vramkit.offload._swap_graph import (
 )
 from vramkit.offload._swap_host import DiskSplit, HostStore, MasterMemory, split_for_host_budget
 from vramkit.offload._swap_optim import OptimizerFactory, SwappedOptimizer, SwapStepper
-from vramkit.offload._swap_ring import SlotRing
+from vramkit.offload._swap_ring import BlockLoader, SlotRing
 from vramkit.offload._swap_source import CheckpointSource
 from vramkit.offload._swap_structure import shape_key, structure_epoch, watch_structure
 from vramkit.offload.blocks import (
@@ -100,8 +101,17 @@ from vramkit.offload.blocks import (
 from vramkit.offload.checkpointing import is_checkpointed, unwrapped_forward
 from vramkit.units import format_size
 
-__all__ = ["BlockFootprint", "BlockScheduleEntry", "BlockSwapper", "DiskSplit", "GradientHook",
-           "MasterMemory", "SwapConfig", "SwapStats"]
+__all__ = [
+    "BlockFootprint",
+    "BlockLoader",
+    "BlockScheduleEntry",
+    "BlockSwapper",
+    "DiskSplit",
+    "GradientHook",
+    "MasterMemory",
+    "SwapConfig",
+    "SwapStats",
+]
 
 # Called with a swapped block's name and its trainable weights' gradients on the device, once
 # they are complete for the step; may return a finish() for work still in flight (see
@@ -263,6 +273,8 @@ class SwapStats:
             a block was needed and not on its way (a misprediction or the first pass).
         hits: acquisitions that found the block already in a slot.
         h2d_bytes / d2h_bytes: bytes copied host->device (weights) / device->host (gradients).
+        gathered_bytes: weight bytes that reached the slots from the other GPUs instead of the
+            host (a collective ``block_loader``: sharded uploads).
         enqueue_seconds: host time spent in acquire/release (enqueuing copies and events).
         acquisitions: blocks acquired (forward and backward).
         order_pattern: how the learnt forward order walks the swapped blocks' model positions
@@ -322,6 +334,7 @@ class SwapStats:
     load_seconds: float = 0.0
     loading: bool = False
     shared_bytes: int = 0
+    gathered_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -386,6 +399,12 @@ class BlockSwapper:
             pool (a :class:`MasterMemory`); ``vramkit.distributed.shared_swapper`` passes
             memory shared by the local ranks of a node, so the node holds one copy. Its masters
             are filled before the constructor returns.
+        block_loader: fills slots from the masters another way than one host->device copy per
+            load (a :class:`BlockLoader`); ``vramkit.distributed.shared_swapper`` passes one
+            where each GPU of a node copies its share of a block and the GPUs all-gather the
+            rest over NVLink. Loads are then collectives: every process must make the same
+            swapped calls (wrap the others in :meth:`local_calls`). Not with
+            ``SwapConfig.host_budget`` (disk reads finish at different times on each process).
 
     Distributed training: attach the swapper first, then wrap the model in
     ``DistributedDataParallel`` (``vramkit.distributed.wrap_ddp`` also broadcasts the masters
@@ -411,7 +430,8 @@ class BlockSwapper:
                  checkpoint: str | os.PathLike[str] | None = None, prefix: str | None = None,
                  strict: bool = True, progress: bool | None = None,
                  load_in_background: bool = True,
-                 master_memory: MasterMemory | None = None) -> None:
+                 master_memory: MasterMemory | None = None,
+                 block_loader: BlockLoader | None = None) -> None:
         if config is None:
             config = SwapConfig()
         elif not isinstance(config, SwapConfig):
@@ -464,6 +484,14 @@ class BlockSwapper:
         self._unwatch: weakref.finalize | None = None
         self._source: CheckpointSource | None = None
         self._host = HostStore(config, self.device, self.streams, None, master_memory)
+        if block_loader is not None and config.host_budget is not None:
+            raise ConfigError(
+                "block_loader= with SwapConfig.host_budget: blocks read from disk become ready "
+                "at different times in each process, and a collective load needs the same "
+                "order everywhere",
+                hint="Drop host_budget (keep every swapped block in RAM), or load whole blocks "
+                     "(shared_swapper(..., uploads='whole')).")
+        self._loader = block_loader
         self._gradient_hook: GradientHook | None = None
         self._ddp_ignored: tuple[bool, Any] | None = None  # (had the attribute, its value)
         self._model_type = type(model)
@@ -635,10 +663,12 @@ class BlockSwapper:
         # asked, and the source is closed when they are filled).
         self._host.fill_masters(background=background and source is not None,
                                 on_done=self._close_source)
+        if self._loader is not None:  # collective: the processes must swap the same blocks
+            self._loader.prepare([b.name for b in self._blocks], [b.nbytes for b in self._blocks])
         self._ring = SlotRing(self._blocks, self.device, self.streams,
                               num_slots=self.config.num_slots, lookahead=self.config.lookahead,
                               preserve_rng_state=self.config.preserve_rng_state,
-                              on_backward_turn=self._forget_chain)
+                              on_backward_turn=self._forget_chain, loader=self._loader)
         self._ring.disk = self._host.disk
         if self.config.trainable == "swap":
             assert self._factory is not None  # checked in __init__
@@ -1081,6 +1111,25 @@ class BlockSwapper:
         if self._stepper is not None:
             self._stepper.gradient_hook = hook
 
+    @contextlib.contextmanager
+    def local_calls(self) -> Iterator[None]:
+        """Calls of the model that this process makes alone, under a collective
+        :class:`BlockLoader` (``shared_swapper``'s sharded uploads): rank 0's sampling or
+        validation, say. Inside, blocks load with plain copies; on the way out the slots get
+        back the blocks they held, so the processes' next loads match again. Without a
+        loader it does nothing. Enter it between calls of the model.
+
+        Example:
+            >>> if rank == 0:                                        # doctest: +SKIP
+            ...     with swapper.local_calls(), torch.no_grad():
+            ...         preview = model(sample)
+        """
+        if self._ring is None:
+            yield
+            return
+        with self._ring.local_calls():
+            yield
+
     def masters_changed(self) -> None:
         """Say that the host masters were rewritten where PyTorch's version counters do not see
         it (a ``torch.distributed`` broadcast into them, a write from C++ or another process):
@@ -1110,7 +1159,7 @@ class BlockSwapper:
         ring = self._ring
         c = ring.counters if ring is not None else dict.fromkeys(
             ("loads", "prefetched", "on_demand", "hits", "h2d_bytes", "d2h_bytes",
-             "acquisitions"), 0)
+             "acquisitions", "gathered_bytes"), 0)
         host = self._host.stats()
         stepper = self._stepper
         state_bytes = stepper.state_bytes() if stepper is not None else 0
@@ -1123,7 +1172,7 @@ class BlockSwapper:
             resident_block_bytes=self._resident_block_bytes,
             loads=c["loads"], prefetched=c["prefetched"], on_demand=c["on_demand"],
             hits=c["hits"], h2d_bytes=c["h2d_bytes"], d2h_bytes=c["d2h_bytes"],
-            acquisitions=c["acquisitions"],
+            acquisitions=c["acquisitions"], gathered_bytes=c["gathered_bytes"],
             enqueue_seconds=ring.enqueue_seconds if ring is not None else 0.0,
             order_pattern=analyze_access_pattern([self._blocks.index(b) for b in order]),
             optimizer_steps=stepper.steps if stepper is not None else 0,
@@ -1231,6 +1280,11 @@ class BlockSwapper:
                 f"detached, but the swapped blocks whose load failed are left on the meta "
                 f"device: {failed}", hint="Load the model again once the checkpoint reads "
                 "cleanly.") from failed
+
+    @property
+    def block_loader(self) -> BlockLoader | None:
+        """How slots are filled when not by one host->device copy (``block_loader=``)."""
+        return self._loader
 
     @property
     def master_memory(self) -> MasterMemory | None:

@@ -33,7 +33,7 @@ from vramkit.offload.checkpointing import (
     enable_gradient_checkpointing,
     is_checkpointed,
 )
-from vramkit.offload.swap import BlockSwapper, MasterMemory, SwapConfig
+from vramkit.offload.swap import BlockLoader, BlockSwapper, MasterMemory, SwapConfig
 from vramkit.planning._meta import trainable_module_names
 from vramkit.planning.api import plan as make_plan
 from vramkit.planning.planner import Plan
@@ -122,7 +122,8 @@ class Fitted:
     def __init__(self, model: nn.Module, plan: Plan, device: torch.device, *,
                  blocks: str | Sequence[str] = "auto", observe_steps: int = 3,
                  checkpoint: str | os.PathLike[str] | None = None, prefix: str | None = None,
-                 strict: bool = True, master_memory: MasterMemory | None = None) -> None:
+                 strict: bool = True, master_memory: MasterMemory | None = None,
+                 block_loader: BlockLoader | None = None) -> None:
         self.model = model
         self.plan = plan
         self.device = device
@@ -139,6 +140,7 @@ class Fitted:
         self._attached = False
         self._checkpoint = (checkpoint, prefix, strict)
         self._master_memory = master_memory
+        self._block_loader = block_loader
         try:
             self._apply(blocks)
         except BaseException:
@@ -170,7 +172,7 @@ class Fitted:
                 swapped_blocks=plan.swapped, num_slots=max(1, plan.num_slots),
                 host_budget=plan.swap_host_budget),
                 device=self.device, checkpoint=checkpoint, prefix=prefix, strict=strict,
-                master_memory=self._master_memory)
+                master_memory=self._master_memory, block_loader=self._block_loader)
         elif checkpoint is not None:
             from vramkit.io.loader import MemoryEfficientLoader
 
@@ -308,7 +310,8 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
         device: str | int | torch.device | None = None, plan: Plan | None = None,
         observe_steps: int = 3, checkpoint: str | os.PathLike[str] | None = None,
         prefix: str | None = None, strict: bool = True,
-        master_memory: MasterMemory | None = None, **plan_options: Any) -> Fitted:
+        master_memory: MasterMemory | None = None, block_loader: BlockLoader | None = None,
+        **plan_options: Any) -> Fitted:
     """Plan ``model`` for ``budget`` and apply the plan; train or run the model as usual.
 
     Args:
@@ -330,6 +333,8 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
         master_memory: where the swapper keeps frozen masters
             (``BlockSwapper(master_memory=)``; :func:`vramkit.distributed.fit_rank` passes
             memory shared by a node's ranks). Default: the swapper's own pinned pool.
+        block_loader: how the swapper fills its slots (``BlockSwapper(block_loader=)``;
+            :func:`vramkit.distributed.fit_rank` passes sharded uploads over NVLink).
         **plan_options: the keyword arguments of :func:`vramkit.plan` (``mode``,
             ``hardware``, ``allow_formats``, ``host_budget``, ``headroom``, ``step``, ...).
 
@@ -363,4 +368,4 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
     blocks = plan_options.get("blocks", "auto")
     return Fitted(model, plan, target, blocks=blocks, observe_steps=observe_steps,
                   checkpoint=checkpoint, prefix=prefix, strict=strict,
-                  master_memory=master_memory)
+                  master_memory=master_memory, block_loader=block_loader)

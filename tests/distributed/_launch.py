@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -65,15 +66,35 @@ def torchrun(args: Sequence[str], *, cwd: Path, timeout: float = TIMEOUT_S,
     A job still running after ``timeout`` seconds is killed with its ranks (its own session)
     and the test fails with what it printed.
     """
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", str(nproc), *args]
-    proc = subprocess.Popen(command, cwd=cwd, env=job_env(), stdout=subprocess.PIPE,
+    return _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc_per_node", str(nproc)], args, cwd=cwd, timeout=timeout)
+
+
+def accelerate_launch(args: Sequence[str], *, cwd: Path, timeout: float = TIMEOUT_S,
+                      nproc: int = NPROC) -> subprocess.CompletedProcess[str]:
+    """``accelerate launch --multi_gpu --num_processes <nproc> <args>`` (Hugging Face's
+    launcher: torchrun underneath, the same variables; ``--multi_gpu`` also runs CPU ranks when
+    no GPU is visible). Its configuration is looked for under ``cwd`` (``HOME``), so the user's
+    own is not read."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+                 "--num_processes", str(nproc), "--num_machines", "1", "--mixed_precision",
+                 "no", "--dynamo_backend", "no", "--main_process_port", str(port)], args,
+                cwd=cwd, timeout=timeout, HOME=str(cwd))
+
+
+def _run(launcher: list[str], args: Sequence[str], *, cwd: Path, timeout: float,
+         **env: str) -> subprocess.CompletedProcess[str]:
+    command = [*launcher, *args]
+    proc = subprocess.Popen(command, cwd=cwd, env=job_env(**env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and the ranks it started
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started
         stdout, stderr = proc.communicate()
-        pytest.fail(f"{' '.join(args)} under torchrun ran past {timeout:.0f} s\n"
+        pytest.fail(f"{' '.join(args)} under {launcher[2]} ran past {timeout:.0f} s\n"
                     f"--- stdout ---\n{tail(stdout)}\n--- stderr ---\n{tail(stderr)}")
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)

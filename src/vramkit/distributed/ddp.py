@@ -90,8 +90,8 @@ def _env_int(name: str, default: int) -> int:
 
 
 def init_from_env(backend: str | None = None, *, timeout_seconds: float = 600.0) -> RankInfo:
-    """Join the job torchrun started, from its environment (``accelerate launch`` sets the same
-    variables; not tested here).
+    """Join the job torchrun started, from its environment (``accelerate launch --multi_gpu``
+    sets the same variables).
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; with a GPU per
     local rank it makes ``cuda:<LOCAL_RANK>`` the current device *before* creating the group

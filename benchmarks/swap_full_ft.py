@@ -22,7 +22,8 @@ Two models:
   process per variant (host memory: each holds weights + state + gradients pinned):
 
   - **swap8**: ``trainable="swap"`` with AdamW8bit (and the non-block parameters by AdamW8bit on
-    the GPU);
+    the GPU), the default 2 slots; **swap8-rN**: the same with ``num_slots=N`` (N weight slots
+    and N state slots, so states are prefetched behind their weights in backward);
   - **cpu8**: ``trainable="cpu"`` with AdamW8bit on the CPU over the pinned masters.
 
 Printed per variant: step time (median), GPU peak, host pinned bytes vs weights + state, and for
@@ -305,8 +306,10 @@ def flux_child(kind: str, args: argparse.Namespace, device: torch.device) -> dic
     params = sum(p.numel() for p in model.parameters())
     rss0 = host_rss()
     t0 = time.perf_counter()
-    if kind == "swap8":
-        swapper = BlockSwapper(model, config=SwapConfig(max_gpu_blocks=0, trainable="swap"),
+    if kind.startswith("swap8"):  # "swap8" (R=2, the default) or "swap8-rN": N slots
+        slots = int(kind.split("-r")[1]) if "-r" in kind else 2
+        swapper = BlockSwapper(model, config=SwapConfig(max_gpu_blocks=0, trainable="swap",
+                                                        num_slots=slots),
                                device=device, optimizer=adamw8bit)
         optimizers: list[Any] = [adamw8bit(swapper.optimizer_parameters()), swapper.optimizer]
         sync_host = False
@@ -337,13 +340,16 @@ def flux_child(kind: str, args: argparse.Namespace, device: torch.device) -> dic
     result.update(params=params, build_s=build_s, attach_s=attach_s, bandwidth=bw,
                   transfer_bound_ms=bound * 1e3 if bound else None,
                   host_rss_gib=host_rss() / GIB, host_rss_before_attach_gib=rss0 / GIB,
-                  host_state_and_weights_gib=(s.swapped_bytes + s.state_bytes) / GIB)
+                  host_state_and_weights_gib=(s.swapped_bytes + s.state_bytes) / GIB,
+                  num_slots=swapper.config.num_slots, state_prefetched=s.state_prefetched,
+                  slot_gib=(s.slot_bytes + s.state_slot_bytes) / GIB)
     return result
 
 
 def run_flux(args: argparse.Namespace, device: torch.device) -> tuple[list[dict[str, Any]],
                                                                      dict[str, Any]]:
     results = []
+    Path(args.out or ".").mkdir(parents=True, exist_ok=True)
     for kind in args.flux_variants.split(","):
         out = Path(args.out or ".") / f"flux-{kind}.json"
         cmd = [sys.executable, __file__, "--child", kind, "--child-out", str(out),
@@ -375,7 +381,8 @@ def main() -> None:
     parser.add_argument("--cap-gib", type=float, default=23.5, help="Flux: the simulated card")
     parser.add_argument("--cpu-steps", type=int, default=1,
                         help="Flux: timed steps of the (slow) trainable='cpu' variant")
-    parser.add_argument("--flux-variants", default="swap8,cpu8")
+    parser.add_argument("--flux-variants", default="swap8,cpu8",
+                        help="swap8 (2 slots), swap8-rN (N slots), cpu8")
     parser.add_argument("--child-timeout", type=float, default=1800)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)

@@ -482,6 +482,30 @@ def test_write_back_and_reload_ordering(monkeypatch: pytest.MonkeyPatch) -> None
     assert checked
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_states_follow_their_weights_when_prefetched_in_backward(
+        monkeypatch: pytest.MonkeyPatch, accumulate: int) -> None:
+    """With more than two slots a block's state is loaded right behind its prefetched weights
+    (not when its backward begins, queued behind later blocks' weights); only for a backward
+    that steps; the parameters still equal the resident model's."""
+    ops: list[StreamOp] = []
+    streams = HostStreams(log=ops)
+    monkeypatch.setattr(swap_module, "transfer_streams", lambda device: streams)
+    ref, model, swapper = make(adamw, keep=0, num_slots=3, accumulation_steps=accumulate)
+    xs = batches(3 * accumulate)
+    train_reference(ref, adamw, xs, accumulate=accumulate)
+    train_swapped(model, swapper, adamw, xs, accumulate=accumulate)
+    stats = swapper.stats()
+    assert stats.state_prefetched > 0
+    assert stats.state_slot_bytes >= 3 * max(b.nbytes for b in swapper._stepper.by_block.values())
+    h2d = [op.what for op in ops if op.kind == "copy" and op.stream == "h2d"]
+    behind = [i for i, what in enumerate(h2d) if what.endswith(" state") and i
+              and h2d[i - 1] == what.removesuffix(" state")]
+    assert behind  # (a block whose weights were still in a slot has no weight copy to follow)
+    swapper.detach()
+    assert_same(ref, model)
+
+
 def test_masters_version_unchanged_by_write_back() -> None:
     """Write-backs make master and slot equal: slots of other blocks stay valid (hits)."""
     _, model, swapper = make(adamw, keep=0, num_slots=4)  # 4 blocks, 4 slots: all stay loaded

@@ -6,8 +6,10 @@ state lives next to its weights in pinned host memory: one flat *state master* p
 aligned offsets, raw bytes of any dtype, as the weight masters). A step of block ``b``:
 
 1. ``b`` is acquired for backward (its weights are in a GPU slot, loaded or prefetched as
-   usual); right before its backward runs, its state master is copied host->device into one of
-   two GPU *state slots* on the copy stream, overlapping the block's backward compute.
+   usual); its state master is copied host->device into one of the GPU *state slots*
+   (``num_slots`` of them, at least two) on the copy stream: right after its weights when they
+   are prefetched in backward and a slot is free, else right before its backward runs; either
+   way overlapping backward compute.
 2. Once the block's gradients are complete (its last call's backward in this pass), its
    optimizer steps on the compute stream, on the slot: weights in the weight slot, states in the
    state slot, gradients where autograd left them.
@@ -136,13 +138,18 @@ class SwapStepper:
         accumulation_steps: backward passes per step.
         max_grad_norm: clip by global L2 norm (deferred step), or ``None``.
         counters: the swapper's transfer counters (``h2d_bytes``/``d2h_bytes`` are added to).
+        state_slots: GPU state slots (at least 2; the swapper passes its ring's ``num_slots``):
+            beyond the block stepping now and the one whose state goes back to the host, the
+            others hold states prefetched for the next blocks of backward.
     """
 
     def __init__(self, blocks: list[SwappedBlock], factory: OptimizerFactory,
                  device: torch.device, streams: Streams,
                  host_pool: Callable[[], MemoryPool], *, accumulation_steps: int,
-                 max_grad_norm: float | None, counters: dict[str, int]) -> None:
+                 max_grad_norm: float | None, counters: dict[str, int],
+                 state_slots: int = 2) -> None:
         self.device = device
+        self.state_slots = max(2, int(state_slots))
         self.streams = streams
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = max_grad_norm
@@ -280,11 +287,12 @@ class SwapStepper:
 
     # -- state --------------------------------------------------------------------------------
 
-    def _load_state(self, bo: BlockOptimizer) -> None:
+    def _load_state(self, bo: BlockOptimizer, slot: _StateSlot | None = None) -> None:
         """Host->device copy of the block's state master into a state slot (copy stream)."""
         if not bo.groups or bo.state_slot is not None:
             return  # not adopted yet (the first step creates the state), or already loaded
-        slot = self._take_slot(bo)
+        if slot is None:
+            slot = self._take_slot(bo)
         streams = self.streams
         if slot.free_event is not None:
             streams.wait(streams.h2d, slot.free_event)
@@ -297,6 +305,28 @@ class SwapStepper:
         self.counters["h2d_bytes"] += bo.nbytes
         slot.owner = bo
         bo.state_slot = slot
+
+    def prefetch_state(self, block: SwappedBlock) -> None:
+        """Load the state of a block whose backward comes soon (its weights were just queued on
+        the copy stream, so the state follows them), where that backward will step and a state
+        slot is free without waiting: its device->host copy done, and another slot left free
+        for a block that needs one at once. Without it the state is loaded when the block's
+        backward begins, queued behind the next blocks' weights."""
+        bo = self.by_block.get(id(block))
+        if (bo is None or not bo.groups or bo.state_slot is not None or bo.step_pending
+                or self.max_grad_norm is not None
+                or bo.micro_steps + 1 < self.accumulation_steps
+                or bo.nbytes > self._slot_bytes):
+            return
+        free = [s for s in self._slots if s.owner is None or s.owner.state_slot is not s]
+        if len(free) < 2:
+            return
+        ready = [s for s in free
+                 if s.free_event is None or self.streams.done(s.free_event)]
+        if not ready:
+            return
+        self._load_state(bo, ready[0])
+        self.counters["state_prefetched"] += 1
 
     def _take_slot(self, bo: BlockOptimizer) -> _StateSlot:
         if bo.nbytes > self._slot_bytes:
@@ -313,8 +343,8 @@ class SwapStepper:
         return max((bo.nbytes for bo in self.by_block.values()), default=0)
 
     def _allocate_slots(self, nbytes: int) -> None:
-        """Two state slots of ``nbytes``; a larger block adopted later re-allocates them (rare:
-        blocks normally adopt their state in the same first step)."""
+        """``state_slots`` state slots of ``nbytes``; a larger block adopted later re-allocates
+        them (rare: blocks normally adopt their state in the same first step)."""
         if self._slots:
             if any(s.owner is not None and s.owner.state_slot is s for s in self._slots):
                 raise OffloadError("optimizer state slots are resized while in use",
@@ -323,10 +353,11 @@ class SwapStepper:
                 torch.cuda.synchronize(self.device)
             self._free_slots()
         size = align_up(nbytes, ALIGN)
+        count = self.state_slots
         self._slot_pool = MemoryPool(self.device, PoolConfig(
-            initial_size=2 * size, max_size=2 * size, growth_factor=1.0, alignment=ALIGN,
-            max_cached_buffers=0))
-        for i in range(2):
+            initial_size=count * size, max_size=count * size, growth_factor=1.0,
+            alignment=ALIGN, max_cached_buffers=0))
+        for i in range(count):
             pool_block = self._slot_pool.allocate(size)
             self._slots.append(_StateSlot(i, pool_block, pool_block.view((size,), torch.uint8),
                                           self.streams))
@@ -659,8 +690,8 @@ class SwapStepper:
         return sum(g.nbytes for bo in self.by_block.values() for g in bo.groups)
 
     def state_slot_bytes(self) -> int:
-        """Device bytes of the two state slots."""
-        return 2 * self._slot_bytes if self._slots else 0
+        """Device bytes of the state slots."""
+        return len(self._slots) * self._slot_bytes
 
 
 class SwappedOptimizer(torch.optim.Optimizer):

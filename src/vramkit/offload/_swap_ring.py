@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 __all__ = ["BlockLoader", "SlotRing"]
 
 COUNTERS = ("loads", "prefetched", "on_demand", "hits", "h2d_bytes", "d2h_bytes", "acquisitions",
-            "gathered_bytes")
+            "gathered_bytes", "state_prefetched")
 
 
 class BlockLoader(Protocol):
@@ -279,12 +279,17 @@ class SlotRing:
                                 stream if stream is not None else self.streams.current())
             slot.locked = False
         upcoming, keep = self._upcoming(block, backward)
+        stepper = self.stepper if backward else None
+        here = self._position.get(id(block), -1)
         for b in upcoming:
             held = b.slot
-            if held is not None and held.loaded_version == _version(b):
-                continue
-            if self._load(b, on_demand=False, keep=keep) is None:
-                break
+            if held is None or held.loaded_version != _version(b):
+                if self._load(b, on_demand=False, keep=keep) is None:
+                    break
+            # trainable="swap": the state of a block whose backward comes next follows its
+            # weights (not of the next step's first forward blocks, also upcoming here)
+            if stepper is not None and self._position.get(id(b), here) < here:
+                stepper.prefetch_state(b)
         self.enqueue_seconds += time.perf_counter() - start
 
     def _load(self, block: SwappedBlock, *, on_demand: bool,

@@ -284,7 +284,10 @@ class SwapStats:
         optimizer_steps: block optimizer steps taken (``trainable="swap"``).
         state_bytes: pinned host bytes of the block optimizers' state masters (included in
             ``pinned_bytes``; grows as blocks adopt their state on their first step).
-        state_slot_bytes: GPU bytes of the two optimizer state slots.
+        state_slot_bytes: GPU bytes of the optimizer state slots (``num_slots`` of them, at
+            least two).
+        state_prefetched: block optimizer states loaded right behind their block's weights
+            when prefetched in backward (the others load as the block's backward begins).
         pageable_bytes: host bytes of masters/buffers that could not be page-locked (the
             pinned pool fell back to pageable memory: copies from them are slower).
         disk_blocks / disk_bytes: swapped blocks kept on disk (``host_budget``) and their
@@ -335,6 +338,7 @@ class SwapStats:
     loading: bool = False
     shared_bytes: int = 0
     gathered_bytes: int = 0
+    state_prefetched: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -675,7 +679,8 @@ class BlockSwapper:
             self._stepper = SwapStepper(
                 [b for b in self._blocks if b.trainable_entries], self._factory, self.device,
                 self.streams, self._host.pool, accumulation_steps=self.config.accumulation_steps,
-                max_grad_norm=self.config.max_grad_norm, counters=self._ring.counters)
+                max_grad_norm=self.config.max_grad_norm, counters=self._ring.counters,
+                state_slots=self.config.num_slots)
             self._ring.stepper = self._stepper
             self._optimizer = SwappedOptimizer(self._stepper, self._run_pending_steps)
         for block in self._blocks:
@@ -1159,7 +1164,7 @@ class BlockSwapper:
         ring = self._ring
         c = ring.counters if ring is not None else dict.fromkeys(
             ("loads", "prefetched", "on_demand", "hits", "h2d_bytes", "d2h_bytes",
-             "acquisitions", "gathered_bytes"), 0)
+             "acquisitions", "gathered_bytes", "state_prefetched"), 0)
         host = self._host.stats()
         stepper = self._stepper
         state_bytes = stepper.state_bytes() if stepper is not None else 0
@@ -1173,6 +1178,7 @@ class BlockSwapper:
             loads=c["loads"], prefetched=c["prefetched"], on_demand=c["on_demand"],
             hits=c["hits"], h2d_bytes=c["h2d_bytes"], d2h_bytes=c["d2h_bytes"],
             acquisitions=c["acquisitions"], gathered_bytes=c["gathered_bytes"],
+            state_prefetched=c["state_prefetched"],
             enqueue_seconds=ring.enqueue_seconds if ring is not None else 0.0,
             order_pattern=analyze_access_pattern([self._blocks.index(b) for b in order]),
             optimizer_steps=stepper.steps if stepper is not None else 0,

@@ -187,3 +187,50 @@ def test_process_memory_unknown_or_unavailable_is_none(monkeypatch: pytest.Monke
 ])
 def test_normalize_pci_bus_id(raw: str | bytes | None, expected: str | None) -> None:
     assert normalize_pci_bus_id(raw) == expected
+
+
+# -- NVLink between GPUs (sharded uploads of vramkit.distributed) ------------------------------
+
+
+def _with_p2p(monkeypatch: pytest.MonkeyPatch, linked: set[frozenset[int]]) -> list[str]:
+    """Four fake GPUs; pairs in ``linked`` report NVLink peer-to-peer OK."""
+    gpus = [make_gpu(i) for i in range(4)]
+    nvml = install_fake_nvml(monkeypatch, gpus)
+    by_uuid = {g.uuid: i for i, g in enumerate(gpus)}
+
+    def handle_by_uuid(uuid: str) -> int:
+        if uuid not in by_uuid:
+            raise nvml.NVMLError(13)  # NOT_FOUND
+        return by_uuid[uuid]
+
+    def p2p(a: int, b: int, index: int) -> int:
+        assert index == nvml.NVML_P2P_CAPS_INDEX_NVLINK
+        return 0 if frozenset((a, b)) in linked else 4  # OK / NOT_SUPPORTED
+
+    nvml.NVML_P2P_CAPS_INDEX_NVLINK = 2
+    nvml.NVML_P2P_STATUS_OK = 0
+    nvml.nvmlDeviceGetHandleByUUID = handle_by_uuid
+    nvml.nvmlDeviceGetP2PStatus = p2p
+    return [g.uuid for g in gpus]
+
+
+def test_nvlink_connected_needs_every_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vramkit.devices.nvml import nvlink_connected
+
+    uuids = _with_p2p(monkeypatch, {frozenset(p) for p in ((0, 1), (0, 2), (1, 2))})
+    forbid_cuda(monkeypatch)
+    assert nvlink_connected(uuids[:3]) is True
+    assert nvlink_connected(uuids) is False  # GPU 3 has no link
+    assert nvlink_connected(uuids[3:]) is True  # one GPU
+    # torch's form of a UUID (no "GPU-" prefix) is accepted
+    assert nvlink_connected([u.removeprefix("GPU-") for u in uuids[:2]]) is True
+
+
+def test_nvlink_connected_is_unknown_without_nvml_or_a_gpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vramkit.devices.nvml import nvlink_connected
+
+    uuids = _with_p2p(monkeypatch, set())
+    assert nvlink_connected([uuids[0], "GPU-00000000-0000-0000-0000-000000000000"]) is None
+    install_missing_nvml(monkeypatch)
+    assert nvlink_connected(uuids[:2]) is None

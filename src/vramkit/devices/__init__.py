@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 from vramkit._lazy import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
-    ".nvml": ("NvmlDevice", "NvmlProcess", "NvmlSnapshot", "nvml_session", "process_memory",
-              "query_nvml"),
+    ".nvml": ("NvmlDevice", "NvmlProcess", "NvmlSnapshot", "nvlink_connected", "nvml_session",
+              "process_memory", "query_nvml"),
     ".ids": ("is_full_uuid", "normalize_pci_bus_id", "normalize_uuid"),
     ".info": ("DeviceCapabilities", "DeviceDetector", "DeviceInfo", "DeviceType",
               "SystemDetector", "VisibleDevice", "detect_devices", "resolve_visible_devices",

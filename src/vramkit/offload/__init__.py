@@ -20,7 +20,7 @@ from vramkit._lazy import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".swap": ("BlockSwapper", "SwapConfig", "SwapStats", "BlockFootprint", "GradientHook",
-              "MasterMemory", "DiskSplit"),
+              "MasterMemory", "DiskSplit", "BlockLoader"),
     ".blocks": ("BlockScheduleEntry", "BlockSpec", "find_blocks", "module_bytes",
                 "as_block_specs", "choose_swapped", "named_schedule", "natural_key",
                 "spread_evenly", "unet_blocks"),

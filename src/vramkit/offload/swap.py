@@ -135,8 +135,13 @@ class SwapConfig:
         max_gpu_blocks: keep at most this many blocks resident; the rest are swapped.
         max_gpu_bytes: GPU bytes allowed for blocks: resident blocks plus the R slots (an int
             or a string such as ``"6GiB"``). With both limits the stricter one wins; with
-            neither (default) every block is swapped.
-        num_slots: R, the GPU slots of the ring (default 2, at least 1).
+            neither (default) every block is swapped. It counts weights: with
+            ``trainable="swap"`` the state slots (R x the largest block's optimizer state,
+            known after the first step: ``stats().state_slot_bytes``) come on top.
+        num_slots: R, the GPU slots of the ring (default 2, at least 1). With
+            ``trainable="swap"`` also the optimizer-state slots (at least 2), and more slots let
+            write-backs overlap the next loads: give it what the card has room for (Flux-12B
+            full fine-tuning reached its copy bound at 8; docs/benchmarks.md).
         prefetch: how many of the next blocks (in predicted order) should be in slots when a
             block releases its slot; missing ones are loaded then. Default ``num_slots`` (the
             released slot is free for the block after the next), at most that; 0 loads every

@@ -4,6 +4,7 @@ trains exactly like the unfitted model, and detach gives the model back exactly.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -157,15 +158,63 @@ def test_fit_from_a_checkpoint_with_nothing_swapped_loads_to_the_device(tmp_path
         assert _train(model) == _train(reference)
 
 
-def test_fit_from_a_checkpoint_refuses_a_plan_that_quantizes(tmp_path) -> None:
+def _quantizing_plan(budget: int) -> tuple[vramkit.Plan, str]:
+    made = vramkit.plan(stack(device="meta"), inputs(), budget, allow_formats=("fp8",),
+                        hardware="rtx4090", headroom=0, autocast=None)
+    packed = [n for n, f in made.formats.items() if f != "bf16"]
+    if not packed:
+        pytest.skip("the planner found a plan without quantization")
+    return made, packed[0]
+
+
+@pytest.mark.parametrize("budget", [4 * MiB, 1 << 30], ids=["swapped", "all-resident"])
+def test_fit_from_a_checkpoint_quantizes_blocks_as_they_are_read(tmp_path, budget: int) -> None:
+    """A plan with packed blocks applied to a meta model from its checkpoint: each packed block
+    is read and quantized layer by layer (never whole in full precision), the rest loads as
+    usual, and the model computes exactly what the same plan gives on a model that was loaded
+    first; detach refills the original layers from the file."""
+    from safetensors.torch import save_file
+
+    weights = stack()
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in weights.state_dict().items()}, str(path))
+    made, packed = _quantizing_plan(4 * MiB)
+    if budget != 4 * MiB:  # the same formats, nothing swapped (the loader's path, not the swapper's)
+        made = dataclasses.replace(made, swapped=(), resident=(*made.resident, *made.swapped),
+                                   budget_bytes=budget)
+    loaded = stack()  # the reference: weights first, then the same plan
+    with vramkit.fit(loaded, inputs(), budget, plan=made, device="cpu"):
+        expected = _train(loaded, steps=2)
+    model = stack(device="meta")
+    originals = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    fitted = vramkit.fit(model, inputs(), budget, plan=made, device="cpu", checkpoint=path)
+    assert type(model.get_submodule(packed)).__name__ != "QuantizedLinear"  # a block
+    assert any(type(m).__name__ == "QuantizedLinear"
+               for m in model.get_submodule(packed).modules())
+    assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    assert _train(model, steps=2) == expected
+    trained = {k: v for k, v in _state(model).items() if "lora_" in k}
+    fitted.detach()
+    # the original Linear modules again, filled from the file (frozen: the file's values)
+    assert {n: m for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear)} == originals
+    reference = weights.state_dict()
+    for key, value in _state(model).items():
+        assert value.device.type == "cpu", key
+        if "lora_" in key:
+            assert torch.equal(value, trained[key]), key
+        else:
+            assert torch.equal(value, reference[key]), key
+
+
+def test_checkpoint_skip_is_checked_and_needs_a_checkpoint(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="checkpoint_skip"):
+        vramkit.BlockSwapper(stack(), config=vramkit.SwapConfig(min_param_bytes=0),
+                             device="cpu", checkpoint_skip=["blocks.0"])
     from safetensors.torch import save_file
 
     path = tmp_path / "model.safetensors"
     save_file({k: v.contiguous() for k, v in stack().state_dict().items()}, str(path))
-    model = stack(device="meta")
-    made = vramkit.plan(model, inputs(), 4 * MiB, allow_formats=("fp8",), hardware="rtx4090",
-                        headroom=0, autocast=None)
-    if not any(f != "bf16" for f in made.formats.values()):
-        pytest.skip("the planner found a plan without quantization")
-    with pytest.raises(ConfigError, match="quantize"):
-        vramkit.fit(model, inputs(), 4 * MiB, plan=made, device="cpu", checkpoint=path)
+    with pytest.raises(ConfigError, match="does not have"):
+        vramkit.BlockSwapper(stack(device="meta"), config=vramkit.SwapConfig(min_param_bytes=0),
+                             device="cpu", checkpoint=path, checkpoint_skip=["nope"])

@@ -235,7 +235,8 @@ class MemoryEfficientLoader:
 
     def load_into(self, module: nn.Module, path: str | os.PathLike[str],
                   prefix: str | None = None, strict: bool = True,
-                  quantization: QuantizationConfig | None = None) -> LoadResult:
+                  quantization: QuantizationConfig | None = None, *,
+                  skip: Sequence[str] = ()) -> LoadResult:
         """Fill ``module``'s parameters and persistent buffers from a checkpoint.
 
         Each loaded tensor replaces the module's tensor (``assign`` semantics: a module built on
@@ -263,6 +264,8 @@ class MemoryEfficientLoader:
                 layer whose weight the checkpoint names more than once (a module registered
                 twice) is loaded in full precision. ``min_sqnr_db`` is refused: it needs the
                 full-precision weight after loading.
+            skip: qualified names of submodules filled another way: the file's keys under them
+                are neither read nor required.
 
         Returns:
             A :class:`LoadResult`.
@@ -274,7 +277,7 @@ class MemoryEfficientLoader:
         """
         with self._open(path) as checkpoint:
             filler = ModuleFiller(module, checkpoint, prefix=prefix, dtype=self.dtype,
-                                  quantization=quantization, device=self.device)
+                                  quantization=quantization, device=self.device, skip=skip)
             filler.check(strict)
             stats = self._stream(checkpoint, filler.entries, filler.dtype_for, filler.receive)
             return filler.finish(stats)
@@ -494,14 +497,18 @@ class ModuleFiller:
     """Maps checkpoint tensors to a module's slots and assigns them as they stream in."""
 
     def __init__(self, module: nn.Module, checkpoint: LazySafetensors, *, prefix: str | None,
-                 dtype: torch.dtype | None, quantization: Any, device: torch.device) -> None:
+                 dtype: torch.dtype | None, quantization: Any, device: torch.device,
+                 skip: Sequence[str] = ()) -> None:
         self.module = module
         self.dtype = dtype
         self.device = device
+        # Submodules filled another way: their keys are neither read nor expected.
+        skipped = tuple(f"{name}." for name in skip)
         state = module.state_dict(keep_vars=True)
         self.slots: dict[str, torch.Tensor] = {}
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and not key.endswith("_extra_state"):
+            if (isinstance(value, torch.Tensor) and not key.endswith("_extra_state")
+                    and not key.startswith(skipped)):
                 self.slots[key] = value
         # Tied tensors (one Parameter under several names) form one group, loaded once.
         by_id: dict[int, list[str]] = {}
@@ -515,6 +522,8 @@ class ModuleFiller:
             if prefix and not name.startswith(prefix):
                 continue
             key = name[cut:]
+            if skipped and key.startswith(skipped):
+                continue
             if key in self.slots:
                 self.file_key[name] = key
             else:

@@ -51,6 +51,8 @@ class CheckpointSource:
         prefix: checkpoint names start with this prefix, removed to form module keys.
         strict: refuse missing or unexpected keys (default ``True``).
         progress: show a progress bar (``None``: for at least 1 GiB on a terminal).
+        skip: qualified names of submodules filled another way (quantized while loading by
+            ``vramkit.fit``): their keys are neither read nor required.
 
     Raises:
         ConfigError: for keys that do not match (``strict``) or shapes that differ.
@@ -59,12 +61,13 @@ class CheckpointSource:
 
     def __init__(self, model: nn.Module, path: str | os.PathLike[str], *,
                  prefix: str | None = None, strict: bool = True,
-                 progress: bool | None = None) -> None:
+                 progress: bool | None = None, skip: Sequence[str] = ()) -> None:
         # Positional reads: bytes go from the file straight into the pinned masters.
         self.checkpoint = LazySafetensors.open(path, use_mmap=False)
         try:
             self._filler = ModuleFiller(model, self.checkpoint, prefix=prefix, dtype=None,
-                                        quantization=None, device=torch.device("cpu"))
+                                        quantization=None, device=torch.device("cpu"),
+                                        skip=skip)
             self._filler.check(strict)
         except BaseException:
             self.checkpoint.close()

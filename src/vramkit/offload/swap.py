@@ -408,6 +408,9 @@ class BlockSwapper:
             pool (a :class:`MasterMemory`); ``vramkit.distributed.shared_swapper`` passes
             memory shared by the local ranks of a node, so the node holds one copy. Its masters
             are filled before the constructor returns.
+        checkpoint_skip: with ``checkpoint``, qualified names of submodules already filled
+            another way (``vramkit.fit`` quantizes blocks while reading them): the file's keys
+            under them are neither read nor required.
         block_loader: fills slots from the masters another way than one host->device copy per
             load (a :class:`BlockLoader`); ``vramkit.distributed.shared_swapper`` passes one
             where each GPU of a node copies its share of a block and the GPUs all-gather the
@@ -440,7 +443,8 @@ class BlockSwapper:
                  strict: bool = True, progress: bool | None = None,
                  load_in_background: bool = True,
                  master_memory: MasterMemory | None = None,
-                 block_loader: BlockLoader | None = None) -> None:
+                 block_loader: BlockLoader | None = None,
+                 checkpoint_skip: Sequence[str] = ()) -> None:
         if config is None:
             config = SwapConfig()
         elif not isinstance(config, SwapConfig):
@@ -511,14 +515,16 @@ class BlockSwapper:
             if checkpoint is not None:
                 check_bool("strict", strict)
                 check_bool("progress", progress, allow_none=True)
+                skip = _module_names(model, checkpoint_skip)
                 self._source = CheckpointSource(model, checkpoint, prefix=prefix, strict=strict,
-                                                progress=progress)
+                                                progress=progress, skip=skip)
                 self._host.source = self._source
             elif (prefix is not None or strict is not True or progress is not None
-                  or load_in_background is not True):
+                  or load_in_background is not True or checkpoint_skip):
                 knob = ("prefix" if prefix is not None
                         else "strict" if strict is not True
-                        else "progress" if progress is not None else "load_in_background")
+                        else "progress" if progress is not None
+                        else "checkpoint_skip" if checkpoint_skip else "load_in_background")
                 raise ConfigError(f"{knob}= applies to checkpoint=",
                                   hint=f"Pass checkpoint=path with it, or drop {knob}.")
             self._attach(found, background=load_in_background)
@@ -1365,3 +1371,16 @@ def _is_fsdp(module: nn.Module) -> bool:
                 "torch.distributed"):
             return True
     return False
+
+
+def _module_names(model: nn.Module, names: Sequence[str]) -> list[str]:
+    """``names`` checked to be submodules of ``model`` (``checkpoint_skip``)."""
+    if isinstance(names, str):
+        names = [names]
+    known = dict(model.named_modules())
+    unknown = [n for n in names if not isinstance(n, str) or n not in known or not n]
+    if unknown:
+        raise ConfigError(f"checkpoint_skip names modules the model does not have: {unknown[:5]}",
+                          hint="Pass qualified names from model.named_modules(), such as "
+                               "'transformer_blocks.3'.")
+    return list(names)

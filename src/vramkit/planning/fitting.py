@@ -141,6 +141,8 @@ class Fitted:
         self._checkpoint = (checkpoint, prefix, strict)
         self._master_memory = master_memory
         self._block_loader = block_loader
+        # (original layer, its checkpoint prefix): layers quantized while read from checkpoint
+        self._refill: list[tuple[nn.Module, str]] = []
         try:
             self._apply(blocks)
         except BaseException:
@@ -153,16 +155,13 @@ class Fitted:
     def _apply(self, blocks: str | Sequence[str]) -> None:
         model, plan = self.model, self.plan
         checkpoint, prefix, strict = self._checkpoint
-        if checkpoint is not None and any(f != "bf16" for f in plan.formats.values()):
-            raise ConfigError(
-                "vramkit.fit(checkpoint=...) does not yet quantize blocks while they stream in, "
-                f"and the plan stores {sorted(set(plan.formats.values()) - {'bf16'})} blocks",
-                hint="Plan without allow_formats, or load first with "
-                     "vramkit.load_into(model, path, quantization=...) and fit without "
-                     "checkpoint=.")
-        for name, fmt in plan.formats.items():
-            if fmt != "bf16":
-                self._quantize_block(name, fmt)
+        packed = [name for name, fmt in plan.formats.items() if fmt != "bf16"]
+        for name in packed:
+            if checkpoint is not None:  # read and quantized one layer at a time
+                self._load_quantized_block(name, plan.formats[name])
+            else:
+                self._quantize_block(name, plan.formats[name])
+        skip = packed if checkpoint is not None else []
         if plan.mode == "train" and plan.checkpointed:
             todo = [n for n in plan.checkpointed if not is_checkpointed(model.get_submodule(n))]
             if todo:
@@ -172,16 +171,22 @@ class Fitted:
                 swapped_blocks=plan.swapped, num_slots=max(1, plan.num_slots),
                 host_budget=plan.swap_host_budget),
                 device=self.device, checkpoint=checkpoint, prefix=prefix, strict=strict,
-                master_memory=self._master_memory, block_loader=self._block_loader)
+                master_memory=self._master_memory, block_loader=self._block_loader,
+                **({"checkpoint_skip": skip} if skip else {}))
         elif checkpoint is not None:
             from vramkit.io.loader import MemoryEfficientLoader
 
             result = MemoryEfficientLoader(self.device).load_into(
-                model, checkpoint, prefix=prefix, strict=strict)
+                model, checkpoint, prefix=prefix, strict=strict, skip=skip)
             # load_into puts new tensor objects in the module: detach leaves them on the CPU.
             loaded = set(result.loaded_keys)
             state = model.state_dict(keep_vars=True)
             self._moved += [(state[k], torch.device("cpu")) for k in state if k in loaded]
+            for name in skip:  # blocks quantized while read: loaded on the CPU, used here
+                block = model.get_submodule(name)
+                for t in (*block.parameters(), *block.buffers()):
+                    if t.device != self.device:
+                        t.data = t.data.to(self.device)
         else:
             for t in (*model.parameters(), *model.buffers()):
                 if t.device != self.device:
@@ -193,6 +198,34 @@ class Fitted:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._hook = model.register_forward_pre_hook(self._on_forward)
+
+    def _load_quantized_block(self, name: str, fmt: str) -> None:
+        """Fill block ``name`` (on meta) from the checkpoint, quantizing each layer as its
+        weight arrives (``load_into(quantization=)``): the block never exists in full
+        precision. Detach puts the original layers back, filled from the checkpoint again."""
+        from vramkit.io.loader import load_into
+        from vramkit.quant.model import QuantizationConfig
+
+        checkpoint, prefix, strict = self._checkpoint
+        block = self.model.get_submodule(name)
+        keep = tuple(trainable_module_names(block))
+        before = dict(block.named_modules())
+        load_into(block, checkpoint, prefix=f"{prefix or ''}{name}.", strict=strict,
+                  quantization=QuantizationConfig(weights_dtype=fmt,
+                                                  modules_to_not_quantize=keep),
+                  use_mmap=False, progress=False)
+        after = dict(block.named_modules())
+        for qual, module in before.items():
+            if qual and after.get(qual) is not module:
+                parent, _, attr = qual.rpartition(".")
+                owner = block.get_submodule(parent) if parent else block
+                # the original layer was on meta: detach refills it from the file
+                self._originals.append((owner, attr, module, []))
+                self._refill.append((module, f"{prefix or ''}{name}.{qual}."))
+        # tensors load_into put in the block (norms, kept layers) go back to the CPU at detach
+        state = block.state_dict(keep_vars=True)
+        self._moved += [(t, torch.device("cpu")) for t in state.values()
+                        if isinstance(t, torch.Tensor) and not t.is_meta]
 
     def _quantize_block(self, name: str, fmt: str) -> None:
         from vramkit.quant.model import QuantizationConfig, quantize_model
@@ -291,6 +324,13 @@ class Fitted:
                 tensor.data = data
             setattr(owner, attr, module)
         self._originals = []
+        checkpoint, _, _ = self._checkpoint
+        for module, prefix in self._refill:  # quantized while loading: full precision again
+            from vramkit.io.loader import load_into
+
+            load_into(module, checkpoint, prefix=prefix, strict=True, use_mmap=False,
+                      progress=False)
+        self._refill = []
 
     def __enter__(self) -> Fitted:
         return self
@@ -325,7 +365,9 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
         checkpoint: a safetensors checkpoint to fill ``model`` from while the plan is applied
             (``model`` may then be on the meta device): swapped blocks are read straight into
             their pinned masters, the rest goes to ``device`` (``BlockSwapper(checkpoint=)``).
-            Plans that store blocks in a packed format are refused with it for now. With a
+            Blocks the plan stores in a packed format (``allow_formats``) are read first, one
+            layer at a time, each quantized as its weight arrives (a block never exists in
+            full precision; ``detach()`` refills the original layers from the file). With a
             ``host_budget`` plan option, its disk's read speed is measured first (up to 256 MiB)
             for the disk tier's prediction (``disk_bytes_per_s``).
         prefix: with ``checkpoint``, the prefix its names carry.

@@ -16,15 +16,14 @@ cap (``set_per_process_memory_fraction``), with ``SwapConfig(max_gpu_bytes=MAX_G
 many blocks swapped as that leaves (issue 18's swapper rows used 6 GiB at 11.5 GiB). cuDNN's SDPA
 backend is disabled (illegal memory access on Flux shapes with torch 2.11 + H100).
 
-Where the LoRA goes: peft injected on meta renames the base weights (``to_q.weight`` becomes
-``to_q.base_layer.weight``), and ``BlockSwapper(checkpoint=)`` matches the file's keys exactly,
-as ``load_into`` does, with no peft mapping: the base weights would be missing (strict) or stay
-on meta (``strict=False``: "weight of Linear is on the meta device and the checkpoint does not
-hold it"). So every variant injects the adapters once the base model holds its weights: in the
-vramkit variants after the swapper attached (peft creates them on the device of the base weight,
-which is the GPU: a swapped weight's placeholder lives there), in ``attach`` likewise, in
-``diffusers`` before ``enable_group_offload`` (its hooks snapshot the parameters they move, an
-adapter added later has no snapshot). The adapters' values are the same in every variant: drawn
+Where the LoRA goes: every variant injects the adapters once the base model holds its weights
+(``BlockSwapper(checkpoint=)`` also accepts peft injected on meta since 2026-11-27 -- the renamed
+``to_q.base_layer.weight`` loads from the file's ``to_q.weight`` and the adapters are initialized
+peft's way, ``vramkit.io.adapters`` -- but diffusers' variants cannot, and the rows compare the
+same adapters): in the vramkit variants after the swapper attached (peft creates them on the
+device of the base weight, which is the GPU: a swapped weight's placeholder lives there), in
+``attach`` likewise, in ``diffusers`` before ``enable_group_offload`` (its hooks snapshot the
+parameters they move, an adapter added later has no snapshot). The adapters' values are the same in every variant: drawn
 on the CPU from the seed (A ~ N(0, 1/in), B ~ 0.01 N(0, 1): B is not zero, so A gets a gradient
 too), then copied to where peft put them, in fp32.
 

@@ -12,12 +12,15 @@
   malformed input as :class:`vramkit.errors.SafetensorsFormatError`.
 * :mod:`vramkit.io.disk` -- ``measure_read_bandwidth``: a timed cold read of a checkpoint
   (``O_DIRECT``, else buffered after ``drop_page_cache``), what ``vramkit info --disk`` shows.
+* :mod:`vramkit.io.adapters` -- peft LoRA added on the meta device: the renamed base weights
+  (``q.base_layer.weight``) load from the base checkpoint's ``q.weight``, the adapters it lacks
+  are initialized peft's way after loading.
 * Paths are classified before anything is opened (:mod:`vramkit.io._paths`): a named pipe,
   socket or device, a symbolic-link loop, a Hugging Face repo id, a diffusers pipeline root or a
   pickle checkpoint is refused at once with an error saying what it is and what to pass.
 
-The public names of :mod:`~vramkit.io.lazy`, :mod:`~vramkit.io.loader` and
-:mod:`~vramkit.io.disk` are re-exported here lazily: importing the package imports none of
+The public names of :mod:`~vramkit.io.lazy`, :mod:`~vramkit.io.loader`,
+:mod:`~vramkit.io.disk` and :mod:`~vramkit.io.adapters` are re-exported here lazily: importing the package imports none of
 them. Nothing here touches CUDA at import time. See ``docs/loading.md``.
 """
 
@@ -32,9 +35,11 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".loader": ("LoadResult", "LoadStats", "MemoryEfficientLoader", "load_into",
                 "stream_weights"),
     ".disk": ("DiskReadResult", "drop_page_cache", "measure_read_bandwidth"),
+    ".adapters": ("adapter_keys", "init_meta_adapters", "peft_base_key"),
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions
+    from vramkit.io.adapters import *  # noqa: F403
     from vramkit.io.disk import *  # noqa: F403
     from vramkit.io.lazy import *  # noqa: F403
     from vramkit.io.loader import *  # noqa: F403

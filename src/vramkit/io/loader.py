@@ -38,6 +38,7 @@ from vramkit._validate import check_bool, check_device, check_int, check_size
 from vramkit.errors import ConfigError
 from vramkit.io._buffers import meta_non_persistent_buffers, recompute_meta_buffers
 from vramkit.io._header import TensorEntry
+from vramkit.io.adapters import adapter_keys, init_meta_adapters, peft_base_key
 from vramkit.io.lazy import LazySafetensors, ReadThreads
 
 if TYPE_CHECKING:  # imported on use (see ModuleFiller._plan_quantization)
@@ -518,7 +519,14 @@ class ModuleFiller:
         cut = len(prefix) if prefix else 0
         self.file_key: dict[str, str] = {}
         self.unexpected: list[str] = []
-        for name in checkpoint.tensor_names():
+        # peft on a meta model: "a.base_layer.weight" is filled by the file's "a.weight", and
+        # its adapters, which a base checkpoint lacks, are initialized after loading
+        # (vramkit.io.adapters).
+        renamed = {peft_base_key(k): k for k in self.slots if ".base_layer." in k}
+        self.adapters = adapter_keys(module) if renamed else set()
+        names = checkpoint.tensor_names()
+        in_file = {name[cut:] for name in names if not prefix or name.startswith(prefix)}
+        for name in names:
             if prefix and not name.startswith(prefix):
                 continue
             key = name[cut:]
@@ -526,11 +534,14 @@ class ModuleFiller:
                 continue
             if key in self.slots:
                 self.file_key[name] = key
+            elif key in renamed and renamed[key] not in in_file:
+                self.file_key[name] = renamed[key]
             else:
                 self.unexpected.append(key)
         present = set(self.file_key.values())
         self.missing = [key for key in self.slots
-                        if not any(alias in present for alias in self.aliases[key])]
+                        if not any(alias in present for alias in self.aliases[key])
+                        and key not in self.adapters]
         self.entries = checkpoint.entries(list(self.file_key))
         mismatched = [f"{self.file_key[e.name]}: checkpoint {list(e.shape)}, module "
                       f"{list(self.slots[self.file_key[e.name]].shape)}" for e in self.entries
@@ -667,6 +678,10 @@ class ModuleFiller:
             raise ConfigError(f"cannot quantize {', '.join(unfinished)}: the checkpoint holds only "
                               "part of the layer (weight or bias missing)",
                               hint="Load with strict=True to see which keys are missing.")
+        adapters = init_meta_adapters(self.module, self._weights_device())
+        if adapters:
+            logger.info("initialized %d LoRA adapter tensor(s) the checkpoint does not hold, "
+                        "peft's way", len(adapters))
         initialized = recompute_meta_buffers(self.module, self._weights_device())
         if initialized:
             logger.info("recomputed %d non-persistent buffer(s) on %s with the model's own "

@@ -32,6 +32,7 @@ from torch import nn
 from vramkit.errors import ConfigError
 from vramkit.io._buffers import recompute_meta_buffers
 from vramkit.io._header import TensorEntry
+from vramkit.io.adapters import init_meta_adapters
 from vramkit.io.lazy import LazySafetensors, ReadThreads
 from vramkit.io.loader import MemoryEfficientLoader, ModuleFiller, progress_bar, show_progress
 
@@ -165,9 +166,14 @@ class CheckpointSource:
             self.bytes_read += stats.file_bytes
         return placed
 
-    def finish(self, device: torch.device) -> None:
-        """Recompute non-persistent buffers left on meta; refuse a model that still has meta
-        tensors (it could not run)."""
+    def finish(self, device: torch.device) -> list[torch.Tensor]:
+        """Initialize peft adapters the file lacks and recompute non-persistent buffers left on
+        meta; refuse a model that still has meta tensors (it could not run). Returns the
+        adapter tensors created (on ``device``)."""
+        adapters = init_meta_adapters(self.model, device)
+        if adapters:
+            logger.info("initialized %d LoRA adapter tensor(s) on %s, peft's way",
+                        len(adapters), device)
         recomputed = recompute_meta_buffers(self.model, device)
         if recomputed:
             logger.info("recomputed %d non-persistent buffer(s) on %s: %s", len(recomputed),
@@ -182,6 +188,7 @@ class CheckpointSource:
                 hint="The checkpoint lacks them (load with strict=True to see which keys are "
                      "missing), or they are non-persistent buffers the model cannot recompute: "
                      "build those modules off the meta device.")
+        return adapters
 
     def close(self) -> None:
         self._threads.close()

@@ -673,7 +673,8 @@ class BlockSwapper:
             for t, was_meta in source.load_to_device(from_file, self.device):
                 self._moved.append((t, torch.device("cpu") if was_meta
                                     else homes.get(id(t), t.device)))
-            source.finish(self.device)
+            # peft adapters the file lacks, created on the device: to the CPU at detach
+            self._moved += [(t, torch.device("cpu")) for t in source.finish(self.device)]
         # Last: the resident tensors are in place, the masters fill (in the background when
         # asked, and the source is closed when they are filled).
         self._host.fill_masters(background=background and source is not None,

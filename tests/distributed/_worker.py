@@ -193,10 +193,13 @@ def scenario_sharded(info: Any, out: dict[str, Any]) -> None:
                 swapper.sync_gradients()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if step == 0 and info.rank == 0:  # a preview only rank 0 makes
-                with swapper.local_calls(), torch.no_grad():
+            if step == 0 and info.rank == 0:  # a preview only rank 0 makes, with gradients
+                with swapper.local_calls():
+                    model(x[:2]).sum()
+                    model(x[:1]).sum()
+            if step == 1 and info.rank == 0:  # ... and under no_grad, with no local_calls()
+                with torch.no_grad():
                     model(x[:2])
-                    model(x[:1])
         stats = swapper.stats()
         loader = swapper.block_loader
         out[f"{kind}_block_bytes"] = sorted({b.nbytes for b in swapper.blocks})

@@ -125,3 +125,54 @@ def test_a_loader_with_the_disk_tier_is_refused(tmp_path: object) -> None:
     with pytest.raises(ConfigError, match="host_budget") as info:
         BlockSwapper(Net(), "blocks.*", config, device="cpu", block_loader=RecordingLoader())
     assert "uploads='whole'" in (info.value.hint or "")
+
+
+def test_no_grad_calls_copy_plainly_until_the_next_call_with_gradients() -> None:
+    """A collective loader's contract for calls one rank may make alone under no_grad (a
+    preview): plain copies, then the ring as it was once gradients are back -- at the next
+    training call, or at backward when the preview came between forward and backward."""
+    model = Net()
+    for p in model.out.parameters():
+        p.requires_grad_(True)
+    loader = RecordingLoader()
+    swapper = BlockSwapper(model, "blocks.*", CONFIG, device="cpu", block_loader=loader)
+    model(_x()).sum().backward()
+    model(_x(2)).sum().backward()
+    before, through = _ring_state(swapper), len(loader.loads)
+    with torch.no_grad():
+        model(_x(3))
+        model(_x(4))
+    assert len(loader.loads) == through  # nothing collective under no_grad
+    loss = model(_x(5)).sum()  # gradients again: the ring was put back first
+    assert len(loader.loads) > through
+    # between forward and backward
+    with torch.no_grad():
+        model(_x(6))
+    mid = len(loader.loads)
+    loss.backward()  # the ring is put back before backward's collective loads
+    assert len(loader.loads) >= mid
+    reference = Net()
+    for p in reference.out.parameters():
+        p.requires_grad_(True)
+    reference(_x()).sum().backward()
+    reference(_x(2)).sum().backward()
+    reference(_x(5)).sum().backward()
+    torch.testing.assert_close(model.out.weight.grad, reference.out.weight.grad, rtol=0, atol=0)
+    assert before  # (the ring held blocks before the previews)
+    swapper.detach()
+
+
+def test_the_ring_is_put_back_after_no_grad_calls() -> None:
+    model = Net()
+    model.out.requires_grad_(True)
+    swapper = BlockSwapper(model, "blocks.*", CONFIG, device="cpu", block_loader=RecordingLoader())
+    model(_x()).sum().backward()
+    model(_x(2)).sum()  # a forward: the ring holds its last blocks
+    before = _ring_state(swapper)
+    with torch.no_grad():
+        model(_x(3))
+    ring = swapper._ring
+    assert ring is not None
+    ring.end_no_grad()  # what the next call with gradients does first
+    assert _ring_state(swapper) == before
+    swapper.detach()

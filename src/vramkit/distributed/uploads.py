@@ -10,12 +10,13 @@ NVLink (NCCL, in place), as FSDP does with its sharded parameters: the host is r
 node instead of N times, and a block reaches every GPU 2.9x sooner on those four GPUs.
 
 The cost: loads become collectives of the node's ranks, so every rank must load the same blocks
-in the same order -- make the same swapped calls, as under FSDP. The swapper's ring is
-deterministic given the calls (no timing decides what loads), blocks kept on disk are refused
-(their reads finish at different times), and calls that one rank makes alone (rank 0's preview
-or validation) go in ``with swapper.local_calls():``, which loads with plain copies and puts the
-ring back as it was. Blocks under ``min_bytes`` (1 MiB) load whole: a collective costs more
-than their copy.
+in the same order -- make the same swapped calls with gradients, as under FSDP. The swapper's
+ring is deterministic given the calls (no timing decides what loads), and blocks kept on disk
+are refused (their reads finish at different times). Calls under ``torch.no_grad()`` -- where a
+rank's preview or validation pass usually runs, often on rank 0 alone -- load with plain copies
+and the ring is put back as it was at the next call with gradients (or backward); calls with
+gradients that one rank makes alone go in ``with swapper.local_calls():``, which does the same.
+Blocks under ``min_bytes`` (1 MiB) load whole: a collective costs more than their copy.
 
 :func:`node_uploads` decides per node (``uploads="auto"``: sharded where all the node's GPUs
 see each other over NVLink, by NVML; consumer cards without NVLink keep whole copies, since

@@ -119,6 +119,7 @@ class SlotRing:
         # Loads through ``loader`` (a collective) unless ``_local`` (local_calls()).
         self.loader = loader
         self._local = False
+        self._no_grad_saved: tuple[Any, ...] | None = None  # begin_no_grad's snapshot
         if loader is not None and self.slot_bytes:
             padded = max(loader.padded_bytes(b.nbytes) for b in blocks)
             self.slot_bytes = -(-padded // ALIGN) * ALIGN
@@ -237,6 +238,8 @@ class SlotRing:
         unless its slot holds it, order the stream after the load, point its tensors at the
         slot."""
         start = time.perf_counter()
+        if backward and self._no_grad_saved is not None:
+            self.end_no_grad()  # a no-grad call between forward and backward
         if backward and self._direction != "backward":
             self._commit_order()  # the forward just seen predicts this backward
             self._direction = "backward"
@@ -516,16 +519,40 @@ class SlotRing:
         if any(s.locked for s in self.slots):
             raise OffloadError("local_calls() inside a swapped block's call",
                                hint="Enter it between calls of the model, not inside one.")
-        saved = ([(s.block, s.loaded_version, s.last_used) for s in self.slots], self._clock,
-                 self.order, self._position, self._observed, set(self._observed_ids),
-                 self._direction, self.training_pass)
-        self._observed = list(self._observed)
+        saved = self._snapshot()
         self._local = True
         try:
             yield
         finally:
             self._local = False
             self._restore(saved)
+
+    def begin_no_grad(self) -> None:
+        """A call under ``torch.no_grad()`` with a collective loader: such calls are often made
+        by one rank alone (a preview, a validation pass), so they load with plain copies, as
+        inside :meth:`local_calls`, until :meth:`end_no_grad` (the next call with gradients,
+        or backward) puts the ring back."""
+        if (self.loader is None or self._local or self._no_grad_saved is not None
+                or any(s.locked for s in self.slots)):
+            return
+        self._no_grad_saved = self._snapshot()
+        self._local = True
+
+    def end_no_grad(self) -> None:
+        """End a section opened by :meth:`begin_no_grad` (nothing when none is open)."""
+        saved = self._no_grad_saved
+        if saved is None:
+            return
+        self._no_grad_saved = None
+        self._local = False
+        self._restore(saved)
+
+    def _snapshot(self) -> tuple[Any, ...]:
+        saved = ([(s.block, s.loaded_version, s.last_used) for s in self.slots], self._clock,
+                 self.order, self._position, self._observed, set(self._observed_ids),
+                 self._direction, self.training_pass)
+        self._observed = list(self._observed)
+        return saved
 
     def _restore(self, saved: tuple[Any, ...]) -> None:
         slots_were, self._clock, self.order, self._position = saved[:4]

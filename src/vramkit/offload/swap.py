@@ -830,12 +830,14 @@ class BlockSwapper:
         if chain:
             self._last_hooks = []  # only the immediately preceding call chains
         if not torch.is_grad_enabled():
+            ring.begin_no_grad()  # a collective loader copies plainly (maybe one rank alone)
             ring.training_pass = False
             stream = ring.acquire(block, backward=False)
             try:
                 return fn(*args, **kwargs)
             finally:
                 ring.release(block, backward=False, stream=stream)
+        ring.end_no_grad()
         # Most blocks take plain tensors positionally: one pass over them, no tree walk (this
         # path runs once per block and step, where the swapper is host-bound).
         spec = None
@@ -1131,10 +1133,11 @@ class BlockSwapper:
     @contextlib.contextmanager
     def local_calls(self) -> Iterator[None]:
         """Calls of the model that this process makes alone, under a collective
-        :class:`BlockLoader` (``shared_swapper``'s sharded uploads): rank 0's sampling or
-        validation, say. Inside, blocks load with plain copies; on the way out the slots get
-        back the blocks they held, so the processes' next loads match again. Without a
-        loader it does nothing. Enter it between calls of the model.
+        :class:`BlockLoader` (``shared_swapper``'s sharded uploads). Inside, blocks load with
+        plain copies; on the way out the slots get back the blocks they held, so the processes'
+        next loads match again. Calls under ``torch.no_grad()`` get this by themselves (until
+        the next call with gradients); this is for calls with gradients that not every rank
+        makes. Without a loader it does nothing. Enter it between calls of the model.
 
         Example:
             >>> if rank == 0:                                        # doctest: +SKIP

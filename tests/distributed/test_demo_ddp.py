@@ -81,6 +81,9 @@ def test_the_frozen_masters_are_one_shared_copy(result: dict[str, Any]) -> None:
     assert 0 < result["shared_bytes"] <= swapped * 1.05
     assert result["shared_bytes"] >= swapped
     assert len(result["pinned_bytes"]) == NPROC
+    # CPU ranks have no NVLink: whole blocks from the host ("auto"), nothing gathered
+    assert result["uploads"] == "whole"
+    assert all(b > 0 for b in result["h2d_bytes"]) and result["gathered_bytes"] == [0] * NPROC
 
 
 def test_it_trains_the_steps_asked(result: dict[str, Any]) -> None:

@@ -372,6 +372,10 @@ def _print_distributed(con: Any, result: Any) -> None:
                              + ("" if result.plans_agree else " (ranks planned differently)"))
     shared = (f"{format_size(result.shared_bytes)} of masters shared by the node's ranks (one "
               "copy)" if result.shared_bytes else "not shared: each rank pins its own")
+    if result.uploads == "sharded":
+        shared += (f"; each GPU copied its share of every block from the host "
+                   f"({format_size(sum(result.h2d_bytes))} in all) and received the rest over "
+                   f"NVLink ({format_size(sum(result.gathered_bytes))})")
     pss = [p for p in result.pss_bytes if p is not None]
     table.add_row("host memory", shared + (f"; ranks' proportional set size "
                                            f"{format_size(sum(pss))} together" if pss else ""))

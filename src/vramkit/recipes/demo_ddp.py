@@ -62,6 +62,11 @@ class DistributedDemoResult:
             training (0 when DDP kept the replicas equal).
         plans_agree: every rank planned the same swapped and checkpointed blocks and slots
             (when not, every rank ran the plan predicting the slowest step).
+        uploads: how each rank filled its slots: ``"sharded"`` (each GPU copied its share of
+            a block from the host and the node's GPUs all-gathered the rest over NVLink) or
+            ``"whole"``.
+        h2d_bytes / gathered_bytes: per rank, weight bytes copied from the host and received
+            from the other GPUs.
     """
 
     plan: DemoPlan
@@ -84,6 +89,9 @@ class DistributedDemoResult:
     replicas_max_diff: float
     plans_agree: bool
     wall_seconds: float
+    uploads: str = "whole"
+    h2d_bytes: list[int] = dataclasses.field(default_factory=list)
+    gathered_bytes: list[int] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready data (the plan nested under ``"plan"``)."""
@@ -182,7 +190,9 @@ def run_distributed_demo(config: DemoConfig, info: Any, *,
     torch.distributed.broadcast(reference, 0)
     diff = (flat - reference).abs().max().reshape(1)
     torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
-    ranks = _gather((str(device), stats.pinned_bytes, pss, int(peak)))
+    ranks = _gather((str(device), stats.pinned_bytes, pss, int(peak), stats.h2d_bytes,
+                     stats.gathered_bytes))
+    uploads = "sharded" if swapper.block_loader is not None else "whole"
     median = _median_step(step_seconds)
     return DistributedDemoResult(
         plan=plan, world_size=info.world_size, backend=str(info.backend),
@@ -195,4 +205,5 @@ def run_distributed_demo(config: DemoConfig, info: Any, *,
         step_seconds=step_seconds, median_step_seconds=median,
         samples_per_second=info.world_size * plan.batch_size / median,
         replicas_max_diff=float(diff.item()), plans_agree=agree,
-        wall_seconds=time.perf_counter() - started)
+        wall_seconds=time.perf_counter() - started, uploads=uploads,
+        h2d_bytes=[r[4] for r in ranks], gathered_bytes=[r[5] for r in ranks])

@@ -9,20 +9,20 @@ def check_sharded(ranks: list[dict[str, Any]], node_size: int, tolerance: float)
     """Each rank of a node copied about 1/node_size of every block it loaded collectively and
     got the rest from the node's other ranks; training equals one process."""
     for r in ranks:
-        for kind in ("lora", "cpu"):
+        for kind in ("lora", "cpu", "swap"):
             assert r[f"{kind}_loader"] == "ShardedUploads", r
             assert r[f"{kind}_param_diff"] <= tolerance, (kind, r)
             (block,) = r[f"{kind}_block_bytes"]  # the test blocks are all the same size
             assert r[f"{kind}_slot_bytes"] % node_size == 0
-            if r["rank"] == 0:
-                continue  # its local calls made plain loads too
+            if r["rank"] == 0 or kind == "swap":
+                continue  # rank 0's local calls made plain loads too; "swap" also copies state
             loaded = r[f"{kind}_loads"] * block
             assert r[f"{kind}_loader_loads"] == r[f"{kind}_loads"]
             assert r[f"{kind}_h2d_bytes"] + r[f"{kind}_gathered_bytes"] == loaded
             piece = -(-block // (node_size * 256)) * 256
             assert r[f"{kind}_h2d_bytes"] <= r[f"{kind}_loads"] * piece
             assert r[f"{kind}_gathered_bytes"] >= loaded * (node_size - 1) / node_size - 1
-        assert r["lora_shared_bytes"] > 0 and r["cpu_shared_bytes"] == 0
+        assert r["lora_shared_bytes"] > 0 and r["cpu_shared_bytes"] == r["swap_shared_bytes"] == 0
         assert "swap different blocks" in (r["mismatch_refused"] or ""), r
     # every rank of a node made the same collective loads
     assert len({r["lora_loader_loads"] for r in ranks}) == 1

@@ -175,13 +175,13 @@ def scenario_sharded(info: Any, out: dict[str, Any]) -> None:
     def adamw(params: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=1e-2)
 
-    for kind in ("lora", "cpu"):
+    for kind in ("lora", "cpu", "swap"):
         lora = kind == "lora"
         ref_state = train_reference(Net(lora=lora, frozen=lora), 3, adamw)
         model = Net(lora=lora, frozen=lora)
-        config = CONFIG if lora else SwapConfig(min_param_bytes=0, trainable="cpu")
+        config = CONFIG if lora else SwapConfig(min_param_bytes=0, trainable=kind)
         swapper = shared_swapper(model, "blocks.*", config, device=info.device,
-                                 uploads="sharded")
+                                 uploads="sharded", optimizer=adamw if kind == "swap" else None)
         ddp = wrap_ddp(model, swapper)
         opt = adamw(swapper.optimizer_parameters())
         for step in range(3):
@@ -189,7 +189,7 @@ def scenario_sharded(info: Any, out: dict[str, Any]) -> None:
             loss = nn.functional.mse_loss(ddp(shard(x, info.rank, info.world_size)),
                                           shard(y, info.rank, info.world_size))
             loss.backward()
-            if not lora:
+            if kind == "cpu":
                 swapper.sync_gradients()
             opt.step()
             opt.zero_grad(set_to_none=True)

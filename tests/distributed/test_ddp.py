@@ -97,7 +97,7 @@ def test_parameters_after_three_adamw_steps_equal_one_process(
 _PER_PROCESS = {"rank", "local_rank", "shared_pss_delta", "per_rank_pss_delta",
                 "warnings",  # rank 0 alone warns
                 # sharded uploads: each rank copies its own piece; rank 0 also previews alone
-                *(f"{kind}_{key}" for kind in ("lora", "cpu")
+                *(f"{kind}_{key}" for kind in ("lora", "cpu", "swap")
                   for key in ("h2d_bytes", "gathered_bytes", "loads"))}
 
 

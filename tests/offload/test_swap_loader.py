@@ -55,11 +55,12 @@ def _x(seed: int = 1) -> torch.Tensor:
     return torch.randn(4, 16, generator=torch.Generator().manual_seed(seed))
 
 
-def _ring_state(swapper: BlockSwapper) -> list[tuple[str | None, int]]:
+def _ring_state(swapper: BlockSwapper) -> list[tuple[str | None, int, int]]:
+    """Each slot's block, version and last use (what the next loads are decided by)."""
     ring = swapper._ring
     assert ring is not None
-    return [(s.block.name if s.block is not None else None, s.loaded_version)
-            for s in ring.slots]
+    return [(s.block.name if s.block is not None else None, s.loaded_version, s.last_used)
+            for s in ring.slots] + [("clock", ring._clock, 0)]
 
 
 def test_every_fill_goes_through_the_loader_into_a_padded_slot() -> None:

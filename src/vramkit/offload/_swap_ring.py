@@ -555,12 +555,17 @@ class SlotRing:
         return saved
 
     def _restore(self, saved: tuple[Any, ...]) -> None:
+        """Put the ring's decision state back exactly (every slot's block, version and last
+        use, the clock, the learnt order), so that the next loads are decided as on the ranks
+        that made no local calls; slots whose content changed are copied back."""
         slots_were, self._clock, self.order, self._position = saved[:4]
         self._observed, self._observed_ids, self._direction, self.training_pass = saved[4:]
         self._upcoming_cache.clear()
         changed = [(s, *was) for s, was in zip(self.slots, slots_were, strict=True)
                    if (s.block, s.loaded_version) != was[:2]]
-        for slot, *_ in changed:  # evict what the local calls left, then load the old again
+        for slot, (_, _, last_used) in zip(self.slots, slots_were, strict=True):
+            slot.last_used = last_used  # hits inside the section moved it
+        for slot, *_ in changed:  # evict what the local calls left, then put the old back
             old = slot.block
             if old is not None:
                 old.slot = old.bound = None
@@ -568,16 +573,17 @@ class SlotRing:
                     e.tensor.data = e.placeholder
             slot.block = None
         streams = self.streams
-        for slot, block, version, last_used in changed:
-            slot.last_used = last_used
-            if block is None or version < 0 or block.master is None:
-                slot.loaded_version = -1
+        for slot, block, version, _ in changed:
+            slot.loaded_version = version
+            if block is None:
                 continue
+            slot.block = block
+            block.slot = slot
+            if version < 0 or block.master is None:
+                continue  # stale on every rank alike: its next use reloads it
             streams.wait(streams.h2d, slot.free_event)
             streams.copy(block.slot_flat[slot.index], block.master, streams.h2d, block.name)
             streams.record(slot.loaded_event, streams.h2d)
-            slot.block, slot.loaded_version = block, version
-            block.slot = slot
             self.counters["h2d_bytes"] += block.nbytes
 
     # -- bookkeeping --------------------------------------------------------------------------

@@ -62,13 +62,14 @@ FACTORIES: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 }
 
 
-def _pair(dtype: torch.dtype, keep: int, checkpointing: bool, factory: Any
+def _pair(dtype: torch.dtype, keep: int, checkpointing: bool, factory: Any, num_slots: int = 2
           ) -> tuple[_Net, _Net, BlockSwapper]:
     torch.manual_seed(0)
     ref = _Net().to(dtype).cuda()
     model = copy.deepcopy(ref).cpu()
     swapper = BlockSwapper(model, config=SwapConfig(max_gpu_blocks=keep, trainable="swap",
-                                                    checkpointing=checkpointing),
+                                                    checkpointing=checkpointing,
+                                                    num_slots=num_slots),
                            optimizer=factory)
     return ref, model, swapper
 
@@ -96,6 +97,23 @@ def test_full_finetune_on_gpu_bit_identical(name: str, checkpointing: bool,
     stats = swapper.stats()
     assert stats.optimizer_steps == 4 * 5
     assert stats.pinned_bytes <= 1.05 * (stats.swapped_bytes + stats.state_bytes)
+    swapper.detach()
+    for (n, p), p_ref in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.cuda(), p_ref), n
+
+
+@pytest.mark.parametrize("name", ["adamw-fused", "adamw8bit"])
+def test_states_prefetched_behind_their_weights_on_gpu_bit_identical(name: str) -> None:
+    """With 3 slots (3 state slots) states are prefetched in backward on the copy stream while
+    write-backs run on the other: still bit-identical to the resident model."""
+    factory = FACTORIES[name]
+    ref, model, swapper = _pair(torch.bfloat16, 0, True, factory, num_slots=3)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    xs = [torch.randn(2, 64, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+          for _ in range(5)]
+    _train(ref, [factory(ref.parameters())], xs)
+    _train(model, [factory(swapper.optimizer_parameters()), swapper.optimizer], xs)
+    assert swapper.stats().state_prefetched > 0
     swapper.detach()
     for (n, p), p_ref in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p.cuda(), p_ref), n

@@ -535,3 +535,42 @@ def test_bad_arguments_are_refused_before_any_collective(group: None) -> None:
             wrap_ddp(model, swapper, broadcast="yes")
     finally:
         swapper.detach()
+
+
+# -- sharded uploads, one process -----------------------------------------------------------------
+
+
+def test_sharded_uploads_need_a_group_and_a_known_mode() -> None:
+    from vramkit.distributed import ShardedUploads, node_uploads
+
+    with pytest.raises(ConfigError, match="not initialized"):
+        ShardedUploads(None)
+    with pytest.raises(ConfigError, match="uploads"):
+        shared_swapper(Net(), "blocks.*", CONFIG, device="cpu", uploads="fast")
+    with pytest.raises(ConfigError, match="chooses block_loader"):
+        shared_swapper(Net(), "blocks.*", CONFIG, device="cpu", block_loader=None)
+    # without a group: nothing to share the copies with, whatever the mode
+    assert node_uploads(torch.device("cpu"), "sharded") is None
+
+
+def test_a_rank_alone_on_its_node_copies_whole_blocks(group: None) -> None:
+    from vramkit.distributed import node_uploads
+
+    assert node_uploads(torch.device("cpu"), "sharded") is None  # one rank: no one to gather
+    assert node_uploads(torch.device("cpu"), "auto") is None
+    swapper = shared_swapper(Net(), "blocks.*", CONFIG, device="cpu", uploads="sharded")
+    try:
+        assert swapper.block_loader is None
+    finally:
+        swapper.detach()
+
+
+def test_sharded_uploads_pad_blocks_to_aligned_pieces(group: None) -> None:
+    from vramkit.distributed import ShardedUploads
+
+    loader = ShardedUploads(None, min_bytes=0)
+    assert loader.world_size == 1 and loader.padded_bytes(1000) == 1000  # one rank: no padding
+    loader.world_size = 3  # the arithmetic for three ranks
+    padded = loader.padded_bytes(1000)
+    assert padded % (3 * 256) == 0 and 1000 <= padded < 1000 + 3 * 256
+    assert ShardedUploads(None).padded_bytes(1000) == 1000  # under min_bytes: whole

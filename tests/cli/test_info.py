@@ -63,6 +63,30 @@ def test_info_joins_four_gpus_with_cuda_ordinals(monkeypatch: pytest.MonkeyPatch
     assert "CUDA_VISIBLE_DEVICES" in text
 
 
+@pytest.mark.parametrize("linked", [True, False, None], ids=["nvlink", "pcie", "unknown"])
+def test_info_says_whether_nvlink_joins_the_visible_gpus(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str],
+                                                          linked: bool | None) -> None:
+    from vramkit.devices import nvml
+
+    gpus = [make_gpu(i) for i in range(4)]
+    install_fake_nvml(monkeypatch, gpus)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{gpus[2].uuid},{gpus[0].uuid}")
+    install_fake_torch_cuda(monkeypatch, [gpus[2], gpus[0]])
+    asked: list[list[str]] = []
+    monkeypatch.setattr(nvml, "nvlink_connected", lambda uuids: asked.append(uuids) or linked)
+    data = _run_json(capsys)
+    assert data["nvlink_all_pairs"] is linked
+    assert sorted(asked[0]) == sorted([gpus[0].uuid, gpus[2].uuid])  # the visible ones only
+    assert main(["info"]) == 0
+    text = capsys.readouterr().out
+    if linked is None:
+        assert "GPU links" not in text
+    else:
+        assert ("NVLink between every pair" in text) is linked
+        assert ("copy whole blocks" in text) is (not linked)
+
+
 def test_info_no_torch_never_initializes_cuda(monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     install_fake_nvml(monkeypatch, [make_gpu(0)])

@@ -77,12 +77,12 @@ def collect_info(*, include_torch: bool = True, include_jax: bool = False) -> di
     adds its ``disk`` key in :func:`run`)."""
     import torch
 
+    from vramkit.devices import nvml
     from vramkit.devices.env import allocator_settings
     from vramkit.devices.host import read_host_memory
     from vramkit.devices.info import detect_devices, resolve_visible_devices
-    from vramkit.devices.nvml import query_nvml
 
-    snapshot = query_nvml()
+    snapshot = nvml.query_nvml()
     problems: list[str] = []
     ordinal_of: dict[str, int] = {}
     try:
@@ -111,6 +111,12 @@ def collect_info(*, include_torch: bool = True, include_jax: bool = False) -> di
             "torch": joined,
         })
 
+    # Whether NVLink joins every pair of the visible GPUs: vramkit.distributed then shares each
+    # swapped block's host->device copy between them (uploads="auto").
+    visible = [row["nvml"].uuid for row in gpus
+               if row["cuda_ordinal"] is not None and row["nvml"].mig_index is None]
+    nvlink = nvml.nvlink_connected(visible) if len(visible) >= 2 else None
+
     if not snapshot.available:
         problems.append(f"NVML: {snapshot.reason}")
     if torch.version.cuda is None:
@@ -134,6 +140,7 @@ def collect_info(*, include_torch: bool = True, include_jax: bool = False) -> di
         "nvml_available": snapshot.available,
         "gpus": gpus,
         "gpu_count_visible": len(ordinal_of) if snapshot.available else len(torch_devices),
+        "nvlink_all_pairs": nvlink,
         "host": read_host_memory().to_dict(),
         "allocator": allocator_settings(),
         "environment": {name: os.environ.get(name) for name, _ in RELEVANT_ENV_VARS},
@@ -225,6 +232,13 @@ def render(info: dict[str, Any]) -> None:
                 str(len(dev.processes)),
             )
         out.print(table)
+        linked = info.get("nvlink_all_pairs")
+        if linked is not None:
+            out.print("GPU links: " + (
+                "NVLink between every pair of the visible GPUs (data-parallel jobs share each "
+                "swapped block's copy between them)" if linked else
+                "not every pair of the visible GPUs is linked by NVLink (data-parallel jobs "
+                "copy whole blocks on each GPU)"))
     else:
         out.print("[bold yellow]No NVIDIA GPU visible.[/bold yellow]")
 

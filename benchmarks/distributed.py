@@ -293,12 +293,15 @@ def driver(args: argparse.Namespace) -> int:
                                                 "pinned_bytes_sum") if k in row}))
     one = {r["arm"]: r["images_per_s"] for r in rows if r.get("gpus") == 1 and "images_per_s" in r}
     print("| arm | GPUs | step ms | images/s | weak scaling | peak GiB (max rank) | swapped GiB "
-          "| shared GiB | pinned GiB (node) | PSS GiB (node) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| shared GiB | pinned GiB (node) | PSS GiB (node) | host->device GB / rank / step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if "error" in r:
-            print(f"| {r['arm']} | {r['gpus']} | failed: {r['error']} | | | | | | | |")
+            print(f"| {r['arm']} | {r['gpus']} | failed: {r['error']} | | | | | | | | |")
             continue
+        # SwapStats.h2d_bytes counts every step run, warm-up included
+        h2d = (f"{r['h2d_bytes'] / len(r['step_s']) / 1e9:.1f}" if r.get("h2d_bytes")
+               else "-")
         # one GPU has nothing to share: vramkit-whole scales against vramkit's one-GPU row
         base = one.get(r["arm"]) or (one.get("vramkit") if r["arm"] == "vramkit-whole" else None)
         scaling = (f"{r['images_per_s'] / (r['gpus'] * base):.3f}" if base else "-")
@@ -307,7 +310,20 @@ def driver(args: argparse.Namespace) -> int:
               f"{r['images_per_s']:.3f} | {scaling} | {max(r['peak_bytes']) / GIB:.2f} | "
               f"{r.get('swapped_bytes', 0) / GIB:.2f} | {r.get('shared_bytes', 0) / GIB:.2f} | "
               f"{r['pinned_bytes_sum'] / GIB:.2f} | "
-              f"{'-' if pss is None else f'{pss / GIB:.2f}'} |")
+              f"{'-' if pss is None else f'{pss / GIB:.2f}'} | {h2d} |")
+    # vramkit against its baselines on the same GPU count (the arms of a count ran back to back)
+    for gpus in sorted({r["gpus"] for r in rows if "error" not in r}):
+        ours = next((r for r in rows if r["gpus"] == gpus and r["arm"] == "vramkit"
+                     and "error" not in r), None)
+        for other in (r for r in rows if r["gpus"] == gpus and r["arm"] != "vramkit"
+                      and "error" not in r):
+            if ours is None:
+                continue
+            line = (f"{gpus} GPU(s): vramkit / {other['arm']}: images/s "
+                    f"{ours['images_per_s'] / other['images_per_s']:.2f}x")
+            if ours.get("pss_bytes_sum") and other.get("pss_bytes_sum"):
+                line += f", host memory (PSS) {ours['pss_bytes_sum'] / other['pss_bytes_sum']:.2f}x"
+            print(line)
     (out / "rows.json").write_text(json.dumps(rows, indent=1))
     return 0 if all("error" not in r for r in rows) else 1
 

@@ -418,7 +418,9 @@ def main() -> None:
                   and "step_ms_p50" in x), None))
         row = {"variant": r["variant"], "step ms": ms,
                "x resident": ms / base if base else None,
+               "transfer bound ms": bound,
                "x transfer bound": ms / bound if bound else None,
+               "slots": r.get("num_slots"), "states prefetched": r.get("state_prefetched"),
                "cpu / this": cpu / ms if cpu and not r["variant"].startswith("cpu") else None,
                # Stack variants share one process: their peak is the process's, not theirs.
                "peak GiB": r["peak_gib"] if args.model == "flux" else None,

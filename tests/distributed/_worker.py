@@ -125,6 +125,24 @@ def lora_grad_diff(ddp: nn.Module, model: nn.Module, info: Any) -> float:
         {n: p.grad for n, p in reference.named_parameters() if p.requires_grad})
 
 
+def train_steps(info: Any, ddp: nn.Module, swapper: Any, opt: torch.optim.Optimizer,
+                trainable: str = "resident", steps: int = 3,
+                after_step: Any = None) -> None:
+    """``steps`` steps of this rank's share of each batch through ``ddp`` (host-stepped
+    ``trainable="cpu"`` weights waited for first); ``after_step(step, x)`` after each."""
+    for step in range(steps):
+        x, y = batch(step)
+        loss = nn.functional.mse_loss(ddp(shard(x, info.rank, info.world_size)),
+                                      shard(y, info.rank, info.world_size))
+        loss.backward()
+        if trainable == "cpu":
+            swapper.sync_gradients()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step(step, x)
+
+
 def scenario_lora(info: Any, out: dict[str, Any]) -> None:
     """LoRA adapters and resident layers reduce through DDP; the frozen swapped base is shared."""
     model = Net(lora=True)
@@ -151,13 +169,7 @@ def scenario_lora(info: Any, out: dict[str, Any]) -> None:
     opt.zero_grad(set_to_none=True)
     reference = Net(lora=True)
     ref_state = train_reference(reference, 3, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
-    for step in range(3):
-        x, y = batch(step)
-        loss = nn.functional.mse_loss(ddp(shard(x, info.rank, info.world_size)),
-                                      shard(y, info.rank, info.world_size))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    train_steps(info, ddp, swapper, opt)
     out["param_diff"] = max_diff(trainable_state(model), ref_state)
     swapper.detach()
     out["ignored_after_detach"] = hasattr(model, "_ddp_params_and_buffers_to_ignore")
@@ -165,15 +177,28 @@ def scenario_lora(info: Any, out: dict[str, Any]) -> None:
 
 def scenario_sharded(info: Any, out: dict[str, Any]) -> None:
     """Sharded uploads: each rank copies its share of a block and the node's ranks all-gather
-    the rest. Training equals one process (frozen shared base + LoRA, and trainable='cpu'
-    with per-rank masters); rank 0 alone calls the model inside ``local_calls()`` between
-    steps and nobody hangs; swappers that differ between ranks are refused everywhere."""
+    the rest. Training equals one process (frozen shared base + LoRA; trainable='cpu' and
+    'swap' with per-rank masters); rank 0 alone calls the model between steps (with gradients
+    inside ``local_calls()``, then under no_grad) and nobody hangs; swappers that differ
+    between ranks are refused everywhere."""
     from vramkit.distributed import uploads
 
     uploads.MIN_SHARDED_BYTES = 0  # the test's blocks are a few KiB
 
     def adamw(params: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=1e-2)
+
+    def preview(step: int, x: torch.Tensor) -> None:
+        """Calls only rank 0 makes between steps."""
+        if info.rank != 0:
+            return
+        if step == 0:  # with gradients: in local_calls()
+            with swapper.local_calls():
+                model(x[:2]).sum()
+                model(x[:1]).sum()
+        elif step == 1:  # under no_grad, with no local_calls()
+            with torch.no_grad():
+                model(x[:2])
 
     for kind in ("lora", "cpu", "swap"):
         lora = kind == "lora"
@@ -184,22 +209,7 @@ def scenario_sharded(info: Any, out: dict[str, Any]) -> None:
                                  uploads="sharded", optimizer=adamw if kind == "swap" else None)
         ddp = wrap_ddp(model, swapper)
         opt = adamw(swapper.optimizer_parameters())
-        for step in range(3):
-            x, y = batch(step)
-            loss = nn.functional.mse_loss(ddp(shard(x, info.rank, info.world_size)),
-                                          shard(y, info.rank, info.world_size))
-            loss.backward()
-            if kind == "cpu":
-                swapper.sync_gradients()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if step == 0 and info.rank == 0:  # a preview only rank 0 makes, with gradients
-                with swapper.local_calls():
-                    model(x[:2]).sum()
-                    model(x[:1]).sum()
-            if step == 1 and info.rank == 0:  # ... and under no_grad, with no local_calls()
-                with torch.no_grad():
-                    model(x[:2])
+        train_steps(info, ddp, swapper, opt, kind, after_step=preview)
         stats = swapper.stats()
         loader = swapper.block_loader
         out[f"{kind}_block_bytes"] = sorted({b.nbytes for b in swapper.blocks})
@@ -256,15 +266,7 @@ def scenario_full(info: Any, out: dict[str, Any], trainable: str) -> None:
                              optimizer=factory if trainable == "swap" else None)
     ddp = wrap_ddp(model, swapper)
     opt = factory(swapper.optimizer_parameters())
-    for step in range(3):
-        x, y = batch(step)
-        loss = nn.functional.mse_loss(ddp(shard(x, info.rank, info.world_size)),
-                                      shard(y, info.rank, info.world_size))
-        loss.backward()
-        if trainable == "cpu":
-            swapper.sync_gradients()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    train_steps(info, ddp, swapper, opt, trainable)
     out["shared_bytes"] = swapper.stats().shared_bytes
     swapper.detach()
     out["param_diff"] = max_diff(trainable_state(model), ref_state)

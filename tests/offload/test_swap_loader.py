@@ -133,33 +133,38 @@ def test_no_grad_calls_copy_plainly_until_the_next_call_with_gradients() -> None
     preview): plain copies, then the ring as it was once gradients are back -- at the next
     training call, or at backward when the preview came between forward and backward."""
     model = Net()
-    for p in model.out.parameters():
-        p.requires_grad_(True)
     loader = RecordingLoader()
     swapper = BlockSwapper(model, "blocks.*", CONFIG, device="cpu", block_loader=loader)
-    model(_x()).sum().backward()
-    model(_x(2)).sum().backward()
-    before, through = _ring_state(swapper), len(loader.loads)
+    ring = swapper._ring
+    assert ring is not None
+
+    def x_grad(seed: int) -> torch.Tensor:  # input gradients: backward runs through the blocks
+        return _x(seed).requires_grad_(True)
+
+    model(x_grad(1)).sum().backward()
+    model(x_grad(2)).sum().backward()
+    through = len(loader.loads)
     with torch.no_grad():
         model(_x(3))
         model(_x(4))
     assert len(loader.loads) == through  # nothing collective under no_grad
-    loss = model(_x(5)).sum()  # gradients again: the ring was put back first
-    assert len(loader.loads) > through
-    # between forward and backward
-    with torch.no_grad():
+    assert ring._no_grad_saved is not None
+    x5 = x_grad(5)
+    loss = model(x5).sum()  # gradients again: the ring was put back first
+    assert ring._no_grad_saved is None and len(loader.loads) > through
+    with torch.no_grad():  # between forward and backward
         model(_x(6))
+    assert ring._no_grad_saved is not None
     mid = len(loader.loads)
     loss.backward()  # the ring is put back before backward's collective loads
-    assert len(loader.loads) >= mid
+    assert ring._no_grad_saved is None and len(loader.loads) > mid
     reference = Net()
-    for p in reference.out.parameters():
-        p.requires_grad_(True)
-    reference(_x()).sum().backward()
-    reference(_x(2)).sum().backward()
-    reference(_x(5)).sum().backward()
+    r5 = x_grad(5)
+    reference(x_grad(1)).sum().backward()
+    reference(x_grad(2)).sum().backward()
+    reference(r5).sum().backward()
+    torch.testing.assert_close(x5.grad, r5.grad, rtol=0, atol=0)
     torch.testing.assert_close(model.out.weight.grad, reference.out.weight.grad, rtol=0, atol=0)
-    assert before  # (the ring held blocks before the previews)
     swapper.detach()
 
 

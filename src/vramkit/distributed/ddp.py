@@ -39,7 +39,7 @@ from torch import nn
 from vramkit._validate import check_bool, check_choice, check_number
 from vramkit.devices.resolve import resolve_device
 from vramkit.distributed.shared import NodeSharedMasters
-from vramkit.distributed.uploads import node_uploads
+from vramkit.distributed.uploads import UPLOAD_MODES, node_uploads
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 from vramkit.units import format_size
@@ -188,7 +188,7 @@ def shared_swapper(model: nn.Module, blocks: str | Sequence[str] = "auto",
         if own in swapper_options:
             raise ConfigError(f"shared_swapper chooses {own} itself",
                               hint=f"Use BlockSwapper(..., {own}=...) directly for your own.")
-    check_choice("uploads", uploads, ("auto", "sharded", "whole"))
+    check_choice("uploads", uploads, UPLOAD_MODES)
     if device is None:
         device = (torch.device("cuda", torch.cuda.current_device())
                   if torch.cuda.is_available() else torch.device("cpu"))
@@ -197,9 +197,8 @@ def shared_swapper(model: nn.Module, blocks: str | Sequence[str] = "auto",
         if group is not None:
             _require_group("shared_swapper(group=...)")
         return BlockSwapper(model, blocks, config, device, **swapper_options)
-    on_disk = config is not None and config.host_budget is not None
-    loader = node_uploads(resolve_device(device, owner="shared_swapper"),
-                          "whole" if on_disk and uploads == "auto" else uploads, group)
+    loader = node_uploads(resolve_device(device, owner="shared_swapper"), uploads, group,
+                          disk_tier=config is not None and config.host_budget is not None)
     return BlockSwapper(model, blocks, config, device, master_memory=NodeSharedMasters(group),
                         block_loader=loader, **swapper_options)
 

@@ -118,10 +118,10 @@ def fit_rank(model: nn.Module, example_inputs: Any, budget: int | str, *,
     """
     from vramkit.devices.resolve import resolve_device
     from vramkit.distributed.shared import NodeSharedMasters
-    from vramkit.distributed.uploads import node_uploads
+    from vramkit.distributed.uploads import UPLOAD_MODES, node_uploads
 
     check_bool("shared", shared)
-    check_choice("uploads", uploads, ("auto", "sharded", "whole"))
+    check_choice("uploads", uploads, UPLOAD_MODES)
     fit_keys = ("observe_steps", "checkpoint", "prefix", "strict")
     fit_options = {k: options.pop(k) for k in fit_keys if k in options}
     if device is None and torch.cuda.is_available():
@@ -134,8 +134,7 @@ def fit_rank(model: nn.Module, example_inputs: Any, budget: int | str, *,
     memory = NodeSharedMasters(group) if shared and chosen.swapped else None
     loader = None
     if chosen.swapped:  # collective: every rank has the same plan
-        on_disk = chosen.swap_host_budget is not None
-        loader = node_uploads(resolve_device(device or "cpu", owner="fit_rank"),
-                              "whole" if on_disk and uploads == "auto" else uploads, group)
+        loader = node_uploads(resolve_device(device or "cpu", owner="fit_rank"), uploads, group,
+                              disk_tier=chosen.swap_host_budget is not None)
     return fit(model, example_inputs, budget, device=device, plan=chosen,
                master_memory=memory, block_loader=loader, **fit_options)

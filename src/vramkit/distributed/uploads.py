@@ -39,11 +39,12 @@ from vramkit.errors import ConfigError
 from vramkit.memory.transfer import Streams
 from vramkit.units import format_size
 
-__all__ = ["MIN_SHARDED_BYTES", "ShardedUploads", "node_uploads"]
+__all__ = ["MIN_SHARDED_BYTES", "UPLOAD_MODES", "ShardedUploads", "node_uploads"]
 
 logger = logging.getLogger(__name__)
 
 MIN_SHARDED_BYTES = 1 << 20
+UPLOAD_MODES = ("auto", "sharded", "whole")
 _PIECE_ALIGN = 256  # bytes: each rank's piece starts on a 256-byte boundary
 
 
@@ -64,7 +65,7 @@ class ShardedUploads:
         min_bytes: blocks smaller than this load whole (default :data:`MIN_SHARDED_BYTES`).
 
     Attributes:
-        loads / gathered_bytes: sharded loads made and bytes that came from the other GPUs.
+        loads: sharded loads made (the bytes are the swapper's: ``SwapStats.gathered_bytes``).
     """
 
     def __init__(self, group: Any, *, min_bytes: int | None = None) -> None:
@@ -78,7 +79,6 @@ class ShardedUploads:
         self.min_bytes = MIN_SHARDED_BYTES if min_bytes is None else check_int(
             "min_bytes", min_bytes, minimum=0)
         self.loads = 0
-        self.gathered_bytes = 0
 
     def _sharded(self, nbytes: int) -> bool:
         return self.world_size > 1 and nbytes >= self.min_bytes
@@ -119,18 +119,16 @@ class ShardedUploads:
             streams.copy(dest[lo:hi], source[lo:hi], streams.h2d, what)
         with streams.on(streams.h2d):  # NCCL starts after the copy; h2d waits for the gather
             _all_gather_into(dest, dest[lo:lo + piece], self.group)
-        copied = max(hi - lo, 0)
         self.loads += 1
-        self.gathered_bytes += n - copied
-        return copied
+        return max(hi - lo, 0)
 
     def __repr__(self) -> str:
-        return (f"ShardedUploads(rank {self.rank} of {self.world_size}, "
-                f"{self.loads} loads, {format_size(self.gathered_bytes)} gathered)")
+        return (f"ShardedUploads(rank {self.rank} of {self.world_size}, {self.loads} loads, "
+                f"whole below {format_size(self.min_bytes)})")
 
 
-def node_uploads(device: torch.device, uploads: str = "auto", group: Any = None
-                 ) -> ShardedUploads | None:
+def node_uploads(device: torch.device, uploads: str = "auto", group: Any = None, *,
+                 disk_tier: bool = False) -> ShardedUploads | None:
     """Collective over the whole job: the sharded uploads of this rank's node, or ``None``
     where each rank copies whole blocks.
 
@@ -140,6 +138,9 @@ def node_uploads(device: torch.device, uploads: str = "auto", group: Any = None
             NVML), ``"sharded"`` (on every node of two or more ranks, NVLink or not; on the CPU
             too, through gloo), ``"whole"`` (never).
         group: the job's process group; sharded uploads need the whole job (``None``).
+        disk_tier: the swapper keeps blocks on disk (``SwapConfig.host_budget``): ``"auto"``
+            then copies whole blocks (a disk read ends at a different time on each rank, and
+            the swapper refuses a collective loader with it).
 
     Returns:
         This node's :class:`ShardedUploads`, or ``None`` (no process group, ``"whole"``, a rank
@@ -149,8 +150,10 @@ def node_uploads(device: torch.device, uploads: str = "auto", group: Any = None
         ConfigError: ``uploads="sharded"`` with a ``group`` smaller than the job (node groups
             must be created by every rank of the job).
     """
-    check_choice("uploads", uploads, ("auto", "sharded", "whole"))
+    check_choice("uploads", uploads, UPLOAD_MODES)
     dist = torch.distributed
+    if disk_tier and uploads == "auto":
+        uploads = "whole"
     if uploads == "whole" or not (dist.is_available() and dist.is_initialized()):
         return None
     if group is not None and dist.get_world_size(group) != dist.get_world_size():

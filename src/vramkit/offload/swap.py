@@ -1141,8 +1141,8 @@ class BlockSwapper:
 
         Example:
             >>> if rank == 0:                                        # doctest: +SKIP
-            ...     with swapper.local_calls(), torch.no_grad():
-            ...         preview = model(sample)
+            ...     with swapper.local_calls():
+            ...         probe = model(sample).mean()  # with gradients, on rank 0 only
         """
         if self._ring is None:
             yield

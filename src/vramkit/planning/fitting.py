@@ -186,6 +186,7 @@ class Fitted:
                 block = model.get_submodule(name)
                 for t in (*block.parameters(), *block.buffers()):
                     if t.device != self.device:
+                        self._moved.append((t, t.device))
                         t.data = t.data.to(self.device)
         else:
             for t in (*model.parameters(), *model.buffers()):
@@ -222,10 +223,6 @@ class Fitted:
                 # the original layer was on meta: detach refills it from the file
                 self._originals.append((owner, attr, module, []))
                 self._refill.append((module, f"{prefix or ''}{name}.{qual}."))
-        # tensors load_into put in the block (norms, kept layers) go back to the CPU at detach
-        state = block.state_dict(keep_vars=True)
-        self._moved += [(t, torch.device("cpu")) for t in state.values()
-                        if isinstance(t, torch.Tensor) and not t.is_meta]
 
     def _quantize_block(self, name: str, fmt: str) -> None:
         from vramkit.quant.model import QuantizationConfig, quantize_model
@@ -324,13 +321,14 @@ class Fitted:
                 tensor.data = data
             setattr(owner, attr, module)
         self._originals = []
-        checkpoint, _, _ = self._checkpoint
-        for module, prefix in self._refill:  # quantized while loading: full precision again
+        if self._refill:  # quantized while loading: full precision again, from the file
             from vramkit.io.loader import load_into
 
-            load_into(module, checkpoint, prefix=prefix, strict=True, use_mmap=False,
-                      progress=False)
-        self._refill = []
+            checkpoint = self._checkpoint[0]
+            for module, prefix in self._refill:
+                load_into(module, checkpoint, prefix=prefix, strict=True, use_mmap=False,
+                          progress=False)
+            self._refill = []
 
     def __enter__(self) -> Fitted:
         return self

@@ -86,6 +86,7 @@ from vramkit.offload._swap_graph import (
 )
 from vramkit.offload._swap_host import DiskSplit, HostStore, MasterMemory, split_for_host_budget
 from vramkit.offload._swap_optim import OptimizerFactory, SwappedOptimizer, SwapStepper
+from vramkit.offload._swap_ring import COUNTERS as RING_COUNTERS
 from vramkit.offload._swap_ring import BlockLoader, SlotRing
 from vramkit.offload._swap_source import CheckpointSource
 from vramkit.offload._swap_structure import shape_key, structure_epoch, watch_structure
@@ -1177,9 +1178,7 @@ class BlockSwapper:
     def stats(self) -> SwapStats:
         """Counters and sizes (see :class:`SwapStats`)."""
         ring = self._ring
-        c = ring.counters if ring is not None else dict.fromkeys(
-            ("loads", "prefetched", "on_demand", "hits", "h2d_bytes", "d2h_bytes",
-             "acquisitions", "gathered_bytes", "state_prefetched"), 0)
+        c = ring.counters if ring is not None else dict.fromkeys(RING_COUNTERS, 0)
         host = self._host.stats()
         stepper = self._stepper
         state_bytes = stepper.state_bytes() if stepper is not None else 0

@@ -244,3 +244,35 @@ def test_skip_bad_shards_keeps_the_rest(tmp_path: Path, how: str) -> None:
             assert "Download every shard" in checkpoint.bad_shards[0].error.hint
     with pytest.raises(ConfigError, match="on_bad_shard"):
         LazySafetensors.open(source, on_bad_shard="ignore")
+
+
+def test_pread_scatter_fills_every_buffer_across_short_reads(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    from vramkit.io import lazy
+
+    data = bytes(range(256)) * 4
+    file = tmp_path / "raw.bin"
+    file.write_bytes(data)
+    real = os.preadv
+
+    def short_preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        # at most 7 bytes per call, possibly ending inside a buffer
+        budget, cut = 7, []
+        for b in buffers:
+            if budget == 0:
+                break
+            cut.append(b[:budget])
+            budget -= len(cut[-1])
+        return real(fd, cut, offset)
+
+    monkeypatch.setattr(lazy.os, "preadv", short_preadv)
+    dsts = [torch.empty(n, dtype=torch.uint8) for n in (5, 0, 13, 1, 40)]
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        assert lazy.pread_scatter(fd, dsts, 100) == 59
+        assert b"".join(bytes(d.tolist()) for d in dsts) == data[100:159]
+        tail = [torch.empty(30, dtype=torch.uint8)]
+        assert lazy.pread_scatter(fd, tail, len(data) - 10) == 10  # end of file
+    finally:
+        os.close(fd)

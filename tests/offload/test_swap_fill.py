@@ -42,24 +42,24 @@ def patch_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., list[
     with ``fail`` raise OSError, every read first sleeps ``delay``; returns the names of the
     tensors in the order their reads started."""
     started: list[str] = []
-    real = CheckpointSource.read_jobs
+    real = CheckpointSource.scatter_jobs
 
     def install(fail: str | None = None, delay: float = 0.0) -> list[str]:
-        def read_jobs(self: CheckpointSource, entry: Any, dst: torch.Tensor,
-                      piece: int) -> list[Callable[[], None]]:
-            jobs = real(self, entry, dst, piece)
-
-            def wrapped(job: Callable[[], None]) -> Callable[[], None]:
+        def scatter_jobs(self: CheckpointSource, targets: Any, piece: int
+                         ) -> list[Callable[[], None]]:
+            def wrapped(name: str, job: Callable[[], None]) -> Callable[[], None]:
                 def run() -> None:
-                    started.append(entry.name)
+                    started.append(name)
                     time.sleep(delay)
-                    if fail is not None and entry.name.startswith(fail):
+                    if fail is not None and name.startswith(fail):
                         raise OSError(5, "Input/output error")
                     job()
                 return run
-            return [wrapped(j) for j in jobs]
+            # one tensor at a time, so each read is known by its tensor's name
+            return [wrapped(entry.name, job) for entry, dst in targets
+                    for job in real(self, [(entry, dst)], piece)]
 
-        monkeypatch.setattr(CheckpointSource, "read_jobs", read_jobs)
+        monkeypatch.setattr(CheckpointSource, "scatter_jobs", scatter_jobs)
         return started
 
     yield install
@@ -164,3 +164,63 @@ def test_load_in_background_is_checked(path: Path, reference: Net) -> None:
     with pytest.raises(ConfigError, match="load_in_background"):
         BlockSwapper(_meta(), config=CONFIG, device="cpu", checkpoint=path,
                      load_in_background="yes")  # type: ignore[arg-type]
+
+
+def test_scatter_jobs_merge_neighbouring_tensors_into_large_reads(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": torch.randn(100 + i, generator=g).to(torch.bfloat16) for i in range(6)}
+    tensors["wide"] = torch.randn(50, generator=g)  # fp32 in the file, read into bf16
+    file = tmp_path / "t.safetensors"
+    save_file(tensors, str(file))
+    source = CheckpointSource(_ScatterNet(tensors), file)
+    try:
+        def targets() -> list[tuple[Any, torch.Tensor]]:
+            return [(source.checkpoint.entry(name), torch.empty(t.shape, dtype=torch.bfloat16))
+                    for name, t in reversed(list(tensors.items()))]  # any order in memory
+
+        merged = targets()
+        jobs = source.scatter_jobs(merged, 1 << 20)
+        # the six bf16 tensors follow each other in the file: one read; the fp32 one converts
+        assert len(jobs) == 2
+        small = targets()
+        split = source.scatter_jobs(small, 64)  # 64-byte requests: tensors split across reads
+        assert len(split) > 20
+        for done in (merged, small):
+            for job in jobs if done is merged else split:
+                job()
+            for entry, dst in done:
+                assert torch.equal(dst, tensors[entry.name].to(torch.bfloat16)), entry.name
+    finally:
+        source.close()
+
+
+class _ScatterNet(torch.nn.Module):
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        for name, t in tensors.items():
+            self.register_buffer(name, torch.empty(t.shape, dtype=torch.bfloat16))
+
+
+def test_masters_are_pinned_at_most_lead_blocks_ahead_of_the_reads(
+        path: Path, reference: Net, patch_reads: Callable[..., list[str]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vramkit.offload import _swap_fill, _swap_host
+
+    patch_reads(delay=0.02)
+    ahead: list[int] = []
+    real = _swap_host.HostStore._give_master
+
+    def give_master(self: Any, block: Any) -> torch.Tensor:
+        fill = self.filler
+        if fill is not None and fill.covers(block):
+            earlier = fill.blocks[:fill.blocks.index(block)]
+            ahead.append(sum(not fill._pending[id(b)].event.is_set() for b in earlier))
+        return real(self, block)
+
+    monkeypatch.setattr(_swap_host.HostStore, "_give_master", give_master)
+    net = _meta()
+    swapper = BlockSwapper(net, config=CONFIG, device="cpu", checkpoint=path)
+    swapper.wait_loaded()
+    assert len(ahead) >= 3 and max(ahead) <= _swap_fill.LEAD == 2
+    _assert_same(net, reference)
+    swapper.detach()

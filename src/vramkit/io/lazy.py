@@ -145,6 +145,27 @@ def pread_into(fd: int, dst: torch.Tensor, offset: int) -> int:
     return done
 
 
+def pread_scatter(fd: int, dsts: Sequence[torch.Tensor], offset: int) -> int:
+    """Read the file range starting at ``offset`` into the contiguous uint8 CPU tensors
+    ``dsts`` in turn (one ``preadv`` with a buffer per tensor: one large request for the disk
+    however the bytes are scattered in memory); returns the bytes read, fewer only at the end
+    of the file."""
+    views = [memoryview((ctypes.c_char * d.numel()).from_address(d.data_ptr())).cast("B")
+             for d in dsts if d.numel()]
+    done = 0
+    while views:
+        got = os.preadv(fd, views, offset + done)
+        if got <= 0:
+            break
+        done += got
+        while views and got >= len(views[0]):
+            got -= len(views[0])
+            views.pop(0)
+        if views and got:
+            views[0] = views[0][got:]
+    return done
+
+
 class _FileReader:
     """One open checkpoint file: a descriptor, and a read-only memory map in mmap mode."""
 
@@ -194,6 +215,28 @@ class _FileReader:
                          for start in range(0, nbytes, piece)])
         else:
             self._read_range(dst, offset)
+        with self._lock:
+            self.bytes_read += nbytes
+
+    def read_scatter(self, dsts: Sequence[torch.Tensor], offset: int) -> None:
+        """Fill the contiguous uint8 CPU tensors ``dsts`` in turn from the file bytes starting
+        at ``offset`` (one request per call in pread mode; see :func:`pread_scatter`)."""
+        nbytes = sum(d.numel() for d in dsts)
+        if nbytes == 0:
+            return
+        if self._map is not None:
+            for dst in dsts:
+                self.read_into(dst, offset)
+                offset += dst.numel()
+            return
+        if offset + nbytes > self._size:
+            raise SafetensorsFormatError(f"read of {nbytes} bytes at {offset} runs past the end of "
+                                         f"the {self._size}-byte file (did it change after it "
+                                         "was opened?)", path=self.path)
+        done = pread_scatter(self._fd, dsts, offset)
+        if done < nbytes:
+            raise SafetensorsFormatError(f"unexpected end of file at byte {offset + done}",
+                                         path=self.path)
         with self._lock:
             self.bytes_read += nbytes
 

@@ -662,6 +662,7 @@ def register_finalizer(pool: object, backend: SegmentBackend, ledger: Any) -> No
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in, writable, without writing them
+_POPULATE_CHUNK = 8 << 20
 _libc: Any = None
 
 
@@ -677,8 +678,14 @@ def _madvise_populate(ptr: int, size: int) -> bool:
             _libc = False
     if not _libc:
         return False
-    # ctypes releases the GIL for the call: other threads' Python goes on meanwhile.
-    return int(_libc.madvise(ptr, size, _MADV_POPULATE_WRITE)) == 0
+    # ctypes releases the GIL for each call: other threads' Python goes on meanwhile. In
+    # chunks: the kernel holds the process's memory-map lock while it populates, and another
+    # thread's mmap/munmap (any large malloc) waits for it -- at most one chunk's time.
+    for start in range(0, size, _POPULATE_CHUNK):
+        if int(_libc.madvise(ptr + start, min(_POPULATE_CHUNK, size - start),
+                             _MADV_POPULATE_WRITE)) != 0:
+            return False  # unsupported (or failed): the caller touches the pages
+    return True
 
 
 def populate(mapping: torch.Tensor) -> None:
@@ -689,7 +696,8 @@ def populate(mapping: torch.Tensor) -> None:
     1.5-2.3 GB/s, and holds the driver's lock all the while: every CUDA call of every other
     thread of the process waits (measured on an H100: another thread's small kernel launches fell
     from 101,000/s to 3-4/s). Pages faulted in beforehand register at 17-22 GB/s. The kernel does
-    it with ``madvise(MADV_POPULATE_WRITE)`` outside any lock of ours (the GIL is released);
+    it with ``madvise(MADV_POPULATE_WRITE)``, 8 MiB at a time, outside any lock of ours (the
+    GIL is released);
     where that is missing (Linux < 5.14, other systems) one byte per page is written -- zero,
     which a fresh mapping already holds.
     """

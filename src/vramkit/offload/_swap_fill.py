@@ -4,10 +4,15 @@
 into it, block by block in execution order:
 
 * a driver thread page-locks the next block's master (``cudaHostRegister`` through the pinned
-  pool) while the read threads fill the ones before it;
-* every tensor's bytes are split into pieces and all pieces of a block are queued at once, so
-  the disk sees a steady queue of large positional reads across tensors and blocks (no barrier
-  per tensor) -- straight from the checkpoint file into the master;
+  pool) while the read threads fill the ones before it, at most ``LEAD`` blocks ahead of the
+  oldest block still being read: pinning faults pages in and takes the CUDA driver's lock, so
+  it is spread over the whole fill instead of stalling the main thread's CUDA calls at the start
+  (a background fill runs beside the first steps);
+* the tensors of a block that follow each other in a file are read by requests of up to
+  ``PIECE`` bytes, each one ``preadv`` scattered into their places in the master
+  (:meth:`CheckpointSource.scatter_jobs`), and all of a block's requests are queued at once,
+  so the disk sees a steady queue of large sequential reads (no barrier per tensor) --
+  straight from the checkpoint file into the master;
 * a tensor that comes from the model instead (a model on the CPU) is copied by the same
   threads.
 
@@ -42,7 +47,9 @@ __all__ = ["FillSpec", "MasterFill"]
 
 logger = logging.getLogger(__name__)
 
-PIECE = 16 << 20  # large enough for the disk to stream, small enough to keep every thread busy
+PIECE = 64 << 20  # one read request: large for the disk (readahead, deep queues), and a block
+# (hundreds of MB) is still several requests for the threads to share
+LEAD = 2  # blocks allocated (pinned) ahead of the oldest block still being read
 
 
 @dataclass(frozen=True)
@@ -123,8 +130,10 @@ class MasterFill:
         pool = self._pool
         assert pool is not None
         try:
-            for block in self.blocks:
+            for i, block in enumerate(self.blocks):
                 pending = self._pending[id(block)]
+                if i >= LEAD:  # pin no further ahead than the reads need (see the docstring)
+                    self._pending[id(self.blocks[i - LEAD])].event.wait()
                 if self._cancelled or self._error is not None:
                     self._fail(pending, self._error or _stopped())
                     continue
@@ -157,15 +166,18 @@ class MasterFill:
               pending: _Pending) -> list[Callable[[], None]]:
         jobs: list[Callable[[], None]] = []
         assert pending.specs is not None
+        reads: list[tuple[TensorEntry, torch.Tensor]] = []
         for spec in pending.specs:
             view = typed_view(master, spec.entry.offset, spec.entry)
             if spec.file is not None:
-                assert self._source is not None
-                jobs += self._source.read_jobs(spec.file, view, PIECE)
+                reads.append((spec.file, view))
             else:
                 data = spec.data
                 assert data is not None
                 jobs.append(lambda v=view, d=data: v.copy_(d))
+        if reads:
+            assert self._source is not None
+            jobs += self._source.scatter_jobs(reads, PIECE)
         return jobs
 
     def _run_job(self, job: Callable[[], None], pending: _Pending) -> None:

@@ -41,6 +41,7 @@ __all__ = ["CheckpointSource"]
 logger = logging.getLogger(__name__)
 
 _PIECE = 16 << 20  # reads of a tensor are split into pieces of this size across the threads
+_MAX_BUFFERS = 512  # buffers of one preadv (IOV_MAX is 1024 on Linux)
 
 class CheckpointSource:
     """An open checkpoint matched against a model's tensors.
@@ -115,6 +116,54 @@ class CheckpointSource:
         return [functools.partial(self._read_piece, reader, raw[start:start + piece],
                                   entry.file_offset + start)
                 for start in range(0, entry.nbytes, piece)]
+
+    def scatter_jobs(self, targets: Sequence[tuple[TensorEntry, torch.Tensor]], piece: int
+                     ) -> list[Callable[[], None]]:
+        """Jobs that fill every ``(entry, dst)`` of ``targets`` (as :meth:`read_jobs`), with
+        the reads merged: tensors that follow each other in a file are read by one request of
+        up to ``piece`` bytes scattered into their destinations (``preadv``), so a block of
+        many tensors is a few large sequential reads whatever its layout in memory."""
+        jobs: list[Callable[[], None]] = []
+        direct: list[tuple[TensorEntry, torch.Tensor]] = []
+        for entry, dst in targets:
+            if entry.dtype != dst.dtype:
+                jobs.append(functools.partial(self._convert, entry, dst))
+            elif entry.nbytes:
+                direct.append((entry, dst))
+        direct.sort(key=lambda t: (str(t[0].path), t[0].file_offset))
+        run: list[torch.Tensor] = []
+        run_path: Any = None
+        run_start = run_end = run_bytes = 0
+
+        def flush() -> None:
+            if run:
+                reader = self.checkpoint.reader(run_path)
+                jobs.append(functools.partial(self._read_run, reader, list(run), run_start))
+                run.clear()
+
+        for entry, dst in direct:
+            raw = dst.reshape(-1).view(torch.uint8)
+            offset = entry.file_offset
+            if entry.path != run_path or offset != run_end:
+                flush()
+                run_path, run_start, run_end, run_bytes = entry.path, offset, offset, 0
+            done = 0
+            while done < entry.nbytes:
+                if run_bytes >= piece or len(run) >= _MAX_BUFFERS:
+                    flush()
+                    run_start, run_bytes = run_end, 0
+                take = min(entry.nbytes - done, piece - run_bytes)
+                run.append(raw[done:done + take])
+                done += take
+                run_bytes += take
+                run_end += take
+        flush()
+        return jobs
+
+    def _read_run(self, reader: Any, dsts: list[torch.Tensor], offset: int) -> None:
+        reader.read_scatter(dsts, offset)
+        with self._lock:
+            self.bytes_read += sum(d.numel() for d in dsts)
 
     def _read_piece(self, reader: Any, dst: torch.Tensor, offset: int) -> None:
         reader.read_into(dst, offset)

@@ -68,6 +68,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -664,6 +665,8 @@ def register_finalizer(pool: object, backend: SegmentBackend, ledger: Any) -> No
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in, writable, without writing them
 _POPULATE_CHUNK = 8 << 20
 _libc: Any = None
+_populate_pool: ThreadPoolExecutor | None = None
+_populate_lock = threading.Lock()
 
 
 def _madvise_populate(ptr: int, size: int) -> bool:
@@ -679,13 +682,28 @@ def _madvise_populate(ptr: int, size: int) -> bool:
     if not _libc:
         return False
     # ctypes releases the GIL for each call: other threads' Python goes on meanwhile. In
-    # chunks: the kernel holds the process's memory-map lock while it populates, and another
-    # thread's mmap/munmap (any large malloc) waits for it -- at most one chunk's time.
-    for start in range(0, size, _POPULATE_CHUNK):
-        if int(_libc.madvise(ptr + start, min(_POPULATE_CHUNK, size - start),
-                             _MADV_POPULATE_WRITE)) != 0:
-            return False  # unsupported (or failed): the caller touches the pages
-    return True
+    # chunks: the kernel holds the process's memory-map lock (for reading) while it populates,
+    # and another thread's mmap/munmap (any large malloc) waits for it -- at most one chunk's
+    # time. Chunks run on a few threads: zeroing pages is CPU work (~2 GB/s per thread), as slow
+    # as a disk read when done by one.
+    chunks = [(ptr + start, min(_POPULATE_CHUNK, size - start))
+              for start in range(0, size, _POPULATE_CHUNK)]
+    if len(chunks) < 4:
+        return all(_populate_chunk(c) for c in chunks)
+    return all(_populate_threads().map(_populate_chunk, chunks))
+
+
+def _populate_chunk(chunk: tuple[int, int]) -> bool:
+    return int(_libc.madvise(chunk[0], chunk[1], _MADV_POPULATE_WRITE)) == 0
+
+
+def _populate_threads() -> ThreadPoolExecutor:
+    global _populate_pool
+    with _populate_lock:
+        if _populate_pool is None:
+            _populate_pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)),
+                                                thread_name_prefix="vramkit-populate")
+        return _populate_pool
 
 
 def populate(mapping: torch.Tensor) -> None:
@@ -696,8 +714,8 @@ def populate(mapping: torch.Tensor) -> None:
     1.5-2.3 GB/s, and holds the driver's lock all the while: every CUDA call of every other
     thread of the process waits (measured on an H100: another thread's small kernel launches fell
     from 101,000/s to 3-4/s). Pages faulted in beforehand register at 17-22 GB/s. The kernel does
-    it with ``madvise(MADV_POPULATE_WRITE)``, 8 MiB at a time, outside any lock of ours (the
-    GIL is released);
+    it with ``madvise(MADV_POPULATE_WRITE)``, 8 MiB at a time on up to 4 threads, outside any
+    lock of ours (the GIL is released);
     where that is missing (Linux < 5.14, other systems) one byte per page is written -- zero,
     which a fresh mapping already holds.
     """

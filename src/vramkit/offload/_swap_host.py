@@ -188,7 +188,7 @@ class HostStore:
 
     def place(self, blocks: list[SwappedBlock]) -> None:
         """Decide where every block lives (a master, or disk), build the disk tier, and point
-        the blocks' tensors at placeholders. The masters are filled by :meth:`fill_masters`."""
+        the blocks' tensors at placeholders. The masters are filled by :meth:`start_fill` and :meth:`finish_fill`."""
         self.blocks = blocks
         self.disk_blocks = self._choose_disk_blocks(blocks)
         on_disk = {id(b) for b in self.disk_blocks}
@@ -273,24 +273,31 @@ class HostStore:
                 # backward that produces one, as for any parameter
         return block.master
 
-    def fill_masters(self, *, background: bool,
-                     on_done: Callable[[], None] | None = None) -> None:
-        """Fill the masters: now (with a progress bar over a checkpoint's bytes), or in the
-        background (each block's first use waits for it; ``on_done`` runs when all are
-        filled). Background filling is for frozen weights only: trainable masters are read by
-        optimizers the swapper does not see."""
+    def start_fill(self, *, background: bool,
+                   on_done: Callable[[], None] | None = None) -> None:
+        """Start filling the masters on the fill's threads: in the background (each block's
+        first use waits for it) or for :meth:`finish_fill` to wait for; ``on_done`` runs once
+        every master is filled (or the fill stopped). Background filling is for frozen weights
+        only: trainable masters are read by optimizers the swapper does not see."""
         filler = self.filler
         if filler is None:
             if on_done is not None:
                 on_done()
-            self._publish(True)
             return
         if background and (self._reserved
                            or any(b.trainable_entries for b in filler.blocks)):
             background = False  # other processes wait for published(), after the whole fill
         filler._on_done = on_done
         filler.start(background=background)
-        if background:
+
+    def finish_fill(self) -> None:
+        """Wait for a foreground fill (with a progress bar over a checkpoint's bytes) and tell
+        the processes sharing the masters; returns at once for a background fill."""
+        filler = self.filler
+        if filler is None:
+            self._publish(True)
+            return
+        if filler.background:
             return
         source = self.source
         try:

@@ -47,6 +47,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -511,6 +512,7 @@ class BlockSwapper:
         self._model_type = type(model)
         self._load_began = time.perf_counter()
         self._load_stats = (0, 0.0)
+        self._source_lock = threading.Lock()
         check_bool("load_in_background", load_in_background)
         try:
             if checkpoint is not None:
@@ -536,12 +538,14 @@ class BlockSwapper:
 
     def _close_source(self) -> None:
         """The checkpoint is done with (the load ended, or failed): record its figures, close
-        it. Runs on the fill's driver thread when the masters fill in the background."""
-        source = self._source
-        if source is not None:
+        it (once). Runs on the fill's driver thread when the masters fill in the background."""
+        with self._source_lock:
+            source = self._source
+            if source is None:
+                return
             self._load_stats = (source.bytes_read, time.perf_counter() - self._load_began)
-            source.close()
             self._source = self._host.source = None
+        source.close()
 
     # -- the schedule and the swappable rule ------------------------------------------------
 
@@ -669,17 +673,24 @@ class BlockSwapper:
                     elif t.device != self.device:
                         self._moved.append((t, t.device))
                         t.data = t.data.to(self.device)
-        if source is not None:
-            homes = {id(t): t.device for t in from_file}
-            for t, was_meta in source.load_to_device(from_file, self.device):
-                self._moved.append((t, torch.device("cpu") if was_meta
-                                    else homes.get(id(t), t.device)))
-            # peft adapters the file lacks, created on the device: to the CPU at detach
-            self._moved += [(t, torch.device("cpu")) for t in source.finish(self.device)]
-        # Last: the resident tensors are in place, the masters fill (in the background when
-        # asked, and the source is closed when they are filled).
-        self._host.fill_masters(background=background and source is not None,
-                                on_done=self._close_source)
+        # The masters start filling first, so the disk reads them beside the resident tensors
+        # (one queue: the whole checkpoint is read at the disk's pace); in the background when
+        # asked. The checkpoint closes once both are done with it.
+        close = _Countdown(2 if source is not None else 1, self._close_source)
+        self._host.start_fill(background=background and source is not None,
+                              on_done=close.release)
+        try:
+            if source is not None:
+                homes = {id(t): t.device for t in from_file}
+                for t, was_meta in source.load_to_device(from_file, self.device):
+                    self._moved.append((t, torch.device("cpu") if was_meta
+                                        else homes.get(id(t), t.device)))
+                # peft adapters the file lacks, created on the device: to the CPU at detach
+                self._moved += [(t, torch.device("cpu")) for t in source.finish(self.device)]
+        finally:
+            if source is not None:
+                close.release()
+        self._host.finish_fill()
         if self._loader is not None:  # collective: the processes must swap the same blocks
             self._loader.prepare([b.name for b in self._blocks], [b.nbytes for b in self._blocks])
         self._ring = SlotRing(self._blocks, self.device, self.streams,
@@ -1340,6 +1351,22 @@ class BlockSwapper:
                 f"{slots} slots of {format_size(slot_bytes)}, "
                 f"device={self.device}, {state})")
 
+
+
+class _Countdown:
+    """Calls ``action`` once, on the ``count``-th :meth:`release` (from any thread)."""
+
+    def __init__(self, count: int, action: Callable[[], None]) -> None:
+        self._count = count
+        self._action = action
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            self._count -= 1
+            last = self._count == 0
+        if last:
+            self._action()
 
 
 def _refuse_wrapped(model: nn.Module, *, attached: bool = False) -> None:

@@ -31,12 +31,13 @@ Parts (``--part``; default ``all`` = load then disk; each runs alone and writes 
 when it is missing):
 
 * ``write``: only the checkpoint.
-* ``load``: the checkpoint's cold read (page cache dropped, 8 threads of ``pread`` over every
-  shard, each range's pages dropped behind it) and ``measure_read_bandwidth`` (``O_DIRECT`` where
-  possible, 1, 8 and 16 reads in flight, up to 4 GiB of the largest shard; the best is the
-  disk's bandwidth); then one child process per variant (fresh
-  RSS; page cache dropped before each), timing from the start of the load to the end of the first
-  training step (fwd + bwd + AdamW), then a second step:
+* ``load``: ``measure_read_bandwidth`` (``O_DIRECT`` where possible, 1, 8 and 16 reads in
+  flight, up to 4 GiB of the largest shard; the best is the disk's bandwidth); then, for each of
+  ``--rounds`` rounds, per variant: the checkpoint's cold read (page cache dropped, 8 threads of
+  ``pread`` of 64 MiB over every shard, each range's pages dropped behind it) right before one
+  child process (fresh RSS; page cache dropped before it), so each child's ratio has its own
+  cold read (the virtual disks' speed drifts between minutes). The child times from the start
+  of the load to the end of the first training step (fwd + bwd + AdamW), then a second step:
 
   - ``vramkit``: ``FluxTransformer2DModel`` built on meta from the config, checkpointing marked,
     ``BlockSwapper(model, SwapConfig(max_gpu_bytes=...), checkpoint=folder)``, then LoRA; the
@@ -57,7 +58,8 @@ when it is missing):
     blocks may pile up under the cap. Whatever happens is recorded (status, error, the phases
     done before it).
 
-  Printed per variant: time to first step / cold read (target <= 1.1), peak RSS (``VmHWM``) /
+  Printed per child: time to first step / its cold read (target <= 1.1; the median per
+  variant over the rounds is logged), peak RSS (``VmHWM``) /
   (pinned bytes + 1 GiB) (target <= 1.05), pinned / swapped bytes (target <= 1.05), and the
   phases (build/load, LoRA, forward, backward, optimizer).
 * ``disk``: the same job, ``SwapConfig(max_gpu_bytes=..., host_budget=HOST_BUDGET)`` (swapped
@@ -820,33 +822,52 @@ def _num(x: float | None, spec: str = ".2f") -> str:
 
 def load_part(args: argparse.Namespace, folder: Path, ckpt: dict[str, Any]
               ) -> dict[str, Any]:
-    log("load: cold read of the checkpoint ...")
-    cold = cold_read(folder)
-    log(f"load: cold read {cold['bytes'] / 1e9:.2f} GB in {cold['seconds']:.2f} s "
-        f"({cold['gb_per_s']:.2f} GB/s, {cold['threads']} threads)")
     bw = disk_bandwidth(folder)
     log(f"load: measure_read_bandwidth on the largest shard: best {bw['gb_per_s']:.2f} GB/s "
         f"({bw['method']}, {bw['threads']} threads)")
     results = []
+    colds = []
+    # Each child is paired with a cold read of the checkpoint right before it (the disk's
+    # speed drifts by 10-20 % over minutes on the virtual disks of the GPU machines), and the
+    # variants alternate over --rounds.
+    for round_ in range(args.rounds):
+        for variant in args.variants:
+            log(f"load: cold read of the checkpoint (round {round_ + 1}, before {variant}) ...")
+            cold = cold_read(folder)
+            colds.append(cold)
+            log(f"load: cold read {cold['bytes'] / 1e9:.2f} GB in {cold['seconds']:.2f} s "
+                f"({cold['gb_per_s']:.2f} GB/s, {cold['threads']} threads)")
+            r = run_child(f"load:{variant}", args, folder)
+            r["round"] = round_ + 1
+            r["cold_read_s"] = cold["seconds"]
+            r["ttfs_over_cold_read"] = _ratio(r.get("ttfs_s"), cold["seconds"])
+            pinned = r.get("pinned_bytes")
+            r["rss_over_pinned_plus_1gib"] = _ratio(r.get("peak_rss"),
+                                                    pinned + GIB if pinned is not None else None)
+            r["pinned_over_swapped"] = _ratio(pinned, r.get("swapped_bytes"))
+            results.append(r)
+            print(json.dumps({k: r.get(k) for k in (
+                "variant", "round", "status", "ttfs_s", "cold_read_s", "load_s",
+                "ttfs_over_cold_read", "peak_rss", "pinned_bytes", "rss_over_pinned_plus_1gib",
+                "swapped_bytes", "pinned_over_swapped", "error")}, default=str), flush=True)
+    medians = {}
     for variant in args.variants:
-        r = run_child(f"load:{variant}", args, folder)
-        r["ttfs_over_cold_read"] = _ratio(r.get("ttfs_s"), cold["seconds"])
-        pinned = r.get("pinned_bytes")
-        r["rss_over_pinned_plus_1gib"] = _ratio(r.get("peak_rss"),
-                                                pinned + GIB if pinned is not None else None)
-        r["pinned_over_swapped"] = _ratio(pinned, r.get("swapped_bytes"))
-        results.append(r)
-        print(json.dumps({k: r.get(k) for k in (
-            "variant", "status", "ttfs_s", "load_s", "ttfs_over_cold_read", "peak_rss",
-            "pinned_bytes", "rss_over_pinned_plus_1gib", "swapped_bytes",
-            "pinned_over_swapped", "error")}, default=str), flush=True)
+        ratios = [r["ttfs_over_cold_read"] for r in results
+                  if r["variant"] == variant and r.get("ttfs_over_cold_read") is not None]
+        if ratios:
+            medians[variant] = statistics.median(ratios)
+            log(f"load: {variant}: ttfs / paired cold read, median of {len(ratios)}: "
+                f"{medians[variant]:.3f} (target <= 1.1); each: "
+                + ", ".join(f"{x:.3f}" for x in ratios))
+    cold = colds[0]
     rows = []
     for r in results:
         first = (r.get("steps") or [{}])[0]
         rows.append({
             "variant": r["variant"],
+            "round": r.get("round"),
             "time to 1st step s": _num(r.get("ttfs_s")),
-            "cold read s": _num(cold["seconds"]),
+            "cold read s (just before)": _num(r.get("cold_read_s")),
             "ttfs / cold (<= 1.1)": _num(r.get("ttfs_over_cold_read"), ".3f"),
             "attach returns s": _num(r.get("load_s")),
             "read done s": _num(r.get("fill_s")),
@@ -862,8 +883,8 @@ def load_part(args: argparse.Namespace, folder: Path, ckpt: dict[str, Any]
             "status": r.get("status", "?") if r.get("status") == "ok"
             else f"{r.get('status')}: {str(r.get('error'))[:120]}",
         })
-    return {"cold_read": cold, "read_bandwidth": bw, "checkpoint": ckpt, "results": results,
-            "rows": rows}
+    return {"cold_read": cold, "cold_reads": colds, "read_bandwidth": bw, "checkpoint": ckpt,
+            "results": results, "ttfs_over_cold_read_median": medians, "rows": rows}
 
 
 def disk_part(args: argparse.Namespace, folder: Path, ckpt: dict[str, Any]) -> dict[str, Any]:
@@ -949,6 +970,9 @@ def main() -> None:
                         help="disk part: timed steps (default 4; 2 with --quick)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="disk part: warm-up steps (default 2; 1 with --quick)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="--part load: rounds of the variants, each child after its own "
+                             "cold read")
     parser.add_argument("--load-steps", type=int, default=2,
                         help="load part: steps per variant, the first one timed from the load")
     parser.add_argument("--cap-gib", type=float, default=CAP_GIB)

@@ -224,3 +224,48 @@ def test_masters_are_pinned_at_most_lead_blocks_ahead_of_the_reads(
     assert len(ahead) >= 3 and max(ahead) <= _swap_fill.LEAD == 2
     _assert_same(net, reference)
     swapper.detach()
+
+
+def test_few_fill_reads_run_while_the_resident_tensors_load(
+        path: Path, reference: Net, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vramkit.offload import _swap_host
+
+    monkeypatch.setattr(_swap_host, "_fill_threads", lambda: 6)
+    lock = threading.Lock()
+    running = [0]
+    peak = {"resident": 0, "after": 0}
+    phase = ["resident"]
+    real_scatter = CheckpointSource.scatter_jobs
+    real_load = CheckpointSource.load_to_device
+
+    def scatter_jobs(self: CheckpointSource, targets: Any, piece: int
+                     ) -> list[Callable[[], None]]:
+        def counted(job: Callable[[], None]) -> Callable[[], None]:
+            def run() -> None:
+                with lock:
+                    running[0] += 1
+                    peak[phase[0]] = max(peak[phase[0]], running[0])
+                time.sleep(0.1)
+                job()
+                with lock:
+                    running[0] -= 1
+            return run
+        return [counted(job) for entry, dst in targets
+                for job in real_scatter(self, [(entry, dst)], piece)]
+
+    def load_to_device(self: CheckpointSource, tensors: Any, device: Any) -> Any:
+        time.sleep(0.15)  # the fill runs meanwhile
+        placed = real_load(self, tensors, device)
+        with lock:
+            phase[0] = "after"
+        return placed
+
+    monkeypatch.setattr(CheckpointSource, "scatter_jobs", scatter_jobs)
+    monkeypatch.setattr(CheckpointSource, "load_to_device", load_to_device)
+    net = _meta()
+    swapper = BlockSwapper(net, config=CONFIG, device="cpu", checkpoint=path)
+    swapper.wait_loaded()
+    assert 1 <= peak["resident"] <= _swap_host.RESIDENT_LOAD_FILL_JOBS
+    assert peak["after"] > _swap_host.RESIDENT_LOAD_FILL_JOBS  # the limit is lifted after it
+    _assert_same(net, reference)
+    swapper.detach()

@@ -112,6 +112,17 @@ class MasterFill:
         self.started = 0.0
         self.seconds: float | None = None  # from start until every block is filled
         self.nbytes = sum(b.nbytes for b in self.blocks)
+        self._gate = threading.Condition()
+        self._running = 0
+        self._limit: int | None = None
+
+    def limit(self, jobs: int | None) -> None:
+        """Run at most ``jobs`` reads/copies at once from now on (``None``: as many as there
+        are threads). The attach lowers it while it loads the resident tensors itself, so the
+        disk serves both but the resident tensors first -- the first forward needs them all."""
+        with self._gate:
+            self._limit = jobs
+            self._gate.notify_all()
 
     # -- running ---------------------------------------------------------------------------
 
@@ -181,13 +192,22 @@ class MasterFill:
         return jobs
 
     def _run_job(self, job: Callable[[], None], pending: _Pending) -> None:
-        if pending.error is None and not self._cancelled:
-            try:
-                job()
-            except BaseException as exc:
-                with pending.lock:
-                    pending.error = pending.error or exc
-                self._error = self._error or exc
+        with self._gate:
+            while self._limit is not None and self._running >= self._limit:
+                self._gate.wait()
+            self._running += 1
+        try:
+            if pending.error is None and not self._cancelled:
+                try:
+                    job()
+                except BaseException as exc:
+                    with pending.lock:
+                        pending.error = pending.error or exc
+                    self._error = self._error or exc
+        finally:
+            with self._gate:
+                self._running -= 1
+                self._gate.notify()
         with pending.lock:
             pending.remaining -= 1
             last = pending.remaining == 0

@@ -49,6 +49,10 @@ __all__ = ["DiskSplit", "HostStore", "MasterMemory", "split_for_host_budget"]
 logger = logging.getLogger(__name__)
 
 _STAGING_MIN = 3  # disk tier: one buffer copying to the GPU, one ready, one being read
+# Fill reads in flight while the attach loads the resident tensors from the same checkpoint:
+# enough to keep the disk busy beside the loader, few enough that the resident tensors (which
+# the first forward needs before any swapped block) are not starved by the fill's 8 threads.
+RESIDENT_LOAD_FILL_JOBS = 2
 
 
 class MasterMemory(Protocol):
@@ -288,7 +292,16 @@ class HostStore:
                            or any(b.trainable_entries for b in filler.blocks)):
             background = False  # other processes wait for published(), after the whole fill
         filler._on_done = on_done
+        if self.source is not None and background:
+            # the attach returns (and the first forward starts) once the resident tensors are
+            # in place: they go first; a foreground attach waits for everything anyway
+            filler.limit(RESIDENT_LOAD_FILL_JOBS)  # until resident_loaded()
         filler.start(background=background)
+
+    def resident_loaded(self) -> None:
+        """The attach's own load of the resident tensors is over: the fill gets every thread."""
+        if self.filler is not None:
+            self.filler.limit(None)
 
     def finish_fill(self) -> None:
         """Wait for a foreground fill (with a progress bar over a checkpoint's bytes) and tell

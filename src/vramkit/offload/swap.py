@@ -674,8 +674,10 @@ class BlockSwapper:
                         self._moved.append((t, t.device))
                         t.data = t.data.to(self.device)
         # The masters start filling first, so the disk reads them beside the resident tensors
-        # (one queue: the whole checkpoint is read at the disk's pace); in the background when
-        # asked. The checkpoint closes once both are done with it.
+        # (the whole checkpoint is read at the disk's pace: the loader alone does not keep it
+        # busy); in the background when asked, with few reads in flight until the resident
+        # tensors are in place (the first forward needs them first). The checkpoint closes once
+        # both are done with it.
         close = _Countdown(2 if source is not None else 1, self._close_source)
         self._host.start_fill(background=background and source is not None,
                               on_done=close.release)
@@ -688,6 +690,7 @@ class BlockSwapper:
                 # peft adapters the file lacks, created on the device: to the CPU at detach
                 self._moved += [(t, torch.device("cpu")) for t in source.finish(self.device)]
         finally:
+            self._host.resident_loaded()
             if source is not None:
                 close.release()
         self._host.finish_fill()

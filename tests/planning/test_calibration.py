@@ -142,3 +142,62 @@ def test_measuring_needs_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
         vramkit.plan(model, _models.inputs(), "1GiB", autocast=None, device="cpu")
     with pytest.raises(ConfigError, match="repeats"):
         calibrate_blocks(model, _models.inputs(), device="cpu", repeats=0)
+
+
+def test_packed_formats_are_timed_on_a_quantized_copy_of_each_kind(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vramkit.planning import calibration
+    from vramkit.quant.linear import QuantizedLinear
+
+    timed: list[bool] = []
+    real = calibration._time_block
+
+    def spy(block: nn.Module, *args: object, **kwargs: object) -> tuple[float, float]:
+        timed.append(any(isinstance(m, QuantizedLinear) for m in block.modules()))
+        return real(block, *args, **kwargs)
+
+    monkeypatch.setattr(calibration, "_time_block", spy)
+    model = _frozen(Mixed())
+    before = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    times = calibrate_blocks(model, _models.inputs(), device="cpu", autocast=None, repeats=1,
+                             formats=("int8",))
+    assert timed == [False, True, False, True]  # per kind: full precision, then packed
+    names = [f"blocks.{i}" for i in range(4)]
+    assert set(times.packed_forward["int8"]) == set(names) == set(times.packed_backward["int8"])
+    assert times.packed_forward["int8"]["blocks.1"] >= SLEEP
+    for name in names:
+        extra = times.packed_extra("int8", name)
+        assert extra is not None and min(extra) >= 0
+    assert times.packed_extra("fp8", "blocks.0") is None  # not asked for
+    assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+    with pytest.raises(ConfigError, match="formats"):
+        calibrate_blocks(model, _models.inputs(), device="cpu", autocast=None, formats=("bf16",))
+
+
+def test_a_format_is_chosen_only_where_its_measured_cost_pays() -> None:
+    import dataclasses
+
+    model = _models.stack(n=6)
+    inputs = _models.inputs()
+    cost = analyze(model, inputs, autocast=None, formats=("bf16", "int8"))
+    times = calibrate_blocks(model, inputs, device="cpu", autocast=None, repeats=1)
+    slow_copies = Machine(name="test", memory_bytes=None, h2d_bytes_per_s=1e8,
+                          d2h_bytes_per_s=1e8, flops_per_s=1e12, fp8_flops_per_s=None,
+                          memory_bandwidth_bytes_per_s=1e12)
+
+    def plan_with(extra: float) -> vramkit.Plan:
+        packed = dataclasses.replace(
+            times, packed_forward={"int8": {k: v + extra for k, v in times.forward.items()}},
+            packed_backward={"int8": {k: v + extra for k, v in times.backward.items()}})
+        return vramkit.plan(model, inputs, "8MiB", hardware=slow_copies, cost=cost,
+                            block_times=packed, autocast=None, allow_formats=("int8",),
+                            headroom=0)
+
+    cheap, dear = plan_with(0.0), plan_with(1.0)
+    # Dequantizing for free: every block packed (a quarter of the bytes to keep or copy).
+    assert set(cheap.formats.values()) == {"int8"}
+    # A second per call: the planner swaps full-precision blocks instead.
+    assert set(dear.formats.values()) == {"bf16"} and dear.swapped
+    assert dear.predicted_step_seconds < 6 * 2 * 1.0  # cheaper than dequantizing every call
+    assert any(note.startswith("int8 storage timed on cpu: dequantizing adds 6000.0 ms")
+               for note in dear.notes)

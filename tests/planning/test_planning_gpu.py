@@ -44,6 +44,16 @@ def test_the_machine_and_each_kind_of_block_are_measured() -> None:
     assert all(t > 0 for t in times.backward.values())
 
 
+def test_packed_formats_are_timed_on_the_gpu() -> None:
+    model, config = _dit("meta")
+    batch = synthetic_batch(config, 2, device="meta")
+    times = calibrate_blocks(model, batch, step=_step, device="cuda", formats=("fp8", "int8"))
+    for fmt in ("fp8", "int8"):
+        assert set(times.packed_forward[fmt]) == set(times.forward)
+        assert all(t > 0 for t in times.packed_forward[fmt].values())
+        assert all(t > 0 for t in times.packed_backward[fmt].values())
+
+
 def test_fit_with_a_measured_plan_trains_exactly_and_stays_under_budget() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)  # see docs/benchmarks.md (torch 2.11 + H100)
     model, config = _dit()

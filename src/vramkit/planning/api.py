@@ -148,7 +148,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
                           hint="Analyze again with the same mode, or leave cost=None.")
     if block_times is None and hardware is None:
         block_times = calibrate_blocks(model, example_inputs, mode=mode, step=step,
-                                       blocks=blocks, autocast=autocast, device=target)
+                                       blocks=blocks, autocast=autocast, device=target,
+                                       formats=allow_formats)
     if block_times is not None:
         missing = [b.name for b in cost.blocks if b.name not in block_times.forward]
         if missing:

@@ -24,7 +24,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ from torch import nn
 from vramkit._validate import check_choice, check_device, check_int
 from vramkit.offload.blocks import find_blocks
 from vramkit.planning._meta import MetaAutocast
-from vramkit.planning.analysis import ModelCost, default_step, meta_copy, to_meta
+from vramkit.planning.analysis import FORMATS, ModelCost, default_step, meta_copy, to_meta
 
 __all__ = ["BlockTimes", "calibrate_blocks"]
 
@@ -53,6 +53,11 @@ class BlockTimes:
         device: where they were timed (``"cuda:0"``, ``"cpu"``).
         fallbacks: blocks whose kind could not run on random inputs (FLOP-based times).
         seconds: how long the calibration took.
+        packed_forward: format (``"fp8"``, ``"int8"``, ...) -> block name -> seconds of one
+            forward call with the block's frozen layers stored in that format (dequantized on
+            the fly, as a plan that stores the block packed runs it); only for the formats
+            asked for and the blocks that could be timed.
+        packed_backward: the same for the backward.
     """
 
     forward: dict[str, float]
@@ -61,6 +66,19 @@ class BlockTimes:
     device: str
     fallbacks: tuple[str, ...] = ()
     seconds: float = 0.0
+    packed_forward: dict[str, dict[str, float]] = field(default_factory=dict)
+    packed_backward: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def packed_extra(self, fmt: str, name: str) -> tuple[float, float] | None:
+        """Seconds a call of block ``name`` costs on top of its full-precision call when its
+        frozen layers are stored in ``fmt`` (forward, backward; never negative), or ``None``
+        when that was not timed."""
+        fwd = self.packed_forward.get(fmt, {}).get(name)
+        if fwd is None:
+            return None
+        bwd = self.packed_backward.get(fmt, {}).get(name, 0.0)
+        return (max(0.0, fwd - self.forward.get(name, 0.0)),
+                max(0.0, bwd - self.backward.get(name, 0.0)))
 
     def flops_per_s(self, cost: ModelCost) -> float | None:
         """The throughput the timed blocks reached on their FLOPs (for the work outside the
@@ -228,7 +246,7 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
                      blocks: str | Sequence[str] = "auto",
                      autocast: torch.dtype | None = torch.bfloat16,
                      device: str | torch.device | None = None, repeats: int = 5,
-                     seed: int = 0) -> BlockTimes:
+                     seed: int = 0, formats: Sequence[str] = ()) -> BlockTimes:
     """Time one block of each kind on ``device`` (see the module docstring).
 
     Args:
@@ -243,6 +261,11 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
         device: where to time (default: the current CUDA device).
         repeats: timed rounds per kind after two warm-up rounds (the median is kept).
         seed: the random weights' and inputs' seed.
+        formats: packed storage formats (``"fp8"``, ``"int8"``, ``"int4"``, ``"nf4"``) to time
+            each kind in as well: the block's frozen layers quantized as
+            :func:`vramkit.fit` stores a packed block (``quantize_model``, layers that own
+            trainable parameters kept), so a plan prices dequantizing on the fly by what it
+            costs on this device (:meth:`BlockTimes.packed_extra`).
 
     Returns:
         :class:`BlockTimes` for every block.
@@ -252,6 +275,11 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
     """
     check_choice("mode", mode, ("train", "infer"))
     repeats = check_int("repeats", repeats, minimum=1)
+    if isinstance(formats, str):
+        formats = (formats,)
+    formats = tuple(dict.fromkeys(formats))
+    for fmt in formats:
+        check_choice("formats", fmt, tuple(f for f in FORMATS if f != "bf16"))
     target = check_device("device", device if device is not None else "cuda")
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
@@ -268,6 +296,8 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
     generator = torch.Generator().manual_seed(seed)
     forward: dict[str, float] = {}
     backward: dict[str, float] = {}
+    packed_forward: dict[str, dict[str, float]] = {}
+    packed_backward: dict[str, dict[str, float]] = {}
     fallbacks: list[str] = [n for n in names if n not in calls]
     for members in kinds.values():
         first = members[0]
@@ -281,6 +311,8 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
         args, kwargs = _real(calls[first], target, train, generator)
         try:
             fwd, bwd = _time_block(block, args, kwargs, target, train, autocast, repeats)
+            packed = {fmt: _time_packed(block, fmt, args, kwargs, target, train, autocast,
+                                        repeats) for fmt in formats}
         except (RuntimeError, IndexError, ValueError) as err:  # e.g. an index input of zeros
             logger.warning("calibration: %s (%s) cannot run on random inputs (%s); its %d "
                            "block(s) keep FLOP-based times", first, type(block).__name__, err,
@@ -293,10 +325,31 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
                 torch.cuda.empty_cache()
         for name in members:
             forward[name], backward[name] = fwd, bwd
+            for fmt, (pf, pb) in packed.items():
+                packed_forward.setdefault(fmt, {})[name] = pf
+                packed_backward.setdefault(fmt, {})[name] = pb
     for name in fallbacks:
         forward.setdefault(name, 0.0)
         backward.setdefault(name, 0.0)
     seconds = time.perf_counter() - started
     logger.info("calibrated %d block kind(s) on %s in %.1f s", len(kinds), target, seconds)
     return BlockTimes(forward=forward, backward=backward, kinds=len(kinds), device=str(target),
-                      fallbacks=tuple(dict.fromkeys(fallbacks)), seconds=seconds)
+                      fallbacks=tuple(dict.fromkeys(fallbacks)), seconds=seconds,
+                      packed_forward=packed_forward, packed_backward=packed_backward)
+
+
+def _time_packed(block: nn.Module, fmt: str, args: Any, kwargs: Any, device: torch.device,
+                 train: bool, autocast: torch.dtype | None, repeats: int
+                 ) -> tuple[float, float]:
+    """:func:`_time_block` of a copy of ``block`` whose frozen layers are stored in ``fmt``
+    (as :class:`vramkit.planning.fitting.Fitted` stores a packed block)."""
+    from vramkit.planning._meta import trainable_module_names
+    from vramkit.quant.model import QuantizationConfig, quantize_model
+
+    packed = copy.deepcopy(block)
+    try:
+        quantize_model(packed, QuantizationConfig(
+            weights_dtype=fmt, modules_to_not_quantize=tuple(trainable_module_names(packed))))
+        return _time_block(packed, args, kwargs, device, train, autocast, repeats)
+    finally:
+        del packed

@@ -308,6 +308,18 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     optimizer = 4 * cost.trainable_bytes / machine.memory_bandwidth_bytes_per_s if train else 0.0
     outside_fwd = cost.outside_forward_flops / flops
     outside_bwd = cost.outside_backward_flops / flops
+    # What storing a block packed adds to its forward and backward calls: measured where the
+    # calibration timed the format, else the memory traffic of dequantizing.
+    dequant_of: dict[str, list[tuple[float, float]]] = {}
+    for fmt in formats:
+        dequant_of[fmt] = []
+        for b in cost.blocks:
+            extra = times.packed_extra(fmt, b.name) if times is not None and fmt != "bf16" \
+                else None
+            if extra is None:
+                modeled = _dequant(b, fmt, machine)
+                extra = (modeled, modeled)
+            dequant_of[fmt].append(extra)
     candidates: list[dict[str, Any]] = []
     smallest = math.inf  # the least memory any candidate needs (for the error)
     for fmt_s in formats:
@@ -325,9 +337,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                     for i in range(n))
                 slot = max((sizes[i] for i in chosen), default=0)
                 master_bytes = sum(sizes[i] for i in chosen)
-                dequant = [_dequant(cost.blocks[i], fmt_s if flags[i] else fmt_r, machine)
-                           for i in range(n)]
-                fwd_s = [t + d for t, d in zip(block_fwd, dequant, strict=True)]
+                dequant = [dequant_of[fmt_s if flags[i] else fmt_r][i] for i in range(n)]
+                fwd_s = [t + d[0] for t, d in zip(block_fwd, dequant, strict=True)]
                 copy_s = [sizes[i] / bw if flags[i] else 0.0 for i in range(n)]
                 for r in sorted(set(num_slots)):
                     if k and r > k:
@@ -370,7 +381,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                     fwd = PhaseTime(fwd_time, outside_fwd + sum(fwd_s), copy_time, copies)
                     if train:
                         ckpt_set = set(ckpt)
-                        bwd_s = [block_bwd[i] + dequant[i]
+                        bwd_s = [block_bwd[i] + dequant[i][1]
                                  + (fwd_s[i] if b.name in ckpt_set else 0.0)
                                  for i, b in enumerate(cost.blocks)]
                         restores = ([_kept_bytes(estimate, b.name, ckpt_set) / bw
@@ -405,6 +416,15 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         notes.append(f"Block times measured on {times.device} ({times.kinds} kind(s) of block "
                      "timed" + (f"; {len(times.fallbacks)} block(s) from FLOP counts"
                                 if times.fallbacks else "") + ").")
+        for fmt in formats:
+            timed = [times.packed_extra(fmt, b.name) for b in cost.blocks] if fmt != "bf16" \
+                else []
+            if timed and all(t is not None for t in timed):
+                extra_fwd = sum(t[0] for t in timed if t is not None)
+                base = sum(times.forward[b.name] for b in cost.blocks) or 1.0
+                notes.append(f"{fmt} storage timed on {times.device}: dequantizing adds "
+                             f"{extra_fwd * 1e3:.1f} ms to a forward pass of every block "
+                             f"({100 * extra_fwd / base:.0f} % of their full-precision time).")
     if not machine.measured:
         notes.append(f"Times are estimates from {machine.name}'s published peak throughput "
                      "and copy bandwidth; vramkit.fit measures and compares after the first "

@@ -314,8 +314,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     for fmt in formats:
         dequant_of[fmt] = []
         for b in cost.blocks:
-            extra = times.packed_extra(fmt, b.name) if times is not None and fmt != "bf16" \
-                else None
+            extra = (times.packed_extra(fmt, b.name) if times is not None and fmt != "bf16"
+                     else None)
             if extra is None:
                 modeled = _dequant(b, fmt, machine)
                 extra = (modeled, modeled)
@@ -417,8 +417,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                      "timed" + (f"; {len(times.fallbacks)} block(s) from FLOP counts"
                                 if times.fallbacks else "") + ").")
         for fmt in formats:
-            timed = [times.packed_extra(fmt, b.name) for b in cost.blocks] if fmt != "bf16" \
-                else []
+            timed = ([times.packed_extra(fmt, b.name) for b in cost.blocks] if fmt != "bf16"
+                     else [])
             if timed and all(t is not None for t in timed):
                 extra_fwd = sum(t[0] for t in timed if t is not None)
                 base = sum(times.forward[b.name] for b in cost.blocks) or 1.0

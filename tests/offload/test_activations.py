@@ -678,3 +678,21 @@ def test_in_place_change_after_save_is_reported() -> None:
         h.add_(1)  # autograd would refuse this too
     with pytest.raises(OffloadError, match="modified in place"):
         y.sum().backward()
+
+
+def test_the_inputs_of_non_reentrant_checkpoints_are_offloaded() -> None:
+    # With every block checkpointed, what stays for backward is each block's input: the
+    # checkpoint saves it on an autograd node outside its region's hooks, so it is offloaded
+    # (the planner's activation-offload plans count on it).
+    from vramkit.offload.checkpointing import enable_gradient_checkpointing
+
+    model = make_model(blocks=4)
+    enable_gradient_checkpointing(model)
+    x = torch.randn(8, 32, requires_grad=True)
+    offloader = make_offloader()
+    with offloader:
+        out = model(x)
+    stats = offloader.stats()
+    assert stats.offloaded_tensors == 4  # x and the three later blocks' inputs
+    assert stats.offloaded_bytes == 4 * x.numel() * x.element_size()
+    out.sum().backward()

@@ -47,10 +47,11 @@ Composition:
 
 * ``torch.utils.checkpoint`` (non-reentrant) installs its own saved-tensor hooks inside the
   checkpointed region; nested hooks resolve innermost-first, so the region's tensors are
-  recomputed (not offloaded) and everything outside it is offloaded by this class. The
-  checkpoint keeps its region's *inputs* alive itself, outside saved-tensor hooks, so they stay
-  on the GPU. (The reentrant variant saves its inputs through ``save_for_backward``: those are
-  offloaded.)
+  recomputed (not offloaded) and everything outside it is offloaded by this class -- the
+  region's *inputs* too: the checkpoint saves them with ``save_for_backward`` on a node of its
+  own, outside its region's hooks (PyTorch >= 2.1; tested), so with every block checkpointed
+  the blocks' inputs are what this class moves. The reentrant variant also saves its inputs
+  through ``save_for_backward``: offloaded as well.
 * :class:`~vramkit.offload.swap.BlockSwapper` installs its own hooks while a non-checkpointed
   swapped block runs: tensors saved inside a swapped block's region are handled by the swapper,
   those outside (non-block layers, resident blocks, the inputs a checkpointed swapped block saves

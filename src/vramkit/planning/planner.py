@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vramkit.errors import PlanError
+from vramkit.offload._activation_settings import ActivationOffloadConfig
 from vramkit.offload.blocks import spread_evenly
 from vramkit.planning.analysis import BlockCost, ModelCost
 from vramkit.planning.calibration import BlockTimes
@@ -46,8 +47,12 @@ __all__ = ["PhaseTime", "Plan", "search"]
 
 #: Optimizer state bytes per trainable parameter (AdamW: two fp32 moments).
 ADAMW_STATE_BYTES = 8
-#: Activations an offloader keeps on the device while copies are in flight (its default window).
-OFFLOAD_WINDOW_BYTES = 256 << 20
+_OFFLOAD_DEFAULTS = ActivationOffloadConfig()  # what fit's offloader runs with
+#: Activations an offloader holds on the device beyond the blocks' own, at the turn of a step:
+#: the forward's last tensors still held while their copies run (``max_inflight_bytes``) and
+#: what backward has already brought back ahead of use (``prefetch_bytes``).
+OFFLOAD_WINDOW_BYTES = (int(_OFFLOAD_DEFAULTS.max_inflight_bytes)
+                        + int(_OFFLOAD_DEFAULTS.prefetch_bytes))
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,9 @@ when it is missing):
   flight, up to 4 GiB of the largest shard; the best is the disk's bandwidth); then, for each of
   ``--rounds`` rounds, per variant: the checkpoint's cold read (page cache dropped, 8 threads of
   ``pread`` of 64 MiB over every shard, each range's pages dropped behind it) right before one
-  child process (fresh RSS; page cache dropped before it), so each child's ratio has its own
-  cold read (the virtual disks' speed drifts between minutes). The child times from the start
+  child process (fresh RSS; page cache dropped before it) and another right after it, so each
+  child's ratio has its own cold read and a drift of the disk during the child shows (the
+  virtual disks' speed drifts between minutes). The child times from the start
   of the load to the end of the first training step (fwd + bwd + AdamW), then a second step:
 
   - ``vramkit``: ``FluxTransformer2DModel`` built on meta from the config, checkpointing marked,
@@ -838,17 +839,24 @@ def load_part(args: argparse.Namespace, folder: Path, ckpt: dict[str, Any]
             log(f"load: cold read {cold['bytes'] / 1e9:.2f} GB in {cold['seconds']:.2f} s "
                 f"({cold['gb_per_s']:.2f} GB/s, {cold['threads']} threads)")
             r = run_child(f"load:{variant}", args, folder)
+            # and one right after: a drift of the disk during the child shows as a gap
+            after = cold_read(folder)
+            log(f"load: cold read after {variant}: {after['seconds']:.2f} s "
+                f"({after['gb_per_s']:.2f} GB/s)")
             r["round"] = round_ + 1
             r["cold_read_s"] = cold["seconds"]
+            r["cold_read_after_s"] = after["seconds"]
             r["ttfs_over_cold_read"] = _ratio(r.get("ttfs_s"), cold["seconds"])
+            r["ttfs_over_bracket"] = _ratio(r.get("ttfs_s"),
+                                            (cold["seconds"] + after["seconds"]) / 2)
             pinned = r.get("pinned_bytes")
             r["rss_over_pinned_plus_1gib"] = _ratio(r.get("peak_rss"),
                                                     pinned + GIB if pinned is not None else None)
             r["pinned_over_swapped"] = _ratio(pinned, r.get("swapped_bytes"))
             results.append(r)
             print(json.dumps({k: r.get(k) for k in (
-                "variant", "round", "status", "ttfs_s", "cold_read_s", "load_s",
-                "ttfs_over_cold_read", "peak_rss", "pinned_bytes", "rss_over_pinned_plus_1gib",
+                "variant", "round", "status", "ttfs_s", "cold_read_s", "cold_read_after_s",
+                "load_s", "ttfs_over_cold_read", "ttfs_over_bracket", "peak_rss", "pinned_bytes", "rss_over_pinned_plus_1gib",
                 "swapped_bytes", "pinned_over_swapped", "error")}, default=str), flush=True)
     medians = {}
     for variant in args.variants:
@@ -869,6 +877,8 @@ def load_part(args: argparse.Namespace, folder: Path, ckpt: dict[str, Any]
             "time to 1st step s": _num(r.get("ttfs_s")),
             "cold read s (just before)": _num(r.get("cold_read_s")),
             "ttfs / cold (<= 1.1)": _num(r.get("ttfs_over_cold_read"), ".3f"),
+            "cold read s (just after)": _num(r.get("cold_read_after_s")),
+            "ttfs / mean(before, after)": _num(r.get("ttfs_over_bracket"), ".3f"),
             "attach returns s": _num(r.get("load_s")),
             "read done s": _num(r.get("fill_s")),
             "1st step s": _num(first.get("step_s")),

@@ -269,3 +269,36 @@ def test_few_fill_reads_run_while_the_resident_tensors_load(
     assert peak["after"] > _swap_host.RESIDENT_LOAD_FILL_JOBS  # the limit is lifted after it
     _assert_same(net, reference)
     swapper.detach()
+
+
+def test_a_resident_load_that_fails_beside_the_background_fill_stops_it(
+        path: Path, reference: Net, patch_reads: Callable[..., list[str]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fill starts before the resident tensors load and runs throttled beside them: when
+    # that load fails, the attach must stop the fill (no thread left: the fixture checks), close
+    # the checkpoint once, and give a materialized model its own values back.
+    patch_reads(delay=0.02)
+
+    def broken(self: CheckpointSource, tensors: Any, device: Any) -> Any:
+        time.sleep(0.05)  # the fill is under way
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(CheckpointSource, "load_to_device", broken)
+    closes: list[int] = []
+    real_close = CheckpointSource.close
+
+    def close(self: CheckpointSource) -> None:
+        closes.append(1)
+        real_close(self)
+
+    monkeypatch.setattr(CheckpointSource, "close", close)
+    net = _reference(seed=1)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(OSError, match="Input/output"):
+        BlockSwapper(net, config=CONFIG, device="cpu", checkpoint=path)
+    assert closes == [1]
+    after = net.state_dict()
+    for name, value in after.items():
+        assert value.device.type == "cpu", name
+        # swapped tensors: the model's own values or (read before the stop) the checkpoint's
+        assert torch.equal(value, before[name]) or torch.equal(value, reference.state_dict()[name])

@@ -105,7 +105,8 @@ class MasterFill:
         self._threads = threads
         self._on_done = on_done
         self._cancelled = False
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # the first error (the fill failed)
+        self._alloc_error: BaseException | None = None  # pinning failed: later blocks fail too
         self._driver: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
         self.background = False
@@ -145,14 +146,18 @@ class MasterFill:
                 pending = self._pending[id(block)]
                 if i >= LEAD:  # pin no further ahead than the reads need (see the docstring)
                     self._pending[id(self.blocks[i - LEAD])].event.wait()
-                if self._cancelled or self._error is not None:
-                    self._fail(pending, self._error or _stopped())
+                # A read error fails its own block only (the others are still read: what can
+                # be had is had, and detach restores the most); a block that could not be
+                # pinned stops the fill.
+                if self._cancelled or self._alloc_error is not None:
+                    self._fail(pending, self._alloc_error or _stopped())
                     continue
                 try:
                     master = self._allocate(block)
                     jobs = self._jobs(block, master, pending)
                 except BaseException as exc:
                     self._error = self._error or exc
+                    self._alloc_error = self._alloc_error or exc
                     self._fail(pending, exc)
                     continue
                 pending.remaining = len(jobs)

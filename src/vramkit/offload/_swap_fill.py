@@ -260,6 +260,7 @@ class MasterFill:
         """Stop filling: queued reads are dropped, running ones finish; returns when nothing
         writes into the masters any more (blocks not filled by then fail)."""
         self._cancelled = True
+        self.limit(None)  # jobs waiting for a turn go on, and drop their reads at once
         if self._driver is None:  # never started
             for pending in self._pending.values():
                 if not pending.event.is_set():

@@ -192,7 +192,8 @@ class HostStore:
 
     def place(self, blocks: list[SwappedBlock]) -> None:
         """Decide where every block lives (a master, or disk), build the disk tier, and point
-        the blocks' tensors at placeholders. The masters are filled by :meth:`start_fill` and :meth:`finish_fill`."""
+        the blocks' tensors at placeholders. The masters are filled by :meth:`start_fill` and
+        :meth:`finish_fill`."""
         self.blocks = blocks
         self.disk_blocks = self._choose_disk_blocks(blocks)
         on_disk = {id(b) for b in self.disk_blocks}

@@ -856,7 +856,8 @@ def load_part(args: argparse.Namespace, folder: Path, ckpt: dict[str, Any]
             results.append(r)
             print(json.dumps({k: r.get(k) for k in (
                 "variant", "round", "status", "ttfs_s", "cold_read_s", "cold_read_after_s",
-                "load_s", "ttfs_over_cold_read", "ttfs_over_bracket", "peak_rss", "pinned_bytes", "rss_over_pinned_plus_1gib",
+                "load_s", "ttfs_over_cold_read", "ttfs_over_bracket", "peak_rss",
+                "pinned_bytes", "rss_over_pinned_plus_1gib",
                 "swapped_bytes", "pinned_over_swapped", "error")}, default=str), flush=True)
     medians = {}
     for variant in args.variants:

@@ -17,9 +17,9 @@ masters in one shared mapping per node instead:
   system when the last process unmaps it, even after a crash.
 
 Host memory therefore stays at one copy of the masters per node whatever the number of local
-ranks (measured as proportional set size, :func:`vramkit.devices.host.process_pss_bytes`). Where sharing is
-impossible (no ``/dev/shm``, or too little room in it for the masters) every rank pins its own
-copy and the job is told once why (:class:`~vramkit.errors.VramkitWarning`).
+ranks (measured as proportional set size, :func:`vramkit.devices.host.process_pss_bytes`).
+Where sharing is impossible (no ``/dev/shm``, or too little room in it for the masters) every
+rank pins its own copy and the job is told once why (:class:`~vramkit.errors.VramkitWarning`).
 
 Everything here that talks to the other processes is a collective over ``group`` (default: the
 whole job), called by every rank at the same point: the swapper's constructor.

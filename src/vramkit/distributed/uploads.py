@@ -48,12 +48,6 @@ UPLOAD_MODES = ("auto", "sharded", "whole")
 _PIECE_ALIGN = 256  # bytes: each rank's piece starts on a 256-byte boundary
 
 
-def _all_gather_into(output: torch.Tensor, piece: torch.Tensor, group: Any) -> None:
-    dist = torch.distributed
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, piece, group=group)
-
-
 class ShardedUploads:
     """Each rank of ``group`` copies its share of a block host->device; the ranks all-gather
     the rest in place (module docstring). A :class:`~vramkit.offload.swap.BlockLoader`: give it
@@ -118,7 +112,8 @@ class ShardedUploads:
         if hi > lo:
             streams.copy(dest[lo:hi], source[lo:hi], streams.h2d, what)
         with streams.on(streams.h2d):  # NCCL starts after the copy; h2d waits for the gather
-            _all_gather_into(dest, dest[lo:lo + piece], self.group)
+            torch.distributed.all_gather_into_tensor(dest, dest[lo:lo + piece],
+                                                     group=self.group)
         self.loads += 1
         return max(hi - lo, 0)
 

@@ -20,8 +20,8 @@
   pickle checkpoint is refused at once with an error saying what it is and what to pass.
 
 The public names of :mod:`~vramkit.io.lazy`, :mod:`~vramkit.io.loader`,
-:mod:`~vramkit.io.disk` and :mod:`~vramkit.io.adapters` are re-exported here lazily: importing the package imports none of
-them. Nothing here touches CUDA at import time. See ``docs/loading.md``.
+:mod:`~vramkit.io.disk` and :mod:`~vramkit.io.adapters` are re-exported here lazily:
+importing the package imports none of them. Nothing here touches CUDA at import time. See ``docs/loading.md``.
 """
 
 from __future__ import annotations

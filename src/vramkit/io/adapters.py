@@ -72,7 +72,7 @@ def adapter_keys(module: nn.Module) -> set[str]:
     return keys
 
 
-def _init_type(root: nn.Module, adapter: str, layer: Any) -> Any:
+def _init_type(root: nn.Module, adapter: str) -> Any:
     for owner in (root, *root.modules()):
         configs = getattr(owner, "peft_config", None)
         if isinstance(configs, dict) and adapter in configs:
@@ -102,7 +102,7 @@ def init_meta_adapters(module: nn.Module, device: torch.device) -> list[torch.Te
         if not todo:
             continue
         for adapter in sorted({a for _, a, _ in todo}):
-            init = _init_type(module, adapter, layer)
+            init = _init_type(module, adapter)
             dora = any(attr == "lora_magnitude_vector" and a == adapter for attr, a, _ in todo)
             if dora or not any(init is choice or init == choice for choice in _PLAIN_INITS):
                 what = "DoRA's magnitude vector" if dora else f"init_lora_weights={init!r}"
@@ -128,7 +128,7 @@ def init_meta_adapters(module: nn.Module, device: torch.device) -> list[torch.Te
                 getattr(layer, attr)[adapter] = fresh
                 created.append(fresh)
         for adapter in sorted({a for _, a, _ in todo}):
-            init = _init_type(module, adapter, layer)
+            init = _init_type(module, adapter)
             if init is not False:
                 with torch.no_grad():
                     layer.reset_lora_parameters(adapter, init)

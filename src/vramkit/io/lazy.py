@@ -134,15 +134,7 @@ def pread_into(fd: int, dst: torch.Tensor, offset: int) -> int:
     """Read from ``fd`` at ``offset`` into the contiguous uint8 CPU tensor ``dst`` (no copy in
     between: the kernel writes into its memory); returns the bytes read, fewer only at the end
     of the file."""
-    nbytes = dst.numel()
-    view = memoryview((ctypes.c_char * nbytes).from_address(dst.data_ptr())).cast("B")
-    done = 0
-    while done < nbytes:
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got <= 0:
-            break
-        done += got
-    return done
+    return pread_scatter(fd, [dst], offset)
 
 
 def pread_scatter(fd: int, dsts: Sequence[torch.Tensor], offset: int) -> int:
@@ -203,10 +195,7 @@ class _FileReader:
         if self._map is not None:
             # Touching mapped pages past a shrunken file's end is SIGBUS, not an exception.
             self._size = min(len(self._map), os.fstat(self._fd).st_size)
-        if offset + nbytes > self._size:
-            raise SafetensorsFormatError(f"read of {nbytes} bytes at {offset} runs past the end of "
-                                         f"the {self._size}-byte file (did it change after it "
-                                         "was opened?)", path=self.path)
+        self._check_range(offset, nbytes)
         if threads is not None and threads.threads > 1 and nbytes >= 2 * _MIN_PARALLEL_PIECE:
             piece = max(_MIN_PARALLEL_PIECE, -(-nbytes // threads.threads))
             piece = -(-piece // _PAGE) * _PAGE
@@ -229,16 +218,19 @@ class _FileReader:
                 self.read_into(dst, offset)
                 offset += dst.numel()
             return
-        if offset + nbytes > self._size:
-            raise SafetensorsFormatError(f"read of {nbytes} bytes at {offset} runs past the end of "
-                                         f"the {self._size}-byte file (did it change after it "
-                                         "was opened?)", path=self.path)
+        self._check_range(offset, nbytes)
         done = pread_scatter(self._fd, dsts, offset)
         if done < nbytes:
             raise SafetensorsFormatError(f"unexpected end of file at byte {offset + done}",
                                          path=self.path)
         with self._lock:
             self.bytes_read += nbytes
+
+    def _check_range(self, offset: int, nbytes: int) -> None:
+        if offset + nbytes > self._size:
+            raise SafetensorsFormatError(f"read of {nbytes} bytes at {offset} runs past the end of "
+                                         f"the {self._size}-byte file (did it change after it "
+                                         "was opened?)", path=self.path)
 
     def _read_range(self, dst: torch.Tensor, offset: int) -> None:
         nbytes = dst.numel()

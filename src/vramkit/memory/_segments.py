@@ -715,9 +715,8 @@ def populate(mapping: torch.Tensor) -> None:
     thread of the process waits (measured on an H100: another thread's small kernel launches fell
     from 101,000/s to 3-4/s). Pages faulted in beforehand register at 17-22 GB/s. The kernel does
     it with ``madvise(MADV_POPULATE_WRITE)``, 8 MiB at a time on up to 4 threads, outside any
-    lock of ours (the GIL is released);
-    where that is missing (Linux < 5.14, other systems) one byte per page is written -- zero,
-    which a fresh mapping already holds.
+    lock of ours (the GIL is released); where that is missing (Linux < 5.14, other systems)
+    one byte per page is written -- zero, which a fresh mapping already holds.
     """
     size = mapping.numel()
     if size == 0 or _madvise_populate(mapping.data_ptr(), size):

@@ -5,9 +5,10 @@ into it, block by block in execution order:
 
 * a driver thread page-locks the next block's master (``cudaHostRegister`` through the pinned
   pool) while the read threads fill the ones before it, at most ``LEAD`` blocks ahead of the
-  oldest block still being read: pinning faults pages in and takes the CUDA driver's lock, so
-  it is spread over the whole fill instead of stalling the main thread's CUDA calls at the start
-  (a background fill runs beside the first steps);
+  oldest block still being read: pinning populates the pages (CPU work) and registers them
+  under the CUDA driver's lock, so it is spread over the whole fill instead of being done all
+  at the start, beside the main thread's first CUDA calls (a background fill runs beside the
+  first steps);
 * the tensors of a block that follow each other in a file are read by requests of up to
   ``PIECE`` bytes, each one ``preadv`` scattered into their places in the master
   (:meth:`CheckpointSource.scatter_jobs`), and all of a block's requests are queued at once,

@@ -102,27 +102,17 @@ class CheckpointSource:
     def read(self, entry: TensorEntry, dst: torch.Tensor) -> None:
         """Fill ``dst`` (a contiguous CPU view of ``entry``'s shape, in the module's dtype)
         from the file, split across the read threads."""
-        self._threads.run(self.read_jobs(entry, dst, _PIECE))
-
-    def read_jobs(self, entry: TensorEntry, dst: torch.Tensor, piece: int
-                  ) -> list[Callable[[], None]]:
-        """Jobs (run on any thread, in any order) that fill ``dst`` from the file: positional
-        reads of at most ``piece`` bytes straight into ``dst`` when the file holds the module's
-        dtype; else one job reading a tensor-sized temporary and converting it into place."""
-        if entry.dtype != dst.dtype:
-            return [functools.partial(self._convert, entry, dst)]
-        raw = dst.reshape(-1).view(torch.uint8)
-        reader = self.checkpoint.reader(entry.path)
-        return [functools.partial(self._read_piece, reader, raw[start:start + piece],
-                                  entry.file_offset + start)
-                for start in range(0, entry.nbytes, piece)]
+        self._threads.run(self.scatter_jobs([(entry, dst)], _PIECE))
 
     def scatter_jobs(self, targets: Sequence[tuple[TensorEntry, torch.Tensor]], piece: int
                      ) -> list[Callable[[], None]]:
-        """Jobs that fill every ``(entry, dst)`` of ``targets`` (as :meth:`read_jobs`), with
-        the reads merged: tensors that follow each other in a file are read by one request of
-        up to ``piece`` bytes scattered into their destinations (``preadv``), so a block of
-        many tensors is a few large sequential reads whatever its layout in memory."""
+        """Jobs (run on any thread, in any order) that fill every ``(entry, dst)`` of
+        ``targets`` (``dst``: a contiguous CPU view of the entry's shape in the module's dtype)
+        from the file. Tensors that follow each other in a file are read by requests of up to
+        ``piece`` bytes, each one ``preadv`` scattered into their destinations, so a block of
+        many tensors is a few large sequential reads whatever its layout in memory; a tensor
+        stored in another dtype is one job reading a tensor-sized temporary and converting it
+        into place."""
         jobs: list[Callable[[], None]] = []
         direct: list[tuple[TensorEntry, torch.Tensor]] = []
         for entry, dst in targets:
@@ -164,11 +154,6 @@ class CheckpointSource:
         reader.read_scatter(dsts, offset)
         with self._lock:
             self.bytes_read += sum(d.numel() for d in dsts)
-
-    def _read_piece(self, reader: Any, dst: torch.Tensor, offset: int) -> None:
-        reader.read_into(dst, offset)
-        with self._lock:
-            self.bytes_read += dst.numel()
 
     def _convert(self, entry: TensorEntry, dst: torch.Tensor) -> None:
         dst.copy_(self.checkpoint.load_tensor(entry.name).reshape(dst.shape))

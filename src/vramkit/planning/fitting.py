@@ -215,14 +215,10 @@ class Fitted:
                   quantization=QuantizationConfig(weights_dtype=fmt,
                                                   modules_to_not_quantize=keep),
                   use_mmap=False, progress=False)
-        after = dict(block.named_modules())
-        for qual, module in before.items():
-            if qual and after.get(qual) is not module:
-                parent, _, attr = qual.rpartition(".")
-                owner = block.get_submodule(parent) if parent else block
-                # the original layer was on meta: detach refills it from the file
-                self._originals.append((owner, attr, module, []))
-                self._refill.append((module, f"{prefix or ''}{name}.{qual}."))
+        for owner, attr, qual, module in _replaced(block, before):
+            # the original layer was on meta: detach refills it from the file
+            self._originals.append((owner, attr, module, []))
+            self._refill.append((module, f"{prefix or ''}{name}.{qual}."))
 
     def _quantize_block(self, name: str, fmt: str) -> None:
         from vramkit.quant.model import QuantizationConfig, quantize_model
@@ -236,12 +232,8 @@ class Fitted:
                         if t is not None] for m in before.values()}
         quantize_model(block, QuantizationConfig(weights_dtype=fmt,
                                                  modules_to_not_quantize=keep))
-        after = dict(block.named_modules())
-        for qual, module in before.items():
-            if qual and after.get(qual) is not module:
-                parent, _, attr = qual.rpartition(".")
-                owner = block.get_submodule(parent) if parent else block
-                self._originals.append((owner, attr, module, held[id(module)]))
+        for owner, attr, _, module in _replaced(block, before):
+            self._originals.append((owner, attr, module, held[id(module)]))
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         if self._report is not None and len(self._marks) > self._observe_steps:
@@ -409,3 +401,17 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
     return Fitted(model, plan, target, blocks=blocks, observe_steps=observe_steps,
                   checkpoint=checkpoint, prefix=prefix, strict=strict,
                   master_memory=master_memory, block_loader=block_loader)
+
+
+def _replaced(block: nn.Module, before: dict[str, nn.Module]
+              ) -> list[tuple[nn.Module, str, str, nn.Module]]:
+    """``(owner, attribute, qualified name, original)`` of each submodule of ``block`` that is
+    no longer where ``before`` (``dict(block.named_modules())`` earlier) had it: the layers a
+    quantization replaced."""
+    after = dict(block.named_modules())
+    out = []
+    for qual, module in before.items():
+        if qual and after.get(qual) is not module:
+            parent, _, attr = qual.rpartition(".")
+            out.append((block.get_submodule(parent) if parent else block, attr, qual, module))
+    return out

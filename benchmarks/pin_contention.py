@@ -266,13 +266,13 @@ def main() -> None:
         if isinstance(value, dict):
             alone = result["register"]["spin_alone" if key.endswith("spin") else "launches_alone"]
             rows.append({"case": f"register: {key}", "GB/s": value["register_GBps"],
-                         "main thread rate / alone": round(value["main_rate"] / alone, 4)})
+                         "main thread rate / alone": f"{value['main_rate'] / alone:.3g}"})
     for key in ("populate", "no_populate"):
         value = result.get("pool", {}).get(key)
         if value:
             rows.append({"case": f"pool growth: {key}", "GB/s": value["grow_GBps"],
-                         "main thread rate / alone": round(value["main_rate"]
-                                                           / result["pool"]["alone"], 4)})
+                         "main thread rate / alone":
+                             f"{value['main_rate'] / result['pool']['alone']:.3g}"})
     for key, value in result.get("read", {}).items():
         rows.append({"case": key, "GB/s": value, "main thread rate / alone": "-"})
     write_result("pin_contention", result, rows, args.out)

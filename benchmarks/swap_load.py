@@ -882,6 +882,8 @@ def load_part(args: argparse.Namespace, folder: Path, ckpt: dict[str, Any]
             "ttfs / mean(before, after)": _num(r.get("ttfs_over_bracket"), ".3f"),
             "attach returns s": _num(r.get("load_s")),
             "read done s": _num(r.get("fill_s")),
+            "read done / cold before": _num(_ratio(r.get("fill_s"), r.get("cold_read_s")),
+                                            ".3f"),
             "1st step s": _num(first.get("step_s")),
             "2nd step s": _num((r.get("steps") or [{}, {}])[1].get("step_s")
                                if len(r.get("steps") or []) > 1 else None),

@@ -664,6 +664,9 @@ def load_child(variant: str, ctx: Context, r: dict[str, Any]) -> None:
         swapper.wait_loaded()  # (the first step used every block: a no-op, for the figures)
         r["fill_s"] = swapper.stats().load_seconds  # from the start of the attach to the end
         # of the read, background part included
+        fill = getattr(getattr(swapper, "_host", None), "filler", None)
+        if fill is not None:  # the read threads' occupancy and each block's pin/fill times
+            r["fill"] = fill.figures()
     r["peak_rss"] = peak_rss()
     r["rss_end"] = rss()
     r["torch_pinned_bytes"] = torch_pinned_bytes()
@@ -745,8 +748,10 @@ def child_main(args: argparse.Namespace) -> None:
 
         if part == "disk" and args.deterministic == "on":
             # The two variants' losses are compared bit for bit: flash attention's backward
-            # accumulates with atomics unless deterministic algorithms are asked for.
-            torch.use_deterministic_algorithms(True, warn_only=True)
+            # accumulates with atomics unless deterministic algorithms are asked for, and only
+            # the strict mode switches it (with warn_only=True it warns and stays
+            # non-deterministic: two all-in-RAM runs drifted by 2.3e-4 that way).
+            torch.use_deterministic_algorithms(True)
             torch.utils.deterministic.fill_uninitialized_memory = False  # no NaN fill cost
             r["deterministic"] = True
         ctx = Context(args)

@@ -201,28 +201,41 @@ class _ScatterNet(torch.nn.Module):
             self.register_buffer(name, torch.empty(t.shape, dtype=torch.bfloat16))
 
 
-def test_masters_are_pinned_at_most_lead_blocks_ahead_of_the_reads(
+@pytest.mark.parametrize("lead_blocks", [0, 2.5])
+def test_masters_are_pinned_no_further_ahead_of_the_reads_than_the_lead(
         path: Path, reference: Net, patch_reads: Callable[..., list[str]],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, lead_blocks: float) -> None:
+    # LEAD blocks ahead at least, more while they hold less than LEAD_BYTES (here 0 bytes:
+    # the block rule alone, or two and a half blocks' bytes: one block more).
     from vramkit.offload import _swap_fill, _swap_host
 
     patch_reads(delay=0.02)
-    ahead: list[int] = []
+    ahead: list[tuple[int, int]] = []  # unread blocks before the one pinned, their bytes
     real = _swap_host.HostStore._give_master
 
     def give_master(self: Any, block: Any) -> torch.Tensor:
         fill = self.filler
         if fill is not None and fill.covers(block):
             earlier = fill.blocks[:fill.blocks.index(block)]
-            ahead.append(sum(not fill._pending[id(b)].event.is_set() for b in earlier))
+            unread = [b for b in earlier if not fill._pending[id(b)].event.is_set()]
+            ahead.append((len(unread), sum(b.nbytes for b in unread)))
         return real(self, block)
 
     monkeypatch.setattr(_swap_host.HostStore, "_give_master", give_master)
     net = _meta()
+    block_bytes = BlockSwapper.footprint(reference.blocks[0], CONFIG).swapped  # 5 equal
+    monkeypatch.setattr(_swap_fill, "LEAD_BYTES", int(lead_blocks * block_bytes))
     swapper = BlockSwapper(net, config=CONFIG, device="cpu", checkpoint=path)
     swapper.wait_loaded()
-    assert len(ahead) >= 3 and max(ahead) <= _swap_fill.LEAD == 2
+    most = max(count for count, _ in ahead)
+    assert len(ahead) >= 3 and _swap_fill.LEAD == 2
+    # A block is pinned while fewer than LEAD are unread, or they hold under LEAD_BYTES.
+    assert all(count < 2 or nbytes < _swap_fill.LEAD_BYTES for count, nbytes in ahead)
+    assert most == (1 if lead_blocks == 0 else 2)  # the lead was used, not more
     _assert_same(net, reference)
+    figures = swapper._host.filler.figures()
+    assert figures["mean_in_flight"] > 0 and len(figures["blocks"]) == len(ahead)
+    assert all(0 <= pinned <= filled for _, _, pinned, filled in figures["blocks"])
     swapper.detach()
 
 

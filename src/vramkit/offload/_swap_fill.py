@@ -4,11 +4,13 @@
 into it, block by block in execution order:
 
 * a driver thread page-locks the next block's master (``cudaHostRegister`` through the pinned
-  pool) while the read threads fill the ones before it, at most ``LEAD`` blocks ahead of the
-  oldest block still being read: pinning populates the pages (CPU work) and registers them
-  under the CUDA driver's lock, so it is spread over the whole fill instead of being done all
-  at the start, beside the main thread's first CUDA calls (a background fill runs beside the
-  first steps);
+  pool) while the read threads fill the ones before it, no further ahead than the reads need:
+  ``LEAD`` blocks, or more while the blocks pinned and not yet read hold less than
+  ``LEAD_BYTES`` (small blocks: a 283 MB Flux block is only 5 reads, so two of them left
+  the 8 read threads idle while the next one was pinned). Pinning populates the pages (CPU
+  work) and registers them under the CUDA driver's lock, so it is spread over the whole fill
+  instead of being done all at the start, beside the main thread's first CUDA calls (a
+  background fill runs beside the first steps);
 * the tensors of a block that follow each other in a file are read by requests of up to
   ``PIECE`` bytes, each one ``preadv`` scattered into their places in the master
   (:meth:`CheckpointSource.scatter_jobs`), and all of a block's requests are queued at once,
@@ -50,7 +52,8 @@ logger = logging.getLogger(__name__)
 
 PIECE = 64 << 20  # one read request: large for the disk (readahead, deep queues), and a block
 # (hundreds of MB) is still several requests for the threads to share
-LEAD = 2  # blocks allocated (pinned) ahead of the oldest block still being read
+LEAD = 2  # blocks allocated (pinned) ahead of the oldest block still being read, at least
+LEAD_BYTES = 1 << 30  # ... and more while those hold less than this: 16 reads of PIECE queued
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ def _stopped() -> OffloadError:
 class _Pending:
     """One block's fill: how many of its jobs are still running, and the first error."""
 
-    __slots__ = ("error", "event", "lock", "remaining", "specs")
+    __slots__ = ("error", "event", "filled_at", "lock", "pinned_at", "remaining", "specs")
 
     def __init__(self, specs: list[FillSpec]) -> None:
         self.specs: list[FillSpec] | None = specs  # dropped once filled (frees model tensors)
@@ -79,6 +82,8 @@ class _Pending:
         self.lock = threading.Lock()
         self.remaining = 0
         self.error: BaseException | None = None
+        self.pinned_at: float | None = None  # seconds since the fill started
+        self.filled_at: float | None = None
 
 
 class MasterFill:
@@ -117,6 +122,9 @@ class MasterFill:
         self._gate = threading.Condition()
         self._running = 0
         self._limit: int | None = None
+        # What the figures of a fill are made of (see :meth:`figures`).
+        self._busy = 0.0  # integral of the reads/copies in flight over time
+        self._changed = 0.0
 
     def limit(self, jobs: int | None) -> None:
         """Run at most ``jobs`` reads/copies at once from now on (``None``: as many as there
@@ -142,11 +150,20 @@ class MasterFill:
     def _drive(self) -> None:
         pool = self._pool
         assert pool is not None
+        oldest = 0  # the first block whose reads may still run
         try:
             for i, block in enumerate(self.blocks):
                 pending = self._pending[id(block)]
-                if i >= LEAD:  # pin no further ahead than the reads need (see the docstring)
-                    self._pending[id(self.blocks[i - LEAD])].event.wait()
+                # Pin no further ahead than the reads need (see the module docstring).
+                while oldest < i:
+                    ahead = self._pending[id(self.blocks[oldest])]
+                    if ahead.event.is_set():
+                        oldest += 1
+                        continue
+                    if (i - oldest < LEAD
+                            or sum(b.nbytes for b in self.blocks[oldest:i]) < LEAD_BYTES):
+                        break
+                    ahead.event.wait()
                 # A read error fails its own block only (the others are still read: what can
                 # be had is had, and detach restores the most); a block that could not be
                 # pinned stops the fill.
@@ -155,6 +172,7 @@ class MasterFill:
                     continue
                 try:
                     master = self._allocate(block)
+                    pending.pinned_at = time.perf_counter() - self.started
                     jobs = self._jobs(block, master, pending)
                 except BaseException as exc:
                     self._error = self._error or exc
@@ -174,8 +192,9 @@ class MasterFill:
                     block.fill = None  # every later use finds its bytes in place
                 if self.background:
                     logger.info("BlockSwapper: %d swapped blocks (%.2f GiB) filled in the "
-                                "background in %.1f s", len(self.blocks), self.nbytes / 2**30,
-                                self.seconds)
+                                "background in %.1f s (%.1f reads in flight on average)",
+                                len(self.blocks), self.nbytes / 2**30, self.seconds,
+                                self.figures()["mean_in_flight"])
             if self._on_done is not None:
                 self._on_done()
 
@@ -201,7 +220,7 @@ class MasterFill:
         with self._gate:
             while self._limit is not None and self._running >= self._limit:
                 self._gate.wait()
-            self._running += 1
+            self._tick(+1)
         try:
             if pending.error is None and not self._cancelled:
                 try:
@@ -212,7 +231,7 @@ class MasterFill:
                     self._error = self._error or exc
         finally:
             with self._gate:
-                self._running -= 1
+                self._tick(-1)
                 self._gate.notify()
         with pending.lock:
             pending.remaining -= 1
@@ -222,7 +241,15 @@ class MasterFill:
                 pending.error = _stopped()
             self._finish_block(pending)
 
+    def _tick(self, change: int) -> None:
+        # Under self._gate: the in-flight count changes; its time integral grows.
+        now = time.perf_counter()
+        self._busy += self._running * (now - self._changed) if self._changed else 0.0
+        self._changed = now
+        self._running += change
+
     def _finish_block(self, pending: _Pending) -> None:
+        pending.filled_at = time.perf_counter() - self.started
         if pending.error is None:
             pending.specs = None  # kept on failure: the model's own values can still go back
         pending.event.set()
@@ -284,6 +311,20 @@ class MasterFill:
     def done(self) -> bool:
         """Whether every block is filled (or failed)."""
         return all(p.event.is_set() for p in self._pending.values())
+
+    def figures(self) -> dict[str, Any]:
+        """How the fill went, for benchmarks and logs: ``seconds`` (start to last block),
+        ``mean_in_flight`` (reads/copies running at once, averaged over that time: the read
+        threads' occupancy) and ``blocks``, per block ``(name, bytes, pinned_at, filled_at)``
+        in seconds since the start (``None`` where it did not happen)."""
+        with self._gate:
+            busy = self._busy + (self._running * (time.perf_counter() - self._changed)
+                                 if self._changed else 0.0)
+        span = max((p.filled_at or 0.0 for p in self._pending.values()), default=0.0)
+        return {"seconds": self.seconds, "bytes": self.nbytes,
+                "mean_in_flight": busy / span if span > 0 else 0.0,
+                "blocks": [(b.name, b.nbytes, self._pending[id(b)].pinned_at,
+                            self._pending[id(b)].filled_at) for b in self.blocks]}
 
     def _wrapped(self, block: SwappedBlock, exc: BaseException) -> OffloadError:
         if isinstance(exc, OffloadError):

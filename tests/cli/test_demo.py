@@ -83,7 +83,7 @@ def test_python_m_vramkit_demo_runs_without_a_gpu(tmp_path: Path) -> None:
     plan = data["plan"]
     assert plan["device"] == "cpu" and not plan["gpu_found"] and plan["model_name"] == "small"
     assert plan["model_bytes"] > plan["budget_bytes"]
-    assert 0 < data["swapped_blocks"] < data["total_blocks"]
+    assert 0 < data["swapped_blocks"] <= data["total_blocks"]  # the planner's choice
     assert data["checkpointed_blocks"] and data["under_budget"]
     assert data["baseline_max_loss_diff"] == 0.0
     assert (tmp_path / "vramkit-demo-report.html").is_file()

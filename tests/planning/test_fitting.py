@@ -181,7 +181,7 @@ def test_fit_from_a_checkpoint_quantizes_blocks_as_they_are_read(tmp_path, budge
     made, packed = _quantizing_plan(4 * MiB)
     if budget != 4 * MiB:  # the same formats, nothing swapped (the loader's path, not the swapper's)
         made = dataclasses.replace(made, swapped=(), resident=(*made.resident, *made.swapped),
-                                   budget_bytes=budget)
+                                   resident_format=made.formats[packed], budget_bytes=budget)
     loaded = stack()  # the reference: weights first, then the same plan
     with vramkit.fit(loaded, inputs(), budget, plan=made, device="cpu"):
         expected = _train(loaded, steps=2)

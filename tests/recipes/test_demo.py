@@ -85,12 +85,14 @@ def test_activation_estimate_counts_checkpointing_batch_and_fused_attention() ->
     assert full1 > len(names) * config.num_tokens * config.hidden_size * 4
 
 
-def test_default_cpu_plan_swaps_some_blocks_and_checkpoints() -> None:
+def test_default_cpu_plan_swaps_blocks_and_checkpoints() -> None:
     plan = plan_demo(DemoConfig(device="cpu", report=None))
     assert plan.model_name == "small" and plan.simulated
     assert plan.model_config["dtype"] == "float32"
     assert plan.model_bytes > plan.budget_bytes  # the model does not fit the budget
-    assert 0 < plan.planned_swapped_blocks < plan.num_blocks
+    # how many is the planner's choice: the small DiT's blocks are launch-bound, so swapping
+    # all of them costs no time and leaves room to recompute fewer
+    assert 0 < plan.planned_swapped_blocks <= plan.num_blocks
     assert plan.checkpointing
     assert plan.steps == 10 and plan.batch_size == 2
 

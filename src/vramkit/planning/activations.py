@@ -198,9 +198,11 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
         for t in (q, k, v, out):
             self.saved.pack(t)
         self.saved.add_bytes(math.prod(q.shape[:-1]) * 4)  # log-sum-exp
-        # q @ k^T and p @ v: 2 FLOPs per multiply-add, over every query-key pair.
+        # q @ k^T and p @ v: 2 FLOPs per multiply-add, over every query-key pair (half of
+        # them with a causal mask: fused kernels skip the masked tiles).
         pairs = math.prod(q.shape[:-1]) * k.shape[-2]
-        flops = 2 * pairs * q.shape[-1] + 2 * pairs * v.shape[-1]
+        causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+        flops = (2 * pairs * q.shape[-1] + 2 * pairs * v.shape[-1]) // (2 if causal else 1)
         key = self.saved.current
         self.saved.attention_flops[key] = self.saved.attention_flops.get(key, 0) + flops
         return out

@@ -8,7 +8,9 @@ One pass runs the step (forward and loss, then backward for training) under a FL
 replaced by a stand-in that saves what fused kernels save, so its FLOPs are counted there
 (forward: ``q @ k^T`` and ``p @ v``; backward: 2.5x, the five matmuls of a flash-attention
 backward). Storage formats are measured on quantized copies of each block built on the meta
-device with the exact packed layout.
+device with the exact packed layout. The forward also counts, by block, the kernels it would
+launch and the bytes its kernels other than matmuls and attention move (:class:`Work`): what
+an offline plan times beside the FLOPs (:meth:`vramkit.planning.machine.Machine.work_seconds`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from vramkit._validate import check_choice
 from vramkit.errors import ConfigError
@@ -31,7 +35,8 @@ from vramkit.offload.swap import BlockSwapper, SwapConfig
 from vramkit.planning._meta import MetaAutocast, quantize_on_meta
 from vramkit.planning.activations import ActivationEstimate, activation_accounting
 
-__all__ = ["FORMATS", "BlockCost", "ModelCost", "analyze", "default_step", "meta_copy", "to_meta"]
+__all__ = ["FORMATS", "BlockCost", "ModelCost", "Work", "analyze", "default_step", "meta_copy",
+           "to_meta"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +45,26 @@ FORMATS = ("bf16", "fp8", "int8", "nf4", "int4")
 #: Backward of fused attention over its forward (flash attention: 5 matmuls vs 2).
 ATTENTION_BACKWARD_FACTOR = 2.5
 _MODES = ("train", "infer")
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one forward of a block (or of everything outside the blocks) asks of the device,
+    as counted on meta: the time model of an offline plan prices each part.
+
+    Attributes:
+        matmul_flops: FLOPs of matmuls and convolutions.
+        attention_flops: FLOPs of fused attention (half of the pairs when causal).
+        elementwise_bytes: bytes read and written by every other kernel (norms, activations,
+            casts, rotary embeddings, ...): memory-bound work.
+        kernels: kernels launched (view operations excluded): each costs the host its
+            dispatch and the device a launch.
+    """
+
+    matmul_flops: float
+    attention_flops: float
+    elementwise_bytes: float
+    kernels: int
 
 
 @dataclass(frozen=True)
@@ -56,6 +81,7 @@ class BlockCost:
         kept: format -> bytes of its frozen tensors that stay on the device even when it is
             swapped (small tensors).
         adapters: bytes of its trainable parameters (always on the device).
+        work: its forward's :class:`Work` (``None`` when not counted: FLOPs alone then).
     """
 
     name: str
@@ -66,6 +92,7 @@ class BlockCost:
     swapped: Mapping[str, int]
     kept: Mapping[str, int]
     adapters: int
+    work: Work | None = None
 
     def resident_bytes(self, fmt: str) -> int:
         """Frozen bytes on the device when the block stays resident in ``fmt``."""
@@ -86,6 +113,7 @@ class ModelCost:
         activations: the activation estimate by block (batch of the example inputs).
         formats: the formats measured (always ``"bf16"`` first: the model as built).
         seconds: how long the analysis took.
+        outside_work: the forward :class:`Work` outside the blocks (``None``: not counted).
     """
 
     mode: str
@@ -99,6 +127,7 @@ class ModelCost:
     formats: tuple[str, ...]
     seconds: float = 0.0
     block_index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    outside_work: Work | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_index", {b.name: i for i, b in enumerate(self.blocks)})
@@ -178,6 +207,39 @@ def _flatten(value: Any) -> list[Any]:
     return []
 
 
+#: Operators that launch no kernel (besides views, which ``OpOverload.is_view`` names).
+_NO_KERNEL = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                        torch.ops.aten.empty_like.default, torch.ops.aten.detach.default,
+                        torch.ops.aten.lift_fresh.default})
+
+
+class _KernelCounter(TorchDispatchMode):
+    """Kernels and the bytes of the non-matmul ones, by the block running (``saved.current``
+    of the activation accounting; ``None`` outside every block)."""
+
+    def __init__(self, saved: Any) -> None:
+        super().__init__()
+        self.saved = saved
+        self.kernels: dict[str | None, int] = {}
+        self.bytes: dict[str | None, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or func in _NO_KERNEL:
+            return out
+        key = self.saved.current
+        self.kernels[key] = self.kernels.get(key, 0) + 1
+        if func.overloadpacket not in flop_registry:  # matmuls are timed by their FLOPs
+            moved = sum(_nbytes(t) for t in pytree.tree_leaves((args, kwargs, out))
+                        if isinstance(t, torch.Tensor))
+            self.bytes[key] = self.bytes.get(key, 0) + moved
+        return out
+
+    def work(self, key: str | None, matmul: float, attention: float) -> Work:
+        return Work(matmul, attention, float(self.bytes.get(key, 0)), self.kernels.get(key, 0))
+
+
 def _flop_counts(counter: FlopCounterMode) -> dict[str, float]:
     return {name: float(sum(ops.values())) for name, ops in counter.get_flop_counts().items()}
 
@@ -222,7 +284,7 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
     counter = FlopCounterMode(display=False)
     try:
         with counter:
-            with activation_accounting(meta, names) as saved:
+            with activation_accounting(meta, names) as saved, _KernelCounter(saved) as kernels:
                 context = MetaAutocast(autocast) if autocast is not None else None
                 if context is not None:
                     with context:
@@ -267,7 +329,7 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
         adapters = sum(_nbytes(p) for p in module.parameters() if p.requires_grad)
         costs.append(BlockCost(name, matmul[name] + attn, bwd if mode == "train" else 0.0,
                                estimate.per_block[name], estimate.inputs[name], swapped, kept,
-                               adapters))
+                               adapters, kernels.work(name, matmul[name], attn)))
     in_blocks = {id(t) for _, m in found for t in (*m.parameters(), *m.buffers())}
     outside = sum(_nbytes(t) for t in (*meta.parameters(), *meta.buffers())
                   if id(t) not in in_blocks and not t.requires_grad)
@@ -282,7 +344,9 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
         outside_backward_flops=max(0.0, total_bwd - block_bwd) if mode == "train" else 0.0,
         trainable_params=sum(p.numel() for p in trainable),
         trainable_bytes=sum(_nbytes(p) for p in trainable),
-        activations=estimate, formats=all_formats, seconds=time.perf_counter() - started)
+        activations=estimate, formats=all_formats, seconds=time.perf_counter() - started,
+        outside_work=kernels.work(None, max(0.0, matmul_total - sum(matmul.values())),
+                                  attention.get(None, 0)))
     logger.debug("analyzed %s in %.1f s: %d blocks, %.1f TFLOP forward", root, result.seconds,
                  len(costs), result.forward_flops / 1e12)
     return result

@@ -1,8 +1,20 @@
 """The machine a plan is made for: copy bandwidth, achieved compute throughput, memory.
 
-Either from a named :class:`~vramkit.planning.hardware.HardwareProfile` (offline planning: the
-vendor's dense bf16 peak times an achieved fraction), or measured on this machine's GPU
-(:func:`measure_machine`: a pinned host->device copy and a bf16 matmul, timed with CUDA events).
+Either from a named :class:`~vramkit.planning.hardware.HardwareProfile` (offline planning from
+the vendor's peaks), or measured on this machine's GPU (:func:`measure_machine`: a pinned
+host->device copy and a bf16 matmul, timed with CUDA events; a plan on a measured machine also
+times its blocks, :mod:`vramkit.planning.calibration`).
+
+Offline, a block's time comes from what the meta pass counted
+(:class:`~vramkit.planning.analysis.Work`), not from its FLOPs alone
+(:meth:`Machine.work_seconds`): the device runs its matmuls at :data:`MATMUL_FRACTION` of the
+bf16 peak, its fused attention at :data:`ATTENTION_FRACTION`, its other kernels at
+:data:`MEMORY_FRACTION` of the memory bandwidth, plus :data:`DEVICE_SECONDS_PER_KERNEL` per
+kernel; the host needs :data:`HOST_SECONDS_PER_KERNEL` to launch each one; the block takes the
+longer of the two. One share of the peak for everything (:data:`ACHIEVED_FRACTION`, what plans
+used before) fitted FLUX.1-dev's blocks and missed a Llama layer by 36 %: on an H100 a FLUX
+block reaches 0.29 of the peak and a Llama layer 0.46, because FLUX spends more of its time in
+memory-bound work and kernel launches (docs/benchmarks.md, "Planner").
 """
 
 from __future__ import annotations
@@ -13,10 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from vramkit._validate import check_number
-from vramkit.errors import DeviceError
+from vramkit.errors import ConfigError, DeviceError
 from vramkit.planning.hardware import HardwareProfile, hardware_profile
 
-__all__ = ["ACHIEVED_FRACTION", "Machine", "machine_for", "measure_machine"]
+__all__ = ["ACHIEVED_FRACTION", "ATTENTION_FRACTION", "BACKWARD_BYTES", "BACKWARD_KERNELS",
+           "DEVICE_SECONDS_PER_KERNEL", "HOST_SECONDS_PER_KERNEL", "MATMUL_FRACTION",
+           "MEMORY_FRACTION", "Machine", "machine_for", "measure_machine"]
 
 #: Share of the dense bf16 peak the blocks of a diffusion-transformer or LLM training step
 #: achieve, as the planner counts their FLOPs: on an H100 80GB HBM3 (the h100-sxm profile,
@@ -26,6 +40,28 @@ __all__ = ["ACHIEVED_FRACTION", "Machine", "machine_for", "measure_machine"]
 #: are in the blocks' time but not in a matmul's peak, hence the low share. A measured machine
 #: needs no such factor.
 ACHIEVED_FRACTION = 0.26
+# The offline time model (module docstring), fitted on an H100 80GB HBM3 (989 TFLOP/s bf16,
+# 3.35 TB/s) to the device and host times of one block of each kind of FLUX.1-dev, Llama-3.1-8B,
+# SD3.5-large, Qwen-Image, Wan2.1-14B and SDXL's attention stacks (18 forward and backward
+# times, calibrate_blocks' timing, with the kernels and bytes analyze() counts for them;
+# docs/benchmarks.md "Planner"): the device times within -18 % .. +13 % (mean |error|
+# 7.5 %), against -70 % .. +60 % for one share of the peak.
+#: Share of the dense bf16 peak a block's matmuls reach (fixed: large GEMMs on Hopper).
+MATMUL_FRACTION = 0.70
+#: Share of the dense bf16 peak fused attention reaches (flash attention, forward and backward).
+ATTENTION_FRACTION = 0.36
+#: Share of the memory bandwidth the other kernels reach (bytes read + written, as counted).
+MEMORY_FRACTION = 0.81
+#: Device time per kernel beyond its work (launch, tails, small grids), seconds.
+DEVICE_SECONDS_PER_KERNEL = 2.5e-6
+#: Host time to launch one kernel through PyTorch (dispatcher, autocast, module hooks): the
+#: median of the blocks above on the H100 machine's 16-core Xeon host (a faster desktop CPU
+#: needs less), seconds.
+HOST_SECONDS_PER_KERNEL = 26e-6
+#: A block's backward against its forward, as counted on meta for the same blocks: kernels
+#: 1.40-1.45x, bytes of the memory-bound kernels 1.54-1.81x.
+BACKWARD_KERNELS = 1.43
+BACKWARD_BYTES = 1.65
 #: Host time the swapper adds per block acquisition (enqueue of a copy and events), seconds:
 #: docs/benchmarks.md, 0.036-0.047 ms per block on the H200 host.
 SWAP_HOST_SECONDS = 50e-6
@@ -43,6 +79,9 @@ class Machine:
         fp8_flops_per_s: the same for fp8 GEMMs (``None``: no fp8 tensor cores).
         memory_bandwidth_bytes_per_s: device memory bandwidth (dequantization, optimizer).
         measured: whether the figures were measured on this machine.
+        peak_flops_per_s: the dense bf16 peak of a hardware profile: set, blocks with counted
+            :class:`~vramkit.planning.analysis.Work` are timed by :meth:`work_seconds`; ``None``
+            (a measured machine, whose blocks are timed on it): FLOPs over ``flops_per_s``.
     """
 
     name: str
@@ -53,11 +92,33 @@ class Machine:
     fp8_flops_per_s: float | None
     memory_bandwidth_bytes_per_s: float
     measured: bool = False
+    peak_flops_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "flops_per_s",
                      "memory_bandwidth_bytes_per_s"):
             check_number(f"Machine.{name}", getattr(self, name), minimum=0, low_open=True)
+        check_number("Machine.peak_flops_per_s", self.peak_flops_per_s, minimum=0,
+                     low_open=True, allow_none=True)
+
+    def work_seconds(self, matmul_flops: float, attention_flops: float,
+                     elementwise_bytes: float, kernels: float) -> float:
+        """Seconds of a block's forward or backward by the offline time model (module
+        docstring): the longer of the device's time and the host's launches.
+
+        Raises:
+            ConfigError: on a machine without ``peak_flops_per_s`` (a measured one).
+        """
+        peak = self.peak_flops_per_s
+        if peak is None:
+            raise ConfigError(f"{self.name} has no peak throughput to time work with",
+                              hint="Time its blocks instead (calibrate_blocks), or plan with "
+                                   "a hardware profile.")
+        device = (matmul_flops / (peak * MATMUL_FRACTION)
+                  + attention_flops / (peak * ATTENTION_FRACTION)
+                  + elementwise_bytes / (self.memory_bandwidth_bytes_per_s * MEMORY_FRACTION)
+                  + kernels * DEVICE_SECONDS_PER_KERNEL)
+        return max(device, kernels * HOST_SECONDS_PER_KERNEL)
 
     @classmethod
     def from_profile(cls, profile: HardwareProfile,
@@ -70,7 +131,8 @@ class Machine:
                    h2d_bytes_per_s=profile.h2d_bytes_per_s,
                    d2h_bytes_per_s=profile.d2h_bytes_per_s,
                    flops_per_s=profile.bf16_flops * achieved_fraction, fp8_flops_per_s=fp8,
-                   memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s)
+                   memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s,
+                   peak_flops_per_s=profile.bf16_flops)
 
 
 def machine_for(hardware: str | HardwareProfile | Machine | None,

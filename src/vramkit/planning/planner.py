@@ -15,7 +15,8 @@ bandwidth and throughput. A candidate is predicted phase by phase (DESIGN.md §4
   swapped blocks of a phase are already loaded (kept across the forward/backward turn). So a
   phase costs at least ``max(compute, copies)``, and more where slots are too few or swapped
   blocks too close together for the copies to hide. Plus the optimizer and the swapper's host
-  time per block.
+  time per block. A block's own time is measured (``times``, a calibrated machine) or, offline,
+  the time model of its counted work (:meth:`~vramkit.planning.machine.Machine.work_seconds`).
 
 The search: for each pair of formats (swapped blocks, resident blocks) among the allowed ones,
 each ``R`` and each number of swapped blocks (spread evenly by bytes, as the swapper's own
@@ -38,9 +39,14 @@ from typing import Any
 from vramkit.errors import PlanError
 from vramkit.offload._activation_settings import ActivationOffloadConfig
 from vramkit.offload.blocks import spread_evenly
-from vramkit.planning.analysis import BlockCost, ModelCost
+from vramkit.planning.analysis import ATTENTION_BACKWARD_FACTOR, BlockCost, ModelCost, Work
 from vramkit.planning.calibration import BlockTimes
-from vramkit.planning.machine import SWAP_HOST_SECONDS, Machine
+from vramkit.planning.machine import (
+    BACKWARD_BYTES,
+    BACKWARD_KERNELS,
+    SWAP_HOST_SECONDS,
+    Machine,
+)
 from vramkit.units import format_size
 
 __all__ = ["PhaseTime", "Plan", "search"]
@@ -299,8 +305,10 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     if activation_offload and train:
         least_activations = min(least_activations, _offloaded(estimate, train))
     flops = machine.flops_per_s
-    block_fwd = [b.forward_flops / flops for b in cost.blocks]
-    block_bwd = [b.backward_flops / flops for b in cost.blocks]
+    timed = [_work_seconds(machine, b.forward_flops, b.backward_flops, b.work)
+             for b in cost.blocks]
+    block_fwd = [t[0] for t in timed]
+    block_bwd = [t[1] for t in timed]
     if times is not None:
         measured = set(times.forward) - set(times.fallbacks)
         block_fwd = [times.forward[b.name] if b.name in measured else t
@@ -311,8 +319,12 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     bw = machine.h2d_bytes_per_s
     disk_bw = disk_bytes_per_s if disk_bytes_per_s is not None else DEFAULT_DISK_BYTES_PER_S
     optimizer = 4 * cost.trainable_bytes / machine.memory_bandwidth_bytes_per_s if train else 0.0
-    outside_fwd = cost.outside_forward_flops / flops
-    outside_bwd = cost.outside_backward_flops / flops
+    if times is None:
+        outside_fwd, outside_bwd = _work_seconds(machine, cost.outside_forward_flops,
+                                                 cost.outside_backward_flops, cost.outside_work)
+    else:  # at the throughput the timed blocks reached
+        outside_fwd = cost.outside_forward_flops / flops
+        outside_bwd = cost.outside_backward_flops / flops
     # What storing a block packed adds to its forward and backward calls: measured where the
     # calibration timed the format, else the memory traffic of dequantizing.
     dequant_of: dict[str, list[tuple[float, float]]] = {}
@@ -499,6 +511,23 @@ def _offload_bytes(estimate: Any, checkpointed: Sequence[str]) -> int:
     """Bytes an activation offloader moves each way: what the blocks keep."""
     chosen = set(checkpointed)
     return sum(_kept_bytes(estimate, n, chosen) for n in estimate.per_block)
+
+
+def _work_seconds(machine: Machine, forward_flops: float, backward_flops: float,
+                  work: Work | None) -> tuple[float, float]:
+    """Forward and backward seconds of some work: by the offline time model where the machine
+    is a hardware profile and the work was counted, else its FLOPs at ``flops_per_s``."""
+    if machine.peak_flops_per_s is None or work is None:
+        return forward_flops / machine.flops_per_s, backward_flops / machine.flops_per_s
+    forward = machine.work_seconds(work.matmul_flops, work.attention_flops,
+                                   work.elementwise_bytes, work.kernels)
+    if backward_flops <= 0:  # inference: no backward
+        return forward, 0.0
+    attention = ATTENTION_BACKWARD_FACTOR * work.attention_flops
+    backward = machine.work_seconds(max(0.0, backward_flops - attention), attention,
+                                    BACKWARD_BYTES * work.elementwise_bytes,
+                                    BACKWARD_KERNELS * work.kernels)
+    return forward, backward
 
 
 def _dequant(block: BlockCost, fmt: str, machine: Machine) -> float:

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
@@ -59,12 +58,14 @@ class Work:
             casts, rotary embeddings, ...): memory-bound work.
         kernels: kernels launched (view operations excluded): each costs the host its
             dispatch and the device a launch.
+        convolutions: of those, convolutions (cuDNN calls: dearer for the host).
     """
 
     matmul_flops: float
     attention_flops: float
     elementwise_bytes: float
     kernels: int
+    convolutions: int = 0
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,7 @@ def _flatten(value: Any) -> list[Any]:
 _NO_KERNEL = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
                         torch.ops.aten.empty_like.default, torch.ops.aten.detach.default,
                         torch.ops.aten.lift_fresh.default})
+_CONVOLUTIONS = frozenset({torch.ops.aten.convolution, torch.ops.aten._convolution})
 
 
 class _KernelCounter(TorchDispatchMode):
@@ -222,22 +224,42 @@ class _KernelCounter(TorchDispatchMode):
         self.saved = saved
         self.kernels: dict[str | None, int] = {}
         self.bytes: dict[str | None, int] = {}
+        self.convolutions: dict[str | None, int] = {}
+        # operator -> 0 no kernel, 1 matmul, 2 memory-bound, 3 convolution
+        self._kind: dict[Any, int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func.is_view or func in _NO_KERNEL:
+        kind = self._kind.get(func)
+        if kind is None:
+            kind = self._kind[func] = (
+                0 if func.is_view or func in _NO_KERNEL
+                else 3 if func.overloadpacket in _CONVOLUTIONS
+                else 1 if func.overloadpacket in flop_registry else 2)
+        if kind == 0:
             return out
         key = self.saved.current
         self.kernels[key] = self.kernels.get(key, 0) + 1
-        if func.overloadpacket not in flop_registry:  # matmuls are timed by their FLOPs
-            moved = sum(_nbytes(t) for t in pytree.tree_leaves((args, kwargs, out))
-                        if isinstance(t, torch.Tensor))
-            self.bytes[key] = self.bytes.get(key, 0) + moved
+        if kind == 3:
+            self.convolutions[key] = self.convolutions.get(key, 0) + 1
+        if kind == 2:  # matmuls are timed by their FLOPs
+            self.bytes[key] = (self.bytes.get(key, 0) + _moved(args) + _moved(out)
+                               + (_moved(tuple(kwargs.values())) if kwargs else 0))
         return out
 
     def work(self, key: str | None, matmul: float, attention: float) -> Work:
-        return Work(matmul, attention, float(self.bytes.get(key, 0)), self.kernels.get(key, 0))
+        return Work(matmul, attention, float(self.bytes.get(key, 0)), self.kernels.get(key, 0),
+                    self.convolutions.get(key, 0))
+
+
+def _moved(value: Any) -> int:
+    """Bytes of the tensors in ``value`` (a tensor, or a tuple or list holding some)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_moved(v) for v in value)
+    return 0
 
 
 def _flop_counts(counter: FlopCounterMode) -> dict[str, float]:

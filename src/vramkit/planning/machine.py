@@ -28,9 +28,7 @@ from vramkit._validate import check_number
 from vramkit.errors import ConfigError, DeviceError
 from vramkit.planning.hardware import HardwareProfile, hardware_profile
 
-__all__ = ["ACHIEVED_FRACTION", "ATTENTION_FRACTION", "BACKWARD_BYTES", "BACKWARD_KERNELS",
-           "DEVICE_SECONDS_PER_KERNEL", "HOST_SECONDS_PER_KERNEL", "MATMUL_FRACTION",
-           "MEMORY_FRACTION", "Machine", "machine_for", "measure_machine"]
+__all__ = ["ACHIEVED_FRACTION", "Machine", "machine_for", "measure_machine"]
 
 #: Share of the dense bf16 peak the blocks of a diffusion-transformer or LLM training step
 #: achieve, as the planner counts their FLOPs: on an H100 80GB HBM3 (the h100-sxm profile,
@@ -58,6 +56,11 @@ DEVICE_SECONDS_PER_KERNEL = 2.5e-6
 #: median of the blocks above on the H100 machine's 16-core Xeon host (a faster desktop CPU
 #: needs less), seconds.
 HOST_SECONDS_PER_KERNEL = 26e-6
+#: Host time a convolution adds beyond a kernel's launch (cuDNN's descriptors and plan lookup),
+#: forward and backward, seconds: SDXL's resnet blocks (19-20 kernels, 2-3 convolutions) took
+#: 1.1-1.8 ms of host per forward and 0.7-1.7 ms per backward on the same host
+#: (benchmarks/block_times.py), 3x what their kernel count gives.
+HOST_SECONDS_PER_CONVOLUTION = (370e-6, 150e-6)
 #: A block's backward against its forward, as counted on meta for the same blocks: kernels
 #: 1.40-1.45x, bytes of the memory-bound kernels 1.54-1.81x.
 BACKWARD_KERNELS = 1.43
@@ -102,9 +105,12 @@ class Machine:
                      low_open=True, allow_none=True)
 
     def work_seconds(self, matmul_flops: float, attention_flops: float,
-                     elementwise_bytes: float, kernels: float) -> float:
+                     elementwise_bytes: float, kernels: float,
+                     host_extra_seconds: float = 0.0) -> float:
         """Seconds of a block's forward or backward by the offline time model (module
-        docstring): the longer of the device's time and the host's launches.
+        docstring): the longer of the device's time and the host's launches (plus
+        ``host_extra_seconds``: what some calls cost the host beyond a launch, e.g.
+        :data:`HOST_SECONDS_PER_CONVOLUTION`).
 
         Raises:
             ConfigError: on a machine without ``peak_flops_per_s`` (a measured one).
@@ -118,7 +124,7 @@ class Machine:
                   + attention_flops / (peak * ATTENTION_FRACTION)
                   + elementwise_bytes / (self.memory_bandwidth_bytes_per_s * MEMORY_FRACTION)
                   + kernels * DEVICE_SECONDS_PER_KERNEL)
-        return max(device, kernels * HOST_SECONDS_PER_KERNEL)
+        return max(device, kernels * HOST_SECONDS_PER_KERNEL + host_extra_seconds)
 
     @classmethod
     def from_profile(cls, profile: HardwareProfile,

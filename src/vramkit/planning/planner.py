@@ -44,6 +44,7 @@ from vramkit.planning.calibration import BlockTimes
 from vramkit.planning.machine import (
     BACKWARD_BYTES,
     BACKWARD_KERNELS,
+    HOST_SECONDS_PER_CONVOLUTION,
     SWAP_HOST_SECONDS,
     Machine,
 )
@@ -519,14 +520,16 @@ def _work_seconds(machine: Machine, forward_flops: float, backward_flops: float,
     is a hardware profile and the work was counted, else its FLOPs at ``flops_per_s``."""
     if machine.peak_flops_per_s is None or work is None:
         return forward_flops / machine.flops_per_s, backward_flops / machine.flops_per_s
+    conv_fwd, conv_bwd = HOST_SECONDS_PER_CONVOLUTION
     forward = machine.work_seconds(work.matmul_flops, work.attention_flops,
-                                   work.elementwise_bytes, work.kernels)
+                                   work.elementwise_bytes, work.kernels,
+                                   work.convolutions * conv_fwd)
     if backward_flops <= 0:  # inference: no backward
         return forward, 0.0
     attention = ATTENTION_BACKWARD_FACTOR * work.attention_flops
     backward = machine.work_seconds(max(0.0, backward_flops - attention), attention,
                                     BACKWARD_BYTES * work.elementwise_bytes,
-                                    BACKWARD_KERNELS * work.kernels)
+                                    BACKWARD_KERNELS * work.kernels, work.convolutions * conv_bwd)
     return forward, backward
 
 

@@ -36,7 +36,9 @@ __all__ = ["ACHIEVED_FRACTION", "Machine", "machine_for", "measure_machine"]
 #: forward and backward (calibrate_blocks: 277 + 695 ms) against their FLOPs (578 ms at 0.43)
 #: gave 0.26 (benchmarks/plan.py, docs/benchmarks.md). Attention, norms and element-wise work
 #: are in the blocks' time but not in a matmul's peak, hence the low share. A measured machine
-#: needs no such factor.
+#: needs no such factor. Offline, blocks whose work was counted are timed by the model below;
+#: this share remains the throughput (``Machine.flops_per_s``) of work that was not (a
+#: hand-built ModelCost) and of the fp8 GEMM.
 ACHIEVED_FRACTION = 0.26
 # The offline time model (module docstring), fitted on an H100 80GB HBM3 (989 TFLOP/s bf16,
 # 3.35 TB/s) to the device and host times of one block of each kind of FLUX.1-dev, Llama-3.1-8B,

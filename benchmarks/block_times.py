@@ -19,6 +19,7 @@ Run (CPU, code path): PYTHONPATH=src python3 benchmarks/block_times.py --device 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -32,9 +33,8 @@ from _common import add_common_args, write_result
 from vramkit.planning import calibration
 from vramkit.planning.analysis import analyze
 from vramkit.planning.hardware import PROFILES, hardware_profile
-from vramkit.planning.machine import ACHIEVED_FRACTION, Machine
+from vramkit.planning.machine import ACHIEVED_FRACTION, Machine, phase_work
 from vramkit.planning.models import build_target, list_presets
-from vramkit.planning.planner import _work_seconds
 
 _RECORDS: list[dict[str, Any]] = []
 
@@ -107,6 +107,72 @@ def _profile_for(device: torch.device, name: str | None) -> str:
     return "h100-sxm"
 
 
+def measure(names: list[str], device: torch.device, repeats: int, tiny: bool
+            ) -> list[dict[str, Any]]:
+    """One record per block kind and phase: ``model``, ``block`` (its first block), ``phase``,
+    ``type``, ``device_s``, ``host_s``."""
+    calibration._time_block = _timed_block  # keep device and host apart
+    records: list[dict[str, Any]] = []
+    for name in names:
+        target = build_target(name, **_options(name, tiny))
+        _RECORDS.clear()
+        times = calibration.calibrate_blocks(target.model, target.inputs, step=target.step,
+                                             device=device, repeats=repeats)
+        # calibrate_blocks timed one block per kind, kinds in the order their first block
+        # runs; the first block of each kind is the first with that pair of times
+        seen: list[str] = []
+        for block_name in times.forward:
+            key = (times.forward[block_name], times.backward[block_name])
+            if block_name in times.fallbacks or any(
+                    (times.forward[n], times.backward[n]) == key for n in seen):
+                continue
+            seen.append(block_name)
+        for block_name, record in zip(seen, _RECORDS, strict=False):
+            for phase in ("fwd", "bwd"):
+                records.append({"model": name, "block": block_name, "phase": phase,
+                                "type": record["type"],
+                                "device_s": record[f"{phase}_device_s"],
+                                "host_s": record[f"{phase}_host_s"]})
+    return records
+
+
+def _options(name: str, tiny: bool) -> dict[str, Any]:
+    if not tiny:
+        return {}
+    return {"seq_len": 128} if "llama" in name else {"resolution": 256}
+
+
+def evaluate(records: list[dict[str, Any]], machine: Machine, tiny: bool
+             ) -> list[dict[str, Any]]:
+    """Each record with the offline model's time (``model_s``, its device part
+    ``model_device_s``) and the single share of the peak's (``single_share_s``), from the
+    block's work counted on meta (CPU only)."""
+    costs: dict[str, Any] = {}
+    share = machine.peak_flops_per_s * ACHIEVED_FRACTION  # type: ignore[operator]
+    results = []
+    for record in records:
+        name = record["model"]
+        if name not in costs:
+            target = build_target(name, **_options(name, tiny))
+            costs[name] = analyze(target.model, target.inputs, step=target.step)
+        cost = costs[name]
+        block = cost.blocks[cost.block_index[record["block"]]]
+        forward, backward = machine.block_seconds(block.forward_flops, block.backward_flops,
+                                                  block.work)
+        fwd = record["phase"] == "fwd"
+        phase = phase_work(block.work, block.backward_flops)[0 if fwd else 1]
+        device = machine.device_seconds(*phase[:4])
+        results.append({**record, "measured_s": max(record["device_s"], record["host_s"]),
+                        "model_s": forward if fwd else backward, "model_device_s": device,
+                        "single_share_s": (block.forward_flops if fwd
+                                           else block.backward_flops) / share})
+    return results
+
+
+def _err(a: float, b: float) -> str:
+    return f"{(a / b - 1) * 100:+.1f} %" if b else "-"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser)
@@ -115,75 +181,63 @@ def main() -> None:
                         help="comma-separated presets (default: all)")
     parser.add_argument("--profile", default=None,
                         help="the hardware profile the model is evaluated with (default: "
-                             "picked from the GPU's name)")
+                             "picked from the GPU's name; h100-sxm with --measured)")
+    parser.add_argument("--measured", type=Path, default=None,
+                        help="evaluate the model against the records of an earlier run (its "
+                             "block_times.json, or benchmarks/data/block_times_h100.json) "
+                             "instead of timing: CPU only")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tiny", action="store_true",
                         help="CPU smoke run: 256x256 images / 128 tokens")
     args = parser.parse_args()
     device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)  # torch 2.11 + H100: illegal memory access
-        device = torch.device("cuda", torch.cuda.current_device())
-    profile = _profile_for(device, args.profile)
+    if args.measured is not None:
+        stored = json.loads(args.measured.read_text(encoding="utf-8"))
+        records = [{k: r[k] for k in ("model", "block", "phase", "type", "device_s", "host_s")}
+                   for r in stored["rows"]]
+        profile = args.profile or stored.get("summary", {}).get("profile", "h100-sxm")
+    else:
+        if device.type == "cuda":
+            torch.backends.cuda.enable_cudnn_sdp(False)  # torch 2.11 + H100: illegal access
+            device = torch.device("cuda", torch.cuda.current_device())
+        profile = _profile_for(device, args.profile)
+        names = [m.strip() for m in args.models.split(",") if m.strip()]
+        records = measure(names, device, args.repeats, args.tiny)
     machine = Machine.from_profile(hardware_profile(profile))
-    calibration._time_block = _timed_block  # keep device and host apart
-    rows: list[dict[str, Any]] = []
-    results: list[dict[str, Any]] = []
-    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
-        options: dict[str, Any] = {}
-        if args.tiny:
-            options = ({"seq_len": 128} if "llama" in name else {"resolution": 256})
-        target = build_target(name, **options)
-        cost = analyze(target.model, target.inputs, step=target.step)
-        _RECORDS.clear()
-        times = calibration.calibrate_blocks(target.model, target.inputs, step=target.step,
-                                             device=device, repeats=args.repeats)
-        # one record per kind, in the order calibrate_blocks timed them: its first block
-        seen: list[str] = []
-        for block_name in times.forward:
-            if block_name in times.fallbacks:
-                continue
-            key = (times.forward[block_name], times.backward[block_name])
-            if any((times.forward[n], times.backward[n]) == key for n in seen):
-                continue
-            seen.append(block_name)
-        for block_name, record in zip(seen, _RECORDS, strict=False):
-            block = cost.blocks[cost.block_index[block_name]]
-            model_fwd, model_bwd = _work_seconds(machine, block.forward_flops,
-                                                 block.backward_flops, block.work)
-            share = machine.peak_flops_per_s * ACHIEVED_FRACTION  # type: ignore[operator]
-            for phase, predicted, flops in (("fwd", model_fwd, block.forward_flops),
-                                            ("bwd", model_bwd, block.backward_flops)):
-                measured = max(record[f"{phase}_device_s"], record[f"{phase}_host_s"])
-                old = flops / share
-                result = {"model": name, "block": block_name, "type": record["type"],
-                          "phase": phase, "device_s": record[f"{phase}_device_s"],
-                          "host_s": record[f"{phase}_host_s"], "measured_s": measured,
-                          "model_s": predicted, "single_share_s": old}
-                results.append(result)
-                rows.append({
-                    "model": name, "block": block_name, "phase": phase,
-                    "device ms": f"{result['device_s'] * 1e3:.2f}",
-                    "host ms": f"{result['host_s'] * 1e3:.2f}",
-                    "measured ms": f"{measured * 1e3:.2f}",
-                    f"model ms ({profile})": f"{predicted * 1e3:.2f}",
-                    "model err": f"{(predicted / measured - 1) * 100:+.1f} %" if measured else "-",
-                    "single share ms": f"{old * 1e3:.2f}",
-                    "single share err": f"{(old / measured - 1) * 100:+.1f} %" if measured else "-",
-                })
-    errors = [abs(r["model_s"] / r["measured_s"] - 1) for r in results if r["measured_s"]]
-    old_errors = [abs(r["single_share_s"] / r["measured_s"] - 1) for r in results
-                  if r["measured_s"]]
-    summary = {"profile": profile, "blocks_and_phases": len(errors),
-               "model_mean_abs_error": statistics.mean(errors) if errors else None,
-               "model_max_abs_error": max(errors, default=None),
-               "single_share_mean_abs_error": statistics.mean(old_errors) if old_errors else None,
-               "single_share_max_abs_error": max(old_errors, default=None)}
+    results = evaluate(records, machine, args.tiny)
+    rows = [{"model": r["model"], "block": r["block"], "phase": r["phase"],
+             "device ms": f"{r['device_s'] * 1e3:.2f}", "host ms": f"{r['host_s'] * 1e3:.2f}",
+             "measured ms": f"{r['measured_s'] * 1e3:.2f}",
+             f"model ms ({profile})": f"{r['model_s'] * 1e3:.2f}",
+             "model err": _err(r["model_s"], r["measured_s"]),
+             "model device err": _err(r["model_device_s"], r["device_s"]),
+             "single share ms": f"{r['single_share_s'] * 1e3:.2f}",
+             "single share err": _err(r["single_share_s"], r["measured_s"])}
+            for r in results]
+
+    def errors(key: str, against: str, only: Any = None) -> list[float]:
+        return [abs(r[key] / r[against] - 1) for r in results
+                if r[against] and (only is None or only(r))]
+
+    def large(r: dict[str, Any]) -> bool:  # blocks with > 1 ms of device work
+        return r["device_s"] > 1e-3
+
+    summary = {"profile": profile, "blocks_and_phases": len(results)}
+    for label, key, against, only in (
+            ("model", "model_s", "measured_s", None),
+            ("single_share", "single_share_s", "measured_s", None),
+            ("model_device_large_blocks", "model_device_s", "device_s", large)):
+        found = errors(key, against, only)
+        summary[f"{label}_mean_abs_error"] = statistics.mean(found) if found else None
+        summary[f"{label}_max_abs_error"] = max(found, default=None)
     write_result("block_times", {"summary": summary, "rows": results}, rows, args.out)
     print(f"\nmodel: mean |error| {summary['model_mean_abs_error']:.1%}, max "
           f"{summary['model_max_abs_error']:.1%}; single share of the peak: mean "
           f"{summary['single_share_mean_abs_error']:.1%}, max "
-          f"{summary['single_share_max_abs_error']:.1%} ({len(errors)} block phases, {profile})")
+          f"{summary['single_share_max_abs_error']:.1%} ({len(results)} block phases, "
+          f"{profile}); the model's device part on blocks of > 1 ms: mean "
+          f"{summary['model_device_large_blocks_mean_abs_error']:.1%}, max "
+          f"{summary['model_device_large_blocks_max_abs_error']:.1%}")
 
 
 if __name__ == "__main__":

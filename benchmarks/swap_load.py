@@ -889,6 +889,7 @@ def load_part(args: argparse.Namespace, folder: Path, ckpt: dict[str, Any]
             "read done s": _num(r.get("fill_s")),
             "read done / cold before": _num(_ratio(r.get("fill_s"), r.get("cold_read_s")),
                                             ".3f"),
+            "reads in flight (mean)": _num((r.get("fill") or {}).get("mean_in_flight")),
             "1st step s": _num(first.get("step_s")),
             "2nd step s": _num((r.get("steps") or [{}, {}])[1].get("step_s")
                                if len(r.get("steps") or []) > 1 else None),

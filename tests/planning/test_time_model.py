@@ -22,7 +22,6 @@ from vramkit.planning.machine import (
     MEMORY_FRACTION,
     Machine,
 )
-from vramkit.planning.planner import _work_seconds
 
 H100 = Machine.from_profile(hardware_profile("h100-sxm"))
 
@@ -117,8 +116,8 @@ def test_convolutions_are_counted_and_cost_the_host_more() -> None:
     assert cost.outside_work is not None and cost.outside_work.convolutions == 0
     block = cost.blocks[0]
     assert block.work is not None
-    forward, backward = _work_seconds(H100, block.forward_flops, block.backward_flops,
-                                      block.work)
+    forward, backward = H100.block_seconds(block.forward_flops, block.backward_flops,
+                                           block.work)
     fwd_host, bwd_host = HOST_SECONDS_PER_CONVOLUTION
     assert forward == pytest.approx(block.work.kernels * HOST_SECONDS_PER_KERNEL + fwd_host)
     assert backward >= bwd_host
@@ -127,15 +126,15 @@ def test_convolutions_are_counted_and_cost_the_host_more() -> None:
 def test_the_planner_times_counted_work_offline_and_flops_otherwise() -> None:
     cost = analyze(stack(device="meta"), inputs(device="meta"), autocast=None)
     block = cost.blocks[0]
-    forward, backward = _work_seconds(H100, block.forward_flops, block.backward_flops,
-                                      block.work)
+    forward, backward = H100.block_seconds(block.forward_flops, block.backward_flops,
+                                           block.work)
     assert block.work is not None
     assert forward == H100.work_seconds(block.work.matmul_flops, block.work.attention_flops,
                                         block.work.elementwise_bytes, block.work.kernels)
     assert backward > forward  # more kernels, more bytes, more FLOPs
     flat = Machine("measured: x", None, 5e10, 5e10, 4e14, None, 3e12, measured=True)
-    assert _work_seconds(flat, 1e12, 2e12, block.work) == (1e12 / 4e14, 2e12 / 4e14)
-    assert _work_seconds(H100, 1e12, 0.0, block.work)[1] == 0.0  # inference
+    assert flat.block_seconds(1e12, 2e12, block.work) == (1e12 / 4e14, 2e12 / 4e14)
+    assert H100.block_seconds(1e12, 0.0, block.work)[1] == 0.0  # inference
 
 
 # One block of each kind timed on an NVIDIA H100 80GB HBM3 by calibrate_blocks (bf16 autocast,
@@ -163,8 +162,8 @@ def test_offline_block_times_match_the_h100(name: str) -> None:
     worst_old = 0.0
     for block_name, (fwd_ms, bwd_ms) in H100_BLOCK_MS[name].items():
         block = cost.blocks[cost.block_index[block_name]]
-        forward, backward = _work_seconds(H100, block.forward_flops, block.backward_flops,
-                                          block.work)
+        forward, backward = H100.block_seconds(block.forward_flops, block.backward_flops,
+                                               block.work)
         assert forward * 1e3 == pytest.approx(fwd_ms, rel=0.20), block_name
         assert backward * 1e3 == pytest.approx(bwd_ms, rel=0.20), block_name
         old = block.forward_flops / (H100.peak_flops_per_s * ACHIEVED_FRACTION)  # type: ignore[operator]

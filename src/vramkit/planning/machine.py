@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from vramkit._validate import check_number
 from vramkit.errors import ConfigError, DeviceError
 from vramkit.planning.hardware import HardwareProfile, hardware_profile
+
+if TYPE_CHECKING:  # annotations only: analysis is not imported with the machine
+    from vramkit.planning.analysis import Work
 
 __all__ = ["ACHIEVED_FRACTION", "Machine", "machine_for", "measure_machine"]
 
@@ -42,10 +46,12 @@ __all__ = ["ACHIEVED_FRACTION", "Machine", "machine_for", "measure_machine"]
 ACHIEVED_FRACTION = 0.26
 # The offline time model (module docstring), fitted on an H100 80GB HBM3 (989 TFLOP/s bf16,
 # 3.35 TB/s) to the device and host times of one block of each kind of FLUX.1-dev, Llama-3.1-8B,
-# SD3.5-large, Qwen-Image, Wan2.1-14B and SDXL's attention stacks (18 forward and backward
-# times, calibrate_blocks' timing, with the kernels and bytes analyze() counts for them;
-# docs/benchmarks.md "Planner"): the device times within -18 % .. +13 % (mean |error|
-# 7.5 %), against -70 % .. +60 % for one share of the peak.
+# SD3.5-large, Qwen-Image, Wan2.1-14B and SDXL (calibrate_blocks' timing, with the kernels and
+# bytes analyze() counts for them). Against the stored run (`benchmarks/block_times.py
+# --measured benchmarks/data/block_times_h100.json`; docs/benchmarks.md "Planner"): the
+# device part of the transformer blocks and SDXL's attention stacks -18 % .. +12 %, the whole
+# (device or host) mean |error| 17.7 % over 42 block phases, against 60.5 % for one share of
+# the peak.
 #: Share of the dense bf16 peak a block's matmuls reach (fixed: large GEMMs on Hopper).
 MATMUL_FRACTION = 0.70
 #: Share of the dense bf16 peak fused attention reaches (flash attention, forward and backward).
@@ -106,13 +112,10 @@ class Machine:
         check_number("Machine.peak_flops_per_s", self.peak_flops_per_s, minimum=0,
                      low_open=True, allow_none=True)
 
-    def work_seconds(self, matmul_flops: float, attention_flops: float,
-                     elementwise_bytes: float, kernels: float,
-                     host_extra_seconds: float = 0.0) -> float:
-        """Seconds of a block's forward or backward by the offline time model (module
-        docstring): the longer of the device's time and the host's launches (plus
-        ``host_extra_seconds``: what some calls cost the host beyond a launch, e.g.
-        :data:`HOST_SECONDS_PER_CONVOLUTION`).
+    def device_seconds(self, matmul_flops: float, attention_flops: float,
+                       elementwise_bytes: float, kernels: float) -> float:
+        """The device's part of the offline time model (module docstring): each kind of work
+        at its share of the peak, plus a cost per kernel.
 
         Raises:
             ConfigError: on a machine without ``peak_flops_per_s`` (a measured one).
@@ -122,11 +125,36 @@ class Machine:
             raise ConfigError(f"{self.name} has no peak throughput to time work with",
                               hint="Time its blocks instead (calibrate_blocks), or plan with "
                                    "a hardware profile.")
-        device = (matmul_flops / (peak * MATMUL_FRACTION)
-                  + attention_flops / (peak * ATTENTION_FRACTION)
-                  + elementwise_bytes / (self.memory_bandwidth_bytes_per_s * MEMORY_FRACTION)
-                  + kernels * DEVICE_SECONDS_PER_KERNEL)
+        return (matmul_flops / (peak * MATMUL_FRACTION)
+                + attention_flops / (peak * ATTENTION_FRACTION)
+                + elementwise_bytes / (self.memory_bandwidth_bytes_per_s * MEMORY_FRACTION)
+                + kernels * DEVICE_SECONDS_PER_KERNEL)
+
+    def work_seconds(self, matmul_flops: float, attention_flops: float,
+                     elementwise_bytes: float, kernels: float,
+                     host_extra_seconds: float = 0.0) -> float:
+        """Seconds of a block's forward or backward by the offline time model: the longer of
+        :meth:`device_seconds` and the host's launches (plus ``host_extra_seconds``: what some
+        calls cost the host beyond a launch, e.g. :data:`HOST_SECONDS_PER_CONVOLUTION`).
+
+        Raises:
+            ConfigError: on a machine without ``peak_flops_per_s`` (a measured one).
+        """
+        device = self.device_seconds(matmul_flops, attention_flops, elementwise_bytes, kernels)
         return max(device, kernels * HOST_SECONDS_PER_KERNEL + host_extra_seconds)
+
+    def block_seconds(self, forward_flops: float, backward_flops: float,
+                      work: Work | None) -> tuple[float, float]:
+        """Forward and backward seconds of a block (or of the work outside the blocks): by
+        :meth:`work_seconds` where this machine is a hardware profile and the work was counted
+        (:class:`~vramkit.planning.analysis.Work`; the backward has :data:`BACKWARD_KERNELS`
+        and :data:`BACKWARD_BYTES` times the forward's kernels and bytes, its FLOPs from the
+        analysis), else the FLOPs at ``flops_per_s``. ``backward_flops`` 0: no backward."""
+        if self.peak_flops_per_s is None or work is None:
+            return forward_flops / self.flops_per_s, backward_flops / self.flops_per_s
+        forward, *backward = (self.work_seconds(*phase)
+                              for phase in phase_work(work, backward_flops))
+        return forward, backward[0] if backward else 0.0
 
     @classmethod
     def from_profile(cls, profile: HardwareProfile,
@@ -141,6 +169,27 @@ class Machine:
                    flops_per_s=profile.bf16_flops * achieved_fraction, fp8_flops_per_s=fp8,
                    memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s,
                    peak_flops_per_s=profile.bf16_flops)
+
+
+def phase_work(work: Work, backward_flops: float
+               ) -> list[tuple[float, float, float, float, float]]:
+    """:meth:`Machine.work_seconds`' arguments for a forward with ``work`` and, unless
+    ``backward_flops`` is 0 (no backward), its backward: the backward has
+    :data:`BACKWARD_KERNELS` and :data:`BACKWARD_BYTES` times the forward's kernels and bytes,
+    attention's backward FLOPs (``ATTENTION_BACKWARD_FACTOR`` times its forward's) and the
+    rest of ``backward_flops`` as matmuls; convolutions cost the host
+    :data:`HOST_SECONDS_PER_CONVOLUTION`."""
+    from vramkit.planning.analysis import ATTENTION_BACKWARD_FACTOR
+
+    conv_fwd, conv_bwd = HOST_SECONDS_PER_CONVOLUTION
+    phases = [(work.matmul_flops, work.attention_flops, work.elementwise_bytes,
+               float(work.kernels), work.convolutions * conv_fwd)]
+    if backward_flops > 0:
+        attention = ATTENTION_BACKWARD_FACTOR * work.attention_flops
+        phases.append((max(0.0, backward_flops - attention), attention,
+                       BACKWARD_BYTES * work.elementwise_bytes, BACKWARD_KERNELS * work.kernels,
+                       work.convolutions * conv_bwd))
+    return phases
 
 
 def machine_for(hardware: str | HardwareProfile | Machine | None,

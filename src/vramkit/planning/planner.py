@@ -39,15 +39,9 @@ from typing import Any
 from vramkit.errors import PlanError
 from vramkit.offload._activation_settings import ActivationOffloadConfig
 from vramkit.offload.blocks import spread_evenly
-from vramkit.planning.analysis import ATTENTION_BACKWARD_FACTOR, BlockCost, ModelCost, Work
+from vramkit.planning.analysis import BlockCost, ModelCost
 from vramkit.planning.calibration import BlockTimes
-from vramkit.planning.machine import (
-    BACKWARD_BYTES,
-    BACKWARD_KERNELS,
-    HOST_SECONDS_PER_CONVOLUTION,
-    SWAP_HOST_SECONDS,
-    Machine,
-)
+from vramkit.planning.machine import SWAP_HOST_SECONDS, Machine
 from vramkit.units import format_size
 
 __all__ = ["PhaseTime", "Plan", "search"]
@@ -306,10 +300,10 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     if activation_offload and train:
         least_activations = min(least_activations, _offloaded(estimate, train))
     flops = machine.flops_per_s
-    timed = [_work_seconds(machine, b.forward_flops, b.backward_flops, b.work)
-             for b in cost.blocks]
-    block_fwd = [t[0] for t in timed]
-    block_bwd = [t[1] for t in timed]
+    modeled = [machine.block_seconds(b.forward_flops, b.backward_flops, b.work)
+               for b in cost.blocks]
+    block_fwd = [t[0] for t in modeled]
+    block_bwd = [t[1] for t in modeled]
     if times is not None:
         measured = set(times.forward) - set(times.fallbacks)
         block_fwd = [times.forward[b.name] if b.name in measured else t
@@ -321,8 +315,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     disk_bw = disk_bytes_per_s if disk_bytes_per_s is not None else DEFAULT_DISK_BYTES_PER_S
     optimizer = 4 * cost.trainable_bytes / machine.memory_bandwidth_bytes_per_s if train else 0.0
     if times is None:
-        outside_fwd, outside_bwd = _work_seconds(machine, cost.outside_forward_flops,
-                                                 cost.outside_backward_flops, cost.outside_work)
+        outside_fwd, outside_bwd = machine.block_seconds(
+            cost.outside_forward_flops, cost.outside_backward_flops, cost.outside_work)
     else:  # at the throughput the timed blocks reached
         outside_fwd = cost.outside_forward_flops / flops
         outside_bwd = cost.outside_backward_flops / flops
@@ -512,25 +506,6 @@ def _offload_bytes(estimate: Any, checkpointed: Sequence[str]) -> int:
     """Bytes an activation offloader moves each way: what the blocks keep."""
     chosen = set(checkpointed)
     return sum(_kept_bytes(estimate, n, chosen) for n in estimate.per_block)
-
-
-def _work_seconds(machine: Machine, forward_flops: float, backward_flops: float,
-                  work: Work | None) -> tuple[float, float]:
-    """Forward and backward seconds of some work: by the offline time model where the machine
-    is a hardware profile and the work was counted, else its FLOPs at ``flops_per_s``."""
-    if machine.peak_flops_per_s is None or work is None:
-        return forward_flops / machine.flops_per_s, backward_flops / machine.flops_per_s
-    conv_fwd, conv_bwd = HOST_SECONDS_PER_CONVOLUTION
-    forward = machine.work_seconds(work.matmul_flops, work.attention_flops,
-                                   work.elementwise_bytes, work.kernels,
-                                   work.convolutions * conv_fwd)
-    if backward_flops <= 0:  # inference: no backward
-        return forward, 0.0
-    attention = ATTENTION_BACKWARD_FACTOR * work.attention_flops
-    backward = machine.work_seconds(max(0.0, backward_flops - attention), attention,
-                                    BACKWARD_BYTES * work.elementwise_bytes,
-                                    BACKWARD_KERNELS * work.kernels, work.convolutions * conv_bwd)
-    return forward, backward
 
 
 def _dequant(block: BlockCost, fmt: str, machine: Machine) -> float:

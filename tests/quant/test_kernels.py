@@ -115,6 +115,42 @@ def test_triton_dequantize_equals_torch_fallback(config, shape: tuple[int, int])
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_replayed_triton_launch_equals_the_reference(config, monkeypatch) -> None:
+    # A layer's DequantPlan goes through Triton's JIT once per specialization and then replays
+    # the compiled kernel (no argument binding): same bits, and the JIT is not called again.
+    from vramkit.quant import _triton
+
+    t = student_t3(129, 520, 5).cuda()
+    q = quantize_tensor(t, config)
+    plan = kernels.DequantPlan(q.config, q.shape, tuple(q.tensors()))
+    packed = list(q.tensors().values())
+    ref = _reference.dequantize_rows(q.config, q.data, q.scales, q.zero_points, q.extras,
+                                     q.cols, torch.bfloat16).reshape(q.shape)
+    assert torch.equal(plan(packed, torch.bfloat16), ref)
+    jit = plan._triton.kernel
+    calls = []
+    real_run = jit.run
+    monkeypatch.setattr(jit, "run", lambda *a, **k: calls.append(1) or real_run(*a, **k))
+    for _ in range(3):
+        assert torch.equal(plan(packed, torch.bfloat16), ref)
+    assert _triton._FAST_LAUNCH[0], "this Triton refused the compiled-kernel launch"
+    assert calls == []
+    # data at an address that is not 16-byte aligned: another specialization, still exact
+    data = packed[0]
+    buf = torch.empty(data.numel() + 1, dtype=data.dtype, device=data.device)
+    shifted = buf[1:].view(data.shape)
+    shifted.copy_(data)
+    assert shifted.data_ptr() % 16 != 0
+    for _ in range(2):
+        assert torch.equal(plan([shifted, *packed[1:]], torch.bfloat16), ref)
+    assert len(calls) == 1
+    fp32 = _reference.dequantize_rows(q.config, q.data, q.scales, q.zero_points, q.extras,
+                                      q.cols, torch.float32).reshape(q.shape)
+    assert torch.equal(plan(packed, torch.float32), fp32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
 def test_quantize_on_gpu_equals_cpu(config) -> None:
     t = student_t3(67, 300, 3)
     on_cpu, on_gpu = quantize_tensor(t, config), quantize_tensor(t.cuda(), config)

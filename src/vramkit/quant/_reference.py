@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import torch
 
@@ -34,6 +35,7 @@ __all__ = [
     "pack_nibbles",
     "padded_cols",
     "quantize_rows",
+    "rows_cols",
     "unpack_nibbles",
 ]
 
@@ -82,6 +84,24 @@ def log_scale_table(steps: int, device: torch.device | str = "cpu") -> torch.Ten
 def nf4_table(device: torch.device | str = "cpu") -> torch.Tensor:
     """The 16 NF4 levels as a float32 tensor on ``device`` (default CPU)."""
     return torch.tensor(NF4_CODES, dtype=torch.float32, device=device)
+
+
+def rows_cols(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
+    """The ``(rows, cols)`` of the 2-D view a weight of ``shape`` is quantized as (one row per
+    output channel; 0-D and 1-D tensors are one row).
+
+    Args:
+        shape: the original shape.
+
+    Returns:
+        ``(rows, cols)``.
+    """
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return 1, int(shape[0])
+    # A list, not a generator: torch.compile (dynamo) cannot trace generator arguments.
+    return int(shape[0]), math.prod([int(s) for s in shape[1:]])
 
 
 def padded_cols(config: QuantConfigT, cols: int) -> int:

@@ -58,15 +58,6 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 }
 
 
-def _rows_cols(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
-    if len(shape) == 0:
-        return 1, 1
-    if len(shape) == 1:
-        return 1, int(shape[0])
-    # A list, not a generator: torch.compile (dynamo) cannot trace generator arguments.
-    return int(shape[0]), math.prod([int(s) for s in shape[1:]])
-
-
 def expected_layout(config: QuantConfigT, shape: torch.Size | tuple[int, ...]
                     ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The exact storage a tensor of ``shape`` takes in ``config``'s format.
@@ -79,7 +70,7 @@ def expected_layout(config: QuantConfigT, shape: torch.Size | tuple[int, ...]
         Flat name (as in :meth:`QuantizedTensor.tensors`) -> (shape, dtype) of every stored
         tensor.
     """
-    rows, cols = _rows_cols(shape)
+    rows, cols = _reference.rows_cols(shape)
     padded = _reference.padded_cols(config, cols)
     layout: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     if isinstance(config, FP8Config):
@@ -146,12 +137,12 @@ class QuantizedTensor:
     @property
     def rows(self) -> int:
         """Rows of the 2-D view (``shape[0]``)."""
-        return _rows_cols(self.shape)[0]
+        return _reference.rows_cols(self.shape)[0]
 
     @property
     def cols(self) -> int:
         """Real (unpadded) row length of the 2-D view."""
-        return _rows_cols(self.shape)[1]
+        return _reference.rows_cols(self.shape)[1]
 
     @property
     def numel(self) -> int:
@@ -315,7 +306,7 @@ def quantize_tensor(t: torch.Tensor, fmt: str | QuantFormat | QuantConfigT = "in
         raise QuantizationError(f"cannot quantize an empty tensor (shape {tuple(t.shape)})",
                                 hint="Skip empty tensors (t.numel() == 0): keep them in floating "
                                      "point.")
-    rows, cols = _rows_cols(t.shape)
+    rows, cols = _reference.rows_cols(t.shape)
     x = t.detach().reshape(rows, cols).to(torch.float32)
     # one sync per tensor, at load time: inf/nan would silently poison a whole group's scale
     if not bool(torch.isfinite(x).all()):
@@ -394,7 +385,7 @@ def _dequantize_affine(tensor: torch.Tensor, scale: torch.Tensor | float,
                                 hint="Pass integer (or fp8) codes with their scale, or call "
                                      "dequantize_tensor(q) / q.dequantize() on a QuantizedTensor.")
     check_int("group_size", group_size, minimum=1, allow_none=True)
-    rows, cols = _rows_cols(tensor.shape)
+    rows, cols = _reference.rows_cols(tensor.shape)
     values = tensor.reshape(rows, cols).to(torch.float32)
     if zero_point is not None:
         values = values - _broadcast_affine(zero_point, rows, cols, group_size, "zero_point",

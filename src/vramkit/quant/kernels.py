@@ -17,6 +17,7 @@ import functools
 import importlib.util
 import json
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,8 +36,8 @@ from vramkit.quant._configs import (
 if TYPE_CHECKING:  # formats imports this module: annotations only
     from vramkit.quant.formats import QuantizedTensor
 
-__all__ = ["FP8_GEMM_MULTIPLE", "FUSED_MAX_TOKENS", "dequantize", "fp8_gemm_fits", "has_fp8_gemm",
-           "quantized_matmul", "triton_available"]
+__all__ = ["FP8_GEMM_MULTIPLE", "FUSED_MAX_TOKENS", "DequantPlan", "dequantize", "fp8_gemm_fits",
+           "has_fp8_gemm", "quantized_matmul", "triton_available"]
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +243,79 @@ def fp8_rowwise_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------ public API
+
+class DequantPlan:
+    """How to dequantize one packed weight layout, worked out once for a layer's lifetime.
+
+    The quantized layers call it at every forward and backward: on CUDA it goes straight to the
+    layout's Triton launch (:class:`vramkit.quant._triton.Dequantizer`), with nothing derived
+    per call but the tensors' addresses; elsewhere to the torch reference. Under
+    ``torch.compile`` it uses the ``vramkit_quant::dequantize`` custom op. The result equals
+    :func:`dequantize` of the same record bit for bit.
+
+    Args:
+        config: the format config.
+        shape: the original weight shape.
+        names: the stored tensors' names in the order ``packed`` is given (keys of
+            :meth:`~vramkit.quant.formats.QuantizedTensor.tensors`).
+    """
+
+    __slots__ = (
+        "_aux",
+        "_data",
+        "_kernel",
+        "_key",
+        "_scales",
+        "_triton",
+        "_zeros",
+        "cols",
+        "config",
+        "rows",
+        "shape",
+    )
+
+    def __init__(self, config: QuantConfigT, shape: torch.Size, names: tuple[str, ...]) -> None:
+        self.config, self.shape = config, torch.Size(shape)
+        self.rows, self.cols = _reference.rows_cols(shape)
+        self._data, self._scales = names.index("data"), names.index("scales")
+        self._zeros = names.index("zero_points") if "zero_points" in names else None
+        aux = [i for i, name in enumerate(names) if name in ("extra.row_scales",
+                                                              "extra.scale_scales")]
+        self._aux = aux[0] if aux else None
+        self._key = _config_key(config)
+        self._kernel = _kernel_params(config, self.cols)
+        self._triton: Any = None
+
+    def __call__(self, packed: "Sequence[torch.Tensor]", dtype: torch.dtype) -> torch.Tensor:
+        """The weight in ``dtype`` and its original shape.
+
+        Args:
+            packed: the stored tensors, in the ``names`` order.
+            dtype: the output dtype.
+
+        Returns:
+            A new tensor on the packed tensors' device.
+        """
+        data, scales = packed[self._data], packed[self._scales]
+        zeros = None if self._zeros is None else packed[self._zeros]
+        aux = None if self._aux is None else packed[self._aux]
+        if torch.compiler.is_compiling():
+            flat = _dequantize_op(data, scales, zeros, aux, self._key, self.cols, dtype)
+        elif data.is_cuda and _triton_installed():
+            if self._triton is None:
+                from vramkit.quant import _triton
+
+                fmt, group, dq_block, compact = self._kernel
+                self._triton = _triton.dequantizer(fmt, group=group, dq_block=dq_block,
+                                                   compact=compact, rows=self.rows,
+                                                   cols=self.cols)
+            flat = self._triton(data, scales, zeros, aux, dtype)
+        else:
+            extras = {} if aux is None else _extras_for(self.config, aux)
+            flat = _reference.dequantize_rows(self.config, data, scales, zeros, extras,
+                                              self.cols, dtype)
+        return flat.view(self.shape)
+
 
 def dequantize(q: "QuantizedTensor", dtype: torch.dtype | None = None) -> torch.Tensor:
     """Dequantize ``q`` to its original shape (Triton on CUDA, torch elsewhere).

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -66,6 +66,12 @@ class WeightLayout:
     shape: torch.Size
     dtype: torch.dtype
     names: tuple[str, ...]  # keys of QuantizedTensor.tensors(): "data", "scales", ...
+    # Derived once from the fields above: how to dequantize tensors of this layout.
+    dequantize: kernels.DequantPlan = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dequantize",
+                           kernels.DequantPlan(self.config, self.shape, self.names))
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> QuantizedTensor:
         """The :class:`QuantizedTensor` whose stored tensors are ``tensors`` (in ``names`` order).
@@ -111,6 +117,7 @@ class _QuantizedWeightModule(nn.Module):
                 raise QuantizationError(f"QuantizedTensor.tensors() has no {name!r} entry",
                                         hint="This is a vramkit bug; please report it.")
         self._layout = WeightLayout(q.config, torch.Size(q.shape), q.dtype, names)
+        self._buffer_names = tuple(_buffer_name(name) for name in names)  # read at every call
         for name, tensor in q.tensors().items():
             self.register_buffer(_buffer_name(name), tensor.detach())
         if bias is not None and tuple(bias.shape) != (q.shape[0],):
@@ -130,7 +137,8 @@ class _QuantizedWeightModule(nn.Module):
 
     def _packed(self) -> list[torch.Tensor]:
         # Read at every call: a BlockSwapper repoints these buffers between slots.
-        return [getattr(self, _buffer_name(name)) for name in self._layout.names]
+        buffers = self._buffers
+        return [buffers[name] for name in self._buffer_names]  # type: ignore[misc]
 
     @property
     def quantized_weight(self) -> QuantizedTensor:
@@ -169,13 +177,14 @@ class _QuantizedWeightModule(nn.Module):
         Returns:
             A new tensor on the buffers' device.
         """
-        return kernels.dequantize(self.quantized_weight, dtype).reshape(self._layout.shape)
+        return self._layout.dequantize(self._packed(),
+                                       self._layout.dtype if dtype is None else dtype)
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
         # nn.Module.to(dtype) casts floating buffers: that would turn fp8 codes and fp32 scales
         # into something the format cannot read. Packed buffers follow device moves only; the
         # recorded dtype (of dequantized weights) follows the cast.
-        names = [_buffer_name(n) for n in self._layout.names]
+        names = self._buffer_names
         packed = {name: self._buffers[name] for name in names}
         for name in names:
             self._buffers[name] = None  # _apply skips None buffers
@@ -212,15 +221,28 @@ class _QuantizedWeightModule(nn.Module):
 
 
 class _QuantizedLinearFunction(torch.autograd.Function):
-    """``y = x @ W.T + b`` with W packed; backward re-dequantizes W for ``grad_x``."""
+    """``y = x @ W.T + b`` with W packed; backward re-dequantizes W for ``grad_x``.
+
+    Kept lean on purpose: a block of quantized layers is host-bound on a fast GPU, so the
+    common case (weight-only, more than a few tokens) dequantizes through the layer's
+    :class:`~vramkit.quant.kernels.DequantPlan` and calls ``F.linear``, with no record rebuilt
+    and nothing re-derived per call."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, layout: WeightLayout,
                 activation_fp8: bool, *packed: torch.Tensor) -> torch.Tensor:
-        q = layout.rebuild(packed)
-        out = kernels.quantized_matmul(x, q, bias, activation_fp8=activation_fp8)
-        ctx.layout = layout
-        ctx.out_features = layout.shape[0]
+        plan = layout.dequantize
+        if x.shape[-1] != plan.cols:
+            raise QuantizationError(f"activations end in {x.shape[-1]} features, the weight "
+                                    f"takes {plan.cols}",
+                                    hint="Give x a last dimension of the layer's in_features.")
+        if activation_fp8 or (x.is_cuda and x.numel() <= kernels.FUSED_MAX_TOKENS * plan.cols):
+            # The fp8 GEMM, or the fused decode kernel for a few tokens.
+            out = kernels.quantized_matmul(x, layout.rebuild(packed), bias,
+                                           activation_fp8=activation_fp8)
+        else:
+            out = F.linear(x, plan(packed, x.dtype), bias)
+        ctx.plan = plan
         if ctx.needs_input_grad[0]:
             # The packed bytes, never a dequantized copy: inside a BlockSwapper these lie in a
             # slot and its saved-tensor hooks turn them into handles re-read in backward.
@@ -230,13 +252,12 @@ class _QuantizedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_x = grad_bias = None
+        plan = ctx.plan
         if ctx.needs_input_grad[0]:
-            q = ctx.layout.rebuild(ctx.saved_tensors)
-            weight = kernels.dequantize(q, grad_out.dtype).reshape(ctx.layout.shape)
-            grad_x = grad_out @ weight
+            grad_x = grad_out @ plan(ctx.saved_tensors, grad_out.dtype)
         if ctx.needs_input_grad[1]:
-            grad_bias = grad_out.reshape(-1, ctx.out_features).sum(0)
-        return (grad_x, grad_bias, None, None, *([None] * len(ctx.layout.names)))
+            grad_bias = grad_out.reshape(-1, plan.rows).sum(0)
+        return (grad_x, grad_bias, None, None, *([None] * (len(ctx.needs_input_grad) - 4)))
 
 
 class QuantizedLinear(_QuantizedWeightModule):
@@ -349,7 +370,7 @@ class _QuantizedConv2dFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, layout: WeightLayout,
                 conv: tuple[Any, ...], *packed: torch.Tensor) -> torch.Tensor:
         stride, padding, dilation, groups = conv
-        weight = kernels.dequantize(layout.rebuild(packed), x.dtype).reshape(layout.shape)
+        weight = layout.dequantize(packed, x.dtype)
         out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
         ctx.layout, ctx.conv, ctx.input_shape = layout, conv, x.shape
         if ctx.needs_input_grad[0]:
@@ -361,8 +382,7 @@ class _QuantizedConv2dFunction(torch.autograd.Function):
         stride, padding, dilation, groups = ctx.conv
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            q = ctx.layout.rebuild(ctx.saved_tensors)
-            weight = kernels.dequantize(q, grad_out.dtype).reshape(ctx.layout.shape)
+            weight = ctx.layout.dequantize(ctx.saved_tensors, grad_out.dtype)
             grad_x = torch.nn.grad.conv2d_input(ctx.input_shape, weight, grad_out, stride,
                                                 padding, dilation, groups)
         if ctx.needs_input_grad[1]:

@@ -44,6 +44,7 @@ Run (CPU, code paths only):  PYTHONPATH=src python3 benchmarks/plan.py --device 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -65,6 +66,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, write_result
+from _snapshot import peak_report, recording
 from _timing import log
 from presets import fill_random as fill_weights
 from vramkit.devices.resolve import resolve_device
@@ -107,6 +109,7 @@ class Settings:
     rounds: int = 4
     steps_per_arm: int = 2
     seed: int = 0
+    snapshot: bool = False  # record where the fitted arm's first step's peak goes
 
 
 # -- building the models --------------------------------------------------------------------
@@ -414,9 +417,13 @@ class Job:
         try:
             warm(card, resident)
             t1 = time.perf_counter()
-            warm(card, fitted_arm, lambda: holder.setdefault("fitted", vramkit.fit(
-                self.host, self.inputs, budget, plan=plan, device=self.device)))
+            with self._recording() as recorded:
+                warm(card, fitted_arm, lambda: holder.setdefault("fitted", vramkit.fit(
+                    self.host, self.inputs, budget, plan=plan, device=self.device)))
             row["attach_and_first_step_s"] = time.perf_counter() - t1
+            if recorded is not None:
+                row["peak_snapshot"] = peak_report(recorded, self.device)
+                del recorded["snapshot"]
             alternate(card, (fitted_arm, resident), self.s)
         finally:
             card.release()
@@ -427,6 +434,12 @@ class Job:
             reset_r()
             reset_f()
         return self._finish(row, fitted_arm, resident, plan, budget)
+
+    def _recording(self) -> Any:
+        """The allocator's history over the fitted arm's first step, with ``--snapshot``."""
+        if self.s.snapshot and self.device.type == "cuda":
+            return recording(self.device)
+        return contextlib.nullcontext()
 
     def _finish(self, row: dict[str, Any], mine: Arm, other: Arm, plan: Any,
                 budget: int) -> dict[str, Any]:
@@ -634,6 +647,8 @@ def run_child(specs: list[str], s: Settings, timeout_s: float,
            "--rounds", str(s.rounds), "--steps-per-arm", str(s.steps_per_arm)]
     if s.tiny:
         cmd.append("--tiny")
+    if s.snapshot:
+        cmd.append("--snapshot")
     try:
         proc = subprocess.run(cmd, text=True, timeout=timeout_s, env=os.environ.copy(),
                               stdout=subprocess.PIPE)
@@ -703,6 +718,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="tiny models (for --device cpu: the code paths, not the numbers)")
     parser.add_argument("--timeout", type=float, default=900.0,
                         help="seconds before a model's process is given up (default 900)")
+    parser.add_argument("--snapshot", action="store_true",
+                        help="record the fitted arm's first step on the GPU and report what "
+                             "is alive at its peak, by owner (row['peak_snapshot'])")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result-file", type=Path, help=argparse.SUPPRESS)
     add_common_args(parser)
@@ -714,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     s = Settings(device=args.device, tiny=args.tiny or args.device == "cpu",
-                 rounds=args.rounds, steps_per_arm=args.steps_per_arm)
+                 rounds=args.rounds, steps_per_arm=args.steps_per_arm, snapshot=args.snapshot)
     if args.child:
         return child_main(specs, args.result_file, s)
     groups: dict[str, list[str]] = {}

@@ -100,3 +100,44 @@ def test_the_tail_after_the_last_block_is_counted() -> None:
     assert everything >= estimate.outside + kept + estimate.tail
     without_tail = ActivationEstimate(estimate.per_block, estimate.inputs, estimate.outside)
     assert without_tail.bytes_with(["0", "1", "2"]) < everything
+
+
+class _NormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM, dtype=torch.bfloat16)
+        self.norm = nn.RMSNorm(DIM // HEADS, dtype=torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(x).view(*x.shape[:-1], HEADS, DIM // HEADS))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_fused_rms_norm"), reason="no fused RMS norm in torch")
+def test_rms_norm_counts_what_the_fused_kernel_keeps() -> None:
+    # On CUDA F.rms_norm runs the fused kernel, which keeps its input as given (bf16 here) and
+    # a float32 1/rms per row; on meta tensors F.rms_norm decomposes into float32 ops that would
+    # keep a float32 copy of the input too (FLUX's q/k norms: 57 MB a block more than an H100
+    # keeps).
+    with torch.device("meta"):
+        model = nn.Sequential(_NormBlock())
+    x = torch.empty(1, TOKENS, DIM, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    found = estimate_activations(model, lambda: model(x).float().sum(), ["0"])
+    proj_input = TOKENS * DIM * 2  # the Linear keeps its input: x, the block's input
+    norm_input, rstd = TOKENS * DIM * 2, TOKENS * HEADS * 4
+    assert found.per_block["0"] == proj_input + norm_input + rstd
+
+
+def test_flux_block_estimates_equal_what_an_h100_keeps() -> None:
+    # The same accounting run on real tensors of FLUX.1-dev (LoRA r16 on to_q/k/v/out, 1024 px,
+    # torch.autocast bf16) on an H100, torch 2.11: the bytes each block kept.
+    pytest.importorskip("diffusers")
+    pytest.importorskip("peft")
+    from vramkit.planning.analysis import analyze
+    from vramkit.planning.models import build_target
+
+    target = build_target("flux-dev", lora_targets=["to_q", "to_k", "to_v", "to_out.0"])
+    found = analyze(target.model, target.inputs, step=target.step).activations
+    measured = {"transformer_blocks.0": 441_196_544, "transformer_blocks.1": 499_834_880,
+                "single_transformer_blocks.1": 427_094_016}
+    assert {name: found.per_block[name] for name in measured} == measured
+    assert sum(found.per_block.values()) == 25_667_796_992

@@ -6,7 +6,11 @@ attributed to the block running, and records what each block takes as input (wha
 checkpointed block keeps instead). Attention is counted as the fused kernels training uses save
 it (q, k, v, the output and a float32 log-sum-exp per query): on meta tensors
 ``scaled_dot_product_attention`` takes the math path, whose L x L matrices would inflate the
-estimate many times over at long sequences.
+estimate many times over at long sequences. RMS norm likewise: where torch has the fused kernel
+(``torch._fused_rms_norm``, what ``F.rms_norm`` runs on CUDA) it keeps its input as given and a
+float32 reciprocal RMS per row, while on meta tensors ``F.rms_norm`` decomposes into float32
+ops that keep a float32 copy (FLUX's q/k norms: 57 MB more per block than a GPU keeps,
+measured on an H100).
 
 The :class:`ActivationEstimate` then answers for any choice of checkpointed blocks, which is
 what a planner searches over.
@@ -174,18 +178,46 @@ class _SavedBytes:
             self.inputs[name] += t.untyped_storage().nbytes()
 
 
-class _FusedAttentionOnMeta(TorchFunctionMode):
+# Where torch has the fused RMS norm, CUDA's F.rms_norm runs it (saving the input as given and
+# a float32 reciprocal RMS per row) instead of the float32 decomposition meta tensors take.
+_FUSED_RMS_NORM = hasattr(torch, "_fused_rms_norm")
+_RMS_NORMS = frozenset(f for f in (getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None))
+                       if f is not None)
+
+
+class _FusedKernelsOnMeta(TorchFunctionMode):
     """Account attention as the fused kernels (flash / memory-efficient on CUDA, flash on the
-    CPU) save it: q, k, v, the output and a float32 log-sum-exp per query; and note what each
-    op outside the blocks returns (the step's tail)."""
+    CPU) save it: q, k, v, the output and a float32 log-sum-exp per query; RMS norm on meta
+    tensors as the fused kernel saves it (where torch has one); and note what each op outside
+    the blocks returns (the step's tail)."""
 
     def __init__(self, saved: _SavedBytes) -> None:
         super().__init__()
         self.saved = saved
 
+    def _rms_norm(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        names = ("input", "normalized_shape", "weight", "eps")
+        given = dict(zip(names, args, strict=False)) | kwargs
+        x, weight = given["input"], given.get("weight")
+        dims = given["normalized_shape"]
+        dims = 1 if isinstance(dims, int) else len(dims)
+        dtype = x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
+        # A zero-valued link keeps the output in the graph without saving anything.
+        link = x.sum() * 0
+        if weight is not None and weight.requires_grad:
+            link = link + weight.sum() * 0
+        out = torch.empty(x.shape, dtype=dtype, device=x.device) + link
+        self.saved.pack(x)
+        self.saved.add_bytes(math.prod(x.shape[:x.dim() - dims]) * 4)  # 1 / rms per row
+        return out
+
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if func in _RMS_NORMS and _FUSED_RMS_NORM and _needs_grad_on_meta(args, kwargs):
+            out = self._rms_norm(args, kwargs)
+            self.saved.made(out)
+            return out
         if func is not F.scaled_dot_product_attention:
             out = func(*args, **kwargs)
             self.saved.made(out)
@@ -206,6 +238,13 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
         key = self.saved.current
         self.saved.attention_flops[key] = self.saved.attention_flops.get(key, 0) + flops
         return out
+
+
+def _needs_grad_on_meta(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an op on these (meta) tensors is recorded by autograd."""
+    tensors = [t for t in _flat_tensors(args, kwargs) if isinstance(t, torch.Tensor)]
+    return (torch.is_grad_enabled() and bool(tensors) and tensors[0].device.type == "meta"
+            and any(t.requires_grad for t in tensors))
 
 
 def _flat_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -256,7 +295,7 @@ def activation_accounting(model: nn.Module, block_names: Iterable[str]) -> Itera
             handles += [block.register_forward_pre_hook(enter, with_kwargs=True),
                         block.register_forward_hook(leave)]
         with (torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t),
-              _FusedAttentionOnMeta(saved)):
+              _FusedKernelsOnMeta(saved)):
             yield saved
     finally:
         for handle in handles:

@@ -57,7 +57,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.hooks import RemovableHandle
 
 from vramkit._validate import check_bool, check_choice, check_int, check_number, check_size
@@ -100,7 +99,7 @@ from vramkit.offload.blocks import (
     module_bytes,
     named_schedule,
 )
-from vramkit.offload.checkpointing import is_checkpointed, unwrapped_forward
+from vramkit.offload.checkpointing import is_checkpointed, run_checkpointed, unwrapped_forward
 from vramkit.units import format_size
 
 __all__ = [
@@ -943,9 +942,7 @@ class BlockSwapper:
                 # hooks re-acquired the slot, and stops once the saved tensors are rebuilt. Every
                 # tensor saved inside goes through the checkpoint's own (innermost) hooks, so
                 # no slot weight can be saved: the swapper's hooks are not needed here.
-                out = torch_checkpoint(fn, *args, use_reentrant=False,
-                                       preserve_rng_state=self.config.preserve_rng_state,
-                                       **kwargs)
+                out = run_checkpointed(fn, args, kwargs, self.config.preserve_rng_state)
             else:
                 with ring.weight_hooks(block):
                     out = fn(*args, **kwargs)

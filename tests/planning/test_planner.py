@@ -166,3 +166,25 @@ def test_a_real_model_is_planned_without_touching_its_weights() -> None:
     assert p.swapped
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert all(t.device.type == "cpu" for t in model.parameters())
+
+
+def test_offloaded_activations_count_the_window_only_where_it_is_held() -> None:
+    # With activation offload the device holds, in backward, the window (tensors still held +
+    # prefetched) beside the block recomputed and its temporaries; at the turn of the step the
+    # tail (logits) beside only the tensors still held: backward has prefetched nothing yet.
+    from vramkit.planning.activations import ActivationEstimate
+    from vramkit.planning.planner import (
+        OFFLOAD_INFLIGHT_BYTES,
+        OFFLOAD_WINDOW_BYTES,
+        _offloaded,
+    )
+
+    assert OFFLOAD_INFLIGHT_BYTES < OFFLOAD_WINDOW_BYTES
+    blocks = {"a": 100 << 20, "b": 300 << 20}
+    big_tail = ActivationEstimate(per_block=blocks, inputs=dict.fromkeys(blocks, 1 << 20),
+                                  outside=5 << 20, tail=3 << 30)
+    assert _offloaded(big_tail, True) == (5 << 20) + OFFLOAD_INFLIGHT_BYTES + (3 << 30)
+    no_tail = ActivationEstimate(per_block=blocks, inputs=dict.fromkeys(blocks, 1 << 20),
+                                 outside=5 << 20, tail=0)
+    assert _offloaded(no_tail, True) == (5 << 20) + OFFLOAD_WINDOW_BYTES + 2 * (300 << 20)
+    assert _offloaded(big_tail, False) == 3 << 30

@@ -526,7 +526,7 @@ class FluxTrainingConfig:
 
     @classmethod
     def preset_16gb(cls) -> FluxTrainingConfig:
-        """Flux LoRA on a 16 GB card: the 24 GB preset with 9 of 57 blocks swapped."""
+        """Flux LoRA on a 16 GB card: the 24 GB preset with 7 of 57 blocks swapped."""
         return cls._tier(16)
 
     @classmethod
@@ -536,7 +536,7 @@ class FluxTrainingConfig:
 
     @classmethod
     def preset_8gb(cls) -> FluxTrainingConfig:
-        """Flux LoRA on an 8 GB card: the 24 GB preset with 37 of 57 blocks swapped."""
+        """Flux LoRA on an 8 GB card: the 24 GB preset with 36 of 57 blocks swapped."""
         return cls._tier(8)
 
     @classmethod

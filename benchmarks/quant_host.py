@@ -181,6 +181,7 @@ def blocks_part(model: str, device: torch.device, rounds: int, repeats: int,
                 got = samples[(kind, phase, label)]
                 row[f"{label} device_s"] = statistics.median(d for d, _ in got)
                 row[f"{label} host_s"] = statistics.median(h for _, h in got)
+                row[f"{label} rounds"] = got  # (device, host) of each round, in the JSON
             rows.append(row)
     return rows
 

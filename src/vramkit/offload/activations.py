@@ -50,8 +50,13 @@ Composition:
   recomputed (not offloaded) and everything outside it is offloaded by this class -- the
   region's *inputs* too: the checkpoint saves them with ``save_for_backward`` on a node of its
   own, outside its region's hooks (PyTorch >= 2.1; tested), so with every block checkpointed
-  the blocks' inputs are what this class moves. The reentrant variant also saves its inputs
-  through ``save_for_backward``: offloaded as well.
+  the blocks' inputs are what this class moves. That holds for *positional* tensors only: the
+  checkpoint keeps keyword arguments (and tensors inside tuples) by reference, so vramkit's
+  checkpointing and the block swapper pass every tensor of a checkpointed call positionally
+  (:func:`vramkit.offload.checkpointing.run_checkpointed`; diffusers calls its blocks with
+  keywords). A model that calls ``torch.utils.checkpoint`` itself with keyword tensors keeps
+  those on the device. The reentrant variant also saves its inputs through
+  ``save_for_backward``: offloaded as well.
 * :class:`~vramkit.offload.swap.BlockSwapper` installs its own hooks while a non-checkpointed
   swapped block runs: tensors saved inside a swapped block's region are handled by the swapper,
   those outside (non-block layers, resident blocks, the inputs a checkpointed swapped block saves

@@ -36,8 +36,9 @@ from vramkit.quant._configs import (
 if TYPE_CHECKING:  # formats imports this module: annotations only
     from vramkit.quant.formats import QuantizedTensor
 
-__all__ = ["FP8_GEMM_MULTIPLE", "FUSED_MAX_TOKENS", "DequantPlan", "dequantize", "fp8_gemm_fits",
-           "has_fp8_gemm", "quantized_matmul", "triton_available"]
+# DequantPlan is the quantized layers' own machinery, not exported.
+__all__ = ["FP8_GEMM_MULTIPLE", "FUSED_MAX_TOKENS", "dequantize", "fp8_gemm_fits", "has_fp8_gemm",
+           "quantized_matmul", "triton_available"]
 
 logger = logging.getLogger(__name__)
 

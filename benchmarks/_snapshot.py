@@ -42,7 +42,8 @@ def _owner(frames: list[dict[str, Any]]) -> str:
             return f"{tail}:{frame.get('line')} {frame.get('name')}"
     if frames:
         frame = frames[0]
-        return f"{frame.get('filename', '?').split('/')[-1]}:{frame.get('line')} {frame.get('name')}"
+        name = frame.get("filename", "?").split("/")[-1]
+        return f"{name}:{frame.get('line')} {frame.get('name')}"
     return "(no stack)"
 
 

@@ -22,13 +22,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _block_timing import time_block_apart
 from _common import add_common_args, write_result
 from vramkit.planning import calibration
 from vramkit.planning.analysis import analyze
@@ -42,53 +42,12 @@ _RECORDS: list[dict[str, Any]] = []
 def _timed_block(block: torch.nn.Module, args: Any, kwargs: Any, device: torch.device,
                  train: bool, autocast: torch.dtype | None, repeats: int
                  ) -> tuple[float, float]:
-    """calibration._time_block with the device and host times kept apart (recorded)."""
-    cuda = device.type == "cuda"
-    context = torch.autocast(device.type, dtype=autocast) if autocast is not None and train else None
-    clocks = {"fwd": calibration._Clock(device), "bwd": calibration._Clock(device)}
-    times: dict[str, list[tuple[float, float]]] = {"fwd": [], "bwd": []}
-
-    def region(phase: str, timing: bool, fn: Any) -> Any:
-        clock = clocks[phase]
-        clock.timing = timing
-        started = clock.start()
-        out = fn()
-        host_start = started[1] if cuda else started
-        host = time.perf_counter() - host_start
-        if cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            end.synchronize()
-            dev = started[0].elapsed_time(end) / 1e3
-        else:
-            dev = host
-        if not timing:
-            clock.host_s = host
-        else:
-            times[phase].append((dev, clock.host_s))
-        return out
-
-    for round_ in range(repeats + calibration._WARMUP_ROUNDS):
-        timing = round_ >= calibration._WARMUP_ROUNDS
-        with torch.set_grad_enabled(train):
-            def forward() -> Any:
-                if context is not None:
-                    with context:
-                        return block(*args, **kwargs)
-                return block(*args, **kwargs)
-            out = region("fwd", timing, forward)
-        if train:
-            outputs = calibration._float_outputs(out)
-            if outputs:
-                grads = [torch.ones_like(t) for t in outputs]
-                region("bwd", timing, lambda o=outputs, g=grads: torch.autograd.backward(o, g))
-            for p in block.parameters():
-                p.grad = None
-        del out
-    record: dict[str, Any] = {"type": type(block).__name__}
-    for phase, rows in times.items():
-        record[f"{phase}_device_s"] = statistics.median(r[0] for r in rows) if rows else 0.0
-        record[f"{phase}_host_s"] = rows[-1][1] if rows else 0.0
+    """calibration._time_block with the device and host times kept apart (recorded): the host
+    sample is calibration's, the last warm-up round's."""
+    record = time_block_apart(block, args, kwargs, device, train, autocast, repeats)
+    for phase in ("fwd", "bwd"):
+        samples = record.pop(f"{phase}_host_samples")
+        record[f"{phase}_host_s"] = samples[-1] if samples else 0.0
     _RECORDS.append(record)
     return (max(record["fwd_device_s"], record["fwd_host_s"]),
             max(record["bwd_device_s"], record["bwd_host_s"]))

@@ -439,6 +439,8 @@ class Job:
         """The allocator's history over the fitted arm's first step, with ``--snapshot``."""
         if self.s.snapshot and self.device.type == "cuda":
             return recording(self.device)
+        if self.s.snapshot:
+            log("--snapshot: the CPU has no allocator history; nothing recorded")
         return contextlib.nullcontext()
 
     def _finish(self, row: dict[str, Any], mine: Arm, other: Arm, plan: Any,

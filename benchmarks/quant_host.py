@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _block_timing import time_block_apart
 from _common import add_common_args, write_result
 from vramkit.planning import calibration
 from vramkit.planning.models import build_target
@@ -91,55 +92,13 @@ def launch_part(device: torch.device, rounds: int, calls: int) -> dict[str, Any]
 def _timed_block(block: torch.nn.Module, args: Any, kwargs: Any, device: torch.device,
                  train: bool, autocast: torch.dtype | None, repeats: int
                  ) -> tuple[float, float]:
-    """calibration._time_block, recording the device and host times apart."""
-    clocks = {"fwd": calibration._Clock(device), "bwd": calibration._Clock(device)}
-    times: dict[str, list[tuple[float, float]]] = {"fwd": [], "bwd": []}
-    hosts: dict[str, list[float]] = {"fwd": [], "bwd": []}
-
-    def region(phase: str, timing: bool, fn: Any) -> Any:
-        clock = clocks[phase]
-        clock.timing = timing
-        started = clock.start()
-        out = fn()
-        host = time.perf_counter() - (started[1] if device.type == "cuda" else started)
-        if device.type == "cuda":
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            end.synchronize()
-            dev = started[0].elapsed_time(end) / 1e3
-        else:
-            dev = host
-        if not timing:
-            clock.host_s = host
-            hosts[phase].append(host)
-        else:
-            times[phase].append((dev, host))
-        return out
-
-    context = (torch.autocast(device.type, dtype=autocast) if autocast is not None and train
-               else None)
-    # more warm-up rounds than calibration's: the host sample is the median of several
-    for round_ in range(repeats + 4):
-        timing = round_ >= 4
-        with torch.set_grad_enabled(train):
-            def forward() -> Any:
-                if context is not None:
-                    with context:
-                        return block(*args, **kwargs)
-                return block(*args, **kwargs)
-            out = region("fwd", timing, forward)
-        if train:
-            outputs = calibration._float_outputs(out)
-            if outputs:
-                grads = [torch.ones_like(t) for t in outputs]
-                region("bwd", timing, lambda o=outputs, g=grads: torch.autograd.backward(o, g))
-            for p in block.parameters():
-                p.grad = None
-        del out
-    record: dict[str, Any] = {"type": type(block).__name__}
+    """calibration._time_block, recording the device and host times apart; the host sample is
+    the median of the warm-up rounds after the first (four of them: steadier than
+    calibration's single last one)."""
+    record = time_block_apart(block, args, kwargs, device, train, autocast, repeats,
+                              warmup_rounds=4)
     for phase in ("fwd", "bwd"):
-        record[f"{phase}_device_s"] = statistics.median(r[0] for r in times[phase])
-        record[f"{phase}_host_s"] = statistics.median(hosts[phase][1:])
+        record[f"{phase}_host_s"] = statistics.median(record.pop(f"{phase}_host_samples")[1:])
     _RECORDS.append(record)
     return (max(record["fwd_device_s"], record["fwd_host_s"]),
             max(record["bwd_device_s"], record["bwd_host_s"]))

@@ -49,8 +49,8 @@ ACHIEVED_FRACTION = 0.26
 # SD3.5-large, Qwen-Image, Wan2.1-14B and SDXL (calibrate_blocks' timing, with the kernels and
 # bytes analyze() counts for them). Against the stored run (`benchmarks/block_times.py
 # --measured benchmarks/data/block_times_h100.json`; docs/benchmarks.md "Planner"): the
-# device part of the transformer blocks and SDXL's attention stacks -18 % .. +12 %, the whole
-# (device or host) mean |error| 17.7 % over 42 block phases, against 60.5 % for one share of
+# device part of the transformer blocks and SDXL's attention stacks -18 % .. +10 %, the whole
+# (device or host) mean |error| 17.5 % over 42 block phases, against 60.5 % for one share of
 # the peak.
 #: Share of the dense bf16 peak a block's matmuls reach (fixed: large GEMMs on Hopper).
 MATMUL_FRACTION = 0.70

@@ -19,7 +19,8 @@ import triton.language as tl
 
 from vramkit.quant import _reference
 
-__all__ = ["FORMAT_CODES", "Dequantizer", "dequantize", "dequantizer", "fp8_rowwise", "fused_linear"]
+__all__ = ["FORMAT_CODES", "Dequantizer", "dequantize", "dequantizer", "fp8_rowwise",
+           "fused_linear"]
 
 logger = logging.getLogger(__name__)
 
@@ -246,15 +247,15 @@ def dequantize(fmt: str, data: torch.Tensor, scales: torch.Tensor,
 class Dequantizer:
     """The dequantize launch of one weight layout, derived once and replayed per call.
 
-    Working out the kernel, grid and arguments at every call, and Triton's ``JITFunction.run``
-    binding and specializing ~20 arguments again, cost ~0.15 ms of host time per call, which makes a block of quantized layers host-bound on a fast GPU (a
-    FLUX double block: 15.2 vs 8.3 ms of host time against bf16). Here the kernel, its grid and
+    Triton's ``JITFunction.run`` binds and specializes all ~20 arguments again at every call,
+    and a block of quantized layers is host-bound on a fast GPU. Here the kernel, its grid and
     its constant arguments are fixed for the layout; the first launch of each specialization
     (device, dtype, strides, pointer alignment, absent tensors) goes through Triton's JIT and
     keeps the compiled kernel it returns; later launches call that kernel directly
-    (``CompiledKernel[grid]``, Triton's ahead-of-time launch), skipping the binding. Should
-    that launch not accept the arguments (another Triton's calling convention), the JIT path
-    is used from then on. The results are the same bit for bit.
+    (``CompiledKernel[grid]``, Triton's ahead-of-time launch), skipping the binding: 25 vs 39 us
+    of host per call on an H100 (``benchmarks/quant_host.py``). Should that launch not accept
+    the arguments (another Triton's calling convention), the JIT path is used from then on.
+    The results are the same bit for bit.
 
     Args:
         fmt, group, dq_block, compact: as for :func:`dequantize`.

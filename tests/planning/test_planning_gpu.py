@@ -88,3 +88,26 @@ def test_fit_with_a_measured_plan_trains_exactly_and_stays_under_budget() -> Non
     assert report.measured_peak_bytes <= budget
     fitted.detach()
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_the_measured_peak_leaves_out_what_others_hold() -> None:
+    # A VAE or a text encoder resident beside the fitted model is not part of the step the plan
+    # predicts: the report's peak is the step's own.
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    model, config = _dit()
+    batch = synthetic_batch(config, 2, device="cuda",
+                            generator=torch.Generator().manual_seed(0))
+    others = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    fitted = vramkit.fit(model, batch, "6GiB", step=_step, hardware="h100-pcie",
+                         observe_steps=2)
+    try:
+        for _ in range(3):
+            _step(model, batch).backward()
+        report = fitted.report()
+        assert report.measured_peak_bytes is not None and report.measured_peak_bytes > 0
+        assert (report.measured_peak_bytes
+                <= torch.cuda.max_memory_allocated() - others.numel())
+        assert report.measured_peak_bytes <= report.budget_bytes
+    finally:
+        fitted.detach()
+        del others

@@ -51,7 +51,8 @@ class FitReport:
     Attributes:
         steps: steps observed (the first is left out of the step time).
         predicted_peak_bytes / measured_peak_bytes: the peak of allocated memory (measured on
-            CUDA only; ``None`` on the CPU).
+            CUDA only; ``None`` on the CPU), less what other tensors held on the device when
+            ``fit`` attached: the step's own, as the plan predicts it.
         predicted_step_seconds / measured_step_seconds: median step time (``None`` until two
             steps ran).
         budget_bytes: the budget.
@@ -136,6 +137,9 @@ class Fitted:
         self._offload: _OffloadingForward | None = None
         self._marks: list[float] = []
         self._report: FitReport | None = None
+        # What other tensors hold on the device when fit attaches (a VAE, a text encoder,
+        # another model): not part of the step the plan predicts, so not of its measured peak.
+        self._others_bytes = 0
         self._hook: Any = None
         self._attached = False
         self._checkpoint = (checkpoint, prefix, strict)
@@ -154,6 +158,10 @@ class Fitted:
 
     def _apply(self, blocks: str | Sequence[str]) -> None:
         model, plan = self.model, self.plan
+        if self.device.type == "cuda":
+            own = sum(t.numel() * t.element_size()
+                      for t in (*model.parameters(), *model.buffers()) if t.device == self.device)
+            self._others_bytes = max(0, int(torch.cuda.memory_allocated(self.device)) - own)
         checkpoint, prefix, strict = self._checkpoint
         packed = [name for name, fmt in plan.formats.items() if fmt != "bf16"]
         for name in packed:
@@ -254,7 +262,7 @@ class Fitted:
         steps = len(self._marks) - 1
         durations = [b - a for a, b in zip(self._marks, self._marks[1:], strict=False)]
         measured = statistics.median(durations[1:] or durations) if durations else None
-        peak = (int(torch.cuda.max_memory_allocated(self.device))
+        peak = (int(torch.cuda.max_memory_allocated(self.device)) - self._others_bytes
                 if self.device.type == "cuda" else None)
         return FitReport(steps=steps, budget_bytes=self.plan.budget_bytes,
                          predicted_peak_bytes=self.plan.predicted_peak_bytes,

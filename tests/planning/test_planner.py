@@ -13,7 +13,7 @@ from vramkit.errors import ConfigError, PlanError
 from vramkit.planning.analysis import analyze
 from vramkit.planning.api import plan, resolve_headroom
 from vramkit.planning.machine import Machine
-from vramkit.planning.planner import PhaseTime, simulate_phase
+from vramkit.planning.planner import PhaseTime, _swap_sets, simulate_phase
 
 MiB = 1 << 20
 
@@ -114,6 +114,23 @@ def test_a_phase_waits_for_copies_and_for_slots() -> None:
     assert simulate_phase([1.0] * 4, [5.0] * 4, [True] * 4, slots=1) == pytest.approx(19.0)
     assert PhaseTime(2.0, 1.0, 2.0, 10).transfer_bound
     assert not PhaseTime(1.0, 1.0, 0.5, 10).transfer_bound
+
+
+def test_swap_candidates_include_the_cheapest_copies_first() -> None:
+    # FLUX's shape: 3 large blocks that move 2.7x the bytes per ms of compute of the 6 small
+    # ones after them. Spread by bytes, 4 picks take large blocks; cheapest-first takes small
+    # ones only, spread over them, and large ones only once every small one is swapped.
+    sizes = [680] * 3 + [283] * 6
+    compute = [4.6] * 3 + [3.7] * 6
+    spread, cheapest = _swap_sets(sizes, compute, 4)
+    assert any(i < 3 for i in spread)
+    assert cheapest == [3, 5, 6, 8]
+    assert _swap_sets(sizes, compute, 7)[-1] == [1, 3, 4, 5, 6, 7, 8]
+    assert _swap_sets(sizes, compute, 0) == [[]]
+    # a block with nothing swappable is never a cheapest-first pick
+    assert all(0 not in s for s in _swap_sets([0, 5, 5, 5], [1.0] * 4, 2)[1:])
+    # one kind of block: the two rules agree and one candidate is simulated
+    assert len(_swap_sets([5] * 6, [1.0] * 6, 3)) == 1
 
 
 def test_the_machine_changes_the_prediction(cost) -> None:  # type: ignore[no-untyped-def]

@@ -260,6 +260,45 @@ def simulate_phase(compute: Sequence[float], copies: Sequence[float],
     return t
 
 
+def _swap_sets(sizes: Sequence[int], compute: Sequence[float], k: int) -> list[list[int]]:
+    """Which ``k`` blocks to swap: candidates for the search to simulate.
+
+    * spread evenly over the model's bytes (:func:`~vramkit.offload.blocks.spread_evenly`, the
+      swapper's own schedule);
+    * the cheapest copies first: blocks grouped by kind (equal bytes and forward time), kinds
+      taken in order of bytes copied per second of forward compute, the last kind taken in
+      part spread evenly over its members. A model of two kinds of block (FLUX: a double block
+      moves 2.7x the bytes per ms of compute of a single one) swaps the kind whose copies hide
+      behind its own compute and keeps the other resident; spreading by bytes swaps both and
+      leaves the copy engine behind in a run of large blocks (FLUX at 15.5 GiB on an H200,
+      ``benchmarks/plan_phases.py``: double blocks 8-18 took up to 12.3 ms each in forward,
+      the pace of their copies, against 4.3-5.6 ms resident).
+    """
+    if k <= 0:
+        return [[]]
+    sets = [spread_evenly(sizes, k)]
+    groups: dict[tuple[int, float], list[int]] = {}
+    for i, size in enumerate(sizes):
+        if size:
+            groups.setdefault((size, compute[i]), []).append(i)
+    if sum(len(g) for g in groups.values()) < k:
+        return sets
+    chosen: list[int] = []
+    for (size, _seconds), members in sorted(
+            groups.items(), key=lambda item: (item[0][0] / max(item[0][1], 1e-12), item[1][0])):
+        need = k - len(chosen)
+        if need <= 0:
+            break
+        if need >= len(members):
+            chosen += members
+        else:
+            chosen += [members[j] for j in spread_evenly([size] * len(members), need)]
+    chosen.sort()
+    if chosen != sets[0]:
+        sets.append(chosen)
+    return sets
+
+
 def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
            allow_formats: Sequence[str] = (), num_slots: Sequence[int] = (1, 2, 3),
            activation_offload: bool = True, host_budget: int | None = None,
@@ -336,84 +375,86 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     smallest = math.inf  # the least memory any candidate needs (for the error)
     for fmt_s in formats:
         sizes = [b.swapped[fmt_s] for b in cost.blocks]
+        # each block's forward in this format: the compute its copy can hide behind
+        ranked = [t + d[0] for t, d in zip(block_fwd, dequant_of[fmt_s], strict=True)]
         for fmt_r in formats:
             resident_all = [b.resident_bytes(fmt_r) for b in cost.blocks]
             for k in range(n + 1):
-                chosen = spread_evenly(sizes, k) if k else []
-                if k and not all(sizes[i] for i in chosen):
-                    continue  # a block with nothing swappable cannot be swapped
-                swapped_set = set(chosen)
-                flags = [i in swapped_set for i in range(n)]
-                weights = cost.outside_bytes + sum(
-                    cost.blocks[i].kept[fmt_s] if flags[i] else resident_all[i]
-                    for i in range(n))
-                slot = max((sizes[i] for i in chosen), default=0)
-                master_bytes = sum(sizes[i] for i in chosen)
-                dequant = [dequant_of[fmt_s if flags[i] else fmt_r][i] for i in range(n)]
-                fwd_s = [t + d[0] for t, d in zip(block_fwd, dequant, strict=True)]
-                copy_s = [sizes[i] / bw if flags[i] else 0.0 for i in range(n)]
-                for r in sorted(set(num_slots)):
-                    if k and r > k:
-                        continue  # slots beyond the swapped blocks would hold nothing
-                    slots = r * slot if chosen else 0
-                    rest = weights + slots + trainable
-                    smallest = min(smallest, rest + least_activations)
-                    if rest >= avail:
-                        continue
-                    m, offload = _fit_activations(act_choices, avail - rest, train, estimate,
-                                                  activation_offload)
-                    if m is None:
-                        continue
-                    ckpt = order[:m]
-                    act = act_choices[m] if not offload else _offloaded(estimate, train)
-                    offload_bytes = _offload_bytes(estimate, ckpt) if offload else 0
-                    host = master_bytes + offload_bytes
-                    disk: tuple[int, ...] = ()
-                    swap_budget = None
-                    phase_copy_s = copy_s
-                    if host_budget is not None and host > host_budget:
-                        swap_budget = host_budget - offload_bytes
-                        split = _disk_split([sizes[i] for i in chosen], swap_budget)
-                        if split is None:
+                for chosen in _swap_sets(sizes, ranked, k):
+                    if k and not all(sizes[i] for i in chosen):
+                        continue  # a block with nothing swappable cannot be swapped
+                    swapped_set = set(chosen)
+                    flags = [i in swapped_set for i in range(n)]
+                    weights = cost.outside_bytes + sum(
+                        cost.blocks[i].kept[fmt_s] if flags[i] else resident_all[i]
+                        for i in range(n))
+                    slot = max((sizes[i] for i in chosen), default=0)
+                    master_bytes = sum(sizes[i] for i in chosen)
+                    dequant = [dequant_of[fmt_s if flags[i] else fmt_r][i] for i in range(n)]
+                    fwd_s = [t + d[0] for t, d in zip(block_fwd, dequant, strict=True)]
+                    copy_s = [sizes[i] / bw if flags[i] else 0.0 for i in range(n)]
+                    for r in sorted(set(num_slots)):
+                        if k and r > k:
+                            continue  # slots beyond the swapped blocks would hold nothing
+                        slots = r * slot if chosen else 0
+                        rest = weights + slots + trainable
+                        smallest = min(smallest, rest + least_activations)
+                        if rest >= avail:
                             continue
-                        disk = tuple(chosen[j] for j in split.on_disk)
-                        host = split.pinned + offload_bytes
-                        phase_copy_s = list(copy_s)
-                        for i in disk:  # read from disk, then copied: the slower one paces it
-                            phase_copy_s[i] = sizes[i] / min(bw, disk_bw)
-                    copies = int(master_bytes * max(0, k - r) / k) if k else 0
-                    fwd_time = outside_fwd + simulate_phase(fwd_s, phase_copy_s, flags, r)
-                    if offload:  # device->host copies run on the other engine
-                        fwd_time = max(fwd_time, offload_bytes / machine.d2h_bytes_per_s)
-                    # Copy engine time: disk blocks are paced by the disk (the same share of
-                    # them as of all swapped blocks is copied in a phase).
-                    share = max(0, k - r) / k if k else 0.0
-                    copy_time = copies / bw + share * sum(
-                        sizes[i] * (1 / min(bw, disk_bw) - 1 / bw) for i in disk)
-                    fwd = PhaseTime(fwd_time, outside_fwd + sum(fwd_s), copy_time, copies)
-                    if train:
-                        ckpt_set = set(ckpt)
-                        bwd_s = [block_bwd[i] + dequant[i][1]
-                                 + (fwd_s[i] if b.name in ckpt_set else 0.0)
-                                 for i, b in enumerate(cost.blocks)]
-                        restores = ([_kept_bytes(estimate, b.name, ckpt_set) / bw
-                                     for b in cost.blocks] if offload else None)
-                        back = simulate_phase(bwd_s[::-1], phase_copy_s[::-1], flags[::-1], r,
-                                              restores[::-1] if restores else None)
-                        bwd = PhaseTime(outside_bwd + back, outside_bwd + sum(bwd_s),
-                                        copy_time + offload_bytes / bw, copies + offload_bytes)
-                    else:
-                        bwd = PhaseTime(0.0, 0.0, 0.0, 0)
-                    overhead = SWAP_HOST_SECONDS * k * (2 if train else 1)
-                    seconds = fwd.seconds + bwd.seconds + optimizer + overhead
-                    breakdown = {"resident_weights": weights, "swap_slots": slots,
-                                 "trainable_and_optimizer": trainable, "activations": act}
-                    candidates.append({
-                        "seconds": seconds, "k": k, "m": m, "r": r, "offload": offload,
-                        "fmt_rank": (formats.index(fmt_s), formats.index(fmt_r)),
-                        "chosen": chosen, "ckpt": ckpt, "breakdown": breakdown, "fwd": fwd,
-                        "bwd": bwd, "overhead": overhead, "host": host, "fmt_s": fmt_s,
-                        "fmt_r": fmt_r, "disk": disk, "swap_budget": swap_budget})
+                        m, offload = _fit_activations(act_choices, avail - rest, train, estimate,
+                                                      activation_offload)
+                        if m is None:
+                            continue
+                        ckpt = order[:m]
+                        act = act_choices[m] if not offload else _offloaded(estimate, train)
+                        offload_bytes = _offload_bytes(estimate, ckpt) if offload else 0
+                        host = master_bytes + offload_bytes
+                        disk: tuple[int, ...] = ()
+                        swap_budget = None
+                        phase_copy_s = copy_s
+                        if host_budget is not None and host > host_budget:
+                            swap_budget = host_budget - offload_bytes
+                            split = _disk_split([sizes[i] for i in chosen], swap_budget)
+                            if split is None:
+                                continue
+                            disk = tuple(chosen[j] for j in split.on_disk)
+                            host = split.pinned + offload_bytes
+                            phase_copy_s = list(copy_s)
+                            for i in disk:  # read from disk, then copied: the slower one paces it
+                                phase_copy_s[i] = sizes[i] / min(bw, disk_bw)
+                        copies = int(master_bytes * max(0, k - r) / k) if k else 0
+                        fwd_time = outside_fwd + simulate_phase(fwd_s, phase_copy_s, flags, r)
+                        if offload:  # device->host copies run on the other engine
+                            fwd_time = max(fwd_time, offload_bytes / machine.d2h_bytes_per_s)
+                        # Copy engine time: disk blocks are paced by the disk (the same share of
+                        # them as of all swapped blocks is copied in a phase).
+                        share = max(0, k - r) / k if k else 0.0
+                        copy_time = copies / bw + share * sum(
+                            sizes[i] * (1 / min(bw, disk_bw) - 1 / bw) for i in disk)
+                        fwd = PhaseTime(fwd_time, outside_fwd + sum(fwd_s), copy_time, copies)
+                        if train:
+                            ckpt_set = set(ckpt)
+                            bwd_s = [block_bwd[i] + dequant[i][1]
+                                     + (fwd_s[i] if b.name in ckpt_set else 0.0)
+                                     for i, b in enumerate(cost.blocks)]
+                            restores = ([_kept_bytes(estimate, b.name, ckpt_set) / bw
+                                         for b in cost.blocks] if offload else None)
+                            back = simulate_phase(bwd_s[::-1], phase_copy_s[::-1], flags[::-1], r,
+                                                  restores[::-1] if restores else None)
+                            bwd = PhaseTime(outside_bwd + back, outside_bwd + sum(bwd_s),
+                                            copy_time + offload_bytes / bw, copies + offload_bytes)
+                        else:
+                            bwd = PhaseTime(0.0, 0.0, 0.0, 0)
+                        overhead = SWAP_HOST_SECONDS * k * (2 if train else 1)
+                        seconds = fwd.seconds + bwd.seconds + optimizer + overhead
+                        breakdown = {"resident_weights": weights, "swap_slots": slots,
+                                     "trainable_and_optimizer": trainable, "activations": act}
+                        candidates.append({
+                            "seconds": seconds, "k": k, "m": m, "r": r, "offload": offload,
+                            "fmt_rank": (formats.index(fmt_s), formats.index(fmt_r)),
+                            "chosen": chosen, "ckpt": ckpt, "breakdown": breakdown, "fwd": fwd,
+                            "bwd": bwd, "overhead": overhead, "host": host, "fmt_s": fmt_s,
+                            "fmt_r": fmt_r, "disk": disk, "swap_budget": swap_budget})
     best = _prefer_simple(candidates)
     if best is None:
         need = (budget_for or (lambda n: n + headroom))(int(smallest)) if math.isfinite(

@@ -11,8 +11,10 @@ it is measured):
   1, bf16 autocast, AdamW on the adapters. ``vramkit.fit(model_on_host, inputs, cap)`` plans with
   ``hardware=None`` (this GPU's copy bandwidth and one timed block of each kind) and applies the
   plan; the resident baseline is a second copy of the same weights on the GPU with the *same*
-  blocks checkpointed. The two alternate (ABBA rounds, ``--steps-per-arm`` steps each, the
-  first of each turn untimed: it pays the allocator's refill after the other arm ran).
+  blocks checkpointed (and, where the plan leaves blocks un-checkpointed, that copy again with
+  every block checkpointed: "vs all-ckpt", what trainers run at these sizes). The arms
+  alternate (ABBA rounds, ``--steps-per-arm`` steps each, the first of each turn untimed: it
+  pays the allocator's refill after the other arm ran).
 * ``flux:fp8:<cap>`` -- the same with ``allow_formats=("fp8",)``; the loss deviation from the bf16
   baseline is printed beside the time.
 * ``flux:offline:<cap>`` -- the plan made offline from this GPU's published profile
@@ -287,8 +289,8 @@ def warm(card: Card, arm: Arm, attach: Callable[[], None] | None = None) -> None
     arm.persistent = card.allocated() - before
 
 
-def alternate(card: Card, arms: tuple[Arm, Arm], s: Settings) -> None:
-    """ABBA rounds; in each turn ``steps_per_arm`` steps, all but the first timed."""
+def alternate(card: Card, arms: tuple[Arm, ...], s: Settings) -> None:
+    """ABBA rounds (the order reversed every other round); in each turn ``steps_per_arm`` steps, all but the first timed."""
     for r in range(s.rounds):
         for arm in arms if r % 2 == 0 else arms[::-1]:
             others = card.enter(arm.persistent, arm.capped)
@@ -413,9 +415,37 @@ class Job:
                                       self.device, capped=False)
         fitted_arm, reset_f = train_arm("fitted", self.host, self.inputs, self.family,
                                         self.device, capped=True)
+        arms = [fitted_arm, resident]
+        # The resident model with every block checkpointed (what trainers run at these sizes):
+        # a plan that checkpoints fewer blocks and swaps more is compared with it too.
+        rest = [n for n in plan.block_order if n not in set(plan.checkpointed)]
+        everything, reset_a = train_arm("resident-all-ckpt", self.twin, self.inputs,
+                                        self.family, self.device, capped=False)
+        if rest:
+            step = everything.run
+
+            trained = [p for p in self.twin.parameters() if p.requires_grad]
+
+            def all_checkpointed() -> float | None:
+                # The twin's adapters are the resident arm's: this arm trains them and puts
+                # them back, so the resident arm's losses still follow the fitted arm's.
+                kept = [p.detach().clone() for p in trained]
+                done = enable_gradient_checkpointing(self.twin, rest)
+                try:
+                    return step()
+                finally:
+                    disable_gradient_checkpointing(self.twin, done)
+                    with torch.no_grad():
+                        for p, value in zip(trained, kept, strict=True):
+                            p.copy_(value)
+
+            everything.run = all_checkpointed
+            arms.append(everything)
         holder: dict[str, Any] = {}
         try:
             warm(card, resident)
+            if len(arms) > 2:
+                warm(card, everything)
             t1 = time.perf_counter()
             with self._recording() as recorded:
                 warm(card, fitted_arm, lambda: holder.setdefault("fitted", vramkit.fit(
@@ -424,7 +454,7 @@ class Job:
             if recorded is not None:
                 row["peak_snapshot"] = peak_report(recorded, self.device)
                 del recorded["snapshot"]
-            alternate(card, (fitted_arm, resident), self.s)
+            alternate(card, tuple(arms), self.s)
         finally:
             card.release()
             if "fitted" in holder:
@@ -433,7 +463,12 @@ class Job:
                 disable_gradient_checkpointing(self.twin, checkpointed)
             reset_r()
             reset_f()
-        return self._finish(row, fitted_arm, resident, plan, budget)
+            reset_a()
+        row = self._finish(row, fitted_arm, resident, plan, budget)
+        if everything.seconds:
+            row["baseline_all_ckpt_s"] = statistics.median(everything.seconds)
+            row["ratio_all_ckpt"] = row["fitted_s"] / row["baseline_all_ckpt_s"]
+        return row
 
     def _recording(self) -> Any:
         """The allocator's history over the fitted arm's first step, with ``--snapshot``."""
@@ -696,6 +731,8 @@ def markdown_row(row: dict[str, Any]) -> dict[str, Any]:
         "plan s": "-" if row.get("plan_s") is None else f"{row['plan_s']:.1f}",
         "step ms": ms("fitted_s"), "baseline ms": ms("baseline_s"),
         "ratio": "-" if row.get("ratio") is None else f"{row['ratio']:.3f}",
+        "vs all-ckpt": "-" if row.get("ratio_all_ckpt") is None else
+        f"{row['ratio_all_ckpt']:.3f} ({row['baseline_all_ckpt_s'] * 1e3:.0f} ms)",
         "predicted ms": ms("predicted_step_s"), "step err": pct("step_error"),
         "peak GiB": gib("fitted_peak"), "predicted GiB": gib("predicted_peak"),
         "peak err": pct("peak_error"),

@@ -4,7 +4,7 @@
 events around a region enqueued while a spin kernel holds the stream) and the host's enqueue
 time (a warm-up round). :func:`time_block_apart` runs the same rounds and returns both sides:
 the device time's median over the timed rounds and every warm-up round's host time, so a
-benchmark can take the calibration's sample (the last) or a steadier one.
+benchmark can take the calibration's sample (the median of all but the first) or another.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def time_block_apart(block: torch.nn.Module, args: Any, kwargs: Any, device: tor
         if timing:
             device_s[phase].append(dev)
         else:
-            clock.host_s = host  # the spin kernel's lead in the timed rounds
+            clock.host_samples.append(host)  # the spin kernel's lead in the timed rounds
             host_s[phase].append(host)
         return out
 

@@ -43,11 +43,12 @@ def _timed_block(block: torch.nn.Module, args: Any, kwargs: Any, device: torch.d
                  train: bool, autocast: torch.dtype | None, repeats: int
                  ) -> tuple[float, float]:
     """calibration._time_block with the device and host times kept apart (recorded): the host
-    sample is calibration's, the last warm-up round's."""
+    sample is calibration's, the median of the warm-up rounds after the first."""
     record = time_block_apart(block, args, kwargs, device, train, autocast, repeats)
     for phase in ("fwd", "bwd"):
         samples = record.pop(f"{phase}_host_samples")
-        record[f"{phase}_host_s"] = samples[-1] if samples else 0.0
+        later = samples[1:] or samples
+        record[f"{phase}_host_s"] = statistics.median(later) if later else 0.0
     _RECORDS.append(record)
     return (max(record["fwd_device_s"], record["fwd_host_s"]),
             max(record["bwd_device_s"], record["bwd_host_s"]))

@@ -201,3 +201,15 @@ def test_a_format_is_chosen_only_where_its_measured_cost_pays() -> None:
     assert dear.predicted_step_seconds < 6 * 2 * 1.0  # cheaper than dequantizing every call
     assert any(note.startswith("int8 storage timed on cpu: dequantizing adds 6000.0 ms")
                for note in dear.notes)
+
+
+def test_the_host_sample_is_the_median_of_the_warm_up_rounds_after_the_first() -> None:
+    from vramkit.planning.calibration import _WARMUP_ROUNDS, _Clock
+
+    clock = _Clock(torch.device("cpu"))
+    assert clock.host_s == 0.0
+    clock.host_samples = [5.0]
+    assert clock.host_s == 5.0  # one round: the first is all there is
+    clock.host_samples = [9.0, 1.0, 3.0, 2.0]  # the first round pays compilation
+    assert clock.host_s == 2.0
+    assert _WARMUP_ROUNDS >= 3  # a median of at least two later rounds

@@ -165,7 +165,9 @@ class _Clock:
     that, so the region's kernels run back to back, as inside a step whose host runs ahead,
     and the events see device time alone. The region's time is the larger of its device time
     and the host's enqueue time: a block whose kernels take less than its launches (a small
-    block) is host-bound.
+    block) is host-bound. The host's time is the median of the warm-up rounds after the first
+    (which pays compilation and first-call caches): a single sample swung by up to 2.7x between
+    runs of one block (SD3.5's block 0: 3.69 vs 9.99 ms, docs/benchmarks.md).
     """
 
     #: Spin cycles per second of host enqueue time: a 2 GHz clock, doubled for margin.
@@ -174,8 +176,15 @@ class _Clock:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.host_s = 0.0  # the last warm-up round's enqueue time
+        self.host_samples: list[float] = []  # the warm-up rounds' enqueue times, in order
         self.timing = False  # warm-up rounds until set
+
+    @property
+    def host_s(self) -> float:
+        """The host's enqueue time: the median of the warm-up rounds after the first (the
+        first alone when there is one)."""
+        later = self.host_samples[1:] or self.host_samples
+        return statistics.median(later) if later else 0.0
 
     def start(self) -> Any:
         if self.cuda:
@@ -196,14 +205,15 @@ class _Clock:
             end.synchronize()
             device_s = float(event.elapsed_time(end)) / 1e3
             if not self.timing:  # a warm-up round: the host's enqueue time, nothing held
-                self.host_s = host_s
+                self.host_samples.append(host_s)
                 return device_s
             return max(device_s, self.host_s)
         return time.perf_counter() - started
 
 
-#: Untimed rounds before the timed ones: kernel selection, caches, the GPU's clocks.
-_WARMUP_ROUNDS = 2
+#: Untimed rounds before the timed ones: kernel selection, caches, the GPU's clocks; the host's
+#: enqueue time is the median of all but the first.
+_WARMUP_ROUNDS = 4
 
 
 def _time_block(block: nn.Module, args: Any, kwargs: Any, device: torch.device, train: bool,
@@ -259,7 +269,7 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
         blocks: ``"auto"`` or block names.
         autocast: the autocast dtype of a training step (``None``: none).
         device: where to time (default: the current CUDA device).
-        repeats: timed rounds per kind after two warm-up rounds (the median is kept).
+        repeats: timed rounds per kind after four warm-up rounds (the median is kept).
         seed: the random weights' and inputs' seed.
         formats: packed storage formats (``"fp8"``, ``"int8"``, ``"int4"``, ``"nf4"``) to time
             each kind in as well: the block's frozen layers quantized as

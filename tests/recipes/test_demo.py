@@ -279,3 +279,41 @@ def test_demo_without_baseline_runs_the_swapped_model_only() -> None:
     result = run_demo(_tiny(steps=2, baseline=False))
     assert result.timing == "swapped only" and result.timing_rounds == []
     assert result.baseline_step_seconds == []
+
+
+def test_the_memory_cap_collects_garbage_before_it_reads_what_the_process_holds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device memory held by unreachable cycles of earlier work must not count as "held
+    before" the run: freed during the run, it would take the run's peak below it."""
+    import gc
+
+    from vramkit.recipes import demo
+
+    state = {"allocated": 100}
+
+    class Cycle:  # stands for tensors of an earlier run kept alive by a reference cycle
+        def __init__(self) -> None:
+            self.me = self
+            state["allocated"] += 50
+
+        def __del__(self) -> None:
+            state["allocated"] -= 50
+
+    fake = {"empty_cache": lambda: None, "set_per_process_memory_fraction": lambda *a: None,
+            "reset_peak_memory_stats": lambda *a: None,
+            "get_per_process_memory_fraction": lambda *a: 1.0,
+            "memory_reserved": lambda *a: state["allocated"],
+            "memory_allocated": lambda *a: state["allocated"],
+            "get_device_properties": lambda *a: type("P", (), {"total_memory": 10**9})}
+    for name, value in fake.items():
+        monkeypatch.setattr(torch.cuda, name, value, raising=False)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        Cycle()
+        assert state["allocated"] == 150
+        with demo._memory_cap(torch.device("cuda", 0), 10) as (allocated, reserved):
+            assert (allocated, reserved) == (100, 100)
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import logging
 import math
 import statistics
@@ -723,7 +724,12 @@ def _alternate(swapped: _Run, resident: _Run) -> list[dict[str, Any]]:
 @contextlib.contextmanager
 def _memory_cap(device: torch.device, budget: int) -> Iterator[tuple[int, int]]:
     """Cap this process's CUDA allocator at what it holds now plus ``budget``; yields the bytes
-    (allocated, reserved) before, and restores the previous fraction on exit."""
+    (allocated, reserved) before, and restores the previous fraction on exit.
+
+    Garbage is collected first: device tensors of earlier work that only the collector would
+    free (reference cycles) would count in "before" and, freed during the run, take the run's
+    own peak below it (a second demo in one process read a peak of 0 bytes)."""
+    gc.collect()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)

@@ -19,8 +19,9 @@ bandwidth and throughput. A candidate is predicted phase by phase (DESIGN.md §4
   the time model of its counted work (:meth:`~vramkit.planning.machine.Machine.work_seconds`).
 
 The search: for each pair of formats (swapped blocks, resident blocks) among the allowed ones,
-each ``R`` and each number of swapped blocks (spread evenly by bytes, as the swapper's own
-schedule does), the fewest checkpointed blocks that fit (blocks in order of activation saved
+each ``R`` and each number of swapped blocks (two candidate sets, :func:`_swap_sets`: spread
+evenly by bytes, as the swapper's own schedule does, and the cheapest copies first, kinds of
+block in order of bytes per ms of compute), the fewest checkpointed blocks that fit (blocks in order of activation saved
 per recomputed FLOP; a binary search, since checkpointing more never needs more memory), then
 activation offload where nothing else fits. The fastest candidate wins; ties go to less
 swapping, less recomputation and fewer slots.

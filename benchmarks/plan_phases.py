@@ -24,8 +24,14 @@ Printed per arm: the device time of forward / backward / optimizer, the host's t
 forward and backward (when it is close to the device's, the phase is host-bound), the step and
 its ratio to ``resident``; then the blocks whose device time grew most against ``resident``.
 
+``--profile ARM,...`` runs one more step of each named arm under cProfile (the host's time by
+function, in the log and the JSON); ``--gc-freeze`` freezes the models' objects out of the
+garbage collector once they are built; every timed step records the collector's pauses.
+
 Run (GPU): PYTHONPATH=src python3 benchmarks/plan_phases.py --out out/phases
 Run (CPU, code paths only): PYTHONPATH=src python3 benchmarks/plan_phases.py --device cpu --tiny
+(``VRAMKIT_PHASES_FORCE_OFFLOAD=1`` turns activation offload on in the plan, so the CPU run goes
+through the offload arms too.)
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from vramkit.errors import ConfigError, PlanError
 from vramkit.planning.analysis import analyze
 from vramkit.planning.api import plan, resolve_headroom
 from vramkit.planning.machine import Machine
-from vramkit.planning.planner import PhaseTime, _swap_sets, simulate_phase
+from vramkit.planning.planner import PhaseTime, _by_stack, _swap_sets, simulate_phase
 
 MiB = 1 << 20
 
@@ -131,6 +131,28 @@ def test_swap_candidates_include_the_cheapest_copies_first() -> None:
     assert all(0 not in s for s in _swap_sets([0, 5, 5, 5], [1.0] * 4, 2)[1:])
     # one kind of block: the two rules agree and one candidate is simulated
     assert len(_swap_sets([5] * 6, [1.0] * 6, 3)) == 1
+
+
+def test_explain_says_how_much_of_each_stack_is_swapped() -> None:
+    names = ["blocks.0", "blocks.1", "single.0", "single.1", "single.2", "head"]
+    assert _by_stack(names, {"blocks.1", "single.0", "single.2"}) == {
+        "blocks": (1, 2), "single": (2, 3), "head": (0, 1)}
+    model = torch.nn.Module()
+    model.a = torch.nn.ModuleList(torch.nn.Linear(512, 512) for _ in range(3))
+    model.b = torch.nn.ModuleList(torch.nn.Linear(512, 512) for _ in range(3))
+    model.forward = lambda x: model.b[2](model.b[1](model.b[0](  # type: ignore[method-assign]
+        model.a[2](model.a[1](model.a[0](x))))))
+    model.requires_grad_(False).to("meta")
+    x = torch.empty(8, 512, device="meta")
+    whole = plan(model, (x,), 1 << 40, hardware="rtx4090", headroom=0, mode="infer")
+    tight = plan(model, (x,), whole.predicted_peak_bytes - 2 * 512 * 513 * 4,
+                 hardware="rtx4090", headroom=0, mode="infer")
+    assert tight.swapped
+    line = next(li for li in tight.explain().splitlines() if li.startswith("Swapped per stack"))
+    counts = _by_stack(tight.block_order, set(tight.swapped))
+    assert line == "Swapped per stack: " + ", ".join(
+        f"{stack} {k} of {n}" for stack, (k, n) in counts.items()) + "."
+    assert "Swapped per stack" not in whole.explain()  # nothing swapped: no such line
 
 
 def test_the_machine_changes_the_prediction(cost) -> None:  # type: ignore[no-untyped-def]

@@ -174,6 +174,11 @@ class Plan:
             lines.append(f"Swap {len(self.swapped)} of {n} blocks through {self.num_slots} "
                          f"slot{'s' if self.num_slots > 1 else ''}; "
                          f"{format_size(self.host_bytes)} of pinned host memory.")
+            stacks = _by_stack(self.block_order or (*self.swapped, *self.resident),
+                               set(self.swapped))
+            if len(stacks) > 1:
+                lines.append("Swapped per stack: " + ", ".join(
+                    f"{stack} {k} of {total}" for stack, (k, total) in stacks.items()) + ".")
         else:
             lines.append(f"Every one of the {n} blocks stays on the GPU: no swapping.")
         if self.disk_blocks:
@@ -214,6 +219,18 @@ class Plan:
                      f"{self.machine}.")
         lines.extend(self.notes)
         return "\n".join(lines)
+
+
+def _by_stack(names: Sequence[str], swapped: set[str]) -> dict[str, tuple[int, int]]:
+    """Per stack of blocks (a name without its trailing index: ``transformer_blocks``), how many
+    of its blocks are swapped and how many it has, in the order the stacks first run."""
+    out: dict[str, tuple[int, int]] = {}
+    for name in names:
+        head, _, tail = name.rpartition(".")
+        stack = head if head and tail.isdigit() else name
+        k, total = out.get(stack, (0, 0))
+        out[stack] = (k + (name in swapped), total + 1)
+    return out
 
 
 def _checkpoint_order(cost: ModelCost) -> list[str]:

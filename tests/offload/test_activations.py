@@ -433,6 +433,48 @@ class SavesInForwardOrder(torch.autograd.Function):
         return grad * b * c, grad * a * c, grad * a * b
 
 
+def test_a_tensor_every_block_saves_does_not_widen_the_window() -> None:
+    """FLUX's rotary embedding is an input of every checkpointed block: backward asks for it
+    first at the last block, far below the window's cursor. That must not start a second
+    window beside the first (it held 851 MB of restored tensors at FLUX's peak, 256 MiB
+    configured)."""
+    from vramkit.offload.activations import _LOADED
+    from vramkit.offload.checkpointing import enable_gradient_checkpointing
+
+    tokens, width, blocks, window = 64, 16, 12, 4
+    alive: list[int] = []
+
+    class Rotated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(width, width)
+
+        def forward(self, h: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+            if torch.is_grad_enabled() and offloader._order:  # a recomputation in backward
+                alive.append(sum(ref().nbytes for ref in offloader._order
+                                 if ref() is not None and ref().state == _LOADED
+                                 and ref().result is not None))
+            return h + torch.tanh(self.lin(h) * rot)
+
+    hidden = tokens * width * 4
+    model = nn.ModuleList(Rotated() for _ in range(blocks))
+    enable_gradient_checkpointing(model, [str(i) for i in range(blocks)])
+    offloader = make_offloader(prefetch=1, prefetch_bytes=window * hidden)
+    x = torch.randn(tokens, width, requires_grad=True)
+    rot = torch.randn(tokens, width)
+    with offloader:
+        h = x
+        for block in model:
+            h = block(h, rot=rot)  # the same tensor for every block
+    alive.clear()
+    h.sum().backward()
+    stats = offloader.stats()
+    # The window, the block's own input, and the shared tensor (alive until its last user).
+    assert max(alive) <= (window + 2) * hidden, [a // hidden for a in alive]
+    assert stats.deduplicated == blocks - 1
+    assert stats.on_demand_loads <= 2  # the first input and the shared tensor
+
+
 def test_prefetch_covers_tensors_above_the_one_asked_for() -> None:
     def loss(x: torch.Tensor) -> torch.Tensor:
         a = torch.sin(x)  # saves x (0)

@@ -21,10 +21,10 @@ bandwidth and throughput. A candidate is predicted phase by phase (DESIGN.md §4
 The search: for each pair of formats (swapped blocks, resident blocks) among the allowed ones,
 each ``R`` and each number of swapped blocks (two candidate sets, :func:`_swap_sets`: spread
 evenly by bytes, as the swapper's own schedule does, and the cheapest copies first, kinds of
-block in order of bytes per ms of compute), the fewest checkpointed blocks that fit (blocks in order of activation saved
-per recomputed FLOP; a binary search, since checkpointing more never needs more memory), then
-activation offload where nothing else fits. The fastest candidate wins; ties go to less
-swapping, less recomputation and fewer slots.
+block in order of bytes per ms of compute), the fewest checkpointed blocks that fit (blocks in
+order of activation saved per recomputed FLOP; a binary search, since checkpointing more never
+needs more memory), then activation offload where nothing else fits. The fastest candidate
+wins; ties go to less swapping, less recomputation and fewer slots.
 """
 
 from __future__ import annotations
@@ -395,10 +395,11 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         sizes = [b.swapped[fmt_s] for b in cost.blocks]
         # each block's forward in this format: the compute its copy can hide behind
         ranked = [t + d[0] for t, d in zip(block_fwd, dequant_of[fmt_s], strict=True)]
+        swap_sets = [_swap_sets(sizes, ranked, k) for k in range(n + 1)]
         for fmt_r in formats:
             resident_all = [b.resident_bytes(fmt_r) for b in cost.blocks]
             for k in range(n + 1):
-                for chosen in _swap_sets(sizes, ranked, k):
+                for chosen in swap_sets[k]:
                     if k and not all(sizes[i] for i in chosen):
                         continue  # a block with nothing swappable cannot be swapped
                     swapped_set = set(chosen)

@@ -425,19 +425,20 @@ class Job:
             step = everything.run
 
             trained = [p for p in self.twin.parameters() if p.requires_grad]
+            kept = [torch.empty_like(p) for p in trained]  # allocated once
 
             def all_checkpointed() -> float | None:
                 # The twin's adapters are the resident arm's: this arm trains them and puts
-                # them back, so the resident arm's losses still follow the fitted arm's.
-                kept = [p.detach().clone() for p in trained]
+                # them back, so the resident arm's losses still follow the fitted arm's (two
+                # device copies of the adapters, ~0.1 ms, inside this baseline's timed step).
+                torch._foreach_copy_(kept, [p.detach() for p in trained])
                 done = enable_gradient_checkpointing(self.twin, rest)
                 try:
                     return step()
                 finally:
                     disable_gradient_checkpointing(self.twin, done)
                     with torch.no_grad():
-                        for p, value in zip(trained, kept, strict=True):
-                            p.copy_(value)
+                        torch._foreach_copy_(trained, kept)
 
             everything.run = all_checkpointed
             arms.append(everything)

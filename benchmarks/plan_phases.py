@@ -18,8 +18,9 @@ reversed every other round; in each turn ``--steps-per-arm`` steps, the first un
   quantizes them), resident, the plan's checkpointing: what dequantizing costs without swapping
   (``--fp8-arm``, default on for ``fp8`` rows).
 
-Every step records a CUDA event and the host clock at its start, at each block's forward call
-(its recomputation in backward included), after the loss, after backward and after the optimizer.
+Every step records a CUDA event and the host clock at its start, at each block's forward call,
+after the loss, after backward and after the optimizer. (A checkpointed block's recomputation
+in backward calls its forward without the module's hooks, so backward is timed as one phase.)
 Printed per arm: the device time of forward / backward / optimizer, the host's time to enqueue
 forward and backward (when it is close to the device's, the phase is host-bound), the step and
 its ratio to ``resident``; then the blocks whose device time grew most against ``resident``.
@@ -37,13 +38,14 @@ through the offload arms too.)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,6 +143,22 @@ def profiled(fn: Callable[[], Any], top: int = 30) -> tuple[Any, str]:
     return out, text.getvalue()
 
 
+@contextlib.contextmanager
+def turn(card: Card, arm: PhaseArm, budget: int, own: int) -> Iterator[int]:
+    """One turn of ``arm``: its cap set (the card's budget, plus ``extra_cap`` for an arm that
+    keeps more on the device), its switch on; yields the bytes the other arms hold."""
+    if arm.extra_cap is not None:
+        card.cap = budget + arm.extra_cap
+    others = card.enter(own, arm.extra_cap is not None)
+    arm.before()
+    try:
+        yield others
+    finally:
+        arm.after()
+        card.release()
+        card.cap = budget
+
+
 def phase_step(arm: PhaseArm, inputs: dict[str, Any], family: str, device: torch.device,
                optimizer: dict[str, Any], marks: Marks) -> float:
     model = arm.model
@@ -171,8 +189,6 @@ def summarize_step(marks: Marks) -> dict[str, Any]:
         "bwd_dev": sum(s[1] for s in bwd), "bwd_host": sum(s[2] for s in bwd),
         "opt_dev": segs[bwd_end][1], "opt_host": segs[bwd_end][2],
         "fwd_blocks": [(s[0], s[1], s[2]) for s in fwd if s[0].startswith("block:")],
-        # backward: the segment from a block's recomputation to the next mark (its backward)
-        "bwd_blocks": [(s[0], s[1], s[2]) for s in bwd if s[0].startswith("block:")],
     }
     out["step_dev"] = out["fwd_dev"] + out["bwd_dev"] + out["opt_dev"]
     return out
@@ -276,65 +292,47 @@ def run_row(job: Job, kind: str, cap_gib: float, s: Settings, fp8_arm: bool,
         arms.append(PhaseArm("fitted", job.host, 0))
         if plan.activation_offload and fitted._offload is not None:
             wrap = fitted._offload
-            # the activations it no longer offloads stay on the device: the arm's cap is
-            # raised by NO_OFFLOAD_EXTRA (more than FLUX's 1.5 GiB of block inputs)
-            kept = NO_OFFLOAD_EXTRA
-
             def f_off() -> None:
                 wrap.active = False
 
             def f_on() -> None:
                 wrap.active = True
 
-            arms.append(PhaseArm("fitted-no-offload", job.host, kept, f_off, f_on))
+            # the activations it no longer offloads stay on the device: its cap is raised by
+            # NO_OFFLOAD_EXTRA (more than FLUX's 1.5 GiB of block inputs)
+            arms.append(PhaseArm("fitted-no-offload", job.host, NO_OFFLOAD_EXTRA, f_off, f_on))
         optimizer: dict[str, Any] = {}
+        def step(arm: PhaseArm, marks: Marks) -> float:
+            holder["marks"] = marks
+            try:
+                return phase_step(arm, job.inputs, job.family, device, optimizer, marks)
+            finally:
+                sync(device)
+                holder.pop("marks")
+
         for arm in arms:  # warm-up: one step each, then what it holds between steps
             before = card.allocated()
-            others = card.enter(0, arm.extra_cap is not None)
-            arm.before()
-            holder["marks"] = Marks(device)
-            arm.losses.append(phase_step(arm, job.inputs, job.family, device, optimizer,
-                                         holder.pop("marks")))
-            sync(device)
-            arm.after()
-            arm.peak = max(arm.peak, card.peak_since(others))
-            card.release()
+            with turn(card, arm, budget, 0) as others:
+                arm.losses.append(step(arm, Marks(device)))
+                arm.peak = max(arm.peak, card.peak_since(others))
             arm.persistent = card.allocated() - before
         for r in range(s.rounds):
             for arm in arms if r % 2 == 0 else arms[::-1]:
-                if arm.extra_cap is not None:
-                    card.cap = budget + arm.extra_cap
-                others = card.enter(arm.persistent, arm.extra_cap is not None)
-                arm.before()
-                for i in range(s.steps_per_arm):
-                    sync(device)
-                    GC.take()
-                    marks = Marks(device)
-                    holder["marks"] = marks
-                    arm.losses.append(phase_step(arm, job.inputs, job.family, device,
-                                                 optimizer, marks))
-                    sync(device)
-                    holder.pop("marks")
-                    if i > 0 or s.steps_per_arm == 1:
-                        arm.steps.append(summarize_step(marks) | {"gc_s": GC.take()})
-                arm.after()
-                arm.peak = max(arm.peak, card.peak_since(others))
-                card.release()
-                card.cap = budget
+                with turn(card, arm, budget, arm.persistent) as others:
+                    for i in range(s.steps_per_arm):
+                        sync(device)
+                        GC.take()
+                        marks = Marks(device)
+                        arm.losses.append(step(arm, marks))
+                        if i > 0 or s.steps_per_arm == 1:
+                            arm.steps.append(summarize_step(marks) | {"gc_s": GC.take()})
+                    arm.peak = max(arm.peak, card.peak_since(others))
         for arm in arms:  # one more step of each arm named, under cProfile
             if arm.name not in profile_arms:
                 continue
-            if arm.extra_cap is not None:
-                card.cap = budget + arm.extra_cap
-            card.enter(arm.persistent, arm.extra_cap is not None)
-            arm.before()
-            sync(device)
-            _, text = profiled(lambda arm=arm: phase_step(arm, job.inputs, job.family, device,
-                                                          optimizer, Marks(device)))
-            sync(device)
-            arm.after()
-            card.release()
-            card.cap = budget
+            with turn(card, arm, budget, arm.persistent):
+                sync(device)
+                _, text = profiled(lambda arm=arm: step(arm, Marks(device)))
             row.setdefault("profiles", {})[arm.name] = text
             log(f"cProfile of one {arm.name} step:\n{text[:6000]}")
         row["arms"] = {arm.name: arm_summary(arm) for arm in arms}
@@ -351,13 +349,12 @@ def arm_summary(arm: PhaseArm) -> dict[str, Any]:
     out: dict[str, Any] = {k: med(st[k] for st in arm.steps) for k in
                            ("fwd_dev", "fwd_host", "bwd_dev", "bwd_host", "opt_dev",
                             "step_dev")}
-    for phase in ("fwd_blocks", "bwd_blocks"):
-        per: dict[str, list[tuple[float, float]]] = {}
-        for st in arm.steps:
-            for label, dev, host in st[phase]:
-                per.setdefault(label.removeprefix("block:"), []).append((dev, host))
-        out[phase] = {name: (med(v[0] for v in vals), med(v[1] for v in vals))
-                      for name, vals in per.items()}
+    per: dict[str, list[tuple[float, float]]] = {}
+    for st in arm.steps:
+        for label, dev, host in st["fwd_blocks"]:
+            per.setdefault(label.removeprefix("block:"), []).append((dev, host))
+    out["fwd_blocks"] = {name: (med(v[0] for v in vals), med(v[1] for v in vals))
+                         for name, vals in per.items()}
     out["gc_s"] = [st["gc_s"] for st in arm.steps]  # per timed step, by generation
     out["peak_bytes"] = arm.peak
     out["steps"] = len(arm.steps)
@@ -369,11 +366,9 @@ def compare(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
     base = arms["resident"]
     out: dict[str, Any] = {}
     for name, arm in arms.items():
-        grown = {}
-        for phase in ("fwd_blocks", "bwd_blocks"):
-            deltas = sorted(((arm[phase][b][0] - base[phase][b][0], b) for b in arm[phase]
-                             if b in base[phase]), reverse=True)
-            grown[phase] = [(b, d) for d, b in deltas[:8]]
+        deltas = sorted(((arm["fwd_blocks"][b][0] - base["fwd_blocks"][b][0], b)
+                         for b in arm["fwd_blocks"] if b in base["fwd_blocks"]), reverse=True)
+        grown = [(b, d) for d, b in deltas[:8]]  # the forward's blocks that grew most
         out[name] = {"ratio": arm["step_dev"] / base["step_dev"],
                      "fwd_delta_s": arm["fwd_dev"] - base["fwd_dev"],
                      "bwd_delta_s": arm["bwd_dev"] - base["bwd_dev"], "grown": grown}

@@ -16,7 +16,10 @@ reversed every other round; in each turn ``--steps-per-arm`` steps, the first un
   costs without offloading;
 * ``fp8-resident`` -- a third copy whose blocks' frozen linears are stored as fp8 (as ``fit``
   quantizes them), resident, the plan's checkpointing: what dequantizing costs without swapping
-  (``--fp8-arm``, default on for ``fp8`` rows).
+  (``--fp8-arm``, default on for ``fp8`` rows); each layer dequantizes its weight at its call;
+* ``fp8-resident-together`` -- the same copy with each block's layers dequantized together at
+  the block's first call (:mod:`vramkit.quant.dense`, what a plan with ``dequantize_together``
+  runs).
 
 Every step records a CUDA event and the host clock at its start, at each block's forward call,
 after the loss, after backward and after the optimizer. (A checkpointed block's recomputation
@@ -244,7 +247,8 @@ def run_row(job: Job, kind: str, cap_gib: float, s: Settings, fp8_arm: bool,
                                     "checkpointed": len(plan.checkpointed),
                                     "slots": plan.num_slots,
                                     "activation_offload": plan.activation_offload,
-                                    "formats": sorted(set(plan.formats.values()))},
+                                    "formats": sorted(set(plan.formats.values())),
+                                    "together": plan.dequantize_together},
                            "predicted": {"fwd": plan.forward.seconds,
                                          "fwd_compute": plan.forward.compute_seconds,
                                          "bwd": plan.backward.seconds,
@@ -285,6 +289,19 @@ def run_row(job: Job, kind: str, cap_gib: float, s: Settings, fp8_arm: bool,
                 enable_gradient_checkpointing(quantized, ckpt)
             hook_blocks(quantized, names, holder)
             arms.append(PhaseArm("fp8-resident", quantized, None))
+            from vramkit.quant.dense import DenseScratch, group_dense, ungroup_dense
+
+            scratch = DenseScratch()
+
+            def group() -> None:
+                for name in names:
+                    group_dense(quantized.get_submodule(name), scratch)
+
+            def ungroup() -> None:
+                ungroup_dense(quantized)
+                scratch.release()
+
+            arms.append(PhaseArm("fp8-resident-together", quantized, None, group, ungroup))
         fitted = vramkit.fit(job.host, job.inputs, budget, plan=plan, device=device)
         undo.append(fitted.detach)
         host_handles = hook_blocks(job.host, names, holder)

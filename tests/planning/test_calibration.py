@@ -161,13 +161,17 @@ def test_packed_formats_are_timed_on_a_quantized_copy_of_each_kind(
     before = {n: p.detach().clone() for n, p in model.state_dict().items()}
     times = calibrate_blocks(model, _models.inputs(), device="cpu", autocast=None, repeats=1,
                              formats=("int8",))
-    assert timed == [False, True, False, True]  # per kind: full precision, then packed
+    # per kind: full precision, then packed (each layer at its call; the block's together)
+    assert timed == [False, True, True, False, True, True]
     names = [f"blocks.{i}" for i in range(4)]
     assert set(times.packed_forward["int8"]) == set(names) == set(times.packed_backward["int8"])
+    assert set(times.grouped_forward["int8"]) == set(names) == set(times.grouped_backward["int8"])
     assert times.packed_forward["int8"]["blocks.1"] >= SLEEP
+    assert times.grouped_forward["int8"]["blocks.1"] >= SLEEP
     for name in names:
-        extra = times.packed_extra("int8", name)
-        assert extra is not None and min(extra) >= 0
+        for together in (False, True):
+            extra = times.packed_extra("int8", name, together=together)
+            assert extra is not None and min(extra) >= 0
     assert times.packed_extra("fp8", "blocks.0") is None  # not asked for
     assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
     with pytest.raises(ConfigError, match="formats"):
@@ -201,6 +205,49 @@ def test_a_format_is_chosen_only_where_its_measured_cost_pays() -> None:
     assert dear.predicted_step_seconds < 6 * 2 * 1.0  # cheaper than dequantizing every call
     assert any(note.startswith("int8 storage timed on cpu: dequantizing adds 6000.0 ms")
                for note in dear.notes)
+
+
+def test_dequantizing_together_is_chosen_where_it_pays_and_fits() -> None:
+    import dataclasses
+
+    model = _models.stack(n=6)
+    inputs = _models.inputs()
+    cost = analyze(model, inputs, autocast=None, formats=("bf16", "int8"))
+    assert all(b.dense["int8"] > 0 and not b.dense.get("bf16") for b in cost.blocks)
+    times = calibrate_blocks(model, inputs, device="cpu", autocast=None, repeats=1)
+    slow_copies = Machine(name="test", memory_bytes=None, h2d_bytes_per_s=1e8,
+                          d2h_bytes_per_s=1e8, flops_per_s=1e12, fp8_flops_per_s=None,
+                          memory_bandwidth_bytes_per_s=1e12)
+
+    def timed(extra: float) -> dict[str, dict[str, float]]:
+        return {"int8": {k: v + extra for k, v in times.forward.items()}}
+
+    # each layer at its call: 10 ms more per block call; together: 1 ms
+    packed = dataclasses.replace(times, packed_forward=timed(0.01), packed_backward=timed(0.01),
+                                 grouped_forward=timed(0.001), grouped_backward=timed(0.001))
+
+    def plan_for(budget: str) -> vramkit.Plan:
+        return vramkit.plan(model, inputs, budget, hardware=slow_copies, cost=cost,
+                            block_times=packed, autocast=None, allow_formats=("int8",),
+                            headroom=0)
+
+    roomy = plan_for("8MiB")
+    assert set(roomy.formats.values()) == {"int8"} and roomy.dequantize_together
+    scratch = roomy.peak_breakdown["dequantized_weights"]
+    assert scratch == max(b.dense["int8"] for b in cost.blocks)
+    assert roomy.predicted_peak_bytes == sum(roomy.peak_breakdown.values())
+    assert "Dequantize each packed block's layers together" in roomy.explain()
+    assert vramkit.Plan.__dataclass_fields__["dequantize_together"]
+    assert '"dequantize_together": true' in roomy.to_json()
+    # Where the buffer does not fit beside the rest, each layer dequantizes at its call.
+    packed_alone = plan_for("5MiB")
+    assert "int8" in packed_alone.formats.values()
+    assert not packed_alone.dequantize_together
+    assert "dequantized_weights" not in packed_alone.peak_breakdown
+    # Offline (nothing timed) the two ways cost the same: never together.
+    offline = vramkit.plan(model, inputs, "8MiB", hardware="rtx4090", cost=cost,
+                           autocast=None, allow_formats=("int8",), headroom=0)
+    assert not offline.dequantize_together
 
 
 def test_the_host_sample_is_the_median_of_the_warm_up_rounds_after_the_first() -> None:

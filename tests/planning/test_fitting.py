@@ -94,6 +94,25 @@ def test_packed_storage_is_applied_and_undone() -> None:
             assert torch.equal(value, before[key]), key
 
 
+def test_a_plan_that_dequantizes_together_groups_each_packed_block() -> None:
+    made = vramkit.plan(stack(device="meta"), inputs(), 4 * MiB, allow_formats=("fp8",),
+                        hardware="rtx4090", headroom=0, autocast=None)
+    assert not made.dequantize_together  # offline: never (see test_calibration)
+    expected_model = stack()
+    with vramkit.fit(expected_model, inputs(), 4 * MiB, plan=made, device="cpu"):
+        expected = _train(expected_model, steps=2)
+    together = dataclasses.replace(made, dequantize_together=True)
+    model = stack()
+    with vramkit.fit(model, inputs(), 4 * MiB, plan=together, device="cpu") as fitted:
+        quantized = [m for m in model.modules() if type(m).__name__ == "QuantizedLinear"]
+        assert quantized and all(m._dense is not None for m in quantized)
+        assert _train(model, steps=2) == expected  # the same losses, bit for bit
+        assert fitted.stats()["dense_scratch_bytes"] > 0
+        scratch = quantized[0]._dense[0].scratch
+    assert scratch.nbytes == 0  # detach frees the buffer
+    assert not any(type(m).__name__ == "QuantizedLinear" for m in model.modules())
+
+
 def test_fit_logs_the_comparison_after_the_first_steps(caplog: pytest.LogCaptureFixture) -> None:
     model = stack()
     with caplog.at_level(logging.INFO, logger="vramkit.planning.fitting"):

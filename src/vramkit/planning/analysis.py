@@ -33,6 +33,7 @@ from vramkit.offload.blocks import find_blocks
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 from vramkit.planning._meta import MetaAutocast, quantize_on_meta
 from vramkit.planning.activations import ActivationEstimate, activation_accounting
+from vramkit.quant.dense import dense_nbytes
 
 __all__ = ["FORMATS", "BlockCost", "ModelCost", "Work", "analyze", "default_step", "meta_copy",
            "to_meta"]
@@ -83,6 +84,9 @@ class BlockCost:
             swapped (small tensors).
         adapters: bytes of its trainable parameters (always on the device).
         work: its forward's :class:`Work` (``None`` when not counted: FLOPs alone then).
+        dense: format -> bytes of its quantized linears dequantized in the compute dtype (the
+            share of the device buffer a packed block's call dequantizes them into,
+            :mod:`vramkit.quant.dense`; absent or 0 for ``"bf16"``).
     """
 
     name: str
@@ -94,6 +98,7 @@ class BlockCost:
     kept: Mapping[str, int]
     adapters: int
     work: Work | None = None
+    dense: Mapping[str, int] = field(default_factory=dict)
 
     def resident_bytes(self, fmt: str) -> int:
         """Frozen bytes on the device when the block stays resident in ``fmt``."""
@@ -331,7 +336,7 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
     attention = saved.attention_flops
     estimate = saved.estimate()
     all_formats = ("bf16", *[f for f in dict.fromkeys(formats) if f != "bf16"])
-    footprints = _footprints(meta, found, all_formats, rule)
+    footprints = _footprints(meta, found, all_formats, rule, autocast)
     # The FLOP counter's per-module attribution is exact in forward; in backward it is not
     # (its module tracker can lose its place in large graphs), so the backward total (exact)
     # is shared among the blocks by their forward matmul FLOPs: a frozen layer's backward is
@@ -347,11 +352,11 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
         attn = attention.get(name, 0)
         share = matmul[name] / matmul_total if matmul_total else 0.0
         bwd = share * backward_matmul + ATTENTION_BACKWARD_FACTOR * attn
-        swapped, kept = footprints[name]
+        swapped, kept, dense = footprints[name]
         adapters = sum(_nbytes(p) for p in module.parameters() if p.requires_grad)
         costs.append(BlockCost(name, matmul[name] + attn, bwd if mode == "train" else 0.0,
                                estimate.per_block[name], estimate.inputs[name], swapped, kept,
-                               adapters, kernels.work(name, matmul[name], attn)))
+                               adapters, kernels.work(name, matmul[name], attn), dense))
     in_blocks = {id(t) for _, m in found for t in (*m.parameters(), *m.buffers())}
     outside = sum(_nbytes(t) for t in (*meta.parameters(), *meta.buffers())
                   if id(t) not in in_blocks and not t.requires_grad)
@@ -375,9 +380,11 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
 
 
 def _footprints(meta: nn.Module, found: list[tuple[str, nn.Module]], formats: Sequence[str],
-                rule: SwapConfig) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
-    """name -> (swapped bytes by format, kept bytes by format) of each block."""
-    out: dict[str, tuple[dict[str, int], dict[str, int]]] = {n: ({}, {}) for n, _ in found}
+                rule: SwapConfig, autocast: torch.dtype | None
+                ) -> dict[str, tuple[dict[str, int], dict[str, int], dict[str, int]]]:
+    """name -> (swapped bytes, kept bytes, dequantized-view bytes) by format of each block."""
+    out: dict[str, tuple[dict[str, int], dict[str, int], dict[str, int]]] = {
+        n: ({}, {}, {}) for n, _ in found}
     for fmt in formats:
         for name, module in found:
             block = module if fmt == "bf16" else quantize_on_meta(copy.deepcopy(module), fmt)
@@ -385,4 +392,5 @@ def _footprints(meta: nn.Module, found: list[tuple[str, nn.Module]], formats: Se
             adapters = sum(_nbytes(p) for p in block.parameters() if p.requires_grad)
             out[name][0][fmt] = footprint.swapped
             out[name][1][fmt] = max(0, footprint.resident - adapters)
+            out[name][2][fmt] = 0 if fmt == "bf16" else dense_nbytes(block, autocast)
     return out

@@ -58,6 +58,8 @@ class BlockTimes:
             the fly, as a plan that stores the block packed runs it); only for the formats
             asked for and the blocks that could be timed.
         packed_backward: the same for the backward.
+        grouped_forward / grouped_backward: the same again with each block's quantized layers
+            dequantized together at its first call (:mod:`vramkit.quant.dense`).
     """
 
     forward: dict[str, float]
@@ -68,15 +70,21 @@ class BlockTimes:
     seconds: float = 0.0
     packed_forward: dict[str, dict[str, float]] = field(default_factory=dict)
     packed_backward: dict[str, dict[str, float]] = field(default_factory=dict)
+    grouped_forward: dict[str, dict[str, float]] = field(default_factory=dict)
+    grouped_backward: dict[str, dict[str, float]] = field(default_factory=dict)
 
-    def packed_extra(self, fmt: str, name: str) -> tuple[float, float] | None:
+    def packed_extra(self, fmt: str, name: str, *, together: bool = False
+                     ) -> tuple[float, float] | None:
         """Seconds a call of block ``name`` costs on top of its full-precision call when its
         frozen layers are stored in ``fmt`` (forward, backward; never negative), or ``None``
-        when that was not timed."""
-        fwd = self.packed_forward.get(fmt, {}).get(name)
+        when that was not timed. ``together``: with the block's layers dequantized together
+        (``grouped_forward``/``grouped_backward``)."""
+        forward, backward = ((self.grouped_forward, self.grouped_backward) if together
+                             else (self.packed_forward, self.packed_backward))
+        fwd = forward.get(fmt, {}).get(name)
         if fwd is None:
             return None
-        bwd = self.packed_backward.get(fmt, {}).get(name, 0.0)
+        bwd = backward.get(fmt, {}).get(name, 0.0)
         return (max(0.0, fwd - self.forward.get(name, 0.0)),
                 max(0.0, bwd - self.backward.get(name, 0.0)))
 
@@ -308,6 +316,8 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
     backward: dict[str, float] = {}
     packed_forward: dict[str, dict[str, float]] = {}
     packed_backward: dict[str, dict[str, float]] = {}
+    grouped_forward: dict[str, dict[str, float]] = {}
+    grouped_backward: dict[str, dict[str, float]] = {}
     fallbacks: list[str] = [n for n in names if n not in calls]
     for members in kinds.values():
         first = members[0]
@@ -321,8 +331,9 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
         args, kwargs = _real(calls[first], target, train, generator)
         try:
             fwd, bwd = _time_block(block, args, kwargs, target, train, autocast, repeats)
-            packed = {fmt: _time_packed(block, fmt, args, kwargs, target, train, autocast,
-                                        repeats) for fmt in formats}
+            packed = {(fmt, together): _time_packed(block, fmt, args, kwargs, target, train,
+                                                    autocast, repeats, together=together)
+                      for fmt in formats for together in (False, True)}
         except (RuntimeError, IndexError, ValueError) as err:  # e.g. an index input of zeros
             logger.warning("calibration: %s (%s) cannot run on random inputs (%s); its %d "
                            "block(s) keep FLOP-based times", first, type(block).__name__, err,
@@ -335,9 +346,11 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
                 torch.cuda.empty_cache()
         for name in members:
             forward[name], backward[name] = fwd, bwd
-            for fmt, (pf, pb) in packed.items():
-                packed_forward.setdefault(fmt, {})[name] = pf
-                packed_backward.setdefault(fmt, {})[name] = pb
+            for (fmt, together), (pf, pb) in packed.items():
+                fwd_of, bwd_of = ((grouped_forward, grouped_backward) if together
+                                  else (packed_forward, packed_backward))
+                fwd_of.setdefault(fmt, {})[name] = pf
+                bwd_of.setdefault(fmt, {})[name] = pb
     for name in fallbacks:
         forward.setdefault(name, 0.0)
         backward.setdefault(name, 0.0)
@@ -345,21 +358,27 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
     logger.info("calibrated %d block kind(s) on %s in %.1f s", len(kinds), target, seconds)
     return BlockTimes(forward=forward, backward=backward, kinds=len(kinds), device=str(target),
                       fallbacks=tuple(dict.fromkeys(fallbacks)), seconds=seconds,
-                      packed_forward=packed_forward, packed_backward=packed_backward)
+                      packed_forward=packed_forward, packed_backward=packed_backward,
+                      grouped_forward=grouped_forward, grouped_backward=grouped_backward)
 
 
 def _time_packed(block: nn.Module, fmt: str, args: Any, kwargs: Any, device: torch.device,
-                 train: bool, autocast: torch.dtype | None, repeats: int
-                 ) -> tuple[float, float]:
+                 train: bool, autocast: torch.dtype | None, repeats: int, *,
+                 together: bool = False) -> tuple[float, float]:
     """:func:`_time_block` of a copy of ``block`` whose frozen layers are stored in ``fmt``
-    (as :class:`vramkit.planning.fitting.Fitted` stores a packed block)."""
+    (as :class:`vramkit.planning.fitting.Fitted` stores a packed block), with its layers
+    dequantized together (``together``, as a plan with ``dequantize_together`` runs it) or
+    each at its call."""
     from vramkit.planning._meta import trainable_module_names
+    from vramkit.quant.dense import DenseScratch, group_dense
     from vramkit.quant.model import QuantizationConfig, quantize_model
 
     packed = copy.deepcopy(block)
     try:
         quantize_model(packed, QuantizationConfig(
             weights_dtype=fmt, modules_to_not_quantize=tuple(trainable_module_names(packed))))
+        if together:
+            group_dense(packed, DenseScratch())
         return _time_block(packed, args, kwargs, device, train, autocast, repeats)
     finally:
         del packed

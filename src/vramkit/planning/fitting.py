@@ -3,7 +3,9 @@ the prediction against the first steps.
 
 The plan's parts are applied in this order: packed storage of the blocks the plan stores in
 another format (``quantize_model`` on those blocks; the original layers are kept on the host,
-so :meth:`Fitted.detach` gives the model back exactly), gradient checkpointing of the planned
+so :meth:`Fitted.detach` gives the model back exactly; with ``plan.dequantize_together`` each
+packed block's layers are grouped so one call of the block dequantizes them together,
+:mod:`vramkit.quant.dense`), gradient checkpointing of the planned
 blocks, the block swapper with exactly the planned blocks and slots
 (``SwapConfig(swapped_blocks=...)``), and activation offload around the model's forward. After
 ``observe_steps`` steps (a step is the time between two calls of the model), the measured peak
@@ -37,6 +39,7 @@ from vramkit.offload.swap import BlockLoader, BlockSwapper, MasterMemory, SwapCo
 from vramkit.planning._meta import trainable_module_names
 from vramkit.planning.api import plan as make_plan
 from vramkit.planning.planner import Plan
+from vramkit.quant.dense import DenseScratch, group_dense, ungroup_dense
 from vramkit.units import format_size
 
 __all__ = ["FitReport", "Fitted", "fit"]
@@ -135,6 +138,8 @@ class Fitted:
         self._checkpointed: list[str] = []
         self._moved: list[tuple[torch.Tensor, torch.device]] = []
         self._offload: _OffloadingForward | None = None
+        # the dequantized weights of one packed block at a time (vramkit.quant.dense)
+        self._dense = DenseScratch()
         self._marks: list[float] = []
         self._report: FitReport | None = None
         # What other tensors hold on the device when fit attaches (a VAE, a text encoder,
@@ -169,6 +174,9 @@ class Fitted:
                 self._load_quantized_block(name, plan.formats[name])
             else:
                 self._quantize_block(name, plan.formats[name])
+        if plan.dequantize_together:  # each block's layers dequantized at once, per call
+            for name in packed:
+                group_dense(model.get_submodule(name), self._dense)
         skip = packed if checkpoint is not None else []
         if plan.mode == "train" and plan.checkpointed:
             todo = [n for n in plan.checkpointed if not is_checkpointed(model.get_submodule(n))]
@@ -280,8 +288,10 @@ class Fitted:
         return self._measure()
 
     def stats(self) -> dict[str, Any]:
-        """The swapper's counters (when swapping), and the report so far."""
-        out: dict[str, Any] = {"plan": self.plan.to_dict(), "report": self.report().__dict__}
+        """The swapper's counters (when swapping), the report so far, and the bytes of the
+        buffer packed blocks are dequantized into (``dense_scratch_bytes``)."""
+        out: dict[str, Any] = {"plan": self.plan.to_dict(), "report": self.report().__dict__,
+                               "dense_scratch_bytes": self._dense.nbytes}
         if self.swapper is not None:
             out["swap"] = self.swapper.stats().as_dict()
         return out
@@ -316,6 +326,8 @@ class Fitted:
         if self._checkpointed:
             disable_gradient_checkpointing(self.model, self._checkpointed)
             self._checkpointed = []
+        ungroup_dense(self.model)
+        self._dense.release()
         for owner, attr, module, tensors in reversed(self._originals):
             for tensor, data in tensors:
                 tensor.data = data

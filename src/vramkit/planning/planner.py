@@ -6,6 +6,8 @@ and weight bytes per format; the machine (:class:`~vramkit.planning.machine.Mach
 bandwidth and throughput. A candidate is predicted phase by phase (DESIGN.md §4):
 
 * memory: frozen weights kept on the device + ``R`` slots of the largest swapped block +
+  with packed formats, the largest packed block's weights dequantized (one buffer that every
+  packed block's call fills, :mod:`vramkit.quant.dense`) +
   trainable parameters, their gradients and AdamW state + activations for the checkpointed set
   (:meth:`~vramkit.planning.activations.ActivationEstimate.bytes_with`) <= budget - headroom;
 * time: forward and backward (with recomputation) are each simulated block by block
@@ -110,6 +112,9 @@ class Plan:
             without a disk tier.
         disk_bytes_per_s: the disk read bandwidth the prediction assumed (``None`` without a
             disk tier).
+        dequantize_together: whether each packed block's first call dequantizes all of its
+            layers into one shared buffer (:mod:`vramkit.quant.dense`; counted in
+            ``peak_breakdown["dequantized_weights"]``) instead of each layer at its own call.
     """
 
     mode: str
@@ -135,6 +140,7 @@ class Plan:
     disk_blocks: tuple[str, ...] = field(default_factory=tuple)
     swap_host_budget: int | None = None
     disk_bytes_per_s: float | None = None
+    dequantize_together: bool = False
 
     @property
     def predicted_step_seconds(self) -> float:
@@ -199,6 +205,11 @@ class Plan:
         if formats != {"bf16"}:
             lines.append(f"Store frozen weights as {self.swapped_format} (swapped) / "
                          f"{self.resident_format} (resident).")
+            if self.dequantize_together:
+                scratch = self.peak_breakdown.get("dequantized_weights", 0)
+                lines.append("Dequantize each packed block's layers together at its first "
+                             f"call, into one buffer of {format_size(scratch)} (less host "
+                             "time per layer).")
         if self.activation_offload:
             lines.append("Offload saved activations to pinned host memory.")
         for label, phase in (("forward", self.forward), ("backward", self.backward)):
@@ -379,101 +390,120 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         outside_bwd = cost.outside_backward_flops / flops
     # What storing a block packed adds to its forward and backward calls: measured where the
     # calibration timed the format, else the memory traffic of dequantizing.
-    dequant_of: dict[str, list[tuple[float, float]]] = {}
-    for fmt in formats:
-        dequant_of[fmt] = []
-        for b in cost.blocks:
-            extra = (times.packed_extra(fmt, b.name) if times is not None and fmt != "bf16"
-                     else None)
-            if extra is None:
-                modeled = _dequant(b, fmt, machine)
-                extra = (modeled, modeled)
-            dequant_of[fmt].append(extra)
+    # Two ways to run a packed block: each layer dequantizes its own weight at its call, or
+    # (``together``) the block's first call dequantizes all of its layers into one buffer shared
+    # by every packed block (vramkit.quant.dense): less host time, the largest packed block's
+    # weights in memory. Weighed where the calibration timed both.
+    ways = [False]
+    if times is not None and any(times.grouped_forward.get(f) for f in formats):
+        ways.append(True)
+    dequant_by: dict[bool, dict[str, list[tuple[float, float]]]] = {}
+    for together in ways:
+        dequant_by[together] = {}
+        for fmt in formats:
+            dequant_by[together][fmt] = []
+            for b in cost.blocks:
+                extra = (times.packed_extra(fmt, b.name, together=together)
+                         if times is not None and fmt != "bf16" else None)
+                if extra is None:
+                    modeled = _dequant(b, fmt, machine)
+                    extra = (modeled, modeled)
+                dequant_by[together][fmt].append(extra)
+    dense_of = {fmt: [b.dense.get(fmt, 0) for b in cost.blocks] for fmt in formats}
     candidates: list[dict[str, Any]] = []
     smallest = math.inf  # the least memory any candidate needs (for the error)
-    for fmt_s in formats:
-        sizes = [b.swapped[fmt_s] for b in cost.blocks]
-        # each block's forward in this format: the compute its copy can hide behind
-        ranked = [t + d[0] for t, d in zip(block_fwd, dequant_of[fmt_s], strict=True)]
-        swap_sets = [_swap_sets(sizes, ranked, k) for k in range(n + 1)]
-        for fmt_r in formats:
-            resident_all = [b.resident_bytes(fmt_r) for b in cost.blocks]
-            for k in range(n + 1):
-                for chosen in swap_sets[k]:
-                    if k and not all(sizes[i] for i in chosen):
-                        continue  # a block with nothing swappable cannot be swapped
-                    swapped_set = set(chosen)
-                    flags = [i in swapped_set for i in range(n)]
-                    weights = cost.outside_bytes + sum(
-                        cost.blocks[i].kept[fmt_s] if flags[i] else resident_all[i]
-                        for i in range(n))
-                    slot = max((sizes[i] for i in chosen), default=0)
-                    master_bytes = sum(sizes[i] for i in chosen)
-                    dequant = [dequant_of[fmt_s if flags[i] else fmt_r][i] for i in range(n)]
-                    fwd_s = [t + d[0] for t, d in zip(block_fwd, dequant, strict=True)]
-                    copy_s = [sizes[i] / bw if flags[i] else 0.0 for i in range(n)]
-                    for r in sorted(set(num_slots)):
-                        if k and r > k:
-                            continue  # slots beyond the swapped blocks would hold nothing
-                        slots = r * slot if chosen else 0
-                        rest = weights + slots + trainable
-                        smallest = min(smallest, rest + least_activations)
-                        if rest >= avail:
-                            continue
-                        m, offload = _fit_activations(act_choices, avail - rest, train, estimate,
-                                                      activation_offload)
-                        if m is None:
-                            continue
-                        ckpt = order[:m]
-                        act = act_choices[m] if not offload else _offloaded(estimate, train)
-                        offload_bytes = _offload_bytes(estimate, ckpt) if offload else 0
-                        host = master_bytes + offload_bytes
-                        disk: tuple[int, ...] = ()
-                        swap_budget = None
-                        phase_copy_s = copy_s
-                        if host_budget is not None and host > host_budget:
-                            swap_budget = host_budget - offload_bytes
-                            split = _disk_split([sizes[i] for i in chosen], swap_budget)
-                            if split is None:
+    for together in ways:
+        dequant_of = dequant_by[together]
+        for fmt_s in formats:
+            sizes = [b.swapped[fmt_s] for b in cost.blocks]
+            # each block's forward in this format: the compute its copy can hide behind
+            ranked = [t + d[0] for t, d in zip(block_fwd, dequant_of[fmt_s], strict=True)]
+            swap_sets = [_swap_sets(sizes, ranked, k) for k in range(n + 1)]
+            for fmt_r in formats:
+                if together and fmt_s == fmt_r == "bf16":
+                    continue  # nothing packed: the same candidates as the other way
+                resident_all = [b.resident_bytes(fmt_r) for b in cost.blocks]
+                for k in range(n + 1):
+                    for chosen in swap_sets[k]:
+                        if k and not all(sizes[i] for i in chosen):
+                            continue  # a block with nothing swappable cannot be swapped
+                        swapped_set = set(chosen)
+                        flags = [i in swapped_set for i in range(n)]
+                        weights = cost.outside_bytes + sum(
+                            cost.blocks[i].kept[fmt_s] if flags[i] else resident_all[i]
+                            for i in range(n))
+                        slot = max((sizes[i] for i in chosen), default=0)
+                        master_bytes = sum(sizes[i] for i in chosen)
+                        scratch = max((dense_of[fmt_s if flags[i] else fmt_r][i]
+                                       for i in range(n)), default=0) if together else 0
+                        dequant = [dequant_of[fmt_s if flags[i] else fmt_r][i] for i in range(n)]
+                        fwd_s = [t + d[0] for t, d in zip(block_fwd, dequant, strict=True)]
+                        copy_s = [sizes[i] / bw if flags[i] else 0.0 for i in range(n)]
+                        for r in sorted(set(num_slots)):
+                            if k and r > k:
+                                continue  # slots beyond the swapped blocks would hold nothing
+                            slots = r * slot if chosen else 0
+                            rest = weights + slots + trainable + scratch
+                            smallest = min(smallest, rest + least_activations)
+                            if rest >= avail:
                                 continue
-                            disk = tuple(chosen[j] for j in split.on_disk)
-                            host = split.pinned + offload_bytes
-                            phase_copy_s = list(copy_s)
-                            for i in disk:  # read from disk, then copied: the slower one paces it
-                                phase_copy_s[i] = sizes[i] / min(bw, disk_bw)
-                        copies = int(master_bytes * max(0, k - r) / k) if k else 0
-                        fwd_time = outside_fwd + simulate_phase(fwd_s, phase_copy_s, flags, r)
-                        if offload:  # device->host copies run on the other engine
-                            fwd_time = max(fwd_time, offload_bytes / machine.d2h_bytes_per_s)
-                        # Copy engine time: disk blocks are paced by the disk (the same share of
-                        # them as of all swapped blocks is copied in a phase).
-                        share = max(0, k - r) / k if k else 0.0
-                        copy_time = copies / bw + share * sum(
-                            sizes[i] * (1 / min(bw, disk_bw) - 1 / bw) for i in disk)
-                        fwd = PhaseTime(fwd_time, outside_fwd + sum(fwd_s), copy_time, copies)
-                        if train:
-                            ckpt_set = set(ckpt)
-                            bwd_s = [block_bwd[i] + dequant[i][1]
-                                     + (fwd_s[i] if b.name in ckpt_set else 0.0)
-                                     for i, b in enumerate(cost.blocks)]
-                            restores = ([_kept_bytes(estimate, b.name, ckpt_set) / bw
-                                         for b in cost.blocks] if offload else None)
-                            back = simulate_phase(bwd_s[::-1], phase_copy_s[::-1], flags[::-1], r,
-                                                  restores[::-1] if restores else None)
-                            bwd = PhaseTime(outside_bwd + back, outside_bwd + sum(bwd_s),
-                                            copy_time + offload_bytes / bw, copies + offload_bytes)
-                        else:
-                            bwd = PhaseTime(0.0, 0.0, 0.0, 0)
-                        overhead = SWAP_HOST_SECONDS * k * (2 if train else 1)
-                        seconds = fwd.seconds + bwd.seconds + optimizer + overhead
-                        breakdown = {"resident_weights": weights, "swap_slots": slots,
-                                     "trainable_and_optimizer": trainable, "activations": act}
-                        candidates.append({
-                            "seconds": seconds, "k": k, "m": m, "r": r, "offload": offload,
-                            "fmt_rank": (formats.index(fmt_s), formats.index(fmt_r)),
-                            "chosen": chosen, "ckpt": ckpt, "breakdown": breakdown, "fwd": fwd,
-                            "bwd": bwd, "overhead": overhead, "host": host, "fmt_s": fmt_s,
-                            "fmt_r": fmt_r, "disk": disk, "swap_budget": swap_budget})
+                            m, offload = _fit_activations(act_choices, avail - rest, train, estimate,
+                                                          activation_offload)
+                            if m is None:
+                                continue
+                            ckpt = order[:m]
+                            act = act_choices[m] if not offload else _offloaded(estimate, train)
+                            offload_bytes = _offload_bytes(estimate, ckpt) if offload else 0
+                            host = master_bytes + offload_bytes
+                            disk: tuple[int, ...] = ()
+                            swap_budget = None
+                            phase_copy_s = copy_s
+                            if host_budget is not None and host > host_budget:
+                                swap_budget = host_budget - offload_bytes
+                                split = _disk_split([sizes[i] for i in chosen], swap_budget)
+                                if split is None:
+                                    continue
+                                disk = tuple(chosen[j] for j in split.on_disk)
+                                host = split.pinned + offload_bytes
+                                phase_copy_s = list(copy_s)
+                                for i in disk:  # read from disk, then copied: the slower one paces it
+                                    phase_copy_s[i] = sizes[i] / min(bw, disk_bw)
+                            copies = int(master_bytes * max(0, k - r) / k) if k else 0
+                            fwd_time = outside_fwd + simulate_phase(fwd_s, phase_copy_s, flags, r)
+                            if offload:  # device->host copies run on the other engine
+                                fwd_time = max(fwd_time, offload_bytes / machine.d2h_bytes_per_s)
+                            # Copy engine time: disk blocks are paced by the disk (the same share of
+                            # them as of all swapped blocks is copied in a phase).
+                            share = max(0, k - r) / k if k else 0.0
+                            copy_time = copies / bw + share * sum(
+                                sizes[i] * (1 / min(bw, disk_bw) - 1 / bw) for i in disk)
+                            fwd = PhaseTime(fwd_time, outside_fwd + sum(fwd_s), copy_time, copies)
+                            if train:
+                                ckpt_set = set(ckpt)
+                                bwd_s = [block_bwd[i] + dequant[i][1]
+                                         + (fwd_s[i] if b.name in ckpt_set else 0.0)
+                                         for i, b in enumerate(cost.blocks)]
+                                restores = ([_kept_bytes(estimate, b.name, ckpt_set) / bw
+                                             for b in cost.blocks] if offload else None)
+                                back = simulate_phase(bwd_s[::-1], phase_copy_s[::-1], flags[::-1], r,
+                                                      restores[::-1] if restores else None)
+                                bwd = PhaseTime(outside_bwd + back, outside_bwd + sum(bwd_s),
+                                                copy_time + offload_bytes / bw, copies + offload_bytes)
+                            else:
+                                bwd = PhaseTime(0.0, 0.0, 0.0, 0)
+                            overhead = SWAP_HOST_SECONDS * k * (2 if train else 1)
+                            seconds = fwd.seconds + bwd.seconds + optimizer + overhead
+                            breakdown = {"resident_weights": weights, "swap_slots": slots,
+                                         "trainable_and_optimizer": trainable, "activations": act}
+                            if scratch:
+                                breakdown["dequantized_weights"] = scratch
+                            candidates.append({
+                                "seconds": seconds, "k": k, "m": m, "r": r, "offload": offload,
+                                "fmt_rank": (formats.index(fmt_s), formats.index(fmt_r)),
+                                "chosen": chosen, "ckpt": ckpt, "breakdown": breakdown, "fwd": fwd,
+                                "bwd": bwd, "overhead": overhead, "host": host, "fmt_s": fmt_s,
+                                "fmt_r": fmt_r, "disk": disk, "swap_budget": swap_budget,
+                                "together": together})
     best = _prefer_simple(candidates)
     if best is None:
         need = (budget_for or (lambda n: n + headroom))(int(smallest)) if math.isfinite(
@@ -518,7 +548,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         host_bytes=best["host"], notes=tuple(notes), block_order=tuple(names),
         disk_blocks=tuple(names[i] for i in best["disk"]),
         swap_host_budget=best["swap_budget"] if best["disk"] else None,
-        disk_bytes_per_s=disk_bw if best["disk"] else None)
+        disk_bytes_per_s=disk_bw if best["disk"] else None,
+        dequantize_together=best["together"])
 
 
 #: Plans within this share of the fastest one count as equally fast: among them the one with
@@ -533,7 +564,7 @@ def _prefer_simple(candidates: list[dict[str, Any]]) -> dict[str, Any] | None:
     fastest = min(c["seconds"] for c in candidates)
     near = [c for c in candidates if c["seconds"] <= fastest * (1 + EQUAL_TIME_SHARE)]
     return min(near, key=lambda c: (len(c["disk"]), c["k"], c["m"], c["offload"], c["r"],
-                                    c["fmt_rank"], c["seconds"]))
+                                    c["fmt_rank"], c["together"], c["seconds"]))
 
 
 def _fit_activations(act_choices: list[int], room: int, train: bool, estimate: Any,

@@ -3,7 +3,8 @@
 ``vramkit.quant.formats`` holds the formats (frozen configs, :class:`QuantizedTensor`,
 ``quantize_tensor``/``dequantize_tensor`` in plain torch); ``vramkit.quant.kernels`` the GPU paths
 (Triton dequantize and fused dequantize-matmul, the fp8 GEMM) with the torch fallback used on CPU.
-``vramkit.quant.linear`` the quantized layers, ``vramkit.quant.model`` the config and the one
+``vramkit.quant.linear`` the quantized layers, ``vramkit.quant.dense`` the batched dequantize of
+a block's layers, ``vramkit.quant.model`` the config and the one
 layer-replacement walk (``quantize_model``), ``vramkit.quant.report`` per-layer quality and
 ``vramkit.quant.serialization`` safetensors files with the layout in their metadata.
 ``docs/quantization.md`` describes every layout byte for byte.
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 from vramkit._lazy import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    ".dense": ("DenseGroup", "DenseScratch", "dense_nbytes", "group_dense", "ungroup_dense"),
     ".formats": ("FP8Config", "Int4Config", "Int8Config", "NF4Config", "QuantConfigT",
                  "QuantFormat", "QuantizedTensor", "dequantize_tensor", "expected_layout",
                  "format_config", "quantize_tensor"),
@@ -33,6 +35,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions
+    from vramkit.quant.dense import *  # noqa: F403
     from vramkit.quant.formats import *  # noqa: F403
     from vramkit.quant.kernels import *  # noqa: F403
     from vramkit.quant.linear import *  # noqa: F403

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,9 @@ from vramkit.quant.formats import (
     format_config,
     quantize_tensor,
 )
+
+if TYPE_CHECKING:
+    from vramkit.quant.dense import DenseGroup
 
 __all__ = ["QuantizedConv2d", "QuantizedLinear", "register_peft_lora"]
 
@@ -220,23 +223,38 @@ class _QuantizedWeightModule(nn.Module):
         return x, bias
 
 
+class _DenseUse(NamedTuple):
+    """A layer's weight from its :class:`~vramkit.quant.dense.DenseGroup` for one call."""
+
+    group: DenseGroup
+    index: int
+    weight: torch.Tensor
+
+
 class _QuantizedLinearFunction(torch.autograd.Function):
     """``y = x @ W.T + b`` with W packed; backward re-dequantizes W for ``grad_x``.
 
     Kept lean on purpose: a block of quantized layers is host-bound on a fast GPU, so the
     common case (weight-only, more than a few tokens) dequantizes through the layer's
     :class:`~vramkit.quant.kernels.DequantPlan` and calls ``F.linear``, with no record rebuilt
-    and nothing re-derived per call."""
+    and nothing re-derived per call. A layer in a :class:`~vramkit.quant.dense.DenseGroup`
+    passes its view of the group's dequantized weights (``dense``) instead; backward uses that
+    view while the group's scratch still holds it, else dequantizes the saved packed bytes."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, layout: WeightLayout,
-                activation_fp8: bool, *packed: torch.Tensor) -> torch.Tensor:
+                activation_fp8: bool, dense: _DenseUse | None,
+                *packed: torch.Tensor) -> torch.Tensor:
         plan = layout.dequantize
         if x.shape[-1] != plan.cols:
             raise QuantizationError(f"activations end in {x.shape[-1]} features, the weight "
                                     f"takes {plan.cols}",
                                     hint="Give x a last dimension of the layer's in_features.")
-        if activation_fp8 or (x.is_cuda and x.numel() <= kernels.FUSED_MAX_TOKENS * plan.cols):
+        ctx.dense = None
+        if dense is not None:  # the group's view (vramkit.quant.dense); the weight not kept
+            out = F.linear(x, dense.weight, bias)
+            ctx.dense = (dense.group, dense.index)
+        elif activation_fp8 or (x.is_cuda and x.numel() <= kernels.FUSED_MAX_TOKENS * plan.cols):
             # The fp8 GEMM, or the fused decode kernel for a few tokens.
             out = kernels.quantized_matmul(x, layout.rebuild(packed), bias,
                                            activation_fp8=activation_fp8)
@@ -254,10 +272,16 @@ class _QuantizedLinearFunction(torch.autograd.Function):
         grad_x = grad_bias = None
         plan = ctx.plan
         if ctx.needs_input_grad[0]:
-            grad_x = grad_out @ plan(ctx.saved_tensors, grad_out.dtype)
+            weight = None
+            if ctx.dense is not None:  # still in the group's scratch (a recomputed block)?
+                group, index = ctx.dense
+                weight = group.current(index, grad_out.dtype)
+            if weight is None:
+                weight = plan(ctx.saved_tensors, grad_out.dtype)
+            grad_x = grad_out @ weight
         if ctx.needs_input_grad[1]:
             grad_bias = grad_out.reshape(-1, plan.rows).sum(0)
-        return (grad_x, grad_bias, None, None, *([None] * (len(ctx.needs_input_grad) - 4)))
+        return (grad_x, grad_bias, None, None, None, *([None] * (len(ctx.needs_input_grad) - 5)))
 
 
 class QuantizedLinear(_QuantizedWeightModule):
@@ -298,6 +322,8 @@ class QuantizedLinear(_QuantizedWeightModule):
                                       "activations_dtype='fp8').")
         self.out_features, self.in_features = int(q.shape[0]), int(q.shape[1])
         self.activation_fp8 = bool(activation_fp8)
+        # (group, index) while vramkit.quant.dense groups this layer with its block's others
+        self._dense: tuple[DenseGroup, int] | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt_config: str | QuantFormat | QuantConfigT = "int8",
@@ -354,7 +380,24 @@ class QuantizedLinear(_QuantizedWeightModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in_features]`` -> ``[..., out_features]``."""
         x, bias = self._compute_inputs(x)
-        return _QuantizedLinearFunction.apply(x, bias, self._layout, self.activation_fp8,
+        dense = self._dense
+        if (dense is not None and not self.activation_fp8
+                and (not x.is_cuda or x.numel() > kernels.FUSED_MAX_TOKENS * self.in_features)
+                and not torch.compiler.is_compiling()):
+            if x.shape[-1] != self.in_features:
+                raise QuantizationError(f"activations end in {x.shape[-1]} features, the "
+                                        f"weight takes {self.in_features}",
+                                        hint="Give x a last dimension of the layer's "
+                                             "in_features.")
+            group, index = dense
+            weight = group.weight(index, x.dtype, x.device)
+            if not torch.is_grad_enabled() or not (
+                    x.requires_grad or (bias is not None and bias.requires_grad)):
+                return F.linear(x, weight, bias)  # nothing to differentiate: nothing saved
+            return _QuantizedLinearFunction.apply(
+                x, bias, self._layout, False, _DenseUse(group, index, weight),
+                *self._packed())
+        return _QuantizedLinearFunction.apply(x, bias, self._layout, self.activation_fp8, None,
                                               *self._packed())
 
     def extra_repr(self) -> str:

@@ -1,0 +1,278 @@
+"""Dequantize a block's packed weights together, once per call of the block: :class:`DenseGroup`.
+
+A :class:`~vramkit.quant.linear.QuantizedLinear` dequantizes its own weight at every call (a
+kernel launch and a fresh bf16 tensor) before its matmul. A block of such layers (a FLUX block
+that :func:`vramkit.fit` stores as fp8 has 7 to 14) spends the host a launch, an allocation and
+the argument handling per layer and call, and on a fast GPU that turns the block host-bound.
+
+A :class:`DenseGroup` gathers the quantized linears of one block. The first of them called
+dequantizes **all** of them into one device buffer, a :class:`DenseScratch`: fp8 weights with
+one scale per row in two batched calls (``torch._foreach_copy_`` casts every layer's codes,
+``torch._foreach_mul_`` applies every layer's row scales, both in C++), other formats one
+dequantize per layer. Each layer then multiplies with its view of that buffer, as a plain layer
+would. The values are those of the layer's own dequantize, bit for bit (the same fp32 multiply,
+the same rounding). Backward reuses the views while the buffer still holds the block (a
+checkpointed block's recomputation is followed at once by its backward); otherwise the layer
+dequantizes its saved packed bytes as it always did.
+
+One scratch serves every group of a model and holds one group at a time: sized to the largest
+group, a generation counter says whose weights it holds. A layer re-dequantizes its group when
+the scratch moved on to another group, or when its own packed tensors are not the ones (or no
+longer at the version) it was dequantized from -- a :class:`~vramkit.offload.swap.BlockSwapper`
+points them at another slot, ``load_state_dict`` writes into them. The scratch costs the device
+the largest group's weights in the compute dtype (a FLUX double block: 0.68 GB in bf16); the
+planner counts it (``BlockCost.dense``).
+
+Example:
+    >>> scratch = DenseScratch()                                   # doctest: +SKIP
+    >>> for block in model.transformer_blocks:                     # doctest: +SKIP
+    ...     group_dense(block, scratch)
+
+Not used: under ``torch.compile`` (the compiled graph dequantizes per layer), for
+``activation_fp8`` layers (the fp8 GEMM reads the packed weight) and for a few tokens on CUDA
+(the fused decode kernel never writes the weight out).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from vramkit.errors import QuantizationError
+from vramkit.quant.formats import FP8Config
+
+if TYPE_CHECKING:
+    from vramkit.quant.linear import QuantizedLinear
+
+__all__ = ["DenseGroup", "DenseScratch", "dense_nbytes", "group_dense", "ungroup_dense"]
+
+#: Byte alignment of each layer's view in the scratch (the caching allocator's granularity, so
+#: cuBLAS sees the alignment it would for an ordinary tensor).
+_ALIGN = 512
+
+
+class DenseScratch:
+    """The device buffer that holds one :class:`DenseGroup`'s dequantized weights at a time.
+
+    Allocated at the first use (on the packed weights' device, in the compute dtype) and kept;
+    :meth:`release` frees it. Copying a model (``copy.deepcopy``) gives the copy an empty scratch
+    of its own.
+    """
+
+    __slots__ = ("_buffer", "_largest", "generation", "holder")
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+        self._largest = 0  # elements of the largest registered group (at 1 byte each: bytes/1)
+        self.generation = 0
+        self.holder: DenseGroup | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the scratch holds on its device now (0 before the first use)."""
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    def _register(self, nbytes: int) -> None:
+        self._largest = max(self._largest, nbytes)
+
+    def claim(self, group: DenseGroup, nbytes: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        """The buffer (bytes, at least ``nbytes``) for ``group`` and its new generation."""
+        buffer = self._buffer
+        if buffer is None or buffer.device != device or buffer.numel() < nbytes:
+            self._buffer = None  # the old one goes back to the allocator first
+            buffer = self._buffer = torch.empty(max(nbytes, self._largest), dtype=torch.uint8,
+                                                device=device)
+        self.generation += 1
+        self.holder = group
+        return buffer, self.generation
+
+    def release(self) -> None:
+        """Free the buffer; every group dequantizes again at its next call."""
+        self._buffer = None
+        self.holder = None
+        self.generation += 1
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DenseScratch:
+        new = DenseScratch()
+        new._largest = self._largest
+        memo[id(self)] = new
+        return new
+
+    def __repr__(self) -> str:
+        return f"DenseScratch(nbytes={self.nbytes}, generation={self.generation})"
+
+
+class DenseGroup:
+    """Quantized linears dequantized together into a :class:`DenseScratch` (see the module).
+
+    Built by :func:`group_dense`; each layer keeps a reference to it (``layer._dense``) until
+    :meth:`remove`.
+
+    Args:
+        layers: the quantized linears of one block (all on one device when called).
+        scratch: the shared buffer.
+
+    Raises:
+        QuantizationError: for a layer already in another group, or an empty list.
+    """
+
+    def __init__(self, layers: Sequence[QuantizedLinear], scratch: DenseScratch) -> None:
+        if not layers:
+            raise QuantizationError("a DenseGroup needs at least one QuantizedLinear",
+                                    hint="Pass the quantized linears of a block, or skip "
+                                         "blocks without any (group_dense returns None).")
+        for layer in layers:
+            if getattr(layer, "_dense", None) is not None:
+                raise QuantizationError(f"{layer!r} is already in a DenseGroup",
+                                        hint="Call ungroup_dense(block) before grouping its "
+                                             "layers again.")
+        self.layers = tuple(layers)
+        self.scratch = scratch
+        self._views: list[torch.Tensor] = []
+        self._generation = -1
+        self._dtype: torch.dtype | None = None
+        self._sources: list[tuple[Any, ...]] = []  # per layer: (packed tensors, versions)
+        self._fp8 = [i for i, layer in enumerate(self.layers)
+                     if isinstance(layer.quant_config, FP8Config)
+                     and layer.quant_config.granularity == "channel"]
+        self._other = [i for i in range(len(self.layers)) if i not in set(self._fp8)]
+        scratch._register(self._nbytes(max(layer._layout.dtype.itemsize for layer in layers)))
+        for i, layer in enumerate(self.layers):
+            layer._dense = (self, i)
+
+    def _nbytes(self, itemsize: int) -> int:
+        return sum(_aligned(layer.out_features * layer.in_features * itemsize)
+                   for layer in self.layers)
+
+    def weight(self, index: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Layer ``index``'s weight in ``dtype`` (a view of the scratch), dequantizing the whole
+        group first when the scratch does not hold it."""
+        source = self._sources[index] if self._views else None
+        if (self.scratch.generation != self._generation or dtype != self._dtype
+                or source is None or not _unchanged(self.layers[index], source)):
+            self._expand(dtype, device)
+        return self._views[index]
+
+    def current(self, index: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Layer ``index``'s view if the scratch holds this group in ``dtype`` now, else
+        ``None`` (backward's question). Any of the group's dequantizes will do: a checkpointed
+        block's backward runs in the nodes of its first forward, after its recomputation
+        dequantized the same frozen weights again."""
+        if self._generation == self.scratch.generation and dtype == self._dtype:
+            return self._views[index]
+        return None
+
+    def _expand(self, dtype: torch.dtype, device: torch.device) -> None:
+        itemsize = dtype.itemsize
+        buffer, generation = self.scratch.claim(self, self._nbytes(itemsize), device)
+        views: list[torch.Tensor] = []
+        sources: list[tuple[Any, ...]] = []
+        offset = 0
+        packed = []
+        for layer in self.layers:
+            rows, cols = layer.out_features, layer.in_features
+            nbytes = rows * cols * itemsize
+            views.append(buffer[offset:offset + nbytes].view(dtype).view(rows, cols))
+            offset += _aligned(nbytes)
+            tensors = layer._packed()
+            packed.append(tensors)
+            sources.append((tensors, tuple(t._version for t in tensors)))
+        if self._fp8:
+            outs = [views[i] for i in self._fp8]
+            names = [self.layers[i]._layout.names for i in self._fp8]
+            torch._foreach_copy_(outs, [packed[i][n.index("data")]
+                                        for i, n in zip(self._fp8, names, strict=True)])
+            torch._foreach_mul_(outs, [packed[i][n.index("scales")]
+                                       for i, n in zip(self._fp8, names, strict=True)])
+        for i in self._other:
+            views[i].copy_(self.layers[i]._layout.dequantize(packed[i], dtype))
+        self._views, self._sources = views, sources
+        self._generation, self._dtype = generation, dtype
+
+    def remove(self) -> None:
+        """Take the layers out of the group (they dequantize per call again)."""
+        for layer in self.layers:
+            if getattr(layer, "_dense", None) is not None and layer._dense[0] is self:
+                layer._dense = None
+        self._views, self._sources = [], []
+        if self.scratch.holder is self:
+            self.scratch.holder = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DenseGroup:
+        new = DenseGroup.__new__(DenseGroup)
+        memo[id(self)] = new
+        new.layers = copy.deepcopy(self.layers, memo)
+        new.scratch = copy.deepcopy(self.scratch, memo)
+        new._views, new._sources = [], []
+        new._generation, new._dtype = -1, None
+        new._fp8, new._other = list(self._fp8), list(self._other)
+        return new
+
+    def __repr__(self) -> str:
+        return f"DenseGroup(layers={len(self.layers)}, fp8_batched={len(self._fp8)})"
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _unchanged(layer: QuantizedLinear, source: tuple[Any, ...]) -> bool:
+    tensors, versions = source
+    current = layer._packed()
+    for t, was, version in zip(current, tensors, versions, strict=True):
+        if t is not was or t._version != version:
+            return False
+    return True
+
+
+def dense_nbytes(module: nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Bytes a :class:`DenseScratch` needs to hold ``module``'s quantized linears dequantized
+    (what :func:`group_dense` of ``module`` would claim; 0 without any).
+
+    Args:
+        module: a block (its quantized linears may hold meta storage).
+        dtype: the compute dtype the views are made in (default: each weight's own).
+    """
+    from vramkit.quant.linear import QuantizedLinear
+
+    return sum(_aligned(m.out_features * m.in_features
+                        * (dtype or m._layout.dtype).itemsize)
+               for m in module.modules() if isinstance(m, QuantizedLinear))
+
+
+def group_dense(module: nn.Module, scratch: DenseScratch) -> DenseGroup | None:
+    """Group the :class:`~vramkit.quant.linear.QuantizedLinear` layers of ``module`` (a block)
+    so they are dequantized together (see the module).
+
+    Args:
+        module: the block; its quantized linears, in the order ``modules()`` lists them.
+        scratch: the buffer shared by every group of the model.
+
+    Returns:
+        The group, or ``None`` when ``module`` has no quantized linear.
+
+    Raises:
+        QuantizationError: when one of its layers is already grouped.
+    """
+    from vramkit.quant.linear import QuantizedLinear
+
+    layers = [m for m in module.modules() if isinstance(m, QuantizedLinear)]
+    return DenseGroup(layers, scratch) if layers else None
+
+
+def ungroup_dense(module: nn.Module) -> int:
+    """Take every quantized linear of ``module`` out of its group.
+
+    Returns:
+        How many groups were removed.
+    """
+    groups = {id(g): g for m in module.modules()
+              if (entry := getattr(m, "_dense", None)) is not None
+              for g in (entry[0],)}
+    for group in groups.values():
+        group.remove()
+    return len(groups)

@@ -1,0 +1,235 @@
+"""DenseGroup: a block's quantized linears dequantized together, with results identical to the
+per-layer path (forward, backward, checkpointed, swapped), re-dequantized exactly when needed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from vramkit.errors import QuantizationError
+from vramkit.quant import kernels
+from vramkit.quant.dense import DenseGroup, DenseScratch, group_dense, ungroup_dense
+from vramkit.quant.linear import QuantizedLinear
+from vramkit.quant.model import QuantizationConfig, quantize_model
+
+
+class Block(nn.Module):
+    """Three linears (two fp8-able, one kept by the test in another format) and a trainable
+    adapter in front, so the input of the quantized layers requires grad."""
+
+    def __init__(self, width: int = 48) -> None:
+        super().__init__()
+        self.adapter = nn.Linear(width, width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width, bias=False)
+        self.gate = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.adapter(x)
+        return x + self.down(torch.relu(self.up(h))) * torch.sigmoid(self.gate(h))
+
+
+class Net(nn.Module):
+    def __init__(self, blocks: int = 2, width: int = 48, fmt: str = "fp8",
+                 ckpt: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
+        self.ckpt = ckpt
+        for block in self.blocks:
+            for p in block.parameters():
+                p.requires_grad_(False)
+            block.adapter.requires_grad_(True)
+            quantize_model(block, QuantizationConfig(fmt, modules_to_not_quantize=("adapter",)))
+        if fmt == "fp8":  # one layer of each block in another format: the per-layer branch
+            for block in self.blocks:
+                block.gate = QuantizedLinear.from_linear(
+                    nn.Linear(width, width).requires_grad_(False), "int8")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.ckpt else block(x)
+        return x
+
+
+def _grouped(net: Net) -> tuple[Net, DenseScratch]:
+    twin = copy.deepcopy(net)
+    scratch = DenseScratch()
+    for block in twin.blocks:
+        assert group_dense(block, scratch) is not None
+    return twin, scratch
+
+
+def _step(net: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                      list[torch.Tensor]]:
+    x = x.clone().requires_grad_(True)
+    out = net(x)
+    out.square().sum().backward()
+    grads = [p.grad.clone() for p in net.parameters() if p.grad is not None]
+    net.zero_grad(set_to_none=True)
+    return out.detach(), x.grad, grads
+
+
+def _count(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts group dequantizes and per-layer dequantizes."""
+    counts = {"expand": 0, "layer": 0}
+    expand = DenseGroup._expand
+    plan_call = kernels.DequantPlan.__call__
+
+    def counting_expand(self: DenseGroup, *args: object) -> None:
+        counts["expand"] += 1
+        expand(self, *args)
+
+    def counting_plan(self: kernels.DequantPlan, *args: object) -> torch.Tensor:
+        counts["layer"] += 1
+        return plan_call(self, *args)
+
+    monkeypatch.setattr(DenseGroup, "_expand", counting_expand)
+    monkeypatch.setattr(kernels.DequantPlan, "__call__", counting_plan)
+    return counts
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "nf4"])
+def test_grouped_step_equals_the_per_layer_step(fmt: str, ckpt: bool) -> None:
+    net = Net(fmt=fmt, ckpt=ckpt)
+    twin, scratch = _grouped(net)
+    x = torch.randn(3, 5, 48)
+    out, gx, grads = _step(net, x)
+    out2, gx2, grads2 = _step(twin, x)
+    assert torch.equal(out, out2)
+    assert torch.equal(gx, gx2)
+    assert len(grads) == len(grads2) == 4
+    for a, b in zip(grads, grads2, strict=True):
+        assert torch.equal(a, b)
+    assert scratch.nbytes > 0
+
+
+def test_the_view_holds_the_layers_own_dequantize() -> None:
+    layer = QuantizedLinear.from_linear(nn.Linear(40, 24), "fp8")
+    block = nn.Sequential(layer)
+    group = group_dense(block, DenseScratch())
+    assert group is not None
+    weight = group.weight(0, torch.bfloat16, torch.device("cpu"))
+    assert torch.equal(weight, layer.dequantized_weight(torch.bfloat16))
+
+
+def test_one_dequantize_per_block_call_and_backward_reuses_it_after_recompute(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    twin, _ = _grouped(Net(blocks=2, fmt="fp8", ckpt=True))
+    counts = _count(monkeypatch)
+    x = torch.randn(2, 4, 48, requires_grad=True)
+    out = twin(x)
+    # one group dequantize per block; the int8 layer's view is filled by its own dequantize
+    assert counts == {"expand": 2, "layer": 2}
+    out.sum().backward()
+    # the last block's views are still in the scratch (its recomputation needs no dequantize);
+    # the first block's recomputation dequantizes it once; both backwards use the views
+    assert counts == {"expand": 3, "layer": 3}
+
+
+def test_backward_falls_back_once_the_scratch_moved_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    net = Net(blocks=2, fmt="fp8")
+    twin, _ = _grouped(net)
+    x = torch.randn(2, 4, 48)
+    reference = _step(net, x)
+    counts = _count(monkeypatch)
+    result = _step(twin, x)
+    # forward: 2 groups; backward: the last block's views are still there (no dequantize), the
+    # first block's are not: its 3 quantized layers dequantize their saved bytes
+    assert counts["expand"] == 2
+    assert counts["layer"] == 2 + 3
+    for a, b in zip(reference[2], result[2], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_second_call_reuses_the_scratch_until_the_weights_change(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = QuantizedLinear.from_linear(nn.Linear(32, 16), "fp8")
+    block = nn.Sequential(layer)
+    group_dense(block, DenseScratch())
+    counts = _count(monkeypatch)
+    x = torch.randn(3, 32)
+    first = block(x)
+    block(x)
+    assert counts["expand"] == 1
+    # a write into the packed bytes (load_state_dict, a swapper's slot copy) bumps its version
+    with torch.no_grad():
+        layer.weight_data.copy_(torch.zeros_like(layer.weight_data))
+    assert torch.count_nonzero(block(x) - layer.bias) == 0
+    assert counts["expand"] == 2
+    # a new tensor object (a swapper pointing the buffer at another slot)
+    layer.weight_data = torch.zeros_like(layer.weight_data)
+    block(x)
+    assert counts["expand"] == 3
+    assert not torch.equal(first, block(x))
+
+
+def test_ungroup_and_grouping_twice() -> None:
+    net = Net(blocks=1, fmt="fp8")
+    scratch = DenseScratch()
+    group_dense(net.blocks[0], scratch)
+    with pytest.raises(QuantizationError, match="already in a DenseGroup"):
+        group_dense(net.blocks[0], scratch)
+    assert ungroup_dense(net) == 1
+    assert all(m._dense is None for m in net.modules() if isinstance(m, QuantizedLinear))
+    assert group_dense(net.blocks[0], scratch) is not None
+    assert group_dense(nn.Sequential(nn.Linear(2, 2)), scratch) is None
+    with pytest.raises(QuantizationError, match="at least one"):
+        DenseGroup([], scratch)
+
+
+def test_no_grad_and_deepcopy() -> None:
+    net = Net(blocks=2, fmt="fp8")
+    twin, scratch = _grouped(net)
+    x = torch.randn(2, 48)
+    with torch.no_grad():
+        assert torch.equal(net(x), twin(x))
+    copied = copy.deepcopy(twin)
+    group = copied.blocks[0].up._dense[0]
+    assert group.scratch is not scratch and group.scratch.nbytes == 0
+    assert group.layers[0] is copied.blocks[0].up
+    with torch.no_grad():
+        assert torch.equal(copied(x), twin(x))
+    scratch.release()
+    assert scratch.nbytes == 0
+    with torch.no_grad():
+        assert torch.equal(twin(x), net(x))
+
+
+def test_grouped_blocks_under_a_swapper_train_identically() -> None:
+    from vramkit.offload.swap import BlockSwapper, SwapConfig
+
+    net = Net(blocks=3, fmt="fp8")
+    twin, _ = _grouped(net)
+    swapper = BlockSwapper(twin, "blocks", config=SwapConfig(min_param_bytes=256), device="cpu")
+    try:
+        assert len(swapper.swapped_names) == 3
+        x = torch.randn(2, 3, 48)
+        for _ in range(2):
+            ref = _step(net, x)
+            got = _step(twin, x)
+            assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+            for a, b in zip(ref[2], got[2], strict=True):
+                assert torch.equal(a, b)
+    finally:
+        swapper.detach()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_gpu_grouped_step_equals_the_per_layer_step(ckpt: bool) -> None:
+    net = Net(blocks=3, width=256, fmt="fp8", ckpt=ckpt).cuda()
+    twin, scratch = _grouped(net)
+    x = torch.randn(2, 64, 256, device="cuda")
+    with torch.autocast("cuda", torch.bfloat16):
+        ref = _step(net, x)
+        got = _step(twin, x)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    for a, b in zip(ref[2], got[2], strict=True):
+        assert torch.equal(a, b)
+    assert scratch.nbytes >= 3 * 2 * 256 * 256 * 2  # the bf16 views of the largest block

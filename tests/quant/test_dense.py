@@ -233,3 +233,37 @@ def test_gpu_grouped_step_equals_the_per_layer_step(ckpt: bool) -> None:
     for a, b in zip(ref[2], got[2], strict=True):
         assert torch.equal(a, b)
     assert scratch.nbytes >= 3 * 2 * 256 * 256 * 2  # the bf16 views of the largest block
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_layers_take_one_launch_and_swapped_blocks_match(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vramkit.offload.swap import BlockSwapper, SwapConfig
+    from vramkit.quant import _triton
+
+    launches = []
+    real = _triton.dequantize_fp8_rows_many
+
+    def counting(*args: object) -> None:
+        launches.append(1)
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_triton, "dequantize_fp8_rows_many", counting)
+    net = Net(blocks=4, width=256, fmt="fp8", ckpt=True).cuda()
+    twin, _ = _grouped(net)
+    swapper = BlockSwapper(twin, "blocks", config=SwapConfig(min_param_bytes=4096, num_slots=2),
+                           device="cuda")
+    try:
+        x = torch.randn(2, 64, 256, device="cuda")
+        for _ in range(2):
+            with torch.autocast("cuda", torch.bfloat16):
+                ref = _step(net, x)
+                got = _step(twin, x)
+            assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+            for a, b in zip(ref[2], got[2], strict=True):
+                assert torch.equal(a, b)
+        assert launches  # the fp8 layers went through the batched kernel
+        group = twin.blocks[0].up._dense[0]
+        assert 1 <= len(group._tables) <= 2  # one table per slot the block landed in
+    finally:
+        swapper.detach()

@@ -19,8 +19,8 @@ import triton.language as tl
 
 from vramkit.quant import _reference
 
-__all__ = ["FORMAT_CODES", "Dequantizer", "dequantize", "dequantizer", "fp8_rowwise",
-           "fused_linear"]
+__all__ = ["FORMAT_CODES", "Dequantizer", "dequantize", "dequantize_fp8_rows_many",
+           "dequantizer", "fp8_rowwise", "fused_linear"]
 
 logger = logging.getLogger(__name__)
 
@@ -326,6 +326,45 @@ class Dequantizer:
         if launch is None and compiled is not None and hasattr(compiled, "run"):
             self._launches[key] = compiled[self.grid]
         return out
+
+
+@triton.jit
+def _fp8_rows_many_kernel(table_ptr, out_ptr, BLOCK: tl.constexpr):
+    # One launch for several fp8 weights with one fp32 scale per row. Each table row is
+    # (data address, scale address, element offset in out, numel, cols); program (t, l) turns
+    # elements [t * BLOCK, (t + 1) * BLOCK) of weight l into out's dtype, as _dequant_tile does
+    # (fp8 -> fp32, times the row's scale, rounded once): bit-identical to the per-layer kernel.
+    entry = table_ptr + tl.program_id(1) * 5
+    numel = tl.load(entry + 3)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    if start < numel:
+        data_ptr = tl.load(entry).to(tl.pointer_type(tl.uint8))
+        scale_ptr = tl.load(entry + 1).to(tl.pointer_type(tl.float32))
+        offset = tl.load(entry + 2)
+        cols = tl.load(entry + 4)
+        idx = start + tl.arange(0, BLOCK).to(tl.int64)
+        mask = idx < numel
+        bits = tl.load(data_ptr + idx, mask=mask, other=0)
+        scale = tl.load(scale_ptr + idx // cols, mask=mask, other=0.0)
+        values = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+        tl.store(out_ptr + offset + idx, values.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_MANY_BLOCK = 4096
+
+
+def dequantize_fp8_rows_many(table: torch.Tensor, out: torch.Tensor, largest: int) -> None:
+    """Dequantize several fp8 channel-scaled weights into ``out`` in one launch.
+
+    Args:
+        table: ``[n, 5]`` int64 on the device: per weight its codes' address (contiguous
+            ``[rows, cols]``), its fp32 row scales' address (contiguous), its element offset in
+            ``out``, its element count and its row length.
+        out: the destination (its dtype is the output dtype).
+        largest: the largest element count in the table.
+    """
+    grid = (triton.cdiv(largest, _MANY_BLOCK), table.shape[0])
+    _fp8_rows_many_kernel[grid](table, out, BLOCK=_MANY_BLOCK, num_warps=4)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -7,8 +7,9 @@ the argument handling per layer and call, and on a fast GPU that turns the block
 
 A :class:`DenseGroup` gathers the quantized linears of one block. The first of them called
 dequantizes **all** of them into one device buffer, a :class:`DenseScratch`: fp8 weights with
-one scale per row in two batched calls (``torch._foreach_copy_`` casts every layer's codes,
-``torch._foreach_mul_`` applies every layer's row scales, both in C++), other formats one
+one scale per row in one Triton launch on CUDA (a table of the layers' addresses, built once per
+placement of their packed tensors), two batched torch calls elsewhere (``torch._foreach_copy_``
+casts every layer's codes, ``torch._foreach_mul_`` applies the row scales), other formats one
 dequantize per layer. Each layer then multiplies with its view of that buffer, as a plain layer
 would. The values are those of the layer's own dequantize, bit for bit (the same fp32 multiply,
 the same rounding). Backward reuses the views while the buffer still holds the block (a
@@ -44,6 +45,7 @@ from torch import nn
 
 from vramkit.errors import QuantizationError
 from vramkit.quant.formats import FP8Config
+from vramkit.quant.kernels import triton_available
 
 if TYPE_CHECKING:
     from vramkit.quant.linear import QuantizedLinear
@@ -136,6 +138,7 @@ class DenseGroup:
         self._generation = -1
         self._dtype: torch.dtype | None = None
         self._sources: list[tuple[Any, ...]] = []  # per layer: (packed tensors, versions)
+        self._tables: dict[tuple[Any, ...], torch.Tensor] = {}  # fp8 launch tables
         self._fp8 = [i for i, layer in enumerate(self.layers)
                      if isinstance(layer.quant_config, FP8Config)
                      and layer.quant_config.granularity == "channel"]
@@ -172,33 +175,62 @@ class DenseGroup:
         views: list[torch.Tensor] = []
         sources: list[tuple[Any, ...]] = []
         offset = 0
+        offsets: list[int] = []
         packed = []
         for layer in self.layers:
             rows, cols = layer.out_features, layer.in_features
             nbytes = rows * cols * itemsize
             views.append(buffer[offset:offset + nbytes].view(dtype).view(rows, cols))
+            offsets.append(offset // itemsize)
             offset += _aligned(nbytes)
             tensors = layer._packed()
             packed.append(tensors)
             sources.append((tensors, tuple(t._version for t in tensors)))
         if self._fp8:
-            outs = [views[i] for i in self._fp8]
-            names = [self.layers[i]._layout.names for i in self._fp8]
-            torch._foreach_copy_(outs, [packed[i][n.index("data")]
-                                        for i, n in zip(self._fp8, names, strict=True)])
-            torch._foreach_mul_(outs, [packed[i][n.index("scales")]
-                                       for i, n in zip(self._fp8, names, strict=True)])
+            codes = [packed[i][self.layers[i]._layout.names.index("data")] for i in self._fp8]
+            scales = [packed[i][self.layers[i]._layout.names.index("scales")]
+                      for i in self._fp8]
+            if not self._fp8_launch(codes, scales, [offsets[i] for i in self._fp8], buffer,
+                                    dtype):
+                outs = [views[i] for i in self._fp8]
+                torch._foreach_copy_(outs, codes)
+                torch._foreach_mul_(outs, scales)
         for i in self._other:
             views[i].copy_(self.layers[i]._layout.dequantize(packed[i], dtype))
         self._views, self._sources = views, sources
         self._generation, self._dtype = generation, dtype
+
+    def _fp8_launch(self, codes: list[torch.Tensor], scales: list[torch.Tensor],
+                    offsets: list[int], buffer: torch.Tensor, dtype: torch.dtype) -> bool:
+        """The fp8 layers in one Triton launch (CUDA), from a table of their addresses (built
+        once per placement of the packed tensors: a swapped block has one per slot). False
+        where that launch does not apply (CPU, no Triton, a non-contiguous tensor)."""
+        device = buffer.device
+        if device.type != "cuda" or not triton_available(device):
+            return False
+        for c, sc in zip(codes, scales, strict=True):
+            if not (c.is_contiguous() and sc.is_contiguous() and sc.dtype == torch.float32):
+                return False
+        key = (buffer.data_ptr(), dtype, *(c.data_ptr() for c in codes),
+               *(sc.data_ptr() for sc in scales))
+        table = self._tables.get(key)
+        if table is None:
+            rows = [[c.data_ptr(), sc.data_ptr(), off, c.numel(), c.shape[-1]]
+                    for c, sc, off in zip(codes, scales, offsets, strict=True)]
+            table = torch.tensor(rows, dtype=torch.int64, device=device)
+            self._tables[key] = table
+        from vramkit.quant import _triton
+
+        _triton.dequantize_fp8_rows_many(table, buffer.view(dtype),
+                                         max(c.numel() for c in codes))
+        return True
 
     def remove(self) -> None:
         """Take the layers out of the group (they dequantize per call again)."""
         for layer in self.layers:
             if getattr(layer, "_dense", None) is not None and layer._dense[0] is self:
                 layer._dense = None
-        self._views, self._sources = [], []
+        self._views, self._sources, self._tables = [], [], {}
         if self.scratch.holder is self:
             self.scratch.holder = None
 
@@ -207,7 +239,7 @@ class DenseGroup:
         memo[id(self)] = new
         new.layers = copy.deepcopy(self.layers, memo)
         new.scratch = copy.deepcopy(self.scratch, memo)
-        new._views, new._sources = [], []
+        new._views, new._sources, new._tables = [], [], {}
         new._generation, new._dtype = -1, None
         new._fp8, new._other = list(self._fp8), list(self._other)
         return new

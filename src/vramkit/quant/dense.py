@@ -215,14 +215,14 @@ class DenseGroup:
                *(sc.data_ptr() for sc in scales))
         table = self._tables.get(key)
         if table is None:
-            rows = [[c.data_ptr(), sc.data_ptr(), off, c.numel(), c.shape[-1]]
+            rows = [[c.data_ptr(), sc.data_ptr(), off, c.shape[0], c.shape[-1]]
                     for c, sc, off in zip(codes, scales, offsets, strict=True)]
             table = torch.tensor(rows, dtype=torch.int64, device=device)
             self._tables[key] = table
         from vramkit.quant import _triton
 
         _triton.dequantize_fp8_rows_many(table, buffer.view(dtype),
-                                         max(c.numel() for c in codes))
+                                         max(c.shape[0] for c in codes))
         return True
 
     def remove(self) -> None:

@@ -203,8 +203,8 @@ def test_a_format_is_chosen_only_where_its_measured_cost_pays() -> None:
     # A second per call: the planner swaps full-precision blocks instead.
     assert set(dear.formats.values()) == {"bf16"} and dear.swapped
     assert dear.predicted_step_seconds < 6 * 2 * 1.0  # cheaper than dequantizing every call
-    assert any(note.startswith("int8 storage timed on cpu: dequantizing adds 6000.0 ms")
-               for note in dear.notes)
+    assert any(note.startswith("int8 storage timed on cpu (each layer dequantized at its "
+                               "call): dequantizing adds 6000.0 ms") for note in dear.notes)
 
 
 def test_dequantizing_together_is_chosen_where_it_pays_and_fits() -> None:

@@ -519,14 +519,18 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                      "timed" + (f"; {len(times.fallbacks)} block(s) from FLOP counts"
                                 if times.fallbacks else "") + ").")
         for fmt in formats:
-            timed = ([times.packed_extra(fmt, b.name) for b in cost.blocks] if fmt != "bf16"
-                     else [])
-            if timed and all(t is not None for t in timed):
-                extra_fwd = sum(t[0] for t in timed if t is not None)
-                base = sum(times.forward[b.name] for b in cost.blocks) or 1.0
-                notes.append(f"{fmt} storage timed on {times.device}: dequantizing adds "
-                             f"{extra_fwd * 1e3:.1f} ms to a forward pass of every block "
-                             f"({100 * extra_fwd / base:.0f} % of their full-precision time).")
+            for together in ways:
+                timed = ([times.packed_extra(fmt, b.name, together=together)
+                          for b in cost.blocks] if fmt != "bf16" else [])
+                if timed and all(t is not None for t in timed):
+                    extra_fwd = sum(t[0] for t in timed if t is not None)
+                    base = sum(times.forward[b.name] for b in cost.blocks) or 1.0
+                    how = ("each block's layers dequantized together" if together
+                           else "each layer dequantized at its call")
+                    notes.append(f"{fmt} storage timed on {times.device} ({how}): dequantizing "
+                                 f"adds {extra_fwd * 1e3:.1f} ms to a forward pass of every "
+                                 f"block ({100 * extra_fwd / base:.0f} % of their "
+                                 "full-precision time).")
     if not machine.measured:
         notes.append(f"Times are estimates from {machine.name}'s published peak throughput "
                      "and copy bandwidth; vramkit.fit measures and compares after the first "

@@ -267,3 +267,23 @@ def test_gpu_fp8_layers_take_one_launch_and_swapped_blocks_match(
         assert 1 <= len(group._tables) <= 2  # one table per slot the block landed in
     finally:
         swapper.detach()
+
+
+def test_the_scratch_is_sized_once_for_the_largest_group_in_the_compute_dtype() -> None:
+    net = Net(blocks=2, fmt="fp8")
+    small = nn.Sequential(QuantizedLinear.from_linear(nn.Linear(16, 8), "fp8"))
+    scratch = DenseScratch()
+    group_dense(small, scratch)
+    for block in net.blocks:
+        group_dense(block, scratch)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        small(torch.randn(2, 16))  # the first claim: a small group
+    from vramkit.quant.dense import dense_nbytes
+
+    largest = dense_nbytes(net.blocks[0], torch.bfloat16)
+    # sized for the largest group at bf16 (not its float32 weights), within 512 B per layer
+    assert largest <= scratch.nbytes <= largest + 3 * 512
+    before = scratch._buffer
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        net(torch.randn(2, 48))
+    assert scratch._buffer is before  # no second allocation

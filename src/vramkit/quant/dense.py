@@ -69,7 +69,7 @@ class DenseScratch:
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
-        self._largest = 0  # elements of the largest registered group (at 1 byte each: bytes/1)
+        self._largest = (0, 0)  # the largest registered group: (elements, layers)
         self.generation = 0
         self.holder: DenseGroup | None = None
 
@@ -78,16 +78,20 @@ class DenseScratch:
         """Bytes the scratch holds on its device now (0 before the first use)."""
         return 0 if self._buffer is None else self._buffer.numel()
 
-    def _register(self, nbytes: int) -> None:
-        self._largest = max(self._largest, nbytes)
+    def _register(self, elements: int, layers: int) -> None:
+        self._largest = max(self._largest, (elements, layers))
 
-    def claim(self, group: DenseGroup, nbytes: int, device: torch.device) -> tuple[torch.Tensor, int]:
-        """The buffer (bytes, at least ``nbytes``) for ``group`` and its new generation."""
+    def claim(self, group: DenseGroup, nbytes: int, device: torch.device, itemsize: int
+              ) -> tuple[torch.Tensor, int]:
+        """The buffer (bytes, at least ``nbytes``) for ``group`` and its new generation. A new
+        buffer is sized for the largest registered group at ``itemsize`` bytes per element, so
+        it grows once, not group by group."""
         buffer = self._buffer
         if buffer is None or buffer.device != device or buffer.numel() < nbytes:
             self._buffer = None  # the old one goes back to the allocator first
-            buffer = self._buffer = torch.empty(max(nbytes, self._largest), dtype=torch.uint8,
-                                                device=device)
+            elements, layers = self._largest
+            size = max(nbytes, _aligned(elements * itemsize) + layers * _ALIGN)
+            buffer = self._buffer = torch.empty(size, dtype=torch.uint8, device=device)
         self.generation += 1
         self.holder = group
         return buffer, self.generation
@@ -143,7 +147,8 @@ class DenseGroup:
                      if isinstance(layer.quant_config, FP8Config)
                      and layer.quant_config.granularity == "channel"]
         self._other = [i for i in range(len(self.layers)) if i not in set(self._fp8)]
-        scratch._register(self._nbytes(max(layer._layout.dtype.itemsize for layer in layers)))
+        scratch._register(sum(layer.out_features * layer.in_features for layer in self.layers),
+                          len(self.layers))
         for i, layer in enumerate(self.layers):
             layer._dense = (self, i)
 
@@ -171,7 +176,7 @@ class DenseGroup:
 
     def _expand(self, dtype: torch.dtype, device: torch.device) -> None:
         itemsize = dtype.itemsize
-        buffer, generation = self.scratch.claim(self, self._nbytes(itemsize), device)
+        buffer, generation = self.scratch.claim(self, self._nbytes(itemsize), device, itemsize)
         views: list[torch.Tensor] = []
         sources: list[tuple[Any, ...]] = []
         offset = 0

@@ -208,22 +208,36 @@ def test_a_real_model_is_planned_without_touching_its_weights() -> None:
 
 
 def test_offloaded_activations_count_the_window_only_where_it_is_held() -> None:
-    # With activation offload the device holds, in backward, the window (tensors still held +
-    # prefetched) beside the block recomputed and its temporaries; at the turn of the step the
-    # tail (logits) beside only the tensors still held: backward has prefetched nothing yet.
+    # With activation offload the device holds: at the turn of the step the tail (logits)
+    # beside the forward's last tensors still held (nothing prefetched yet); at the start of
+    # backward those held tensors, the prefetched ones, the last block recomputed and one
+    # block's temporaries; later in backward only the prefetched ones beside the block
+    # recomputed and its temporaries (the held tensors were the first blocks' of backward).
     from vramkit.planning.activations import ActivationEstimate
     from vramkit.planning.planner import (
         OFFLOAD_INFLIGHT_BYTES,
+        OFFLOAD_PREFETCH_BYTES,
         OFFLOAD_WINDOW_BYTES,
         _offloaded,
     )
 
-    assert OFFLOAD_INFLIGHT_BYTES < OFFLOAD_WINDOW_BYTES
-    blocks = {"a": 100 << 20, "b": 300 << 20}
-    big_tail = ActivationEstimate(per_block=blocks, inputs=dict.fromkeys(blocks, 1 << 20),
-                                  outside=5 << 20, tail=3 << 30)
-    assert _offloaded(big_tail, True) == (5 << 20) + OFFLOAD_INFLIGHT_BYTES + (3 << 30)
-    no_tail = ActivationEstimate(per_block=blocks, inputs=dict.fromkeys(blocks, 1 << 20),
-                                 outside=5 << 20, tail=0)
-    assert _offloaded(no_tail, True) == (5 << 20) + OFFLOAD_WINDOW_BYTES + 2 * (300 << 20)
+    assert OFFLOAD_WINDOW_BYTES == OFFLOAD_INFLIGHT_BYTES + OFFLOAD_PREFETCH_BYTES
+    MiB = 1 << 20
+
+    def estimate(blocks: dict[str, int], tail: int) -> ActivationEstimate:
+        return ActivationEstimate(per_block=blocks, inputs=dict.fromkeys(blocks, MiB),
+                                  outside=5 * MiB, tail=tail)
+
+    # the largest block first in forward: the held tensors are gone by its recomputation
+    early = estimate({"a": 900 * MiB, "b": 100 * MiB}, tail=0)
+    assert _offloaded(early, True) == 5 * MiB + OFFLOAD_PREFETCH_BYTES + 2 * 900 * MiB
+    # the largest block last: backward starts with it, beside the held and prefetched tensors
+    late = estimate({"a": 100 * MiB, "b": 300 * MiB}, tail=0)
+    assert _offloaded(late, True) == 5 * MiB + OFFLOAD_WINDOW_BYTES + 2 * 300 * MiB
+    # a smaller block last: the start of backward holds the window beside that block
+    small_last = estimate({"a": 500 * MiB, "b": 300 * MiB}, tail=0)
+    assert _offloaded(small_last, True) == 5 * MiB + max(
+        OFFLOAD_PREFETCH_BYTES + 2 * 500 * MiB, OFFLOAD_WINDOW_BYTES + 2 * 300 * MiB)
+    big_tail = estimate({"a": 100 * MiB, "b": 300 * MiB}, tail=3 << 30)
+    assert _offloaded(big_tail, True) == 5 * MiB + OFFLOAD_INFLIGHT_BYTES + (3 << 30)
     assert _offloaded(big_tail, False) == 3 << 30

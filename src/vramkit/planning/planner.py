@@ -56,7 +56,8 @@ _OFFLOAD_DEFAULTS = ActivationOffloadConfig()  # what fit's offloader runs with
 #: tensors still held while their copies run (``max_inflight_bytes``) and what backward has
 #: already brought back ahead of use (``prefetch_bytes``).
 OFFLOAD_INFLIGHT_BYTES = int(_OFFLOAD_DEFAULTS.max_inflight_bytes)
-OFFLOAD_WINDOW_BYTES = OFFLOAD_INFLIGHT_BYTES + int(_OFFLOAD_DEFAULTS.prefetch_bytes)
+OFFLOAD_PREFETCH_BYTES = int(_OFFLOAD_DEFAULTS.prefetch_bytes)
+OFFLOAD_WINDOW_BYTES = OFFLOAD_INFLIGHT_BYTES + OFFLOAD_PREFETCH_BYTES
 
 
 @dataclass(frozen=True)
@@ -589,16 +590,25 @@ def _fit_activations(act_choices: list[int], room: int, train: bool, estimate: A
 
 
 def _offloaded(estimate: Any, train: bool) -> int:
-    """Activations on the device with offload on, at the larger of two moments: in backward,
-    the window (tensors still held, tensors prefetched) with the block being recomputed and one
-    block's temporaries; at the turn of the step, the tail (a language model's logits) with
-    only the forward's last tensors still held -- backward has prefetched nothing yet. (Counting
-    the whole window at the turn put Llama-8B's 7.5 GiB plan 0.5 GiB above its measured peak,
-    one slot short: R=1, 2.0x the resident step.)"""
+    """Activations on the device with offload on, at the largest of three moments:
+
+    * the turn of the step: the tail (a language model's logits) with the forward's last
+      tensors still held -- backward has prefetched nothing yet (counting the whole window
+      there put Llama-8B's 7.5 GiB plan 0.5 GiB above its measured peak, one slot short: R=1,
+      2.0x the resident step);
+    * the start of backward: those held tensors, the prefetched ones, and the last block
+      rebuilt by its recomputation with its temporaries (of the order of what it saves);
+    * later in backward: the held tensors are used up (the first blocks of backward take them),
+      so the prefetched ones, the block being recomputed and its temporaries. (Counting the
+      held tensors here too put every FLUX offload plan ~256 MiB above its measured peak; a
+      snapshot of the 7.5 GiB row's peak held the prefetched tensors, 285 MB, and a double
+      block's recomputation and temporaries, nothing of the forward's.)"""
     if not train:
         return max(estimate.largest_block, estimate.tail)
-    return estimate.outside + max(OFFLOAD_WINDOW_BYTES + 2 * estimate.largest_block,
-                                  OFFLOAD_INFLIGHT_BYTES + estimate.tail)
+    last = next(reversed(estimate.per_block.values()), 0)  # backward's first recomputation
+    backward = max(OFFLOAD_PREFETCH_BYTES + 2 * estimate.largest_block,
+                   OFFLOAD_WINDOW_BYTES + 2 * last)
+    return estimate.outside + max(backward, OFFLOAD_INFLIGHT_BYTES + estimate.tail)
 
 
 def _offload_bytes(estimate: Any, checkpointed: Sequence[str]) -> int:

@@ -237,7 +237,6 @@ def test_dequantizing_together_is_chosen_where_it_pays_and_fits() -> None:
     assert scratch == max(b.dense["int8"] for b in cost.blocks)
     assert roomy.predicted_peak_bytes == sum(roomy.peak_breakdown.values())
     assert "Dequantize each packed block's layers together" in roomy.explain()
-    assert vramkit.Plan.__dataclass_fields__["dequantize_together"]
     assert '"dequantize_together": true' in roomy.to_json()
     # Where the buffer does not fit beside the rest, each layer dequantizes at its call.
     packed_alone = plan_for("5MiB")

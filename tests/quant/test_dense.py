@@ -74,6 +74,15 @@ def _step(net: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return out.detach(), x.grad, grads
 
 
+def _assert_same(ref: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]],
+                 got: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]) -> None:
+    """Output, input gradient and parameter gradients equal bit for bit."""
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    assert len(ref[2]) == len(got[2])
+    for a, b in zip(ref[2], got[2], strict=True):
+        assert torch.equal(a, b)
+
+
 def _count(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts group dequantizes and per-layer dequantizes."""
     counts = {"expand": 0, "layer": 0}
@@ -143,8 +152,7 @@ def test_backward_falls_back_once_the_scratch_moved_on(monkeypatch: pytest.Monke
     # first block's are not: its 3 quantized layers dequantize their saved bytes
     assert counts["expand"] == 2
     assert counts["layer"] == 2 + 3
-    for a, b in zip(reference[2], result[2], strict=True):
-        assert torch.equal(a, b)
+    _assert_same(reference, result)
 
 
 def test_a_second_call_reuses_the_scratch_until_the_weights_change(
@@ -213,9 +221,7 @@ def test_grouped_blocks_under_a_swapper_train_identically() -> None:
         for _ in range(2):
             ref = _step(net, x)
             got = _step(twin, x)
-            assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
-            for a, b in zip(ref[2], got[2], strict=True):
-                assert torch.equal(a, b)
+            _assert_same(ref, got)
     finally:
         swapper.detach()
 
@@ -229,9 +235,7 @@ def test_gpu_grouped_step_equals_the_per_layer_step(ckpt: bool) -> None:
     with torch.autocast("cuda", torch.bfloat16):
         ref = _step(net, x)
         got = _step(twin, x)
-    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
-    for a, b in zip(ref[2], got[2], strict=True):
-        assert torch.equal(a, b)
+    _assert_same(ref, got)
     assert scratch.nbytes >= 3 * 2 * 256 * 256 * 2  # the bf16 views of the largest block
 
 
@@ -259,9 +263,7 @@ def test_gpu_fp8_layers_take_one_launch_and_swapped_blocks_match(
             with torch.autocast("cuda", torch.bfloat16):
                 ref = _step(net, x)
                 got = _step(twin, x)
-            assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
-            for a, b in zip(ref[2], got[2], strict=True):
-                assert torch.equal(a, b)
+            _assert_same(ref, got)
         assert launches  # the fp8 layers went through the batched kernel
         group = twin.blocks[0].up._dense[0]
         assert 1 <= len(group._tables) <= 2  # one table per slot the block landed in

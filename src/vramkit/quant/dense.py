@@ -65,13 +65,12 @@ class DenseScratch:
     of its own.
     """
 
-    __slots__ = ("_buffer", "_largest", "generation", "holder")
+    __slots__ = ("_buffer", "_largest", "generation")
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
         self._largest = (0, 0)  # the largest registered group: (elements, layers)
         self.generation = 0
-        self.holder: DenseGroup | None = None
 
     @property
     def nbytes(self) -> int:
@@ -81,9 +80,9 @@ class DenseScratch:
     def _register(self, elements: int, layers: int) -> None:
         self._largest = max(self._largest, (elements, layers))
 
-    def claim(self, group: DenseGroup, nbytes: int, device: torch.device, itemsize: int
+    def claim(self, nbytes: int, device: torch.device, itemsize: int
               ) -> tuple[torch.Tensor, int]:
-        """The buffer (bytes, at least ``nbytes``) for ``group`` and its new generation. A new
+        """The buffer (bytes, at least ``nbytes``) for a group and its new generation. A new
         buffer is sized for the largest registered group at ``itemsize`` bytes per element, so
         it grows once, not group by group."""
         buffer = self._buffer
@@ -93,13 +92,11 @@ class DenseScratch:
             size = max(nbytes, _aligned(elements * itemsize) + layers * _ALIGN)
             buffer = self._buffer = torch.empty(size, dtype=torch.uint8, device=device)
         self.generation += 1
-        self.holder = group
         return buffer, self.generation
 
     def release(self) -> None:
         """Free the buffer; every group dequantizes again at its next call."""
         self._buffer = None
-        self.holder = None
         self.generation += 1
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DenseScratch:
@@ -146,7 +143,7 @@ class DenseGroup:
         self._fp8 = [i for i, layer in enumerate(self.layers)
                      if isinstance(layer.quant_config, FP8Config)
                      and layer.quant_config.granularity == "channel"]
-        self._other = [i for i in range(len(self.layers)) if i not in set(self._fp8)]
+        self._other = sorted(set(range(len(self.layers))) - set(self._fp8))
         scratch._register(sum(layer.out_features * layer.in_features for layer in self.layers),
                           len(self.layers))
         for i, layer in enumerate(self.layers):
@@ -176,7 +173,7 @@ class DenseGroup:
 
     def _expand(self, dtype: torch.dtype, device: torch.device) -> None:
         itemsize = dtype.itemsize
-        buffer, generation = self.scratch.claim(self, self._nbytes(itemsize), device, itemsize)
+        buffer, generation = self.scratch.claim(self._nbytes(itemsize), device, itemsize)
         views: list[torch.Tensor] = []
         sources: list[tuple[Any, ...]] = []
         offset = 0
@@ -222,6 +219,8 @@ class DenseGroup:
         if table is None:
             rows = [[c.data_ptr(), sc.data_ptr(), off, c.shape[0], c.shape[-1]]
                     for c, sc, off in zip(codes, scales, offsets, strict=True)]
+            # A small pageable copy that waits for the stream: once per placement (the first
+            # steps: a swapped block lands in each of its slots once), never in steady state.
             table = torch.tensor(rows, dtype=torch.int64, device=device)
             self._tables[key] = table
         from vramkit.quant import _triton
@@ -236,8 +235,6 @@ class DenseGroup:
             if getattr(layer, "_dense", None) is not None and layer._dense[0] is self:
                 layer._dense = None
         self._views, self._sources, self._tables = [], [], {}
-        if self.scratch.holder is self:
-            self.scratch.holder = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DenseGroup:
         new = DenseGroup.__new__(DenseGroup)

@@ -223,6 +223,13 @@ class _QuantizedWeightModule(nn.Module):
         return x, bias
 
 
+def _check_features(x: torch.Tensor, cols: int) -> None:
+    if x.shape[-1] != cols:
+        raise QuantizationError(f"activations end in {x.shape[-1]} features, the weight "
+                                f"takes {cols}",
+                                hint="Give x a last dimension of the layer's in_features.")
+
+
 class _DenseUse(NamedTuple):
     """A layer's weight from its :class:`~vramkit.quant.dense.DenseGroup` for one call."""
 
@@ -246,10 +253,7 @@ class _QuantizedLinearFunction(torch.autograd.Function):
                 activation_fp8: bool, dense: _DenseUse | None,
                 *packed: torch.Tensor) -> torch.Tensor:
         plan = layout.dequantize
-        if x.shape[-1] != plan.cols:
-            raise QuantizationError(f"activations end in {x.shape[-1]} features, the weight "
-                                    f"takes {plan.cols}",
-                                    hint="Give x a last dimension of the layer's in_features.")
+        _check_features(x, plan.cols)
         ctx.dense = None
         if dense is not None:  # the group's view (vramkit.quant.dense); the weight not kept
             out = F.linear(x, dense.weight, bias)
@@ -384,11 +388,7 @@ class QuantizedLinear(_QuantizedWeightModule):
         if (dense is not None and not self.activation_fp8
                 and (not x.is_cuda or x.numel() > kernels.FUSED_MAX_TOKENS * self.in_features)
                 and not torch.compiler.is_compiling()):
-            if x.shape[-1] != self.in_features:
-                raise QuantizationError(f"activations end in {x.shape[-1]} features, the "
-                                        f"weight takes {self.in_features}",
-                                        hint="Give x a last dimension of the layer's "
-                                             "in_features.")
+            _check_features(x, self.in_features)
             group, index = dense
             weight = group.weight(index, x.dtype, x.device)
             if not torch.is_grad_enabled() or not (

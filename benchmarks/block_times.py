@@ -1,6 +1,6 @@
 """The offline time model against the GPU: one block of each kind of the shipped model presets,
 timed on this GPU the way ``calibrate_blocks`` times it (device time with the host held off by
-a spin kernel, the host's enqueue time from a warm-up round), beside what the offline model
+a spin kernel, the host's enqueue time the median of warm-up rounds), beside what the offline model
 predicts for the same block from its counted work (``Machine.work_seconds`` on this GPU's
 profile, e.g. ``h100-sxm``) and what the older single share of the peak (``ACHIEVED_FRACTION``)
 predicted. Prints per block and phase: device ms, host ms, measured = max(device, host), the
@@ -28,30 +28,12 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _block_timing import time_block_apart
 from _common import add_common_args, write_result
 from vramkit.planning import calibration
 from vramkit.planning.analysis import analyze
 from vramkit.planning.hardware import PROFILES, hardware_profile
 from vramkit.planning.machine import ACHIEVED_FRACTION, Machine, phase_work
 from vramkit.planning.models import build_target, list_presets
-
-_RECORDS: list[dict[str, Any]] = []
-
-
-def _timed_block(block: torch.nn.Module, args: Any, kwargs: Any, device: torch.device,
-                 train: bool, autocast: torch.dtype | None, repeats: int
-                 ) -> tuple[float, float]:
-    """calibration._time_block with the device and host times kept apart (recorded): the host
-    sample is calibration's, the median of the warm-up rounds after the first."""
-    record = time_block_apart(block, args, kwargs, device, train, autocast, repeats)
-    for phase in ("fwd", "bwd"):
-        samples = record.pop(f"{phase}_host_samples")
-        later = samples[1:] or samples
-        record[f"{phase}_host_s"] = statistics.median(later) if later else 0.0
-    _RECORDS.append(record)
-    return (max(record["fwd_device_s"], record["fwd_host_s"]),
-            max(record["bwd_device_s"], record["bwd_host_s"]))
 
 
 def _profile_for(device: torch.device, name: str | None) -> str:
@@ -70,29 +52,23 @@ def _profile_for(device: torch.device, name: str | None) -> str:
 def measure(names: list[str], device: torch.device, repeats: int, tiny: bool
             ) -> list[dict[str, Any]]:
     """One record per block kind and phase: ``model``, ``block`` (its first block), ``phase``,
-    ``type``, ``device_s``, ``host_s``."""
-    calibration._time_block = _timed_block  # keep device and host apart
+    ``type``, ``device_s``, ``host_s`` (as ``calibrate_blocks`` records them)."""
     records: list[dict[str, Any]] = []
     for name in names:
         target = build_target(name, **_options(name, tiny))
-        _RECORDS.clear()
         times = calibration.calibrate_blocks(target.model, target.inputs, step=target.step,
                                              device=device, repeats=repeats)
-        # calibrate_blocks timed one block per kind, kinds in the order their first block
-        # runs; the first block of each kind is the first with that pair of times
-        seen: list[str] = []
-        for block_name in times.forward:
-            key = (times.forward[block_name], times.backward[block_name])
-            if block_name in times.fallbacks or any(
-                    (times.forward[n], times.backward[n]) == key for n in seen):
+        # every block of a kind shares its kind's record: the first block of each kind
+        seen: set[int] = set()
+        for block_name, call in times.calls["full"].items():
+            if block_name in times.fallbacks or id(call) in seen:
                 continue
-            seen.append(block_name)
-        for block_name, record in zip(seen, _RECORDS, strict=False):
-            for phase in ("fwd", "bwd"):
+            seen.add(id(call))
+            kind = type(target.model.get_submodule(block_name)).__name__
+            for phase, device_s, host_s in (("fwd", call.forward, call.host_forward),
+                                            ("bwd", call.backward, call.host_backward)):
                 records.append({"model": name, "block": block_name, "phase": phase,
-                                "type": record["type"],
-                                "device_s": record[f"{phase}_device_s"],
-                                "host_s": record[f"{phase}_host_s"]})
+                                "type": kind, "device_s": device_s, "host_s": host_s})
     return records
 
 

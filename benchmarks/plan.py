@@ -407,6 +407,8 @@ class Job:
         row["explain"] = plan.explain()
         row["predicted_peak"] = plan.predicted_peak_bytes
         row["predicted_step_s"] = plan.predicted_step_seconds
+        row["predicted_phases"] = {phase: plan.to_dict()[phase] for phase in ("forward",
+                                                                              "backward")}
         log(f"{self.model_name} {kind} {cap_gib} GiB: {row['plan']}, planned in "
             f"{row['plan_s']:.1f} s")
         checkpointed = enable_gradient_checkpointing(self.twin, list(plan.checkpointed)) \

@@ -34,7 +34,6 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _block_timing import time_block_apart
 from _common import add_common_args, write_result
 from vramkit.planning import calibration
 from vramkit.planning.models import build_target
@@ -42,7 +41,6 @@ from vramkit.quant import kernels
 from vramkit.quant.formats import quantize_tensor
 
 FLUX_LORA = ["to_q", "to_k", "to_v", "to_out.0"]
-_RECORDS: list[dict[str, Any]] = []
 
 
 def _set_replay(on: bool) -> None:
@@ -89,21 +87,6 @@ def launch_part(device: torch.device, rounds: int, calls: int) -> dict[str, Any]
             "device_us": device_us, "rounds": host}
 
 
-def _timed_block(block: torch.nn.Module, args: Any, kwargs: Any, device: torch.device,
-                 train: bool, autocast: torch.dtype | None, repeats: int
-                 ) -> tuple[float, float]:
-    """calibration._time_block, recording the device and host times apart; the host sample is
-    the median of the warm-up rounds after the first (four of them: steadier than
-    calibration's single last one)."""
-    record = time_block_apart(block, args, kwargs, device, train, autocast, repeats,
-                              warmup_rounds=4)
-    for phase in ("fwd", "bwd"):
-        record[f"{phase}_host_s"] = statistics.median(record.pop(f"{phase}_host_samples")[1:])
-    _RECORDS.append(record)
-    return (max(record["fwd_device_s"], record["fwd_host_s"]),
-            max(record["bwd_device_s"], record["bwd_host_s"]))
-
-
 def blocks_part(model: str, device: torch.device, rounds: int, repeats: int,
                 tiny: bool) -> list[dict[str, Any]]:
     """Per block kind and phase: bf16, fp8 replayed and fp8 JIT device and host seconds
@@ -112,25 +95,27 @@ def blocks_part(model: str, device: torch.device, rounds: int, repeats: int,
     if tiny:
         options.update({"seq_len": 128} if "llama" in model else {"resolution": 256})
     target = build_target(model, **options)
-    calibration._time_block = _timed_block  # keep device and host apart
     samples: dict[tuple[str, str, str], list[tuple[float, float]]] = {}
     kinds: list[str] = []
     for _ in range(rounds):
         for arm in ("replay", "jit"):
             _set_replay(arm == "replay")
-            _RECORDS.clear()
-            calibration.calibrate_blocks(target.model, target.inputs, step=target.step,
-                                         device=device, repeats=repeats, formats=("fp8",))
-            # one bf16 and one fp8 record per kind, kinds in the order they run
-            for i in range(0, len(_RECORDS), 2):
-                kind = _RECORDS[i]["type"]
+            times = calibration.calibrate_blocks(target.model, target.inputs, step=target.step,
+                                                 device=device, repeats=repeats,
+                                                 formats=("fp8",))
+            seen: set[int] = set()  # the first block of each kind (a kind shares its record)
+            for name, call in times.calls["full"].items():
+                if name in times.fallbacks or id(call) in seen:
+                    continue
+                seen.add(id(call))
+                kind = type(target.model.get_submodule(name)).__name__
                 if kind not in kinds:
                     kinds.append(kind)
-                for storage, record in (("bf16", _RECORDS[i]), ("fp8", _RECORDS[i + 1])):
+                for storage, timed in (("bf16", call), ("fp8", times.calls["fp8"][name])):
                     label = storage if storage == "bf16" else f"fp8 {arm}"
-                    for phase in ("fwd", "bwd"):
-                        samples.setdefault((kind, phase, label), []).append(
-                            (record[f"{phase}_device_s"], record[f"{phase}_host_s"]))
+                    for phase, sides in (("fwd", (timed.forward, timed.host_forward)),
+                                         ("bwd", (timed.backward, timed.host_backward))):
+                        samples.setdefault((kind, phase, label), []).append(sides)
     _set_replay(True)
     rows = []
     for kind in kinds:

@@ -12,8 +12,9 @@ from torch import nn
 
 import vramkit
 from tests.planning import _models
-from vramkit.errors import ConfigError, DeviceError
-from vramkit.planning import Machine, analyze, calibrate_blocks
+from vramkit.errors import ConfigError, DeviceError, PlanError
+from vramkit.offload.checkpointing import is_checkpointed
+from vramkit.planning import BlockTimes, CallTimes, Machine, analyze, calibrate_blocks
 
 SLEEP = 0.02
 
@@ -47,6 +48,12 @@ class Mixed(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x
+
+
+def _slower(times: BlockTimes, extra: float) -> dict[str, CallTimes]:
+    """Every block's full-precision call, ``extra`` seconds longer on each side."""
+    return {name: CallTimes(c.forward + extra, c.backward + extra, c.host_forward + extra,
+                            c.host_backward + extra) for name, c in times.calls["full"].items()}
 
 
 def _frozen(model: nn.Module) -> nn.Module:
@@ -152,7 +159,7 @@ def test_packed_formats_are_timed_on_a_quantized_copy_of_each_kind(
     timed: list[bool] = []
     real = calibration._time_block
 
-    def spy(block: nn.Module, *args: object, **kwargs: object) -> tuple[float, float]:
+    def spy(block: nn.Module, *args: object, **kwargs: object) -> CallTimes:
         timed.append(any(isinstance(m, QuantizedLinear) for m in block.modules()))
         return real(block, *args, **kwargs)
 
@@ -161,13 +168,13 @@ def test_packed_formats_are_timed_on_a_quantized_copy_of_each_kind(
     before = {n: p.detach().clone() for n, p in model.state_dict().items()}
     times = calibrate_blocks(model, _models.inputs(), device="cpu", autocast=None, repeats=1,
                              formats=("int8",))
-    # per kind: full precision, then packed (each layer at its call; the block's together)
-    assert timed == [False, True, True, False, True, True]
+    # per kind: full precision (alone, checkpointed), then packed (each layer at its call;
+    # the block's together)
+    assert timed == [False, False, True, True] * 2
     names = [f"blocks.{i}" for i in range(4)]
-    assert set(times.packed_forward["int8"]) == set(names) == set(times.packed_backward["int8"])
-    assert set(times.grouped_forward["int8"]) == set(names) == set(times.grouped_backward["int8"])
-    assert times.packed_forward["int8"]["blocks.1"] >= SLEEP
-    assert times.grouped_forward["int8"]["blocks.1"] >= SLEEP
+    for variant in ("int8", "int8+together"):
+        assert set(times.calls[variant]) == set(names)
+        assert times.calls[variant]["blocks.1"].forward >= SLEEP
     for name in names:
         for together in (False, True):
             extra = times.packed_extra("int8", name, together=together)
@@ -190,9 +197,7 @@ def test_a_format_is_chosen_only_where_its_measured_cost_pays() -> None:
                           memory_bandwidth_bytes_per_s=1e12)
 
     def plan_with(extra: float) -> vramkit.Plan:
-        packed = dataclasses.replace(
-            times, packed_forward={"int8": {k: v + extra for k, v in times.forward.items()}},
-            packed_backward={"int8": {k: v + extra for k, v in times.backward.items()}})
+        packed = dataclasses.replace(times, calls={**times.calls, "int8": _slower(times, extra)})
         return vramkit.plan(model, inputs, "8MiB", hardware=slow_copies, cost=cost,
                             block_times=packed, autocast=None, allow_formats=("int8",),
                             headroom=0)
@@ -219,12 +224,9 @@ def test_dequantizing_together_is_chosen_where_it_pays_and_fits() -> None:
                           d2h_bytes_per_s=1e8, flops_per_s=1e12, fp8_flops_per_s=None,
                           memory_bandwidth_bytes_per_s=1e12)
 
-    def timed(extra: float) -> dict[str, dict[str, float]]:
-        return {"int8": {k: v + extra for k, v in times.forward.items()}}
-
     # each layer at its call: 10 ms more per block call; together: 1 ms
-    packed = dataclasses.replace(times, packed_forward=timed(0.01), packed_backward=timed(0.01),
-                                 grouped_forward=timed(0.001), grouped_backward=timed(0.001))
+    packed = dataclasses.replace(times, calls={**times.calls, "int8": _slower(times, 0.01),
+                                               "int8+together": _slower(times, 0.001)})
 
     def plan_for(budget: str) -> vramkit.Plan:
         return vramkit.plan(model, inputs, budget, hardware=slow_copies, cost=cost,
@@ -238,6 +240,20 @@ def test_dequantizing_together_is_chosen_where_it_pays_and_fits() -> None:
     assert roomy.predicted_peak_bytes == sum(roomy.peak_breakdown.values())
     assert "Dequantize each packed block's layers together" in roomy.explain()
     assert '"dequantize_together": true' in roomy.to_json()
+    # An un-checkpointed block's backward finds the buffer holding another block: it is priced
+    # as each layer dequantizing at its call (10 ms), a checkpointed one's as together (1 ms).
+    cheap_backward = dataclasses.replace(packed, calls={
+        **packed.calls, "int8": {n: dataclasses.replace(c, backward=c.backward - 0.009)
+                                 for n, c in packed.calls["int8"].items()}})
+    twin = vramkit.plan(model, inputs, "8MiB", hardware=slow_copies, cost=cost,
+                        block_times=cheap_backward, autocast=None, allow_formats=("int8",),
+                        headroom=0)
+    assert (twin.swapped, twin.checkpointed, twin.dequantize_together) == (
+        roomy.swapped, roomy.checkpointed, True)
+    kept = len(cost.blocks) - len(roomy.checkpointed)
+    assert kept
+    assert roomy.backward.compute_seconds - twin.backward.compute_seconds == pytest.approx(
+        0.009 * kept)
     # Where the buffer does not fit beside the rest, each layer dequantizes at its call.
     packed_alone = plan_for("5MiB")
     assert "int8" in packed_alone.formats.values()
@@ -247,6 +263,50 @@ def test_dequantizing_together_is_chosen_where_it_pays_and_fits() -> None:
     offline = vramkit.plan(model, inputs, "8MiB", hardware="rtx4090", cost=cost,
                            autocast=None, allow_formats=("int8",), headroom=0)
     assert not offline.dequantize_together
+
+
+def test_a_checkpointed_block_is_timed_with_its_recomputation() -> None:
+    model = _frozen(Mixed())
+    inputs = _models.inputs()
+    times = calibrate_blocks(model, inputs, device="cpu", autocast=None, repeats=1)
+    full, checkpointed = times.call("blocks.1"), times.call("blocks.1", "checkpointed")
+    assert full is not None and checkpointed is not None
+    # under checkpointing the slow block's backward runs its forward (and its wait) again
+    assert checkpointed.backward >= full.backward + SLEEP
+    extra = times.extra("checkpointed", "blocks.1")
+    assert extra is not None and extra.backward >= SLEEP
+    assert not any(is_checkpointed(m) for m in model.modules())
+    assert "checkpointed" not in calibrate_blocks(model, inputs, mode="infer", device="cpu",
+                                                  autocast=None, repeats=1).calls
+
+
+def test_the_planner_prices_checkpointing_by_its_measured_cost() -> None:
+    import dataclasses
+
+    model = _frozen(Mixed())
+    inputs = _models.inputs()
+    cost = analyze(model, inputs, autocast=None)
+    times = calibrate_blocks(model, inputs, device="cpu", autocast=None, repeats=1)
+    machine = Machine(name="test", memory_bytes=None, h2d_bytes_per_s=1e12,
+                      d2h_bytes_per_s=1e12, flops_per_s=1e12, fp8_flops_per_s=None,
+                      memory_bandwidth_bytes_per_s=1e12)
+    # a checkpoint whose backward costs a second more than measured (both sides)
+    dear = dataclasses.replace(times, calls={**times.calls, "checkpointed": _slower(
+        dataclasses.replace(times, calls={"full": times.calls["checkpointed"]}), 1.0)})
+    with pytest.raises(PlanError) as info:
+        vramkit.plan(model, inputs, 1, hardware=machine, cost=cost, block_times=times,
+                     autocast=None, headroom=0, activation_offload=False)
+    least = info.value.minimum_budget
+    assert least is not None
+    plans = [vramkit.plan(model, inputs, least, hardware=machine, cost=cost, block_times=t,
+                          autocast=None, headroom=0, activation_offload=False)
+             for t in (times, dear)]
+    assert plans[0].checkpointed == plans[1].checkpointed and plans[0].checkpointed
+    extra = plans[1].backward.compute_seconds - plans[0].backward.compute_seconds
+    assert extra == pytest.approx(1.0 * len(plans[0].checkpointed))
+    # and the checkpoint's forward cost too (its hooks): a second per checkpointed block
+    assert plans[1].forward.compute_seconds - plans[0].forward.compute_seconds == pytest.approx(
+        1.0 * len(plans[0].checkpointed))
 
 
 def test_the_host_sample_is_the_median_of_the_warm_up_rounds_after_the_first() -> None:

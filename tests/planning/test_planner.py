@@ -116,6 +116,27 @@ def test_a_phase_waits_for_copies_and_for_slots() -> None:
     assert not PhaseTime(1.0, 1.0, 0.5, 10).transfer_bound
 
 
+def test_the_host_runs_ahead_of_the_device() -> None:
+    # Blocks alternately heavier on the host (3 ms to enqueue 1 ms of kernels) and on the
+    # device (1 ms to enqueue 3 ms): the host runs ahead, so the phase takes less than each
+    # block's longer side summed (12 ms), but more than either side's sum (8 ms): a block
+    # starts once the host begins enqueueing it and ends no earlier than the host is done
+    # (3, 6, 7, 10).
+    compute, host = [1.0, 3.0, 1.0, 3.0], [3.0, 1.0, 3.0, 1.0]
+    free = [0.0] * 4, [False] * 4
+    assert simulate_phase(compute, *free, slots=1, host=host) == pytest.approx(10.0)
+    assert simulate_phase(compute, *free, slots=1) == pytest.approx(8.0)
+    # Host-bound throughout: the host's sum; device-bound throughout: the device's.
+    assert simulate_phase([1.0] * 4, *free, slots=1, host=[2.0] * 4) == pytest.approx(8.0)
+    assert simulate_phase([2.0] * 4, *free, slots=1, host=[1.0] * 4) == pytest.approx(8.0)
+    # A copy still paces a swapped block whatever the host does.
+    assert simulate_phase([1.0, 1.0], [2.0, 2.0], [True, True], slots=1,
+                          host=[0.1, 0.1]) == pytest.approx(4.0)
+    assert PhaseTime(8.0, 4.0, 0.0, 0, host_seconds=8.0).host_bound
+    assert not PhaseTime(8.0, 4.0, 0.0, 0, host_seconds=8.0).transfer_bound
+    assert not PhaseTime(8.0, 8.0, 0.0, 0, host_seconds=7.0).host_bound
+
+
 def test_swap_candidates_include_the_cheapest_copies_first() -> None:
     # FLUX's shape: 3 large blocks that move 2.7x the bytes per ms of compute of the 6 small
     # ones after them. Spread by bytes, 4 picks take large blocks; cheapest-first takes small

@@ -42,16 +42,20 @@ def test_the_machine_and_each_kind_of_block_are_measured() -> None:
     assert times.kinds == 2 and not times.fallbacks  # double and single blocks
     assert all(t > 0 for t in times.forward.values())
     assert all(t > 0 for t in times.backward.values())
+    # device and host apart; the checkpointed backward recomputes the forward
+    for name, call in times.calls["full"].items():
+        assert min(call.forward, call.backward, call.host_forward, call.host_backward) > 0
+        again = times.calls["checkpointed"][name]
+        assert again.backward > call.backward + 0.5 * call.forward
 
 
 def test_packed_formats_are_timed_on_the_gpu() -> None:
     model, config = _dit("meta")
     batch = synthetic_batch(config, 2, device="meta")
     times = calibrate_blocks(model, batch, step=_step, device="cuda", formats=("fp8", "int8"))
-    for fmt in ("fp8", "int8"):
-        assert set(times.packed_forward[fmt]) == set(times.forward)
-        assert all(t > 0 for t in times.packed_forward[fmt].values())
-        assert all(t > 0 for t in times.packed_backward[fmt].values())
+    for variant in ("fp8", "int8", "fp8+together", "int8+together"):
+        assert set(times.calls[variant]) == set(times.forward)
+        assert all(c.forward > 0 and c.backward > 0 for c in times.calls[variant].values())
 
 
 def test_fit_with_a_measured_plan_trains_exactly_and_stays_under_budget() -> None:

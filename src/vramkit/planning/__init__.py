@@ -28,7 +28,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".planner": ("Plan", "PhaseTime", "search"),
     ".analysis": ("analyze", "ModelCost", "BlockCost", "Work", "FORMATS", "default_step",
                   "meta_copy", "to_meta"),
-    ".calibration": ("BlockTimes", "calibrate_blocks"),
+    ".calibration": ("BlockTimes", "CallTimes", "calibrate_blocks"),
     ".machine": ("Machine", "machine_for", "measure_machine", "ACHIEVED_FRACTION"),
     ".hardware": ("HardwareProfile", "PROFILES", "hardware_profile"),
     ".activations": ("ActivationEstimate", "estimate_activations", "activation_accounting"),

@@ -8,13 +8,15 @@ called with during one forward of the model on the meta device, groups the block
 dozen), and for each kind builds one block on the device with random weights (nothing is read
 from the model's own weights) and random inputs of the recorded shapes, and times its forward
 and, for training, its backward (input and adapter gradients, as inside a training step), a few
-rounds after a warm-up. Every block of a kind gets the kind's times.
+rounds after a warm-up; for training also under gradient checkpointing (what the checkpoint
+costs: its hooks, the recomputation's host time, which a small block feels), and in each packed
+format asked for. Every block of a kind gets the kind's times.
 
 Times come from CUDA events on a GPU (the host enqueues each timed region while a spin kernel
 holds the stream, so the kernels run back to back as inside a step; the host's enqueue time is
-the floor, for host-bound small blocks) and from the host clock on the CPU (which tests use). A
-kind whose block cannot run on random inputs (an index input that must hold valid values) keeps
-its FLOP-based time and is named in :attr:`BlockTimes.fallbacks`.
+kept beside it, for host-bound small blocks) and from the host clock on the CPU (which tests
+use). A kind whose block cannot run on random inputs (an index input that must hold valid
+values) keeps its FLOP-based time and is named in :attr:`BlockTimes.fallbacks`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,11 +37,50 @@ from vramkit.offload.blocks import find_blocks
 from vramkit.planning._meta import MetaAutocast
 from vramkit.planning.analysis import FORMATS, ModelCost, default_step, meta_copy, to_meta
 
-__all__ = ["BlockTimes", "calibrate_blocks"]
+__all__ = ["BlockTimes", "CallTimes", "calibrate_blocks"]
 
 logger = logging.getLogger(__name__)
 
 _STD = 0.02  # random weights: the scale of a trained transformer's
+
+
+#: The variant of a block timed as the model stores it, and timed under gradient checkpointing
+#: (its backward recomputes the forward first).
+FULL = "full"
+CHECKPOINTED = "checkpointed"
+
+
+def packed_variant(fmt: str, together: bool = False) -> str:
+    """The variant name of a block stored in ``fmt`` (``"fp8"``, ``"fp8+together"``)."""
+    return f"{fmt}+together" if together else fmt
+
+
+@dataclass(frozen=True)
+class CallTimes:
+    """One block's measured call: the device's seconds and the host's (the time it takes to
+    enqueue the call) of a forward and of the backward after it (0 without a backward).
+
+    Inside a step the host runs ahead of the device, so a phase lasts the longer of the
+    device's work and the host's enqueueing summed over its blocks -- not the sum of each
+    block's larger side (:func:`~vramkit.planning.planner.search`). On a CPU the two are one.
+    """
+
+    forward: float
+    backward: float
+    host_forward: float
+    host_backward: float
+
+    @property
+    def seconds(self) -> tuple[float, float]:
+        """Forward and backward as one call alone takes them: the larger of device and host."""
+        return max(self.forward, self.host_forward), max(self.backward, self.host_backward)
+
+    def minus(self, other: CallTimes) -> CallTimes:
+        """What this call costs over ``other``, side by side (never negative)."""
+        return CallTimes(max(0.0, self.forward - other.forward),
+                         max(0.0, self.backward - other.backward),
+                         max(0.0, self.host_forward - other.host_forward),
+                         max(0.0, self.host_backward - other.host_backward))
 
 
 @dataclass(frozen=True)
@@ -47,52 +88,65 @@ class BlockTimes:
     """Measured seconds of each block's call (see :func:`calibrate_blocks`).
 
     Attributes:
-        forward: block name -> seconds of one forward call.
-        backward: block name -> seconds of its backward (0 for inference).
+        calls: variant -> block name -> :class:`CallTimes`. Variants: :data:`FULL` (the block
+            as the model stores it), :data:`CHECKPOINTED` (the same under gradient
+            checkpointing: its backward recomputes the forward; training only), and per packed
+            format asked for, ``"fp8"`` (its frozen layers stored in that format, each
+            dequantized at its call) and ``"fp8+together"`` (a block's layers dequantized
+            together at its first call, :mod:`vramkit.quant.dense`); see
+            :func:`packed_variant`.
         kinds: how many distinct kinds were timed.
         device: where they were timed (``"cuda:0"``, ``"cpu"``).
         fallbacks: blocks whose kind could not run on random inputs (FLOP-based times).
         seconds: how long the calibration took.
-        packed_forward: format (``"fp8"``, ``"int8"``, ...) -> block name -> seconds of one
-            forward call with the block's frozen layers stored in that format (dequantized on
-            the fly, as a plan that stores the block packed runs it); only for the formats
-            asked for and the blocks that could be timed.
-        packed_backward: the same for the backward.
-        grouped_forward / grouped_backward: the same again with each block's quantized layers
-            dequantized together at its first call (:mod:`vramkit.quant.dense`).
     """
 
-    forward: dict[str, float]
-    backward: dict[str, float]
+    calls: dict[str, dict[str, CallTimes]]
     kinds: int
     device: str
     fallbacks: tuple[str, ...] = ()
     seconds: float = 0.0
-    packed_forward: dict[str, dict[str, float]] = field(default_factory=dict)
-    packed_backward: dict[str, dict[str, float]] = field(default_factory=dict)
-    grouped_forward: dict[str, dict[str, float]] = field(default_factory=dict)
-    grouped_backward: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def call(self, name: str, variant: str = FULL) -> CallTimes | None:
+        """Block ``name``'s times in ``variant``, or ``None`` when that was not timed."""
+        return self.calls.get(variant, {}).get(name)
+
+    @property
+    def forward(self) -> dict[str, float]:
+        """Block name -> seconds of one forward call alone (the larger of device and host)."""
+        return {n: c.seconds[0] for n, c in self.calls.get(FULL, {}).items()}
+
+    @property
+    def backward(self) -> dict[str, float]:
+        """Block name -> seconds of its backward alone (0 for inference)."""
+        return {n: c.seconds[1] for n, c in self.calls.get(FULL, {}).items()}
+
+    def extra(self, variant: str, name: str) -> CallTimes | None:
+        """What a call of block ``name`` costs in ``variant`` over its :data:`FULL` call (each
+        side never negative), or ``None`` when that was not timed."""
+        timed, full = self.call(name, variant), self.call(name)
+        if timed is None or full is None:
+            return None
+        return timed.minus(full)
 
     def packed_extra(self, fmt: str, name: str, *, together: bool = False
                      ) -> tuple[float, float] | None:
-        """Seconds a call of block ``name`` costs on top of its full-precision call when its
-        frozen layers are stored in ``fmt`` (forward, backward; never negative), or ``None``
-        when that was not timed. ``together``: with the block's layers dequantized together
-        (``grouped_forward``/``grouped_backward``)."""
-        forward, backward = ((self.grouped_forward, self.grouped_backward) if together
-                             else (self.packed_forward, self.packed_backward))
-        fwd = forward.get(fmt, {}).get(name)
-        if fwd is None:
+        """Seconds a call of block ``name`` alone costs on top of its full-precision call when
+        its frozen layers are stored in ``fmt`` (forward, backward; never negative), or
+        ``None`` when that was not timed. ``together``: with the block's layers dequantized
+        together."""
+        timed, full = self.call(name, packed_variant(fmt, together)), self.call(name)
+        if timed is None or full is None:
             return None
-        bwd = backward.get(fmt, {}).get(name, 0.0)
-        return (max(0.0, fwd - self.forward.get(name, 0.0)),
-                max(0.0, bwd - self.backward.get(name, 0.0)))
+        return (max(0.0, timed.seconds[0] - full.seconds[0]),
+                max(0.0, timed.seconds[1] - full.seconds[1]))
 
     def flops_per_s(self, cost: ModelCost) -> float | None:
-        """The throughput the timed blocks reached on their FLOPs (for the work outside the
+        """The throughput the timed blocks reached on the device (for the work outside the
         blocks); ``None`` when nothing was timed."""
-        names = [b.name for b in cost.blocks if b.name not in self.fallbacks]
-        spent = sum(self.forward[n] + self.backward[n] for n in names)
+        full = self.calls.get(FULL, {})
+        names = [b.name for b in cost.blocks if b.name not in self.fallbacks and b.name in full]
+        spent = sum(full[n].forward + full[n].backward for n in names)
         flops = sum(cost.blocks[cost.block_index[n]].forward_flops
                     + cost.blocks[cost.block_index[n]].backward_flops for n in names)
         return flops / spent if spent > 0 and flops > 0 else None
@@ -171,11 +225,10 @@ class _Clock:
     (Python, autocast, the dispatcher; waits the region itself makes included). In the timed
     rounds the stream is first held by a spin kernel (``torch.cuda._sleep``) for longer than
     that, so the region's kernels run back to back, as inside a step whose host runs ahead,
-    and the events see device time alone. The region's time is the larger of its device time
-    and the host's enqueue time: a block whose kernels take less than its launches (a small
-    block) is host-bound. The host's time is the median of the warm-up rounds after the first
-    (which pays compilation and first-call caches): a single sample swung by up to 2.7x between
-    runs of one block (SD3.5's block 0: 3.69 vs 9.99 ms, docs/benchmarks.md).
+    and the events see device time alone. The host's time is the median of the warm-up rounds
+    after the first (which pays compilation and first-call caches): a single sample swung by
+    up to 2.7x between runs of one block (SD3.5's block 0: 3.69 vs 9.99 ms,
+    docs/benchmarks.md). On the CPU both are the region's wall time.
     """
 
     #: Spin cycles per second of host enqueue time: a 2 GHz clock, doubled for margin.
@@ -205,29 +258,28 @@ class _Clock:
         return time.perf_counter()
 
     def stop(self, started: Any) -> float:
+        """The region's device seconds (wall seconds on the CPU)."""
         if self.cuda:
             event, host_start = started
             host_s = time.perf_counter() - host_start
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             end.synchronize()
-            device_s = float(event.elapsed_time(end)) / 1e3
             if not self.timing:  # a warm-up round: the host's enqueue time, nothing held
                 self.host_samples.append(host_s)
-                return device_s
-            return max(device_s, self.host_s)
+            return float(event.elapsed_time(end)) / 1e3
         return time.perf_counter() - started
 
 
 #: Untimed rounds before the timed ones: kernel selection, caches, the GPU's clocks; the host's
 #: enqueue time is the median of all but the first.
-_WARMUP_ROUNDS = 4
+_WARMUP_ROUNDS = 6
 
 
 def _time_block(block: nn.Module, args: Any, kwargs: Any, device: torch.device, train: bool,
-                autocast: torch.dtype | None, repeats: int) -> tuple[float, float]:
-    """Median forward and backward seconds of ``block`` over ``repeats`` rounds (after
-    warm-up rounds)."""
+                autocast: torch.dtype | None, repeats: int) -> CallTimes:
+    """Median device seconds of ``block``'s forward and backward over ``repeats`` rounds
+    (after warm-up rounds) and the host's enqueue seconds (see :class:`_Clock`)."""
     forward_clock, backward_clock = _Clock(device), _Clock(device)
     context = (torch.autocast(device.type, dtype=autocast) if autocast is not None and train
                else None)
@@ -256,7 +308,55 @@ def _time_block(block: nn.Module, args: Any, kwargs: Any, device: torch.device, 
         if round_ >= _WARMUP_ROUNDS:
             forwards.append(forward)
             backwards.append(backward)
-    return statistics.median(forwards), statistics.median(backwards)
+    fwd, bwd = statistics.median(forwards), statistics.median(backwards)
+    if not forward_clock.cuda:
+        return CallTimes(fwd, bwd, fwd, bwd)
+    return CallTimes(fwd, bwd, forward_clock.host_s, backward_clock.host_s if train else 0.0)
+
+
+class _Call(nn.Module):
+    """A block behind one more call: checkpointing it checkpoints the block as
+    :func:`~vramkit.offload.checkpointing.enable_gradient_checkpointing` does a model's (which
+    takes a container's name for its children)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.block(*args, **kwargs)
+
+
+def _time_checkpointed(block: nn.Module, args: Any, kwargs: Any, device: torch.device,
+                       autocast: torch.dtype | None, repeats: int) -> CallTimes:
+    """:func:`_time_block` of ``block`` under gradient checkpointing, as a plan checkpoints
+    it: its backward runs the recomputation first (with its host time: the checkpoint's
+    hooks, the forward enqueued again)."""
+    from vramkit.offload.checkpointing import (
+        disable_gradient_checkpointing,
+        enable_gradient_checkpointing,
+    )
+
+    holder = nn.Module()
+    holder.call = _Call(block)
+    enable_gradient_checkpointing(holder, ["call"])
+    try:
+        return _time_block(holder.call, args, kwargs, device, True, autocast, repeats)
+    finally:
+        disable_gradient_checkpointing(holder, ["call"])
+
+
+def _warm_up_clocks(device: torch.device, seconds: float = 0.3) -> None:
+    """Keep the GPU busy for ``seconds`` before anything is timed: an idle GPU runs its first
+    kernels at lower clocks, and the first kind timed would be priced higher than a step's
+    blocks run."""
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        for _ in range(8):
+            a @ a
+        torch.cuda.synchronize(device)
+    del a
 
 
 def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
@@ -277,13 +377,13 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
         blocks: ``"auto"`` or block names.
         autocast: the autocast dtype of a training step (``None``: none).
         device: where to time (default: the current CUDA device).
-        repeats: timed rounds per kind after four warm-up rounds (the median is kept).
+        repeats: timed rounds per kind after six warm-up rounds (the median is kept).
         seed: the random weights' and inputs' seed.
         formats: packed storage formats (``"fp8"``, ``"int8"``, ``"int4"``, ``"nf4"``) to time
             each kind in as well: the block's frozen layers quantized as
             :func:`vramkit.fit` stores a packed block (``quantize_model``, layers that own
             trainable parameters kept), so a plan prices dequantizing on the fly by what it
-            costs on this device (:meth:`BlockTimes.packed_extra`).
+            costs on this device (:meth:`BlockTimes.extra`).
 
     Returns:
         :class:`BlockTimes` for every block.
@@ -305,20 +405,17 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
     train = mode == "train"
     meta = meta_copy(model)
     names = [n for n, _ in find_blocks(meta, blocks)]
-    calls = _record_calls(meta, names, to_meta(inputs), step or default_step, autocast)
+    calls_of = _record_calls(meta, names, to_meta(inputs), step or default_step, autocast)
     kinds: dict[Any, list[str]] = {}
     for name in names:
-        if name in calls:
-            args, kwargs = calls[name]
+        if name in calls_of:
+            args, kwargs = calls_of[name]
             kinds.setdefault(_kind(meta.get_submodule(name), args, kwargs), []).append(name)
     generator = torch.Generator().manual_seed(seed)
-    forward: dict[str, float] = {}
-    backward: dict[str, float] = {}
-    packed_forward: dict[str, dict[str, float]] = {}
-    packed_backward: dict[str, dict[str, float]] = {}
-    grouped_forward: dict[str, dict[str, float]] = {}
-    grouped_backward: dict[str, dict[str, float]] = {}
-    fallbacks: list[str] = [n for n in names if n not in calls]
+    calls: dict[str, dict[str, CallTimes]] = {}
+    fallbacks: list[str] = [n for n in names if n not in calls_of]
+    if target.type == "cuda" and kinds:
+        _warm_up_clocks(target)
     for members in kinds.values():
         first = members[0]
         block = copy.deepcopy(meta.get_submodule(first)).to_empty(device=target)
@@ -328,12 +425,17 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
                     tensor.copy_(torch.randn(tensor.shape, generator=generator) * _STD)
                 else:
                     tensor.zero_()
-        args, kwargs = _real(calls[first], target, train, generator)
+        args, kwargs = _real(calls_of[first], target, train, generator)
         try:
-            fwd, bwd = _time_block(block, args, kwargs, target, train, autocast, repeats)
-            packed = {(fmt, together): _time_packed(block, fmt, args, kwargs, target, train,
-                                                    autocast, repeats, together=together)
-                      for fmt in formats for together in (False, True)}
+            timed = {FULL: _time_block(block, args, kwargs, target, train, autocast, repeats)}
+            if train:
+                timed[CHECKPOINTED] = _time_checkpointed(block, args, kwargs, target, autocast,
+                                                         repeats)
+            for fmt in formats:
+                for together in (False, True):
+                    timed[packed_variant(fmt, together)] = _time_packed(
+                        block, fmt, args, kwargs, target, train, autocast, repeats,
+                        together=together)
         except (RuntimeError, IndexError, ValueError) as err:  # e.g. an index input of zeros
             logger.warning("calibration: %s (%s) cannot run on random inputs (%s); its %d "
                            "block(s) keep FLOP-based times", first, type(block).__name__, err,
@@ -344,27 +446,22 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
             del block, args, kwargs
             if target.type == "cuda":
                 torch.cuda.empty_cache()
-        for name in members:
-            forward[name], backward[name] = fwd, bwd
-            for (fmt, together), (pf, pb) in packed.items():
-                fwd_of, bwd_of = ((grouped_forward, grouped_backward) if together
-                                  else (packed_forward, packed_backward))
-                fwd_of.setdefault(fmt, {})[name] = pf
-                bwd_of.setdefault(fmt, {})[name] = pb
+        for variant, times in timed.items():
+            of_variant = calls.setdefault(variant, {})
+            for name in members:
+                of_variant[name] = times
+    full = calls.setdefault(FULL, {})
     for name in fallbacks:
-        forward.setdefault(name, 0.0)
-        backward.setdefault(name, 0.0)
+        full.setdefault(name, CallTimes(0.0, 0.0, 0.0, 0.0))
     seconds = time.perf_counter() - started
     logger.info("calibrated %d block kind(s) on %s in %.1f s", len(kinds), target, seconds)
-    return BlockTimes(forward=forward, backward=backward, kinds=len(kinds), device=str(target),
-                      fallbacks=tuple(dict.fromkeys(fallbacks)), seconds=seconds,
-                      packed_forward=packed_forward, packed_backward=packed_backward,
-                      grouped_forward=grouped_forward, grouped_backward=grouped_backward)
+    return BlockTimes(calls=calls, kinds=len(kinds), device=str(target),
+                      fallbacks=tuple(dict.fromkeys(fallbacks)), seconds=seconds)
 
 
 def _time_packed(block: nn.Module, fmt: str, args: Any, kwargs: Any, device: torch.device,
                  train: bool, autocast: torch.dtype | None, repeats: int, *,
-                 together: bool = False) -> tuple[float, float]:
+                 together: bool = False) -> CallTimes:
     """:func:`_time_block` of a copy of ``block`` whose frozen layers are stored in ``fmt``
     (as :class:`vramkit.planning.fitting.Fitted` stores a packed block), with its layers
     dequantized together (``together``, as a plan with ``dequantize_together`` runs it) or

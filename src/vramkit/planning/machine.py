@@ -133,28 +133,49 @@ class Machine:
     def work_seconds(self, matmul_flops: float, attention_flops: float,
                      elementwise_bytes: float, kernels: float,
                      host_extra_seconds: float = 0.0) -> float:
-        """Seconds of a block's forward or backward by the offline time model: the longer of
-        :meth:`device_seconds` and the host's launches (plus ``host_extra_seconds``: what some
-        calls cost the host beyond a launch, e.g. :data:`HOST_SECONDS_PER_CONVOLUTION`).
+        """Seconds of a block's forward or backward by the offline time model when the call runs
+        alone: the longer of its two sides (:meth:`work_sides`).
+
+        Raises:
+            ConfigError: on a machine without ``peak_flops_per_s`` (a measured one).
+        """
+        return max(self.work_sides(matmul_flops, attention_flops, elementwise_bytes, kernels,
+                                   host_extra_seconds))
+
+    def work_sides(self, matmul_flops: float, attention_flops: float,
+                   elementwise_bytes: float, kernels: float,
+                   host_extra_seconds: float = 0.0) -> tuple[float, float]:
+        """The device's seconds (:meth:`device_seconds`) and the host's (its launches, plus
+        ``host_extra_seconds``: what some calls cost the host beyond a launch, e.g.
+        :data:`HOST_SECONDS_PER_CONVOLUTION`) of a block's forward or backward.
 
         Raises:
             ConfigError: on a machine without ``peak_flops_per_s`` (a measured one).
         """
         device = self.device_seconds(matmul_flops, attention_flops, elementwise_bytes, kernels)
-        return max(device, kernels * HOST_SECONDS_PER_KERNEL + host_extra_seconds)
+        return device, kernels * HOST_SECONDS_PER_KERNEL + host_extra_seconds
 
     def block_seconds(self, forward_flops: float, backward_flops: float,
                       work: Work | None) -> tuple[float, float]:
-        """Forward and backward seconds of a block (or of the work outside the blocks): by
-        :meth:`work_seconds` where this machine is a hardware profile and the work was counted
+        """Forward and backward seconds of a block (or of the work outside the blocks) when
+        the call runs alone: the longer side of each of :meth:`block_sides`."""
+        (fwd, host_fwd), (bwd, host_bwd) = self.block_sides(forward_flops, backward_flops, work)
+        return max(fwd, host_fwd), max(bwd, host_bwd)
+
+    def block_sides(self, forward_flops: float, backward_flops: float, work: Work | None
+                    ) -> tuple[tuple[float, float], tuple[float, float]]:
+        """(device, host) seconds of a block's forward and of its backward: by
+        :meth:`work_sides` where this machine is a hardware profile and the work was counted
         (:class:`~vramkit.planning.analysis.Work`; the backward has :data:`BACKWARD_KERNELS`
         and :data:`BACKWARD_BYTES` times the forward's kernels and bytes, its FLOPs from the
-        analysis), else the FLOPs at ``flops_per_s``. ``backward_flops`` 0: no backward."""
+        analysis), else the FLOPs at ``flops_per_s`` on the device and nothing on the host.
+        ``backward_flops`` 0: no backward."""
         if self.peak_flops_per_s is None or work is None:
-            return forward_flops / self.flops_per_s, backward_flops / self.flops_per_s
-        forward, *backward = (self.work_seconds(*phase)
+            return ((forward_flops / self.flops_per_s, 0.0),
+                    (backward_flops / self.flops_per_s, 0.0))
+        forward, *backward = (self.work_sides(*phase)
                               for phase in phase_work(work, backward_flops))
-        return forward, backward[0] if backward else 0.0
+        return forward, backward[0] if backward else (0.0, 0.0)
 
     @classmethod
     def from_profile(cls, profile: HardwareProfile,

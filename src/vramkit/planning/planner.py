@@ -43,7 +43,7 @@ from vramkit.errors import PlanError
 from vramkit.offload._activation_settings import ActivationOffloadConfig
 from vramkit.offload.blocks import spread_evenly
 from vramkit.planning.analysis import BlockCost, ModelCost
-from vramkit.planning.calibration import BlockTimes
+from vramkit.planning.calibration import CHECKPOINTED, FULL, BlockTimes, CallTimes, packed_variant
 from vramkit.planning.machine import SWAP_HOST_SECONDS, Machine
 from vramkit.units import format_size
 
@@ -65,22 +65,34 @@ class PhaseTime:
     """One phase's prediction.
 
     Attributes:
-        seconds: the phase's time, from a simulation of the compute stream and the copy engine
-            (a block waits for its copy, a copy for a free slot and for the engine).
+        seconds: the phase's time, from a simulation of the host, the compute stream and the
+            copy engine (a block's kernels wait for the host to enqueue them and for its copy, a
+            copy for a free slot and for the engine).
         compute_seconds: the kernels alone (recomputation included in backward).
         copy_seconds: the copy engine's busy time (swapped blocks, restored activations).
         copy_bytes: the bytes those copies move.
+        host_seconds: the host's time to enqueue the phase (Python, the dispatcher, the
+            swapper's bookkeeping); it runs ahead of the device unless the blocks are small.
     """
 
     seconds: float
     compute_seconds: float
     copy_seconds: float
     copy_bytes: int
+    host_seconds: float = 0.0
+
+    @property
+    def host_bound(self) -> bool:
+        """Whether the host's enqueueing paces the phase (it takes 99 % of it or more, and the
+        kernels less)."""
+        return (self.host_seconds >= 0.99 * self.seconds
+                and self.host_seconds > 1.01 * self.compute_seconds)
 
     @property
     def transfer_bound(self) -> bool:
-        """Whether compute waits for copies for more than 1 % of the phase."""
-        return self.seconds > 1.01 * self.compute_seconds
+        """Whether compute waits for copies for more than 1 % of the phase (and not for the
+        host)."""
+        return not self.host_bound and self.seconds > 1.01 * self.compute_seconds
 
 
 @dataclass(frozen=True)
@@ -100,7 +112,10 @@ class Plan:
         predicted_peak_bytes: the predicted peak of allocated memory.
         peak_breakdown: its parts, in bytes.
         forward / backward: per-phase predictions (``backward`` is zero for inference).
-        optimizer_seconds / overhead_seconds: the optimizer step and the swapper's host time.
+        optimizer_seconds: the optimizer step.
+        overhead_seconds: time outside both phases and the optimizer (0 from the search, whose
+            phases include the swapper's host time; a caller may add its own, e.g. a
+            data-parallel step's).
         host_bytes: pinned host memory for the swapped blocks' masters and offloaded
             activations.
         notes: remarks on the prediction (an offline machine's figures, ...).
@@ -145,7 +160,7 @@ class Plan:
 
     @property
     def predicted_step_seconds(self) -> float:
-        """Forward + backward + optimizer + host overhead."""
+        """Forward + backward + optimizer + overhead."""
         return (self.forward.seconds + self.backward.seconds + self.optimizer_seconds
                 + self.overhead_seconds)
 
@@ -162,6 +177,7 @@ class Plan:
         data["predicted_step_seconds"] = self.predicted_step_seconds
         for phase in ("forward", "backward"):
             data[phase]["transfer_bound"] = getattr(self, phase).transfer_bound
+            data[phase]["host_bound"] = getattr(self, phase).host_bound
         return data
 
     def to_json(self) -> str:
@@ -217,7 +233,13 @@ class Plan:
             if self.mode != "train" and label == "backward":
                 continue
             compute = f"{phase.compute_seconds * 1e3:.0f} ms of compute"
-            if phase.copy_bytes:
+            if phase.host_bound:
+                copies = (f", {format_size(phase.copy_bytes)} of copies "
+                          f"({phase.copy_seconds * 1e3:.0f} ms)" if phase.copy_bytes else "")
+                lines.append(f"{label.capitalize()} {phase.seconds * 1e3:.0f} ms, host-bound: "
+                             f"the host needs {phase.host_seconds * 1e3:.0f} ms to enqueue "
+                             f"{compute}{copies}.")
+            elif phase.copy_bytes:
                 copies = (f"{format_size(phase.copy_bytes)} of copies "
                           f"({phase.copy_seconds * 1e3:.0f} ms)")
                 bound = ("transfer-bound" if phase.transfer_bound else
@@ -261,7 +283,8 @@ def _checkpoint_order(cost: ModelCost) -> list[str]:
 
 def simulate_phase(compute: Sequence[float], copies: Sequence[float],
                    swapped: Sequence[bool], slots: int,
-                   restores: Sequence[float] | None = None) -> float:
+                   restores: Sequence[float] | None = None,
+                   host: Sequence[float] | None = None) -> float:
     """The time of one phase over blocks in their order of execution.
 
     The compute stream runs the blocks one after another. A swapped block waits for its copy;
@@ -270,12 +293,19 @@ def simulate_phase(compute: Sequence[float], copies: Sequence[float],
     release). The first ``slots`` swapped blocks are in their slots when the phase starts (kept
     across the forward/backward turn and between steps). ``restores`` are copies a block needs
     before it runs whatever its slot (offloaded activations coming back), on the same engine.
+    ``host``: each block's enqueue time on the host, which runs ahead of the device (nothing in
+    a step waits for the device on the host): a block's kernels start no earlier than the host
+    began enqueueing it and end no earlier than it finished.
     """
     t = 0.0
     engine = 0.0
+    enqueued = 0.0
     ends: list[float] = []
     for i, (c, w, s) in enumerate(zip(compute, copies, swapped, strict=True)):
         ready = t
+        if host is not None:
+            ready = max(ready, enqueued)
+            enqueued += host[i]
         if restores is not None and restores[i]:
             engine = max(engine, 0.0) + restores[i]
             ready = max(ready, engine)
@@ -284,10 +314,38 @@ def simulate_phase(compute: Sequence[float], copies: Sequence[float],
             if j >= slots:
                 engine = max(engine, ends[j - slots]) + w
                 ready = max(ready, engine)
-        t = ready + c
+        t = max(ready + c, enqueued)
         if s:
             ends.append(t)
     return t
+
+
+def _block_sides(full: Sequence[CallTimes], recompute: Sequence[CallTimes],
+                 dequant: Sequence[CallTimes], per_layer: Sequence[CallTimes],
+                 swapped: Sequence[bool], checkpointed: Sequence[bool], together: bool
+                 ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per block, the device's and the host's seconds of its forward, then of its backward, in
+    a candidate: its own call (``full``), what checkpointing adds (``recompute``: the
+    checkpoint's hooks in forward, the recomputation in backward), what its storage format
+    adds (``dequant``; the recomputation dequantizes again) and the swapper's bookkeeping on
+    the host. Dequantizing together, an un-checkpointed block's backward finds the shared
+    buffer holding another block and dequantizes each layer (``per_layer``); a checkpointed
+    one's recomputation has just filled it."""
+    fwd_dev: list[float] = []
+    fwd_host: list[float] = []
+    bwd_dev: list[float] = []
+    bwd_host: list[float] = []
+    for c, re, d, layer, s, k in zip(full, recompute, dequant, per_layer, swapped, checkpointed,
+                                     strict=True):
+        swap_host = SWAP_HOST_SECONDS if s else 0.0
+        back = layer if together and not k else d
+        fwd_dev.append(c.forward + d.forward + (re.forward if k else 0.0))
+        fwd_host.append(c.host_forward + d.host_forward + (re.host_forward if k else 0.0)
+                        + swap_host)
+        bwd_dev.append(c.backward + back.backward + (re.backward + d.forward if k else 0.0))
+        bwd_host.append(c.host_backward + back.host_backward
+                        + (re.host_backward + d.host_forward if k else 0.0) + swap_host)
+    return fwd_dev, fwd_host, bwd_dev, bwd_host
 
 
 def _swap_sets(sizes: Sequence[int], compute: Sequence[float], k: int) -> list[list[int]]:
@@ -369,17 +427,27 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     if activation_offload and train:
         least_activations = min(least_activations, _offloaded(estimate, train))
     flops = machine.flops_per_s
-    modeled = [machine.block_seconds(b.forward_flops, b.backward_flops, b.work)
-               for b in cost.blocks]
-    block_fwd = [t[0] for t in modeled]
-    block_bwd = [t[1] for t in modeled]
+    # Each block's call, the device's and the host's seconds apart: measured where the
+    # calibration timed it, else the time model of its counted work.
+    full: list[CallTimes] = []
+    for b in cost.blocks:
+        (fwd, host_fwd), (bwd, host_bwd) = machine.block_sides(b.forward_flops,
+                                                               b.backward_flops, b.work)
+        full.append(CallTimes(fwd, bwd, host_fwd, host_bwd))
+    measured: set[str] = set()
     if times is not None:
-        measured = set(times.forward) - set(times.fallbacks)
-        block_fwd = [times.forward[b.name] if b.name in measured else t
-                     for b, t in zip(cost.blocks, block_fwd, strict=True)]
-        block_bwd = [times.backward[b.name] if b.name in measured else t
-                     for b, t in zip(cost.blocks, block_bwd, strict=True)]
+        measured = set(times.calls.get(FULL, {})) - set(times.fallbacks)
+        full = [times.calls[FULL][b.name] if b.name in measured else c
+                for b, c in zip(cost.blocks, full, strict=True)]
         flops = times.flops_per_s(cost) or flops
+    # What checkpointing a block adds (its backward recomputes the forward first; the
+    # checkpoint's hooks cost the host): measured, else one more forward.
+    recompute: list[CallTimes] = []
+    for b, c in zip(cost.blocks, full, strict=True):
+        extra = (times.extra(CHECKPOINTED, b.name)
+                 if times is not None and b.name in measured else None)
+        recompute.append(extra if extra is not None
+                         else CallTimes(0.0, c.forward, 0.0, c.host_forward))
     bw = machine.h2d_bytes_per_s
     disk_bw = disk_bytes_per_s if disk_bytes_per_s is not None else DEFAULT_DISK_BYTES_PER_S
     optimizer = 4 * cost.trainable_bytes / machine.memory_bandwidth_bytes_per_s if train else 0.0
@@ -396,19 +464,19 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     # by every packed block (vramkit.quant.dense): less host time, the largest packed block's
     # weights in memory. Weighed where the calibration timed both.
     ways = [False]
-    if times is not None and any(times.grouped_forward.get(f) for f in formats):
+    if times is not None and any(times.calls.get(packed_variant(f, True)) for f in formats):
         ways.append(True)
-    dequant_by: dict[bool, dict[str, list[tuple[float, float]]]] = {}
+    dequant_by: dict[bool, dict[str, list[CallTimes]]] = {}
     for together in ways:
         dequant_by[together] = {}
         for fmt in formats:
             dequant_by[together][fmt] = []
             for b in cost.blocks:
-                extra = (times.packed_extra(fmt, b.name, together=together)
+                extra = (times.extra(packed_variant(fmt, together), b.name)
                          if times is not None and fmt != "bf16" else None)
                 if extra is None:
                     modeled = _dequant(b, fmt, machine)
-                    extra = (modeled, modeled)
+                    extra = CallTimes(modeled, modeled, 0.0, 0.0)
                 dequant_by[together][fmt].append(extra)
     dense_of = {fmt: [b.dense.get(fmt, 0) for b in cost.blocks] for fmt in formats}
     candidates: list[dict[str, Any]] = []
@@ -418,7 +486,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         for fmt_s in formats:
             sizes = [b.swapped[fmt_s] for b in cost.blocks]
             # each block's forward in this format: the compute its copy can hide behind
-            ranked = [t + d[0] for t, d in zip(block_fwd, dequant_of[fmt_s], strict=True)]
+            ranked = [max(c.forward + d.forward, c.host_forward + d.host_forward)
+                      for c, d in zip(full, dequant_of[fmt_s], strict=True)]
             swap_sets = [_swap_sets(sizes, ranked, k) for k in range(n + 1)]
             for fmt_r in formats:
                 if together and fmt_s == fmt_r == "bf16":
@@ -437,8 +506,9 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                         master_bytes = sum(sizes[i] for i in chosen)
                         scratch = max((dense_of[fmt_s if flags[i] else fmt_r][i]
                                        for i in range(n)), default=0) if together else 0
-                        dequant = [dequant_of[fmt_s if flags[i] else fmt_r][i] for i in range(n)]
-                        fwd_s = [t + d[0] for t, d in zip(block_fwd, dequant, strict=True)]
+                        block_fmt = [fmt_s if flags[i] else fmt_r for i in range(n)]
+                        dequant = [dequant_of[f][i] for i, f in enumerate(block_fmt)]
+                        per_layer = [dequant_by[False][f][i] for i, f in enumerate(block_fmt)]
                         copy_s = [sizes[i] / bw if flags[i] else 0.0 for i in range(n)]
                         for r in sorted(set(num_slots)):
                             if k and r > k:
@@ -470,7 +540,12 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                                 for i in disk:  # read from disk, then copied: the slower one paces it
                                     phase_copy_s[i] = sizes[i] / min(bw, disk_bw)
                             copies = int(master_bytes * max(0, k - r) / k) if k else 0
-                            fwd_time = outside_fwd + simulate_phase(fwd_s, phase_copy_s, flags, r)
+                            ckpt_set = set(ckpt)
+                            sides = _block_sides(full, recompute, dequant, per_layer, flags,
+                                                 [name in ckpt_set for name in names],
+                                                 together)
+                            fwd_time = outside_fwd + simulate_phase(sides[0], phase_copy_s, flags,
+                                                                    r, host=sides[1])
                             if offload:  # device->host copies run on the other engine
                                 fwd_time = max(fwd_time, offload_bytes / machine.d2h_bytes_per_s)
                             # Copy engine time: disk blocks are paced by the disk (the same share of
@@ -478,21 +553,22 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                             share = max(0, k - r) / k if k else 0.0
                             copy_time = copies / bw + share * sum(
                                 sizes[i] * (1 / min(bw, disk_bw) - 1 / bw) for i in disk)
-                            fwd = PhaseTime(fwd_time, outside_fwd + sum(fwd_s), copy_time, copies)
+                            fwd = PhaseTime(fwd_time, outside_fwd + sum(sides[0]), copy_time,
+                                            copies, outside_fwd + sum(sides[1]))
                             if train:
-                                ckpt_set = set(ckpt)
-                                bwd_s = [block_bwd[i] + dequant[i][1]
-                                         + (fwd_s[i] if b.name in ckpt_set else 0.0)
-                                         for i, b in enumerate(cost.blocks)]
                                 restores = ([_kept_bytes(estimate, b.name, ckpt_set) / bw
                                              for b in cost.blocks] if offload else None)
-                                back = simulate_phase(bwd_s[::-1], phase_copy_s[::-1], flags[::-1], r,
-                                                      restores[::-1] if restores else None)
-                                bwd = PhaseTime(outside_bwd + back, outside_bwd + sum(bwd_s),
-                                                copy_time + offload_bytes / bw, copies + offload_bytes)
+                                back = simulate_phase(sides[2][::-1], phase_copy_s[::-1],
+                                                      flags[::-1], r,
+                                                      restores[::-1] if restores else None,
+                                                      host=sides[3][::-1])
+                                bwd = PhaseTime(outside_bwd + back, outside_bwd + sum(sides[2]),
+                                                copy_time + offload_bytes / bw,
+                                                copies + offload_bytes,
+                                                outside_bwd + sum(sides[3]))
                             else:
                                 bwd = PhaseTime(0.0, 0.0, 0.0, 0)
-                            overhead = SWAP_HOST_SECONDS * k * (2 if train else 1)
+                            overhead = 0.0  # the swapper's host time is in the phases'
                             seconds = fwd.seconds + bwd.seconds + optimizer + overhead
                             breakdown = {"resident_weights": weights, "swap_slots": slots,
                                          "trainable_and_optimizer": trainable, "activations": act}

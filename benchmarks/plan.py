@@ -397,8 +397,19 @@ class Job:
                                "budget_bytes": budget}
         self.reset_adapters()
         t0 = time.perf_counter()
+        options = self.plan_options(kind)
+        if "hardware" not in options:  # calibrated as vramkit.plan would, kept for the record
+            from vramkit.planning import calibrate_blocks
+
+            options["block_times"] = calibrate_blocks(
+                self.host, self.inputs, step=self.step, device=self.device,
+                formats=options.get("allow_formats", ()))
+            row["block_times"] = {
+                variant: {name: [c.forward, c.backward, c.host_forward, c.host_backward]
+                          for name, c in calls.items()}
+                for variant, calls in options["block_times"].calls.items()}
         plan = vramkit.plan(self.host, self.inputs, budget, device=self.device
-                            if self.device.type == "cuda" else None, **self.plan_options(kind))
+                            if self.device.type == "cuda" else None, **options)
         row["plan_s"] = time.perf_counter() - t0
         row["plan"] = {"swapped": len(plan.swapped), "blocks": len(plan.swapped)
                        + len(plan.resident), "checkpointed": len(plan.checkpointed),

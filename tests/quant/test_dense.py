@@ -236,7 +236,10 @@ def test_gpu_grouped_step_equals_the_per_layer_step(ckpt: bool) -> None:
         ref = _step(net, x)
         got = _step(twin, x)
     _assert_same(ref, got)
-    assert scratch.nbytes >= 3 * 2 * 256 * 256 * 2  # the bf16 views of the largest block
+    # the largest block's three layers (up, down, gate) in the compute dtype (bf16), not in
+    # the float32 the layers were built in
+    weights = 256 * 512 + 512 * 256 + 256 * 256
+    assert weights * 2 <= scratch.nbytes < weights * 4
 
 
 @pytest.mark.gpu

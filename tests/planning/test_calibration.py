@@ -267,6 +267,28 @@ def test_dequantizing_together_is_chosen_where_it_pays_and_fits() -> None:
     assert not offline.dequantize_together
 
 
+def test_dequantizing_together_is_timed_filling_the_buffer_every_round(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vramkit.planning.calibration import _WARMUP_ROUNDS
+    from vramkit.quant.dense import DenseGroup
+
+    fills = [0]
+    expand = DenseGroup._expand
+
+    def counting(self: DenseGroup, *args: object) -> None:
+        fills[0] += 1
+        expand(self, *args)
+
+    monkeypatch.setattr(DenseGroup, "_expand", counting)
+    model = _frozen(Mixed())
+    times = calibrate_blocks(model, _models.inputs(), device="cpu", autocast=None, repeats=2,
+                             formats=("int8",))
+    # in a step the buffer holds other blocks between a block's calls: every round's forward
+    # fills it (3 kinds), and backward reuses it (as after a checkpointed recomputation)
+    assert fills[0] == 3 * (2 + _WARMUP_ROUNDS)
+    assert times.kinds == 3
+
+
 def test_a_checkpointed_block_is_timed_with_its_recomputation() -> None:
     model = _frozen(Mixed())
     inputs = _models.inputs()

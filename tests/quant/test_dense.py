@@ -177,6 +177,23 @@ def test_a_second_call_reuses_the_scratch_until_the_weights_change(
     assert not torch.equal(first, block(x))
 
 
+def test_invalidate_makes_the_next_call_dequantize_again_into_the_same_buffer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = QuantizedLinear.from_linear(nn.Linear(32, 16), "fp8")
+    block = nn.Sequential(layer)
+    scratch = DenseScratch()
+    group_dense(block, scratch)
+    counts = _count(monkeypatch)
+    x = torch.randn(3, 32)
+    first = block(x)
+    block(x)
+    assert counts["expand"] == 1
+    nbytes = scratch.nbytes
+    scratch.invalidate()
+    assert torch.equal(block(x), first)
+    assert counts["expand"] == 2 and scratch.nbytes == nbytes
+
+
 def test_ungroup_and_grouping_twice() -> None:
     net = Net(blocks=1, fmt="fp8")
     scratch = DenseScratch()

@@ -99,6 +99,11 @@ class DenseScratch:
         self._buffer = None
         self.generation += 1
 
+    def invalidate(self) -> None:
+        """Keep the buffer, forget whose weights it holds: every group dequantizes again at its
+        next call, as in a step where the buffer has moved on to other blocks meanwhile."""
+        self.generation += 1
+
     def __deepcopy__(self, memo: dict[int, Any]) -> DenseScratch:
         new = DenseScratch()
         new._largest = self._largest

@@ -11,14 +11,17 @@ bandwidth and throughput. A candidate is predicted phase by phase (DESIGN.md §4
   trainable parameters, their gradients and AdamW state + activations for the checkpointed set
   (:meth:`~vramkit.planning.activations.ActivationEstimate.bytes_with`) <= budget - headroom;
 * time: forward and backward (with recomputation) are each simulated block by block
-  (:func:`simulate_phase`): the compute stream runs the blocks in order, a swapped block waits
-  for its copy, and a copy waits for the copy engine and for a free slot (the slot of the
-  swapped block ``R`` places earlier frees when that block's compute ends); the first ``R``
-  swapped blocks of a phase are already loaded (kept across the forward/backward turn). So a
-  phase costs at least ``max(compute, copies)``, and more where slots are too few or swapped
-  blocks too close together for the copies to hide. Plus the optimizer and the swapper's host
-  time per block. A block's own time is measured (``times``, a calibrated machine) or, offline,
-  the time model of its counted work (:meth:`~vramkit.planning.machine.Machine.work_seconds`).
+  (:func:`simulate_phase`): the host enqueues the blocks ahead of the device (a block's kernels
+  start once the host began enqueueing it and end no earlier than it finished), the compute
+  stream runs the blocks in order, a swapped block waits for its copy, and a copy waits for the
+  copy engine and for a free slot (the slot of the swapped block ``R`` places earlier frees when
+  that block's compute ends); the first ``R`` swapped blocks of a phase are already loaded
+  (kept across the forward/backward turn). So a phase costs at least ``max(compute, host,
+  copies)``, and more where slots are too few or swapped blocks too close together for the
+  copies to hide. Plus the optimizer; the swapper's bookkeeping counts on the host. A block's
+  own device and host times are measured (``times``, a calibrated machine: as built, under
+  checkpointing, in each packed format) or, offline, the time model of its counted work
+  (:meth:`~vramkit.planning.machine.Machine.work_sides`).
 
 The search: for each pair of formats (swapped blocks, resident blocks) among the allowed ones,
 each ``R`` and each number of swapped blocks (two candidate sets, :func:`_swap_sets`: spread

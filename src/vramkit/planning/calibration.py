@@ -249,9 +249,9 @@ class _Clock:
     def enqueue_s(self) -> float:
         """The host's enqueue time a plan uses: the median of every round after the first,
         with the device idle (warm-up) and busy (timed) -- inside a step the host meets both
-        (a device-bound phase keeps the device busy, a host-bound one idle). The demo DiT's
-        blocks' medians moved by up to 20-50 % between two calibrations in one process on an
-        H200 host; twice the samples steady the median."""
+        (a device-bound phase keeps the device busy, a host-bound one idle). A FLUX double
+        block's forward enqueue read 2.75-4.76 ms across one session's H200 calibrations
+        (docs/benchmarks.md); twice the samples steady the median within one."""
         samples = self.host_samples[1:] + self.busy_samples
         return statistics.median(samples) if samples else self.host_s
 

@@ -511,7 +511,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                                        for i in range(n)), default=0) if together else 0
                         block_fmt = [fmt_s if flags[i] else fmt_r for i in range(n)]
                         dequant = [dequant_of[f][i] for i, f in enumerate(block_fmt)]
-                        per_layer = [dequant_by[False][f][i] for i, f in enumerate(block_fmt)]
+                        per_layer = ([dequant_by[False][f][i] for i, f in enumerate(block_fmt)]
+                                     if together else dequant)
                         copy_s = [sizes[i] / bw if flags[i] else 0.0 for i in range(n)]
                         for r in sorted(set(num_slots)):
                             if k and r > k:

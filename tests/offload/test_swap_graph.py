@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tests.offload.test_swap import MIN, D, MLPBlock, X, _assert_same_grads, _frozen_blocks, _net
+from vramkit.offload.checkpointing import enable_gradient_checkpointing
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 
 
@@ -43,10 +44,13 @@ def _unlocked(swapper: BlockSwapper) -> bool:
 
 
 def _compare_steps(ref: nn.Module, steps: int, **config: Any) -> None:
-    """Swap a copy of ``ref``; each step's gradients must equal the unswapped model's, with
-    every slot released after each backward."""
+    """Swap a copy of ``ref``; each step's gradients must equal the unswapped model's (with the
+    same checkpointing: the lean checkpoint sums a gradient read inside and outside a block in
+    another order than no checkpointing), with every slot released after each backward."""
     model = copy.deepcopy(ref)
     swapper = _swap(model, **config)
+    if config.get("checkpointing"):
+        enable_gradient_checkpointing(ref)
     for _ in range(steps):
         for m in (model, ref):
             m.zero_grad()
@@ -154,4 +158,25 @@ def test_chain_is_not_made_across_a_resident_block() -> None:
     assert swapper.swapped_names == ["blocks.0", "blocks.1", "blocks.3"]
     names = _node_names(model(X).square().mean().grad_fn)
     assert names.count("BlockEntryBackward") == 2  # blocks 0 and 3; block 1 chains to 0
+    swapper.detach()
+
+
+@pytest.mark.parametrize("method", ["lean", "pytorch"])
+def test_swapped_blocks_checkpoint_with_the_blocks_method(method: str) -> None:
+    # A block checkpointed by enable_gradient_checkpointing keeps its method under the swapper
+    # (the config alone asks for lean); after the first step (the lean check) a lean block's
+    # call is one node whose pre-hook holds the slot while backward recomputes it.
+    ref = _frozen_blocks(_net())
+    model = copy.deepcopy(ref)
+    enable_gradient_checkpointing(model, method=method)
+    enable_gradient_checkpointing(ref, method=method)
+    swapper = _swap(model, num_slots=1)
+    for _ in range(2):
+        for m in (model, ref):
+            m.zero_grad()
+            m(X).square().mean().backward()
+        _assert_same_grads(model, ref)
+        assert _unlocked(swapper)
+    names = _node_names(model(X).square().mean().grad_fn)
+    assert names.count("_LeanFunctionBackward") == (4 if method == "lean" else 0)
     swapper.detach()

@@ -365,6 +365,34 @@ def test_the_planner_prices_checkpointing_by_its_measured_cost() -> None:
         1.0 * len(plans[0].checkpointed))
 
 
+def test_a_checkpointed_forward_cheaper_than_the_call_as_built_is_priced_so() -> None:
+    # The lean checkpoint's forward records no graph: its host side can cost less than the
+    # block as built, and the plan's checkpointed blocks are priced at what was measured (not
+    # at the call as built plus a gain clamped at 0).
+    import dataclasses
+
+    model = _frozen(Mixed())
+    inputs = _models.inputs()
+    cost = analyze(model, inputs, autocast=None)
+    measured = _steady(calibrate_blocks(model, inputs, device="cpu", autocast=None, repeats=1))
+    machine = _machine(copies=1e12, flops=1e12)
+    lighter = {n: dataclasses.replace(c, host_forward=0.25e-3)
+               for n, c in measured.calls["checkpointed"].items()}
+    cheap = dataclasses.replace(measured, calls={**measured.calls, "checkpointed": lighter})
+    with pytest.raises(PlanError) as info:
+        vramkit.plan(model, inputs, 1, hardware=machine, cost=cost, block_times=measured,
+                     autocast=None, headroom=0, activation_offload=False)
+    least = info.value.minimum_budget
+    assert least is not None
+    plans = [vramkit.plan(model, inputs, least, hardware=machine, cost=cost, block_times=t,
+                          autocast=None, headroom=0, activation_offload=False)
+             for t in (measured, cheap)]
+    assert plans[0].checkpointed == plans[1].checkpointed and plans[0].checkpointed
+    saved = plans[0].forward.host_seconds - plans[1].forward.host_seconds
+    assert saved == pytest.approx(0.75e-3 * len(plans[0].checkpointed))
+    assert plans[1].forward.compute_seconds == plans[0].forward.compute_seconds
+
+
 def test_the_host_sample_is_the_median_of_the_warm_up_rounds_after_the_first() -> None:
     from vramkit.planning.calibration import _WARMUP_ROUNDS, _Clock
 

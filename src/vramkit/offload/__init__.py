@@ -26,6 +26,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
                 "spread_evenly", "unet_blocks"),
     ".checkpointing": ("SDXL_CHECKPOINT_BLOCKS", "enable_gradient_checkpointing", "disable_gradient_checkpointing",
                        "is_checkpointed", "unwrapped_forward", "checkpoint",
+                       "checkpoint_method", "CHECKPOINT_METHODS",
                        "checkpoint_with_pool", "GradientCheckpointer", "SDXLGradientCheckpoint"),
     ".cpu": ("CPUOffloadManager", "CPUOffloadConfig", "CPUOffloadStats", "LoadHandle"),
     ".activations": ("ActivationOffloader", "ActivationOffloadConfig", "ActivationOffloadStats",

@@ -214,6 +214,7 @@ class SwappedBlock:
         self.master_views: list[torch.Tensor] = []
         self.wrapper: Any = None  # the forward wrapper the swapper installed
         self.checkpointed = False
+        self.lean: Any = None  # LeanState: checkpointed the lean way (vramkit.offload.checkpointing)
         self.trainable_entries = [e for e in entries if e.trainable]
         self.bound: Slot | None = None  # the slot whose views the entries point at
         self.params: list[nn.Parameter] = []  # every parameter of the module, for requires_grad

@@ -28,20 +28,23 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from vramkit._validate import check_bool, check_int
+from vramkit._validate import check_bool, check_choice, check_int
 from vramkit.errors import ConfigError, DeviceMismatchError, InvalidBlockError
 from vramkit.memory.layout import is_dense
 from vramkit.memory.pool import Block, MemoryPool
 from vramkit.memory.transfer import transfer_streams
 from vramkit.offload import _patch, _tree
+from vramkit.offload._lean_checkpoint import CHECKPOINT_METHODS, LeanState, run_lean
 from vramkit.offload._patch import MethodWrapper
 from vramkit.offload.blocks import find_blocks
 
 __all__ = [
+    "CHECKPOINT_METHODS",
     "SDXL_CHECKPOINT_BLOCKS",
     "GradientCheckpointer",
     "SDXLGradientCheckpoint",
     "checkpoint",
+    "checkpoint_method",
     "checkpoint_with_pool",
     "disable_gradient_checkpointing",
     "enable_gradient_checkpointing",
@@ -55,9 +58,11 @@ logger = logging.getLogger(__name__)
 SDXL_CHECKPOINT_BLOCKS: tuple[str, ...] = ("down_blocks.*", "mid_block", "up_blocks.*")
 
 def run_checkpointed(fn: Callable[..., Any], inputs: Sequence[Any], kwargs: dict[str, Any],
-                     preserve_rng_state: bool) -> Any:
-    """``fn(*inputs, **kwargs)`` under PyTorch's non-reentrant checkpoint, every tensor of the
-    call passed to it positionally.
+                     preserve_rng_state: bool, *, module: nn.Module | None = None,
+                     lean: LeanState | None = None) -> Any:
+    """``fn(*inputs, **kwargs)`` checkpointed: the lean way when ``module`` (whose forward
+    ``fn`` runs) and its ``lean`` state are given, else under PyTorch's non-reentrant
+    checkpoint, every tensor of the call passed to it positionally.
 
     The checkpoint saves its positional tensors for the recomputation through the saved-tensor
     hooks (so an activation offloader moves them off the device until backward), but holds
@@ -69,6 +74,9 @@ def run_checkpointed(fn: Callable[..., Any], inputs: Sequence[Any], kwargs: dict
     also keeps a function's own ``use_reentrant`` or ``preserve_rng_state`` parameter apart
     from the checkpoint's options).
     """
+    if module is not None and lean is not None:
+        return run_lean(module, lean, fn, inputs, kwargs, preserve_rng_state,
+                        lambda: run_checkpointed(fn, inputs, kwargs, preserve_rng_state))
     if not kwargs and all(isinstance(x, torch.Tensor) for x in inputs):
         return _torch_checkpoint(fn, *inputs, use_reentrant=False,
                                  preserve_rng_state=preserve_rng_state)
@@ -132,21 +140,33 @@ class _CheckpointedForward(MethodWrapper):
     patch wrapped it.
     """
 
-    __slots__ = ("preserve_rng_state",)
+    __slots__ = ("lean", "method", "preserve_rng_state")
 
     kind = "checkpoint"
 
-    def __init__(self, preserve_rng_state: bool) -> None:
+    def __init__(self, preserve_rng_state: bool, method: str) -> None:
         super().__init__()
         self.preserve_rng_state = preserve_rng_state
+        self.method = method
+        self.lean = LeanState()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.active and torch.is_grad_enabled():
-            return run_checkpointed(self.inner, args, kwargs, self.preserve_rng_state)
+            module = _owner(self.inner) if self.method == "lean" else None
+            return run_checkpointed(self.inner, args, kwargs, self.preserve_rng_state,
+                                    module=module, lean=self.lean)
         return self.inner(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<checkpointed {self.inner!r}>"
+
+
+def _owner(inner: Callable[..., Any]) -> nn.Module | None:
+    """The module whose bound forward ``inner`` calls (beneath other wrappers), if any."""
+    while isinstance(inner, MethodWrapper):
+        inner = inner.inner
+    owner = getattr(inner, "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
 
 
 def _state_of(module: nn.Module) -> _CheckpointedForward | None:
@@ -167,6 +187,20 @@ def is_checkpointed(module: nn.Module) -> bool:
     return state is not None and state.active
 
 
+def checkpoint_method(module: nn.Module) -> str:
+    """The method :func:`enable_gradient_checkpointing` checkpoints ``module`` with
+    (``"lean"`` when it did not: the block swapper's default for blocks it checkpoints).
+
+    Args:
+        module: any ``nn.Module``.
+
+    Returns:
+        ``"lean"`` or ``"pytorch"`` (:data:`CHECKPOINT_METHODS`).
+    """
+    state = _state_of(module)
+    return state.method if state is not None else "lean"
+
+
 def unwrapped_forward(module: nn.Module) -> Callable[..., Any]:
     """The forward to run without checkpointing (the block swapper recomputes by itself).
 
@@ -181,15 +215,15 @@ def unwrapped_forward(module: nn.Module) -> Callable[..., Any]:
 
 
 def enable_gradient_checkpointing(model: nn.Module, blocks: str | Sequence[str] = "auto",
-                                  every_n: int = 1, *,
-                                  preserve_rng_state: bool = True) -> list[str]:
-    """Checkpoint every ``every_n``-th block of ``model`` (non-reentrant).
+                                  every_n: int = 1, *, preserve_rng_state: bool = True,
+                                  method: str = "lean") -> list[str]:
+    """Checkpoint every ``every_n``-th block of ``model``.
 
     Each chosen block gets an instance attribute ``forward`` that runs the original forward
-    through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` when grad mode is
-    on, and calls it directly otherwise (evaluation, ``torch.no_grad``). Forward hooks keep
-    running once per call: only the forward itself is recomputed. Calling this again never
-    wraps a block twice; it updates ``preserve_rng_state`` of blocks already checkpointed.
+    through a checkpoint when grad mode is on, and calls it directly otherwise (evaluation,
+    ``torch.no_grad``). Forward hooks keep running once per call: only the forward itself is
+    recomputed. Calling this again never wraps a block twice; it updates
+    ``preserve_rng_state`` and ``method`` of blocks already checkpointed.
 
     Args:
         model: the model.
@@ -200,18 +234,22 @@ def enable_gradient_checkpointing(model: nn.Module, blocks: str | Sequence[str] 
             Larger values keep more activations and recompute less.
         preserve_rng_state: restore the RNG state before recomputing, so dropout masks match
             (default ``True``).
+        method: ``"lean"`` (default: the forward records no graph; the block's trainable
+            parameters' gradients flow through the outer graph; no double backward) or
+            ``"pytorch"`` (PyTorch's non-reentrant checkpoint); see the module docstring.
 
     Returns:
         Qualified names of the blocks checkpointed, in execution order.
 
     Raises:
         ConfigError: for an ``every_n`` that is not an int >= 1, a non-bool
-            ``preserve_rng_state`` or a malformed ``blocks``.
+            ``preserve_rng_state``, an unknown ``method`` or a malformed ``blocks``.
         OffloadError: when ``blocks`` matches nothing.
     """
     check_int("every_n", every_n, minimum=1,
               hint="every_n=1 checkpoints every block, 2 every other block.")
     check_bool("preserve_rng_state", preserve_rng_state)
+    check_choice("method", method, CHECKPOINT_METHODS)
     found = find_blocks(model, blocks)
     names: list[str] = []
     for index, (name, module) in enumerate(found):
@@ -220,11 +258,13 @@ def enable_gradient_checkpointing(model: nn.Module, blocks: str | Sequence[str] 
         state = _state_of(module)
         if state is not None:
             state.preserve_rng_state = preserve_rng_state
+            state.method = method
             state.active = True
         else:
-            _patch.install(module, _CheckpointedForward(preserve_rng_state))
+            _patch.install(module, _CheckpointedForward(preserve_rng_state, method))
         names.append(name)
-    logger.debug("checkpointing %d of %d blocks (every_n=%d)", len(names), len(found), every_n)
+    logger.debug("checkpointing %d of %d blocks (every_n=%d, %s)", len(names), len(found),
+                 every_n, method)
     return names
 
 

@@ -65,6 +65,7 @@ from vramkit.errors import ConfigError, OffloadError, VramkitWarning
 from vramkit.memory.layout import Random, Sequential, Strided, analyze_access_pattern
 from vramkit.memory.transfer import transfer_streams
 from vramkit.offload import _patch, _tree
+from vramkit.offload._lean_checkpoint import LeanState
 from vramkit.offload._state_dict import install_swap_hooks
 from vramkit.offload._swap_blocks import (
     BlockFootprint,
@@ -99,7 +100,12 @@ from vramkit.offload.blocks import (
     module_bytes,
     named_schedule,
 )
-from vramkit.offload.checkpointing import is_checkpointed, run_checkpointed, unwrapped_forward
+from vramkit.offload.checkpointing import (
+    checkpoint_method,
+    is_checkpointed,
+    run_checkpointed,
+    unwrapped_forward,
+)
 from vramkit.units import format_size
 
 __all__ = [
@@ -821,6 +827,8 @@ class BlockSwapper:
         checkpointed = is_checkpointed(module)
         block.checkpointed = (checkpointed if self.config.checkpointing is None
                               else self.config.checkpointing)
+        # The method the block was checkpointed with (lean when the config alone asks).
+        block.lean = LeanState() if checkpoint_method(module) == "lean" else None
         block.wrapper = _patch.install(module, _SwappedForward(self, block, fn))
         block.module_type = type(module)
 
@@ -938,11 +946,14 @@ class BlockSwapper:
         stream = ring.acquire(block, backward=False)
         try:
             if block.checkpointed:
-                # Non-reentrant: keeps the inputs, recomputes in backward after the output
-                # hooks re-acquired the slot, and stops once the saved tensors are rebuilt. Every
-                # tensor saved inside goes through the checkpoint's own (innermost) hooks, so
-                # no slot weight can be saved: the swapper's hooks are not needed here.
-                out = run_checkpointed(fn, args, kwargs, self.config.preserve_rng_state)
+                # Keeps the inputs and recomputes in backward after the output hooks
+                # re-acquired the slot. Lean: the forward saves nothing but the inputs (no slot
+                # weight), and the recomputation's graph lives inside its backward, while the
+                # slot is held. PyTorch's: every tensor saved inside goes through the
+                # checkpoint's own (innermost) hooks. Either way the swapper's hooks are not
+                # needed here.
+                out = run_checkpointed(fn, args, kwargs, self.config.preserve_rng_state,
+                                       module=block.module, lean=block.lean)
             else:
                 with ring.weight_hooks(block):
                     out = fn(*args, **kwargs)

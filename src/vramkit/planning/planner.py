@@ -323,31 +323,31 @@ def simulate_phase(compute: Sequence[float], copies: Sequence[float],
     return t
 
 
-def _block_sides(full: Sequence[CallTimes], recompute: Sequence[CallTimes],
+def _block_sides(full: Sequence[CallTimes], as_checkpointed: Sequence[CallTimes],
                  dequant: Sequence[CallTimes], per_layer: Sequence[CallTimes],
                  swapped: Sequence[bool], checkpointed: Sequence[bool], together: bool
                  ) -> tuple[list[float], list[float], list[float], list[float]]:
     """Per block, the device's and the host's seconds of its forward, then of its backward, in
-    a candidate: its own call (``full``), what checkpointing adds (``recompute``: the
-    checkpoint's hooks in forward, the recomputation in backward), what its storage format
-    adds (``dequant``; the recomputation dequantizes again) and the swapper's bookkeeping on
-    the host. Dequantizing together, an un-checkpointed block's backward finds the shared
+    a candidate: its own call as built (``full``) or checkpointed (``as_checkpointed``: the
+    checkpoint's forward, the recomputation in backward), what its storage format adds
+    (``dequant``; the recomputation dequantizes again) and the swapper's bookkeeping on the
+    host. Dequantizing together, an un-checkpointed block's backward finds the shared
     buffer holding another block and dequantizes each layer (``per_layer``); a checkpointed
     one's recomputation has just filled it."""
     fwd_dev: list[float] = []
     fwd_host: list[float] = []
     bwd_dev: list[float] = []
     bwd_host: list[float] = []
-    for c, re, d, layer, s, k in zip(full, recompute, dequant, per_layer, swapped, checkpointed,
-                                     strict=True):
+    for c, ck, d, layer, s, k in zip(full, as_checkpointed, dequant, per_layer, swapped,
+                                     checkpointed, strict=True):
         swap_host = SWAP_HOST_SECONDS if s else 0.0
         back = layer if together and not k else d
-        fwd_dev.append(c.forward + d.forward + (re.forward if k else 0.0))
-        fwd_host.append(c.host_forward + d.host_forward + (re.host_forward if k else 0.0)
-                        + swap_host)
-        bwd_dev.append(c.backward + back.backward + (re.backward + d.forward if k else 0.0))
-        bwd_host.append(c.host_backward + back.host_backward
-                        + (re.host_backward + d.host_forward if k else 0.0) + swap_host)
+        call = ck if k else c
+        fwd_dev.append(call.forward + d.forward)
+        fwd_host.append(call.host_forward + d.host_forward + swap_host)
+        bwd_dev.append(call.backward + back.backward + (d.forward if k else 0.0))
+        bwd_host.append(call.host_backward + back.host_backward
+                        + (d.host_forward if k else 0.0) + swap_host)
     return fwd_dev, fwd_host, bwd_dev, bwd_host
 
 
@@ -443,14 +443,15 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         full = [times.calls[FULL][b.name] if b.name in measured else c
                 for b, c in zip(cost.blocks, full, strict=True)]
         flops = times.flops_per_s(cost) or flops
-    # What checkpointing a block adds (its backward recomputes the forward first; the
-    # checkpoint's hooks cost the host): measured, else one more forward.
-    recompute: list[CallTimes] = []
+    # Each block's call checkpointed: measured (the lean checkpoint's forward records no graph,
+    # so its host side can cost less than the call as built; its backward recomputes the
+    # forward first), else the call as built with one more forward in backward.
+    as_checkpointed: list[CallTimes] = []
     for b, c in zip(cost.blocks, full, strict=True):
-        extra = (times.extra(CHECKPOINTED, b.name)
+        timed = (times.call(b.name, CHECKPOINTED)
                  if times is not None and b.name in measured else None)
-        recompute.append(extra if extra is not None
-                         else CallTimes(0.0, c.forward, 0.0, c.host_forward))
+        as_checkpointed.append(timed if timed is not None else CallTimes(
+            c.forward, c.backward + c.forward, c.host_forward, c.host_backward + c.host_forward))
     bw = machine.h2d_bytes_per_s
     disk_bw = disk_bytes_per_s if disk_bytes_per_s is not None else DEFAULT_DISK_BYTES_PER_S
     optimizer = 4 * cost.trainable_bytes / machine.memory_bandwidth_bytes_per_s if train else 0.0
@@ -545,7 +546,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                                     phase_copy_s[i] = sizes[i] / min(bw, disk_bw)
                             copies = int(master_bytes * max(0, k - r) / k) if k else 0
                             ckpt_set = set(ckpt)
-                            sides = _block_sides(full, recompute, dequant, per_layer, flags,
+                            sides = _block_sides(full, as_checkpointed, dequant, per_layer, flags,
                                                  [name in ckpt_set for name in names],
                                                  together)
                             fwd_time = outside_fwd + simulate_phase(sides[0], phase_copy_s, flags,

@@ -17,6 +17,9 @@ it is measured):
   pays the allocator's refill after the other arm ran).
 * ``flux:fp8:<cap>`` -- the same with ``allow_formats=("fp8",)``; the loss deviation from the bf16
   baseline is printed beside the time.
+* ``flux:bf16-all:<cap>`` / ``flux:fp8-all:<cap>`` -- the same with ``checkpointing="all"``: every
+  block checkpointed, as the issue's hand-tuned table ran it, the planner choosing the rest;
+  the baseline is the resident model with every block checkpointed.
 * ``flux:offline:<cap>`` -- the plan made offline from this GPU's published profile
   (``hardware="h100-pcie"`` etc., picked from the device name), for the prediction error.
 * ``flux:infer:<cap>`` -- one 1024x1024 forward (no adapters, bf16, no_grad): ``fit(mode="infer")``
@@ -84,7 +87,8 @@ DEFAULT_ROWS = (
     "llama:bf16:11.5", "llama:bf16:7.5", "llama:offline:11.5",
     "demo:xl:4", "demo:xl:2.5",
 )
-KINDS = {"flux": ("bf16", "fp8", "offline", "infer"), "llama": ("bf16", "offline"),
+KINDS = {"flux": ("bf16", "fp8", "bf16-all", "fp8-all", "offline", "infer"),
+         "llama": ("bf16", "offline"),
          "demo": None, "plan": ("flux",)}
 
 # Tiny stand-ins for --tiny (CPU): the same classes and code paths in seconds.
@@ -376,8 +380,10 @@ class Job:
 
     def plan_options(self, kind: str) -> dict[str, Any]:
         options: dict[str, Any] = {"step": self.step}
-        if kind == "fp8":
+        if kind.startswith("fp8"):
             options["allow_formats"] = ("fp8",)
+        if kind.endswith("-all"):
+            options["checkpointing"] = "all"
         if kind == "offline" or self.device.type != "cuda":
             options["hardware"] = self.profile
         if self.s.tiny:

@@ -132,6 +132,9 @@ def test_an_impossible_budget_names_the_minimum_and_the_flag(
     (["no-such-model", "--budget", "12GiB"], ("no-such-model", "flux-dev")),
     (["sdxl", "--budget", "12GiB", "--disk-speed", "fast"], ("--disk-speed", "GB/s")),
     (["sdxl", "--budget", "12GiB", "--disk-speed", "0"], ("--disk-speed", "> 0")),
+    (["sdxl", "--budget", "12GiB", "--checkpointing", "some"], ("--checkpointing", "all")),
+    (["sdxl", "--budget", "12GiB", "--mode", "infer", "--checkpointing", "all"],
+     ("--checkpointing all applies to training",)),
 ])
 def test_flag_errors_exit_2(argv: list[str], says: tuple[str, ...],
                             capsys: pytest.CaptureFixture[str]) -> None:
@@ -205,3 +208,20 @@ def test_ddp_plans_one_rank_with_the_gradient_buckets_kept_free(
     assert buckets > 0
     assert rank["plan"]["headroom_bytes"] == alone["plan"]["headroom_bytes"] + buckets
     assert "DDP" in rank["note"] and alone["note"] is None
+
+
+def test_checkpointing_all_or_none_as_asked(llama_dir: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    common = (str(llama_dir), "--budget", "8GiB", "--hardware", "rtx4090", "--seq-len", "512")
+    auto = _json(capsys, *common)["plan"]
+    assert auto["checkpointing"] == "auto" and auto["checkpointed"] == []  # everything fits
+    every = _json(capsys, *common, "--checkpointing", "all")["plan"]
+    assert every["checkpointing"] == "all" and every["checkpointed"] == every["block_order"]
+    assert every["predicted_step_seconds"] > auto["predicted_step_seconds"]  # recomputation
+    # A budget that needs checkpointing: none cannot fit, and the error says what would.
+    tight = (str(llama_dir), "--budget", "400MiB", "--hardware", "rtx4090")
+    assert _json(capsys, *tight)["plan"]["checkpointed"]  # auto fits by checkpointing
+    code = main(["plan", *tight, "--checkpointing", "none"])
+    captured = capsys.readouterr()
+    check_error(code, captured.out, captured.err, sub="plan", exit_code=1,
+                says=("no block checkpointed, as asked", "--checkpointing auto"))

@@ -114,3 +114,29 @@ def test_flux_on_a_12gb_card_explains_its_bounds(target_and_cost) -> None:  # ty
     assert "Forward" in text and "Backward" in text and "ms" in text
     # Swapping tens of GB through a PCIe 4.0 link: the forward cannot hide it.
     assert plan.forward.copy_bytes > 5 * GiB
+
+
+def test_checkpointing_as_asked(target_and_cost) -> None:  # type: ignore[no-untyped-def]
+    target, cost, _ = target_and_cost
+    names = [b.name for b in cost.blocks]
+    for budget in (24, 12):
+        auto = _plan(target, cost, budget)
+        every = _plan(target, cost, budget, checkpointing="all")
+        assert every.checkpointed == tuple(names) and every.checkpointing == "all"
+        assert "as asked (checkpointing='all')" in every.explain()
+        assert every.predicted_peak_bytes <= every.budget_bytes - every.headroom_bytes
+        # the planner's own choice is never predicted slower than one it was handed
+        assert auto.predicted_step_seconds <= every.predicted_step_seconds * (1 + 1e-9)
+        try:
+            bare = _plan(target, cost, budget, checkpointing="none")
+        except PlanError as err:
+            assert "no block checkpointed, as asked" in str(err)
+            assert "checkpointing='auto'" in str(err)
+            assert err.minimum_budget is not None and err.minimum_budget > budget * GiB
+        else:
+            assert bare.checkpointed == () and not bare.activation_offload
+            assert auto.predicted_step_seconds <= bare.predicted_step_seconds * (1 + 1e-9)
+    with pytest.raises(vramkit.ConfigError, match="applies to training"):
+        _plan(target, cost, 24, mode="infer", checkpointing="all")
+    with pytest.raises(vramkit.ConfigError, match="checkpointing"):
+        _plan(target, cost, 24, checkpointing="some")

@@ -34,7 +34,7 @@ FLAG_NAMES = {"budget": "--budget", "mode": "--mode", "lora_rank": "--lora-rank"
               "resolution": "--resolution", "batch": "--batch", "seq_len": "--seq-len",
               "frames": "--frames", "hardware": "--hardware", "allow_formats": "--allow",
               "host_budget": "--host-budget", "headroom": "--headroom",
-              "disk_bytes_per_s": "--disk-speed"}
+              "disk_bytes_per_s": "--disk-speed", "checkpointing": "--checkpointing"}
 
 
 def _disk_speed(text: str | None) -> float | None:
@@ -94,6 +94,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--disk-speed", metavar="GB/s", default=None,
                         help="read speed of the disk a disk tier reads from, in GB/s "
                              "(default 1.0; vramkit info --disk PATH measures it)")
+    parser.add_argument("--checkpointing", choices=("auto", "all", "none"), default="auto",
+                        help="blocks to checkpoint when training: the planner's choice "
+                             "(default auto), every block, or none")
     parser.add_argument("--headroom", metavar="SIZE|FRACTION", default=None,
                         help="part of the budget kept free (default 8%% + 256 MiB)")
     parser.add_argument("--blocks", action="store_true",
@@ -203,6 +206,10 @@ def make_plan(args: argparse.Namespace,
         allow = _formats(args.allow)
         headroom = _headroom(args.headroom)
         hardware, note = _hardware(args.hardware)
+        if args.mode == "infer" and args.checkpointing != "auto":
+            raise ConfigError(f"--checkpointing {args.checkpointing} applies to training",
+                              hint="Drop --checkpointing with --mode infer (inference keeps no "
+                                   "activations for a backward).")
         say(f"building {args.model} on the meta device")
         target = build_target(args.model, mode=args.mode, lora_rank=lora_rank,
                               resolution=args.resolution, batch=batch, seq_len=seq_len,
@@ -222,11 +229,11 @@ def make_plan(args: argparse.Namespace,
         result = plan(target.model, target.inputs, budget, mode=args.mode, hardware=hardware,
                       allow_formats=allow, host_budget=host_budget, headroom=headroom,
                       step=target.step, autocast=None, disk_bytes_per_s=disk_speed,
-                      reserved_bytes=reserved)
+                      reserved_bytes=reserved, checkpointing=args.checkpointing)
     except PlanError as err:  # the hint's Python call, as this command's flag
         hint = re.sub(r"allow_formats=\(([^)]*)\)",
                       lambda m: "--allow " + ",".join(re.findall(r"'(\w+)'", m.group(1))),
-                      err.hint or "")
+                      err.hint or "").replace("checkpointing='auto'", "--checkpointing auto")
         raise PlanError(err.message, hint=hint, minimum_budget=err.minimum_budget) from None
     return target, result, note
 

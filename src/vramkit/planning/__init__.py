@@ -25,7 +25,7 @@ from vramkit._lazy import lazy_exports
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".api": ("plan", "DEFAULT_HEADROOM", "resolve_headroom"),
     ".fitting": ("fit", "Fitted", "FitReport"),
-    ".planner": ("Plan", "PhaseTime", "search"),
+    ".planner": ("Plan", "PhaseTime", "search", "CHECKPOINTING"),
     ".analysis": ("analyze", "ModelCost", "BlockCost", "Work", "FORMATS", "default_step",
                   "meta_copy", "to_meta"),
     ".calibration": ("BlockTimes", "CallTimes", "calibrate_blocks"),

@@ -24,7 +24,7 @@ from vramkit.planning.analysis import FORMATS, ModelCost, analyze
 from vramkit.planning.calibration import BlockTimes, calibrate_blocks
 from vramkit.planning.hardware import HardwareProfile
 from vramkit.planning.machine import Machine, machine_for
-from vramkit.planning.planner import Plan, search
+from vramkit.planning.planner import CHECKPOINTING, Plan, search
 
 __all__ = ["DEFAULT_HEADROOM", "plan", "resolve_headroom"]
 
@@ -57,7 +57,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
          activation_offload: bool = True, autocast: torch.dtype | None = torch.bfloat16,
          cost: ModelCost | None = None, block_times: BlockTimes | None = None,
          device: str | torch.device | None = None, reserved_bytes: int | str = 0,
-         disk_bytes_per_s: float | None = None) -> Plan:
+         disk_bytes_per_s: float | None = None, checkpointing: str = "auto") -> Plan:
     """Plan a model's memory for a budget at the best predicted step time.
 
     Nothing is allocated or computed: the model runs on the meta device (a meta copy of a real
@@ -104,6 +104,9 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         reserved_bytes: device memory something else holds during the step, on top of the
             headroom: DDP's gradient buckets in a data-parallel job
             (:func:`vramkit.distributed.plan_for_rank` passes them). Default 0.
+        checkpointing: ``"auto"`` (default: the planner checkpoints the fewest blocks that
+            let the fastest candidate fit), ``"all"`` (every block, as trainers do at these
+            sizes: the planner chooses the rest around it) or ``"none"`` (training only).
 
     Returns:
         The :class:`~vramkit.planning.planner.Plan`.
@@ -115,6 +118,11 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         DeviceError: for ``hardware=None`` without a GPU.
     """
     check_choice("mode", mode, ("train", "infer"))
+    check_choice("checkpointing", checkpointing, CHECKPOINTING)
+    if mode == "infer" and checkpointing != "auto":
+        raise ConfigError(f"checkpointing={checkpointing!r} applies to training: inference "
+                          "keeps no activations for a backward",
+                          hint="Leave checkpointing='auto' with mode='infer'.")
     budget_bytes = check_size("budget", budget, minimum=1)
     host = check_size("host_budget", host_budget, allow_none=True)
     check_bool("activation_offload", activation_offload)
@@ -170,7 +178,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
 
     result = search(cost, machine, budget_bytes, reserved, allow_formats=allow_formats,
                     num_slots=slots, activation_offload=activation_offload, host_budget=host,
-                    budget_for=budget_for, times=block_times, disk_bytes_per_s=disk_rate)
+                    budget_for=budget_for, times=block_times, disk_bytes_per_s=disk_rate,
+                    checkpointing=checkpointing)
     logger.info("plan: %d of %d blocks swapped, %d checkpointed, predicted %.0f ms, peak %d",
                 len(result.swapped), len(cost.blocks), len(result.checkpointed),
                 result.predicted_step_seconds * 1e3, result.predicted_peak_bytes)

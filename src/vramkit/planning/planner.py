@@ -50,7 +50,12 @@ from vramkit.planning.calibration import CHECKPOINTED, FULL, BlockTimes, CallTim
 from vramkit.planning.machine import SWAP_HOST_SECONDS, Machine
 from vramkit.units import format_size
 
-__all__ = ["PhaseTime", "Plan", "search"]
+__all__ = ["CHECKPOINTING", "PhaseTime", "Plan", "search"]
+
+#: What a plan may be asked to checkpoint: ``"auto"`` (the fewest blocks that fit, chosen per
+#: candidate), ``"all"`` (every block: what trainers run at these sizes, the planner choosing
+#: everything else) or ``"none"``.
+CHECKPOINTING = ("auto", "all", "none")
 
 #: Optimizer state bytes per trainable parameter (AdamW: two fp32 moments).
 ADAMW_STATE_BYTES = 8
@@ -134,6 +139,8 @@ class Plan:
         dequantize_together: whether each packed block's first call dequantizes all of its
             layers into one shared buffer (:mod:`vramkit.quant.dense`; counted in
             ``peak_breakdown["dequantized_weights"]``) instead of each layer at its own call.
+        checkpointing: what the plan was asked to checkpoint: ``"auto"`` (the planner's
+            choice), ``"all"`` or ``"none"`` (:data:`CHECKPOINTING`).
     """
 
     mode: str
@@ -160,6 +167,7 @@ class Plan:
     swap_host_budget: int | None = None
     disk_bytes_per_s: float | None = None
     dequantize_together: bool = False
+    checkpointing: str = "auto"
 
     @property
     def predicted_step_seconds(self) -> float:
@@ -215,7 +223,12 @@ class Plan:
                          f"ahead of use at {rate}: SwapConfig(host_budget="
                          f"{format_size(self.swap_host_budget or 0)}).")
         if self.mode == "train":
-            if self.checkpointed:
+            if self.checkpointing == "all":
+                lines.append(f"Checkpoint all {n} blocks (recomputed in backward), as asked "
+                             "(checkpointing='all').")
+            elif self.checkpointing == "none":
+                lines.append("No checkpointing, as asked (checkpointing='none').")
+            elif self.checkpointed:
                 lines.append(f"Checkpoint {len(self.checkpointed)} of {n} blocks (recomputed "
                              "in backward) so their activations fit.")
             else:
@@ -394,7 +407,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
            allow_formats: Sequence[str] = (), num_slots: Sequence[int] = (1, 2, 3),
            activation_offload: bool = True, host_budget: int | None = None,
            budget_for: Callable[[int], int] | None = None,
-           times: BlockTimes | None = None, disk_bytes_per_s: float | None = None) -> Plan:
+           times: BlockTimes | None = None, disk_bytes_per_s: float | None = None,
+           checkpointing: str = "auto") -> Plan:
     """The fastest plan that fits (see the module docstring).
 
     Args:
@@ -407,6 +421,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
             :data:`DEFAULT_DISK_BYTES_PER_S`, said in the plan's notes): a candidate whose
             masters exceed ``host_budget`` keeps blocks on disk as the swapper would
             (``BlockSwapper.disk_split``), each such block's copy paced by the disk.
+        checkpointing: ``"auto"`` (default), ``"all"`` or ``"none"`` (:data:`CHECKPOINTING`;
+            training only): which blocks may be checkpointed.
 
     Raises:
         PlanError: when nothing fits, naming the smallest budget that would, and what would
@@ -418,16 +434,22 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     n = len(cost.blocks)
     names = [b.name for b in cost.blocks]
     order = _checkpoint_order(cost) if train else []
+    if train and checkpointing == "all":  # every block, the ones left out of the order last
+        order += [name for name in names if name not in set(order)]
     estimate = cost.activations
     trainable = (2 * cost.trainable_bytes + ADAMW_STATE_BYTES * cost.trainable_params
                  if train else cost.trainable_bytes)
     if train:
         act_choices = [estimate.bytes_with(order[:m]) for m in range(len(order) + 1)]
+        if checkpointing != "auto":  # only the asked set (its index in the order kept)
+            asked = len(order) if checkpointing == "all" else 0
+            act_choices = [a if m == asked else math.inf  # type: ignore[misc]
+                           for m, a in enumerate(act_choices)]
     else:
         act_choices = [max(estimate.largest_block
                            + max((b.inputs for b in cost.blocks), default=0), estimate.tail)]
     least_activations = min(act_choices)
-    if activation_offload and train:
+    if activation_offload and train and checkpointing != "none":
         least_activations = min(least_activations, _offloaded(estimate, train))
     flops = machine.flops_per_s
     # Each block's call, the device's and the host's seconds apart: measured where the
@@ -524,7 +546,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                             if rest >= avail:
                                 continue
                             m, offload = _fit_activations(act_choices, avail - rest, train, estimate,
-                                                          activation_offload)
+                                                          activation_offload
+                                                          and checkpointing != "none")
                             if m is None:
                                 continue
                             ckpt = order[:m]
@@ -590,7 +613,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     if best is None:
         need = (budget_for or (lambda n: n + headroom))(int(smallest)) if math.isfinite(
             smallest) else None
-        raise _impossible(cost, budget, headroom, need, allow_formats, host_budget)
+        raise _impossible(cost, budget, headroom, need, allow_formats, host_budget,
+                          checkpointing)
     chosen_set = set(best["chosen"])
     swapped = tuple(names[i] for i in best["chosen"])
     resident = tuple(name for i, name in enumerate(names) if i not in chosen_set)
@@ -635,7 +659,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         disk_blocks=tuple(names[i] for i in best["disk"]),
         swap_host_budget=best["swap_budget"] if best["disk"] else None,
         disk_bytes_per_s=disk_bw if best["disk"] else None,
-        dequantize_together=best["together"])
+        dequantize_together=best["together"], checkpointing=checkpointing)
 
 
 #: Plans within this share of the fastest one count as equally fast: among them the one with
@@ -729,8 +753,11 @@ def _kept_bytes(estimate: Any, name: str, checkpointed: set[str]) -> int:
 
 
 def _impossible(cost: ModelCost, budget: int, headroom: int, need: int | None,
-                allow_formats: Sequence[str], host_budget: int | None) -> PlanError:
+                allow_formats: Sequence[str], host_budget: int | None,
+                checkpointing: str = "auto") -> PlanError:
     ideas = []
+    if checkpointing == "none" and cost.mode == "train":
+        ideas.append("checkpointing='auto' (checkpointed blocks keep only their inputs)")
     quantizable = [f for f in ("fp8", "nf4") if f not in allow_formats]
     if quantizable:
         effect = {"fp8": "halves", "nf4": "quarters"}[quantizable[0]]
@@ -750,8 +777,10 @@ def _impossible(cost: ModelCost, budget: int, headroom: int, need: int | None,
                          hint="Raise host_budget, allow packed storage (allow_formats) so the "
                               "swapped blocks take less, or raise the device budget.",
                          minimum_budget=None)
+    how = ("no block checkpointed, as asked" if checkpointing == "none" and cost.mode == "train"
+           else "everything checkpointed")
     message = (f"a budget of {format_size(budget)} cannot hold this {cost.mode} step: the "
-               f"smallest plan (every block swapped, 1 slot, everything checkpointed) needs a "
+               f"smallest plan (every block swapped, 1 slot, {how}) needs a "
                f"budget of {format_size(need)} (with the headroom kept free)")
     return PlanError(message, hint=f"Raise the budget to {format_size(need)} or more, or try "
                                    + "; or ".join(ideas) + ".", minimum_budget=need)

@@ -13,7 +13,7 @@ from vramkit.errors import ConfigError, PlanError
 from vramkit.planning.analysis import analyze
 from vramkit.planning.api import plan, resolve_headroom
 from vramkit.planning.machine import Machine
-from vramkit.planning.planner import PhaseTime, _by_stack, _swap_sets, simulate_phase
+from vramkit.planning.planner import PhaseTime, _by_stack, _paced_set, _swap_sets, simulate_phase
 
 MiB = 1 << 20
 
@@ -152,6 +152,33 @@ def test_swap_candidates_include_the_cheapest_copies_first() -> None:
     assert all(0 not in s for s in _swap_sets([0, 5, 5, 5], [1.0] * 4, 2)[1:])
     # one kind of block: the two rules agree and one candidate is simulated
     assert len(_swap_sets([5] * 6, [1.0] * 6, 3)) == 1
+
+
+def test_a_paced_swap_set_keeps_the_copies_behind_compute() -> None:
+    # FLUX's shape with every block checkpointed: 19 double blocks whose copy takes 3.3x their
+    # forward compute, then 38 single blocks whose copy takes 1.5x. Cheapest-first swaps a run
+    # of single blocks whose copies fall behind; the paced set swaps some double blocks too,
+    # where the compute before them has room, and the simulated forward is faster.
+    sizes = [680] * 19 + [283] * 38
+    compute = [4.1] * 19 + [3.65] * 38
+    rate = 50.0  # bytes per ms: a double block's copy 13.6 ms, a single one's 5.7 ms
+
+    def forward(chosen: list[int]) -> float:
+        flags = [i in chosen for i in range(len(sizes))]
+        copies = [s / rate if f else 0.0 for s, f in zip(sizes, flags, strict=True)]
+        return simulate_phase(compute, copies, flags, 3)
+
+    for k in (29, 32, 35, 38):
+        paced = _paced_set(sizes, compute, k, rate)
+        assert paced is not None and len(paced) == k and paced in _swap_sets(sizes, compute, k,
+                                                                             rate)
+        assert any(i < 19 for i in paced)
+        cheapest = _swap_sets(sizes, compute, k)[-1]
+        assert all(i >= 19 for i in cheapest)
+        assert forward(paced) < forward(cheapest) - 10
+    # nothing unswappable is picked; more picks than swappable blocks: no paced set
+    assert _paced_set([0, 5, 5, 5], [1.0] * 4, 2, 1.0) == [1, 3]
+    assert _paced_set([0, 5, 5, 5], [1.0] * 4, 4, 1.0) is None
 
 
 def test_explain_says_how_much_of_each_stack_is_swapped() -> None:

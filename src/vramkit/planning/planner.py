@@ -364,7 +364,8 @@ def _block_sides(full: Sequence[CallTimes], as_checkpointed: Sequence[CallTimes]
     return fwd_dev, fwd_host, bwd_dev, bwd_host
 
 
-def _swap_sets(sizes: Sequence[int], compute: Sequence[float], k: int) -> list[list[int]]:
+def _swap_sets(sizes: Sequence[int], compute: Sequence[float], k: int,
+               bytes_per_s: float | None = None) -> list[list[int]]:
     """Which ``k`` blocks to swap: candidates for the search to simulate.
 
     * spread evenly over the model's bytes (:func:`~vramkit.offload.blocks.spread_evenly`, the
@@ -377,10 +378,20 @@ def _swap_sets(sizes: Sequence[int], compute: Sequence[float], k: int) -> list[l
       leaves the copy engine behind in a run of large blocks (FLUX at 15.5 GiB on an H200,
       ``benchmarks/plan_phases.py``: double blocks 8-18 took up to 12.3 ms each in forward,
       the pace of their copies, against 4.3-5.6 ms resident).
+    * with the copy bandwidth (``bytes_per_s``), copies paced by compute
+      (:func:`_paced_set`): each kind swapped where the compute before it has room for its
+      copy. Cheapest-first leaves a run of swapped small blocks whose copies outrun their
+      compute while the large blocks before them stay resident with their copy time unused
+      (FLUX with every block checkpointed at 15.5 GiB: 38 single blocks in a row, the forward
+      paced by their copies whether 3 or 8 double blocks were swapped too).
     """
     if k <= 0:
         return [[]]
     sets = [spread_evenly(sizes, k)]
+    if bytes_per_s:
+        paced = _paced_set(sizes, compute, k, bytes_per_s)
+        if paced is not None and paced not in sets:
+            sets.append(paced)
     groups: dict[tuple[int, float], list[int]] = {}
     for i, size in enumerate(sizes):
         if size:
@@ -398,9 +409,44 @@ def _swap_sets(sizes: Sequence[int], compute: Sequence[float], k: int) -> list[l
         else:
             chosen += [members[j] for j in spread_evenly([size] * len(members), need)]
     chosen.sort()
-    if chosen != sets[0]:
+    if chosen not in sets:
         sets.append(chosen)
     return sets
+
+
+def _paced_set(sizes: Sequence[int], compute: Sequence[float], k: int,
+               bytes_per_s: float) -> list[int] | None:
+    """``k`` swappable blocks whose copies keep pace with the forward's compute.
+
+    Walking the blocks in order, the copy engine earns ``pace`` seconds of copying per second
+    of compute; a block is swapped when its copy fits what was earned and not spent. The
+    smallest pace that swaps ``k`` blocks is found by bisection (a higher pace never swaps
+    fewer). ``None`` when no pace gives exactly ``k``."""
+    n = len(sizes)
+    if k > sum(1 for s in sizes if s):
+        return None
+    copy = [s / bytes_per_s for s in sizes]
+
+    def walk(pace: float) -> list[int]:
+        credit, picked = 0.0, []
+        for i in range(n):
+            credit += pace * compute[i]
+            if sizes[i] and copy[i] <= credit:
+                picked.append(i)
+                credit -= copy[i]
+        return picked
+
+    low, high = 0.0, 1.0
+    while len(walk(high)) < k and high < 1e9:
+        high *= 2
+    for _ in range(40):
+        mid = (low + high) / 2
+        if len(walk(mid)) >= k:
+            high = mid
+        else:
+            low = mid
+    picked = walk(high)
+    return picked if len(picked) == k else None
 
 
 def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
@@ -505,6 +551,78 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                     extra = CallTimes(modeled, modeled, 0.0, 0.0)
                 dequant_by[together][fmt].append(extra)
     dense_of = {fmt: [b.dense.get(fmt, 0) for b in cost.blocks] for fmt in formats}
+    # Activation offload is a candidate wherever it fits, not only where nothing else does:
+    # the room it frees keeps more weights on the device, fewer copies in a transfer-bound
+    # forward, while its own copies run on the other engine in forward and in a backward
+    # whose copies hide behind compute.
+    offload_too = activation_offload and train and checkpointing != "none"
+
+    def price(k: int, chosen: list[int], flags: list[bool], r: int, sizes: list[int],
+              copy_s: list[float], master_bytes: int, weights: int, slots: int, scratch: int,
+              dequant: list[CallTimes], per_layer: list[CallTimes], fmt_s: str, fmt_r: str,
+              together: bool, m: int, offload: bool) -> dict[str, Any] | None:
+        """One candidate's predicted phases and memory (``None``: its masters cannot be split
+        between host and disk under ``host_budget``)."""
+        ckpt = order[:m]
+        act = act_choices[m] if not offload else _offloaded(estimate, train)
+        offload_bytes = _offload_bytes(estimate, ckpt) if offload else 0
+        host = master_bytes + offload_bytes
+        disk: tuple[int, ...] = ()
+        swap_budget = None
+        phase_copy_s = copy_s
+        if host_budget is not None and host > host_budget:
+            swap_budget = host_budget - offload_bytes
+            split = _disk_split([sizes[i] for i in chosen], swap_budget)
+            if split is None:
+                return None
+            disk = tuple(chosen[j] for j in split.on_disk)
+            host = split.pinned + offload_bytes
+            phase_copy_s = list(copy_s)
+            for i in disk:  # read from disk, then copied: the slower one paces it
+                phase_copy_s[i] = sizes[i] / min(bw, disk_bw)
+        copies = int(master_bytes * max(0, k - r) / k) if k else 0
+        ckpt_set = set(ckpt)
+        sides = _block_sides(full, as_checkpointed, dequant, per_layer, flags,
+                             [name in ckpt_set for name in names],
+                             together)
+        fwd_time = outside_fwd + simulate_phase(sides[0], phase_copy_s, flags,
+                                                r, host=sides[1])
+        if offload:  # device->host copies run on the other engine
+            fwd_time = max(fwd_time, offload_bytes / machine.d2h_bytes_per_s)
+        # Copy engine time: disk blocks are paced by the disk (the same share of
+        # them as of all swapped blocks is copied in a phase).
+        share = max(0, k - r) / k if k else 0.0
+        copy_time = copies / bw + share * sum(
+            sizes[i] * (1 / min(bw, disk_bw) - 1 / bw) for i in disk)
+        fwd = PhaseTime(fwd_time, outside_fwd + sum(sides[0]), copy_time,
+                        copies, outside_fwd + sum(sides[1]))
+        if train:
+            restores = ([_kept_bytes(estimate, b.name, ckpt_set) / bw
+                         for b in cost.blocks] if offload else None)
+            back = simulate_phase(sides[2][::-1], phase_copy_s[::-1],
+                                  flags[::-1], r,
+                                  restores[::-1] if restores else None,
+                                  host=sides[3][::-1])
+            bwd = PhaseTime(outside_bwd + back, outside_bwd + sum(sides[2]),
+                            copy_time + offload_bytes / bw,
+                            copies + offload_bytes,
+                            outside_bwd + sum(sides[3]))
+        else:
+            bwd = PhaseTime(0.0, 0.0, 0.0, 0)
+        overhead = 0.0  # the swapper's host time is in the phases'
+        seconds = fwd.seconds + bwd.seconds + optimizer + overhead
+        breakdown = {"resident_weights": weights, "swap_slots": slots,
+                     "trainable_and_optimizer": trainable, "activations": act}
+        if scratch:
+            breakdown["dequantized_weights"] = scratch
+        return {
+            "seconds": seconds, "k": k, "m": m, "r": r, "offload": offload,
+            "fmt_rank": (formats.index(fmt_s), formats.index(fmt_r)),
+            "chosen": chosen, "ckpt": ckpt, "breakdown": breakdown, "fwd": fwd,
+            "bwd": bwd, "overhead": overhead, "host": host, "fmt_s": fmt_s,
+            "fmt_r": fmt_r, "disk": disk, "swap_budget": swap_budget,
+            "together": together}
+
     candidates: list[dict[str, Any]] = []
     smallest = math.inf  # the least memory any candidate needs (for the error)
     for together in ways:
@@ -514,7 +632,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
             # each block's forward in this format: the compute its copy can hide behind
             ranked = [max(c.forward + d.forward, c.host_forward + d.host_forward)
                       for c, d in zip(full, dequant_of[fmt_s], strict=True)]
-            swap_sets = [_swap_sets(sizes, ranked, k) for k in range(n + 1)]
+            swap_sets = [_swap_sets(sizes, ranked, k, bw) for k in range(n + 1)]
             for fmt_r in formats:
                 if together and fmt_s == fmt_r == "bf16":
                     continue  # nothing packed: the same candidates as the other way
@@ -546,69 +664,20 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                             if rest >= avail:
                                 continue
                             m, offload = _fit_activations(act_choices, avail - rest, train, estimate,
-                                                          activation_offload
-                                                          and checkpointing != "none")
+                                                          offload_too)
                             if m is None:
                                 continue
-                            ckpt = order[:m]
-                            act = act_choices[m] if not offload else _offloaded(estimate, train)
-                            offload_bytes = _offload_bytes(estimate, ckpt) if offload else 0
-                            host = master_bytes + offload_bytes
-                            disk: tuple[int, ...] = ()
-                            swap_budget = None
-                            phase_copy_s = copy_s
-                            if host_budget is not None and host > host_budget:
-                                swap_budget = host_budget - offload_bytes
-                                split = _disk_split([sizes[i] for i in chosen], swap_budget)
-                                if split is None:
-                                    continue
-                                disk = tuple(chosen[j] for j in split.on_disk)
-                                host = split.pinned + offload_bytes
-                                phase_copy_s = list(copy_s)
-                                for i in disk:  # read from disk, then copied: the slower one paces it
-                                    phase_copy_s[i] = sizes[i] / min(bw, disk_bw)
-                            copies = int(master_bytes * max(0, k - r) / k) if k else 0
-                            ckpt_set = set(ckpt)
-                            sides = _block_sides(full, as_checkpointed, dequant, per_layer, flags,
-                                                 [name in ckpt_set for name in names],
-                                                 together)
-                            fwd_time = outside_fwd + simulate_phase(sides[0], phase_copy_s, flags,
-                                                                    r, host=sides[1])
-                            if offload:  # device->host copies run on the other engine
-                                fwd_time = max(fwd_time, offload_bytes / machine.d2h_bytes_per_s)
-                            # Copy engine time: disk blocks are paced by the disk (the same share of
-                            # them as of all swapped blocks is copied in a phase).
-                            share = max(0, k - r) / k if k else 0.0
-                            copy_time = copies / bw + share * sum(
-                                sizes[i] * (1 / min(bw, disk_bw) - 1 / bw) for i in disk)
-                            fwd = PhaseTime(fwd_time, outside_fwd + sum(sides[0]), copy_time,
-                                            copies, outside_fwd + sum(sides[1]))
-                            if train:
-                                restores = ([_kept_bytes(estimate, b.name, ckpt_set) / bw
-                                             for b in cost.blocks] if offload else None)
-                                back = simulate_phase(sides[2][::-1], phase_copy_s[::-1],
-                                                      flags[::-1], r,
-                                                      restores[::-1] if restores else None,
-                                                      host=sides[3][::-1])
-                                bwd = PhaseTime(outside_bwd + back, outside_bwd + sum(sides[2]),
-                                                copy_time + offload_bytes / bw,
-                                                copies + offload_bytes,
-                                                outside_bwd + sum(sides[3]))
-                            else:
-                                bwd = PhaseTime(0.0, 0.0, 0.0, 0)
-                            overhead = 0.0  # the swapper's host time is in the phases'
-                            seconds = fwd.seconds + bwd.seconds + optimizer + overhead
-                            breakdown = {"resident_weights": weights, "swap_slots": slots,
-                                         "trainable_and_optimizer": trainable, "activations": act}
-                            if scratch:
-                                breakdown["dequantized_weights"] = scratch
-                            candidates.append({
-                                "seconds": seconds, "k": k, "m": m, "r": r, "offload": offload,
-                                "fmt_rank": (formats.index(fmt_s), formats.index(fmt_r)),
-                                "chosen": chosen, "ckpt": ckpt, "breakdown": breakdown, "fwd": fwd,
-                                "bwd": bwd, "overhead": overhead, "host": host, "fmt_s": fmt_s,
-                                "fmt_r": fmt_r, "disk": disk, "swap_budget": swap_budget,
-                                "together": together})
+                            fits = [(m, offload)]
+                            if (offload_too and not offload
+                                    and _offloaded(estimate, train) <= avail - rest):
+                                # everything checkpointed, saved tensors on the host: more room for weights
+                                fits.append((len(act_choices) - 1, True))
+                            for m, offload in fits:
+                                candidate = price(k, chosen, flags, r, sizes, copy_s, master_bytes, weights,
+                                                  slots, scratch, dequant, per_layer, fmt_s, fmt_r, together,
+                                                  m, offload)
+                                if candidate is not None:
+                                    candidates.append(candidate)
     best = _prefer_simple(candidates)
     if best is None:
         need = (budget_for or (lambda n: n + headroom))(int(smallest)) if math.isfinite(

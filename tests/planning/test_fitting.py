@@ -55,6 +55,22 @@ def test_fit_swaps_and_trains_exactly_like_the_unfitted_model() -> None:
     fitted.detach()
 
 
+@pytest.mark.parametrize("checkpointing", ["all", "none"])
+def test_fit_checkpoints_as_asked(checkpointing: str) -> None:
+    # "all": every block checkpointed (lean), swapping planned around it; "none": nothing
+    # checkpointed (the budget left room for every activation). Trains like the unfitted model.
+    reference, model = stack(), stack()
+    budget = 6 * MiB if checkpointing == "all" else 64 * MiB
+    fitted = vramkit.fit(model, inputs(), budget, checkpointing=checkpointing, **OPTIONS)
+    names = fitted.plan.block_order
+    assert fitted.plan.checkpointing == checkpointing
+    want = set(names) if checkpointing == "all" else set()
+    assert {n for n in names if is_checkpointed(model.get_submodule(n))} == want
+    assert _train(model) == _train(reference)
+    fitted.detach()
+    assert not any(is_checkpointed(m) for m in model.modules())
+
+
 def test_detach_gives_the_model_back_exactly() -> None:
     model = stack()
     ids = [id(p) for p in model.parameters()]

@@ -1,9 +1,19 @@
 """Gradient checkpointing: trade recomputation for activation memory.
 
 A checkpointed region keeps only its inputs during the forward pass and runs again in backward to
-rebuild the activations its gradients need. Everything here uses PyTorch's *non-reentrant*
-checkpoint (``use_reentrant=False``): it works with ``torch.autograd.grad``, with inputs that do
-not require grad, with keyword arguments, and with modules whose parameters are the only leaves.
+rebuild the activations its gradients need. Two methods:
+
+* ``"lean"`` (the default for a model's blocks, :mod:`vramkit.offload._lean_checkpoint`): the
+  forward runs with grad off -- no graph recorded, only the inputs saved -- and backward rebuilds
+  and differentiates the block; its trainable parameters' gradients leave through the outer
+  graph (``torch.autograd.grad``, DDP and gradient hooks see them). Cheaper on the host than
+  PyTorch's in forward, where a checkpointed DiT is host-bound. No double backward.
+* ``"pytorch"``: PyTorch's *non-reentrant* checkpoint (``use_reentrant=False``), which also
+  supports double backward. The generic :func:`checkpoint` and :class:`GradientCheckpointer`,
+  which do not know a module's parameters, always use it.
+
+Both work with ``torch.autograd.grad``, with inputs that do not require grad, with keyword
+arguments, and with modules whose parameters are the only leaves.
 
 * :func:`enable_gradient_checkpointing` marks a model's repeated blocks (found as the block
   swapper finds them) by giving each block an instance ``forward`` that checkpoints the original.
@@ -181,7 +191,7 @@ def is_checkpointed(module: nn.Module) -> bool:
         module: any ``nn.Module``.
 
     Returns:
-        ``True`` when the module's forward runs through a non-reentrant checkpoint in grad mode.
+        ``True`` when the module's forward runs through a checkpoint in grad mode.
     """
     state = _state_of(module)
     return state is not None and state.active

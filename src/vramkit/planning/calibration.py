@@ -8,8 +8,9 @@ called with during one forward of the model on the meta device, groups the block
 dozen), and for each kind builds one block on the device with random weights (nothing is read
 from the model's own weights) and random inputs of the recorded shapes, and times its forward
 and, for training, its backward (input and adapter gradients, as inside a training step), a few
-rounds after a warm-up; for training also under gradient checkpointing (what the checkpoint
-costs: its hooks, the recomputation's host time, which a small block feels), and in each packed
+rounds after a warm-up; for training also under gradient checkpointing as ``fit`` applies it
+(the lean checkpoint: a forward that records no graph, a backward that recomputes first; the
+host time of both, which a small block feels), and in each packed
 format asked for. Every block of a kind gets the kind's times.
 
 Times come from CUDA events on a GPU (the host enqueues each timed region while a spin kernel
@@ -350,8 +351,9 @@ class _Call(nn.Module):
 def _time_checkpointed(block: nn.Module, args: Any, kwargs: Any, device: torch.device,
                        autocast: torch.dtype | None, repeats: int) -> CallTimes:
     """:func:`_time_block` of ``block`` under gradient checkpointing, as a plan checkpoints
-    it: its backward runs the recomputation first (with its host time: the checkpoint's
-    hooks, the forward enqueued again)."""
+    it (the lean checkpoint, the default: the warm-up rounds include the first call's check):
+    its forward records no graph, its backward runs the recomputation first (with its host
+    time: the forward enqueued again)."""
     from vramkit.offload.checkpointing import (
         disable_gradient_checkpointing,
         enable_gradient_checkpointing,

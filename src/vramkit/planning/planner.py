@@ -24,12 +24,14 @@ bandwidth and throughput. A candidate is predicted phase by phase (DESIGN.md §4
   (:meth:`~vramkit.planning.machine.Machine.work_sides`).
 
 The search: for each pair of formats (swapped blocks, resident blocks) among the allowed ones,
-each ``R`` and each number of swapped blocks (two candidate sets, :func:`_swap_sets`: spread
-evenly by bytes, as the swapper's own schedule does, and the cheapest copies first, kinds of
-block in order of bytes per ms of compute), the fewest checkpointed blocks that fit (blocks in
-order of activation saved per recomputed FLOP; a binary search, since checkpointing more never
-needs more memory), then activation offload where nothing else fits. The fastest candidate
-wins; ties go to less swapping, less recomputation and fewer slots.
+each ``R`` and each number of swapped blocks (three candidate sets, :func:`_swap_sets`: spread
+evenly by bytes, as the swapper's own schedule does; the cheapest copies first, kinds of block
+in order of bytes per ms of compute; copies paced by the compute before them), the fewest
+checkpointed blocks that fit (blocks in order of activation saved per recomputed FLOP; a binary
+search, since checkpointing more never needs more memory; ``checkpointing="all"`` or
+``"none"`` fixes the set), and activation offload with everything checkpointed wherever it
+fits. The fastest candidate wins; ties go to less swapping, less recomputation and fewer
+slots.
 """
 
 from __future__ import annotations

@@ -245,6 +245,23 @@ def test_a_block_reading_a_foreign_trainable_tensor_keeps_pytorchs_checkpoint() 
     assert model[0].forward.lean.verdict is False
 
 
+class _Subclass(torch.Tensor):
+    """A tensor subclass, as DTensor is."""
+
+
+def test_a_tensor_subclass_parameter_keeps_pytorchs_checkpoint() -> None:
+    ref = _lora(make_model())
+    model = copy.deepcopy(ref)
+    up = model.blocks[1].up
+    up.weight = nn.Parameter(up.weight.detach().as_subclass(_Subclass))
+    enable_gradient_checkpointing(model)
+    for _ in range(2):
+        got, want = _grads(model, X), _grads(ref, X)
+        assert all(torch.equal(got[n].as_subclass(torch.Tensor), want[n]) for n in want)
+    assert model.blocks[1].forward.lean.verdict is False
+    assert model.blocks[0].forward.lean.verdict is True
+
+
 def test_double_backward_is_refused_with_a_hint() -> None:
     model = make_model()
     enable_gradient_checkpointing(model)

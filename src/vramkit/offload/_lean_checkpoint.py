@@ -32,7 +32,8 @@ checkpoint and walks the graph it built: if it reaches a trainable leaf beyond t
 parameters, the block keeps PyTorch's checkpoint for good (:class:`LeanState`).
 
 Not supported (an :class:`~vramkit.errors.OffloadError` says so): double backward
-(``create_graph=True``) through a lean block; pass ``method="pytorch"`` for that.
+(``create_graph=True``) through a lean block; pass ``method="pytorch"`` for that. A block whose
+trainable parameters are tensor subclasses (DTensor under FSDP2) keeps PyTorch's checkpoint.
 """
 
 from __future__ import annotations
@@ -89,6 +90,11 @@ def run_lean(module: nn.Module, state: LeanState, fn: Callable[..., Any],
     if state.verdict is False:
         return fallback()
     params, places = _trainable(module)
+    if any(type(p) not in _PLAIN for p in params):
+        # A tensor subclass as a parameter (DTensor under FSDP2, ...): its owner may swap it
+        # in and out of the module itself; the aliases of the recomputation would fight that.
+        state.verdict = False
+        return fallback()
     leaves, spec = _tree.flatten((tuple(inputs), kwargs))
     is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
     tensors = [x for x, t in zip(leaves, is_tensor, strict=True) if t]
@@ -108,6 +114,9 @@ def run_lean(module: nn.Module, state: LeanState, fn: Callable[..., Any],
                      preserve_rng_state)
     outs = _LeanFunction.apply(call, *tensors, *params)
     return call.rebuild_outputs(outs)
+
+
+_PLAIN = (nn.Parameter, torch.Tensor)
 
 
 def _trainable(module: nn.Module) -> tuple[list[torch.Tensor], list[tuple[nn.Module, str, int]]]:

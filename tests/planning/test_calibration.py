@@ -5,6 +5,7 @@ here (the host clock); tests/planning/test_calibration_gpu.py times on a GPU."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -335,6 +336,22 @@ def test_a_checkpointed_block_is_timed_with_its_recomputation() -> None:
     assert Counted.calls == 1 + _WARMUP_ROUNDS
 
 
+def _plans_at_the_least_budget(model: nn.Module, inputs: Any, cost: Any, machine: Machine,
+                               first: BlockTimes, second: BlockTimes) -> list[vramkit.Plan]:
+    """Plans from ``first`` and ``second`` at the smallest budget that fits with ``first``'s
+    times (the plan checkpoints as much as it can there); both checkpoint the same blocks."""
+    with pytest.raises(PlanError) as info:
+        vramkit.plan(model, inputs, 1, hardware=machine, cost=cost, block_times=first,
+                     autocast=None, headroom=0, activation_offload=False)
+    least = info.value.minimum_budget
+    assert least is not None
+    plans = [vramkit.plan(model, inputs, least, hardware=machine, cost=cost, block_times=t,
+                          autocast=None, headroom=0, activation_offload=False)
+             for t in (first, second)]
+    assert plans[0].checkpointed == plans[1].checkpointed and plans[0].checkpointed
+    return plans
+
+
 def test_the_planner_prices_checkpointing_by_its_measured_cost() -> None:
     import dataclasses
 
@@ -349,18 +366,10 @@ def test_the_planner_prices_checkpointing_by_its_measured_cost() -> None:
                                                  "checkpointed": measured.calls["full"]})
     dear = dataclasses.replace(measured, calls={**measured.calls,
                                                 "checkpointed": _slower(measured, 1.0)})
-    with pytest.raises(PlanError) as info:
-        vramkit.plan(model, inputs, 1, hardware=machine, cost=cost, block_times=times,
-                     autocast=None, headroom=0, activation_offload=False)
-    least = info.value.minimum_budget
-    assert least is not None
-    plans = [vramkit.plan(model, inputs, least, hardware=machine, cost=cost, block_times=t,
-                          autocast=None, headroom=0, activation_offload=False)
-             for t in (times, dear)]
-    assert plans[0].checkpointed == plans[1].checkpointed and plans[0].checkpointed
+    plans = _plans_at_the_least_budget(model, inputs, cost, machine, times, dear)
     extra = plans[1].backward.compute_seconds - plans[0].backward.compute_seconds
     assert extra == pytest.approx(1.0 * len(plans[0].checkpointed))
-    # and the checkpoint's forward cost too (its hooks): a second per checkpointed block
+    # and the checkpointed forward's measured cost too: a second per checkpointed block
     assert plans[1].forward.compute_seconds - plans[0].forward.compute_seconds == pytest.approx(
         1.0 * len(plans[0].checkpointed))
 
@@ -379,15 +388,7 @@ def test_a_checkpointed_forward_cheaper_than_the_call_as_built_is_priced_so() ->
     lighter = {n: dataclasses.replace(c, host_forward=0.25e-3)
                for n, c in measured.calls["checkpointed"].items()}
     cheap = dataclasses.replace(measured, calls={**measured.calls, "checkpointed": lighter})
-    with pytest.raises(PlanError) as info:
-        vramkit.plan(model, inputs, 1, hardware=machine, cost=cost, block_times=measured,
-                     autocast=None, headroom=0, activation_offload=False)
-    least = info.value.minimum_budget
-    assert least is not None
-    plans = [vramkit.plan(model, inputs, least, hardware=machine, cost=cost, block_times=t,
-                          autocast=None, headroom=0, activation_offload=False)
-             for t in (measured, cheap)]
-    assert plans[0].checkpointed == plans[1].checkpointed and plans[0].checkpointed
+    plans = _plans_at_the_least_budget(model, inputs, cost, machine, measured, cheap)
     saved = plans[0].forward.host_seconds - plans[1].forward.host_seconds
     assert saved == pytest.approx(0.75e-3 * len(plans[0].checkpointed))
     assert plans[1].forward.compute_seconds == plans[0].forward.compute_seconds

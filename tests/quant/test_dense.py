@@ -194,6 +194,53 @@ def test_invalidate_makes_the_next_call_dequantize_again_into_the_same_buffer(
     assert counts["expand"] == 2 and scratch.nbytes == nbytes
 
 
+def test_views_are_cut_once_per_buffer_and_dropped_with_it() -> None:
+    net = Net(blocks=2, fmt="fp8")
+    twin, scratch = _grouped(net)
+    x = torch.randn(2, 48)
+    with torch.no_grad():
+        twin(x)
+        first = [list(block.up._dense[0]._views) for block in twin.blocks]
+        twin(x)  # both groups dequantize again (the scratch moved on): the same views
+        again = [list(block.up._dense[0]._views) for block in twin.blocks]
+    assert all(a is b for f, g in zip(first, again, strict=True)
+               for a, b in zip(f, g, strict=True))
+    buffer = scratch._buffer
+    assert all(v.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+               for views in again for v in views)
+    scratch.release()  # no cached view keeps the old buffer alive
+    assert not scratch._carved
+    with torch.no_grad():
+        assert torch.equal(twin(x), net(x))
+    assert twin.blocks[0].up._dense[0]._views[0] is not again[0][0]
+    leaving, staying = (block.up._dense[0] for block in twin.blocks)
+    ungroup_dense(twin.blocks[0])  # a group that leaves forgets its views
+    assert [entry[0] for entry in scratch._carved.values()] == [staying]
+    assert leaving.layers[0]._dense is None
+
+
+def test_a_layer_that_decodes_is_left_out_until_it_asks_for_its_weight() -> None:
+    net = Net(blocks=1, fmt="fp8")
+    twin, scratch = _grouped(net)
+    block = twin.blocks[0]
+    group = block.up._dense[0]
+    down = group.layers.index(block.down)
+    x = torch.randn(2, 48)
+    with torch.no_grad():
+        twin(x)
+        group.decodes(down)  # as a call with a few tokens on CUDA marks it
+        scratch.invalidate()
+        scratch._buffer.zero_()
+        h = torch.relu(block.up(block.adapter(x)))  # dequantizes the group, without `down`
+        assert torch.count_nonzero(group._views[down]) == 0
+        assert group.current(down, group._dtype) is None  # backward: its own dequantize
+        assert group.current(0, group._dtype) is not None
+        # asked for its weight (many tokens again): in the group's dequantize from now on
+        assert torch.equal(block.down(h), net.blocks[0].down(h))
+        assert torch.equal(group._views[down], block.down.dequantized_weight(torch.float32))
+        assert down not in group._decoding
+
+
 def test_ungroup_and_grouping_twice() -> None:
     net = Net(blocks=1, fmt="fp8")
     scratch = DenseScratch()
@@ -289,6 +336,46 @@ def test_gpu_fp8_layers_take_one_launch_and_swapped_blocks_match(
         assert 1 <= len(group._tables) <= 2  # one table per slot the block landed in
     finally:
         swapper.detach()
+
+
+class _Modulated(nn.Module):
+    """A FLUX-like block: a modulation layer on one conditioning token (the fused decode
+    kernel) beside layers on many tokens (the group's dense weights)."""
+
+    def __init__(self, width: int = 256) -> None:
+        super().__init__()
+        self.mod = nn.Linear(width, 2 * width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.mod(cond).chunk(2, dim=-1)
+        return x + self.down(torch.relu(self.up(x * (1 + scale) + shift)))
+
+
+@pytest.mark.gpu
+def test_gpu_a_one_token_layer_decodes_and_the_group_leaves_it_out() -> None:
+    from vramkit.quant import _triton
+
+    torch.manual_seed(0)
+    ref = _Modulated().cuda().requires_grad_(False)
+    quantize_model(ref, QuantizationConfig("fp8"))
+    twin = copy.deepcopy(ref)
+    group = group_dense(twin, DenseScratch())
+    assert group is not None
+    x = torch.randn(2, 64, 256, device="cuda", requires_grad=True)
+    cond = torch.randn(1, 1, 256, device="cuda")
+    grads = []
+    for model in (ref, twin, twin):  # the second call of twin replays the fused launch
+        with torch.autocast("cuda", torch.bfloat16):
+            out = model(x, cond)
+        out.float().square().sum().backward()
+        grads.append((out.detach(), x.grad.clone()))
+        x.grad = None
+    for out, grad in grads[1:]:
+        assert torch.equal(out, grads[0][0]) and torch.equal(grad, grads[0][1])
+    assert group._decoding == {group.layers.index(twin.mod)}
+    assert _triton._FAST_LAUNCH[0] and _triton._GEMV_LAUNCH._compiled
 
 
 def test_the_scratch_is_sized_once_for_the_largest_group_in_the_compute_dtype() -> None:

@@ -26,6 +26,16 @@ ODD_SHAPES = [(37, 75), (1, 1), (3, 513), (129, 64)]
 
 # ---------------------------------------------------------------------------------- CPU
 
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_few_tokens_on_cpu_equals_quantized_matmul(config) -> None:
+    q = quantize_tensor(gaussian(24, 40, 1), config)
+    plan = kernels.DequantPlan(q.config, q.shape, tuple(q.tensors()))
+    x, bias = torch.randn(2, 1, 40), torch.randn(24)
+    got = plan.few_tokens(x, list(q.tensors().values()), bias)
+    assert got.shape == (2, 1, 24)
+    assert torch.equal(got, kernels.quantized_matmul(x, q, bias))
+
+
 def test_cpu_reports_no_gpu_paths() -> None:
     assert not kernels.triton_available("cpu")
     assert not kernels.has_fp8_gemm("cpu")
@@ -172,6 +182,33 @@ def test_quantize_on_gpu_equals_cpu(config) -> None:
             assert (a != b).float().mean().item() <= 2e-2, name
     err = (on_gpu.dequantize(torch.float32).cpu() - on_cpu.dequantize(torch.float32)).norm()
     assert err <= 1e-3 * t.norm()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_a_layouts_fused_decode_is_replayed_and_equals_quantized_matmul(
+        config, with_bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # DequantPlan.few_tokens (what a QuantizedLinear runs for a few tokens) against
+    # quantized_matmul(fused=True): the same bits; from the second call the compiled kernel is
+    # launched directly (the JIT is not called again).
+    from vramkit.quant import _triton
+
+    q = quantize_tensor(gaussian(96, 200, 4).cuda(), config)
+    plan = kernels.DequantPlan(q.config, q.shape, tuple(q.tensors()))
+    packed = list(q.tensors().values())
+    x = torch.randn(1, 1, 200, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(96, device="cuda", dtype=torch.bfloat16) if with_bias else None
+    ref = kernels.quantized_matmul(x, q, bias, fused=True)
+    assert ref.shape == (1, 1, 96)
+    assert torch.equal(plan.few_tokens(x, packed, bias), ref)
+    calls = []
+    real_run = _triton._gemv_kernel.run
+    monkeypatch.setattr(_triton._gemv_kernel, "run",
+                        lambda *a, **k: calls.append(1) or real_run(*a, **k))
+    for _ in range(3):
+        assert torch.equal(plan.few_tokens(x, packed, bias), ref)
+    assert _triton._FAST_LAUNCH[0] and calls == []
 
 
 @pytest.mark.gpu

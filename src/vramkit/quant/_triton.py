@@ -288,7 +288,7 @@ class Dequantizer:
             self.constants = {"GROUP": group, **codes, "BLOCK_R": _DEQUANT_BLOCK_R,
                               "BLOCK_C": _DEQUANT_BLOCK_C}
             self.num_warps = 4
-        self._launches: dict[tuple[object, ...], Any] = {}
+        self._launch = _Replay(self.kernel, self.num_warps)
 
     def __call__(self, data: torch.Tensor, scales: torch.Tensor,
                  zero_points: torch.Tensor | None, aux: torch.Tensor | None,
@@ -313,19 +313,44 @@ class Dequantizer:
                values["zero_stride"],
                *(None if t is None else t.data_ptr() % 16 == 0
                  for t in (data, scales, zero_points, aux)))
-        launch = self._launches.get(key)
+        self._launch(self.grid, key, values)
+        return out
+
+
+class _Replay:
+    """Launches of one Triton kernel, replayed: the first launch of each specialization goes
+    through Triton's JIT and keeps the compiled kernel it returns; later ones with the same
+    ``key`` call it directly (``CompiledKernel[grid](*args)``, every argument in signature
+    order), skipping the JIT's binding of the arguments. Should that launch refuse them
+    (another Triton's calling convention), the JIT is used from then on, for every kernel.
+
+    Args:
+        kernel: the ``@triton.jit`` function.
+        num_warps: its warps.
+    """
+
+    def __init__(self, kernel: Any, num_warps: int) -> None:
+        self.kernel, self.num_warps = kernel, num_warps
+        self._compiled: dict[tuple[object, ...], Any] = {}
+
+    def __call__(self, grid: tuple[int, int, int], key: tuple[object, ...],
+                 values: dict[str, Any]) -> None:
+        """Launch on ``grid`` with ``values`` (every argument by name, constants included);
+        ``key``: what the compiled kernel is specialized on besides the constants and the grid
+        (device, dtypes, integer arguments, pointer alignment)."""
+        key = (*key, *grid)
+        launch = self._compiled.get(key)
         if launch is not None and _FAST_LAUNCH[0]:
             try:
                 launch(*[values[name] for name in self.kernel.arg_names])
-                return out
+                return
             except (TypeError, ValueError, IndexError) as exc:  # another Triton's convention
                 _FAST_LAUNCH[0] = False
                 logger.debug("Triton's compiled-kernel launch refused the arguments (%s); "
                              "launching through the JIT from now on", exc)
-        compiled = self.kernel[self.grid](**values, num_warps=self.num_warps)
+        compiled = self.kernel[grid](**values, num_warps=self.num_warps)
         if launch is None and compiled is not None and hasattr(compiled, "run"):
-            self._launches[key] = compiled[self.grid]
-        return out
+            self._compiled[key] = compiled[grid]
 
 
 @triton.jit
@@ -365,7 +390,8 @@ _MANY_WARPS = 2
 
 
 def dequantize_fp8_rows_many(table: torch.Tensor, out: torch.Tensor, most_rows: int) -> None:
-    """Dequantize several fp8 channel-scaled weights into ``out`` in one launch.
+    """Dequantize several fp8 channel-scaled weights into ``out`` in one launch (replayed after
+    the first of its kind: see :class:`Dequantizer`).
 
     Args:
         table: ``[n, 5]`` int64 on the device: per weight its codes' address (contiguous
@@ -374,9 +400,13 @@ def dequantize_fp8_rows_many(table: torch.Tensor, out: torch.Tensor, most_rows: 
         out: the destination (its dtype is the output dtype).
         most_rows: the most rows of any weight in the table.
     """
-    grid = (triton.cdiv(most_rows, _MANY_BLOCK_R), table.shape[0])
-    _fp8_rows_many_kernel[grid](table, out, BLOCK_R=_MANY_BLOCK_R, BLOCK_C=_MANY_BLOCK_C,
-                                num_warps=_MANY_WARPS)
+    grid = (triton.cdiv(most_rows, _MANY_BLOCK_R), table.shape[0], 1)
+    key = (out.device.index, out.dtype, table.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
+    _MANY_LAUNCH(grid, key, {"table_ptr": table, "out_ptr": out, "BLOCK_R": _MANY_BLOCK_R,
+                             "BLOCK_C": _MANY_BLOCK_C})
+
+
+_MANY_LAUNCH = _Replay(_fp8_rows_many_kernel, _MANY_WARPS)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -410,11 +440,26 @@ def fused_linear(x: torch.Tensor, fmt: str, data: torch.Tensor, scales: torch.Te
     tokens, n_in = x.shape
     y = torch.empty((tokens, n_out), dtype=x.dtype, device=x.device)
     pointers, kwargs = _format_args(fmt, data, scales, zero_points, aux, compact)
-    grid = (triton.cdiv(n_out, _GEMV_BLOCK_N), tokens)
-    _gemv_kernel[grid](y, x, bias, *pointers, n_out, n_in, x.stride(0), GROUP=group,
-                       DQ_BLOCK=dq_block, HAS_BIAS=bias is not None, BLOCK_N=_GEMV_BLOCK_N,
-                       BLOCK_K=_GEMV_BLOCK_K, num_warps=4, **kwargs)
+    grid = (triton.cdiv(n_out, _GEMV_BLOCK_N), tokens, 1)
+    values: dict[str, Any] = {
+        "y_ptr": y, "x_ptr": x, "bias_ptr": bias, **dict(zip(_GEMV_POINTERS, pointers,
+                                                              strict=True)),
+        "n_out": n_out, "n_in": n_in, "x_stride": x.stride(0), **kwargs, "GROUP": group,
+        "DQ_BLOCK": dq_block, "HAS_BIAS": bias is not None, "BLOCK_N": _GEMV_BLOCK_N,
+        "BLOCK_K": _GEMV_BLOCK_K}
+    # The launch's specialization: the device, every dtype, constant and integer argument,
+    # and each pointer's 16-byte alignment (or absence).
+    key = (x.device.index, x.dtype, fmt, group, dq_block, compact, n_out, n_in, x.stride(0),
+           kwargs["data_stride"], kwargs["scale_stride"], kwargs["zero_stride"],
+           None if bias is None else (bias.dtype, bias.data_ptr() % 16 == 0),
+           *(None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
+             for t in (x, *pointers[:4])))
+    _GEMV_LAUNCH(grid, key, values)
     return y
+
+
+_GEMV_POINTERS = ("data_ptr", "scales_ptr", "zeros_ptr", "aux_ptr", "log_table_ptr", "nf4_ptr")
+_GEMV_LAUNCH = _Replay(_gemv_kernel, 4)
 
 
 def fp8_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,12 +65,16 @@ class DenseScratch:
     of its own.
     """
 
-    __slots__ = ("_buffer", "_largest", "generation")
+    __slots__ = ("_buffer", "_carved", "_largest", "generation")
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
         self._largest = (0, 0)  # the largest registered group: (elements, layers)
         self.generation = 0
+        # per group and dtype: its layers' views of the buffer and their element offsets, kept
+        # with the buffer (dropped with it, so no view outlives the buffer it was cut from)
+        self._carved: dict[tuple[int, torch.dtype], tuple[DenseGroup, list[torch.Tensor],
+                                                          list[int]]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -88,6 +92,7 @@ class DenseScratch:
         buffer = self._buffer
         if buffer is None or buffer.device != device or buffer.numel() < nbytes:
             self._buffer = None  # the old one goes back to the allocator first
+            self._carved.clear()
             elements, layers = self._largest
             size = max(nbytes, _aligned(elements * itemsize) + layers * _ALIGN)
             buffer = self._buffer = torch.empty(size, dtype=torch.uint8, device=device)
@@ -97,7 +102,39 @@ class DenseScratch:
     def release(self) -> None:
         """Free the buffer; every group dequantizes again at its next call."""
         self._buffer = None
+        self._carved.clear()
         self.generation += 1
+
+    def carve(self, group: DenseGroup, dtype: torch.dtype
+              ) -> tuple[list[torch.Tensor], list[int]]:
+        """``group``'s layers' views of the buffer in ``dtype`` (``[rows, cols]`` each, at
+        512-byte aligned offsets) and their element offsets: cut once per buffer, group and
+        dtype (the buffer must have been claimed for the group)."""
+        key = (id(group), dtype)
+        carved = self._carved.get(key)
+        if carved is not None and carved[0] is group:
+            return carved[1], carved[2]
+        buffer = self._buffer
+        if buffer is None:
+            raise QuantizationError("the dense scratch holds no buffer to carve",
+                                    hint="This is a vramkit bug; please report it.")
+        views: list[torch.Tensor] = []
+        offsets: list[int] = []
+        offset = 0
+        itemsize = dtype.itemsize
+        for layer in group.layers:
+            rows, cols = layer.out_features, layer.in_features
+            nbytes = rows * cols * itemsize
+            views.append(buffer[offset:offset + nbytes].view(dtype).view(rows, cols))
+            offsets.append(offset // itemsize)
+            offset += _aligned(nbytes)
+        self._carved[key] = (group, views, offsets)
+        return views, offsets
+
+    def forget(self, group: DenseGroup) -> None:
+        """Drop ``group``'s cached views (it left the scratch)."""
+        for key in [k for k, v in self._carved.items() if v[0] is group]:
+            del self._carved[key]
 
     def invalidate(self) -> None:
         """Keep the buffer, forget whose weights it holds: every group dequantizes again at its
@@ -149,61 +186,74 @@ class DenseGroup:
                      if isinstance(layer.quant_config, FP8Config)
                      and layer.quant_config.granularity == "channel"]
         self._other = sorted(set(range(len(self.layers))) - set(self._fp8))
+        # per fp8 layer: its index and the positions of its codes and scales in _packed()
+        self._fp8_at = [(i, self.layers[i]._layout.names.index("data"),
+                         self.layers[i]._layout.names.index("scales")) for i in self._fp8]
+        self._sizes: dict[int, int] = {}  # itemsize -> bytes of the group's views
+        # layers last called with a few tokens on CUDA: the fused decode kernel reads their
+        # packed weight, so the group's dequantize leaves them out (FLUX's modulation layers,
+        # a third of a double block's weights)
+        self._decoding: set[int] = set()
         scratch._register(sum(layer.out_features * layer.in_features for layer in self.layers),
                           len(self.layers))
         for i, layer in enumerate(self.layers):
             layer._dense = (self, i)
 
     def _nbytes(self, itemsize: int) -> int:
-        return sum(_aligned(layer.out_features * layer.in_features * itemsize)
-                   for layer in self.layers)
+        nbytes = self._sizes.get(itemsize)
+        if nbytes is None:
+            nbytes = self._sizes[itemsize] = sum(
+                _aligned(layer.out_features * layer.in_features * itemsize)
+                for layer in self.layers)
+        return nbytes
 
     def weight(self, index: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Layer ``index``'s weight in ``dtype`` (a view of the scratch), dequantizing the whole
         group first when the scratch does not hold it."""
         source = self._sources[index] if self._views else None
+        if index in self._decoding:  # left out of the last dequantize: in again from now on
+            self._decoding.discard(index)
+            source = None
         if (self.scratch.generation != self._generation or dtype != self._dtype
                 or source is None or not _unchanged(self.layers[index], source)):
             self._expand(dtype, device)
         return self._views[index]
+
+    def decodes(self, index: int) -> None:
+        """Layer ``index`` was called with a few tokens (the fused kernel, no dense weight):
+        leave it out of the group's dequantizes until it asks for its :meth:`weight`."""
+        if index not in self._decoding:
+            self._decoding.add(index)
 
     def current(self, index: int, dtype: torch.dtype) -> torch.Tensor | None:
         """Layer ``index``'s view if the scratch holds this group in ``dtype`` now, else
         ``None`` (backward's question). Any of the group's dequantizes will do: a checkpointed
         block's backward runs in the nodes of its first forward, after its recomputation
         dequantized the same frozen weights again."""
-        if self._generation == self.scratch.generation and dtype == self._dtype:
+        if (self._generation == self.scratch.generation and dtype == self._dtype
+                and index not in self._decoding):
             return self._views[index]
         return None
 
     def _expand(self, dtype: torch.dtype, device: torch.device) -> None:
         itemsize = dtype.itemsize
         buffer, generation = self.scratch.claim(self._nbytes(itemsize), device, itemsize)
-        views: list[torch.Tensor] = []
-        sources: list[tuple[Any, ...]] = []
-        offset = 0
-        offsets: list[int] = []
-        packed = []
-        for layer in self.layers:
-            rows, cols = layer.out_features, layer.in_features
-            nbytes = rows * cols * itemsize
-            views.append(buffer[offset:offset + nbytes].view(dtype).view(rows, cols))
-            offsets.append(offset // itemsize)
-            offset += _aligned(nbytes)
-            tensors = layer._packed()
-            packed.append(tensors)
-            sources.append((tensors, tuple(t._version for t in tensors)))
-        if self._fp8:
-            codes = [packed[i][self.layers[i]._layout.names.index("data")] for i in self._fp8]
-            scales = [packed[i][self.layers[i]._layout.names.index("scales")]
-                      for i in self._fp8]
-            if not self._fp8_launch(codes, scales, [offsets[i] for i in self._fp8], buffer,
+        views, offsets = self.scratch.carve(self, dtype)
+        packed = [layer._packed() for layer in self.layers]
+        sources = [(tensors, tuple(t._version for t in tensors)) for tensors in packed]
+        skip = self._decoding
+        fp8 = [entry for entry in self._fp8_at if entry[0] not in skip]
+        if fp8:
+            codes = [packed[i][data] for i, data, _ in fp8]
+            scales = [packed[i][sc] for i, _, sc in fp8]
+            if not self._fp8_launch(codes, scales, [offsets[i] for i, _, _ in fp8], buffer,
                                     dtype):
-                outs = [views[i] for i in self._fp8]
+                outs = [views[i] for i, _, _ in fp8]
                 torch._foreach_copy_(outs, codes)
                 torch._foreach_mul_(outs, scales)
         for i in self._other:
-            views[i].copy_(self.layers[i]._layout.dequantize(packed[i], dtype))
+            if i not in skip:
+                views[i].copy_(self.layers[i]._layout.dequantize(packed[i], dtype))
         self._views, self._sources = views, sources
         self._generation, self._dtype = generation, dtype
 
@@ -239,6 +289,7 @@ class DenseGroup:
         for layer in self.layers:
             if getattr(layer, "_dense", None) is not None and layer._dense[0] is self:
                 layer._dense = None
+        self.scratch.forget(self)
         self._views, self._sources, self._tables = [], [], {}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DenseGroup:
@@ -249,6 +300,8 @@ class DenseGroup:
         new._views, new._sources, new._tables = [], [], {}
         new._generation, new._dtype = -1, None
         new._fp8, new._other = list(self._fp8), list(self._other)
+        new._fp8_at, new._sizes = list(self._fp8_at), dict(self._sizes)
+        new._decoding = set(self._decoding)
         return new
 
     def __repr__(self) -> str:
@@ -261,9 +314,9 @@ def _aligned(nbytes: int) -> int:
 
 def _unchanged(layer: QuantizedLinear, source: tuple[Any, ...]) -> bool:
     tensors, versions = source
-    current = layer._packed()
-    for t, was, version in zip(current, tensors, versions, strict=True):
-        if t is not was or t._version != version:
+    buffers = layer._buffers
+    for name, was, version in zip(layer._buffer_names, tensors, versions, strict=True):
+        if buffers[name] is not was or was._version != version:
             return False
     return True
 

@@ -317,6 +317,36 @@ class DequantPlan:
                                               self.cols, dtype)
         return flat.view(self.shape)
 
+    def few_tokens(self, x: torch.Tensor, packed: "Sequence[torch.Tensor]",
+                   bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T + bias`` of a 2-D weight for at most ``FUSED_MAX_TOKENS`` tokens: the
+        fused dequantize-matmul (:func:`quantized_matmul` with ``fused=True``), with the
+        layout's launch parameters derived once.
+
+        Args:
+            x: ``[..., cols]`` floating activations on the packed tensors' device.
+            packed: the stored tensors, in the ``names`` order.
+            bias: optional ``[rows]``.
+
+        Returns:
+            ``[..., rows]`` in ``x.dtype``.
+        """
+        data, scales = packed[self._data], packed[self._scales]
+        zeros = None if self._zeros is None else packed[self._zeros]
+        aux = None if self._aux is None else packed[self._aux]
+        x2d = x.reshape(-1, self.cols)
+        if not torch.compiler.is_compiling() and data.is_cuda and _triton_installed():
+            from vramkit.quant import _triton
+
+            fmt, group, dq_block, compact = self._kernel
+            y = _triton.fused_linear(x2d.contiguous(), fmt, data, scales, zeros, aux, bias,
+                                     group=group, dq_block=dq_block, compact=compact,
+                                     n_out=self.rows)
+        else:
+            y = _op(_fused_linear_op, _fused_linear_impl)(x2d, data, scales, zeros, aux, bias,
+                                                          self._key, self.cols)
+        return y.reshape(*x.shape[:-1], self.rows)
+
 
 def dequantize(q: "QuantizedTensor", dtype: torch.dtype | None = None) -> torch.Tensor:
     """Dequantize ``q`` to its original shape (Triton on CUDA, torch elsewhere).

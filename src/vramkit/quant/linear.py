@@ -238,6 +238,17 @@ class _DenseUse(NamedTuple):
     weight: torch.Tensor
 
 
+def _linear(x: torch.Tensor, bias: torch.Tensor | None, layout: WeightLayout,
+            activation_fp8: bool, packed: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A quantized layer's output from its packed weight (checked input, compute dtype)."""
+    plan = layout.dequantize
+    if activation_fp8:  # the fp8 GEMM
+        return kernels.quantized_matmul(x, layout.rebuild(packed), bias, activation_fp8=True)
+    if x.is_cuda and x.numel() <= kernels.FUSED_MAX_TOKENS * plan.cols:
+        return plan.few_tokens(x, packed, bias)  # the fused decode kernel
+    return F.linear(x, plan(packed, x.dtype), bias)
+
+
 class _QuantizedLinearFunction(torch.autograd.Function):
     """``y = x @ W.T + b`` with W packed; backward re-dequantizes W for ``grad_x``.
 
@@ -258,12 +269,8 @@ class _QuantizedLinearFunction(torch.autograd.Function):
         if dense is not None:  # the group's view (vramkit.quant.dense); the weight not kept
             out = F.linear(x, dense.weight, bias)
             ctx.dense = (dense.group, dense.index)
-        elif activation_fp8 or (x.is_cuda and x.numel() <= kernels.FUSED_MAX_TOKENS * plan.cols):
-            # The fp8 GEMM, or the fused decode kernel for a few tokens.
-            out = kernels.quantized_matmul(x, layout.rebuild(packed), bias,
-                                           activation_fp8=activation_fp8)
         else:
-            out = F.linear(x, plan(packed, x.dtype), bias)
+            out = _linear(x, bias, layout, activation_fp8, packed)
         ctx.plan = plan
         if ctx.needs_input_grad[0]:
             # The packed bytes, never a dequantized copy: inside a BlockSwapper these lie in a
@@ -385,18 +392,24 @@ class QuantizedLinear(_QuantizedWeightModule):
         """``x [..., in_features]`` -> ``[..., out_features]``."""
         x, bias = self._compute_inputs(x)
         dense = self._dense
+        no_grad = not torch.is_grad_enabled() or not (
+            x.requires_grad or (bias is not None and bias.requires_grad))
         if (dense is not None and not self.activation_fp8
-                and (not x.is_cuda or x.numel() > kernels.FUSED_MAX_TOKENS * self.in_features)
                 and not torch.compiler.is_compiling()):
-            _check_features(x, self.in_features)
             group, index = dense
-            weight = group.weight(index, x.dtype, x.device)
-            if not torch.is_grad_enabled() or not (
-                    x.requires_grad or (bias is not None and bias.requires_grad)):
-                return F.linear(x, weight, bias)  # nothing to differentiate: nothing saved
-            return _QuantizedLinearFunction.apply(
-                x, bias, self._layout, False, _DenseUse(group, index, weight),
-                *self._packed())
+            if x.is_cuda and x.numel() <= kernels.FUSED_MAX_TOKENS * self.in_features:
+                group.decodes(index)  # the fused kernel reads the packed weight: leave it out
+            else:
+                _check_features(x, self.in_features)
+                weight = group.weight(index, x.dtype, x.device)
+                if no_grad:
+                    return F.linear(x, weight, bias)  # nothing to differentiate or save
+                return _QuantizedLinearFunction.apply(
+                    x, bias, self._layout, False, _DenseUse(group, index, weight),
+                    *self._packed())
+        if no_grad:  # e.g. a checkpointed block's forward: no autograd node
+            _check_features(x, self.in_features)
+            return _linear(x, bias, self._layout, self.activation_fp8, self._packed())
         return _QuantizedLinearFunction.apply(x, bias, self._layout, self.activation_fp8, None,
                                               *self._packed())
 

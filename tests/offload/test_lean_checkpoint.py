@@ -50,6 +50,50 @@ def _lean_nodes(out: torch.Tensor) -> int:
     return count
 
 
+class _Scaled(nn.Module):
+    """A layer wrapped after checkpointing was enabled: a new trainable parameter in a block."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.gain = nn.Parameter(torch.full((inner.out_features,), 1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.gain
+
+
+def _swap_in_adapters(model: nn.Module) -> None:
+    for block in model.blocks:
+        block.down = _Scaled(block.down)
+
+
+def test_parameters_added_or_unfrozen_after_the_first_steps_are_trained() -> None:
+    # The lean checkpoint keeps where each block's parameters live between calls: a layer
+    # wrapped later (an adapter injected after checkpointing) and a parameter unfrozen later
+    # must still get their gradients, bit-identical to the model without checkpointing.
+    ref = _lora(make_model())
+    model = copy.deepcopy(ref)
+    enable_gradient_checkpointing(model)
+    for _ in range(2):
+        _grads(model, X)
+    _swap_in_adapters(ref), _swap_in_adapters(model)
+    for name, p in [*ref.named_parameters(), *model.named_parameters()]:
+        if name.endswith(".norm.weight"):
+            p.requires_grad_(True)
+    for step in range(2):
+        want, got = _grads(ref, X), _grads(model, X)
+        assert any(n.endswith(".gain") for n in got) and any(n.endswith("norm.weight")
+                                                             for n in got)
+        assert got.keys() == want.keys(), step
+        for name in want:
+            assert torch.equal(got[name], want[name]), (step, name)
+    assert _lean_nodes(model(X)) == len(model.blocks)
+    for name, p in [*ref.named_parameters(), *model.named_parameters()]:
+        if ".up." in name:
+            p.requires_grad_(False)  # frozen again: no gradient
+    assert not any(".up." in n for n in _grads(model, X))
+
+
 def test_methods_and_default() -> None:
     assert CHECKPOINT_METHODS == ("lean", "pytorch")
     model = make_model()

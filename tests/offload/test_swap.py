@@ -865,25 +865,41 @@ def test_structure_watch_is_released_when_a_swapper_is_collected() -> None:
 
     from vramkit.offload import _swap_structure as swap_module
 
+    gc.collect()
     users = swap_module._STRUCTURE["users"]
     model = _frozen_blocks(_net())
     swapper = _swap(model)
-    assert swap_module._STRUCTURE["users"] == users + 1
+    # the swapper, and the lean checkpoint of each checkpointed block (its parameter places)
+    assert swap_module._STRUCTURE["users"] == users + 1 + sum(
+        b.lean is not None for b in swapper.blocks)
     del swapper, model  # never detached
     gc.collect()
     assert swap_module._STRUCTURE["users"] == users
 
 
-def test_structure_watch_hooks_are_removed_with_the_last_swapper() -> None:
+def test_structure_watch_hooks_are_removed_with_the_last_watcher() -> None:
+    import gc
+
     from torch.nn.modules import module as torch_module
 
+    from vramkit.offload import _swap_structure as swap_module
+
+    gc.collect()
+    new = 0 if swap_module._STRUCTURE["users"] else 1  # hooks another test's model still holds
     before = (len(torch_module._global_module_registration_hooks),
               len(torch_module._global_parameter_registration_hooks))
-    first, second = _swap(_frozen_blocks(_net())), _swap(_frozen_blocks(_net(1)))
-    assert len(torch_module._global_module_registration_hooks) == before[0] + 1
+    first = _swap(_frozen_blocks(_net()), checkpointing=False)
+    second = _swap(_frozen_blocks(_net(1)), checkpointing=False)
+    assert len(torch_module._global_module_registration_hooks) == before[0] + new
     first.detach()
-    assert len(torch_module._global_parameter_registration_hooks) == before[1] + 1
+    assert len(torch_module._global_parameter_registration_hooks) == before[1] + new
     second.detach()
+    assert (len(torch_module._global_module_registration_hooks),
+            len(torch_module._global_parameter_registration_hooks)) == before
+    checkpointed = _swap(_frozen_blocks(_net()))  # its blocks' lean states watch too
+    checkpointed.detach()
+    del checkpointed
+    gc.collect()
     assert (len(torch_module._global_module_registration_hooks),
             len(torch_module._global_parameter_registration_hooks)) == before
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -147,6 +148,9 @@ def test_memory_overhead_is_r_slots_and_pinned_is_tight() -> None:
     block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
     other = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                 if not n.startswith("blocks."))
+    # Garbage that earlier tests left in reference cycles must not be collected (nor its
+    # memory returned) in the middle of the attach this measures.
+    gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()

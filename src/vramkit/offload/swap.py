@@ -828,7 +828,8 @@ class BlockSwapper:
         block.checkpointed = (checkpointed if self.config.checkpointing is None
                               else self.config.checkpointing)
         # The method the block was checkpointed with (lean when the config alone asks).
-        block.lean = LeanState() if checkpoint_method(module) == "lean" else None
+        block.lean = (LeanState() if block.checkpointed and checkpoint_method(module) == "lean"
+                      else None)
         block.wrapper = _patch.install(module, _SwappedForward(self, block, fn))
         block.module_type = type(module)
 
@@ -1278,6 +1279,7 @@ class BlockSwapper:
             if block.wrapper is not None:
                 _patch.restore(block.module, block.wrapper)
                 block.wrapper = None
+            block.lean = None  # its structure watch goes with it
             views, error = self._host.restored_views(block)
             if error is not None and detaching:
                 failed = failed or error

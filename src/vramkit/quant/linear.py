@@ -216,7 +216,9 @@ class _QuantizedWeightModule(nn.Module):
                                          "x.to(torch.bfloat16).")
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
-            x = x.to(torch.get_autocast_dtype(device_type))
+            dtype = torch.get_autocast_dtype(device_type)
+            if x.dtype != dtype:  # Tensor.to costs the host a dispatch even when it is a no-op
+                x = x.to(dtype)
         bias = self.bias
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)

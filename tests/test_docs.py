@@ -251,8 +251,40 @@ def test_page_defines_every_name_it_uses(page: Path) -> None:
         f"{name!r} at {where}" for name, where in missing.items())
 
 
+#: The optional extras a page may import (pyproject's ``integration``/``jax`` extras); a page
+#: whose blocks import one that is not installed is skipped, not failed (the GPU machine's image,
+#: for one, has no diffusers or peft unless carried).
+OPTIONAL = ("diffusers", "peft", "transformers", "jax")
+
+
+def imported_extras(blocks: list[Block]) -> list[str]:
+    """The optional top-level modules ``blocks`` import, in :data:`OPTIONAL` order."""
+    found: set[str] = set()
+    for block in blocks:
+        try:
+            tree = ast.parse(block.source)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.add(node.module.split(".")[0])
+    return [name for name in OPTIONAL if name in found]
+
+
+def _skip_without_extras(blocks: list[Block]) -> None:
+    import importlib.util
+
+    missing = [name for name in imported_extras(blocks)
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"the page imports {', '.join(missing)}, not installed here")
+
+
 @pytest.mark.parametrize("page", _CPU_PAGES, ids=_id)
 def test_page_runs_on_cpu(page: Path, tmp_path: Path) -> None:
+    _skip_without_extras([b for b in _ALL[page] if not b.gpu])
     run = run_blocks([b for b in _ALL[page] if not b.gpu], tmp_path / "work", hide_cuda=True)
     if not run.ok:
         pytest.fail(f"{run.report}\n(A block that needs a GPU has `{_GPU_EXAMPLE}` on the line "
@@ -262,6 +294,7 @@ def test_page_runs_on_cpu(page: Path, tmp_path: Path) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("page", _GPU_PAGES, ids=_id)
 def test_page_runs_on_gpu(page: Path, tmp_path: Path) -> None:
+    _skip_without_extras(_ALL[page])
     run = run_blocks(_ALL[page], tmp_path / "work", hide_cuda=False)
     if not run.ok:
         pytest.fail(run.report, pytrace=False)
@@ -323,6 +356,13 @@ def test_parse_blocks_finds_python_fences_the_gpu_mark_and_lines(tmp_path: Path)
     assert blocks[3].source == "s = '''\n```\n'''\n"  # a longer fence holds a shorter one
     with pytest.raises(ValueError, match="never closed"):
         parse_blocks(tmp_path / "bad.md", "```python\nx = 1\n")
+
+
+def test_imported_extras_are_found_in_import_statements_only(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    text = ("```python\nimport torch, peft.tuners as t\nfrom diffusers.models import X\n"
+            "from . import jax\nx = 'import transformers'\n```\n")
+    assert imported_extras(parse_blocks(page, text)) == ["diffusers", "peft"]
 
 
 def test_placeholders_are_found_but_indexing_with_an_ellipsis_is_not() -> None:

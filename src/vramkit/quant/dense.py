@@ -31,7 +31,9 @@ Example:
 
 Not used: under ``torch.compile`` (the compiled graph dequantizes per layer), for
 ``activation_fp8`` layers (the fp8 GEMM reads the packed weight) and for a few tokens on CUDA
-(the fused decode kernel never writes the weight out).
+(the fused decode kernel never writes the weight out). A layer called with a few tokens
+(FLUX's modulation layers, on one conditioning token: a third of a double block's weights) is
+left out of its group's dequantizes until it asks for its dense weight again.
 """
 
 from __future__ import annotations

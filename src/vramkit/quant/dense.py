@@ -224,8 +224,7 @@ class DenseGroup:
     def decodes(self, index: int) -> None:
         """Layer ``index`` was called with a few tokens (the fused kernel, no dense weight):
         leave it out of the group's dequantizes until it asks for its :meth:`weight`."""
-        if index not in self._decoding:
-            self._decoding.add(index)
+        self._decoding.add(index)
 
     def current(self, index: int, dtype: torch.dtype) -> torch.Tensor | None:
         """Layer ``index``'s view if the scratch holds this group in ``dtype`` now, else

@@ -102,6 +102,54 @@ def test_the_tail_after_the_last_block_is_counted() -> None:
     assert without_tail.bytes_with(["0", "1", "2"]) < everything
 
 
+def test_the_tail_is_its_peak_alive_not_the_sum_of_everything_it_made() -> None:
+    """Temporaries freed before the logits exist (a final norm's float32 intermediates) do not
+    add to the tail; tensors alive together do; one kept alive by a view counts until the view
+    goes; one autograd saves counts as ``outside``, not in the tail."""
+    vocab = 4096
+    with torch.device("meta"):
+        model = nn.Sequential(*(Attention(False) for _ in range(2)), nn.Linear(DIM, vocab))
+    block_names = ["0", "1"]
+    x = torch.empty(1, TOKENS, DIM, device="meta", requires_grad=True)
+    head = model[2]
+    trunk = nn.Sequential(model[0], model[1])
+    logits32 = TOKENS * vocab * 4
+    hidden32 = TOKENS * DIM * 4
+
+    def step(temporaries: int, keep_view: bool) -> torch.Tensor:
+        h = trunk(x)
+        for _ in range(temporaries):  # made and dropped one after the other
+            t = h.float() * 2.0
+            del t
+        view = (h.float() * 3.0).view(-1) if keep_view else None  # a base held by its view
+        logits = head(h)  # float32: nothing casts it
+        loss = (logits.float() * 1.0).mean()  # the copy and the logits alive together
+        del view
+        return loss
+
+    def tail_of(temporaries: int, keep_view: bool) -> int:
+        return estimate_activations(model, lambda: step(temporaries, keep_view),
+                                    block_names).tail
+
+    base = tail_of(0, False)
+    assert 2 * logits32 <= base < 2 * logits32 + 2 * hidden32
+    assert tail_of(8, False) == base  # eight temporaries, none alive at the peak
+    assert tail_of(0, True) == base + hidden32  # the view keeps its base alive at the peak
+
+    def then(kind: str) -> torch.Tensor:
+        logits = head(trunk(x))
+        if kind == "sin":
+            return torch.sin(logits).mean()  # saves its input, made before it
+        if kind == "exp":
+            return torch.exp(logits).mean()  # saves its result, as it is made
+        return (logits * 1.0).mean()  # saves nothing: both alive together
+
+    plain, *saving = (estimate_activations(model, lambda k=k: then(k), block_names)
+                      for k in ("plain", "sin", "exp"))
+    for other in saving:  # what autograd saves is outside, and not in the tail
+        assert plain.tail - other.tail == logits32 == other.outside - plain.outside
+
+
 class _NormBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()

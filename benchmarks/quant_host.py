@@ -12,9 +12,11 @@ call did before), in alternating rounds of one run:
 * **blocks**: one block of each kind of a preset (default ``flux-dev``: its double and single
   blocks, LoRA r16 on ``to_q, to_k, to_v, to_out.0``, 1024 x 1024), forward + backward under
   bf16 autocast, as the planner's calibration times it (device time with the host held off,
-  the host's enqueue time apart), in bf16 and with its frozen layers stored as fp8. Prints
-  per block and phase the device and host ms of bf16, fp8 (replayed) and fp8 (JIT), and fp8's
-  host and device time over bf16's.
+  the host's enqueue time apart), in bf16 and with its frozen layers stored as fp8, each layer
+  dequantized at its call or the block's layers together (``vramkit.quant.dense``, whose
+  batched fp8 dequantize and one-token decode kernels replay their launches the same way).
+  Prints per block and phase the device and host ms of bf16, fp8 and fp8 together (replayed
+  and JIT), and their host and device time over bf16's.
 
 Run (GPU): PYTHONPATH=src python3 benchmarks/quant_host.py --out out/quant_host
            (needs diffusers for flux-dev, peft for the adapters)
@@ -111,8 +113,9 @@ def blocks_part(model: str, device: torch.device, rounds: int, repeats: int,
                 kind = type(target.model.get_submodule(name)).__name__
                 if kind not in kinds:
                     kinds.append(kind)
-                for storage, timed in (("bf16", call), ("fp8", times.calls["fp8"][name])):
-                    label = storage if storage == "bf16" else f"fp8 {arm}"
+                for storage, timed in (("bf16", call), ("fp8", times.calls["fp8"][name]),
+                                       ("together", times.calls["fp8+together"][name])):
+                    label = storage if storage == "bf16" else f"{storage} {arm}"
                     for phase, sides in (("fwd", (timed.forward, timed.host_forward)),
                                          ("bwd", (timed.backward, timed.host_backward))):
                         samples.setdefault((kind, phase, label), []).append(sides)
@@ -121,7 +124,7 @@ def blocks_part(model: str, device: torch.device, rounds: int, repeats: int,
     for kind in kinds:
         for phase in ("fwd", "bwd"):
             row: dict[str, Any] = {"block": kind, "phase": phase}
-            for label in ("bf16", "fp8 replay", "fp8 jit"):
+            for label in ("bf16", "fp8 replay", "fp8 jit", "together replay", "together jit"):
                 got = samples[(kind, phase, label)]
                 row[f"{label} device_s"] = statistics.median(d for d, _ in got)
                 row[f"{label} host_s"] = statistics.median(h for _, h in got)
@@ -165,6 +168,11 @@ def main() -> None:
             "fp8 / bf16 host": f"{r['fp8 replay host_s'] / r['bf16 host_s']:.2f}",
             "fp8 JIT / bf16 host": f"{r['fp8 jit host_s'] / r['bf16 host_s']:.2f}",
             "fp8 / bf16 device": f"{r['fp8 replay device_s'] / r['bf16 device_s']:.2f}",
+            "fp8 together device / host ms": (f"{ms(r['together replay device_s'])} / "
+                                              f"{ms(r['together replay host_s'])}"),
+            "together JIT-launch device / host ms": (f"{ms(r['together jit device_s'])} / "
+                                                     f"{ms(r['together jit host_s'])}"),
+            "together / bf16 host": f"{r['together replay host_s'] / r['bf16 host_s']:.2f}",
         })
     write_result("quant_host", {"launch": launch, "blocks": rows}, table, args.out)
 

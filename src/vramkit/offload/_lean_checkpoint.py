@@ -66,7 +66,8 @@ class LeanState:
     is neither its input nor its parameter.
 
     It also keeps where the block's parameters are registered between calls (walking a FLUX
-    double block's ~60 modules at every call cost the host ~0.1 ms per block), listed again
+    double block's ~60 modules at every call took 0.3-0.4 ms under a one-off cProfile on an
+    H200 host, which inflates Python calls), listed again
     when a module or parameter was registered anywhere since (PyTorch's registration hooks,
     watched while a LeanState exists) or a listed module's children or parameters were
     added or removed otherwise. Which of them require grad is read at every call.

@@ -611,8 +611,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                             outside_bwd + sum(sides[3]))
         else:
             bwd = PhaseTime(0.0, 0.0, 0.0, 0)
-        overhead = 0.0  # the swapper's host time is in the phases'
-        seconds = fwd.seconds + bwd.seconds + optimizer + overhead
+        seconds = fwd.seconds + bwd.seconds + optimizer  # the swapper's host time: in the phases
         breakdown = {"resident_weights": weights, "swap_slots": slots,
                      "trainable_and_optimizer": trainable, "activations": act}
         if scratch:
@@ -621,7 +620,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
             "seconds": seconds, "k": k, "m": m, "r": r, "offload": offload,
             "fmt_rank": (formats.index(fmt_s), formats.index(fmt_r)),
             "chosen": chosen, "ckpt": ckpt, "breakdown": breakdown, "fwd": fwd,
-            "bwd": bwd, "overhead": overhead, "host": host, "fmt_s": fmt_s,
+            "bwd": bwd, "host": host, "fmt_s": fmt_s,
             "fmt_r": fmt_r, "disk": disk, "swap_budget": swap_budget,
             "together": together}
 
@@ -725,7 +724,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         activation_offload=best["offload"],
         predicted_peak_bytes=sum(best["breakdown"].values()),
         peak_breakdown=best["breakdown"], forward=best["fwd"], backward=best["bwd"],
-        optimizer_seconds=optimizer, overhead_seconds=best["overhead"],
+        optimizer_seconds=optimizer, overhead_seconds=0.0,
         host_bytes=best["host"], notes=tuple(notes), block_order=tuple(names),
         disk_blocks=tuple(names[i] for i in best["disk"]),
         swap_host_budget=best["swap_budget"] if best["disk"] else None,

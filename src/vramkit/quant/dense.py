@@ -75,8 +75,8 @@ class DenseScratch:
         self.generation = 0
         # per group and dtype: its layers' views of the buffer and their element offsets, kept
         # with the buffer (dropped with it, so no view outlives the buffer it was cut from)
-        self._carved: dict[tuple[int, torch.dtype], tuple[DenseGroup, list[torch.Tensor],
-                                                          list[int]]] = {}
+        self._carved: dict[tuple[DenseGroup, torch.dtype],
+                           tuple[list[torch.Tensor], list[int]]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -112,10 +112,9 @@ class DenseScratch:
         """``group``'s layers' views of the buffer in ``dtype`` (``[rows, cols]`` each, at
         512-byte aligned offsets) and their element offsets: cut once per buffer, group and
         dtype (the buffer must have been claimed for the group)."""
-        key = (id(group), dtype)
-        carved = self._carved.get(key)
-        if carved is not None and carved[0] is group:
-            return carved[1], carved[2]
+        carved = self._carved.get((group, dtype))  # a group hashes by identity
+        if carved is not None:
+            return carved
         buffer = self._buffer
         if buffer is None:
             raise QuantizationError("the dense scratch holds no buffer to carve",
@@ -130,12 +129,12 @@ class DenseScratch:
             views.append(buffer[offset:offset + nbytes].view(dtype).view(rows, cols))
             offsets.append(offset // itemsize)
             offset += _aligned(nbytes)
-        self._carved[key] = (group, views, offsets)
+        self._carved[(group, dtype)] = (views, offsets)
         return views, offsets
 
     def forget(self, group: DenseGroup) -> None:
         """Drop ``group``'s cached views (it left the scratch)."""
-        for key in [k for k, v in self._carved.items() if v[0] is group]:
+        for key in [key for key in self._carved if key[0] is group]:
             del self._carved[key]
 
     def invalidate(self) -> None:

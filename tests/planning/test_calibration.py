@@ -231,6 +231,43 @@ def test_a_format_is_chosen_only_where_its_measured_cost_pays() -> None:
                                "call): dequantizing adds 6000.0 ms") for note in dear.notes)
 
 
+def test_the_copies_slowdown_is_priced_where_copies_run_beside_compute() -> None:
+    import dataclasses
+
+    model = _models.stack(n=6)
+    inputs = _models.inputs()
+    cost = analyze(model, inputs, autocast=None)
+    times = _steady(calibrate_blocks(model, inputs, device="cpu", autocast=None, repeats=1))
+    assert "beside-copies" not in times.calls  # no copy engine to time beside on the CPU
+    assert times.copy_slowdown("blocks.0") == (0.0, 0.0)
+    beside = {n: CallTimes(c.forward * 1.25, c.backward * 1.5, c.host_forward, c.host_backward)
+              for n, c in times.calls["full"].items()}
+    slowed = dataclasses.replace(times, calls={**times.calls, "beside-copies": beside})
+    assert slowed.copy_slowdown("blocks.0") == (pytest.approx(0.25), pytest.approx(0.5))
+    faster = {n: CallTimes(c.forward / 2, c.backward / 2, 0.0, 0.0)
+              for n, c in times.calls["full"].items()}
+    assert dataclasses.replace(times, calls={**times.calls, "beside-copies": faster}
+                               ).copy_slowdown("blocks.0") == (0.0, 0.0)  # never negative
+    machine = _machine(copies=4e9, flops=1e12)
+
+    def plans(budget: str) -> tuple[vramkit.Plan, vramkit.Plan]:
+        return tuple(vramkit.plan(model, inputs, budget, hardware=machine, cost=cost,  # type: ignore[return-value]
+                                  block_times=t, autocast=None, headroom=0, num_slots=(2,))
+                     for t in (times, slowed))
+
+    alone, beside_copies = plans("8MiB")
+    assert alone.swapped == beside_copies.swapped and alone.swapped
+    assert beside_copies.predicted_step_seconds > alone.predicted_step_seconds
+    assert any("Copies slow the compute beside them" in n and "forward +25.0 %" in n
+               and "backward +50.0 %" in n for n in beside_copies.notes)
+    assert not any("Copies slow" in n for n in alone.notes)
+    # everything resident: no copies, no slowdown, no note
+    roomy, roomy_slowed = plans("1GiB")
+    assert not roomy_slowed.swapped
+    assert roomy_slowed.predicted_step_seconds == pytest.approx(roomy.predicted_step_seconds)
+    assert not any("Copies slow" in n for n in roomy_slowed.notes)
+
+
 def test_dequantizing_together_is_chosen_where_it_pays_and_fits() -> None:
     import dataclasses
 

@@ -116,6 +116,23 @@ def test_a_phase_waits_for_copies_and_for_slots() -> None:
     assert not PhaseTime(1.0, 1.0, 0.5, 10).transfer_bound
 
 
+def test_compute_beside_the_copy_engine_runs_slower() -> None:
+    # Three swapped blocks, 2 ms of compute and 1 ms of copy each, two slots: block 0 runs
+    # alone (0-2), its end starts block 2's copy (2-3), which runs beside the first 1 ms of
+    # block 1 (2-4): 50 % slower there, block 1 ends at 4.5; block 2 runs alone (4.5-6.5).
+    args = ([2.0] * 3, [1.0] * 3, [True] * 3)
+    assert simulate_phase(*args, slots=2) == pytest.approx(6.0)
+    assert simulate_phase(*args, slots=2, slowdown=0.5) == pytest.approx(6.5)
+    # per block: only block 1 has copies beside it
+    assert simulate_phase(*args, slots=2, slowdown=[0.0, 0.5, 0.0]) == pytest.approx(6.5)
+    assert simulate_phase(*args, slots=2, slowdown=[0.5, 0.0, 0.5]) == pytest.approx(6.0)
+    # one slot: every copy waits for the block before to end, so nothing overlaps
+    assert simulate_phase(*args, slots=1, slowdown=0.5) == simulate_phase(*args, slots=1)
+    # nothing swapped: no copies, no slowdown
+    assert simulate_phase([2.0] * 3, [0.0] * 3, [False] * 3, slots=2,
+                          slowdown=0.5) == pytest.approx(6.0)
+
+
 def test_the_host_runs_ahead_of_the_device() -> None:
     # Blocks alternately heavier on the host (3 ms to enqueue 1 ms of kernels) and on the
     # device (1 ms to enqueue 3 ms): the host runs ahead, so the phase takes less than each

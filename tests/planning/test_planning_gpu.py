@@ -49,6 +49,34 @@ def test_the_machine_and_each_kind_of_block_are_measured() -> None:
         assert min(call.forward, call.backward, call.host_forward, call.host_backward) > 0
         again = times.calls["checkpointed"][name]
         assert again.backward > call.backward + 0.5 * call.forward
+    # and each kind beside copies: device times of the same order, the slowdown a share
+    beside = times.calls["beside-copies"]
+    assert set(beside) == set(times.forward)
+    for name, call in times.calls["full"].items():
+        assert 0.5 * call.forward < beside[name].forward < 2 * call.forward
+        forward, backward = times.copy_slowdown(name)
+        assert 0.0 <= forward < 1.0 and 0.0 <= backward < 1.0
+
+
+def test_copies_beside_a_timed_region_run_while_it_runs() -> None:
+    from vramkit.planning.calibration import _CopiesBeside
+
+    copies = _CopiesBeside(torch.device("cuda"))
+    assert copies.bytes_per_s > 1e9
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(2e8))  # the region: ~0.1 s of spinning on the current stream
+    start.record()
+    copies.launch(start, 0.05)
+    torch.cuda._sleep(int(2e8))
+    end.record()
+    done = torch.cuda.Event()
+    done.record(copies.stream)
+    # the copies were queued behind the region's start, not before it
+    assert not done.query()
+    copies.drain()
+    assert done.query()
+    end.synchronize()
 
 
 def test_packed_formats_are_timed_on_the_gpu() -> None:

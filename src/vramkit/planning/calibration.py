@@ -10,8 +10,10 @@ from the model's own weights) and random inputs of the recorded shapes, and time
 and, for training, its backward (input and adapter gradients, as inside a training step), a few
 rounds after a warm-up; for training also under gradient checkpointing as ``fit`` applies it
 (the lean checkpoint: a forward that records no graph, a backward that recomputes first; the
-host time of both, which a small block feels), and in each packed
-format asked for. Every block of a kind gets the kind's times.
+host time of both, which a small block feels), on a GPU also with host-to-device copies running
+beside it (a swapped step's copies slow the compute they overlap:
+:meth:`BlockTimes.copy_slowdown`), and in each packed format asked for. Every block of a kind
+gets the kind's times.
 
 Times come from CUDA events on a GPU (the host enqueues each timed region while a spin kernel
 holds the stream, so the kernels run back to back as inside a step; the host's enqueue time is
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -49,6 +52,9 @@ _STD = 0.02  # random weights: the scale of a trained transformer's
 #: (its backward recomputes the forward first).
 FULL = "full"
 CHECKPOINTED = "checkpointed"
+#: The block as the model stores it, timed with host-to-device copies running beside it on
+#: another stream (GPU only): what a swapped step's copy engine costs the compute it overlaps.
+BESIDE_COPIES = "beside-copies"
 
 
 def packed_variant(fmt: str, together: bool = False) -> str:
@@ -95,7 +101,8 @@ class BlockTimes:
             format asked for, ``"fp8"`` (its frozen layers stored in that format, each
             dequantized at its call) and ``"fp8+together"`` (a block's layers dequantized
             together at its first call, :mod:`vramkit.quant.dense`); see
-            :func:`packed_variant`.
+            :func:`packed_variant`; on a GPU, :data:`BESIDE_COPIES` (the full block with
+            host-to-device copies running beside it, :meth:`copy_slowdown`).
         kinds: how many distinct kinds were timed.
         device: where they were timed (``"cuda:0"``, ``"cpu"``).
         fallbacks: blocks whose kind could not run on random inputs (FLOP-based times).
@@ -141,6 +148,20 @@ class BlockTimes:
             return None
         return (max(0.0, timed.seconds[0] - full.seconds[0]),
                 max(0.0, timed.seconds[1] - full.seconds[1]))
+
+    def copy_slowdown(self, name: str) -> tuple[float, float]:
+        """The share by which block ``name``'s forward and backward device time grows while
+        host-to-device copies run beside it (never negative; ``(0, 0)`` when not timed).
+
+        The copy engine's writes share the GPU's memory with the kernels: on an H200, a FLUX
+        single block ran 2.8-2.9 % slower beside continuous copies at full PCIe speed, its
+        clocks and power unchanged (docs/benchmarks.md), and a swapped step's copies run
+        beside most of its compute."""
+        timed, full = self.call(name, BESIDE_COPIES), self.call(name)
+        if timed is None or full is None:
+            return 0.0, 0.0
+        return (max(0.0, timed.forward / full.forward - 1) if full.forward > 0 else 0.0,
+                max(0.0, timed.backward / full.backward - 1) if full.backward > 0 else 0.0)
 
     def flops_per_s(self, cost: ModelCost) -> float | None:
         """The throughput the timed blocks reached on the device (for the work outside the
@@ -240,8 +261,11 @@ class _Clock:
     _CYCLES_PER_S = 4e9
     _MAX_LEAD_S = 0.25
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, beside: _CopiesBeside | None = None,
+                 seconds: float = 0.0) -> None:
         self.cuda = device.type == "cuda"
+        self.beside = beside  # timed rounds: copies for ``seconds`` from the region's start
+        self.beside_s = seconds
         self.host_samples: list[float] = []  # the warm-up rounds' enqueue times, in order
         self.busy_samples: list[float] = []  # the timed rounds', the device busy
         self.timing = False  # warm-up rounds until set
@@ -265,11 +289,15 @@ class _Clock:
 
     def start(self) -> Any:
         if self.cuda:
+            if self.timing and self.beside is not None:
+                self.beside.drain()
             if self.timing and self.host_s > 0:
                 lead = min(self.host_s, self._MAX_LEAD_S)
                 torch.cuda._sleep(int(lead * self._CYCLES_PER_S))
             event = torch.cuda.Event(enable_timing=True)
             event.record()
+            if self.timing and self.beside is not None:
+                self.beside.launch(event, self.beside_s)
             return (event, time.perf_counter())
         return time.perf_counter()
 
@@ -287,6 +315,41 @@ class _Clock:
         return time.perf_counter() - started
 
 
+class _CopiesBeside:
+    """Host-to-device copies on a stream of their own, started with a timed region (the side
+    stream waits for the region's first event) and lasting about as long as the region's
+    device time alone: a swapped step's copy engine beside its compute. Pinned source and
+    device destination of :attr:`CHUNK` bytes each, copied over and over."""
+
+    CHUNK = 32 << 20
+
+    def __init__(self, device: torch.device) -> None:
+        self.source = torch.empty(self.CHUNK, dtype=torch.uint8, pin_memory=True)
+        self.dest = torch.empty(self.CHUNK, dtype=torch.uint8, device=device)
+        self.stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(self.stream):
+            self.dest.copy_(self.source, non_blocking=True)  # first-copy costs
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
+            for _ in range(4):
+                self.dest.copy_(self.source, non_blocking=True)
+            end.record(self.stream)
+        end.synchronize()
+        self.bytes_per_s = 4 * self.CHUNK / max(start.elapsed_time(end) / 1e3, 1e-9)
+
+    def launch(self, event: Any, seconds: float) -> None:
+        """Copies for ``seconds`` (one chunk more), from ``event`` on."""
+        self.stream.wait_event(event)
+        with torch.cuda.stream(self.stream):
+            for _ in range(math.ceil(seconds * self.bytes_per_s / self.CHUNK) + 1):
+                self.dest.copy_(self.source, non_blocking=True)
+
+    def drain(self) -> None:
+        """Wait for the last region's copies (at most a chunk outlives it)."""
+        self.stream.synchronize()
+
+
 #: Untimed rounds before the timed ones: kernel selection, caches, the GPU's clocks; the host's
 #: enqueue time is the median of all but the first.
 _WARMUP_ROUNDS = 6
@@ -294,11 +357,15 @@ _WARMUP_ROUNDS = 6
 
 def _time_block(block: nn.Module, args: Any, kwargs: Any, device: torch.device, train: bool,
                 autocast: torch.dtype | None, repeats: int,
-                before_round: Callable[[], None] | None = None) -> CallTimes:
+                before_round: Callable[[], None] | None = None,
+                beside: tuple[_CopiesBeside, CallTimes] | None = None) -> CallTimes:
     """Median device seconds of ``block``'s forward and backward over ``repeats`` rounds
     (after warm-up rounds) and the host's enqueue seconds (see :class:`_Clock`).
-    ``before_round`` runs before each round's forward, untimed."""
-    forward_clock, backward_clock = _Clock(device), _Clock(device)
+    ``before_round`` runs before each round's forward, untimed. ``beside``: copies running
+    beside each timed forward and backward, as long as the given times (the block alone)."""
+    copies, alone = beside if beside is not None else (None, CallTimes(0.0, 0.0, 0.0, 0.0))
+    forward_clock = _Clock(device, copies, alone.forward)
+    backward_clock = _Clock(device, copies, alone.backward)
     context = (torch.autocast(device.type, dtype=autocast) if autocast is not None and train
                else None)
     forwards, backwards = [], []
@@ -328,6 +395,8 @@ def _time_block(block: nn.Module, args: Any, kwargs: Any, device: torch.device, 
         if round_ >= _WARMUP_ROUNDS:
             forwards.append(forward)
             backwards.append(backward)
+    if copies is not None:
+        copies.drain()
     fwd, bwd = statistics.median(forwards), statistics.median(backwards)
     if not forward_clock.cuda:
         return CallTimes(fwd, bwd, fwd, bwd)
@@ -437,6 +506,7 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
     generator = torch.Generator().manual_seed(seed)
     calls: dict[str, dict[str, CallTimes]] = {}
     fallbacks: list[str] = [n for n in names if n not in calls_of]
+    copies: _CopiesBeside | None = None
     if target.type == "cuda" and kinds:
         _warm_up_clocks(target)
     for members in kinds.values():
@@ -451,6 +521,11 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
         args, kwargs = _real(calls_of[first], target, train, generator)
         try:
             timed = {FULL: _time_block(block, args, kwargs, target, train, autocast, repeats)}
+            if target.type == "cuda":
+                copies = copies or _CopiesBeside(target)
+                timed[BESIDE_COPIES] = _time_block(block, args, kwargs, target, train,
+                                                   autocast, repeats,
+                                                   beside=(copies, timed[FULL]))
             if train:
                 timed[CHECKPOINTED] = _time_checkpointed(block, args, kwargs, target, autocast,
                                                          repeats)

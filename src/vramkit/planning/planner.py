@@ -302,7 +302,8 @@ def _checkpoint_order(cost: ModelCost) -> list[str]:
 def simulate_phase(compute: Sequence[float], copies: Sequence[float],
                    swapped: Sequence[bool], slots: int,
                    restores: Sequence[float] | None = None,
-                   host: Sequence[float] | None = None) -> float:
+                   host: Sequence[float] | None = None,
+                   slowdown: float | Sequence[float] = 0.0) -> float:
     """The time of one phase over blocks in their order of execution.
 
     The compute stream runs the blocks one after another. A swapped block waits for its copy;
@@ -313,28 +314,38 @@ def simulate_phase(compute: Sequence[float], copies: Sequence[float],
     before it runs whatever its slot (offloaded activations coming back), on the same engine.
     ``host``: each block's enqueue time on the host, which runs ahead of the device (nothing in
     a step waits for the device on the host): a block's kernels start no earlier than the host
-    began enqueueing it and end no earlier than it finished.
+    began enqueueing it and end no earlier than it finished. ``slowdown``: the share by which a
+    block's compute is slower while the copy engine runs beside it (one figure, or one per
+    block; :attr:`~vramkit.planning.calibration.BlockTimes.copy_slowdown`).
     """
+    n = len(compute)
+    slow = ([float(slowdown)] * n if isinstance(slowdown, (int, float))
+            else list(slowdown))
+    order = [i for i, s in enumerate(swapped) if s]
+    arrives = {i: 0.0 for i in order[:slots]}  # when each swapped block's copy has landed
     t = 0.0
-    engine = 0.0
+    engine = 0.0  # when the copy engine has done everything enqueued on it so far
     enqueued = 0.0
-    ends: list[float] = []
-    for i, (c, w, s) in enumerate(zip(compute, copies, swapped, strict=True)):
+    done = 0  # swapped blocks whose compute has ended
+    for i, (c, s) in enumerate(zip(compute, swapped, strict=True)):
         ready = t
         if host is not None:
             ready = max(ready, enqueued)
             enqueued += host[i]
         if restores is not None and restores[i]:
-            engine = max(engine, 0.0) + restores[i]
+            engine += restores[i]  # fetched ahead, in block order
             ready = max(ready, engine)
         if s:
-            j = len(ends)
-            if j >= slots:
-                engine = max(engine, ends[j - slots]) + w
-                ready = max(ready, engine)
-        t = max(ready + c, enqueued)
+            ready = max(ready, arrives[i])
+        # the copies enqueued so far run beside this block until the engine is done
+        beside = min(max(0.0, engine - ready), c)
+        t = max(ready + c + slow[i] * beside, enqueued)
         if s:
-            ends.append(t)
+            nxt = done + slots
+            done += 1
+            if nxt < len(order):  # its slot takes the swapped block ``slots`` places later
+                engine = max(engine, t) + copies[order[nxt]]
+                arrives[order[nxt]] = engine
     return t
 
 
@@ -522,6 +533,14 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                  if times is not None and b.name in measured else None)
         as_checkpointed.append(timed if timed is not None else CallTimes(
             c.forward, c.backward + c.forward, c.host_forward, c.host_backward + c.host_forward))
+    # How much slower each block's compute runs beside the copy engine: measured where the
+    # calibration timed it (GPU), else 0.
+    slow_fwd = [0.0] * n
+    slow_bwd = [0.0] * n
+    if times is not None:
+        for i, b in enumerate(cost.blocks):
+            if b.name in measured:
+                slow_fwd[i], slow_bwd[i] = times.copy_slowdown(b.name)
     bw = machine.h2d_bytes_per_s
     disk_bw = disk_bytes_per_s if disk_bytes_per_s is not None else DEFAULT_DISK_BYTES_PER_S
     optimizer = 4 * cost.trainable_bytes / machine.memory_bandwidth_bytes_per_s if train else 0.0
@@ -588,7 +607,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                              [name in ckpt_set for name in names],
                              together)
         fwd_time = outside_fwd + simulate_phase(sides[0], phase_copy_s, flags,
-                                                r, host=sides[1])
+                                                r, host=sides[1], slowdown=slow_fwd)
         if offload:  # device->host copies run on the other engine
             fwd_time = max(fwd_time, offload_bytes / machine.d2h_bytes_per_s)
         # Copy engine time: disk blocks are paced by the disk (the same share of
@@ -604,7 +623,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
             back = simulate_phase(sides[2][::-1], phase_copy_s[::-1],
                                   flags[::-1], r,
                                   restores[::-1] if restores else None,
-                                  host=sides[3][::-1])
+                                  host=sides[3][::-1], slowdown=slow_bwd[::-1])
             bwd = PhaseTime(outside_bwd + back, outside_bwd + sum(sides[2]),
                             copy_time + offload_bytes / bw,
                             copies + offload_bytes,
@@ -694,6 +713,15 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         notes.append(f"Block times measured on {times.device} ({times.kinds} kind(s) of block "
                      "timed" + (f"; {len(times.fallbacks)} block(s) from FLOP counts"
                                 if times.fallbacks else "") + ").")
+        if swapped and (any(slow_fwd) or any(slow_bwd)):
+            share_f = (sum(s * c.forward for s, c in zip(slow_fwd, full, strict=True))
+                       / (sum(c.forward for c in full) or 1.0))
+            share_b = (sum(s * c.backward for s, c in zip(slow_bwd, full, strict=True))
+                       / (sum(c.backward for c in full) or 1.0))
+            notes.append("Copies slow the compute beside them (timed with copies running "
+                         f"beside each kind of block): forward +{100 * share_f:.1f} %"
+                         + (f", backward +{100 * share_b:.1f} %" if train else "")
+                         + " where they overlap; priced in the phases above.")
         for fmt in formats:
             for together in ways:
                 timed = ([times.packed_extra(fmt, b.name, together=together)

@@ -258,6 +258,12 @@ def test_the_copies_slowdown_is_priced_where_copies_run_beside_compute() -> None
     alone, beside_copies = plans("8MiB")
     assert alone.swapped == beside_copies.swapped and alone.swapped
     assert beside_copies.predicted_step_seconds > alone.predicted_step_seconds
+    lost = beside_copies.forward.slowed_seconds + beside_copies.backward.slowed_seconds
+    assert lost > 0 and alone.forward.slowed_seconds == alone.backward.slowed_seconds == 0
+    # what the compute lost is compute, not waiting for copies
+    assert beside_copies.forward.transfer_bound == alone.forward.transfer_bound
+    assert "ms slower" in beside_copies.explain() and "ms slower" not in alone.explain()
+    assert beside_copies.to_dict()["forward"]["slowed_seconds"] > 0
     assert any("Copies slow the compute beside them" in n and "forward +25.0 %" in n
                and "backward +50.0 %" in n for n in beside_copies.notes)
     assert not any("Copies slow" in n for n in alone.notes)

@@ -13,7 +13,14 @@ from vramkit.errors import ConfigError, PlanError
 from vramkit.planning.analysis import analyze
 from vramkit.planning.api import plan, resolve_headroom
 from vramkit.planning.machine import Machine
-from vramkit.planning.planner import PhaseTime, _by_stack, _paced_set, _swap_sets, simulate_phase
+from vramkit.planning.planner import (
+    PhaseTime,
+    _by_stack,
+    _paced_set,
+    _simulate,
+    _swap_sets,
+    simulate_phase,
+)
 
 MiB = 1 << 20
 
@@ -123,6 +130,7 @@ def test_compute_beside_the_copy_engine_runs_slower() -> None:
     args = ([2.0] * 3, [1.0] * 3, [True] * 3)
     assert simulate_phase(*args, slots=2) == pytest.approx(6.0)
     assert simulate_phase(*args, slots=2, slowdown=0.5) == pytest.approx(6.5)
+    assert _simulate(*args, 2, None, None, 0.5) == (pytest.approx(6.5), pytest.approx(0.5))
     # per block: only block 1 has copies beside it
     assert simulate_phase(*args, slots=2, slowdown=[0.0, 0.5, 0.0]) == pytest.approx(6.5)
     assert simulate_phase(*args, slots=2, slowdown=[0.5, 0.0, 0.5]) == pytest.approx(6.0)

@@ -330,9 +330,12 @@ def _print_plan(target: Any, plan: Any, note: str | None, list_blocks: bool) -> 
     if plan.mode == "train":
         phases.append(("backward", plan.backward))
     for label, phase in phases:
-        bound = "transfer-bound" if phase.transfer_bound else "compute-bound"
+        bound = ("host-bound" if phase.host_bound else
+                 "transfer-bound" if phase.transfer_bound else "compute-bound")
+        slowed = (f", {phase.slowed_seconds * 1e3:.1f} ms slower beside the copies"
+                  if phase.slowed_seconds >= 5e-5 else "")
         table.add_row(f"  {label}", f"{phase.seconds * 1e3:.0f} ms ({bound}: compute "
-                                    f"{phase.compute_seconds * 1e3:.0f} ms, copies "
+                                    f"{phase.compute_seconds * 1e3:.0f} ms{slowed}, copies "
                                     f"{format_size(phase.copy_bytes)} = "
                                     f"{phase.copy_seconds * 1e3:.0f} ms)")
     if plan.swapped:

@@ -83,6 +83,9 @@ class PhaseTime:
         copy_bytes: the bytes those copies move.
         host_seconds: the host's time to enqueue the phase (Python, the dispatcher, the
             swapper's bookkeeping); it runs ahead of the device unless the blocks are small.
+        slowed_seconds: what the compute loses to the copies running beside it (the memory
+            system is shared: :meth:`~vramkit.planning.calibration.BlockTimes.copy_slowdown`),
+            part of ``seconds``.
     """
 
     seconds: float
@@ -90,6 +93,7 @@ class PhaseTime:
     copy_seconds: float
     copy_bytes: int
     host_seconds: float = 0.0
+    slowed_seconds: float = 0.0
 
     @property
     def host_bound(self) -> bool:
@@ -101,8 +105,9 @@ class PhaseTime:
     @property
     def transfer_bound(self) -> bool:
         """Whether compute waits for copies for more than 1 % of the phase (and not for the
-        host)."""
-        return not self.host_bound and self.seconds > 1.01 * self.compute_seconds
+        host); compute slowed beside the copies is still compute."""
+        return (not self.host_bound
+                and self.seconds > 1.01 * (self.compute_seconds + self.slowed_seconds))
 
 
 @dataclass(frozen=True)
@@ -262,8 +267,11 @@ class Plan:
                           f"({phase.copy_seconds * 1e3:.0f} ms)")
                 bound = ("transfer-bound" if phase.transfer_bound else
                          "compute-bound (the copies hide behind compute)")
+                slowed = (f"; beside the copies the compute runs "
+                          f"{phase.slowed_seconds * 1e3:.1f} ms slower"
+                          if phase.slowed_seconds >= 5e-5 else "")
                 lines.append(f"{label.capitalize()} {phase.seconds * 1e3:.0f} ms, {bound}: "
-                             f"{copies} vs {compute}.")
+                             f"{copies} vs {compute}{slowed}.")
             else:
                 lines.append(f"{label.capitalize()} {phase.seconds * 1e3:.0f} ms: {compute}, "
                              "no copies.")
@@ -316,8 +324,15 @@ def simulate_phase(compute: Sequence[float], copies: Sequence[float],
     a step waits for the device on the host): a block's kernels start no earlier than the host
     began enqueueing it and end no earlier than it finished. ``slowdown``: the share by which a
     block's compute is slower while the copy engine runs beside it (one figure, or one per
-    block; :attr:`~vramkit.planning.calibration.BlockTimes.copy_slowdown`).
+    block; :meth:`~vramkit.planning.calibration.BlockTimes.copy_slowdown`).
     """
+    return _simulate(compute, copies, swapped, slots, restores, host, slowdown)[0]
+
+
+def _simulate(compute: Sequence[float], copies: Sequence[float], swapped: Sequence[bool],
+              slots: int, restores: Sequence[float] | None, host: Sequence[float] | None,
+              slowdown: float | Sequence[float]) -> tuple[float, float]:
+    """:func:`simulate_phase`'s time, and the seconds its compute lost to copies beside it."""
     n = len(compute)
     slow = ([float(slowdown)] * n if isinstance(slowdown, (int, float))
             else list(slowdown))
@@ -327,6 +342,7 @@ def simulate_phase(compute: Sequence[float], copies: Sequence[float],
     engine = 0.0  # when the copy engine has done everything enqueued on it so far
     enqueued = 0.0
     done = 0  # swapped blocks whose compute has ended
+    lost = 0.0
     for i, (c, s) in enumerate(zip(compute, swapped, strict=True)):
         ready = t
         if host is not None:
@@ -339,6 +355,7 @@ def simulate_phase(compute: Sequence[float], copies: Sequence[float],
             ready = max(ready, arrives[i])
         # the copies enqueued so far run beside this block until the engine is done
         beside = min(max(0.0, engine - ready), c)
+        lost += slow[i] * beside
         t = max(ready + c + slow[i] * beside, enqueued)
         if s:
             nxt = done + slots
@@ -346,7 +363,7 @@ def simulate_phase(compute: Sequence[float], copies: Sequence[float],
             if nxt < len(order):  # its slot takes the swapped block ``slots`` places later
                 engine = max(engine, t) + copies[order[nxt]]
                 arrives[order[nxt]] = engine
-    return t
+    return t, lost
 
 
 def _block_sides(full: Sequence[CallTimes], as_checkpointed: Sequence[CallTimes],
@@ -606,8 +623,9 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         sides = _block_sides(full, as_checkpointed, dequant, per_layer, flags,
                              [name in ckpt_set for name in names],
                              together)
-        fwd_time = outside_fwd + simulate_phase(sides[0], phase_copy_s, flags,
-                                                r, host=sides[1], slowdown=slow_fwd)
+        fwd_time, fwd_lost = _simulate(sides[0], phase_copy_s, flags, r, None, sides[1],
+                                       slow_fwd)
+        fwd_time += outside_fwd
         if offload:  # device->host copies run on the other engine
             fwd_time = max(fwd_time, offload_bytes / machine.d2h_bytes_per_s)
         # Copy engine time: disk blocks are paced by the disk (the same share of
@@ -616,18 +634,17 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         copy_time = copies / bw + share * sum(
             sizes[i] * (1 / min(bw, disk_bw) - 1 / bw) for i in disk)
         fwd = PhaseTime(fwd_time, outside_fwd + sum(sides[0]), copy_time,
-                        copies, outside_fwd + sum(sides[1]))
+                        copies, outside_fwd + sum(sides[1]), fwd_lost)
         if train:
             restores = ([_kept_bytes(estimate, b.name, ckpt_set) / bw
                          for b in cost.blocks] if offload else None)
-            back = simulate_phase(sides[2][::-1], phase_copy_s[::-1],
-                                  flags[::-1], r,
-                                  restores[::-1] if restores else None,
-                                  host=sides[3][::-1], slowdown=slow_bwd[::-1])
+            back, bwd_lost = _simulate(sides[2][::-1], phase_copy_s[::-1], flags[::-1], r,
+                                       restores[::-1] if restores else None,
+                                       sides[3][::-1], slow_bwd[::-1])
             bwd = PhaseTime(outside_bwd + back, outside_bwd + sum(sides[2]),
                             copy_time + offload_bytes / bw,
                             copies + offload_bytes,
-                            outside_bwd + sum(sides[3]))
+                            outside_bwd + sum(sides[3]), bwd_lost)
         else:
             bwd = PhaseTime(0.0, 0.0, 0.0, 0)
         seconds = fwd.seconds + bwd.seconds + optimizer  # the swapper's host time: in the phases

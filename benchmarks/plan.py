@@ -610,7 +610,9 @@ def demo_row(size: str, budget_gib: float, s: Settings) -> dict[str, Any]:
     t0 = time.perf_counter()
     plan = plan_demo(config)
     plan_s = time.perf_counter() - t0
+    retries = _alloc_retries(s.device)
     result = run_demo(config, plan=plan)
+    retries = _alloc_retries(s.device) - retries
     row: dict[str, Any] = {"model": f"demo-{size}", "kind": "bf16", "cap_gib": budget_gib,
                            "budget_bytes": plan.budget_bytes, "plan_s": plan_s,
                            "plan": {"swapped": result.swapped_blocks,
@@ -625,12 +627,28 @@ def demo_row(size: str, budget_gib: float, s: Settings) -> dict[str, Any]:
                            "fitted_peak": result.peak_bytes,
                            "under_budget": result.under_budget,
                            "loss_identical": result.losses == result.baseline_losses
-                           if result.baseline_losses else None}
+                           if result.baseline_losses else None,
+                           # what a host-bound or allocator-bound demo row needs to be read
+                           "timing": result.timing,
+                           "step_seconds": result.step_seconds,
+                           "baseline_step_seconds": result.baseline_step_seconds,
+                           "peak_reserved": result.peak_reserved_bytes,
+                           "transfers": result.transfers,
+                           "alloc_retries": retries,
+                           "explain": plan.plan_explanation}
     if plan.predicted_step_seconds:
         row["step_error"] = result.median_step_seconds / plan.predicted_step_seconds - 1
     if plan.predicted_peak_bytes:
         row["peak_error"] = result.peak_bytes / plan.predicted_peak_bytes - 1
     return row
+
+
+def _alloc_retries(device: str) -> int:
+    """The CUDA caching allocator's retries so far in this process (each one freed cached
+    blocks and synchronized to make room under the cap); 0 off CUDA."""
+    if device != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 
 
 # -- driver: one child process per model ----------------------------------------------------------

@@ -153,10 +153,11 @@ class BlockTimes:
         """The share by which block ``name``'s forward and backward device time grows while
         host-to-device copies run beside it (never negative; ``(0, 0)`` when not timed).
 
-        The copy engine's writes share the GPU's memory with the kernels: on an H200, a FLUX
-        single block ran 2.8-2.9 % slower beside continuous copies at full PCIe speed, its
-        clocks and power unchanged (docs/benchmarks.md), and a swapped step's copies run
-        beside most of its compute."""
+        The copy engine's writes share the GPU's memory with the kernels: in a fitted FLUX
+        step on an H200 every single block, swapped or resident, ran 0.10 ms (2.8 %) slower
+        than in the resident step (``benchmarks/plan_phases.py``), and this calibration read
+        +3.4-4.0 % forward, +2.5-3.0 % backward (the plans' notes in
+        ``benchmarks/plan.py``; docs/benchmarks.md)."""
         timed, full = self.call(name, BESIDE_COPIES), self.call(name)
         if timed is None or full is None:
             return 0.0, 0.0

@@ -274,6 +274,60 @@ def test_the_copies_slowdown_is_priced_where_copies_run_beside_compute() -> None
     assert not any("Copies slow" in n for n in roomy_slowed.notes)
 
 
+def test_an_offline_plan_prices_the_profiles_copy_slowdown_and_says_whence() -> None:
+    import dataclasses
+
+    from vramkit.planning.hardware import hardware_profile
+    from vramkit.planning.machine import COPY_SLOWDOWN
+
+    model = _models.stack(n=6)
+    inputs = _models.inputs()
+    cost = analyze(model, inputs, autocast=None)
+    # an H200's profile, slowed so that the tiny stack's blocks are bound by the device and
+    # their copies run beside their compute
+    h200 = dataclasses.replace(Machine.from_profile(hardware_profile("h200")),
+                               h2d_bytes_per_s=2e8, d2h_bytes_per_s=2e8, peak_flops_per_s=1e10)
+    assert h200.copy_slowdown == COPY_SLOWDOWN and all(0 < s < 0.1 for s in COPY_SLOWDOWN)
+    none = dataclasses.replace(h200, copy_slowdown=(0.0, 0.0))
+
+    def plans(budget: str) -> tuple[vramkit.Plan, vramkit.Plan]:
+        return tuple(vramkit.plan(model, inputs, budget, hardware=m, cost=cost,  # type: ignore[return-value]
+                                  autocast=None, headroom=0, num_slots=(2,))
+                     for m in (h200, none))
+
+    priced, unpriced = plans("8MiB")
+    assert priced.swapped == unpriced.swapped and priced.swapped
+    assert priced.predicted_step_seconds > unpriced.predicted_step_seconds
+    assert priced.forward.slowed_seconds > 0 and priced.backward.slowed_seconds > 0
+    assert unpriced.forward.slowed_seconds == unpriced.backward.slowed_seconds == 0
+    # every block of the stack is one kind: the shares are the profile's
+    import re
+
+    said = [n for n in priced.notes if "Copies slow the compute beside them" in n]
+    assert len(said) == 1 and "on an H200" in said[0]
+    shares = re.search(r"forward \+([\d.]+) %, backward \+([\d.]+) %", said[0])
+    assert shares is not None
+    assert float(shares[1]) == pytest.approx(100 * COPY_SLOWDOWN[0], abs=0.06)
+    assert float(shares[2]) == pytest.approx(100 * COPY_SLOWDOWN[1], abs=0.06)
+    assert not any("Copies slow" in n for n in unpriced.notes)
+    roomy, roomy_unpriced = plans("1GiB")  # nothing swapped: nothing to slow
+    assert not roomy.swapped and not any("Copies slow" in n for n in roomy.notes)
+    assert roomy.predicted_step_seconds == pytest.approx(roomy_unpriced.predicted_step_seconds)
+    # a measured machine prices none of its own: its calibration times it
+    assert _machine(copies=1e9, flops=1e12).copy_slowdown == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("bad", [(0.1,), (-0.01, 0.0), (0.0, 1.0), [0.01, 0.01],
+                                 (0.01, "x"), 0.03])
+def test_a_machines_copy_slowdown_is_a_pair_of_shares(bad: object) -> None:
+    from vramkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="copy_slowdown"):
+        Machine(name="test", memory_bytes=None, h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9,
+                flops_per_s=1e12, fp8_flops_per_s=None, memory_bandwidth_bytes_per_s=1e12,
+                copy_slowdown=bad)  # type: ignore[arg-type]
+
+
 def test_dequantizing_together_is_chosen_where_it_pays_and_fits() -> None:
     import dataclasses
 

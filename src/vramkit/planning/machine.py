@@ -32,7 +32,7 @@ from vramkit.planning.hardware import HardwareProfile, hardware_profile
 if TYPE_CHECKING:  # annotations only: analysis is not imported with the machine
     from vramkit.planning.analysis import Work
 
-__all__ = ["ACHIEVED_FRACTION", "Machine", "machine_for", "measure_machine"]
+__all__ = ["ACHIEVED_FRACTION", "COPY_SLOWDOWN", "Machine", "machine_for", "measure_machine"]
 
 #: Share of the dense bf16 peak the blocks of a diffusion-transformer or LLM training step
 #: achieve, as the planner counts their FLOPs: on an H100 80GB HBM3 (the h100-sxm profile,
@@ -52,6 +52,13 @@ ACHIEVED_FRACTION = 0.26
 # device part of the transformer blocks and SDXL's attention stacks -18 % .. +10 %, the whole
 # (device or host) mean |error| 17.5 % over 42 block phases, against 60.5 % for one share of
 # the peak.
+#: How much slower a block's compute runs, forward and backward, while host-to-device copies
+#: run beside it: the copy engine's writes share the GPU's memory with the kernels. What the
+#: calibration (``calibrate_blocks``' ``"beside-copies"`` timing) read on an H200 for FLUX.1-dev's
+#: blocks in every plan of benchmarks/plan.py: +3.4-4.0 % forward, +2.5-3.0 % backward
+#: (docs/benchmarks.md, "Eleventh session"); the midpoints. An offline plan prices it for every
+#: card (a measured machine times its own): not measured off Hopper, said in the plan's notes.
+COPY_SLOWDOWN = (0.037, 0.0275)
 #: Share of the dense bf16 peak a block's matmuls reach (fixed: large GEMMs on Hopper).
 MATMUL_FRACTION = 0.70
 #: Share of the dense bf16 peak fused attention reaches (flash attention, forward and backward).
@@ -93,6 +100,10 @@ class Machine:
         peak_flops_per_s: the dense bf16 peak of a hardware profile: set, blocks with counted
             :class:`~vramkit.planning.analysis.Work` are timed by :meth:`work_seconds`; ``None``
             (a measured machine, whose blocks are timed on it): FLOPs over ``flops_per_s``.
+        copy_slowdown: the shares by which a block's forward and backward compute slow while
+            host-to-device copies run beside it, for blocks the calibration did not time
+            (a hardware profile: :data:`COPY_SLOWDOWN`; a measured machine: none, its
+            calibration times each kind of block beside copies).
     """
 
     name: str
@@ -104,6 +115,7 @@ class Machine:
     memory_bandwidth_bytes_per_s: float
     measured: bool = False
     peak_flops_per_s: float | None = None
+    copy_slowdown: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
         for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "flops_per_s",
@@ -111,6 +123,14 @@ class Machine:
             check_number(f"Machine.{name}", getattr(self, name), minimum=0, low_open=True)
         check_number("Machine.peak_flops_per_s", self.peak_flops_per_s, minimum=0,
                      low_open=True, allow_none=True)
+        shares = self.copy_slowdown
+        if not isinstance(shares, tuple) or len(shares) != 2:
+            raise ConfigError(f"Machine.copy_slowdown must be a (forward, backward) pair of "
+                              f"shares, got {shares!r}",
+                              hint="Give two numbers in [0, 1), e.g. (0.037, 0.0275).")
+        object.__setattr__(self, "copy_slowdown", tuple(
+            check_number(f"Machine.copy_slowdown[{i}]", share, minimum=0, maximum=1,
+                         high_open=True) for i, share in enumerate(shares)))
 
     def device_seconds(self, matmul_flops: float, attention_flops: float,
                        elementwise_bytes: float, kernels: float) -> float:
@@ -189,7 +209,7 @@ class Machine:
                    d2h_bytes_per_s=profile.d2h_bytes_per_s,
                    flops_per_s=profile.bf16_flops * achieved_fraction, fp8_flops_per_s=fp8,
                    memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s,
-                   peak_flops_per_s=profile.bf16_flops)
+                   peak_flops_per_s=profile.bf16_flops, copy_slowdown=COPY_SLOWDOWN)
 
 
 def phase_work(work: Work, backward_flops: float

@@ -551,9 +551,10 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         as_checkpointed.append(timed if timed is not None else CallTimes(
             c.forward, c.backward + c.forward, c.host_forward, c.host_backward + c.host_forward))
     # How much slower each block's compute runs beside the copy engine: measured where the
-    # calibration timed it (GPU), else 0.
-    slow_fwd = [0.0] * n
-    slow_bwd = [0.0] * n
+    # calibration timed it (GPU), else the machine's share (a hardware profile's assumed one; 0
+    # on a measured machine, whose calibration times it).
+    slow_fwd = [machine.copy_slowdown[0]] * n
+    slow_bwd = [machine.copy_slowdown[1]] * n
     if times is not None:
         for i, b in enumerate(cost.blocks):
             if b.name in measured:
@@ -730,15 +731,19 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         notes.append(f"Block times measured on {times.device} ({times.kinds} kind(s) of block "
                      "timed" + (f"; {len(times.fallbacks)} block(s) from FLOP counts"
                                 if times.fallbacks else "") + ").")
-        if swapped and (any(slow_fwd) or any(slow_bwd)):
-            share_f = (sum(s * c.forward for s, c in zip(slow_fwd, full, strict=True))
-                       / (sum(c.forward for c in full) or 1.0))
-            share_b = (sum(s * c.backward for s, c in zip(slow_bwd, full, strict=True))
-                       / (sum(c.backward for c in full) or 1.0))
-            notes.append("Copies slow the compute beside them (timed with copies running "
-                         f"beside each kind of block): forward +{100 * share_f:.1f} %"
-                         + (f", backward +{100 * share_b:.1f} %" if train else "")
-                         + " where they overlap; priced in the phases above.")
+    if swapped and (any(slow_fwd) or any(slow_bwd)):
+        share_f = (sum(s * c.forward for s, c in zip(slow_fwd, full, strict=True))
+                   / (sum(c.forward for c in full) or 1.0))
+        share_b = (sum(s * c.backward for s, c in zip(slow_bwd, full, strict=True))
+                   / (sum(c.backward for c in full) or 1.0))
+        how = ("timed with copies running beside each kind of block" if measured else
+               "the share the calibration measured for FLUX.1-dev's blocks on an H200; "
+               "vramkit.fit's calibration times this card's own")
+        notes.append(f"Copies slow the compute beside them ({how}): forward "
+                     f"+{100 * share_f:.1f} %"
+                     + (f", backward +{100 * share_b:.1f} %" if train else "")
+                     + " where they overlap; priced in the phases above.")
+    if times is not None:
         for fmt in formats:
             for together in ways:
                 timed = ([times.packed_extra(fmt, b.name, together=together)

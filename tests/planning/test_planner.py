@@ -18,6 +18,7 @@ from vramkit.planning.planner import (
     _by_stack,
     _paced_set,
     _simulate,
+    _simulate_calls,
     _swap_sets,
     simulate_phase,
 )
@@ -249,6 +250,38 @@ def test_inference_plans_have_no_backward(cost) -> None:  # type: ignore[no-unty
     p = plan(model, xs, 4 * MiB, mode="infer", hardware="rtx4090", headroom=0, cost=infer)
     assert p.backward.seconds == 0 and p.checkpointed == () and p.swapped
     assert p.peak_breakdown["activations"] < cost.activations.checkpointed
+
+
+def test_back_to_back_inference_calls_copy_every_swapped_block_once_a_call() -> None:
+    # Four swapped blocks through two slots, copies twice as long as compute: a call alone
+    # starts with the first two in place (6 s); back to back, the ring wraps and loads them
+    # during the previous call's tail, so the copy engine paces every call at 4 copies (8 s).
+    alone = _simulate([1.0] * 4, [2.0] * 4, [True] * 4, 2, None, None, 0.0)
+    assert alone == (pytest.approx(6.0), 0.0)
+    assert _simulate_calls([1.0] * 4, [2.0] * 4, [True] * 4, 2, None, 0.0) == (
+        pytest.approx(8.0), 0.0)
+    # copies that hide behind compute cost nothing either way
+    assert _simulate_calls([1.0] * 4, [0.1] * 4, [True] * 4, 2, None, 0.0)[0] == (
+        pytest.approx(4.0))
+    # every swapped block has a slot: nothing is copied after the first call
+    assert _simulate_calls([1.0] * 4, [2.0] * 4, [True, True, False, False], 2, None, 0.0)[0] == (
+        pytest.approx(4.0))
+    # what compute loses beside the copies is one call's too
+    time, lost = _simulate_calls([1.0] * 4, [2.0] * 4, [True] * 4, 2, None, 0.1)
+    assert time == pytest.approx(8.0) and lost == pytest.approx(0.4)
+
+
+def test_an_inference_plan_copies_all_its_swapped_bytes_each_call() -> None:
+    model, xs = stack(device="meta"), inputs(device="meta")
+    infer = analyze(model, xs, mode="infer", autocast=None)
+    slow = Machine("slow copies", None, 1e8, 1e8, 1e13, None, 1e12)
+    p = plan(model, xs, 6 * MiB, mode="infer", hardware=slow, headroom=0, cost=infer,
+             num_slots=(2,))
+    assert len(p.swapped) > p.num_slots
+    swapped = sum(b.swapped["bf16"] for b in infer.blocks if b.name in set(p.swapped))
+    assert p.forward.copy_bytes == swapped
+    # transfer-bound: the call lasts at least as long as copying every swapped block
+    assert p.forward.seconds >= swapped / 1e8
 
 
 def test_bad_arguments() -> None:

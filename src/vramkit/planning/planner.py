@@ -366,6 +366,29 @@ def _simulate(compute: Sequence[float], copies: Sequence[float], swapped: Sequen
     return t, lost
 
 
+def _simulate_calls(compute: Sequence[float], copies: Sequence[float],
+                    swapped: Sequence[bool], slots: int, host: Sequence[float] | None,
+                    slowdown: float | Sequence[float]) -> tuple[float, float]:
+    """:func:`_simulate` of one inference call in a run of back-to-back calls: the time and
+    the compute lost to copies of the second of two calls simulated in a row.
+
+    Inference has no backward turn to keep blocks across: while a call's last swapped blocks
+    run, the swapper already loads the next call's first ones into the slots they free
+    (``SlotRing``'s inference order wraps around), so every swapped block is copied once a
+    call, its first copies beside the previous call's tail. One call simulated alone starts
+    with those first blocks in place for free: FLUX.1-dev at 11.5 GiB on an H200 (43 of 57
+    swapped, 3 slots, transfer-bound) was predicted 247 ms and ran 284 ms
+    (``benchmarks/plan.py``, docs/benchmarks.md). When every swapped block has a slot nothing
+    is copied after the first call: the call alone."""
+    once = _simulate(compute, copies, swapped, slots, None, host, slowdown)
+    if sum(1 for s in swapped if s) <= slots:
+        return once
+    slow = slowdown if isinstance(slowdown, (int, float)) else [*slowdown, *slowdown]
+    twice = _simulate([*compute, *compute], [*copies, *copies], [*swapped, *swapped], slots,
+                      None, None if host is None else [*host, *host], slow)
+    return twice[0] - once[0], twice[1] - once[1]
+
+
 def _block_sides(full: Sequence[CallTimes], as_checkpointed: Sequence[CallTimes],
                  dequant: Sequence[CallTimes], per_layer: Sequence[CallTimes],
                  swapped: Sequence[bool], checkpointed: Sequence[bool], together: bool
@@ -624,14 +647,23 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         sides = _block_sides(full, as_checkpointed, dequant, per_layer, flags,
                              [name in ckpt_set for name in names],
                              together)
-        fwd_time, fwd_lost = _simulate(sides[0], phase_copy_s, flags, r, None, sides[1],
-                                       slow_fwd)
+        if train:
+            fwd_time, fwd_lost = _simulate(sides[0], phase_copy_s, flags, r, None, sides[1],
+                                           slow_fwd)
+        else:  # back-to-back calls: the ring wraps around to the next call's first blocks
+            fwd_time, fwd_lost = _simulate_calls(sides[0], phase_copy_s, flags, r, sides[1],
+                                                 slow_fwd)
         fwd_time += outside_fwd
         if offload:  # device->host copies run on the other engine
             fwd_time = max(fwd_time, offload_bytes / machine.d2h_bytes_per_s)
-        # Copy engine time: disk blocks are paced by the disk (the same share of
-        # them as of all swapped blocks is copied in a phase).
+        # Copy engine time: disk blocks are paced by the disk (the same share of them as of
+        # all swapped blocks is copied in a phase). Training keeps the last slots' blocks
+        # across the turn and the first ones between steps; inference copies every swapped
+        # block once a call unless all of them have a slot.
         share = max(0, k - r) / k if k else 0.0
+        if not train and k > r:
+            share = 1.0
+            copies = master_bytes
         copy_time = copies / bw + share * sum(
             sizes[i] * (1 / min(bw, disk_bw) - 1 / bw) for i in disk)
         fwd = PhaseTime(fwd_time, outside_fwd + sum(sides[0]), copy_time,

@@ -161,6 +161,45 @@ class _NormBlock(nn.Module):
 
 
 @pytest.mark.skipif(not hasattr(torch, "_fused_rms_norm"), reason="no fused RMS norm in torch")
+class _Wide(nn.Module):
+    """A feed-forward block whose hidden tensors are made and dropped in turn."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, hidden)
+        self.down = nn.Linear(hidden, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)  # [.., hidden]
+        g = F.gelu(h)  # h and g alive together
+        del h
+        return x + self.down(g)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_forward_without_autograd_holds_what_each_block_makes_at_once(grad: bool) -> None:
+    hidden = 8 * DIM
+    with torch.device("meta"):
+        model = nn.Sequential(_Wide(hidden), _Wide(2 * hidden))
+    model.requires_grad_(False)
+    x = torch.empty(1, TOKENS, DIM, device="meta")
+
+    def step() -> torch.Tensor:
+        with torch.set_grad_enabled(grad):
+            return model(x)
+
+    found = estimate_activations(model, step, ["0", "1"])
+    if not grad:
+        assert found.per_block == {"0": 0, "1": 0}  # nothing saved for a backward
+    row = TOKENS * 4  # float32
+    # the up projection and its GELU, alive together, then the down projection and the sum
+    assert found.transient["0"] == 2 * row * hidden
+    assert found.transient["1"] == 2 * row * 2 * hidden
+    assert found.inputs["1"] == row * DIM  # block 0's output, not block 1's own
+    assert found.inference_peak == found.inputs["1"] + found.transient["1"]
+    assert ActivationEstimate({}, {}, 0).inference_peak == 0
+
+
 def test_rms_norm_counts_what_the_fused_kernel_keeps() -> None:
     # On CUDA F.rms_norm runs the fused kernel, which keeps its input as given (bf16 here) and
     # a float32 1/rms per row; on meta tensors F.rms_norm decomposes into float32 ops that would

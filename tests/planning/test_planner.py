@@ -247,7 +247,7 @@ def test_host_budget_limits_what_is_swapped(cost) -> None:  # type: ignore[no-un
 def test_inference_plans_have_no_backward(cost) -> None:  # type: ignore[no-untyped-def]
     model, xs = stack(device="meta"), inputs(device="meta")
     infer = analyze(model, xs, mode="infer", autocast=None)
-    p = plan(model, xs, 4 * MiB, mode="infer", hardware="rtx4090", headroom=0, cost=infer)
+    p = plan(model, xs, 5 * MiB, mode="infer", hardware="rtx4090", headroom=0, cost=infer)
     assert p.backward.seconds == 0 and p.checkpointed == () and p.swapped
     assert p.peak_breakdown["activations"] < cost.activations.checkpointed
 
@@ -275,7 +275,11 @@ def test_an_inference_plan_copies_all_its_swapped_bytes_each_call() -> None:
     model, xs = stack(device="meta"), inputs(device="meta")
     infer = analyze(model, xs, mode="infer", autocast=None)
     slow = Machine("slow copies", None, 1e8, 1e8, 1e13, None, 1e12)
-    p = plan(model, xs, 6 * MiB, mode="infer", hardware=slow, headroom=0, cost=infer,
+    with pytest.raises(PlanError, match=r"every block swapped, 2 slots\) needs") as info:
+        plan(model, xs, 1 * MiB, mode="infer", hardware=slow, headroom=0, cost=infer,
+             num_slots=(2,))
+    assert "checkpointed" not in str(info.value)  # nothing to checkpoint without a backward
+    p = plan(model, xs, 8 * MiB, mode="infer", hardware=slow, headroom=0, cost=infer,
              num_slots=(2,))
     assert len(p.swapped) > p.num_slots
     swapped = sum(b.swapped["bf16"] for b in infer.blocks if b.name in set(p.swapped))

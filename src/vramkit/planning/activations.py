@@ -19,6 +19,7 @@ what a planner searches over.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import weakref
@@ -51,12 +52,22 @@ class ActivationEstimate:
             the loss: both alive while the copy is made, and their gradients at the start of
             the backward). Temporaries freed before the peak do not count (the final norm's
             float32 intermediates, 192 MiB for Llama-3.1-8B at 4096 tokens).
+        transient: the most bytes alive at once of the tensors each block makes while it runs
+            (its output included; block name -> bytes): what a forward without autograd holds
+            beside the block's inputs (:attr:`inference_peak`).
     """
 
     per_block: dict[str, int]
     inputs: dict[str, int]
     outside: int
     tail: int = 0
+    transient: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def inference_peak(self) -> int:
+        """The most a forward without autograd holds at once inside one block: its inputs and
+        what it makes while it runs (0 when nothing was followed)."""
+        return max((self.inputs.get(n, 0) + b for n, b in self.transient.items()), default=0)
 
     @property
     def largest_block(self) -> int:
@@ -139,6 +150,12 @@ class _SavedBytes:
         # id of a weak reference -> (the reference, its tensor's storage key): keyed by id, as a
         # live reference hashes and compares as its tensor
         self._tail_refs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        # Inside the running block, the same for the storages it makes: per storage key [live
+        # tensors, bytes], the bytes alive now and the most alive at once, by block.
+        self.transient = dict.fromkeys(self.per_block, 0)
+        self._block_live: dict[int, list[int]] = {}
+        self._block_alive = 0
+        self._block_refs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
 
     def add_bytes(self, nbytes: int) -> None:
         if self.current is None:
@@ -168,11 +185,16 @@ class _SavedBytes:
                 tail = max(tail, alive)
         return ActivationEstimate(per_block={n: self.per_block[n] for n in order},
                                   inputs={n: self.inputs[n] for n in order},
-                                  outside=self.outside, tail=tail)
+                                  outside=self.outside, tail=tail,
+                                  transient={n: self.transient[n] for n in order})
 
     def made(self, value: Any) -> None:
-        """Note the tensors an op returned outside every block (the tail so far)."""
-        if self.current is not None or not self.called:
+        """Note the tensors an op returned: inside a block, what the block holds at once;
+        outside every block, after the first, the tail so far."""
+        if self.current is not None:
+            self._made_in_block(value)
+            return
+        if not self.called:
             return
         for t in _flat_tensors((value,), {}):
             if isinstance(t, torch.Tensor):
@@ -187,6 +209,36 @@ class _SavedBytes:
                 entry[0] += 1
                 ref = weakref.ref(t, self._tail_dropped)
                 self._tail_refs[id(ref)] = (ref, key)
+
+    def _made_in_block(self, value: Any) -> None:
+        name = self.current
+        assert name is not None
+        for t in _flat_tensors((value,), {}):
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = _storage_key(t)
+            if key in self.param_keys or key in self.input_seen:
+                continue  # weights, and the inputs the block was called with
+            entry = self._block_live.get(key)
+            if entry is None:
+                entry = self._block_live[key] = [0, t.untyped_storage().nbytes()]
+                self._block_alive += entry[1]
+                if self._block_alive > self.transient[name]:
+                    self.transient[name] = self._block_alive
+            entry[0] += 1
+            ref = weakref.ref(t, self._block_dropped)
+            self._block_refs[id(ref)] = (ref, key)
+
+    def _block_dropped(self, ref: weakref.ref[torch.Tensor]) -> None:
+        """A tensor the running block made died; its storage with the last of them."""
+        held = self._block_refs.pop(id(ref), None)
+        entry = None if held is None else self._block_live.get(held[1])
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._block_live[held[1]]
+            self._block_alive -= entry[1]
 
     def _tail_dropped(self, ref: weakref.ref[torch.Tensor]) -> None:
         """A tail tensor died; its storage with the last of them."""
@@ -205,6 +257,10 @@ class _SavedBytes:
         self._tail_live.clear()
         self._tail_events.clear()
         self._tail_refs.clear()  # their deaths are no longer news
+        # nor what the block before made (its output is this block's input)
+        self._block_live.clear()
+        self._block_refs.clear()
+        self._block_alive = 0
         if name not in self.called:
             self.called.add(name)
             self.order.append(name)

@@ -255,3 +255,33 @@ def test_progress_bar_and_summary_show_the_same_figure(monkeypatch: pytest.Monke
     row = next(line for line in out.splitlines() if demo_cli.STEP_TIME_LABEL in line)
     assert shown["train"] != "-" and shown["train"] in row
     assert f"fully resident {shown['baseline']}" in row
+
+
+@pytest.mark.parametrize("host_bound, measured, said", [
+    (("backward",), 0.360, True),  # +20 %: the host-bound phase is named
+    ((), 0.360, False),  # bound by the device: nothing to add
+    (("backward",), 0.310, False),  # within the planner's 10 %
+])
+def test_the_summary_names_a_host_bound_phase_when_the_step_is_off(
+        host_bound: tuple[str, ...], measured: float, said: bool) -> None:
+    import dataclasses
+
+    from rich.console import Console
+
+    from vramkit.cli import demo as demo_cli
+    from vramkit.recipes.demo import DemoConfig, run_demo
+
+    result = run_demo(DemoConfig(model_size="tiny", steps=2, device="cpu", report=None,
+                                 baseline=False))
+    assert result.plan.host_bound_phases == ()  # simulated on the CPU: nothing measured
+    # as a GPU run reads it: a measured peak, a prediction from measured block times
+    plan = dataclasses.replace(result.plan, predicted_step_seconds=0.300,
+                               host_bound_phases=host_bound)
+    shown = dataclasses.replace(result, plan=plan, peak_source="measured",
+                                median_step_seconds=measured)
+    console = Console(record=True, width=400)
+    demo_cli._print_result(console, shown)
+    row = next(line for line in console.export_text().splitlines()
+               if "planner's prediction" in line)
+    assert "step 300.0 ms (measured" in row
+    assert ("the backward is host-bound" in row) is said

@@ -253,3 +253,21 @@ def test_checkpoint_skip_is_checked_and_needs_a_checkpoint(tmp_path) -> None:
     with pytest.raises(ConfigError, match="does not have"):
         vramkit.BlockSwapper(stack(device="meta"), config=vramkit.SwapConfig(min_param_bytes=0),
                              device="cpu", checkpoint=path, checkpoint_skip=["nope"])
+
+
+def test_a_report_says_when_a_host_bound_plan_is_off_by_more_than_the_tolerance() -> None:
+    from vramkit.planning.fitting import STEP_TOLERANCE, FitReport
+
+    def report(measured: float | None, host_bound: tuple[str, ...]) -> FitReport:
+        return FitReport(steps=5, budget_bytes=1 << 30, predicted_peak_bytes=1 << 29,
+                         measured_peak_bytes=None, predicted_step_seconds=0.300,
+                         measured_step_seconds=measured, host_bound=host_bound)
+
+    off = 0.300 * (1 + 2 * STEP_TOLERANCE)
+    said = report(off, ("backward",)).describe()
+    assert "step 360 ms measured vs 300 ms predicted (+20.0%)" in said
+    assert "the plan's backward is host-bound" in said
+    assert "forward and backward are host-bound" in report(off, ("forward", "backward")).describe()
+    assert "host-bound" not in report(off, ()).describe()  # the device's pace: nothing to add
+    assert "host-bound" not in report(0.310, ("backward",)).describe()  # within the tolerance
+    assert "host-bound" not in report(None, ("backward",)).describe()  # nothing measured yet

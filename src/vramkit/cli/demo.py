@@ -251,6 +251,7 @@ def _ms(seconds: float) -> str:
 def _print_result(con: Any, result: Any) -> None:
     from rich.table import Table
 
+    from vramkit.planning.fitting import STEP_TOLERANCE
     from vramkit.units import format_size
 
     plan = result.plan
@@ -279,11 +280,16 @@ def _print_result(con: Any, result: Any) -> None:
         speed += f"; no baseline: {result.baseline_skipped}"
     table.add_row(STEP_TIME_LABEL, speed)
     if plan.predicted_step_seconds is not None and result.peak_source == "measured":
-        table.add_row("planner's prediction",
-                      f"peak {format_size(plan.predicted_peak_bytes)} (measured "
-                      f"{format_size(result.peak_bytes)}), step "
-                      f"{_ms(plan.predicted_step_seconds)} (measured "
-                      f"{_ms(result.median_step_seconds)})")
+        said = (f"peak {format_size(plan.predicted_peak_bytes)} (measured "
+                f"{format_size(result.peak_bytes)}), step {_ms(plan.predicted_step_seconds)} "
+                f"(measured {_ms(result.median_step_seconds)})")
+        error = result.median_step_seconds / plan.predicted_step_seconds - 1
+        if plan.host_bound_phases and abs(error) > STEP_TOLERANCE:
+            said += (f"; the {' and '.join(plan.host_bound_phases)} "
+                     f"{'is' if len(plan.host_bound_phases) == 1 else 'are'} host-bound: "
+                     "the host's enqueueing paces it, and that moves with the host's load and "
+                     "clocks")
+        table.add_row("planner's prediction", said)
     loss = f"{result.loss_first:.4f} -> {result.loss_last:.4f} over {len(result.losses)} steps"
     if result.baseline_max_loss_diff is not None:
         loss += f" (fully resident run: max difference {result.baseline_max_loss_diff:.3g})"

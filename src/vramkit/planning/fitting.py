@@ -46,6 +46,10 @@ __all__ = ["FitReport", "Fitted", "fit"]
 
 logger = logging.getLogger(__name__)
 
+#: How far a measured step may be from its prediction before a report explains a host-bound
+#: plan's part in it (the planner's target: within 10 %).
+STEP_TOLERANCE = 0.10
+
 
 @dataclass(frozen=True)
 class FitReport:
@@ -59,6 +63,9 @@ class FitReport:
         predicted_step_seconds / measured_step_seconds: median step time (``None`` until two
             steps ran).
         budget_bytes: the budget.
+        host_bound: the phases the plan predicted host-bound (``"forward"``, ``"backward"``):
+            their time follows the host's pace, which can drift between planning and the steps
+            (on a shared machine by 20-25 %, docs/benchmarks.md).
     """
 
     steps: int
@@ -67,6 +74,7 @@ class FitReport:
     measured_peak_bytes: int | None
     predicted_step_seconds: float
     measured_step_seconds: float | None
+    host_bound: tuple[str, ...] = ()
 
     @property
     def peak_error(self) -> float | None:
@@ -92,6 +100,12 @@ class FitReport:
             parts.append(f"step {self.measured_step_seconds * 1e3:.0f} ms measured vs "
                          f"{self.predicted_step_seconds * 1e3:.0f} ms predicted "
                          f"({self.step_error:+.1%})")
+            error = self.step_error
+            if self.host_bound and error is not None and abs(error) > STEP_TOLERANCE:
+                phases = " and ".join(self.host_bound)
+                parts.append(f"-- the plan's {phases} {'is' if len(self.host_bound) == 1 else 'are'}"
+                             " host-bound: the host's enqueueing paces it, and that moves "
+                             "with the host's load and clocks")
         return " ".join(parts)
 
 
@@ -276,7 +290,9 @@ class Fitted:
                          predicted_peak_bytes=self.plan.predicted_peak_bytes,
                          measured_peak_bytes=peak,
                          predicted_step_seconds=self.plan.predicted_step_seconds,
-                         measured_step_seconds=measured)
+                         measured_step_seconds=measured,
+                         host_bound=tuple(name for name in ("forward", "backward")
+                                          if getattr(self.plan, name).host_bound))
 
     # -- public -----------------------------------------------------------------------------
 

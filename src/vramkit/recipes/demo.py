@@ -229,6 +229,8 @@ class DemoPlan:
         predicted_peak_bytes: the planner's predicted peak.
         predicted_step_seconds: its predicted step time (``None`` on the CPU: simulated).
         plan_explanation: :meth:`vramkit.planning.Plan.explain`.
+        host_bound_phases: the phases the plan predicts host-bound (``"forward"``,
+            ``"backward"``; only where the prediction stands on measured times, on a GPU).
     """
 
     device: str
@@ -267,6 +269,7 @@ class DemoPlan:
     predicted_peak_bytes: int = 0
     predicted_step_seconds: float | None = None
     plan_explanation: str = ""
+    host_bound_phases: tuple[str, ...] = ()
 
     @property
     def dit_config(self) -> DiTConfig:
@@ -469,7 +472,9 @@ def plan_demo(config: DemoConfig | None = None, *, data_parallel: bool = False) 
         checkpointed_block_names=checkpointed, activation_bytes_planned=act_planned,
         predicted_peak_bytes=result.predicted_peak_bytes,
         predicted_step_seconds=result.predicted_step_seconds if cuda else None,
-        plan_explanation=result.explain())
+        plan_explanation=result.explain(),
+        host_bound_phases=tuple(name for name in ("forward", "backward")
+                                if cuda and getattr(result, name).host_bound))
 
 
 # -- running ---------------------------------------------------------------------------------

@@ -22,6 +22,11 @@ pytestmark = pytest.mark.slow  # torchrun jobs: ~10 s each
 SCENARIOS = ("lora", "plain_ddp", "full_cpu", "full_swap", "pss", "fsdp", "shm_fallback",
              "fit_rank", "accumulate_cpu", "accumulate_swap", "sharded")
 TOLERANCE = 1e-6
+#: Four ranks' all-reduced gradients against one process's whole batch: the summation order
+#: differs, and three AdamW steps at lr 1e-2 carry it further where a gradient is near zero.
+#: On an AMD EPYC host plain DDP (scenario full_cpu at four ranks, no sharded uploads) and the
+#: sharded scenario both read 2.2e-06 (1.1e-07 at two ranks).
+FOUR_RANK_TOLERANCE = 1e-5
 PAGE = 4096
 
 Ranks = list[dict[str, Any]]
@@ -315,4 +320,4 @@ def test_sharded_uploads_split_each_block_between_the_ranks_and_train_exactly(
 
 def test_sharded_uploads_gather_within_each_node(four_ranks: dict[str, Ranks]) -> None:
     """Two (fake) nodes of two ranks: one gather group per node; DDP still spans all four."""
-    check_sharded(four_ranks["sharded"], 2, TOLERANCE)
+    check_sharded(four_ranks["sharded"], 2, FOUR_RANK_TOLERANCE)

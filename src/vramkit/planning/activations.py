@@ -192,7 +192,7 @@ class _SavedBytes:
         """Note the tensors an op returned: inside a block, what the block holds at once;
         outside every block, after the first, the tail so far."""
         if self.current is not None:
-            self._made_in_block(value)
+            self._made_in_block(self.current, value)
             return
         if not self.called:
             return
@@ -210,9 +210,7 @@ class _SavedBytes:
                 ref = weakref.ref(t, self._tail_dropped)
                 self._tail_refs[id(ref)] = (ref, key)
 
-    def _made_in_block(self, value: Any) -> None:
-        name = self.current
-        assert name is not None
+    def _made_in_block(self, name: str, value: Any) -> None:
         for t in _flat_tensors((value,), {}):
             if not isinstance(t, torch.Tensor):
                 continue

@@ -44,6 +44,13 @@ __all__ = ["ACHIEVED_FRACTION", "COPY_SLOWDOWN", "Machine", "machine_for", "meas
 #: this share remains the throughput (``Machine.flops_per_s``) of work that was not (a
 #: hand-built ModelCost) and of the fp8 GEMM.
 ACHIEVED_FRACTION = 0.26
+#: How much slower a block's compute runs, forward and backward, while host-to-device copies
+#: run beside it: the copy engine's writes share the GPU's memory with the kernels. What the
+#: calibration (``calibrate_blocks``' ``"beside-copies"`` timing) read on an H200 for FLUX.1-dev's
+#: blocks in every plan of benchmarks/plan.py: +3.4-4.0 % forward, +2.5-3.0 % backward
+#: (docs/benchmarks.md, "Eleventh session"); the midpoints. An offline plan prices it for every
+#: card (a measured machine times its own): not measured off Hopper, said in the plan's notes.
+COPY_SLOWDOWN = (0.037, 0.0275)
 # The offline time model (module docstring), fitted on an H100 80GB HBM3 (989 TFLOP/s bf16,
 # 3.35 TB/s) to the device and host times of one block of each kind of FLUX.1-dev, Llama-3.1-8B,
 # SD3.5-large, Qwen-Image, Wan2.1-14B and SDXL (calibrate_blocks' timing, with the kernels and
@@ -52,13 +59,6 @@ ACHIEVED_FRACTION = 0.26
 # device part of the transformer blocks and SDXL's attention stacks -18 % .. +10 %, the whole
 # (device or host) mean |error| 17.5 % over 42 block phases, against 60.5 % for one share of
 # the peak.
-#: How much slower a block's compute runs, forward and backward, while host-to-device copies
-#: run beside it: the copy engine's writes share the GPU's memory with the kernels. What the
-#: calibration (``calibrate_blocks``' ``"beside-copies"`` timing) read on an H200 for FLUX.1-dev's
-#: blocks in every plan of benchmarks/plan.py: +3.4-4.0 % forward, +2.5-3.0 % backward
-#: (docs/benchmarks.md, "Eleventh session"); the midpoints. An offline plan prices it for every
-#: card (a measured machine times its own): not measured off Hopper, said in the plan's notes.
-COPY_SLOWDOWN = (0.037, 0.0275)
 #: Share of the dense bf16 peak a block's matmuls reach (fixed: large GEMMs on Hopper).
 MATMUL_FRACTION = 0.70
 #: Share of the dense bf16 peak fused attention reaches (flash attention, forward and backward).

@@ -29,7 +29,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".analysis": ("analyze", "ModelCost", "BlockCost", "Work", "FORMATS", "default_step",
                   "meta_copy", "to_meta"),
     ".calibration": ("BlockTimes", "CallTimes", "calibrate_blocks"),
-    ".machine": ("Machine", "machine_for", "measure_machine", "ACHIEVED_FRACTION"),
+    ".machine": ("Machine", "machine_for", "measure_machine", "ACHIEVED_FRACTION", "COPY_SLOWDOWN"),
     ".hardware": ("HardwareProfile", "PROFILES", "hardware_profile"),
     ".activations": ("ActivationEstimate", "estimate_activations", "activation_accounting"),
     ".models": ("build_target", "PlanTarget", "ModelPreset", "MODEL_PRESETS", "LORA_TARGETS",

@@ -200,6 +200,23 @@ def test_a_forward_without_autograd_holds_what_each_block_makes_at_once(grad: bo
     assert ActivationEstimate({}, {}, 0).inference_peak == 0
 
 
+def test_a_block_holds_its_attention_output_while_it_runs() -> None:
+    model = _model()
+    model.requires_grad_(False)
+    x = torch.empty(1, TOKENS, DIM, device="meta")
+
+    def step() -> torch.Tensor:
+        with torch.no_grad():
+            return model(x)
+
+    found = estimate_activations(model, step, ["0", "1", "2"])
+    row = TOKENS * 4 * DIM  # one float32 hidden state
+    # at most alive together: qkv (3 wide, held by its q, k, v views), the attention's
+    # output, the output projection and one more hidden state (the reshaped copy it reads,
+    # then the residual sum): the fused kernel's stand-in counts like any other op (5 without)
+    assert found.transient["1"] == 6 * row
+
+
 def test_rms_norm_counts_what_the_fused_kernel_keeps() -> None:
     # On CUDA F.rms_norm runs the fused kernel, which keeps its input as given (bf16 here) and
     # a float32 1/rms per row; on meta tensors F.rms_norm decomposes into float32 ops that would

@@ -325,6 +325,7 @@ class _FusedKernelsOnMeta(TorchFunctionMode):
         for t in (q, k, v, out):
             self.saved.pack(t)
         self.saved.add_bytes(math.prod(q.shape[:-1]) * 4)  # log-sum-exp
+        self.saved.made(out)
         # q @ k^T and p @ v: 2 FLOPs per multiply-add, over every query-key pair (half of
         # them with a causal mask: fused kernels skip the masked tiles).
         pairs = math.prod(q.shape[:-1]) * k.shape[-2]

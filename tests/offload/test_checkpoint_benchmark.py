@@ -4,29 +4,21 @@ run does not fail on a typo. The times it prints on the CPU mean nothing."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from tests._benchmarks import load_benchmark
+
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "checkpoint_method.py"
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("bench_checkpoint_method", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("checkpoint_method")
 
 
 def test_every_arm_runs_and_the_gradients_are_compared(bench: ModuleType,

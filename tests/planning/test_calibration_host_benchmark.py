@@ -4,26 +4,18 @@ resident step is timed, so the GPU run does not fail on a typo. Its times mean n
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "calibration_host.py"
+from tests._benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("bench_calibration_host", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("calibration_host")
 
 
 @pytest.mark.parametrize("checkpointed", ["all", "none"])

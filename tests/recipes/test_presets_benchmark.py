@@ -5,29 +5,22 @@ does not fail on a typo. The numbers it prints on the CPU mean nothing."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from tests._benchmarks import load_benchmark
+
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "presets.py"
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_presets", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("presets")
 
 
 @pytest.mark.parametrize(("model", "tier"), [("sdxl", 8), ("sdxl", 24), ("flux", 8),

@@ -119,6 +119,49 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata  # type: ignore[no-any-return]
 
 
+class _LiveStorages:
+    """Storages followed while their tensors live (weak references, so they die as they would
+    in the step): ``changed(id, +bytes)`` when one first has a live tensor, ``changed(id,
+    -bytes)`` when its last one dies; a storage met again later is a new one."""
+
+    def __init__(self, changed: Callable[[int, int], None]) -> None:
+        self._changed = changed
+        self._live: dict[int, list[int]] = {}  # storage key -> [live tensors, bytes, id]
+        self._ids = itertools.count()
+        # id of a weak reference -> (the reference, its tensor's storage key): keyed by id, as
+        # a live reference hashes and compares as its tensor
+        self._refs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+
+    def ident(self, key: int) -> int | None:
+        """The id of the live storage ``key``, or ``None``."""
+        entry = self._live.get(key)
+        return None if entry is None else entry[2]
+
+    def follow(self, t: torch.Tensor, key: int) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            entry = self._live[key] = [0, t.untyped_storage().nbytes(), next(self._ids)]
+            self._changed(entry[2], entry[1])
+        entry[0] += 1
+        ref = weakref.ref(t, self._dropped)
+        self._refs[id(ref)] = (ref, key)
+
+    def _dropped(self, ref: weakref.ref[torch.Tensor]) -> None:
+        held = self._refs.pop(id(ref), None)
+        entry = None if held is None else self._live.get(held[1])
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._live[held[1]]
+            self._changed(entry[2], -entry[1])
+
+    def clear(self) -> None:
+        """Forget every storage (their deaths are no longer reported)."""
+        self._live.clear()
+        self._refs.clear()
+
+
 class _SavedBytes:
     """Bytes of the distinct storages autograd saves, attributed to the block running."""
 
@@ -139,23 +182,18 @@ class _SavedBytes:
         # Held until the estimate is done: a freed storage's address could be reused by a new
         # one, which would then be taken for a tensor already counted. (Meta: costs nothing.)
         self.alive: list[torch.Tensor] = []
-        # The tail: storages made outside every block since the last block returned, followed
-        # while their tensors live (weak references, so they die as they would in the step):
-        # per storage key [live tensors, bytes, id], and the order in which each became alive
-        # (+bytes) and dead (-bytes), by id; ids of those autograd saved (counted as outside).
-        self._tail_live: dict[int, list[int]] = {}
+        # The tail: storages made outside every block since the last block returned, and the
+        # order in which each became alive (+bytes) and dead (-bytes), by id; ids of those
+        # autograd saved (counted as outside).
         self._tail_events: list[tuple[int, int]] = []
         self._tail_saved: set[int] = set()
-        self._tail_ids = itertools.count()
-        # id of a weak reference -> (the reference, its tensor's storage key): keyed by id, as a
-        # live reference hashes and compares as its tensor
-        self._tail_refs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
-        # Inside the running block, the same for the storages it makes: per storage key [live
-        # tensors, bytes], the bytes alive now and the most alive at once, by block.
+        self._tail = _LiveStorages(lambda ident, change: self._tail_events.append(
+            (ident, change)))
+        # Inside the running block, the storages it makes: the bytes alive now and the most
+        # alive at once, by block.
         self.transient = dict.fromkeys(self.per_block, 0)
-        self._block_live: dict[int, list[int]] = {}
         self._block_alive = 0
-        self._block_refs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._block = _LiveStorages(self._block_changed)
 
     def add_bytes(self, nbytes: int) -> None:
         if self.current is None:
@@ -165,9 +203,9 @@ class _SavedBytes:
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
-        entry = self._tail_live.get(key)
-        if entry is not None:  # a tail tensor saved by a later op: counted as outside
-            self._tail_saved.add(entry[2])
+        ident = self._tail.ident(key)
+        if ident is not None:  # a tail tensor saved by a later op: counted as outside
+            self._tail_saved.add(ident)
         if key not in self.param_keys and key not in self.seen:
             self.seen.add(key)
             self.alive.append(t)
@@ -192,72 +230,37 @@ class _SavedBytes:
         """Note the tensors an op returned: inside a block, what the block holds at once;
         outside every block, after the first, the tail so far."""
         if self.current is not None:
-            self._made_in_block(self.current, value)
+            self._made_in_block(value)
             return
         if not self.called:
             return
         for t in _flat_tensors((value,), {}):
             if isinstance(t, torch.Tensor):
                 key = _storage_key(t)
-                if key in self.param_keys or key in self.seen:  # saved as it was made: outside
-                    continue
-                entry = self._tail_live.get(key)
-                if entry is None:
-                    entry = self._tail_live[key] = [0, t.untyped_storage().nbytes(),
-                                                    next(self._tail_ids)]
-                    self._tail_events.append((entry[2], entry[1]))
-                entry[0] += 1
-                ref = weakref.ref(t, self._tail_dropped)
-                self._tail_refs[id(ref)] = (ref, key)
+                if key not in self.param_keys and key not in self.seen:  # saved: outside
+                    self._tail.follow(t, key)
 
-    def _made_in_block(self, name: str, value: Any) -> None:
+    def _made_in_block(self, value: Any) -> None:
         for t in _flat_tensors((value,), {}):
-            if not isinstance(t, torch.Tensor):
-                continue
-            key = _storage_key(t)
-            if key in self.param_keys or key in self.input_seen:
-                continue  # weights, and the inputs the block was called with
-            entry = self._block_live.get(key)
-            if entry is None:
-                entry = self._block_live[key] = [0, t.untyped_storage().nbytes()]
-                self._block_alive += entry[1]
-                if self._block_alive > self.transient[name]:
-                    self.transient[name] = self._block_alive
-            entry[0] += 1
-            ref = weakref.ref(t, self._block_dropped)
-            self._block_refs[id(ref)] = (ref, key)
+            if isinstance(t, torch.Tensor):
+                key = _storage_key(t)
+                # not the weights, nor the inputs the block was called with
+                if key not in self.param_keys and key not in self.input_seen:
+                    self._block.follow(t, key)
 
-    def _block_dropped(self, ref: weakref.ref[torch.Tensor]) -> None:
-        """A tensor the running block made died; its storage with the last of them."""
-        held = self._block_refs.pop(id(ref), None)
-        entry = None if held is None else self._block_live.get(held[1])
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] == 0:
-            del self._block_live[held[1]]
-            self._block_alive -= entry[1]
-
-    def _tail_dropped(self, ref: weakref.ref[torch.Tensor]) -> None:
-        """A tail tensor died; its storage with the last of them."""
-        held = self._tail_refs.pop(id(ref), None)
-        entry = None if held is None else self._tail_live.get(held[1])
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] == 0:
-            del self._tail_live[held[1]]
-            self._tail_events.append((entry[2], -entry[1]))
+    def _block_changed(self, _ident: int, change: int) -> None:
+        self._block_alive += change
+        name = self.current
+        if name is not None and self._block_alive > self.transient[name]:
+            self.transient[name] = self._block_alive
 
     def enter(self, name: str, tensors: Iterable[Any]) -> None:
         self.current = name
-        # a block ran again: what came before is not the tail
-        self._tail_live.clear()
+        # a block ran again: what came before is not the tail (their deaths are no longer
+        # news), nor what the block before made (its output is this block's input)
+        self._tail.clear()
         self._tail_events.clear()
-        self._tail_refs.clear()  # their deaths are no longer news
-        # nor what the block before made (its output is this block's input)
-        self._block_live.clear()
-        self._block_refs.clear()
+        self._block.clear()
         self._block_alive = 0
         if name not in self.called:
             self.called.add(name)

@@ -245,3 +245,22 @@ def test_flux_block_estimates_equal_what_an_h100_keeps() -> None:
                 "single_transformer_blocks.1": 427_094_016}
     assert {name: found.per_block[name] for name in measured} == measured
     assert sum(found.per_block.values()) == 25_667_796_992
+
+
+def test_flux_inference_holds_a_single_blocks_transient_tensors() -> None:
+    # What the planner's inference comment and docs/benchmarks.md cite: at 1024 px a single
+    # block makes 486 MiB alive at once beside its 27 MiB of inputs (a fitted forward on an
+    # H200 peaked 3.1 % above a plan that priced 140 MiB).
+    pytest.importorskip("diffusers")
+    from vramkit.planning.analysis import analyze
+    from vramkit.planning.models import build_target
+
+    target = build_target("flux-dev", mode="infer")
+    found = analyze(target.model, target.inputs, step=target.step, mode="infer",
+                    autocast=None).activations
+    mib = 1 << 20
+    single = "single_transformer_blocks.0"
+    assert round(found.transient[single] / mib) == 486
+    assert round(found.inputs[single] / mib) == 27
+    assert round(found.inference_peak / mib) == 513
+    assert found.largest_block + max(found.inputs.values()) < found.inference_peak / 3

@@ -256,7 +256,7 @@ def rank_main(args: argparse.Namespace) -> int:
         if info.is_main:
             Path(args.result).write_text(json.dumps(row))
     finally:
-        torch.distributed.destroy_process_group()
+        vd.shutdown()
     return 0
 
 

@@ -26,6 +26,7 @@ from vramkit.distributed import (
     init_from_env,
     process_pss_bytes,
     shared_swapper,
+    shutdown,
     wrap_ddp,
 )
 from vramkit.errors import ConfigError, OffloadError
@@ -581,10 +582,7 @@ def main() -> int:
             result["traceback"] = traceback.format_exc()
         (directory / f"{name}-rank{info.rank}.json").write_text(json.dumps(result))
         dist.barrier()
-    import gc
-
-    gc.collect()  # DDP reducers in reference cycles go before the group does
-    dist.destroy_process_group()
+    shutdown()  # DDP reducers in reference cycles go before the group does
     return 0
 
 

@@ -4,6 +4,8 @@ the swapper's gradient hook, planning one rank, and a one-rank gloo group."""
 from __future__ import annotations
 
 import copy
+import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,9 +23,10 @@ from vramkit.distributed import (
     init_from_env,
     plan_for_rank,
     shared_swapper,
+    shutdown,
     wrap_ddp,
 )
-from vramkit.errors import ConfigError, PlanError
+from vramkit.errors import ConfigError, PlanError, VramkitWarning
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 from vramkit.planning.analysis import analyze
 from vramkit.planning.api import plan
@@ -574,3 +577,48 @@ def test_sharded_uploads_pad_blocks_to_aligned_pieces(group: None) -> None:
     padded = loader.padded_bytes(1000)
     assert padded % (3 * 256) == 0 and 1000 <= padded < 1000 + 3 * 256
     assert ShardedUploads(None).padded_bytes(1000) == 1000  # under min_bytes: whole
+
+
+def _native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _ddp_after_a_backward() -> tuple[nn.Module, BlockSwapper]:
+    model = Net(lora=True)
+    swapper = shared_swapper(model, "blocks.*", CONFIG, device="cpu")
+    ddp = wrap_ddp(model, swapper)
+    _loss(ddp, 0).backward()  # DDP's all-reduce ran on gloo's worker threads
+    return ddp, swapper
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_shutdown_ends_the_group_and_glooss_threads_once_ddp_is_gone() -> None:
+    """The last all-reduce of a backward must not be freed by a gloo thread at interpreter exit
+    (an abort): with DDP dropped, ``shutdown`` destroys the group and its threads end then."""
+    dist = torch.distributed
+    assert shutdown() is False  # no group: nothing to do
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    ddp, swapper = _ddp_after_a_backward()
+    swapper.detach()
+    del ddp
+    before = _native_threads()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert shutdown() is True
+    assert not dist.is_initialized()
+    assert _native_threads() < before  # gloo's workers joined, while the interpreter is whole
+
+
+def test_shutdown_warns_when_a_ddp_module_still_holds_the_group() -> None:
+    dist = torch.distributed
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    ddp, swapper = _ddp_after_a_backward()
+    try:
+        with pytest.warns(VramkitWarning, match=r"1 DistributedDataParallel .*del ddp"):
+            assert shutdown() is True
+        assert not dist.is_initialized()
+    finally:
+        swapper.detach()
+        del ddp
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -319,10 +319,8 @@ def _run_distributed(args: argparse.Namespace) -> int:
     prints (:mod:`vramkit.recipes.demo_ddp`)."""
     import contextlib
 
-    import torch
-
     from vramkit.cli._output import flag_values, print_json
-    from vramkit.distributed import init_from_env
+    from vramkit.distributed import init_from_env, shutdown
     from vramkit.recipes.demo_ddp import run_distributed_demo
 
     with flag_values():
@@ -354,14 +352,7 @@ def _run_distributed(args: argparse.Namespace) -> int:
             _print_distributed(con, result)
         return 0
     finally:
-        if torch.distributed.is_initialized():
-            # DDP's reducer may sit in a reference cycle: collected at interpreter exit, its
-            # gloo work would be freed with the interpreter half gone (an abort, "terminate
-            # called without an active exception", seen about once in 25 runs).
-            import gc
-
-            gc.collect()
-            torch.distributed.destroy_process_group()
+        shutdown()  # before interpreter exit: gloo's threads must not outlive it
 
 
 def _print_distributed(con: Any, result: Any) -> None:

@@ -1,6 +1,7 @@
 """Swapped training under torch.distributed: DDP around a swapper, one pinned host copy per node.
 
-* :func:`init_from_env` joins the job ``torchrun`` started (NCCL on GPUs, gloo on the CPU).
+* :func:`init_from_env` joins the job ``torchrun`` started (NCCL on GPUs, gloo on the CPU);
+  :func:`shutdown` leaves it.
 * :func:`shared_swapper` attaches a :class:`~vramkit.offload.swap.BlockSwapper` whose frozen
   masters live in memory shared by the node's local ranks (:class:`NodeSharedMasters`).
 * :func:`wrap_ddp` wraps the swapped model in ``DistributedDataParallel``: rank 0's masters are
@@ -26,6 +27,7 @@ from vramkit.distributed.ddp import (
     broadcast_masters,
     init_from_env,
     shared_swapper,
+    shutdown,
     wrap_ddp,
 )
 from vramkit.distributed.planning import agree_on_plan, ddp_bucket_bytes, fit_rank, plan_for_rank
@@ -46,5 +48,6 @@ __all__ = [
     "plan_for_rank",
     "process_pss_bytes",
     "shared_swapper",
+    "shutdown",
     "wrap_ddp",
 ]

@@ -556,7 +556,7 @@ class Job:
         row["plan_s"] = time.perf_counter() - t0
         row["plan"] = {"swapped": len(plan.swapped),
                        "blocks": len(plan.swapped) + len(plan.resident),
-                       "slots": plan.num_slots}
+                       "slots": plan.num_slots, "split": plan.split}
         row["explain"] = plan.explain()
         row["predicted_peak"] = plan.predicted_peak_bytes
         row["predicted_step_s"] = plan.predicted_step_seconds

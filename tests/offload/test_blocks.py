@@ -18,6 +18,7 @@ from vramkit.offload.blocks import (
     find_blocks,
     module_bytes,
     natural_key,
+    split_blocks,
     spread_evenly,
 )
 
@@ -335,3 +336,47 @@ def test_unet_blocks_are_each_stages_resnets_and_attentions() -> None:
     assert len(names) == 2 + 4 + 3 + 6 + 3
     assert unet_blocks(Stack()) == []  # not a UNet: the generic rule applies
     assert _names(find_blocks(Stack())) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+
+
+# --------------------------------------------------------------------------------------------
+# split_blocks: finer swap units
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Linear(8, 8)
+        self.mlp = nn.Linear(8, 16)
+        self.act = nn.GELU()  # no tensors: not a unit
+
+
+def test_split_blocks_puts_each_blocks_tensor_holding_children_in_its_place() -> None:
+    model = nn.ModuleList([_Pair(), _Pair()])
+    units = split_blocks(find_blocks(model))
+    assert [n for n, _ in units] == ["0.attn", "0.mlp", "1.attn", "1.mlp"]
+    assert units[0][1] is model[0].attn
+    assert sum(module_bytes(m) for _, m in units) == module_bytes(model)
+
+
+def test_split_blocks_keeps_whole_what_its_children_do_not_cover() -> None:
+    own = _Pair()
+    own.scale = nn.Parameter(torch.ones(8))  # a tensor of the block itself
+    buffered = _Pair()
+    buffered.register_buffer("table", torch.ones(4))
+    single = nn.Sequential(nn.Linear(8, 8), nn.GELU())  # one child with tensors
+    nested = nn.Module()
+    nested.layers = nn.ModuleList([nn.Linear(8, 8)])  # a container: its name means its children
+    nested.head = nn.Linear(8, 8)
+    shared = _Pair()
+    shared.mlp.weight = shared.attn.weight  # shared between children: counted once by the block
+    shared.mlp.bias = shared.attn.bias
+    found = [("own", own), ("buffered", buffered), ("single", single), ("nested", nested),
+             ("shared", shared), ("plain", _Pair())]
+    names = [n for n, _ in split_blocks(found)]
+    assert names == ["own", "buffered", "single", "nested", "shared", "plain.attn", "plain.mlp"]
+
+
+def test_named_units_are_found_by_exact_name() -> None:
+    model = nn.ModuleList([_Pair(), _Pair()])
+    names = ["0.attn", "0.mlp", "1.attn", "1.mlp"]
+    assert [n for n, _ in find_blocks(model, names)] == names

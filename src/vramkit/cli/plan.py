@@ -314,10 +314,12 @@ def _print_plan(target: Any, plan: Any, note: str | None, list_blocks: bool) -> 
     table = Table(title=f"Plan for {format_size(plan.budget_bytes)} on {escape(plan.machine)}")
     table.add_column("setting")
     table.add_column("value")
-    swapped = (f"{len(plan.swapped)} of {n} blocks, {plan.num_slots} slot(s), stored "
-               f"{plan.swapped_format}" if plan.swapped else f"none of {n} blocks")
+    unit = "units (blocks split)" if plan.split else "blocks"
+    swapped = (f"{len(plan.swapped)} of {n} {unit}, {plan.num_slots} slot(s), stored "
+               f"{plan.swapped_format}" if plan.swapped else f"none of {n} {unit}")
     table.add_row("swapped", swapped)
-    table.add_row("resident", f"{len(plan.resident)} blocks, stored {plan.resident_format}")
+    table.add_row("resident", f"{len(plan.resident)} {'units' if plan.split else 'blocks'}, "
+                              f"stored {plan.resident_format}")
     if plan.mode == "train":
         table.add_row("checkpointed", f"{len(plan.checkpointed)} of {n} blocks")
         table.add_row("activation offload", "on" if plan.activation_offload else "off")

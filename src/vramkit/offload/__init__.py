@@ -23,7 +23,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
               "MasterMemory", "DiskSplit", "BlockLoader"),
     ".blocks": ("BlockScheduleEntry", "BlockSpec", "find_blocks", "module_bytes",
                 "as_block_specs", "choose_swapped", "named_schedule", "natural_key",
-                "spread_evenly", "unet_blocks"),
+                "split_blocks", "spread_evenly", "unet_blocks"),
     ".checkpointing": ("SDXL_CHECKPOINT_BLOCKS", "enable_gradient_checkpointing", "disable_gradient_checkpointing",
                        "is_checkpointed", "unwrapped_forward", "checkpoint",
                        "checkpoint_method", "CHECKPOINT_METHODS",

@@ -55,6 +55,10 @@ class ActivationEstimate:
         transient: the most bytes alive at once of the tensors each block makes while it runs
             (its output included; block name -> bytes): what a forward without autograd holds
             beside the block's inputs (:attr:`inference_peak`).
+        enclosing_peak: for blocks split into their children, the inference peak of the whole
+            blocks (:attr:`inference_peak` of their estimate): the parent's own code keeps
+            tensors between its children's calls (a FLUX single block its MLP branch while the
+            attention runs, then their concatenation), which no child's count sees. 0 otherwise.
     """
 
     per_block: dict[str, int]
@@ -62,12 +66,16 @@ class ActivationEstimate:
     outside: int
     tail: int = 0
     transient: dict[str, int] = dataclasses.field(default_factory=dict)
+    enclosing_peak: int = 0
 
     @property
     def inference_peak(self) -> int:
         """The most a forward without autograd holds at once inside one block: its inputs and
-        what it makes while it runs (0 when nothing was followed)."""
-        return max((self.inputs.get(n, 0) + b for n, b in self.transient.items()), default=0)
+        what it makes while it runs (0 when nothing was followed), or inside the whole block a
+        split one came from (:attr:`enclosing_peak`), whichever is more."""
+        return max(self.enclosing_peak,
+                   max((self.inputs.get(n, 0) + b for n, b in self.transient.items()),
+                       default=0))
 
     @property
     def largest_block(self) -> int:

@@ -5,7 +5,9 @@ for a model, its inputs and a memory budget, at the best predicted speed, before
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -19,12 +21,14 @@ from vramkit._validate import (
     check_number,
     check_size,
 )
-from vramkit.errors import ConfigError
+from vramkit.errors import ConfigError, PlanError
+from vramkit.offload.blocks import find_blocks, module_bytes, split_blocks
 from vramkit.planning.analysis import FORMATS, ModelCost, analyze
 from vramkit.planning.calibration import BlockTimes, calibrate_blocks
 from vramkit.planning.hardware import HardwareProfile
 from vramkit.planning.machine import Machine, machine_for
 from vramkit.planning.planner import CHECKPOINTING, Plan, search
+from vramkit.units import format_size
 
 __all__ = ["DEFAULT_HEADROOM", "plan", "resolve_headroom"]
 
@@ -148,23 +152,6 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
                           hint="Lower headroom= (a fraction such as 0.05, or a size).")
     target = check_device("device", device, types=("cuda",), allow_none=True)
     machine = machine_for(hardware, target)
-    if cost is None:
-        cost = analyze(model, example_inputs, mode=mode, step=step, blocks=blocks,
-                       formats=("bf16", *allow_formats), autocast=autocast)
-    elif cost.mode != mode:
-        raise ConfigError(f"cost= was analyzed for mode {cost.mode!r}, not {mode!r}",
-                          hint="Analyze again with the same mode, or leave cost=None.")
-    if block_times is None and hardware is None:
-        block_times = calibrate_blocks(model, example_inputs, mode=mode, step=step,
-                                       blocks=blocks, autocast=autocast, device=target,
-                                       formats=allow_formats)
-    if block_times is not None:
-        missing = [b.name for b in cost.blocks if b.name not in block_times.forward]
-        if missing:
-            raise ConfigError(f"block_times has no time for {len(missing)} block(s) of the "
-                              f"model ({missing[:3]}...)",
-                              hint="Calibrate the same model with the same blocks=, or leave "
-                                   "block_times=None.")
     def budget_for(need: int) -> int:
         """The smallest budget whose room after this headroom rule holds ``need`` bytes."""
         low, high = need, max(need, 1) * 4 + (1 << 30)
@@ -176,11 +163,95 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
                 low = mid + 1
         return low
 
-    result = search(cost, machine, budget_bytes, reserved, allow_formats=allow_formats,
-                    num_slots=slots, activation_offload=activation_offload, host_budget=host,
-                    budget_for=budget_for, times=block_times, disk_bytes_per_s=disk_rate,
-                    checkpointing=checkpointing)
+    def analyzed(units: str | Sequence[str]) -> ModelCost:
+        return analyze(model, example_inputs, mode=mode, step=step, blocks=units,
+                       formats=("bf16", *allow_formats), autocast=autocast)
+
+    def planned(units: str | Sequence[str], cost: ModelCost,
+                block_times: BlockTimes | None) -> Plan:
+        if block_times is None and hardware is None:
+            block_times = calibrate_blocks(model, example_inputs, mode=mode, step=step,
+                                           blocks=units, autocast=autocast, device=target,
+                                           formats=allow_formats)
+        if block_times is not None:
+            missing = [b.name for b in cost.blocks if b.name not in block_times.forward]
+            if missing:
+                raise ConfigError(f"block_times has no time for {len(missing)} block(s) of "
+                                  f"the model ({missing[:3]}...)",
+                                  hint="Calibrate the same model with the same blocks=, or "
+                                       "leave block_times=None.")
+        return search(cost, machine, budget_bytes, reserved, allow_formats=allow_formats,
+                      num_slots=slots, activation_offload=activation_offload,
+                      host_budget=host, budget_for=budget_for, times=block_times,
+                      disk_bytes_per_s=disk_rate, checkpointing=checkpointing)
+
+    may_split = (mode == "infer" and isinstance(blocks, str) and blocks == "auto"
+                 and cost is None and block_times is None)
+    if cost is None:
+        cost = analyzed(blocks)
+    elif cost.mode != mode:
+        raise ConfigError(f"cost= was analyzed for mode {cost.mode!r}, not {mode!r}",
+                          hint="Analyze again with the same mode, or leave cost=None.")
+    result: Plan | None = None
+    refused: PlanError | None = None
+    try:
+        result = planned(blocks, cost, block_times)
+    except PlanError as exc:
+        refused = exc
+    # Inference that swaps: whole blocks go through slots as large as the largest block, their
+    # children (attention, feed-forward, norms) through smaller ones, which leaves room for
+    # more slots or resident units where the slots weigh (an H200's calibrated FLUX.1-dev plan
+    # at 2 GiB kept one block resident and one 648 MiB slot).
+    if may_split and (result is None or result.swapped):
+        result, refused = _finer(model, cost, result, refused, analyzed, planned)
+    if result is None:
+        assert refused is not None  # one of the two is always set
+        raise refused
     logger.info("plan: %d of %d blocks swapped, %d checkpointed, predicted %.0f ms, peak %d",
-                len(result.swapped), len(cost.blocks), len(result.checkpointed),
+                len(result.swapped), len(result.block_order), len(result.checkpointed),
                 result.predicted_step_seconds * 1e3, result.predicted_peak_bytes)
     return result
+
+
+#: A plan of split blocks replaces the plan of whole blocks only when predicted this much
+#: faster: every unit is a swapper call more (hooks, events, smaller copies), which the
+#: prediction does not price.
+SPLIT_GAIN = 0.05
+
+
+def _finer(model: nn.Module, cost: ModelCost, whole: Plan | None, refused: PlanError | None,
+           analyzed: Callable[[list[str]], ModelCost],
+           planned: Callable[[list[str], ModelCost, None], Plan]
+           ) -> tuple[Plan | None, PlanError | None]:
+    """The plan of ``model``'s blocks split into their children
+    (:func:`~vramkit.offload.blocks.split_blocks`) where it fits when whole blocks do not, or
+    is :data:`SPLIT_GAIN` faster; otherwise ``whole`` (or ``refused``) as they were. ``cost``
+    is the whole blocks' analysis: what a whole block holds while it runs bounds the split
+    plan's activations (the block's own code keeps tensors between its children's calls)."""
+    found = find_blocks(model, "auto")
+    units = split_blocks(found)
+    if len(units) == len(found):
+        return whole, refused  # no block splits
+    names = [name for name, _ in units]
+    finer_cost = analyzed(names)
+    finer_cost = replace(finer_cost, activations=replace(
+        finer_cost.activations, enclosing_peak=cost.activations.inference_peak))
+    try:
+        finer = planned(names, finer_cost, None)
+    except PlanError as exc:
+        if refused is not None and (exc.minimum_budget or math.inf) < (
+                refused.minimum_budget or math.inf):
+            refused = exc  # the smaller minimum budget is the one to name
+        return whole, refused
+    if whole is not None and (finer.predicted_step_seconds
+                              >= whole.predicted_step_seconds * (1 - SPLIT_GAIN)):
+        return whole, refused
+    largest = max(module_bytes(m) for _, m in found)
+    unit = max(module_bytes(m) for _, m in units)
+    than = (f"{whole.predicted_step_seconds * 1e3:.0f} ms with whole blocks" if whole
+            is not None else "whole blocks do not fit")
+    note = (f"Blocks split into their children ({len(units)} units for {len(found)} blocks, "
+            f"the largest {format_size(unit)} against a block's {format_size(largest)}): the "
+            f"ring's slots shrink with them; predicted {finer.predicted_step_seconds * 1e3:.0f}"
+            f" ms, {than}.")
+    return replace(finer, split=True, notes=(note, *finer.notes)), None

@@ -433,7 +433,8 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
             read = measure_read_bandwidth(checkpoint, max_bytes="256MiB")
             plan_options["disk_bytes_per_s"] = read.bytes / max(read.seconds, 1e-9)
         plan = make_plan(model, example_inputs, budget, **plan_options)
-    blocks = plan_options.get("blocks", "auto")
+    # A plan of split blocks names its units: the swapper takes exactly those.
+    blocks = list(plan.block_order) if plan.split else plan_options.get("blocks", "auto")
     return Fitted(model, plan, target, blocks=blocks, observe_steps=observe_steps,
                   checkpoint=checkpoint, prefix=prefix, strict=strict,
                   master_memory=master_memory, block_loader=block_loader)

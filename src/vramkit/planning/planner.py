@@ -148,6 +148,10 @@ class Plan:
             ``peak_breakdown["dequantized_weights"]``) instead of each layer at its own call.
         checkpointing: what the plan was asked to checkpoint: ``"auto"`` (the planner's
             choice), ``"all"`` or ``"none"`` (:data:`CHECKPOINTING`).
+        split: the blocks were split into their children (attention, feed-forward, norms;
+            :func:`vramkit.offload.blocks.split_blocks`): ``swapped``, ``resident`` and
+            ``block_order`` name those units, and the ring's slots are as large as the largest
+            unit (inference at budgets where whole blocks leave no room).
     """
 
     mode: str
@@ -175,6 +179,7 @@ class Plan:
     disk_bytes_per_s: float | None = None
     dequantize_together: bool = False
     checkpointing: str = "auto"
+    split: bool = False
 
     @property
     def predicted_step_seconds(self) -> float:
@@ -212,7 +217,8 @@ class Plan:
         lines.append(f"Predicted peak {format_size(self.predicted_peak_bytes)} of a {budget}: "
                      f"{parts}.")
         if self.swapped:
-            lines.append(f"Swap {len(self.swapped)} of {n} blocks through {self.num_slots} "
+            what = "units (blocks split into their children)" if self.split else "blocks"
+            lines.append(f"Swap {len(self.swapped)} of {n} {what} through {self.num_slots} "
                          f"slot{'s' if self.num_slots > 1 else ''}; "
                          f"{format_size(self.host_bytes)} of pinned host memory.")
             stacks = _by_stack(self.block_order or (*self.swapped, *self.resident),
@@ -282,12 +288,14 @@ class Plan:
 
 
 def _by_stack(names: Sequence[str], swapped: set[str]) -> dict[str, tuple[int, int]]:
-    """Per stack of blocks (a name without its trailing index: ``transformer_blocks``), how many
-    of its blocks are swapped and how many it has, in the order the stacks first run."""
+    """Per stack of blocks (a name up to its last index: ``transformer_blocks`` for
+    ``transformer_blocks.3`` and for a split block's ``transformer_blocks.3.attn``), how many of
+    its blocks are swapped and how many it has, in the order the stacks first run."""
     out: dict[str, tuple[int, int]] = {}
     for name in names:
-        head, _, tail = name.rpartition(".")
-        stack = head if head and tail.isdigit() else name
+        parts = name.split(".")
+        index = max((i for i, part in enumerate(parts) if part.isdigit() and i), default=0)
+        stack = ".".join(parts[:index]) if index else name  # a split block's unit: its stack
         k, total = out.get(stack, (0, 0))
         out[stack] = (k + (name in swapped), total + 1)
     return out

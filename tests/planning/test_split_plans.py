@@ -1,0 +1,198 @@
+"""Inference plans of blocks split into their children (vramkit.plan, vramkit.fit): chosen only
+where whole blocks do not fit or are slower, priced with the whole block's activations, applied
+by fit with exactly the planned units, and undone by detach."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import vramkit
+from vramkit.errors import PlanError
+from vramkit.offload import _patch
+from vramkit.planning import api
+from vramkit.planning.analysis import analyze
+
+MiB = 1 << 20
+D = 256
+OPTIONS = {"mode": "infer", "hardware": "rtx4090", "headroom": 0, "autocast": None}
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return self.proj(F.scaled_dot_product_attention(q, k, v))
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(D, 4 * D)
+        self.down = nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    """Its own code keeps the attention's output while the MLP runs (no child sees that)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.attn = Attention()
+        self.mlp = MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        a = self.attn(h)
+        return x + a + self.mlp(h)
+
+
+class Net(nn.Module):
+    def __init__(self, n: int = 6) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(n))
+        self.out = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net().requires_grad_(False)
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(2, 64, D, generator=torch.Generator().manual_seed(1))
+
+
+def test_blocks_split_where_whole_ones_do_not_fit() -> None:
+    model, x = _net(), _x()
+    with pytest.raises(PlanError):
+        vramkit.plan(model, (x,), 5 * MiB, blocks=["blocks"], **OPTIONS)  # named: never split
+    p = vramkit.plan(model, (x,), 5 * MiB, **OPTIONS)
+    assert p.split
+    assert p.block_order[:3] == ("blocks.0.norm", "blocks.0.attn", "blocks.0.mlp")
+    assert set(p.swapped) <= set(p.block_order) and len(p.block_order) == 18
+    assert p.predicted_peak_bytes <= 5 * MiB
+    assert "units (blocks split into their children)" in p.explain()
+    assert "Blocks split into their children (18 units for 6 blocks" in p.explain()
+    assert "whole blocks do not fit" in p.explain()
+    assert json.loads(p.to_json())["split"] is True
+
+
+@pytest.mark.parametrize("budget", [6, 10, 30])
+def test_whole_blocks_stay_whole_where_they_fit(budget: int) -> None:
+    p = vramkit.plan(_net(), (_x(),), budget * MiB, **OPTIONS)
+    assert not p.split
+    assert p.block_order == tuple(f"blocks.{i}" for i in range(6))
+
+
+def test_a_split_plan_replaces_a_whole_one_only_when_clearly_faster(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 6 MiB whole blocks fit (every one swapped): the split plan is considered, and wins
+    only with SPLIT_GAIN out of the way."""
+    model, x = _net(), _x()
+    assert not vramkit.plan(model, (x,), 6 * MiB, **OPTIONS).split
+    monkeypatch.setattr(api, "SPLIT_GAIN", -1.0)  # any split plan counts as faster
+    assert vramkit.plan(model, (x,), 6 * MiB, **OPTIONS).split
+
+
+def test_training_and_named_blocks_never_split() -> None:
+    model, x = _net(), _x()
+    model.out.requires_grad_(True)  # something to train
+    with pytest.raises(PlanError):
+        vramkit.plan(model, (x,), 5 * MiB, mode="train", hardware="rtx4090", headroom=0,
+                     autocast=None)
+
+
+def test_an_impossible_budget_names_the_split_plans_minimum() -> None:
+    model, x = _net(), _x()
+    with pytest.raises(PlanError) as whole:
+        vramkit.plan(model, (x,), 1 * MiB, blocks=["blocks"], **OPTIONS)
+    with pytest.raises(PlanError) as either:
+        vramkit.plan(model, (x,), 1 * MiB, **OPTIONS)
+    assert whole.value.minimum_budget is not None and either.value.minimum_budget is not None
+    assert either.value.minimum_budget < whole.value.minimum_budget
+    assert vramkit.plan(model, (x,), either.value.minimum_budget, **OPTIONS).split
+
+
+def test_a_split_plan_prices_what_the_whole_block_holds_while_it_runs() -> None:
+    """The block keeps the attention's output while its MLP runs: the units' own counts miss
+    it, the whole block's does not."""
+    model, x = _net(), _x()
+    whole = analyze(model, (x,), mode="infer", autocast=None).activations
+    units = [f"blocks.{i}.{c}" for i in range(6) for c in ("norm", "attn", "mlp")]
+    split = analyze(model, (x,), mode="infer", autocast=None, blocks=units).activations
+    assert split.inference_peak < whole.inference_peak  # what the units alone see
+    p = vramkit.plan(model, (x,), 5 * MiB, **OPTIONS)
+    assert p.split and p.peak_breakdown["activations"] >= whole.inference_peak
+
+
+def test_fit_applies_a_split_plan_exactly_and_detach_undoes_it() -> None:
+    model, x = _net(), _x()
+    reference = copy.deepcopy(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = [id(p) for p in model.parameters()]
+    with torch.no_grad():
+        expected = reference(x)
+    fitted = vramkit.fit(model, (x,), 5 * MiB, device="cpu", **OPTIONS)
+    try:
+        assert fitted.plan.split
+        assert fitted.swapper is not None
+        assert sorted(fitted.swapper.swapped_names) == sorted(fitted.plan.swapped)
+        with torch.no_grad():
+            for _ in range(2):  # back to back: the ring wraps around
+                assert torch.equal(model(x), expected)
+        swap = fitted.stats()["swap"]
+        assert swap["swapped_blocks"] == len(fitted.plan.swapped)
+        assert swap["loads"] >= 2 * len(fitted.plan.swapped)  # every unit copied each call
+    finally:
+        fitted.detach()
+    assert [id(p) for p in model.parameters()] == ids
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert all(not _patch.wrappers(m) for m in model.modules())
+
+
+@pytest.mark.gpu
+def test_a_measured_split_plan_runs_exactly_on_the_gpu_under_its_budget() -> None:
+    """Calibrated on the GPU (each kind of unit timed), applied at the smallest budget any
+    plan fits: the forward is the unfitted model's, the peak within the budget."""
+    model, x = _net(), _x().cuda()
+    reference = copy.deepcopy(model).cuda()
+    options = {"mode": "infer", "headroom": 0, "autocast": None}
+    with pytest.raises(PlanError) as info:
+        vramkit.plan(model, (x,), 1, **options)
+    budget = info.value.minimum_budget
+    assert budget is not None
+    fitted = vramkit.fit(model, (x,), budget, observe_steps=2, **options)
+    try:
+        assert fitted.plan.split, fitted.plan.explain()
+        assert any("measured on cuda" in n for n in fitted.plan.notes), fitted.plan.notes
+        with torch.no_grad():
+            expected = reference(x)
+            for _ in range(3):
+                assert torch.equal(model(x), expected)
+        report = fitted.report()
+        assert report.measured_peak_bytes is not None
+        assert report.measured_peak_bytes <= budget
+    finally:
+        fitted.detach()
+    assert all(p.device.type == "cpu" for p in model.parameters())

@@ -92,7 +92,10 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
             only) and predicts their reads at ``disk_bytes_per_s``.
         headroom: bytes of the budget kept free: a size, a fraction, or ``None`` (8 % + 256 MiB).
         step: ``step(model, inputs) -> loss`` (default: the mean of the float outputs).
-        blocks: ``"auto"`` or block names (:func:`vramkit.offload.blocks.find_blocks`).
+        blocks: ``"auto"`` or block names (:func:`vramkit.offload.blocks.find_blocks`). With
+            ``"auto"`` an inference plan that swaps is also made with the blocks split into
+            their children (smaller ring slots), and taken where whole blocks do not fit or
+            it is :data:`SPLIT_GAIN` faster (``Plan.split``); named blocks are kept as named.
         num_slots: ring sizes to consider (default 1, 2, 3).
         activation_offload: consider offloading saved activations (default ``True``).
         autocast: the dtype of autocast during the step (default bf16; ``None``: none).
@@ -214,8 +217,9 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
 
 
 #: A plan of split blocks replaces the plan of whole blocks only when predicted this much
-#: faster: every unit is a swapper call more (hooks, events, smaller copies), which the
-#: prediction does not price.
+#: faster: each unit is a swapper call more and a smaller copy (the prediction prices the
+#: call's host time, not what finer interleaving may cost beyond it), and whole blocks are
+#: the form the benchmarks measured.
 SPLIT_GAIN = 0.05
 
 

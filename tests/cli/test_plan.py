@@ -225,3 +225,19 @@ def test_checkpointing_all_or_none_as_asked(llama_dir: Path,
     captured = capsys.readouterr()
     check_error(code, captured.out, captured.err, sub="plan", exit_code=1,
                 says=("no block checkpointed, as asked", "--checkpointing auto"))
+
+
+def test_flux_inference_at_diffusers_peak_splits_its_blocks(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """2 GiB: whole 648 MiB double blocks leave one slot; their children swap through three."""
+    pytest.importorskip("diffusers")
+    argv = ["flux-dev", "--mode", "infer", "--budget", "2GiB", "--hardware", "h200"]
+    plan = _json(capsys, *argv)["plan"]
+    assert plan["split"] is True
+    assert len(plan["block_order"]) == 247  # 19 x 5 + 38 x 4 children
+    assert "transformer_blocks.0.attn" in plan["block_order"]
+    assert plan["num_slots"] >= 2
+    assert plan["predicted_peak_bytes"] <= 2 * GiB - plan["headroom_bytes"]
+    assert main(["plan", *argv]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "units (blocks split)" in out and "Blocks split into their children" in out

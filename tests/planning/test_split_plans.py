@@ -171,6 +171,30 @@ def test_fit_applies_a_split_plan_exactly_and_detach_undoes_it() -> None:
     assert all(not _patch.wrappers(m) for m in model.modules())
 
 
+
+def test_a_split_plan_fills_a_meta_model_from_its_checkpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Inference from a file at a tight budget: the units are read straight into their masters,
+    the rest to the device, and the forward is the model's."""
+    from safetensors.torch import save_file
+
+    reference, x = _net(), _x()
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
+    with torch.device("meta"):
+        model = Net().requires_grad_(False)
+    with torch.no_grad():
+        expected = reference(x)
+    fitted = vramkit.fit(model, (x,), 5 * MiB, device="cpu", checkpoint=path, **OPTIONS)
+    try:
+        assert fitted.plan.split and fitted.swapper is not None
+        assert fitted.swapper.stats().checkpoint_bytes > 0
+        assert not any(t.is_meta for t in model.parameters())
+        with torch.no_grad():
+            assert torch.equal(model(x), expected)
+    finally:
+        fitted.detach()
+
+
 @pytest.mark.gpu
 def test_a_measured_split_plan_runs_exactly_on_the_gpu_under_its_budget() -> None:
     """Calibrated on the GPU (each kind of unit timed), applied at the smallest budget any

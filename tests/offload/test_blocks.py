@@ -358,22 +358,35 @@ def test_split_blocks_puts_each_blocks_tensor_holding_children_in_its_place() ->
     assert sum(module_bytes(m) for _, m in units) == module_bytes(model)
 
 
-def test_split_blocks_keeps_whole_what_its_children_do_not_cover() -> None:
-    own = _Pair()
-    own.scale = nn.Parameter(torch.ones(8))  # a tensor of the block itself
-    buffered = _Pair()
-    buffered.register_buffer("table", torch.ones(4))
+def test_split_blocks_keeps_whole_what_would_not_split_cleanly() -> None:
     single = nn.Sequential(nn.Linear(8, 8), nn.GELU())  # one child with tensors
-    nested = nn.Module()
-    nested.layers = nn.ModuleList([nn.Linear(8, 8)])  # a container: its name means its children
-    nested.head = nn.Linear(8, 8)
     shared = _Pair()
     shared.mlp.weight = shared.attn.weight  # shared between children: counted once by the block
     shared.mlp.bias = shared.attn.bias
-    found = [("own", own), ("buffered", buffered), ("single", single), ("nested", nested),
-             ("shared", shared), ("plain", _Pair())]
+    found = [("single", single), ("shared", shared), ("plain", _Pair())]
     names = [n for n, _ in split_blocks(found)]
-    assert names == ["own", "buffered", "single", "nested", "shared", "plain.attn", "plain.mlp"]
+    assert names == ["single", "shared", "plain.attn", "plain.mlp"]
+
+
+def test_split_blocks_opens_containers_and_leaves_a_blocks_own_tensors_resident() -> None:
+    own = _Pair()
+    own.scale = nn.Parameter(torch.ones(8))  # Wan's scale_shift_table: no unit holds it
+    own.register_buffer("table", torch.ones(4))
+    modulated = nn.Module()
+    modulated.mod = nn.Sequential(nn.SiLU(), nn.Linear(8, 24))  # Qwen-Image's img_mod
+    modulated.attn = nn.Linear(8, 8)
+    nested = nn.Module()
+    nested.layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 8)), nn.Linear(8, 8)])
+    found = [("own", own), ("modulated", modulated), ("nested", nested)]
+    units = split_blocks(found)
+    assert [n for n, _ in units] == ["own.attn", "own.mlp", "modulated.mod.1", "modulated.attn",
+                                     "nested.layers.0.0", "nested.layers.1"]
+    assert units[2][1] is modulated.mod[1]
+    model = nn.Module()
+    for name, block in found:
+        model.add_module(name, block)
+    # every unit is found again by its name (none is a container that would expand)
+    assert [n for n, _ in find_blocks(model, [n for n, _ in units])] == [n for n, _ in units]
 
 
 def test_named_units_are_found_by_exact_name() -> None:

@@ -45,18 +45,20 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Its own code keeps the attention's output while the MLP runs (no child sees that)."""
+    """Its own code keeps the attention's output while the MLP runs (no child sees that); its
+    own gate (as Wan's ``scale_shift_table``) is in no unit: it stays resident."""
 
     def __init__(self) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(D)
         self.attn = Attention()
         self.mlp = MLP()
+        self.gate = nn.Parameter(torch.ones(D))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
         a = self.attn(h)
-        return x + a + self.mlp(h)
+        return x + a * self.gate + self.mlp(h)
 
 
 class Net(nn.Module):
@@ -144,6 +146,40 @@ def test_a_split_plan_prices_what_the_whole_block_holds_while_it_runs() -> None:
     p = vramkit.plan(model, (x,), 5 * MiB, **OPTIONS)
     assert p.split and p.peak_breakdown["activations"] >= whole.inference_peak
 
+
+
+class Peeking(Block):
+    """Reads its MLP's weights without calling the MLP: swapped as a unit, the MLP's weights
+    would be unloaded placeholders there."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        up, down = self.mlp.up, self.mlp.down
+        m = F.linear(F.gelu(F.linear(h, up.weight, up.bias)), down.weight, down.bias)
+        return x + self.attn(h) * self.gate + m
+
+
+def test_blocks_whose_units_are_read_outside_their_call_stay_whole(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api, "SPLIT_GAIN", -1.0)  # a split plan wherever one fits
+    model, x = _net(), _x()
+    model.blocks[2] = Peeking()
+    model.requires_grad_(False)
+    units = [f"blocks.{i}.{c}" for i in range(6) for c in ("norm", "attn", "mlp")]
+    assert analyze(model, (x,), mode="infer", autocast=None,
+                   blocks=units).foreign_reads == ("blocks.2.mlp",)
+    assert analyze(model, (x,), mode="infer", autocast=None).foreign_reads == ()
+    p = vramkit.plan(model, (x,), 6 * MiB, **OPTIONS)
+    assert p.split and "blocks.2" in p.block_order  # that block whole, the others split
+    assert "blocks.1.mlp" in p.block_order and "blocks.2.mlp" not in p.block_order
+    with torch.no_grad():
+        expected = copy.deepcopy(model)(x)
+    fitted = vramkit.fit(model, (x,), 6 * MiB, device="cpu", plan=p)
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(x), expected)
+    finally:
+        fitted.detach()
 
 def test_fit_applies_a_split_plan_exactly_and_detach_undoes_it() -> None:
     model, x = _net(), _x()

@@ -150,29 +150,40 @@ def split_blocks(found: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.M
     A ring's slots are as large as its largest unit, so a model of large blocks swapped whole
     keeps R copies of the largest on the GPU: FLUX.1-dev's double block is 648 MiB in bf16, its
     children (the attention, the two feed-forwards, the two modulation norms) at most 144 MiB.
-    A block stays whole where splitting would not cover it: tensors of its own (outside its
-    children), fewer than two children with tensors, or a child that is itself a
-    ``ModuleList``/``Sequential`` (named, it would mean its children).
+    A child that is a ``ModuleList``/``Sequential`` gives its own children instead (Qwen-Image's
+    modulation ``Sequential(SiLU, Linear)`` gives the ``Linear``: a container's name would mean
+    its children). Tensors of the block itself (Wan's ``scale_shift_table``) are left out of
+    every unit: they stay with the model, resident. A block stays whole where it would give
+    fewer than two units, or where its units share tensors.
 
     Args:
         found: blocks as :func:`find_blocks` returns them.
 
     Returns:
-        ``(name, module)`` pairs: a block's children (``"transformer_blocks.0.attn"``) in
-        registration order in place of the block, or the block itself.
+        ``(name, module)`` pairs: a block's units (``"transformer_blocks.0.attn"``,
+        ``"transformer_blocks.0.img_mod.1"``) in registration order in place of the block, or
+        the block itself.
     """
     out: list[tuple[str, nn.Module]] = []
     for name, block in found:
-        children = [(f"{name}.{child_name}", child)
-                    for child_name, child in block.named_children() if module_bytes(child)]
-        own = any(True for _ in block.parameters(recurse=False)) or any(
-            True for _ in block.buffers(recurse=False))
-        if (own or len(children) < 2 or any(isinstance(c, _CONTAINERS) for _, c in children)
-                or sum(module_bytes(c) for _, c in children) != module_bytes(block)):
+        units = list(_units(name, block))
+        own = sum(t.numel() * t.element_size() for t in (
+            *block.parameters(recurse=False), *block.buffers(recurse=False)))
+        if len(units) < 2 or own + sum(module_bytes(m) for _, m in units) != module_bytes(block):
             out.append((name, block))
         else:
-            out.extend(children)
+            out.extend(units)
     return out
+
+
+def _units(name: str, module: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    for child_name, child in module.named_children():
+        if not module_bytes(child):
+            continue
+        if isinstance(child, _CONTAINERS):
+            yield from _units(f"{name}.{child_name}", child)
+        else:
+            yield f"{name}.{child_name}", child
 
 
 def unet_blocks(unet: nn.Module) -> list[str]:

@@ -202,6 +202,11 @@ class _SavedBytes:
         self.transient = dict.fromkeys(self.per_block, 0)
         self._block_alive = 0
         self._block = _LiveStorages(self._block_changed)
+        # Whose tensors each block's are, and the blocks whose tensors an op used while another
+        # block (or none) ran: a parent's code reading a child's weight, which a swapper of the
+        # child would hand an unloaded placeholder.
+        self.owner: dict[int, str] = {}  # filled by activation_accounting
+        self.foreign: set[str] = set()
 
     def add_bytes(self, nbytes: int) -> None:
         if self.current is None:
@@ -233,6 +238,14 @@ class _SavedBytes:
                                   inputs={n: self.inputs[n] for n in order},
                                   outside=self.outside, tail=tail,
                                   transient={n: self.transient[n] for n in order})
+
+    def read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Note the blocks whose tensors an op takes while it runs outside them."""
+        for t in _flat_tensors(args, kwargs):
+            if isinstance(t, torch.Tensor):
+                owner = self.owner.get(_storage_key(t))
+                if owner is not None and owner != self.current:
+                    self.foreign.add(owner)
 
     def made(self, value: Any) -> None:
         """Note the tensors an op returned: inside a block, what the block holds at once;
@@ -320,6 +333,7 @@ class _FusedKernelsOnMeta(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        self.saved.read(args, kwargs)
         if func in _RMS_NORMS and _FUSED_RMS_NORM and _needs_grad_on_meta(args, kwargs):
             out = self._rms_norm(args, kwargs)
             self.saved.made(out)
@@ -391,6 +405,8 @@ def activation_accounting(model: nn.Module, block_names: Iterable[str]) -> Itera
                 raise ConfigError(f"the model has no block {name!r}",
                                   hint="Pass names from vramkit.offload.blocks.find_blocks("
                                        "model).") from None
+            for t in (*block.parameters(), *block.buffers()):
+                saved.owner[_storage_key(t)] = name
 
             def enter(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                       name: str = name) -> None:

@@ -120,6 +120,9 @@ class ModelCost:
         formats: the formats measured (always ``"bf16"`` first: the model as built).
         seconds: how long the analysis took.
         outside_work: the forward :class:`Work` outside the blocks (``None``: not counted).
+        foreign_reads: blocks whose tensors an op took outside the block's own call (code
+            around the block reading its weight), in execution order: swapped, such a block
+            would hand that op an unloaded placeholder.
     """
 
     mode: str
@@ -134,6 +137,7 @@ class ModelCost:
     seconds: float = 0.0
     block_index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     outside_work: Work | None = None
+    foreign_reads: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_index", {b.name: i for i, b in enumerate(self.blocks)})
@@ -373,7 +377,8 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
         trainable_bytes=sum(_nbytes(p) for p in trainable),
         activations=estimate, formats=all_formats, seconds=time.perf_counter() - started,
         outside_work=kernels.work(None, max(0.0, matmul_total - sum(matmul.values())),
-                                  attention.get(None, 0)))
+                                  attention.get(None, 0)),
+        foreign_reads=tuple(c.name for c in costs if c.name in saved.foreign))
     logger.debug("analyzed %s in %.1f s: %d blocks, %.1f TFLOP forward", root, result.seconds,
                  len(costs), result.forward_flops / 1e12)
     return result

@@ -233,11 +233,24 @@ def _finer(model: nn.Module, cost: ModelCost, whole: Plan | None, refused: PlanE
     is the whole blocks' analysis: what a whole block holds while it runs bounds the split
     plan's activations (the block's own code keeps tensors between its children's calls)."""
     found = find_blocks(model, "auto")
-    units = split_blocks(found)
-    if len(units) == len(found):
-        return whole, refused  # no block splits
-    names = [name for name, _ in units]
-    finer_cost = analyzed(names)
+    parts = {name: split_blocks([(name, block)]) for name, block in found}
+    finer_cost = None
+    for _ in range(2):  # again with whole blocks where the units' weights are read outside them
+        units = [unit for name, _ in found for unit in parts[name]]
+        if len(units) == len(found):
+            return whole, refused  # no block splits
+        names = [name for name, _ in units]
+        finer_cost = analyzed(names)
+        if not finer_cost.foreign_reads:
+            break
+        read = set(finer_cost.foreign_reads)
+        for name, block in found:
+            if any(unit in read for unit, _ in parts[name]):
+                parts[name] = [(name, block)]
+        logger.info("plan: %d unit(s) have weights read outside their own call (%s...): "
+                    "their blocks stay whole", len(read), sorted(read)[:3])
+    if finer_cost is None or finer_cost.foreign_reads:
+        return whole, refused
     finer_cost = replace(finer_cost, activations=replace(
         finer_cost.activations, enclosing_peak=cost.activations.inference_peak))
     try:

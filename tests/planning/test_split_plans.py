@@ -181,6 +181,28 @@ def test_blocks_whose_units_are_read_outside_their_call_stay_whole(
     finally:
         fitted.detach()
 
+
+class Twice(Block):
+    """Calls its norm twice: a ring of units would see one unit twice in a pass."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        a = self.attn(h)
+        return x + a * self.gate + self.mlp(self.norm(h + a))
+
+
+def test_blocks_whose_units_are_called_twice_stay_whole(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api, "SPLIT_GAIN", -1.0)  # a split plan wherever one fits
+    model, x = _net(), _x()
+    model.blocks[4] = Twice()
+    model.requires_grad_(False)
+    units = [f"blocks.{i}.{c}" for i in range(6) for c in ("norm", "attn", "mlp")]
+    cost = analyze(model, (x,), mode="infer", autocast=None, blocks=units)
+    assert cost.repeated_calls == ("blocks.4.norm",) and cost.foreign_reads == ()
+    p = vramkit.plan(model, (x,), 6 * MiB, **OPTIONS)
+    assert p.split and "blocks.4" in p.block_order and "blocks.3.norm" in p.block_order
+
 def test_fit_applies_a_split_plan_exactly_and_detach_undoes_it() -> None:
     model, x = _net(), _x()
     reference = copy.deepcopy(model)

@@ -207,6 +207,7 @@ class _SavedBytes:
         # child would hand an unloaded placeholder.
         self.owner: dict[int, str] = {}  # filled by activation_accounting
         self.foreign: set[str] = set()
+        self.repeated: set[str] = set()  # blocks called more than once in the step
 
     def add_bytes(self, nbytes: int) -> None:
         if self.current is None:
@@ -286,6 +287,8 @@ class _SavedBytes:
         if name not in self.called:
             self.called.add(name)
             self.order.append(name)
+        else:
+            self.repeated.add(name)
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 continue

@@ -123,6 +123,8 @@ class ModelCost:
         foreign_reads: blocks whose tensors an op took outside the block's own call (code
             around the block reading its weight), in execution order: swapped, such a block
             would hand that op an unloaded placeholder.
+        repeated_calls: blocks called more than once in the step, in execution order (a
+            swapper's ring learns one call per block and pass; the time model prices one).
     """
 
     mode: str
@@ -138,6 +140,7 @@ class ModelCost:
     block_index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     outside_work: Work | None = None
     foreign_reads: tuple[str, ...] = ()
+    repeated_calls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_index", {b.name: i for i, b in enumerate(self.blocks)})
@@ -378,7 +381,8 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
         activations=estimate, formats=all_formats, seconds=time.perf_counter() - started,
         outside_work=kernels.work(None, max(0.0, matmul_total - sum(matmul.values())),
                                   attention.get(None, 0)),
-        foreign_reads=tuple(c.name for c in costs if c.name in saved.foreign))
+        foreign_reads=tuple(c.name for c in costs if c.name in saved.foreign),
+        repeated_calls=tuple(c.name for c in costs if c.name in saved.repeated))
     logger.debug("analyzed %s in %.1f s: %d blocks, %.1f TFLOP forward", root, result.seconds,
                  len(costs), result.forward_flops / 1e12)
     return result

@@ -223,6 +223,12 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
 SPLIT_GAIN = 0.05
 
 
+def _unclean(cost: ModelCost) -> set[str]:
+    """Units that would not swap cleanly: weights an op reads outside the unit's call (a
+    placeholder there), or called twice in one step (the ring learns one call per pass)."""
+    return {*cost.foreign_reads, *cost.repeated_calls}
+
+
 def _finer(model: nn.Module, cost: ModelCost, whole: Plan | None, refused: PlanError | None,
            analyzed: Callable[[list[str]], ModelCost],
            planned: Callable[[list[str], ModelCost, None], Plan]
@@ -235,21 +241,22 @@ def _finer(model: nn.Module, cost: ModelCost, whole: Plan | None, refused: PlanE
     found = find_blocks(model, "auto")
     parts = {name: split_blocks([(name, block)]) for name, block in found}
     finer_cost = None
-    for _ in range(2):  # again with whole blocks where the units' weights are read outside them
+    for _ in range(2):  # again with whole blocks where units do not swap cleanly
         units = [unit for name, _ in found for unit in parts[name]]
         if len(units) == len(found):
             return whole, refused  # no block splits
         names = [name for name, _ in units]
         finer_cost = analyzed(names)
-        if not finer_cost.foreign_reads:
+        unclean = _unclean(finer_cost)
+        if not unclean:
             break
-        read = set(finer_cost.foreign_reads)
         for name, block in found:
-            if any(unit in read for unit, _ in parts[name]):
+            if any(unit in unclean for unit, _ in parts[name]):
                 parts[name] = [(name, block)]
-        logger.info("plan: %d unit(s) have weights read outside their own call (%s...): "
-                    "their blocks stay whole", len(read), sorted(read)[:3])
-    if finer_cost is None or finer_cost.foreign_reads:
+        logger.info("plan: %d unit(s) have weights read outside their own call or are "
+                    "called twice (%s...): their blocks stay whole", len(unclean),
+                    sorted(unclean)[:3])
+    if finer_cost is None or _unclean(finer_cost):
         return whole, refused
     finer_cost = replace(finer_cost, activations=replace(
         finer_cost.activations, enclosing_peak=cost.activations.inference_peak))

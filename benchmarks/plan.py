@@ -753,7 +753,8 @@ def markdown_row(row: dict[str, Any]) -> dict[str, Any]:
         return "-" if value is None else f"{value * 1e3:.0f}"
 
     plan = row.get("plan") or {}
-    chosen = (f"{plan.get('swapped')}/{plan.get('blocks')} swapped, "
+    chosen = (f"{plan.get('swapped')}/{plan.get('blocks')} "
+              f"{'units (split) ' if plan.get('split') else ''}swapped, "
               f"{plan.get('checkpointed', '-')} ckpt, R={plan.get('slots', '-')}"
               + (", act offload" if plan.get("activation_offload") else "")
               + (f", {'+'.join(plan['formats'])}" if plan.get("formats") else "")) if plan else "-"

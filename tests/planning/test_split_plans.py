@@ -253,6 +253,41 @@ def test_a_split_plan_fills_a_meta_model_from_its_checkpoint(tmp_path) -> None: 
         fitted.detach()
 
 
+
+def test_a_diffusers_flux_runs_split_exactly() -> None:
+    """diffusers' Flux blocks (their attention processors call the projections of their
+    ``attn`` unit; the modulation norms are units; the rotary embedding comes in as a keyword)
+    split into units and run bit for bit as the unfitted model."""
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=64,
+        num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=16,
+        guidance_embeds=False, axes_dims_rope=(16, 24, 24)).requires_grad_(False)
+    g = torch.Generator().manual_seed(3)
+    inputs = {"hidden_states": torch.randn(1, 64, 16, generator=g),
+              "encoder_hidden_states": torch.randn(1, 8, 32, generator=g),
+              "pooled_projections": torch.randn(1, 16, generator=g),
+              "timestep": torch.rand(1, generator=g),
+              "img_ids": torch.zeros(64, 3), "txt_ids": torch.zeros(8, 3)}
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        expected = reference(**inputs, return_dict=False)[0]
+    with pytest.raises(PlanError) as info:
+        vramkit.plan(model, inputs, 1, **OPTIONS)
+    assert info.value.minimum_budget is not None
+    fitted = vramkit.fit(model, inputs, info.value.minimum_budget, device="cpu", **OPTIONS)
+    try:
+        assert fitted.plan.split, fitted.plan.explain()
+        assert "transformer_blocks.0.attn" in fitted.plan.block_order
+        assert "transformer_blocks.0.ff" in fitted.plan.block_order
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(**inputs, return_dict=False)[0], expected)
+    finally:
+        fitted.detach()
+
+
 @pytest.mark.gpu
 def test_a_measured_split_plan_runs_exactly_on_the_gpu_under_its_budget() -> None:
     """Calibrated on the GPU (each kind of unit timed), applied at the smallest budget any

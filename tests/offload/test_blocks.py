@@ -393,3 +393,5 @@ def test_named_units_are_found_by_exact_name() -> None:
     model = nn.ModuleList([_Pair(), _Pair()])
     names = ["0.attn", "0.mlp", "1.attn", "1.mlp"]
     assert [n for n, _ in find_blocks(model, names)] == names
+    with pytest.raises(OffloadError, match="no module matches ''"):
+        find_blocks(model, [""])  # not the model itself

@@ -258,7 +258,7 @@ def _named_blocks(model: nn.Module, patterns: list[str]) -> list[tuple[str, nn.M
     modules = dict(model.named_modules())
     chosen: dict[str, nn.Module] = {}
     for pattern in patterns:
-        if pattern in modules and not any(c in pattern for c in "*?["):
+        if pattern and pattern in modules and not any(c in pattern for c in "*?["):
             matched = [pattern]  # an exact name (a split plan names hundreds of units)
         else:
             matched = [n for n in modules

@@ -251,7 +251,7 @@ def _ms(seconds: float) -> str:
 def _print_result(con: Any, result: Any) -> None:
     from rich.table import Table
 
-    from vramkit.planning.fitting import STEP_TOLERANCE
+    from vramkit.planning.fitting import host_bound_remark
     from vramkit.units import format_size
 
     plan = result.plan
@@ -283,12 +283,10 @@ def _print_result(con: Any, result: Any) -> None:
         said = (f"peak {format_size(plan.predicted_peak_bytes)} (measured "
                 f"{format_size(result.peak_bytes)}), step {_ms(plan.predicted_step_seconds)} "
                 f"(measured {_ms(result.median_step_seconds)})")
-        error = result.median_step_seconds / plan.predicted_step_seconds - 1
-        if plan.host_bound_phases and abs(error) > STEP_TOLERANCE:
-            said += (f"; the {' and '.join(plan.host_bound_phases)} "
-                     f"{'is' if len(plan.host_bound_phases) == 1 else 'are'} host-bound: "
-                     "the host's enqueueing paces it, and that moves with the host's load and "
-                     "clocks")
+        remark = host_bound_remark(plan.host_bound_phases,
+                                   result.median_step_seconds / plan.predicted_step_seconds - 1)
+        if remark:
+            said += f"; the {remark}"
         table.add_row("planner's prediction", said)
     loss = f"{result.loss_first:.4f} -> {result.loss_last:.4f} over {len(result.losses)} steps"
     if result.baseline_max_loss_diff is not None:

@@ -100,13 +100,20 @@ class FitReport:
             parts.append(f"step {self.measured_step_seconds * 1e3:.0f} ms measured vs "
                          f"{self.predicted_step_seconds * 1e3:.0f} ms predicted "
                          f"({self.step_error:+.1%})")
-            error = self.step_error
-            if self.host_bound and error is not None and abs(error) > STEP_TOLERANCE:
-                phases = " and ".join(self.host_bound)
-                parts.append(f"-- the plan's {phases} {'is' if len(self.host_bound) == 1 else 'are'}"
-                             " host-bound: the host's enqueueing paces it, and that moves "
-                             "with the host's load and clocks")
+            remark = host_bound_remark(self.host_bound, self.step_error)
+            if remark:
+                parts.append(f"-- the plan's {remark}")
         return " ".join(parts)
+
+
+def host_bound_remark(phases: tuple[str, ...], step_error: float | None) -> str | None:
+    """What explains a step off its prediction by more than :data:`STEP_TOLERANCE` when the
+    plan predicted ``phases`` host-bound (``"backward is host-bound: ..."``), else ``None``."""
+    if not phases or step_error is None or abs(step_error) <= STEP_TOLERANCE:
+        return None
+    verb = "is" if len(phases) == 1 else "are"
+    return (f"{' and '.join(phases)} {verb} host-bound: the host's enqueueing paces it, and "
+            "that moves with the host's load and clocks")
 
 
 class _OffloadingForward(_patch.MethodWrapper):
@@ -291,8 +298,7 @@ class Fitted:
                          measured_peak_bytes=peak,
                          predicted_step_seconds=self.plan.predicted_step_seconds,
                          measured_step_seconds=measured,
-                         host_bound=tuple(name for name in ("forward", "backward")
-                                          if getattr(self.plan, name).host_bound))
+                         host_bound=self.plan.host_bound_phases)
 
     # -- public -----------------------------------------------------------------------------
 

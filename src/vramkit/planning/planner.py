@@ -188,6 +188,12 @@ class Plan:
                 + self.overhead_seconds)
 
     @property
+    def host_bound_phases(self) -> tuple[str, ...]:
+        """The phases predicted host-bound (``"forward"``, ``"backward"``): the host's pace
+        decides their time."""
+        return tuple(name for name in ("forward", "backward") if getattr(self, name).host_bound)
+
+    @property
     def formats(self) -> dict[str, str]:
         """Block name -> storage format of its frozen weights."""
         out = dict.fromkeys(self.resident, self.resident_format)

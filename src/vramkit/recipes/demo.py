@@ -473,8 +473,7 @@ def plan_demo(config: DemoConfig | None = None, *, data_parallel: bool = False) 
         predicted_peak_bytes=result.predicted_peak_bytes,
         predicted_step_seconds=result.predicted_step_seconds if cuda else None,
         plan_explanation=result.explain(),
-        host_bound_phases=tuple(name for name in ("forward", "backward")
-                                if cuda and getattr(result, name).host_bound))
+        host_bound_phases=result.host_bound_phases if cuda else ())
 
 
 # -- running ---------------------------------------------------------------------------------

@@ -592,7 +592,7 @@ def _ddp_after_a_backward() -> tuple[nn.Module, BlockSwapper]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-def test_shutdown_ends_the_group_and_glooss_threads_once_ddp_is_gone() -> None:
+def test_shutdown_ends_the_group_and_gloos_threads_once_ddp_is_gone() -> None:
     """The last all-reduce of a backward must not be freed by a gloo thread at interpreter exit
     (an abort): with DDP dropped, ``shutdown`` destroys the group and its threads end then."""
     dist = torch.distributed

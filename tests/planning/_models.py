@@ -3,6 +3,8 @@ adapters, the shape of what vramkit plans for."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,10 +29,14 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    def __init__(self, n: int = 6, dim: int = DIM) -> None:
+    """``n`` blocks (``block()``, default :class:`Block`) between an input and an output
+    layer."""
+
+    def __init__(self, n: int = 6, dim: int = DIM,
+                 block: Callable[[], nn.Module] | None = None) -> None:
         super().__init__()
         self.inp = nn.Linear(dim, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(n))
+        self.blocks = nn.ModuleList((block or (lambda: Block(dim)))() for _ in range(n))
         self.out = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import vramkit
+from tests.planning._models import Stack
 from vramkit.errors import PlanError
 from vramkit.offload import _patch
 from vramkit.planning import api
@@ -61,23 +62,17 @@ class Block(nn.Module):
         return x + a * self.gate + self.mlp(h)
 
 
-class Net(nn.Module):
-    def __init__(self, n: int = 6) -> None:
-        super().__init__()
-        self.inp = nn.Linear(D, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(n))
-        self.out = nn.Linear(D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(x)
+UNITS = [f"blocks.{i}.{c}" for i in range(6) for c in ("norm", "attn", "mlp")]
 
 
-def _net() -> Net:
+def _net(replaced: dict[int, type[Block]] | None = None) -> nn.Module:
+    """Six :class:`Block` between two layers, frozen; ``replaced``: block index -> another
+    class of block."""
     torch.manual_seed(0)
-    return Net().requires_grad_(False)
+    model = Stack(6, block=Block)
+    for index, cls in (replaced or {}).items():
+        model.blocks[index] = cls()
+    return model.requires_grad_(False)
 
 
 def _x() -> torch.Tensor:
@@ -140,8 +135,7 @@ def test_a_split_plan_prices_what_the_whole_block_holds_while_it_runs() -> None:
     it, the whole block's does not."""
     model, x = _net(), _x()
     whole = analyze(model, (x,), mode="infer", autocast=None).activations
-    units = [f"blocks.{i}.{c}" for i in range(6) for c in ("norm", "attn", "mlp")]
-    split = analyze(model, (x,), mode="infer", autocast=None, blocks=units).activations
+    split = analyze(model, (x,), mode="infer", autocast=None, blocks=UNITS).activations
     assert split.inference_peak < whole.inference_peak  # what the units alone see
     p = vramkit.plan(model, (x,), 5 * MiB, **OPTIONS)
     assert p.split and p.peak_breakdown["activations"] >= whole.inference_peak
@@ -162,12 +156,9 @@ class Peeking(Block):
 def test_blocks_whose_units_are_read_outside_their_call_stay_whole(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(api, "SPLIT_GAIN", -1.0)  # a split plan wherever one fits
-    model, x = _net(), _x()
-    model.blocks[2] = Peeking()
-    model.requires_grad_(False)
-    units = [f"blocks.{i}.{c}" for i in range(6) for c in ("norm", "attn", "mlp")]
+    model, x = _net({2: Peeking}), _x()
     assert analyze(model, (x,), mode="infer", autocast=None,
-                   blocks=units).foreign_reads == ("blocks.2.mlp",)
+                   blocks=UNITS).foreign_reads == ("blocks.2.mlp",)
     assert analyze(model, (x,), mode="infer", autocast=None).foreign_reads == ()
     p = vramkit.plan(model, (x,), 6 * MiB, **OPTIONS)
     assert p.split and "blocks.2" in p.block_order  # that block whole, the others split
@@ -194,11 +185,8 @@ class Twice(Block):
 def test_blocks_whose_units_are_called_twice_stay_whole(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(api, "SPLIT_GAIN", -1.0)  # a split plan wherever one fits
-    model, x = _net(), _x()
-    model.blocks[4] = Twice()
-    model.requires_grad_(False)
-    units = [f"blocks.{i}.{c}" for i in range(6) for c in ("norm", "attn", "mlp")]
-    cost = analyze(model, (x,), mode="infer", autocast=None, blocks=units)
+    model, x = _net({4: Twice}), _x()
+    cost = analyze(model, (x,), mode="infer", autocast=None, blocks=UNITS)
     assert cost.repeated_calls == ("blocks.4.norm",) and cost.foreign_reads == ()
     p = vramkit.plan(model, (x,), 6 * MiB, **OPTIONS)
     assert p.split and "blocks.4" in p.block_order and "blocks.3.norm" in p.block_order
@@ -239,7 +227,7 @@ def test_a_split_plan_fills_a_meta_model_from_its_checkpoint(tmp_path) -> None: 
     path = tmp_path / "model.safetensors"
     save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
     with torch.device("meta"):
-        model = Net().requires_grad_(False)
+        model = Stack(6, block=Block).requires_grad_(False)
     with torch.no_grad():
         expected = reference(x)
     fitted = vramkit.fit(model, (x,), 5 * MiB, device="cpu", checkpoint=path, **OPTIONS)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import math
 import weakref
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vramkit.errors import ConfigError
 
@@ -59,6 +61,12 @@ class ActivationEstimate:
             blocks (:attr:`inference_peak` of their estimate): the parent's own code keeps
             tensors between its children's calls (a FLUX single block its MLP branch while the
             attention runs, then their concatenation), which no child's count sees. 0 otherwise.
+        backward_peak: the most bytes alive at once while each block's backward runs, of the
+            tensors it saved (freed as its backward uses them up) and those the backward makes
+            (the incoming gradient, the activation gradients, the kernels' temporaries; not
+            the parameters' gradients, which the trainable state counts), followed through a
+            backward on meta tensors (block name -> bytes). Empty when no backward ran: then
+            :meth:`bytes_with` takes one block's saved bytes for the temporaries.
     """
 
     per_block: dict[str, int]
@@ -67,6 +75,7 @@ class ActivationEstimate:
     tail: int = 0
     transient: dict[str, int] = dataclasses.field(default_factory=dict)
     enclosing_peak: int = 0
+    backward_peak: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def inference_peak(self) -> int:
@@ -97,14 +106,17 @@ class ActivationEstimate:
         """The step's peak activation bytes when the blocks named in ``checkpointed`` recompute.
 
         Blocks are taken in execution order (the order of ``per_block``). A block keeps its
-        saved tensors, or only its inputs when checkpointed. Backward runs the blocks in
-        reverse and frees each one's tensors when it is done, so the peak is reached at some
-        block ``i``: what the blocks before it keep, plus ``i``'s own saved tensors (kept, or
-        rebuilt by its recomputation), plus one block's backward temporaries -- or at the
+        saved tensors, or only its inputs when checkpointed. The peak is reached at some block
+        ``i``, over what the blocks before it keep: in its forward (its inputs and what it
+        holds while it runs, :attr:`transient`), in its backward (:attr:`backward_peak`; a
+        checkpointed block's recomputation first holds what its forward did), or at the
         step's turn from forward to backward, where every block keeps what it keeps and the
-        :attr:`tail` (logits, a loss's float32 copies) is alive, whichever is larger.
-        Checkpointing a block lowers the estimate unless its inputs weigh more than what it
-        saves (a UNet's late resnets, fed the skip connections, can): then it raises it.
+        :attr:`tail` (logits, a loss's float32 copies) is alive, whichever is largest.
+        Without a followed backward (:attr:`backward_peak` empty), block ``i``'s backward is
+        taken as its saved tensors plus the largest block's (:attr:`largest_block`) for the
+        temporaries. Checkpointing a block lowers the estimate unless its inputs weigh more
+        than what it saves (a UNet's late resnets, fed the skip connections, can): then it
+        raises it.
 
         Raises:
             ConfigError: for a name that is not a block of the estimate.
@@ -114,12 +126,16 @@ class ActivationEstimate:
             raise ConfigError(f"not blocks of this estimate: {unknown[:4]}",
                               hint=f"Blocks: {list(self.per_block)[:6]}...")
         chosen = set(checkpointed)
+        followed = bool(self.backward_peak)
+        extra = 0 if followed else self.largest_block
         kept_before = 0
         peak = 0
         for name, saved in self.per_block.items():
-            peak = max(peak, kept_before + saved)
+            forward = self.inputs[name] + self.transient.get(name, 0)
+            backward = self.backward_peak.get(name, saved) if followed else saved + extra
+            peak = max(peak, kept_before + max(forward, backward))
             kept_before += self.inputs[name] if name in chosen else saved
-        return self.outside + max(peak + self.largest_block, kept_before + self.tail)
+        return self.outside + max(peak, kept_before + self.tail)
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -145,7 +161,8 @@ class _LiveStorages:
         entry = self._live.get(key)
         return None if entry is None else entry[2]
 
-    def follow(self, t: torch.Tensor, key: int) -> None:
+    def follow(self, t: torch.Tensor, key: int) -> int:
+        """Follow ``t``, whose storage is ``key``; returns the storage's id."""
         entry = self._live.get(key)
         if entry is None:
             entry = self._live[key] = [0, t.untyped_storage().nbytes(), next(self._ids)]
@@ -153,6 +170,7 @@ class _LiveStorages:
         entry[0] += 1
         ref = weakref.ref(t, self._dropped)
         self._refs[id(ref)] = (ref, key)
+        return entry[2]
 
     def _dropped(self, ref: weakref.ref[torch.Tensor]) -> None:
         held = self._refs.pop(id(ref), None)
@@ -187,9 +205,17 @@ class _SavedBytes:
         # Forward FLOPs of attention by block (None: outside), counted here because the fused
         # stand-in below replaces the matmuls a FLOP counter would see.
         self.attention_flops: dict[str | None, int] = {}
-        # Held until the estimate is done: a freed storage's address could be reused by a new
+        # Held until the forward is done: a freed storage's address could be reused by a new
         # one, which would then be taken for a tensor already counted. (Meta: costs nothing.)
+        # The saved ones with the block that saved them (None: outside every block).
         self.alive: list[torch.Tensor] = []
+        self.saved_by: list[tuple[torch.Tensor, str | None]] = []
+        # The backward (following_backward): the block whose backward runs (from the moment
+        # the gradient of its output arrives), the saved tensors left by block, the bytes the
+        # backward made and still holds, and the most of both at once by block.
+        self.backward_block: str | None = None
+        self.backward_peak: dict[str, int] = {}
+        self._follower: _BackwardFollower | None = None
         # The tail: storages made outside every block since the last block returned, and the
         # order in which each became alive (+bytes) and dead (-bytes), by id; ids of those
         # autograd saved (counted as outside).
@@ -222,7 +248,7 @@ class _SavedBytes:
             self._tail_saved.add(ident)
         if key not in self.param_keys and key not in self.seen:
             self.seen.add(key)
-            self.alive.append(t)
+            self.saved_by.append((t, self.current))
             self.add_bytes(t.untyped_storage().nbytes())
         return t
 
@@ -238,7 +264,48 @@ class _SavedBytes:
         return ActivationEstimate(per_block={n: self.per_block[n] for n in order},
                                   inputs={n: self.inputs[n] for n in order},
                                   outside=self.outside, tail=tail,
-                                  transient={n: self.transient[n] for n in order})
+                                  transient={n: self.transient[n] for n in order},
+                                  backward_peak={n: self.backward_peak[n] for n in order
+                                                 if n in self.backward_peak})
+
+    def left(self, name: str, out: Any) -> None:
+        """Block ``name`` returned ``out``: its backward begins when the gradient of an output
+        arrives (a hook on the output's node, in grad mode)."""
+        self.current = None
+        if not torch.is_grad_enabled():
+            return
+        for t in _flat_tensors((out,), {}):
+            node = t.grad_fn if isinstance(t, torch.Tensor) else None
+            if node is not None:
+                node.register_prehook(functools.partial(self._backward_begins, name))
+
+    def _backward_begins(self, name: str, _grads: Any) -> None:
+        self.backward_block = name
+        if self._follower is not None:
+            self._follower.begins(name)
+
+    @contextlib.contextmanager
+    def following_backward(self, model: nn.Module) -> Iterator[None]:
+        """Follow the backward the ``with`` body runs (``loss.backward()`` on meta tensors,
+        after the forward this record counted): :attr:`backward_peak` by block. The forward's
+        tensors are no longer held by this record, so the saved ones die as the backward uses
+        them up, as they would on a device."""
+        follower = _BackwardFollower(self)
+        self.alive.clear()
+        for t, owner in self.saved_by:
+            follower.follow_saved(t, owner)
+        self.saved_by.clear()
+        follower.recording = True
+        self._follower = follower
+        try:
+            with follower:
+                yield
+        finally:
+            follower.recording = False
+            self._follower = None
+        grads = {_storage_key(p.grad) for p in model.parameters() if p.grad is not None}
+        self.backward_peak = follower.peaks(
+            {i for i in map(follower.made.ident, grads) if i is not None})
 
     def read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Note the blocks whose tensors an op takes while it runs outside them."""
@@ -300,11 +367,118 @@ class _SavedBytes:
             self.inputs[name] += t.untyped_storage().nbytes()
 
 
+class _BackwardFollower(TorchDispatchMode):
+    """The storages alive while a backward on meta tensors runs: the forward's saved ones (by
+    the block that saved them) and those the backward's ops make, each change recorded with
+    the block whose backward runs."""
+
+    def __init__(self, record: _SavedBytes) -> None:
+        super().__init__()
+        self.record = record
+        self.recording = False
+        self.owner: dict[int, str | None] = {}  # saved storage id -> the block that saved it
+        self.events: list[tuple[str | None, int | None, int, bool]] = []
+        self.saved = _LiveStorages(functools.partial(self._changed, True))
+        self.made = _LiveStorages(functools.partial(self._changed, False))
+        self.initial: dict[str | None, int] = {}
+
+    def follow_saved(self, t: torch.Tensor, owner: str | None) -> None:
+        ident = self.saved.follow(t, _storage_key(t))
+        if ident not in self.owner:
+            self.owner[ident] = owner
+            self.initial[owner] = self.initial.get(owner, 0) + t.untyped_storage().nbytes()
+
+    def _changed(self, saved: bool, ident: int, change: int) -> None:
+        if self.recording:
+            self.events.append((self.record.backward_block, ident, change, saved))
+
+    def begins(self, name: str) -> None:
+        """Block ``name``'s backward begins (nothing changes: a moment to look at)."""
+        if self.recording:
+            self.events.append((name, None, 0, False))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        new = not (func.is_view or func._schema.is_mutable)
+        for t in _flat_tensors((out,), {}):
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = _storage_key(t)
+            if self.saved.ident(key) is not None:  # a view of a saved tensor keeps it alive
+                self.saved.follow(t, key)
+            elif self.made.ident(key) is not None or (new and key not in self.record.param_keys):
+                self.made.follow(t, key)
+        return out
+
+    def peaks(self, excluded: Collection[int]) -> dict[str, int]:
+        """By block, the most bytes alive at once while its backward ran: what it saved and has
+        not used up, and what the backward made (leaving out the storages ``excluded``: the
+        parameters' gradients)."""
+        remaining = dict(self.initial)
+        made = 0
+        peaks: dict[str, int] = {}
+        for block, ident, change, saved in self.events:
+            if saved:
+                owner = self.owner.get(ident)  # type: ignore[arg-type]
+                remaining[owner] = remaining.get(owner, 0) + change
+            elif ident not in excluded:
+                made += change
+            if block is not None:
+                peaks[block] = max(peaks.get(block, 0), remaining.get(block, 0) + made)
+        return peaks
+
+
 # Where torch has the fused RMS norm, CUDA's F.rms_norm runs it (saving the input as given and
 # a float32 reciprocal RMS per row) instead of the float32 decomposition meta tensors take.
 _FUSED_RMS_NORM = hasattr(torch, "_fused_rms_norm")
 _RMS_NORMS = frozenset(f for f in (getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None))
                        if f is not None)
+
+
+class _AttentionOnMeta(torch.autograd.Function):
+    """Fused attention's memory on meta tensors: it saves q, k, v, the output and a float32
+    log-sum-exp per query; its backward makes the inputs' gradients beside a float32
+    accumulator of the query's (flash attention's). Computes nothing."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, _grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, _out, _lse = ctx.saved_tensors
+        accumulator = q.new_empty(q.shape, dtype=torch.float32)
+        grads = tuple(t.new_empty(t.shape) if needed else None
+                      for t, needed in zip((q, k, v), ctx.needs_input_grad, strict=True))
+        del accumulator
+        return grads
+
+
+class _RmsNormOnMeta(torch.autograd.Function):
+    """The fused RMS norm's memory on meta tensors: it saves its input as given and a float32
+    reciprocal RMS per row; its backward makes the input's (and the weight's) gradient.
+    Computes nothing."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
+                dims: int) -> torch.Tensor:
+        dtype = x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
+        rows = x.shape[:x.dim() - dims]
+        ctx.save_for_backward(x, x.new_empty(rows, dtype=torch.float32))
+        ctx.weight_shape = None if weight is None else (weight.shape, weight.dtype)
+        return x.new_empty(x.shape, dtype=dtype)
+
+    @staticmethod
+    def backward(ctx: Any, _grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, _rstd = ctx.saved_tensors
+        dx = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1] and ctx.weight_shape is not None:
+            dw = x.new_empty(ctx.weight_shape[0], dtype=ctx.weight_shape[1])
+        return dx, dw, None
 
 
 class _FusedKernelsOnMeta(TorchFunctionMode):
@@ -323,14 +497,7 @@ class _FusedKernelsOnMeta(TorchFunctionMode):
         x, weight = given["input"], given.get("weight")
         dims = given["normalized_shape"]
         dims = 1 if isinstance(dims, int) else len(dims)
-        dtype = x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
-        # A zero-valued link keeps the output in the graph without saving anything.
-        link = x.sum() * 0
-        if weight is not None and weight.requires_grad:
-            link = link + weight.sum() * 0
-        out = torch.empty(x.shape, dtype=dtype, device=x.device) + link
-        self.saved.pack(x)
-        self.saved.add_bytes(math.prod(x.shape[:x.dim() - dims]) * 4)  # 1 / rms per row
+        out: torch.Tensor = _RmsNormOnMeta.apply(x, weight, dims)
         return out
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
@@ -347,12 +514,7 @@ class _FusedKernelsOnMeta(TorchFunctionMode):
             return out
         names = ("query", "key", "value")
         q, k, v = (args[i] if i < len(args) else kwargs[names[i]] for i in range(3))
-        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
-        # A zero-valued link keeps the output in the graph without saving anything.
-        out = out + (q.sum() + k.sum() + v.sum()) * 0
-        for t in (q, k, v, out):
-            self.saved.pack(t)
-        self.saved.add_bytes(math.prod(q.shape[:-1]) * 4)  # log-sum-exp
+        out = _AttentionOnMeta.apply(q, k, v)
         self.saved.made(out)
         # q @ k^T and p @ v: 2 FLOPs per multiply-add, over every query-key pair (half of
         # them with a causal mask: fused kernels skip the masked tiles).
@@ -415,8 +577,8 @@ def activation_accounting(model: nn.Module, block_names: Iterable[str]) -> Itera
                       name: str = name) -> None:
                 saved.enter(name, _flat_tensors(args, kwargs))
 
-            def leave(_m: nn.Module, _args: Any, _out: Any) -> None:
-                saved.current = None
+            def leave(_m: nn.Module, _args: Any, out: Any, name: str = name) -> None:
+                saved.left(name, out)
 
             handles += [block.register_forward_pre_hook(enter, with_kwargs=True),
                         block.register_forward_hook(leave)]
@@ -435,7 +597,9 @@ def estimate_activations(model: nn.Module, step: Callable[[], Any],
     Args:
         model: the model, on the meta device (adapters included); its parameters and buffers
             are not activations.
-        step: runs the forward and loss on meta inputs (``lambda: loss_fn(model, batch)``).
+        step: runs the forward and loss on meta inputs (``lambda: loss_fn(model, batch)``);
+            when it returns the scalar loss (requiring grad), its backward is followed too
+            (:attr:`ActivationEstimate.backward_peak`).
         block_names: the blocks, as the swapper finds them (qualified module names).
 
     Returns:
@@ -445,5 +609,12 @@ def estimate_activations(model: nn.Module, step: Callable[[], Any],
         ConfigError: when ``block_names`` names a module the model does not have.
     """
     with activation_accounting(model, block_names) as saved:
-        step()
+        loss = step()
+    if isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1:
+        had = {id(p) for p in model.parameters() if p.grad is not None}
+        with saved.following_backward(model):
+            loss.backward()
+        for p in model.parameters():  # the meta model as it was given
+            if id(p) not in had:
+                p.grad = None
     return saved.estimate()

@@ -332,7 +332,8 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
                         "the training step's loss does not require grad: nothing is trainable",
                         hint="Add LoRA adapters (peft) or unfreeze the parameters to train, or "
                              "plan with mode='infer'.")
-                loss.backward()
+                with saved.following_backward(meta):
+                    loss.backward()
             total = _flop_counts(counter)
     except (RuntimeError, NotImplementedError, TypeError) as exc:
         raise ConfigError(f"{type(model).__name__} cannot run its step on the meta device: "

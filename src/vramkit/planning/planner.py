@@ -560,7 +560,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                            for m, a in enumerate(act_choices)]
     else:
         # one block at a time: what it holds while it runs (FLUX.1-dev's single block at
-        # 1024 px: 486 MiB it makes beside its 27 MiB of inputs, where what autograd would save
+        # 1024 px: 432 MiB it makes beside its 27 MiB of inputs, where what autograd would save
         # priced 140 MiB and a fitted forward on an H200 peaked 3.1 % above its plan)
         act_choices = [max(estimate.largest_block
                            + max((b.inputs for b in cost.blocks), default=0),

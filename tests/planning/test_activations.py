@@ -71,6 +71,16 @@ def test_blocks_inputs_and_attention_are_counted() -> None:
     assert found.checkpointed < found.full
 
 
+def test_each_saved_tensor_dies_when_the_backward_has_used_it() -> None:
+    """The three blocks are alike, but the last one's output gradient is the sum's broadcast
+    (no storage), where the others get a real one: its backward holds exactly that much less.
+    (While the follower's own frame still held the forward's last saved tensor -- here the
+    last block's attention output, reshaped -- the three read the same.)"""
+    found = _estimate(_model())
+    peaks = found.backward_peak
+    assert peaks["0"] == peaks["1"] == peaks["2"] + TOKENS * DIM * 4
+
+
 def test_without_a_followed_backward_one_block_stands_for_the_temporaries() -> None:
     found = _estimate(_model())
     bare = ActivationEstimate(found.per_block, found.inputs, found.outside)

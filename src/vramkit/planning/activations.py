@@ -292,8 +292,7 @@ class _SavedBytes:
         them up, as they would on a device."""
         follower = _BackwardFollower(self)
         self.alive.clear()
-        for t, owner in self.saved_by:
-            follower.follow_saved(t, owner)
+        follower.follow_saved(self.saved_by)
         self.saved_by.clear()
         follower.recording = True
         self._follower = follower
@@ -382,11 +381,14 @@ class _BackwardFollower(TorchDispatchMode):
         self.made = _LiveStorages(functools.partial(self._changed, False))
         self.initial: dict[str | None, int] = {}
 
-    def follow_saved(self, t: torch.Tensor, owner: str | None) -> None:
-        ident = self.saved.follow(t, _storage_key(t))
-        if ident not in self.owner:
-            self.owner[ident] = owner
-            self.initial[owner] = self.initial.get(owner, 0) + t.untyped_storage().nbytes()
+    def follow_saved(self, saved: Iterable[tuple[torch.Tensor, str | None]]) -> None:
+        """Follow the forward's saved tensors, each with the block that saved it. (A loop in
+        a frame that outlives the backward would keep its last tensor alive to the end.)"""
+        for t, owner in saved:
+            ident = self.saved.follow(t, _storage_key(t))
+            if ident not in self.owner:
+                self.owner[ident] = owner
+                self.initial[owner] = self.initial.get(owner, 0) + t.untyped_storage().nbytes()
 
     def _changed(self, saved: bool, ident: int, change: int) -> None:
         if self.recording:

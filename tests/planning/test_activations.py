@@ -48,7 +48,8 @@ def _peak_by_formula(found: ActivationEstimate, checkpointed: set[str]) -> int:
     kept = peak = 0
     for name, saved in found.per_block.items():
         forward = found.inputs[name] + found.transient[name]
-        peak = max(peak, kept + max(forward, found.backward_peak[name]))
+        backward = found.backward_peak.get(name, saved + found.largest_block)
+        peak = max(peak, kept + max(forward, backward))
         kept += found.inputs[name] if name in checkpointed else saved
     return found.outside + max(peak, kept + found.tail)
 
@@ -79,6 +80,33 @@ def test_each_saved_tensor_dies_when_the_backward_has_used_it() -> None:
     found = _estimate(_model())
     peaks = found.backward_peak
     assert peaks["0"] == peaks["1"] == peaks["2"] + TOKENS * DIM * 4
+
+
+class _Box:
+    """An output structure the estimate's hooks do not open."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class _Boxing(Attention):
+    def forward(self, x: torch.Tensor) -> Any:  # type: ignore[override]
+        return _Box(super().forward(x))
+
+
+def test_a_block_the_backward_did_not_see_keeps_the_rule() -> None:
+    """The last block returns its output in a structure the hooks do not open: no moment of
+    its backward is known, so it is priced as before the backward was followed (what it saves
+    and one block's worth of temporaries), not as its saved tensors alone."""
+    with torch.device("meta"):
+        model = nn.Sequential(Attention(False), Attention(False), _Boxing(False))
+    x = torch.empty(1, TOKENS, DIM, device="meta", requires_grad=True)
+    found = estimate_activations(model, lambda: model(x).t.sum(), ["0", "1", "2"])
+    assert set(found.backward_peak) == {"0", "1"}
+    assert found.full == _peak_by_formula(found, set())
+    assert found.bytes_with(["0", "1"]) == _peak_by_formula(found, {"0", "1"})
+    kept = found.per_block["0"] + found.per_block["1"]
+    assert found.full == kept + found.per_block["2"] + found.largest_block
 
 
 def test_without_a_followed_backward_one_block_stands_for_the_temporaries() -> None:

@@ -112,9 +112,9 @@ class ActivationEstimate:
         checkpointed block's recomputation first holds what its forward did), or at the
         step's turn from forward to backward, where every block keeps what it keeps and the
         :attr:`tail` (logits, a loss's float32 copies) is alive, whichever is largest.
-        Without a followed backward (:attr:`backward_peak` empty), block ``i``'s backward is
-        taken as its saved tensors plus the largest block's (:attr:`largest_block`) for the
-        temporaries. Checkpointing a block lowers the estimate unless its inputs weigh more
+        Where the backward was not followed (:attr:`backward_peak` empty, or without the
+        block), block ``i``'s backward is taken as its saved tensors plus the largest block's
+        (:attr:`largest_block`) for the temporaries. Checkpointing a block lowers the estimate unless its inputs weigh more
         than what it saves (a UNet's late resnets, fed the skip connections, can): then it
         raises it.
 
@@ -126,13 +126,14 @@ class ActivationEstimate:
             raise ConfigError(f"not blocks of this estimate: {unknown[:4]}",
                               hint=f"Blocks: {list(self.per_block)[:6]}...")
         chosen = set(checkpointed)
-        followed = bool(self.backward_peak)
-        extra = 0 if followed else self.largest_block
         kept_before = 0
         peak = 0
         for name, saved in self.per_block.items():
             forward = self.inputs[name] + self.transient.get(name, 0)
-            backward = self.backward_peak.get(name, saved) if followed else saved + extra
+            # a block the followed backward did not see (its outputs in a structure the hooks
+            # do not open) keeps the rule: saved + one block's worth of temporaries
+            backward = (self.backward_peak[name] if name in self.backward_peak
+                        else saved + self.largest_block if saved else 0)
             peak = max(peak, kept_before + max(forward, backward))
             kept_before += self.inputs[name] if name in chosen else saved
         return self.outside + max(peak, kept_before + self.tail)

@@ -12,6 +12,10 @@ float32 reciprocal RMS per row, while on meta tensors ``F.rms_norm`` decomposes 
 ops that keep a float32 copy (FLUX's q/k norms: 57 MB more per block than a GPU keeps,
 measured on an H100).
 
+Where the step returns its loss, its backward runs on meta too, followed op by op
+(:class:`~vramkit.planning._following.BackwardFollower`): what each block saved and has not
+used up, and what its backward makes, at the most of both at once (``backward_peak``).
+
 The :class:`ActivationEstimate` then answers for any choice of checkpointed blocks, which is
 what a planner searches over.
 """
@@ -21,9 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import math
-import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from vramkit.errors import ConfigError
+from vramkit.planning._following import (
+    BackwardFollower,
+    LiveStorages,
+    flat_tensors,
+    storage_key,
+)
 
 __all__ = ["ActivationEstimate", "activation_accounting", "estimate_activations"]
 
@@ -139,62 +146,12 @@ class ActivationEstimate:
         return self.outside + max(peak, kept_before + self.tail)
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    # The StorageImpl address: views of one tensor share it, so a storage counts once.
-    return t.untyped_storage()._cdata  # type: ignore[no-any-return]
-
-
-class _LiveStorages:
-    """Storages followed while their tensors live (weak references, so they die as they would
-    in the step): ``changed(id, +bytes)`` when one first has a live tensor, ``changed(id,
-    -bytes)`` when its last one dies; a storage met again later is a new one."""
-
-    def __init__(self, changed: Callable[[int, int], None]) -> None:
-        self._changed = changed
-        self._live: dict[int, list[int]] = {}  # storage key -> [live tensors, bytes, id]
-        self._ids = itertools.count()
-        # id of a weak reference -> (the reference, its tensor's storage key): keyed by id, as
-        # a live reference hashes and compares as its tensor
-        self._refs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
-
-    def ident(self, key: int) -> int | None:
-        """The id of the live storage ``key``, or ``None``."""
-        entry = self._live.get(key)
-        return None if entry is None else entry[2]
-
-    def follow(self, t: torch.Tensor, key: int) -> int:
-        """Follow ``t``, whose storage is ``key``; returns the storage's id."""
-        entry = self._live.get(key)
-        if entry is None:
-            entry = self._live[key] = [0, t.untyped_storage().nbytes(), next(self._ids)]
-            self._changed(entry[2], entry[1])
-        entry[0] += 1
-        ref = weakref.ref(t, self._dropped)
-        self._refs[id(ref)] = (ref, key)
-        return entry[2]
-
-    def _dropped(self, ref: weakref.ref[torch.Tensor]) -> None:
-        held = self._refs.pop(id(ref), None)
-        entry = None if held is None else self._live.get(held[1])
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] == 0:
-            del self._live[held[1]]
-            self._changed(entry[2], -entry[1])
-
-    def clear(self) -> None:
-        """Forget every storage (their deaths are no longer reported)."""
-        self._live.clear()
-        self._refs.clear()
-
-
 class _SavedBytes:
     """Bytes of the distinct storages autograd saves, attributed to the block running."""
 
     def __init__(self, model: nn.Module, block_names: Iterable[str]) -> None:
-        self.param_keys = {_storage_key(p) for p in model.parameters()}
-        self.param_keys |= {_storage_key(b) for b in model.buffers()}
+        self.param_keys = {storage_key(p) for p in model.parameters()}
+        self.param_keys |= {storage_key(b) for b in model.buffers()}
         self.seen: set[int] = set()
         self.input_seen: set[int] = set()
         self.per_block = dict.fromkeys(block_names, 0)
@@ -216,19 +173,19 @@ class _SavedBytes:
         # backward made and still holds, and the most of both at once by block.
         self.backward_block: str | None = None
         self.backward_peak: dict[str, int] = {}
-        self._follower: _BackwardFollower | None = None
+        self._follower: BackwardFollower | None = None
         # The tail: storages made outside every block since the last block returned, and the
         # order in which each became alive (+bytes) and dead (-bytes), by id; ids of those
         # autograd saved (counted as outside).
         self._tail_events: list[tuple[int, int]] = []
         self._tail_saved: set[int] = set()
-        self._tail = _LiveStorages(lambda ident, change: self._tail_events.append(
+        self._tail = LiveStorages(lambda ident, change: self._tail_events.append(
             (ident, change)))
         # Inside the running block, the storages it makes: the bytes alive now and the most
         # alive at once, by block.
         self.transient = dict.fromkeys(self.per_block, 0)
         self._block_alive = 0
-        self._block = _LiveStorages(self._block_changed)
+        self._block = LiveStorages(self._block_changed)
         # Whose tensors each block's are, and the blocks whose tensors an op used while another
         # block (or none) ran: a parent's code reading a child's weight, which a swapper of the
         # child would hand an unloaded placeholder.
@@ -243,7 +200,7 @@ class _SavedBytes:
             self.per_block[self.current] += nbytes
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
+        key = storage_key(t)
         ident = self._tail.ident(key)
         if ident is not None:  # a tail tensor saved by a later op: counted as outside
             self._tail_saved.add(ident)
@@ -275,7 +232,7 @@ class _SavedBytes:
         self.current = None
         if not torch.is_grad_enabled():
             return
-        for t in _flat_tensors((out,), {}):
+        for t in flat_tensors((out,), {}):
             node = t.grad_fn if isinstance(t, torch.Tensor) else None
             if node is not None:
                 node.register_prehook(functools.partial(self._backward_begins, name))
@@ -291,7 +248,7 @@ class _SavedBytes:
         after the forward this record counted): :attr:`backward_peak` by block. The forward's
         tensors are no longer held by this record, so the saved ones die as the backward uses
         them up, as they would on a device."""
-        follower = _BackwardFollower(self)
+        follower = BackwardFollower(self)
         self.alive.clear()
         follower.follow_saved(self.saved_by)
         self.saved_by.clear()
@@ -303,15 +260,15 @@ class _SavedBytes:
         finally:
             follower.recording = False
             self._follower = None
-        grads = {_storage_key(p.grad) for p in model.parameters() if p.grad is not None}
+        grads = {storage_key(p.grad) for p in model.parameters() if p.grad is not None}
         self.backward_peak = follower.peaks(
             {i for i in map(follower.made.ident, grads) if i is not None})
 
     def read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Note the blocks whose tensors an op takes while it runs outside them."""
-        for t in _flat_tensors(args, kwargs):
+        for t in flat_tensors(args, kwargs):
             if isinstance(t, torch.Tensor):
-                owner = self.owner.get(_storage_key(t))
+                owner = self.owner.get(storage_key(t))
                 if owner is not None and owner != self.current:
                     self.foreign.add(owner)
 
@@ -323,16 +280,16 @@ class _SavedBytes:
             return
         if not self.called:
             return
-        for t in _flat_tensors((value,), {}):
+        for t in flat_tensors((value,), {}):
             if isinstance(t, torch.Tensor):
-                key = _storage_key(t)
+                key = storage_key(t)
                 if key not in self.param_keys and key not in self.seen:  # saved: outside
                     self._tail.follow(t, key)
 
     def _made_in_block(self, value: Any) -> None:
-        for t in _flat_tensors((value,), {}):
+        for t in flat_tensors((value,), {}):
             if isinstance(t, torch.Tensor):
-                key = _storage_key(t)
+                key = storage_key(t)
                 # not the weights, nor the inputs the block was called with
                 if key not in self.param_keys and key not in self.input_seen:
                     self._block.follow(t, key)
@@ -359,77 +316,12 @@ class _SavedBytes:
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 continue
-            key = _storage_key(t)
+            key = storage_key(t)
             if key in self.param_keys or key in self.input_seen:
                 continue
             self.input_seen.add(key)
             self.alive.append(t)
             self.inputs[name] += t.untyped_storage().nbytes()
-
-
-class _BackwardFollower(TorchDispatchMode):
-    """The storages alive while a backward on meta tensors runs: the forward's saved ones (by
-    the block that saved them) and those the backward's ops make, each change recorded with
-    the block whose backward runs."""
-
-    def __init__(self, record: _SavedBytes) -> None:
-        super().__init__()
-        self.record = record
-        self.recording = False
-        self.owner: dict[int, str | None] = {}  # saved storage id -> the block that saved it
-        self.events: list[tuple[str | None, int | None, int, bool]] = []
-        self.saved = _LiveStorages(functools.partial(self._changed, True))
-        self.made = _LiveStorages(functools.partial(self._changed, False))
-        self.initial: dict[str | None, int] = {}
-
-    def follow_saved(self, saved: Iterable[tuple[torch.Tensor, str | None]]) -> None:
-        """Follow the forward's saved tensors, each with the block that saved it. (A loop in
-        a frame that outlives the backward would keep its last tensor alive to the end.)"""
-        for t, owner in saved:
-            ident = self.saved.follow(t, _storage_key(t))
-            if ident not in self.owner:
-                self.owner[ident] = owner
-                self.initial[owner] = self.initial.get(owner, 0) + t.untyped_storage().nbytes()
-
-    def _changed(self, saved: bool, ident: int, change: int) -> None:
-        if self.recording:
-            self.events.append((self.record.backward_block, ident, change, saved))
-
-    def begins(self, name: str) -> None:
-        """Block ``name``'s backward begins (nothing changes: a moment to look at)."""
-        if self.recording:
-            self.events.append((name, None, 0, False))
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        new = not (func.is_view or func._schema.is_mutable)
-        for t in _flat_tensors((out,), {}):
-            if not isinstance(t, torch.Tensor):
-                continue
-            key = _storage_key(t)
-            if self.saved.ident(key) is not None:  # a view of a saved tensor keeps it alive
-                self.saved.follow(t, key)
-            elif self.made.ident(key) is not None or (new and key not in self.record.param_keys):
-                self.made.follow(t, key)
-        return out
-
-    def peaks(self, excluded: Collection[int]) -> dict[str, int]:
-        """By block, the most bytes alive at once while its backward ran: what it saved and has
-        not used up, and what the backward made (leaving out the storages ``excluded``: the
-        parameters' gradients)."""
-        remaining = dict(self.initial)
-        made = 0
-        peaks: dict[str, int] = {}
-        for block, ident, change, saved in self.events:
-            if saved:
-                owner = self.owner.get(ident)  # type: ignore[arg-type]
-                remaining[owner] = remaining.get(owner, 0) + change
-            elif ident not in excluded:
-                made += change
-            if block is not None:
-                peaks[block] = max(peaks.get(block, 0), remaining.get(block, 0) + made)
-        return peaks
 
 
 # Where torch has the fused RMS norm, CUDA's F.rms_norm runs it (saving the input as given and
@@ -531,23 +423,9 @@ class _FusedKernelsOnMeta(TorchFunctionMode):
 
 def _needs_grad_on_meta(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether an op on these (meta) tensors is recorded by autograd."""
-    tensors = [t for t in _flat_tensors(args, kwargs) if isinstance(t, torch.Tensor)]
+    tensors = [t for t in flat_tensors(args, kwargs) if isinstance(t, torch.Tensor)]
     return (torch.is_grad_enabled() and bool(tensors) and tensors[0].device.type == "meta"
             and any(t.requires_grad for t in tensors))
-
-
-def _flat_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    out: list[Any] = []
-    stack: list[Any] = [*args, *kwargs.values()]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            out.append(item)
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-    return out
 
 
 @contextlib.contextmanager
@@ -574,11 +452,11 @@ def activation_accounting(model: nn.Module, block_names: Iterable[str]) -> Itera
                                   hint="Pass names from vramkit.offload.blocks.find_blocks("
                                        "model).") from None
             for t in (*block.parameters(), *block.buffers()):
-                saved.owner[_storage_key(t)] = name
+                saved.owner[storage_key(t)] = name
 
             def enter(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                       name: str = name) -> None:
-                saved.enter(name, _flat_tensors(args, kwargs))
+                saved.enter(name, flat_tensors(args, kwargs))
 
             def leave(_m: nn.Module, _args: Any, out: Any, name: str = name) -> None:
                 saved.left(name, out)

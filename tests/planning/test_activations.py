@@ -368,8 +368,7 @@ def test_the_estimate_is_the_live_peak_of_a_real_step(case: Any, share: float) -
     """The bytes alive at once in a real CPU step (forward, loss, backward; the parameters'
     gradients left out, which the planner counts with the trainable state), followed tensor
     by tensor, against the estimate for the same checkpointed blocks: equal within 2 %, never
-    below but for the loss's 4 bytes (before the backward was followed, the estimate of the
-    stack was 7 % low)."""
+    below but for the loss's 4 bytes."""
     from tests.planning._live import live_peak
     from vramkit.offload.blocks import find_blocks
     from vramkit.offload.checkpointing import enable_gradient_checkpointing

@@ -74,9 +74,9 @@ class LiveStorages:
         self._refs.clear()
 
 
-def flat_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+def flat_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors in ``args`` and ``kwargs``, through tuples, lists and dicts."""
-    out: list[Any] = []
+    out: list[torch.Tensor] = []
     stack: list[Any] = [*args, *kwargs.values()]
     while stack:
         item = stack.pop()
@@ -127,8 +127,6 @@ class BackwardFollower(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         new = not (func.is_view or func._schema.is_mutable)
         for t in flat_tensors((out,), {}):
-            if not isinstance(t, torch.Tensor):
-                continue
             key = storage_key(t)
             if self.saved.ident(key) is not None:  # a view of a saved tensor keeps it alive
                 self.saved.follow(t, key)

@@ -121,9 +121,9 @@ class ActivationEstimate:
         :attr:`tail` (logits, a loss's float32 copies) is alive, whichever is largest.
         Where the backward was not followed (:attr:`backward_peak` empty, or without the
         block), block ``i``'s backward is taken as its saved tensors plus the largest block's
-        (:attr:`largest_block`) for the temporaries. Checkpointing a block lowers the estimate unless its inputs weigh more
-        than what it saves (a UNet's late resnets, fed the skip connections, can): then it
-        raises it.
+        (:attr:`largest_block`) for the temporaries. Checkpointing a block lowers the estimate
+        unless its inputs weigh more than what it saves (a UNet's late resnets, fed the skip
+        connections, can): then it raises it.
 
         Raises:
             ConfigError: for a name that is not a block of the estimate.
@@ -165,12 +165,12 @@ class _SavedBytes:
         self.attention_flops: dict[str | None, int] = {}
         # Held until the forward is done: a freed storage's address could be reused by a new
         # one, which would then be taken for a tensor already counted. (Meta: costs nothing.)
-        # The saved ones with the block that saved them (None: outside every block).
+        # The blocks' inputs, and the saved tensors with the block that saved them (None:
+        # outside every block).
         self.alive: list[torch.Tensor] = []
         self.saved_by: list[tuple[torch.Tensor, str | None]] = []
         # The backward (following_backward): the block whose backward runs (from the moment
-        # the gradient of its output arrives), the saved tensors left by block, the bytes the
-        # backward made and still holds, and the most of both at once by block.
+        # the gradient of its output arrives), the follower while it runs, and its result.
         self.backward_block: str | None = None
         self.backward_peak: dict[str, int] = {}
         self._follower: BackwardFollower | None = None
@@ -193,12 +193,6 @@ class _SavedBytes:
         self.foreign: set[str] = set()
         self.repeated: set[str] = set()  # blocks called more than once in the step
 
-    def add_bytes(self, nbytes: int) -> None:
-        if self.current is None:
-            self.outside += nbytes
-        else:
-            self.per_block[self.current] += nbytes
-
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t)
         ident = self._tail.ident(key)
@@ -207,7 +201,10 @@ class _SavedBytes:
         if key not in self.param_keys and key not in self.seen:
             self.seen.add(key)
             self.saved_by.append((t, self.current))
-            self.add_bytes(t.untyped_storage().nbytes())
+            if self.current is None:
+                self.outside += t.untyped_storage().nbytes()
+            else:
+                self.per_block[self.current] += t.untyped_storage().nbytes()
         return t
 
     def estimate(self) -> ActivationEstimate:
@@ -233,7 +230,7 @@ class _SavedBytes:
         if not torch.is_grad_enabled():
             return
         for t in flat_tensors((out,), {}):
-            node = t.grad_fn if isinstance(t, torch.Tensor) else None
+            node = t.grad_fn
             if node is not None:
                 node.register_prehook(functools.partial(self._backward_begins, name))
 
@@ -267,10 +264,9 @@ class _SavedBytes:
     def read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Note the blocks whose tensors an op takes while it runs outside them."""
         for t in flat_tensors(args, kwargs):
-            if isinstance(t, torch.Tensor):
-                owner = self.owner.get(storage_key(t))
-                if owner is not None and owner != self.current:
-                    self.foreign.add(owner)
+            owner = self.owner.get(storage_key(t))
+            if owner is not None and owner != self.current:
+                self.foreign.add(owner)
 
     def made(self, value: Any) -> None:
         """Note the tensors an op returned: inside a block, what the block holds at once;
@@ -281,18 +277,16 @@ class _SavedBytes:
         if not self.called:
             return
         for t in flat_tensors((value,), {}):
-            if isinstance(t, torch.Tensor):
-                key = storage_key(t)
-                if key not in self.param_keys and key not in self.seen:  # saved: outside
-                    self._tail.follow(t, key)
+            key = storage_key(t)
+            if key not in self.param_keys and key not in self.seen:  # saved: outside
+                self._tail.follow(t, key)
 
     def _made_in_block(self, value: Any) -> None:
         for t in flat_tensors((value,), {}):
-            if isinstance(t, torch.Tensor):
-                key = storage_key(t)
-                # not the weights, nor the inputs the block was called with
-                if key not in self.param_keys and key not in self.input_seen:
-                    self._block.follow(t, key)
+            key = storage_key(t)
+            # not the weights, nor the inputs the block was called with
+            if key not in self.param_keys and key not in self.input_seen:
+                self._block.follow(t, key)
 
     def _block_changed(self, _ident: int, change: int) -> None:
         self._block_alive += change
@@ -300,7 +294,7 @@ class _SavedBytes:
         if name is not None and self._block_alive > self.transient[name]:
             self.transient[name] = self._block_alive
 
-    def enter(self, name: str, tensors: Iterable[Any]) -> None:
+    def enter(self, name: str, tensors: Iterable[torch.Tensor]) -> None:
         self.current = name
         # a block ran again: what came before is not the tail (their deaths are no longer
         # news), nor what the block before made (its output is this block's input)
@@ -314,8 +308,6 @@ class _SavedBytes:
         else:
             self.repeated.add(name)
         for t in tensors:
-            if not isinstance(t, torch.Tensor):
-                continue
             key = storage_key(t)
             if key in self.param_keys or key in self.input_seen:
                 continue
@@ -423,7 +415,7 @@ class _FusedKernelsOnMeta(TorchFunctionMode):
 
 def _needs_grad_on_meta(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether an op on these (meta) tensors is recorded by autograd."""
-    tensors = [t for t in flat_tensors(args, kwargs) if isinstance(t, torch.Tensor)]
+    tensors = flat_tensors(args, kwargs)
     return (torch.is_grad_enabled() and bool(tensors) and tensors[0].device.type == "meta"
             and any(t.requires_grad for t in tensors))
 

@@ -333,7 +333,10 @@ def simulate_phase(compute: Sequence[float], copies: Sequence[float],
     ``slots`` places earlier frees when that block's compute ends (the swapper prefetches at
     release). The first ``slots`` swapped blocks are in their slots when the phase starts (kept
     across the forward/backward turn and between steps). ``restores`` are copies a block needs
-    before it runs whatever its slot (offloaded activations coming back), on the same engine.
+    before it runs whatever its slot (offloaded activations coming back), on the same engine:
+    the offloader's prefetch window issues them ahead of use, so a block's restore is queued
+    when the block before it starts, ahead of the weight copy that block's end queues (the
+    first block's at the start of the phase).
     ``host``: each block's enqueue time on the host, which runs ahead of the device (nothing in
     a step waits for the device on the host): a block's kernels start no earlier than the host
     began enqueueing it and end no earlier than it finished. ``slowdown``: the share by which a
@@ -357,16 +360,20 @@ def _simulate(compute: Sequence[float], copies: Sequence[float], swapped: Sequen
     enqueued = 0.0
     done = 0  # swapped blocks whose compute has ended
     lost = 0.0
+    restored = [0.0] * n  # when each block's offloaded activations are back
+    if restores is not None and n and restores[0]:
+        engine = restored[0] = restores[0]
     for i, (c, s) in enumerate(zip(compute, swapped, strict=True)):
-        ready = t
+        ready = max(t, restored[i])
         if host is not None:
             ready = max(ready, enqueued)
             enqueued += host[i]
-        if restores is not None and restores[i]:
-            engine += restores[i]  # fetched ahead, in block order
-            ready = max(ready, engine)
         if s:
             ready = max(ready, arrives[i])
+        if restores is not None and i + 1 < n and restores[i + 1]:
+            # the next block's activations, queued as this block starts
+            engine = max(engine, ready) + restores[i + 1]
+            restored[i + 1] = engine
         # the copies enqueued so far run beside this block until the engine is done
         beside = min(max(0.0, engine - ready), c)
         lost += slow[i] * beside

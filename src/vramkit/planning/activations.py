@@ -201,10 +201,11 @@ class _SavedBytes:
         if key not in self.param_keys and key not in self.seen:
             self.seen.add(key)
             self.saved_by.append((t, self.current))
+            nbytes = t.untyped_storage().nbytes()
             if self.current is None:
-                self.outside += t.untyped_storage().nbytes()
+                self.outside += nbytes
             else:
-                self.per_block[self.current] += t.untyped_storage().nbytes()
+                self.per_block[self.current] += nbytes
         return t
 
     def estimate(self) -> ActivationEstimate:

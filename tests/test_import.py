@@ -66,7 +66,7 @@ def test_unknown_attribute_raises() -> None:
         vramkit.no_such_thing  # noqa: B018
 
 
-PACKAGES = ["devices", "memory", "kernels", "quant", "optim", "io", "offload", "planning",
+PACKAGES = ["devices", "memory", "kernels", "quant", "optim", "io", "offload", "observe", "planning",
             "tiling", "recipes"]
 
 

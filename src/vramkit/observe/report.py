@@ -1,4 +1,4 @@
-"""Memory reports: the records a :class:`~vramkit.memory.profiler.MemoryProfiler` produces, and
+"""Memory reports: the records a :class:`~vramkit.observe.profiler.MemoryProfiler` produces, and
 their files.
 
 :class:`MemoryReport` holds the summary (peaks with time, step, phase and module; means; per-phase
@@ -14,7 +14,7 @@ under the common colour-vision deficiencies, plus distinct dash patterns); the b
 per-process cap as labelled lines; the y axis in one binary unit with ticks at 1, 2 or 5 x 10^k
 of it, the same range in both files (:func:`timeline_axis`); under the plot, a *phases* lane
 (each phase a colour, a fill pattern and, where it fits, its name) and one lane of ticks per
-event kind (:meth:`~vramkit.memory.profiler.MemoryProfiler.event`: block loads of a swapper...),
+event kind (:meth:`~vramkit.observe.profiler.MemoryProfiler.event`: block loads of a swapper...),
 tick height following the count; the legend in its own rows below, never over the plot.
 """
 
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from vramkit.errors import ConfigError, VramkitError
-from vramkit.memory.leaks import LeakVerdict
+from vramkit.observe.leaks import LeakVerdict
 from vramkit.units import format_size
 
 __all__ = ["MemoryReport", "MemorySnapshot", "ModuleMemory", "PeakPoint", "PhasePeak",
@@ -169,7 +169,7 @@ class MemoryReport:
     ``"host_rss"`` on the CPU.
 
     ``leak`` is the verdict shown (with several workloads, the one
-    :func:`~vramkit.memory.leaks.combine_verdicts` picks); ``leak_by_workload`` holds each
+    :func:`~vramkit.observe.leaks.combine_verdicts` picks); ``leak_by_workload`` holds each
     workload's own verdict (empty when no workload was named; key ``""``: steps outside any).
     ``events`` are the profiler's :class:`ProfileEvent` records; ``budget`` (with its legend
     ``budget_label``) and ``memory_limit`` (the lowest per-process CUDA cap seen, bytes) are drawn

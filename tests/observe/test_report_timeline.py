@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vramkit.memory.leaks import LeakVerdict
-from vramkit.memory.report import (
+from vramkit.observe.leaks import LeakVerdict
+from vramkit.observe.report import (
     MemoryReport,
     MemorySnapshot,
     PeakPoint,

@@ -132,8 +132,8 @@ if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.kernels.manager import *  # noqa: F403
     from vramkit.kernels.stats import *  # noqa: F403
     from vramkit.memory.layout import *  # noqa: F403
-    from vramkit.observe.oom import *  # noqa: F403
     from vramkit.memory.pool import *  # noqa: F403
+    from vramkit.observe.oom import *  # noqa: F403
     from vramkit.observe.profiler import *  # noqa: F403
     from vramkit.observe.recovery import *  # noqa: F403
     from vramkit.observe.stats import *  # noqa: F403

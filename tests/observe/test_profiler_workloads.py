@@ -16,7 +16,8 @@ from vramkit.observe import leaks as leaks_mod
 from vramkit.observe import profiler as profiler_mod
 from vramkit.observe.leaks import LeakDetector
 from vramkit.observe.profiler import MemoryProfiler, trace_unsupported_reason
-from vramkit.observe.report import load_report, render_html
+from vramkit.observe.report import load_report
+from vramkit.observe.report_html import render_html
 
 MIB = 1 << 20
 

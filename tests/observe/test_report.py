@@ -20,10 +20,10 @@ from vramkit.observe.report import (
     PeakPoint,
     PhasePeak,
     load_report,
-    render_html,
     save_report,
-    timeline_svg,
 )
+from vramkit.observe.report_html import render_html
+from vramkit.observe.report_svg import timeline_svg
 
 MIB = 1 << 20
 
@@ -147,6 +147,6 @@ def test_cpu_reports_show_allocator_figures_as_not_measured() -> None:
     assert not report.measures_cuda
     for label in ("peak allocated", "peak reserved", "mean allocated", "peak pinned pools"):
         assert rows[label].startswith("n/a"), (label, rows[label])
-    from vramkit.observe.report import render_html
+    from vramkit.observe.report_html import render_html
 
     assert "n/a (no CUDA allocator)" in render_html(report)

@@ -20,12 +20,12 @@ from vramkit.observe.report import (
     MemorySnapshot,
     PeakPoint,
     ProfileEvent,
-    _png_figure,
     load_report,
     save_report,
-    timeline_axis,
-    timeline_svg,
 )
+from vramkit.observe.report_png import _png_figure
+from vramkit.observe.report_svg import timeline_svg
+from vramkit.observe.report_timeline import timeline_axis
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -46,8 +46,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, write_result
-from vramkit.memory.oom import is_oom_error
 from vramkit.memory.transfer import transfer_streams
+from vramkit.observe.oom import is_oom_error
 from vramkit.offload.activations import ActivationOffloadConfig, ActivationOffloader
 
 GiB = float(1 << 30)

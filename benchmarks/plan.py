@@ -75,7 +75,7 @@ from _snapshot import peak_report, recording
 from _timing import log
 from presets import fill_random as fill_weights
 from vramkit.devices.resolve import resolve_device
-from vramkit.memory.oom import is_oom_error
+from vramkit.observe.oom import is_oom_error
 
 GIB = 1 << 30
 FLUX_LORA = ("to_q", "to_k", "to_v", "to_out.0")

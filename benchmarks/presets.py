@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, parse_variants, write_result
 from _timing import log
 from vramkit.devices.resolve import resolve_device
-from vramkit.memory.oom import is_oom_error
+from vramkit.observe.oom import is_oom_error
 from vramkit.offload.blocks import find_blocks
 from vramkit.recipes._preset_memory import IMAGE_SIZE, _meta_model
 from vramkit.recipes.presets import (

@@ -34,7 +34,7 @@ except ImportError:  # running from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import vramkit
 
-from vramkit.memory.profiler import MemoryProfiler
+from vramkit.observe.profiler import MemoryProfiler
 
 TARGET_PCT = 2.0
 

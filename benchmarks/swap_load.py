@@ -758,7 +758,7 @@ def child_main(args: argparse.Namespace) -> None:
         r["device"] = str(ctx.device)
         (load_child if part == "load" else disk_child)(variant, ctx, r)
     except BaseException as exc:  # recorded: the parent reports it beside the other variants
-        from vramkit.memory.oom import is_oom_error
+        from vramkit.observe.oom import is_oom_error
 
         r["status"] = "OOM" if is_oom_error(exc) else "error"
         r["error"] = f"{type(exc).__name__}: {str(exc)[:1500]}"

@@ -66,8 +66,8 @@ def test_unknown_attribute_raises() -> None:
         vramkit.no_such_thing  # noqa: B018
 
 
-PACKAGES = ["devices", "memory", "kernels", "quant", "optim", "io", "offload", "planning",
-            "tiling", "recipes"]
+PACKAGES = ["devices", "memory", "kernels", "quant", "optim", "io", "offload", "observe",
+            "planning", "tiling", "recipes"]
 
 
 @pytest.mark.parametrize("package", PACKAGES)

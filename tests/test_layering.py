@@ -25,7 +25,9 @@ FLOORS: dict[str, int] = {
     "vramkit.errors": 0, "vramkit.units": 0, "vramkit._validate": 0, "vramkit._lazy": 0,
     "vramkit.devices": 1,
     "vramkit.memory": 2, "vramkit.kernels": 2, "vramkit.quant": 2, "vramkit.optim": 2,
-    "vramkit.io": 3, "vramkit.offload": 3,
+    # observe (profiling, reports, leaks, OOM recovery) stands on memory beside io and offload,
+    # which may never import it (test_observation_stays_above_what_it_watches)
+    "vramkit.io": 3, "vramkit.offload": 3, "vramkit.observe": 3,
     "vramkit.planning": 4, "vramkit.tiling": 4, "vramkit.distributed": 4,
     "vramkit.recipes": 5,
     "vramkit.cli": 6, "vramkit.__main__": 6,
@@ -211,6 +213,41 @@ def test_no_run_time_import_cycles() -> None:
     cycles = _cycles()
     assert not cycles, "modules that import each other at run time:\n" + "\n".join(
         " <-> ".join(c) for c in cycles)
+
+
+#: Packages that observation watches or that what it watches stands on: none may import
+#: ``vramkit.observe`` (io and offload share its floor number, so the floors alone allow it).
+OBSERVED = ("vramkit.devices", "vramkit.memory", "vramkit.kernels", "vramkit.quant",
+            "vramkit.optim", "vramkit.io", "vramkit.offload")
+OBSERVE = "vramkit.observe"
+
+
+def _in_package(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def observation_imports(imports: list[Import]) -> list[str]:
+    """The imports of ``vramkit.observe`` made by a module of :data:`OBSERVED`."""
+    return [f"{i.source}:{i.line} imports {i.target} [{i.kind}]" for i in imports
+            if _in_package(i.target, OBSERVE)
+            and any(_in_package(i.source, p) for p in OBSERVED)]
+
+
+def test_observation_stays_above_what_it_watches() -> None:
+    found = observation_imports(ALL_IMPORTS)
+    assert not found, ("modules below observation that import vramkit.observe:\n"
+                       + "\n".join(found))
+
+
+@pytest.mark.parametrize("source", ["vramkit.offload.swap", "vramkit.io.loader",
+                                    "vramkit.memory.pool", "vramkit.devices.env"])
+def test_the_observation_rule_catches_an_import_of_observe(source: str) -> None:
+    # an import the rule must refuse, though the floors alone let io and offload make it
+    planted = Import(source, "vramkit.observe.profiler", 1, "import")
+    assert observation_imports([planted]) == [
+        f"{source}:1 imports vramkit.observe.profiler [import]"]
+    allowed = Import("vramkit.cli.profile", "vramkit.observe.profiler", 1, "import")
+    assert observation_imports([allowed]) == []
 
 
 @pytest.mark.parametrize("source", [

@@ -46,12 +46,12 @@ __all__, _lazy_getattr, __dir__ = lazy_exports(__name__, {
     "vramkit.devices.memory_info": ("MemoryInfo", "read_memory_info"),
     # -- floor 2: memory, kernels, quantized storage, optimizers ------------------------------
     "vramkit.memory.pool": ("MemoryPool", "PoolConfig", "PoolStats", "Block"),
-    "vramkit.memory.stats": ("allocator_stats", "AllocatorStats", "CudaAllocator"),
-    "vramkit.memory.profiler": ("MemoryProfiler", "MemorySnapshot", "MemoryReport", "MemoryStats",
-                                "with_memory_tracking", "LeakDetector"),
-    "vramkit.memory.oom": ("is_oom_error", "classify_oom", "OomDiagnosis"),
-    "vramkit.memory.recovery": ("MemoryRecovery", "train_with_memory_recovery",
-                                "find_executable_batch_size"),
+    "vramkit.observe.stats": ("allocator_stats", "AllocatorStats", "CudaAllocator"),
+    "vramkit.observe.profiler": ("MemoryProfiler", "MemorySnapshot", "MemoryReport",
+                                 "MemoryStats", "with_memory_tracking", "LeakDetector"),
+    "vramkit.observe.oom": ("is_oom_error", "classify_oom", "OomDiagnosis"),
+    "vramkit.observe.recovery": ("MemoryRecovery", "train_with_memory_recovery",
+                                 "find_executable_batch_size"),
     "vramkit.memory.layout": ("analyze_access_pattern", "calculate_alignment"),
     "vramkit.kernels.manager": ("KernelManager", "CompiledKernel"),
     "vramkit.kernels.launch": ("LaunchConfig", "calculate_optimal_launch_params"),
@@ -132,11 +132,11 @@ if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.kernels.manager import *  # noqa: F403
     from vramkit.kernels.stats import *  # noqa: F403
     from vramkit.memory.layout import *  # noqa: F403
-    from vramkit.memory.oom import *  # noqa: F403
     from vramkit.memory.pool import *  # noqa: F403
-    from vramkit.memory.profiler import *  # noqa: F403
-    from vramkit.memory.recovery import *  # noqa: F403
-    from vramkit.memory.stats import *  # noqa: F403
+    from vramkit.observe.oom import *  # noqa: F403
+    from vramkit.observe.profiler import *  # noqa: F403
+    from vramkit.observe.recovery import *  # noqa: F403
+    from vramkit.observe.stats import *  # noqa: F403
     from vramkit.offload.activations import *  # noqa: F403
     from vramkit.offload.checkpointing import *  # noqa: F403
     from vramkit.offload.cpu import *  # noqa: F403

@@ -5,7 +5,7 @@ message followed by the hint, so a traceback alone tells the user what to do.
 
 Out-of-memory conditions are detected by exception *type* (``torch.OutOfMemoryError`` and
 friends) or by the CUDA error code torch puts on ``torch.AcceleratorError`` (see
-:mod:`vramkit.memory.oom`), never by matching message strings.
+:mod:`vramkit.observe.oom`), never by matching message strings.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pytest
 from vramkit.cli import profile as profile_cli
 from vramkit.cli.profile import PythonTarget, parse_target
 from vramkit.errors import ConfigError
-from vramkit.memory import profiler as profiler_mod
+from vramkit.observe import profiler as profiler_mod
 
 _SCRIPT = textwrap.dedent(
     """

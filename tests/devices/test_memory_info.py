@@ -17,8 +17,8 @@ from vramkit.devices.env import GpuMemoryInfo, get_gpu_memory_info
 from vramkit.devices.memory_info import MemoryInfo, read_memory_info
 from vramkit.errors import ConfigError, DeviceError, InvalidDeviceError
 from vramkit.kernels.stats import memory_stats
-from vramkit.memory.oom import DeviceMemoryReading, read_device_memory
-from vramkit.memory.recovery import DeviceMemoryReading as RecoveryReading
+from vramkit.observe.oom import DeviceMemoryReading, read_device_memory
+from vramkit.observe.recovery import DeviceMemoryReading as RecoveryReading
 
 GiB = 1 << 30
 MiB = 1 << 20

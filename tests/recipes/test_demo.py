@@ -222,7 +222,8 @@ def test_plan_from_config_is_used_by_run_demo() -> None:
 def test_cpu_demo_report_judges_each_run_and_shows_no_leak(tmp_path: Path) -> None:
     """The resident run follows (here: alternates with) the swapped one in one profile; the
     switch between them must not read as a leak: each run is judged on its own steps."""
-    from vramkit.memory.report import load_report, render_html
+    from vramkit.observe.report import load_report
+    from vramkit.observe.report_html import render_html
 
     report = tmp_path / "demo.json"
     result = run_demo(_tiny(steps=8, report=str(report)))

@@ -67,7 +67,7 @@ def test_budget_above_free_memory_is_refused() -> None:
 
 
 def test_cuda_demo_report_has_budget_loads_and_a_verdict_per_run(tmp_path: Path) -> None:
-    from vramkit.memory.report import load_report
+    from vramkit.observe.report import load_report
 
     report = tmp_path / "demo.json"
     config = DemoConfig(budget="1GiB", model_size="1.5GiB", steps=6, batch_size=1,

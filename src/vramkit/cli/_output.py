@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 #: Memory report formats by suffix, with the optional library each needs (``None``: none).
-#: The same suffixes as :func:`vramkit.memory.report.save_report`.
+#: The same suffixes as :func:`vramkit.observe.report.save_report`.
 REPORT_FORMATS: dict[str, str | None] = {".html": None, ".htm": None, ".json": None,
                                          ".png": "matplotlib"}
 

@@ -203,7 +203,7 @@ def _wait_for_child(proc: subprocess.Popen[bytes]) -> int:
 
 def _run_child(command: list[str], interval: float, device: str | None,
                stdout_to_stderr: bool) -> tuple[int, Any]:
-    from vramkit.memory.profiler import MemoryProfiler
+    from vramkit.observe.profiler import MemoryProfiler
 
     try:
         proc = subprocess.Popen(command, stdout=2 if stdout_to_stderr else None)
@@ -298,7 +298,7 @@ def _module_found(name: str) -> bool:
 def _check_trace(args: argparse.Namespace, target: PythonTarget | None) -> None:
     """``--trace`` needs an in-process run with CUDA, and a writable file."""
     from vramkit.cli._output import check_output_file
-    from vramkit.memory.profiler import trace_unsupported_reason
+    from vramkit.observe.profiler import trace_unsupported_reason
 
     if target is None:
         raise ConfigError("--trace records the CUDA allocator of this process; it cannot trace "
@@ -408,7 +408,7 @@ def _note(text: str) -> None:
 def run_profile(args: argparse.Namespace) -> int:
     """Run the command in ``args.command`` under the profiler; returns its exit code."""
     from vramkit.cli._output import check_output_dir, flag_values, module_available
-    from vramkit.memory.profiler import MemoryProfiler
+    from vramkit.observe.profiler import MemoryProfiler
 
     with flag_values():  # every flag and path, before the command starts
         command = _command(args)

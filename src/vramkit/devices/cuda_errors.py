@@ -81,7 +81,7 @@ _EXPLANATIONS: dict[CudaErrorKind, CudaErrorExplanation] = {
     CudaErrorKind.OUT_OF_MEMORY: CudaErrorExplanation(
         CudaErrorKind.OUT_OF_MEMORY,
         "the GPU ran out of memory for an allocation.",
-        ("Reduce the batch size or resolution (vramkit.memory.recovery can search for one).",
+        ("Reduce the batch size or resolution (vramkit.observe.recovery can search for one).",
          "Enable gradient checkpointing, block swapping (BlockSwapper) or CPU offload.",
          "Store the frozen base weights quantized (int8/nf4/fp8).",
          "If much memory is reserved but unallocated, set "

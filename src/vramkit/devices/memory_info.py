@@ -6,7 +6,7 @@ allocator (current and peak allocated/reserved bytes), and, when asked, what an 
 diagnosis needs (the per-process cap, the largest cached free block, other processes' memory
 from NVML). Every reader of device memory in vramkit goes through :func:`read_memory_info`:
 :func:`vramkit.devices.env.get_gpu_memory_info` (whose ``GpuMemoryInfo`` is this class),
-:func:`vramkit.memory.oom.read_device_memory` (``DeviceMemoryReading``, this class too) and
+:func:`vramkit.observe.oom.read_device_memory` (``DeviceMemoryReading``, this class too) and
 :func:`vramkit.kernels.stats.memory_stats` (its ``(free, total)`` tuple is made from one).
 
 Importing this module does not import torch; reading a CUDA device creates its CUDA context

@@ -368,7 +368,7 @@ class PoolStats:
         num_frees: blocks returned, explicitly or by the finalizer.
         total_allocated: bytes handed out by ``allocate`` (each block rounded up to the
             alignment, as in ``allocated``), freed or not: cumulative, the pool's counterpart of
-            ``MemoryStats.total_allocated`` (:func:`vramkit.memory.stats.with_memory_tracking`)
+            ``MemoryStats.total_allocated`` (:func:`vramkit.observe.stats.with_memory_tracking`)
             and of PyTorch's ``allocated_bytes.all.allocated``. Like the other counters it counts
             since creation or the last ``reset_stats``; compaction moves are not allocations.
         cache_hits: allocations served by the exact-size fast path.
@@ -477,7 +477,7 @@ def capture_stack() -> RawStack:
 
     Formatting waits until a report asks for it (:func:`format_stack`), so recording costs one
     bounded frame walk per allocation. It is the leak detector's walker, so both skip the same
-    machinery frames (vramkit.memory, torch, contextlib, runpy).
+    machinery frames (vramkit.memory, vramkit.observe, torch, contextlib, runpy).
     """
     return python_stack(_STACK_DEPTH)
 

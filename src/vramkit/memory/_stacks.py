@@ -1,9 +1,10 @@
 """Python allocation stacks: capture them cheaply, format them when a report asks.
 
 Shared by the pool's allocation tracking (:mod:`vramkit.memory._arena`) and the leak detector
-(:mod:`vramkit.memory.leaks`), so neither imports the other. A stack is kept unformatted, as
+(:mod:`vramkit.observe.leaks`), so neither imports the other. A stack is kept unformatted, as
 ``(filename, line, function)`` per frame, innermost first; frames of the machinery (torch,
-vramkit's memory package, contextlib, runpy) are left out, so what remains points at user code.
+vramkit's memory and observe packages, contextlib, runpy) are left out, so what remains points at
+user code.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ __all__ = ["STACK_UNKNOWN", "format_frames", "python_stack"]
 #: What a stack reads as when none was recorded (or every frame was machinery).
 STACK_UNKNOWN = ("<stack not recorded>",)
 # Frames from these trees are the machinery, not the code that allocates (or leaks).
+# The leak detector and profiler (vramkit/observe) capture stacks through this module too, so their
+# own frames are machinery as well.
 _SKIP_PATH_PARTS = (f"{os.sep}torch{os.sep}", f"{os.sep}vramkit{os.sep}memory{os.sep}",
-                    f"{os.sep}contextlib.py", f"{os.sep}runpy.py")
+                    f"{os.sep}vramkit{os.sep}observe{os.sep}", f"{os.sep}contextlib.py",
+                    f"{os.sep}runpy.py")
 
 _machinery_cache: dict[str, bool] = {}
 

@@ -240,7 +240,7 @@ class MemoryPool:
             PoolExhaustedError: when the request cannot fit under ``max_size``.
             torch.OutOfMemoryError: when the device itself runs out while growing (or
                 ``torch.AcceleratorError`` with the code ``cudaErrorMemoryAllocation``, which
-                :func:`~vramkit.memory.oom.is_oom_error` recognizes too). Growing by the
+                :func:`~vramkit.observe.oom.is_oom_error` recognizes too). Growing by the
                 growth factor that runs out is retried once at the request's own size first.
         """
         if type(nbytes) is not int or nbytes <= 0:  # the fast path skips the full check

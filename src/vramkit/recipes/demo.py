@@ -74,7 +74,7 @@ from torch import nn
 
 from vramkit._validate import check_bool, check_device, check_int, check_number, check_size
 from vramkit.errors import ConfigError, OffloadError
-from vramkit.memory.oom import is_oom_error
+from vramkit.observe.oom import is_oom_error
 from vramkit.recipes.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
 from vramkit.recipes.lora import LORA_TARGETS, LoRALinear, add_lora_adapters
 from vramkit.units import format_size
@@ -751,8 +751,8 @@ def _make_profiler(plan: DemoPlan, report: str | Path | None) -> tuple[Any, str 
     if report is None:
         return None, "no report asked for"
     try:
-        from vramkit.memory.leaks import LeakDetector
-        from vramkit.memory.profiler import MemoryProfiler
+        from vramkit.observe.leaks import LeakDetector
+        from vramkit.observe.profiler import MemoryProfiler
     except ImportError as exc:  # the profiler is optional for the demo
         return None, f"memory profiler unavailable: {exc}"
     # On the CPU the leak verdict counts live tensor bytes: host RSS, the timeline's figure

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from vramkit.errors import OffloadError
-from vramkit.memory.oom import is_oom_error
+from vramkit.observe.oom import is_oom_error
 from vramkit.recipes.demo import DemoConfig, DemoPlan, DemoProgress, plan_demo
 from vramkit.units import format_size
 

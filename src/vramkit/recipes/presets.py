@@ -697,7 +697,7 @@ def optimize_flux_memory(config: FluxTrainingConfig, model_or_pipeline: Any, *,
 
 def _build_optimizer(config: FluxTrainingConfig, handle: MemoryOptimization,
                      trainable: list[torch.Tensor]) -> None:
-    from vramkit.memory.recovery import MemoryRecovery
+    from vramkit.observe.recovery import MemoryRecovery
 
     optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW
     if config.use_8bit_adam:

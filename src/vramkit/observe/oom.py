@@ -14,10 +14,10 @@
   PyTorch -- from the caching allocator's statistics, ``cudaMemGetInfo`` and NVML, with a hint;
   :func:`diagnose_memory` is its pure part, over a :class:`DeviceMemoryReading` (the one
   :class:`~vramkit.devices.memory_info.MemoryInfo` record) that :func:`read_device_memory` reads.
-* An allocator observer (installed by :mod:`vramkit.memory.recovery` once CUDA is up) records the
+* An allocator observer (installed by :mod:`vramkit.observe.recovery` once CUDA is up) records the
   size of each failed CUDA request, so a diagnosis knows what was asked for.
 
-Recovering from an OOM (retrying smaller) is :mod:`vramkit.memory.recovery`'s job.
+Recovering from an OOM (retrying smaller) is :mod:`vramkit.observe.recovery`'s job.
 """
 
 from __future__ import annotations
@@ -299,8 +299,8 @@ def classify_oom(error: BaseException, device: Any = None, *, requested: int | N
         requested: bytes of the failed allocation. Default ``None``: the pool's figure for
             :class:`~vramkit.errors.PoolExhaustedError`, else (for ``torch.OutOfMemoryError``)
             the size the CUDA allocator reported to vramkit's OOM observer (installed by
-            :class:`~vramkit.memory.recovery.MemoryRecovery` and
-            :func:`~vramkit.memory.recovery.find_executable_batch_size` on CUDA), else unknown.
+            :class:`~vramkit.observe.recovery.MemoryRecovery` and
+            :func:`~vramkit.observe.recovery.find_executable_batch_size` on CUDA), else unknown.
         use_nvml: ask NVML for other processes' usage (default ``True``).
 
     Returns:
@@ -317,7 +317,7 @@ def classify_oom(error: BaseException, device: Any = None, *, requested: int | N
         return _classify_pool(error, requested, error_type)
     if not is_cuda_out_of_memory(error):
         return _classify_host(requested, error_type)
-    from vramkit.memory.stats import resolve_cuda_index
+    from vramkit.observe.stats import resolve_cuda_index
 
     index = resolve_cuda_index(device)
     if index is None:
@@ -351,7 +351,7 @@ def _classify_pool(error: PoolExhaustedError, requested: int | None,
 
 
 def _classify_host(requested: int | None, error_type: str) -> OomDiagnosis:
-    from vramkit.memory.stats import host_rss
+    from vramkit.observe.stats import host_rss
 
     host = read_memory_info("cpu")
     total, available = int(host.total or 0), int(host.free or 0)

@@ -12,7 +12,7 @@ zeros and ``None`` and nothing raises.
 
 :class:`CudaAllocator` is the EriDiffusion-style accessor object (``current_allocated()``,
 ``peak_allocated()``, ``reset_peak()``) over the same figures, and
-:func:`with_memory_tracking` measures one call (re-exported by :mod:`vramkit.memory.profiler`).
+:func:`with_memory_tracking` measures one call (re-exported by :mod:`vramkit.observe.profiler`).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ training step) and judges the series with :class:`GrowthTracker`.
 What is measured:
 
 - **CUDA** (``device`` is a CUDA device): the caching allocator's allocated bytes at each boundary
-  (exact, no host sync; read through the fast :func:`vramkit.memory.stats.read_cuda_figures`, or
-  handed in by a :class:`~vramkit.memory.profiler.MemoryProfiler` that already read them). With ``record_stacks=True`` the detector turns on PyTorch's allocator history in
+  (exact, no host sync; read through the fast :func:`vramkit.observe.stats.read_cuda_figures`, or
+  handed in by a :class:`~vramkit.observe.profiler.MemoryProfiler` that already read them). With ``record_stacks=True`` the detector turns on PyTorch's allocator history in
   ``"state"`` mode (every live block remembers the Python stack that allocated it) and groups the
   blocks that appeared after the baseline by stack (``torch.cuda.memory._snapshot``).
 - **CPU**: bytes of live torch tensor storages created after the baseline, found by walking the
@@ -15,7 +15,7 @@ What is measured:
   baseline objects are moved to the permanent generation with ``gc.freeze()`` (``freeze_baseline``)
   so later walks only visit objects created since; ``stop()`` calls ``gc.unfreeze()``. Tensors held
   only from C++ (for example saved tensors of an autograd graph kept alive by ``total += loss``) are
-  invisible to this walk; a :class:`~vramkit.memory.profiler.MemoryProfiler` on the CPU judges
+  invisible to this walk; a :class:`~vramkit.observe.profiler.MemoryProfiler` on the CPU judges
   host RSS at its steps, which does show that case. With ``record_stacks=True``
   a ``TorchDispatchMode`` stays active between ``start()`` and ``stop()`` and records the creating
   Python stack of every new storage (a few microseconds per op).
@@ -39,7 +39,7 @@ the rule held, even if the growth later stopped.
 followed by those of another run (a second model, a new optimizer, a swapper detached) grow at
 the switch, and the rule would call that growth a leak. Steps given a ``workload`` name
 (``detector.step(workload="swapped")``, or :meth:`MemoryProfiler.workload
-<vramkit.memory.profiler.MemoryProfiler.workload>`) are judged per workload, each with its own
+<vramkit.observe.profiler.MemoryProfiler.workload>`) are judged per workload, each with its own
 warm-up and window; steps of different workloads may alternate. :func:`combine_verdicts` turns
 the verdicts of several workloads into the one a report shows (a leaking workload first).
 """
@@ -63,7 +63,7 @@ from vramkit._validate import check_int
 from vramkit.devices._runtime import cuda_initialized
 from vramkit.errors import ConfigError
 from vramkit.memory._stacks import STACK_UNKNOWN, format_frames, python_stack
-from vramkit.memory.stats import read_cuda_figures, resolve_cuda_index
+from vramkit.observe.stats import read_cuda_figures, resolve_cuda_index
 
 __all__ = ["GrowthTracker", "LeakDetector", "LeakSuspect", "LeakVerdict", "assess_growth",
            "combine_verdicts"]

@@ -14,18 +14,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vramkit.memory.leaks import LeakVerdict
-from vramkit.memory.report import (
+from vramkit.observe.leaks import LeakVerdict
+from vramkit.observe.report import (
     MemoryReport,
     MemorySnapshot,
     PeakPoint,
     ProfileEvent,
-    _png_figure,
     load_report,
     save_report,
-    timeline_axis,
-    timeline_svg,
 )
+from vramkit.observe.report_png import _png_figure
+from vramkit.observe.report_svg import timeline_svg
+from vramkit.observe.report_timeline import timeline_axis
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -7,7 +7,7 @@
 * :func:`find_executable_batch_size` searches the largest batch size a function runs with.
 
 Recognizing an OOM and saying which kind it is (:func:`is_oom_error`, :func:`classify_oom`,
-:class:`OomDiagnosis`, ...) lives in :mod:`vramkit.memory.oom`; those names are re-exported here,
+:class:`OomDiagnosis`, ...) lives in :mod:`vramkit.observe.oom`; those names are re-exported here,
 where they were first published.
 """
 
@@ -26,7 +26,7 @@ from torch import nn
 
 from vramkit._validate import check_bool, check_choice, check_device, check_int, check_number
 from vramkit.errors import ConfigError, RecoveryError
-from vramkit.memory.oom import (
+from vramkit.observe.oom import (
     DeviceMemoryReading,
     OomDiagnosis,
     _install_oom_observer,

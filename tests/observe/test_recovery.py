@@ -1,4 +1,4 @@
-"""CPU tests of vramkit.memory.recovery: recovery from OOM and the batch-size search.
+"""CPU tests of vramkit.observe.recovery: recovery from OOM and the batch-size search.
 
 OOMs are simulated by raising real exception instances (torch.OutOfMemoryError etc.) from the
 step function. Detection and classification are tested in test_oom.py.
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from vramkit.errors import ConfigError, RecoveryError
-from vramkit.memory.recovery import (
+from vramkit.observe.recovery import (
     MemoryRecovery,
     batch_size_of,
     find_executable_batch_size,

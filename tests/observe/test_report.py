@@ -11,19 +11,19 @@ import pytest
 import torch
 
 from vramkit.errors import ConfigError
-from vramkit.memory import profiler as profiler_mod
-from vramkit.memory.leaks import LeakSuspect, LeakVerdict
-from vramkit.memory.profiler import MemoryProfiler, MemoryReport
-from vramkit.memory.report import (
+from vramkit.observe import profiler as profiler_mod
+from vramkit.observe.leaks import LeakSuspect, LeakVerdict
+from vramkit.observe.profiler import MemoryProfiler, MemoryReport
+from vramkit.observe.report import (
     MemorySnapshot,
     ModuleMemory,
     PeakPoint,
     PhasePeak,
     load_report,
-    render_html,
     save_report,
-    timeline_svg,
 )
+from vramkit.observe.report_html import render_html
+from vramkit.observe.report_svg import timeline_svg
 
 MIB = 1 << 20
 
@@ -138,7 +138,7 @@ def test_summary_rows_name_peak_context() -> None:
 
 def test_cpu_reports_show_allocator_figures_as_not_measured() -> None:
     # Issue 17: figures that were not measured show as n/a, never "0 B".
-    from vramkit.memory.profiler import MemoryProfiler
+    from vramkit.observe.profiler import MemoryProfiler
 
     with MemoryProfiler(device="cpu", sample_interval=0.01) as prof:
         prof.mark("work")
@@ -147,6 +147,6 @@ def test_cpu_reports_show_allocator_figures_as_not_measured() -> None:
     assert not report.measures_cuda
     for label in ("peak allocated", "peak reserved", "mean allocated", "peak pinned pools"):
         assert rows[label].startswith("n/a"), (label, rows[label])
-    from vramkit.memory.report import render_html
+    from vramkit.observe.report_html import render_html
 
     assert "n/a (no CUDA allocator)" in render_html(report)

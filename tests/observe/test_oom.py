@@ -1,4 +1,4 @@
-"""CPU tests of vramkit.memory.oom: OOM detection and classification.
+"""CPU tests of vramkit.observe.oom: OOM detection and classification.
 
 OOMs are simulated by raising real exception instances (torch.OutOfMemoryError etc.); device
 state for classification comes from monkeypatched torch.cuda / NVML.
@@ -13,8 +13,8 @@ import torch
 
 from vramkit.devices.nvml import NvmlDevice, NvmlProcess, NvmlSnapshot
 from vramkit.errors import ConfigError, PoolExhaustedError, RecoveryError
-from vramkit.memory import oom
-from vramkit.memory.oom import (
+from vramkit.observe import oom
+from vramkit.observe.oom import (
     DeviceMemoryReading,
     classify_oom,
     diagnose_memory,
@@ -117,7 +117,7 @@ def _fake_cuda(monkeypatch: pytest.MonkeyPatch, *, free: int, total: int, reserv
                allocated: int, largest: int, other_pid_bytes: int | None,
                fraction: float = 1.0) -> None:
     from vramkit.devices import nvml
-    from vramkit.memory import stats
+    from vramkit.observe import stats
 
     monkeypatch.setattr(stats, "resolve_cuda_index", lambda device=None: 0)
     # A machine with one CUDA device, as read_device_memory checks it is there.
@@ -235,7 +235,7 @@ def test_classify_oom_reads_the_device_for_a_cuda_error_code(
 
 
 def test_classify_oom_cuda_error_code_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vramkit.memory import stats
+    from vramkit.observe import stats
 
     monkeypatch.setattr(stats, "resolve_cuda_index", lambda device=None: None)
     d = classify_oom(_accelerator_oom(), requested=4096)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from vramkit.memory.profiler import MemoryProfiler, trace_unsupported_reason
+from vramkit.observe.profiler import MemoryProfiler, trace_unsupported_reason
 
 pytestmark = pytest.mark.gpu
 
@@ -85,7 +85,7 @@ def test_trace_started_before_cuda_records_the_script(tmp_path: Path) -> None:
     out = tmp_path / "trace.pickle"
     script = textwrap.dedent(f"""
         import torch
-        from vramkit.memory.profiler import MemoryProfiler
+        from vramkit.observe.profiler import MemoryProfiler
         assert not torch.cuda.is_initialized()
         profiler = MemoryProfiler(trace=True, sample_interval=0.01)
         profiler.start()

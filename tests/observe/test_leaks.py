@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from vramkit.errors import ConfigError
-from vramkit.memory.leaks import (
+from vramkit.observe.leaks import (
     GrowthTracker,
     LeakDetector,
     LeakSuspect,
     LeakVerdict,
     assess_growth,
 )
-from vramkit.memory.profiler import LeakDetector as ReexportedLeakDetector
+from vramkit.observe.profiler import LeakDetector as ReexportedLeakDetector
 
 MIB = 1 << 20
 

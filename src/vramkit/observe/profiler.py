@@ -57,7 +57,7 @@ from typing import Any
 from vramkit._validate import check_bool, check_int, check_number, check_size
 from vramkit.devices._runtime import cuda_initialized
 from vramkit.errors import ConfigError, DeviceError
-from vramkit.memory.leaks import (
+from vramkit.observe.leaks import (
     GrowthTracker,
     LeakDetector,
     LeakVerdict,
@@ -65,7 +65,7 @@ from vramkit.memory.leaks import (
     combine_verdicts,
     release_memory_history,
 )
-from vramkit.memory.report import (
+from vramkit.observe.report import (
     MemoryReport,
     MemorySnapshot,
     ModuleMemory,
@@ -74,7 +74,7 @@ from vramkit.memory.report import (
     ProfileEvent,
     save_report,
 )
-from vramkit.memory.stats import (
+from vramkit.observe.stats import (
     _KEYS,
     HostRssReader,
     MemoryStats,
@@ -175,7 +175,7 @@ class MemoryProfiler:
 
     Args:
         device: the CUDA device whose allocator is read (see
-            :func:`vramkit.memory.stats.resolve_cuda_index`); ``"cpu"`` or a machine without CUDA
+            :func:`vramkit.observe.stats.resolve_cuda_index`); ``"cpu"`` or a machine without CUDA
             reads host memory only. Default ``None``: the current CUDA device, else the CPU.
         sample_interval: seconds between background samples, > 0 (default 0.01).
         nvml_interval: seconds between NVML and pinned-pool readings, > 0 (default 0.5).

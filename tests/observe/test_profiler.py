@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from vramkit.errors import ConfigError, DeviceError
-from vramkit.memory import leaks as leaks_mod
-from vramkit.memory import profiler as profiler_mod
-from vramkit.memory import stats as stats_mod
-from vramkit.memory.leaks import LeakDetector
-from vramkit.memory.profiler import (
+from vramkit.observe import leaks as leaks_mod
+from vramkit.observe import profiler as profiler_mod
+from vramkit.observe import stats as stats_mod
+from vramkit.observe.leaks import LeakDetector
+from vramkit.observe.profiler import (
     MemoryProfiler,
     MemoryReport,
     MemorySnapshot,

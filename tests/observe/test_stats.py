@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from vramkit.errors import ConfigError
-from vramkit.memory import stats as stats_mod
-from vramkit.memory.stats import (
+from vramkit.observe import stats as stats_mod
+from vramkit.observe.stats import (
     AllocatorStats,
     CudaAllocator,
     allocator_stats,

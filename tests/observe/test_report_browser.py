@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from vramkit.memory.leaks import LeakVerdict
-from vramkit.memory.report import (
+from vramkit.observe.leaks import LeakVerdict
+from vramkit.observe.report import (
     MemoryReport,
     MemorySnapshot,
     PeakPoint,

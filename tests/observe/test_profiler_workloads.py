@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from vramkit.errors import ConfigError, DeviceError
-from vramkit.memory import leaks as leaks_mod
-from vramkit.memory import profiler as profiler_mod
-from vramkit.memory.leaks import LeakDetector
-from vramkit.memory.profiler import MemoryProfiler, trace_unsupported_reason
-from vramkit.memory.report import load_report, render_html
+from vramkit.observe import leaks as leaks_mod
+from vramkit.observe import profiler as profiler_mod
+from vramkit.observe.leaks import LeakDetector
+from vramkit.observe.profiler import MemoryProfiler, trace_unsupported_reason
+from vramkit.observe.report import load_report
+from vramkit.observe.report_html import render_html
 
 MIB = 1 << 20
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from vramkit.memory.leaks import LeakDetector
-from vramkit.memory.profiler import MemoryProfiler, with_memory_tracking
-from vramkit.memory.stats import (
+from vramkit.observe.leaks import LeakDetector
+from vramkit.observe.profiler import MemoryProfiler, with_memory_tracking
+from vramkit.observe.stats import (
     CudaAllocator,
     allocator_stats,
     read_cuda_figures,

@@ -1,4 +1,4 @@
-"""GPU tests of vramkit.memory.recovery with REAL out-of-memory errors under a memory cap.
+"""GPU tests of vramkit.observe.recovery with REAL out-of-memory errors under a memory cap.
 
 The cap is ``torch.cuda.set_per_process_memory_fraction``, sized from a measured half-batch run
 so the full batch fails and the half batch fits; it is restored to 1.0 afterwards.
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from vramkit.memory.recovery import MemoryRecovery, OomEvent, find_executable_batch_size
+from vramkit.observe.recovery import MemoryRecovery, OomEvent, find_executable_batch_size
 
 pytestmark = pytest.mark.gpu
 

@@ -34,7 +34,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions
-    from vramkit.devices.host import process_pss_bytes
+    from vramkit.devices.host import process_pss_bytes as process_pss_bytes
     from vramkit.distributed.ddp import *  # noqa: F403
     from vramkit.distributed.planning import *  # noqa: F403
     from vramkit.distributed.shared import *  # noqa: F403

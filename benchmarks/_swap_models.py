@@ -16,7 +16,7 @@
   resident model enqueue the same copies (one per swapped block and phase, ``S - R`` per phase,
   issued where the swapper prefetches them) from one pinned buffer into one GPU buffer on the
   shared copy stream. A step with it measures what the copies alone cost: on a launch-bound
-  step a host->device DMA slows the host's kernel launches (docs/benchmarks.md), which no
+  step a host->device DMA slows the host's kernel launches (``benchmarks/swap_step_host.py``), which no
   swapper code can avoid.
 """
 

@@ -17,8 +17,8 @@ Variants: ``torch_adamw_fused`` (the baseline, ``torch.optim.AdamW(fused=True)``
 ``bnb_adamw8bit`` (``bitsandbytes.optim.AdamW8bit``) and ``torchao_adamw8bit``
 (``torchao.optim.AdamW8bit``). The last two run where they import and work (pyproject extra
 ``compare``); otherwise the row says why it was skipped. Checked for vramkit's 8-bit variant:
-<= 2.1 state bytes per parameter (issue 5's target), and two goals of our own, reported but not
-issue targets: training step <= 1.10x torch's fused AdamW, final loss within 1% of AdamW's.
+<= 2.1 state bytes per parameter (the target), and two goals of our own, reported but not
+targets: training step <= 1.10x torch's fused AdamW, final loss within 1% of AdamW's.
 
 Run (GPU, ~3 min):  PYTHONPATH=src python3 benchmarks/adamw8bit.py --out out
 Quick (GPU):        PYTHONPATH=src python3 benchmarks/adamw8bit.py --quick --out out
@@ -213,7 +213,7 @@ def run_variant(variant: str, args: argparse.Namespace, device: torch.device) ->
 
 
 def compare(results: dict[str, dict[str, Any]]) -> None:
-    """Ratios against the baseline and the issue's targets for vramkit's 8-bit variant."""
+    """Ratios against the baseline and the targets for vramkit's 8-bit variant."""
     base = results.get(BASELINE)
     if base is None or "skipped" in base:
         return

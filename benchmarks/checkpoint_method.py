@@ -22,7 +22,8 @@ host's time to enqueue it) and backward + AdamW. After timing, one step of ``lea
 ``pytorch`` from the same adapters are compared: the adapters' gradients, lean against pytorch
 beside pytorch against itself (the GPU's run-to-run spread).
 
-cuDNN's SDPA backend is disabled (it crashed on FLUX shapes on torch 2.11 + H100, DESIGN.md §5).
+cuDNN's SDPA backend is disabled (it crashed on FLUX shapes on torch 2.11 + Hopper; docs/architecture.md,
+"Performance model and physical limits").
 
 Run (GPU, ~3 min): PYTHONPATH=src python3 benchmarks/checkpoint_method.py --out out/ckpt
 Run (CPU, code paths only): PYTHONPATH=src python3 benchmarks/checkpoint_method.py --device cpu --tiny
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds must be >= 1 and --steps-per-arm >= 2 (the first is untimed)")
     s = Settings(device=args.device, tiny=args.tiny)
     if s.device == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)  # crashes on Flux shapes (DESIGN.md §5)
+        torch.backends.cuda.enable_cudnn_sdp(False)  # crashes on Flux shapes (docs/architecture.md)
     t0 = time.perf_counter()
     bench = Bench(s)
     log(f"FLUX built in {time.perf_counter() - t0:.1f} s; arms {arms}")

@@ -1,4 +1,4 @@
-"""Data-parallel Flux-12B LoRA training with swapping: weak scaling and host memory (issue 21).
+"""Data-parallel Flux-12B LoRA training with swapping: weak scaling and host memory.
 
 The job: FLUX.1-dev's transformer from its published config with random bf16 weights (11.9 B
 parameters; benchmarks/plan.py builds it the same way), peft LoRA r16 on ``to_q, to_k, to_v,
@@ -29,7 +29,7 @@ page-locked bytes. The driver (``--driver``) runs the arms for each GPU count in
 on one machine and prints weak-scaling efficiency: images/s with N GPUs over N times images/s
 with one.
 
-Usage (on the GPU machine; cuDNN SDPA is off, see DESIGN.md section 5)::
+Usage (on the GPU machine; cuDNN SDPA is off, see docs/architecture.md)::
 
     PYTHONPATH=src python3 benchmarks/distributed.py --driver --gpus 1,2,4 --arms vramkit,fsdp2 \
         --out $OUT/dist
@@ -249,7 +249,7 @@ def rank_main(args: argparse.Namespace) -> int:
     import vramkit.distributed as vd
 
     if args.device == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)  # torch 2.11 + H100 crash (DESIGN.md §5)
+        torch.backends.cuda.enable_cudnn_sdp(False)  # torch 2.11 + Hopper crash (docs/architecture.md)
     info = vd.init_from_env(backend="gloo" if args.device == "cpu" else None)
     try:
         row = arm_fsdp2(args, info) if args.arm == "fsdp2" else arm_vramkit(args, info)

@@ -1,4 +1,4 @@
-"""How fast N GPUs of one host get the same swapped block from host memory (issue 21).
+"""How fast N GPUs of one host get the same swapped block from host memory.
 
 Every rank must end with the whole block in its GPU memory. Two ways, measured side by side in
 alternating rounds under one ``torchrun`` job:

@@ -18,7 +18,7 @@ it is measured):
 * ``flux:fp8:<cap>`` -- the same with ``allow_formats=("fp8",)``; the loss deviation from the bf16
   baseline is printed beside the time.
 * ``flux:bf16-all:<cap>`` / ``flux:fp8-all:<cap>`` -- the same with ``checkpointing="all"``: every
-  block checkpointed, as the issue's hand-tuned table ran it, the planner choosing the rest;
+  block checkpointed, as hand-tuned trainer settings run it, the planner choosing the rest;
   the baseline is the resident model with every block checkpointed.
 * ``flux:offline:<cap>`` -- the plan made offline from this GPU's published profile
   (``hardware="h100-pcie"`` etc., picked from the device name), for the prediction error.
@@ -39,7 +39,7 @@ to the bytes the *other* arm holds (its weights, adapters and optimizer state, m
 card's budget; the fitted arm's peak is the process's ``max_memory_allocated`` over its turn minus
 what the other arm holds. The resident arm runs uncapped. cuDNN's SDPA backend is disabled
 (``torch.backends.cuda.enable_cudnn_sdp(False)``): on torch 2.11 + H100 it crashed with an
-illegal memory access on Flux shapes, even in plain diffusers (DESIGN.md §5).
+illegal memory access on Flux shapes, even in plain diffusers (docs/architecture.md).
 
 Run (GPU, ~5 min per model): PYTHONPATH=src python3 benchmarks/plan.py --out out/plan
 Run (GPU, some rows):        ... --rows flux:bf16:23.5,flux:bf16:7.5
@@ -669,7 +669,7 @@ def parse_row(spec: str) -> tuple[str, str, float]:
 def child_main(specs: list[str], result_file: Path, s: Settings) -> int:
     """Run one model's rows in this process, appending each row's JSON as it finishes."""
     if s.device == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)  # crashes on Flux shapes (DESIGN.md §5)
+        torch.backends.cuda.enable_cudnn_sdp(False)  # crashes on Flux shapes (docs/architecture.md)
     torch.manual_seed(s.seed)
     job: Job | None = None
 

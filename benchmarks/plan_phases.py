@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     s = Settings(device=args.device, tiny=args.tiny, rounds=args.rounds,
                  steps_per_arm=args.steps_per_arm)
     if s.device == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)  # crashes on Flux shapes (DESIGN.md §5)
+        torch.backends.cuda.enable_cudnn_sdp(False)  # crashes on Flux shapes (docs/architecture.md)
     specs = [parse_row(r) for r in args.rows.split(",") if r]
     rows: list[dict[str, Any]] = []
     jobs: dict[str, Job] = {}

@@ -23,7 +23,7 @@ For each model (``--models sdxl,flux``) and card tier (``--tiers 24,16,12,8``) a
    reserved while building and applying (also under the cap) and the last step's time.
 
 cuDNN's SDPA backend is disabled (``torch.backends.cuda.enable_cudnn_sdp(False)``): it crashed
-with an illegal memory access on Flux shapes on the H100, even in plain diffusers (DESIGN.md §5).
+with an illegal memory access on Flux shapes on torch 2.11 + Hopper, even in plain diffusers (docs/architecture.md).
 
 Run (GPU, ~6-8 min):  PYTHONPATH=src python3 benchmarks/presets.py --out out/presets
 Run (GPU, one model, fewer tiers):  ... --models flux --tiers 24,8
@@ -273,7 +273,7 @@ def run_row(model: str, tier: int, s: Settings) -> dict[str, Any]:
     cuda = device.type == "cuda"
     row: dict[str, Any] = {"model": model, "tier_gb": tier}
     if cuda:
-        torch.backends.cuda.enable_cudnn_sdp(False)  # crashes on Flux shapes (DESIGN.md §5)
+        torch.backends.cuda.enable_cudnn_sdp(False)  # crashes on Flux shapes (docs/architecture.md)
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(cap_bytes(tier) / total, device)
         row["cap_gib"] = cap_bytes(tier) / GIB

@@ -21,14 +21,14 @@ CUDA events (median of the measured steps after warm-up) for:
 Per row: overhead vs resident, ratio to t_bound, speedup vs exchange, swap bandwidth estimated as
 ``h2d bytes per step / step time`` (a lower bound on the copy rate, close to it when both phases
 are transfer-bound, the only rows where the >= 90% target is checked), host enqueue time per
-block acquisition, and PASS/FAIL against the issue's targets: overhead <= 3% where
+block acquisition, and PASS/FAIL against the targets: overhead <= 3% where
 (S-R)*w/BW <= 0.8*C_p in both phases ("fits"), otherwise <= 1.10 x t_bound; >= 1.25x faster than
 exchange where a phase is transfer-bound; enqueue < 0.5 ms.
 
 ``--copy-floor`` also times the **copy floor** in every round: the resident model with hooks that
 enqueue exactly the swapper's host->device copies (``CopyTraffic``), and no swapper. On a
 launch-bound step the copies alone slow the host (a running DMA makes each kernel launch slower
-on the H200 host, docs/benchmarks.md), so where the floor is slower than the resident model a
+on the H200 host: ``benchmarks/swap_step_host.py --parts micro``), so where the floor is slower than the resident model a
 fitting row is checked as vramkit <= 1.03 x the copy floor (the fastest any swapper could be on
 this machine) and says so; the overhead over resident is printed too.
 

@@ -9,15 +9,15 @@ reused while its marker file matches) by a streaming safetensors writer: the hea
 the meta model's shapes, then each top-level module or block is drawn on the device, copied out
 and written, and freed, so the writer never holds more than one block.
 
-The job (issue 18's Flux LoRA row): peft LoRA r16 (alpha 16, fp32) on ``to_q, to_k, to_v,
+The job (the planner benchmark's FLUX LoRA job, ``benchmarks/plan.py``): peft LoRA r16 (alpha 16, fp32) on ``to_q, to_k, to_v,
 to_out.0``, 1024x1024 = 4096 image + 512 text tokens, batch 1, bf16 autocast, every block
 checkpointed, AdamW on the adapters, MSE against a fixed random target, under an 11.5 GiB GPU
 cap (``set_per_process_memory_fraction``), with ``SwapConfig(max_gpu_bytes=MAX_GPU_BYTES)``: as
-many blocks swapped as that leaves (issue 18's swapper rows used 6 GiB at 11.5 GiB). cuDNN's SDPA
+many blocks swapped as that leaves (6 GiB at 11.5 GiB leaves room for the activations). cuDNN's SDPA
 backend is disabled (illegal memory access on Flux shapes with torch 2.11 + H100).
 
 Where the LoRA goes: every variant injects the adapters once the base model holds its weights
-(``BlockSwapper(checkpoint=)`` also accepts peft injected on meta since 2026-11-27 -- the renamed
+(``BlockSwapper(checkpoint=)`` also accepts peft injected on meta -- the renamed
 ``to_q.base_layer.weight`` loads from the file's ``to_q.weight`` and the adapters are initialized
 peft's way, ``vramkit.io.adapters`` -- but diffusers' variants cannot, and the rows compare the
 same adapters): in the vramkit variants after the swapper attached (peft creates them on the
@@ -112,7 +112,7 @@ from vramkit.io.disk import drop_page_cache, measure_read_bandwidth
 
 GIB = 1 << 30
 CAP_GIB = 11.5  # the simulated card (a "12 GB" card less its context)
-MAX_GPU_BYTES = "6GiB"  # resident blocks + slots at 11.5 GiB, as issue 18's swapper rows
+MAX_GPU_BYTES = "6GiB"  # resident blocks + slots at 11.5 GiB
 HOST_BUDGET = "8GiB"  # --part disk: pinned bytes the swapper may hold
 LORA_RANK = 16
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")

@@ -18,7 +18,7 @@ download) decodes a random latent at each image size, in each dtype, with:
 Per row: GPU time (CUDA events, after one warm-up run), overhead vs untiled, peak
 ``torch.cuda.max_memory_allocated`` after a reset (weights and latents included), and, where the
 untiled reference ran, max abs error and PSNR (on the [0, 1] scale: a [-1, 1] image's error / 2)
-over the image and within 32 px of seams. PASS/FAIL against the issue's targets: at 4096x4096,
+over the image and within 32 px of seams. PASS/FAIL against the targets: at 4096x4096,
 peak <= 3 GB; exact within 2/255 max abs and >= 45 dB near seams; overhead <= 1.6x.
 
 Run (GPU, ~3-4 min):  PYTHONPATH=src python benchmarks/vae_tiling.py --out out
@@ -220,7 +220,7 @@ def log_steps(stats: Any) -> None:
 
 
 def verdict(row: dict[str, Any], size: int, args: argparse.Namespace) -> dict[str, str]:
-    """PASS/FAIL for the issue's targets that apply to this row ("-" where none does)."""
+    """PASS/FAIL for the targets that apply to this row ("-" where none does)."""
     checks: list[bool] = []
     if "error" in row:
         return {"targets": "ERROR"}

@@ -66,7 +66,7 @@ def test_table_output_and_report(capsys: pytest.CaptureFixture[str], tmp_path: P
 ])
 def test_argument_errors(argv: list[str], message: str,
                          capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", *FAST, *argv]) == 2  # a flag's value: a usage error (issue 17)
+    assert main(["demo", *FAST, *argv]) == 2  # a flag's value: a usage error
     err = capsys.readouterr().err
     assert "vramkit demo: error:" in err and message in err
 

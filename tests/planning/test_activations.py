@@ -310,7 +310,7 @@ def test_flux_block_estimates_equal_what_an_h100_keeps() -> None:
 
 
 def test_flux_inference_holds_a_single_blocks_transient_tensors() -> None:
-    # What the planner's inference comment and docs/benchmarks.md cite: at 1024 px a single
+    # What the planner's inference comment cites: at 1024 px a single
     # block makes 432 MiB alive at once beside its 27 MiB of inputs (a fitted forward on an
     # H200 peaked 3.1 % above a plan that priced 140 MiB). (486 MiB until the attention's
     # stand-in stopped holding its rotated q and k past the call.)

@@ -89,7 +89,7 @@ def test_packed_formats_are_timed_on_the_gpu() -> None:
 
 
 def test_fit_with_a_measured_plan_trains_exactly_and_stays_under_budget() -> None:
-    torch.backends.cuda.enable_cudnn_sdp(False)  # see docs/benchmarks.md (torch 2.11 + H100)
+    torch.backends.cuda.enable_cudnn_sdp(False)  # torch 2.11 + Hopper crash (docs/architecture.md)
     model, config = _dit()
     reference = copy.deepcopy(model).cuda()
     batch = synthetic_batch(config, 2, device="cuda",

@@ -139,8 +139,8 @@ def test_the_planner_times_counted_work_offline_and_flops_otherwise() -> None:
 
 # One block of each kind timed on an NVIDIA H100 80GB HBM3 by calibrate_blocks (bf16 autocast,
 # LoRA r16, FLUX.1-dev at 1024x1024 = 4096 + 512 tokens, Llama-3.1-8B at 4096 tokens; the
-# larger of the device's and the host's time, forward and backward, ms; docs/benchmarks.md,
-# "Planner", fourth session). The offline model must land within 20 % of each; one share of
+# larger of the device's and the host's time, forward and backward, ms; a run of
+# benchmarks/block_times.py). The offline model must land within 20 % of each; one share of
 # the peak for everything (ACHIEVED_FRACTION) missed the Llama layer by 35 %.
 H100_BLOCK_MS = {
     "flux-dev": {"transformer_blocks.0": (4.58, 7.24),

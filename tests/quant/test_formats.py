@@ -25,7 +25,7 @@ from vramkit.quant.formats import (
 )
 
 FORMATS = ["int8", "int4", "nf4", "fp8"]
-# issue 5 targets: weight bytes vs bf16 (scales included) and relative matmul error
+# Targets: weight bytes vs bf16 (scales included) and relative matmul error
 MEMORY_TARGET = {"int8": 0.52, "fp8": 0.52, "int4": 0.28, "nf4": 0.27}
 ERROR_TARGET = {"int8": 1e-2, "fp8": 3e-2, "int4": 0.10, "nf4": 0.10}
 # int4 on Student-t sits at the target: 0.0984-0.1001 over seeds 11-13 at 1024x1024

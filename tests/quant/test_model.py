@@ -27,7 +27,7 @@ from vramkit.quant.model import (
     sqnr_db,
 )
 
-# Weight bytes vs bf16 (the targets), scales included.
+# Weight bytes vs bf16 (the targets), scales included.
 TARGET_RATIO = {"int8": 0.52, "fp8": 0.52, "int4": 0.28, "nf4": 0.27}
 
 

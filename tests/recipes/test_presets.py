@@ -68,7 +68,7 @@ def test_presets_by_vram() -> None:
     assert SDXLMemoryConfig.for_vram(80 << 30) == SDXLMemoryConfig.preset_24gb()
     assert FluxTrainingConfig.for_vram("24 GB") == FluxTrainingConfig.preset_24gb()
     assert FluxTrainingConfig.for_vram("16GiB") == FluxTrainingConfig.preset_16gb()
-    # 8 GB cards have presets now (the point); below the 8 GB preset's minimum it raises.
+    # 8 GB cards have presets now (the point of the tiers); below the 8 GB preset's minimum it raises.
     assert FluxTrainingConfig.for_vram("8GB") == FluxTrainingConfig.preset_8gb()
     with pytest.raises(ConfigError, match="preset_8gb"):
         FluxTrainingConfig.for_vram("6GB")

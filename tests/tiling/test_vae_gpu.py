@@ -69,7 +69,7 @@ def test_sdxl_vae_1024_exact_fp32_and_blended_bf16_memory() -> None:
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKL(**sdxl_vae_config()).cuda().eval()
     z = torch.randn(1, 4, 128, 128, device="cuda")
-    # The accuracy target (2/255, 45 dB at seams) in fp32, the SDXL VAE's usual dtype
+    # The accuracy target (2/255, 45 dB at seams) in fp32, the SDXL VAE's usual dtype
     # (in bf16 two different convolution algorithms already differ by several bf16 ulps).
     with torch.no_grad(), use_chunked_attention(vae):
         ref = vae.decode(z).sample

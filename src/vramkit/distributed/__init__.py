@@ -20,34 +20,22 @@ after it attaches. ``docs/distributed.md`` has the compatibility matrix.
 
 from __future__ import annotations
 
-from vramkit.devices.host import process_pss_bytes
-from vramkit.distributed.ddp import (
-    GradientAverager,
-    RankInfo,
-    broadcast_masters,
-    init_from_env,
-    shared_swapper,
-    shutdown,
-    wrap_ddp,
-)
-from vramkit.distributed.planning import agree_on_plan, ddp_bucket_bytes, fit_rank, plan_for_rank
-from vramkit.distributed.shared import NodeSharedMasters
-from vramkit.distributed.uploads import ShardedUploads, node_uploads
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "GradientAverager",
-    "NodeSharedMasters",
-    "RankInfo",
-    "ShardedUploads",
-    "agree_on_plan",
-    "broadcast_masters",
-    "ddp_bucket_bytes",
-    "fit_rank",
-    "init_from_env",
-    "node_uploads",
-    "plan_for_rank",
-    "process_pss_bytes",
-    "shared_swapper",
-    "shutdown",
-    "wrap_ddp",
-]
+from vramkit._lazy import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    ".ddp": ("GradientAverager", "RankInfo", "broadcast_masters", "init_from_env",
+             "shared_swapper", "shutdown", "wrap_ddp"),
+    ".planning": ("agree_on_plan", "ddp_bucket_bytes", "fit_rank", "plan_for_rank"),
+    ".shared": ("SHM_DIR", "NodeSharedMasters"),
+    ".uploads": ("MIN_SHARDED_BYTES", "UPLOAD_MODES", "ShardedUploads", "node_uploads"),
+    "vramkit.devices.host": ("process_pss_bytes",),
+})
+
+if TYPE_CHECKING:  # static analysers see the real definitions
+    from vramkit.devices.host import process_pss_bytes as process_pss_bytes
+    from vramkit.distributed.ddp import *  # noqa: F403
+    from vramkit.distributed.planning import *  # noqa: F403
+    from vramkit.distributed.shared import *  # noqa: F403
+    from vramkit.distributed.uploads import *  # noqa: F403

@@ -1,9 +1,8 @@
 """Sharded uploads: the GPUs of a node share the host->device copies of swapped blocks.
 
 With a swapper per GPU, every GPU of a node copies every swapped block from host memory, and the
-copies contend for the host's memory and PCIe root: on the 4x H100 machine of
-``docs/benchmarks.md`` one GPU copies at 55 GB/s alone but 41 GB/s while four copy
-(``benchmarks/host_copy_scaling.py``). Where the node's GPUs are linked by NVLink,
+copies contend for the host's memory and PCIe root: on a 4x H100 node one GPU copies at
+55 GB/s alone but 41 GB/s while four copy (``benchmarks/host_copy_scaling.py``). Where the node's GPUs are linked by NVLink,
 :class:`ShardedUploads` (a :class:`~vramkit.offload.swap.BlockLoader`) has each of the node's N
 GPUs copy 1/N of a block from the host and the GPUs all-gather the pieces into every slot over
 NVLink (NCCL, in place), as FSDP does with its sharded parameters: the host is read once per

@@ -383,7 +383,8 @@ def _fp8_rows_many_kernel(table_ptr, out_ptr, BLOCK_R: tl.constexpr, BLOCK_C: tl
 
 # Tile shape and warps of the batched launch: the fastest of 32 shapes on one FLUX double block
 # on an H200 (0.334 ms, ~3.0 TB/s of packed reads and bf16 writes, against 0.374 ms for 8 x 512
-# with 4 warps; every shape bit-identical; docs/benchmarks.md).
+# with 4 warps; every shape bit-identical), in a one-off sweep that is not kept;
+# benchmarks/plan_phases.py times the batched dequantize inside a FLUX step.
 _MANY_BLOCK_R = 2
 _MANY_BLOCK_C = 512
 _MANY_WARPS = 2

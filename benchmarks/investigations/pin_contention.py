@@ -19,7 +19,7 @@ forward). Three measurements, each on the GPU:
   pieces into a reused buffer, into a fresh unregistered mapping, and into a registered one;
   then the registration of the filled mapping.
 
-Run (GPU): PYTHONPATH=src python3 benchmarks/pin_contention.py --file /tmp/pin_contention.bin --out out
+Run (GPU): PYTHONPATH=src python3 benchmarks/investigations/pin_contention.py --file /tmp/pin_contention.bin --out out
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the helpers
 from _common import add_common_args, write_result
 
 MiB = 1 << 20

@@ -11,9 +11,9 @@ CUDA's autocast and fused kernels: on the CPU the real side takes CPU autocast's
 float32 RMS norm, so the columns differ there by design.)
 
 Run (GPU, ~1 min, needs ~55 GiB for FLUX.1-dev): PYTHONPATH=src python3
-    benchmarks/activations_real.py --out out/activations
+    benchmarks/investigations/activations_real.py --out out/activations
 Run (CPU, code path only, a tiny model of the family): PYTHONPATH=src python3
-    benchmarks/activations_real.py --device cpu --tiny
+    benchmarks/investigations/activations_real.py --device cpu --tiny
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the helpers
 from _common import add_common_args, write_result
 from plan import fill_random, real_inputs, tiny_folder
 from vramkit.offload.blocks import find_blocks

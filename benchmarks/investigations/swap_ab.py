@@ -14,7 +14,7 @@ blocks):
 Run (GPU), the tree before a change unpacked in ``.ab/before`` (``git archive <rev> src
 benchmarks``), about 5 minutes::
 
-    python benchmarks/swap_ab.py --a .ab/before --b . --rounds 2 --out out/ab -- \\
+    python benchmarks/investigations/swap_ab.py --a .ab/before --b . --rounds 2 --out out/ab -- \\
         --dit off --tokens 2048 8192 --fractions 0.5 1.0 --exchange-budget 3
 """
 
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the helpers
 from _common import add_common_args, write_result
 
 Key = tuple[str, int, bool, int]

@@ -442,9 +442,6 @@ class W8A8Linear(nn.Module):
         return _dequantized(self.weight, self.weight_scale, dtype)
 
     def _verify_device(self, x: torch.Tensor) -> None:
-        if not x.is_floating_point():
-            raise QuantizationError(f"W8A8Linear needs a floating-point input, got {x.dtype}",
-                                    hint="Cast the input first, e.g. x.to(torch.bfloat16).")
         if x.device.type == "cuda":
             check_w8a8_device(self.kind, x.device)
         self._checked_device = x.device
@@ -457,6 +454,9 @@ class W8A8Linear(nn.Module):
         device = x.device
         if device != self._checked_device:
             self._verify_device(x)
+        if not x.is_floating_point():
+            raise QuantizationError(f"W8A8Linear needs a floating-point input, got {x.dtype}",
+                                    hint="Cast the input first, e.g. x.to(torch.bfloat16).")
         if x.shape[-1] != self.in_features:
             raise QuantizationError(f"activations end in {x.shape[-1]} features, the layer "
                                     f"takes {self.in_features}",

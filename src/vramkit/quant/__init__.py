@@ -6,7 +6,8 @@
 ``vramkit.quant.linear`` the quantized layers, ``vramkit.quant.dense`` the batched dequantize of
 a block's layers, ``vramkit.quant.model`` the config and the one
 layer-replacement walk (``quantize_model``), ``vramkit.quant.report`` per-layer quality and
-``vramkit.quant.serialization`` safetensors files with the layout in their metadata.
+``vramkit.quant.serialization`` safetensors files with the layout in their metadata;
+``vramkit.quant.w8a8`` W8A8 compute for frozen weights (both matmuls in 8 bits).
 ``docs/quantization.md`` describes every layout byte for byte.
 
 Every public name of those modules is re-exported here lazily: importing the package imports none
@@ -27,11 +28,14 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".kernels": ("FP8_GEMM_MULTIPLE", "FUSED_MAX_TOKENS", "dequantize", "fp8_gemm_fits",
                  "has_fp8_gemm", "quantized_matmul", "triton_available"),
     ".linear": ("QuantizedConv2d", "QuantizedLinear", "register_peft_lora"),
-    ".model": ("QuantizationConfig", "QuantoConfig", "model_bytes", "quantizable_layers",
-               "quantize_model", "quantize_weight", "quantized_layer", "sqnr_db"),
+    ".model": ("QuantizationConfig", "QuantoConfig", "is_trainable_for_w8a8", "model_bytes",
+               "quantizable_layers", "quantize_model", "quantize_weight", "quantized_layer",
+               "sqnr_db"),
     ".report": ("LayerQuality", "QuantizationReport", "quantization_report"),
     ".serialization": ("FORMAT_VERSION", "load_quantized", "load_quantized_model",
                        "quantized_state_dict", "save_quantized"),
+    ".w8a8": ("W8A8_CAPABILITY", "W8A8Kind", "W8A8Linear", "check_w8a8_device", "quantize_rows",
+              "w8a8_fits", "w8a8_weight_format"),
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions
@@ -42,3 +46,4 @@ if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.quant.model import *  # noqa: F403
     from vramkit.quant.report import *  # noqa: F403
     from vramkit.quant.serialization import *  # noqa: F403
+    from vramkit.quant.w8a8 import *  # noqa: F403

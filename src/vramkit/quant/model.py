@@ -29,6 +29,15 @@ Order with adapters: quantize first, then attach LoRA (peft's ``lora_A``/``lora_
 ``nn.Linear`` and would otherwise be quantized too, unless listed, e.g. ``"*lora_*"``).
 vramkit's :class:`~vramkit.recipes.lora.LoRALinear` keeps its adapters as plain parameters, so a model
 with those adapters may be quantized afterwards: its base layers are replaced.
+
+W8A8 (``QuantizationConfig("fp8" | "int8", w8a8=True)``): each selected ``nn.Linear`` becomes a
+:class:`~vramkit.quant.w8a8.W8A8Linear` (both matmuls in 8 bits, no weight gradient), so the walk
+replaces frozen layers only: a layer whose weight requires grad is kept as it is (it would
+otherwise stop training), and so is every module inside a peft adapter container (a path
+component starting with ``lora_``: ``lora_A``, ``lora_B``, ``lora_embedding_A``...), trainable or
+not. peft's LoRA layer keeps the frozen ``nn.Linear`` it wraps as ``base_layer``: that one is
+replaced, so ``get_peft_model`` first, then ``quantize_model`` with ``w8a8=True``, works. Freeze
+the base model (``model.requires_grad_(False)``) before quantizing a model without peft.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ from vramkit._validate import (
 from vramkit.errors import ConfigError, QuantizationError
 from vramkit.quant.formats import (
     FP8Config,
+    Int8Config,
     QuantConfigT,
     QuantFormat,
     QuantizedTensor,
@@ -69,9 +79,11 @@ from vramkit.quant.linear import (
     _release,
     conv_geometry,
 )
+from vramkit.quant.w8a8 import W8A8Linear, w8a8_weight_format
 from vramkit.units import format_size
 
-__all__ = ["QuantizationConfig", "QuantoConfig", "model_bytes", "quantizable_layers",
+__all__ = ["QuantizationConfig", "QuantoConfig", "is_trainable_for_w8a8", "model_bytes",
+           "quantizable_layers",
            "quantize_model", "quantize_weight", "quantized_layer", "sqnr_db"]
 
 logger = logging.getLogger(__name__)
@@ -110,6 +122,14 @@ class QuantizationConfig:
             None (quantize every selected layer).
         quantize_conv: replace ``nn.Conv2d`` layers too (and quantize 4-D weights of a state
             dict). Default True.
+        w8a8: run both matmuls of each replaced ``nn.Linear`` in 8 bits
+            (:class:`~vramkit.quant.w8a8.W8A8Linear`: activations and gradients quantized per
+            token to the weight's type, per-output-channel weight scales). Needs
+            ``weights_dtype`` ``"fp8"`` (CUDA capability >= 8.9) or ``"int8"`` (>= 8.0; both
+            run on the CPU too), no ``group_size`` and no ``activations_dtype``. Only frozen
+            layers are replaced: layers whose weight requires grad and peft adapter layers stay
+            as they are (see the module docstring). Conv layers, with ``quantize_conv``, store
+            the same per-channel weights and run weight-only. Default False.
 
     Raises:
         ConfigError: for an unknown format, a bad group size, an unsupported
@@ -122,6 +142,7 @@ class QuantizationConfig:
     group_size: int | None = None
     min_sqnr_db: float | None = None
     quantize_conv: bool = True
+    w8a8: bool = False
 
     def __post_init__(self) -> None:
         check_int("QuantizationConfig.group_size", self.group_size, minimum=1, allow_none=True)
@@ -164,7 +185,31 @@ class QuantizationConfig:
             "QuantizationConfig.min_sqnr_db", self.min_sqnr_db, allow_none=True,
             hint="Give the threshold in dB (e.g. 30.0), or None to quantize every layer."))
         check_bool("QuantizationConfig.quantize_conv", self.quantize_conv)
+        check_bool("QuantizationConfig.w8a8", self.w8a8)
+        if self.w8a8:
+            self._check_w8a8(weight_format)
 
+    def _check_w8a8(self, weight_format: QuantConfigT) -> None:
+        # Per-channel scales only: the formats' defaults, which a block size would change.
+        kind = ("fp8" if weight_format == FP8Config() and self.group_size is None
+                else "int8" if weight_format == Int8Config() and self.group_size is None
+                else None)
+        if kind is None or self.activations_dtype is not None:
+            raise ConfigError(
+                "w8a8=True needs weights_dtype 'fp8' or 'int8' with per-channel scales (no "
+                "group_size) and activations_dtype=None (activations take the weights' type), "
+                f"got weights {weight_format!r}, group_size={self.group_size}, "
+                f"activations_dtype={self.activations_dtype!r}",
+                hint="Use QuantizationConfig('fp8', w8a8=True) on capability >= 8.9 or "
+                     "QuantizationConfig('int8', w8a8=True) on >= 8.0.")
+        object.__setattr__(self, "_weight_format", w8a8_weight_format(kind, 1))
+
+    @property
+    def w8a8_kind(self) -> str | None:
+        """``"fp8"`` or ``"int8"`` with ``w8a8``, else None."""
+        if not self.w8a8:
+            return None
+        return "fp8" if isinstance(self.weight_format(), FP8Config) else "int8"
     def weight_format(self) -> QuantConfigT:
         """The resolved weight format config (name + ``group_size`` override), made once when
         the config was."""
@@ -204,12 +249,16 @@ class QuantizationConfig:
 
         Returns:
             True for an ``nn.Linear`` (or ``nn.Conv2d`` with ``quantize_conv``) that no pattern
-            excludes; False for anything else, already-quantized layers included.
+            excludes; False for anything else, already-quantized layers included. With
+            ``w8a8`` also False for a layer whose weight requires grad and for peft adapter
+            layers (:func:`is_trainable_for_w8a8`).
         """
         if isinstance(module, _QuantizedWeightModule) or isinstance(module, _NOT_REPLACEABLE):
             return False
         if not (isinstance(module, nn.Linear)
                 or (self.quantize_conv and isinstance(module, nn.Conv2d))):
+            return False
+        if self.w8a8 and is_trainable_for_w8a8(qualified_name, module):
             return False
         return not self.is_excluded(qualified_name)
 
@@ -223,7 +272,7 @@ class QuantizationConfig:
         return {"weights_dtype": weights, "activations_dtype": self.activations_dtype,
                 "modules_to_not_quantize": list(self.modules_to_not_quantize),
                 "group_size": self.group_size, "min_sqnr_db": self.min_sqnr_db,
-                "quantize_conv": self.quantize_conv}
+                "quantize_conv": self.quantize_conv, "w8a8": self.w8a8}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> QuantizationConfig:
@@ -243,6 +292,28 @@ class QuantizationConfig:
 QuantoConfig = QuantizationConfig  # the seed's name (EriDiffusion's QuantoConfig)
 
 _GLOB_CHARS = frozenset("*?[")
+
+
+# peft keeps adapters in containers named lora_A, lora_B, lora_embedding_A, lora_magnitude_vector...
+_ADAPTER_PREFIX = "lora_"
+
+
+def is_trainable_for_w8a8(qualified_name: str, module: nn.Module) -> bool:
+    """Whether the W8A8 walk must keep this layer: its weight requires grad (W8A8 gives the
+    weight no gradient, so replacing it would stop its training silently) or it lies in a peft
+    adapter container (a path component starting with ``lora_``), trainable or not.
+
+    Args:
+        qualified_name: its name in ``model.named_modules()``.
+        module: the layer.
+
+    Returns:
+        True when the layer must stay as it is.
+    """
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.requires_grad:
+        return True
+    return any(part.startswith(_ADAPTER_PREFIX) for part in qualified_name.split("."))
 
 
 def _component_runs(qualified_name: str) -> list[str]:
@@ -326,14 +397,25 @@ def _select_layers(model: nn.Module, config: QuantizationConfig
     shared = _shared_weights(model)
     layers: list[tuple[str, nn.Module]] = []
     tied = 0
+    trainable: list[str] = []
     for name, module in model.named_modules():
         if not name or not config.should_quantize(name, module):
+            if (name and config.w8a8 and is_trainable_for_w8a8(name, module)
+                    and not config.is_excluded(name)
+                    and isinstance(module, (nn.Linear, nn.Conv2d))):
+                trainable.append(name)
             continue
         if id(module.weight) in shared:
             logger.info("keeping %s in full precision: its weight is shared (tied)", name)
             tied += 1
             continue
         layers.append((name, module))
+    if trainable:
+        # Said at warning level when it leaves nothing to replace: an unfrozen model.
+        log = logger.warning if not layers else logger.info
+        log("w8a8 keeps %d trainable or adapter layers as they are (W8A8 gives weights no "
+            "gradient), e.g. %s%s", len(trainable), ", ".join(trainable[:3]),
+            "" if layers else "; freeze the base model first (model.requires_grad_(False))")
     return layers, tied
 
 
@@ -354,7 +436,10 @@ def quantize_weight(weight: torch.Tensor, config: QuantizationConfig, *, name: s
         QuantizationError: for a meta weight or an unsupported dtype.
     """
     _check_not_meta(name, weight)
-    q = quantize_tensor(weight.detach(), config.weight_format())
+    fmt = config.weight_format()
+    if config.w8a8_kind is not None:  # one scale per output channel: a block spans the row
+        fmt = w8a8_weight_format(config.w8a8_kind, weight[0].numel() if weight.dim() else 1)
+    q = quantize_tensor(weight.detach(), fmt)
     if config.min_sqnr_db is not None:
         quality = sqnr_db(weight, q.dequantize(torch.float32))
         if quality < config.min_sqnr_db:
@@ -414,8 +499,10 @@ def quantized_layer(layer: nn.Module, weight: QuantizedTensor, bias: torch.Tenso
     around its quantized weight.
 
     A Linear runs the fp8 GEMM when ``config.activation_fp8`` holds and the GEMM takes its shape
-    (:func:`vramkit.quant.kernels.fp8_gemm_fits`); otherwise it runs weight-only. The new layer
-    takes ``layer``'s training mode.
+    (:func:`vramkit.quant.kernels.fp8_gemm_fits`); otherwise it runs weight-only. With
+    ``config.w8a8`` a Linear becomes a :class:`~vramkit.quant.w8a8.W8A8Linear` (which runs a
+    dequantized matmul for shapes its GEMMs cannot take, and says so). The new layer takes
+    ``layer``'s training mode.
 
     Args:
         layer: the ``nn.Linear`` or ``nn.Conv2d`` replaced (its geometry and features are read;
@@ -433,6 +520,8 @@ def quantized_layer(layer: nn.Module, weight: QuantizedTensor, bias: torch.Tenso
     """
     if isinstance(layer, nn.Conv2d):
         new: nn.Module = QuantizedConv2d.from_quantized(weight, bias, **conv_geometry(layer))
+    elif isinstance(layer, nn.Linear) and config.w8a8:
+        new = W8A8Linear.from_quantized(weight, bias, name=name)
     elif isinstance(layer, nn.Linear):
         fp8_gemm = config.activation_fp8 and fp8_gemm_fits(layer.in_features, layer.out_features)
         if config.activation_fp8 and not fp8_gemm:
@@ -488,7 +577,7 @@ def _check_not_meta(name: str, tensor: torch.Tensor) -> None:
 
 
 def _quantize_module(model: nn.Module, config: QuantizationConfig) -> nn.Module:
-    if isinstance(model, _QuantizedWeightModule):
+    if isinstance(model, (_QuantizedWeightModule, W8A8Linear)):
         raise QuantizationError(f"{type(model).__name__} is already quantized",
                                 hint="Quantize the original float model; a quantized model is "
                                      "ready to use as is (save and reload it with save_quantized / "
@@ -497,7 +586,8 @@ def _quantize_module(model: nn.Module, config: QuantizationConfig) -> nn.Module:
         replaced = _replace_layer("<root>", model, config)
         return replaced if replaced is not None else model
     for name, module in model.named_modules():
-        if isinstance(module, _QuantizedWeightModule) and not config.is_excluded(name):
+        if (isinstance(module, (_QuantizedWeightModule, W8A8Linear))
+                and not config.is_excluded(name)):
             raise QuantizationError(
                 f"{name} is already quantized ({type(module).__name__})",
                 hint="quantize_model runs once per model; to quantize the remaining float "
@@ -523,6 +613,11 @@ def _quantize_module(model: nn.Module, config: QuantizationConfig) -> nn.Module:
             setattr(parent, attr, replacement)
         quantized += 1
     after = model_bytes(model)
+    dequantizing = [name for name, m in model.named_modules()
+                    if isinstance(m, W8A8Linear) and m.kernel == "dequantize"]
+    if dequantizing:
+        logger.warning("w8a8: %d layers run a dequantized matmul (features the 8-bit GEMMs "
+                       "cannot take), e.g. %s", len(dequantizing), ", ".join(dequantizing[:3]))
     logger.info("quantize_model: %d layers quantized to %s (%d kept in full precision); "
                 "parameters + buffers %s -> %s", quantized, _format_label(config), kept,
                 format_size(before), format_size(after))
@@ -546,6 +641,8 @@ def _warn_unmatched(names: Sequence[str], what: str, config: QuantizationConfig)
 
 def _format_label(config: QuantizationConfig) -> str:
     label = config.weight_format().format.value
+    if config.w8a8:
+        return label + " W8A8 (per-channel weights, per-token activations)"
     return label + ("+fp8-activations" if config.activation_fp8 else "")
 
 

@@ -72,7 +72,7 @@ def test_budget_sets_the_swapped_blocks_and_checkpointing() -> None:
 def test_the_plan_is_the_planners() -> None:
     """No second copy of the rules: the demo's layout is what vramkit.plan chooses."""
     import vramkit
-    from vramkit.recipes.demo import CPU_PLAN_HARDWARE
+    from vramkit.recipes.demo.config import CPU_PLAN_HARDWARE
 
     plan = plan_demo(_tiny(batch_size=16))
     meta = DiT(plan.dit_config, device="meta")

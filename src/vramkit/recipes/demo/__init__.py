@@ -22,7 +22,7 @@ from vramkit._lazy import lazy_exports
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".run": ("run_demo", "DemoResult"),
     ".plan": ("plan_demo", "DemoPlan"),
-    ".config": ("DemoConfig", "DEFAULT_REPORT", "CPU_PLAN_HARDWARE"),
+    ".config": ("DemoConfig", "DEFAULT_REPORT"),
     ".harness": ("DemoProgress",),
     "vramkit.recipes.lora": ("LoRALinear", "add_lora_adapters", "LORA_TARGETS"),
 })

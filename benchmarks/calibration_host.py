@@ -83,13 +83,13 @@ class _Recorder:
 def _target(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """The meta model, inputs, step and block names to calibrate."""
     if args.model == "demo-xl":
-        from vramkit.recipes.demo import _block_names
+        from vramkit.recipes.demo.plan import block_names
         from vramkit.recipes.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
         from vramkit.recipes.lora import add_lora_adapters
 
         config = DiTConfig.preset("small" if args.tiny else "xl")
         meta = DiT(config, device="meta")
-        names = _block_names(meta)
+        names = block_names(meta)
         add_lora_adapters(meta, names, 16)
         return {"model": meta, "inputs": synthetic_batch(config, 1, device="meta"),
                 "step": flow_matching_loss, "blocks": names, "autocast": None,

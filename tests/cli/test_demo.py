@@ -269,15 +269,18 @@ def test_the_summary_names_a_host_bound_phase_when_the_step_is_off(
     from rich.console import Console
 
     from vramkit.cli import demo as demo_cli
+    from vramkit.planning import FitReport
     from vramkit.recipes.demo import DemoConfig, run_demo
 
     result = run_demo(DemoConfig(model_size="tiny", steps=2, device="cpu", report=None,
                                  baseline=False))
     assert result.plan.host_bound_phases == ()  # simulated on the CPU: nothing measured
     # as a GPU run reads it: a measured peak, a prediction from measured block times
-    plan = dataclasses.replace(result.plan, predicted_step_seconds=0.300,
-                               host_bound_phases=host_bound)
-    shown = dataclasses.replace(result, plan=plan, peak_source="measured",
+    prediction = FitReport(steps=2, budget_bytes=result.plan.budget_bytes,
+                           predicted_peak_bytes=result.plan.predicted_peak_bytes,
+                           measured_peak_bytes=result.peak_bytes, predicted_step_seconds=0.300,
+                           measured_step_seconds=measured, host_bound=host_bound)
+    shown = dataclasses.replace(result, prediction=prediction, peak_source="measured",
                                 median_step_seconds=measured)
     console = Console(record=True, width=400)
     demo_cli._print_result(console, shown)

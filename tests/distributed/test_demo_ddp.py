@@ -128,12 +128,15 @@ def test_ranks_whose_plans_differ_all_run_the_slowest_on_their_own_device() -> N
     from vramkit.recipes.demo_ddp import agree_on_demo_plan
 
     base = plan_demo(DemoConfig(device="cpu", steps=1))
-    fewer = dataclasses.replace(base, swapped_block_names=base.swapped_block_names[:-1],
-                                planned_swapped_blocks=base.planned_swapped_blocks - 1,
-                                predicted_step_seconds=0.5, device="cuda:1",
-                                device_name="GPU one")
-    slower = dataclasses.replace(base, predicted_step_seconds=0.7, device="cuda:0",
-                                 device_name="GPU zero")
+    # as two GPUs would plan: one keeps a block more resident, the other predicts a slower step
+    planned = base.planned
+    fewer = dataclasses.replace(base, planned=dataclasses.replace(
+        planned, swapped=planned.swapped[:-1], resident=(*planned.swapped[-1:],
+                                                         *planned.resident)),
+        device="cuda:1", device_name="GPU one")
+    slower = dataclasses.replace(base, planned=dataclasses.replace(
+        planned, overhead_seconds=planned.overhead_seconds + 0.2), device="cuda:0",
+        device_name="GPU zero")
     chosen, agree = agree_on_demo_plan([slower, fewer], fewer)
     assert not agree
     assert chosen.swapped_block_names == slower.swapped_block_names

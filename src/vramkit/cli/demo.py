@@ -279,12 +279,14 @@ def _print_result(con: Any, result: Any) -> None:
     else:
         speed += f"; no baseline: {result.baseline_skipped}"
     table.add_row(STEP_TIME_LABEL, speed)
-    if plan.predicted_step_seconds is not None and result.peak_source == "measured":
-        said = (f"peak {format_size(plan.predicted_peak_bytes)} (measured "
-                f"{format_size(result.peak_bytes)}), step {_ms(plan.predicted_step_seconds)} "
-                f"(measured {_ms(result.median_step_seconds)})")
-        remark = host_bound_remark(plan.host_bound_phases,
-                                   result.median_step_seconds / plan.predicted_step_seconds - 1)
+    report = result.prediction  # the planner's prediction next to the run (CUDA only)
+    if (report is not None and report.measured_peak_bytes is not None
+            and report.measured_step_seconds is not None):
+        said = (f"peak {format_size(report.predicted_peak_bytes)} (measured "
+                f"{format_size(report.measured_peak_bytes)}), step "
+                f"{_ms(report.predicted_step_seconds)} (measured "
+                f"{_ms(report.measured_step_seconds)})")
+        remark = host_bound_remark(report.host_bound, report.step_error)
         if remark:
             said += f"; the {remark}"
         table.add_row("planner's prediction", said)

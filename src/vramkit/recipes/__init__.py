@@ -1,7 +1,9 @@
 """Recipes built from the floors below: the demo job, memory presets, and the demo model.
 
-* :mod:`vramkit.recipes.demo`: what ``vramkit demo`` runs (plan, LoRA-train a DiT larger than a
-  budget under swapping and checkpointing, compare with the resident model).
+* :mod:`vramkit.recipes.demo`: what ``vramkit demo`` runs (plan with :func:`vramkit.plan`, apply
+  with :func:`vramkit.fit`, LoRA-train a DiT larger than a budget under swapping and
+  checkpointing, compare with the resident model); its timing harness is
+  :mod:`vramkit.recipes.demo.harness`.
 * :mod:`vramkit.recipes.demo_ddp`: the demo as a data-parallel job
   (``torchrun --nproc_per_node N -m vramkit demo``).
 * :mod:`vramkit.recipes.lora`: the demo's LoRA layer (``LoRALinear``, ``add_lora_adapters``).

@@ -33,7 +33,15 @@ import torch
 
 from vramkit.errors import OffloadError
 from vramkit.observe.oom import is_oom_error
-from vramkit.recipes.demo import DemoConfig, DemoPlan, DemoProgress, plan_demo
+from vramkit.recipes.demo.config import DemoConfig
+from vramkit.recipes.demo.harness import (
+    DemoProgress,
+    TrainingRun,
+    fixed_batch,
+    median_step_seconds,
+    memory_cap,
+)
+from vramkit.recipes.demo.plan import DemoPlan, plan_demo
 from vramkit.units import format_size
 
 __all__ = ["DistributedDemoResult", "agree_on_demo_plan", "run_distributed_demo"]
@@ -95,7 +103,9 @@ class DistributedDemoResult:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready data (the plan nested under ``"plan"``)."""
-        return asdict(self)
+        data = asdict(self)
+        data["plan"] = self.plan.to_dict()
+        return data
 
 
 def agree_on_demo_plan(plans: list[DemoPlan], mine: DemoPlan) -> tuple[DemoPlan, bool]:
@@ -133,7 +143,7 @@ def run_distributed_demo(config: DemoConfig, info: Any, *,
     from vramkit.distributed import process_pss_bytes, shared_swapper, wrap_ddp
     from vramkit.offload.checkpointing import enable_gradient_checkpointing
     from vramkit.offload.swap import SwapConfig
-    from vramkit.recipes.demo import _build_model, _median_step, _memory_cap, _Run
+    from vramkit.recipes.demo.run import build_model
 
     started = time.perf_counter()
     if config.device is None:
@@ -147,21 +157,23 @@ def run_distributed_demo(config: DemoConfig, info: Any, *,
     # their plans differ (calibration noise), every rank takes the one predicting the slowest
     # step (as vramkit.distributed.agree_on_plan does), on its own device.
     plan, agree = agree_on_demo_plan(_gather(plan), plan)
-    model, adapters, _ = _build_model(plan)
+    model, adapters, _ = build_model(plan)
     chosen = plan.checkpointed_block_names
     if chosen:
         enable_gradient_checkpointing(model, blocks=chosen)
     swap_config = SwapConfig(swapped_blocks=plan.swapped_block_names, num_slots=plan.num_slots)
     with contextlib.ExitStack() as stack:
-        allocated_before, _ = (stack.enter_context(_memory_cap(device, plan.budget_bytes))
+        allocated_before, _ = (stack.enter_context(memory_cap(device, plan.budget_bytes))
                                if cuda else (0, 0))
         swapper = stack.enter_context(shared_swapper(model, config=swap_config, device=device))
         ddp = wrap_ddp(model, swapper)
         # The one-process demo's run (AdamW on the adapters, step times from CUDA events with
         # the host one step ahead), on this rank's own data: its seed differs per rank.
-        run = _Run("train", ddp, adapters,
-                   dataclasses.replace(plan, seed=plan.seed + 1000 * info.rank), device,
-                   None, progress if info.rank == 0 else None)
+        batch = fixed_batch(plan.dit_config, plan.batch_size, plan.seed + 1000 * info.rank,
+                            device)
+        run = TrainingRun("train", ddp, adapters, steps=plan.steps,
+                          learning_rate=plan.learning_rate, batch=batch, device=device,
+                          progress=progress if info.rank == 0 else None)
         try:
             run.run()
         except Exception as exc:
@@ -193,7 +205,7 @@ def run_distributed_demo(config: DemoConfig, info: Any, *,
     ranks = _gather((str(device), stats.pinned_bytes, pss, int(peak), stats.h2d_bytes,
                      stats.gathered_bytes))
     uploads = "sharded" if swapper.block_loader is not None else "whole"
-    median = _median_step(step_seconds)
+    median = median_step_seconds(step_seconds)
     return DistributedDemoResult(
         plan=plan, world_size=info.world_size, backend=str(info.backend),
         devices=[r[0] for r in ranks], swapped_blocks=stats.swapped_blocks,

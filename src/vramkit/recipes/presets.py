@@ -13,7 +13,7 @@ Two frozen configs and one verb each:
   weights with autocast, a quantized frozen base (:func:`vramkit.quant.model.quantize_model`),
   gradient checkpointing, block swapping, an 8-bit AdamW (:class:`vramkit.optim.AdamW8bit`) and
   a CPU-offloaded optimizer (:class:`vramkit.offload.optimizer.CPUOffloadOptimizer`); training
-  steps run through :class:`vramkit.memory.recovery.MemoryRecovery` at ``batch_size`` rows per
+  steps run through :class:`vramkit.observe.recovery.MemoryRecovery` at ``batch_size`` rows per
   micro-batch.
 
 Both verbs return a :class:`MemoryOptimization` handle that says what was applied and undoes
@@ -110,7 +110,7 @@ class MemoryOptimization:
         swapper: the :class:`~vramkit.offload.swap.BlockSwapper`, when blocks are offloaded.
         vae_tiling: the VAE tiling handle (``.detach()``), when tiling is on.
         optimizer: the optimizer built for the trainable parameters (Flux), else ``None``.
-        recovery: the :class:`~vramkit.memory.recovery.MemoryRecovery` that runs training steps
+        recovery: the :class:`~vramkit.observe.recovery.MemoryRecovery` that runs training steps
             at the configured micro-batch size (Flux), else ``None``.
         autocast_dtype: the autocast dtype of :meth:`autocast` (``None``: autocast off).
         device: the compute device.
@@ -143,11 +143,11 @@ class MemoryOptimization:
 
         Args:
             step_fn: ``step_fn(micro_batch) -> mean loss`` (see
-                :class:`~vramkit.memory.recovery.MemoryRecovery`).
+                :class:`~vramkit.observe.recovery.MemoryRecovery`).
             batch: the batch; split into ``batch_size``-row micro-batches, smaller on OOM.
 
         Returns:
-            The :class:`~vramkit.memory.recovery.RecoveryResult`.
+            The :class:`~vramkit.observe.recovery.RecoveryResult`.
 
         Raises:
             ConfigError: when nothing is trainable (no optimizer was built).
@@ -603,7 +603,7 @@ def optimize_flux_memory(config: FluxTrainingConfig, model_or_pipeline: Any, *,
 
     Order: cast frozen weights (bf16), quantize the frozen base, checkpoint blocks, swap blocks
     (or move the model to ``device``), build the optimizer over the trainable parameters and the
-    :class:`~vramkit.memory.recovery.MemoryRecovery` that runs steps at ``batch_size``.
+    :class:`~vramkit.observe.recovery.MemoryRecovery` that runs steps at ``batch_size``.
 
     Args:
         config: the options.

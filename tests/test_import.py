@@ -120,8 +120,9 @@ def test_every_public_name_is_exported_from_where_it_lives(package: str) -> None
     module = importlib.import_module(f"vramkit.{package}")
     exported = set(module.__all__)
     for info in pkgutil.iter_modules(module.__path__):
-        if info.name.startswith("_"):
-            continue  # private modules are reached through the public ones
+        if info.name.startswith("_") or info.ispkg:
+            continue  # private modules are reached through the public ones; subpackages are
+            # packages of their own, checked by their own parameter
         sub = importlib.import_module(f"{module.__name__}.{info.name}")
         for name in getattr(sub, "__all__", ()):
             assert name in exported, f"{sub.__name__}.{name} is not re-exported"
@@ -142,25 +143,44 @@ def test_importing_a_package_imports_none_of_its_modules() -> None:
     assert proc.stdout.strip() == "[]", proc.stdout
 
 
-@pytest.mark.parametrize("old, new", [
-    ("vramkit.checkpointing", "vramkit.offload.checkpointing"),
-    ("vramkit.demo", "vramkit.recipes.demo"),
-    ("vramkit.presets", "vramkit.recipes.presets"),
-    ("vramkit.models", "vramkit.recipes"),
-    ("vramkit.models.dit", "vramkit.recipes.dit"),
-    ("vramkit.kernels.layout", "vramkit.memory.layout"),
-])
-def test_moved_modules_import_the_same_module(old: str, new: str) -> None:
+#: The public face, locked: a name joins or leaves it on purpose, with this list.
+PUBLIC = [
+    "VramkitError", "ConfigError", "DeviceError", "TooLateError", "PoolExhaustedError",
+    "OffloadError", "PlanError", "QuantizationError", "SafetensorsFormatError", "KernelError",
+    "RecoveryError", "VramkitWarning", "parse_size", "format_size",
+    "detect_devices", "select_device", "DeviceManager", "DeviceConfiguration", "MemoryStrategy",
+    "get_device_manager", "setup_cuda_memory_management", "MemoryInfo", "read_memory_info",
+    "MemoryPool", "PoolConfig", "QuantizedLinear", "QuantizationConfig", "quantize_model",
+    "save_quantized", "load_quantized_model", "AdamW8bit",
+    "LazySafetensors", "MemoryEfficientLoader", "load_into", "BlockSwapper", "SwapConfig",
+    "SwapStats", "CPUOffloadManager", "offload_activations", "CPUOffloadOptimizer",
+    "enable_gradient_checkpointing", "MemoryProfiler", "classify_oom",
+    "train_with_memory_recovery",
+    "plan", "fit", "Fitted", "FitReport", "Plan", "VAETiling",
+    "optimize_flux_memory", "optimize_sdxl_memory",
+]
+
+
+def test_the_public_face_is_locked() -> None:
+    import vramkit
+
+    assert vramkit.__all__ == PUBLIC
+    assert dir(vramkit) == sorted(PUBLIC)
+
+
+@pytest.mark.parametrize("name", ["DiT", "DiTConfig", "run_demo", "DemoConfig", "DemoResult",
+                                  "select_precision", "Any", "TYPE_CHECKING", "importlib"])
+def test_names_outside_the_face_are_not_attributes(name: str) -> None:
+    import vramkit
+
+    with pytest.raises(AttributeError):
+        getattr(vramkit, name)
+
+
+@pytest.mark.parametrize("old", ["vramkit.checkpointing", "vramkit.demo", "vramkit.presets",
+                                 "vramkit.models", "vramkit.kernels.layout"])
+def test_old_module_paths_are_gone(old: str) -> None:
     import importlib
 
-    assert importlib.import_module(old) is importlib.import_module(new)
-    assert importlib.import_module(new).__spec__.name == new
-
-
-def test_names_moved_to_recipes_still_resolve_with_a_warning() -> None:
-    import vramkit
-    from vramkit.recipes.dit import DiT
-
-    with pytest.warns(DeprecationWarning, match="vramkit.recipes.dit"):
-        assert vramkit.DiT is DiT
-    assert "DiT" not in vramkit.__all__ and "run_demo" not in vramkit.__all__
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)

@@ -93,7 +93,7 @@ class DeviceMismatchError(DeviceError):
         subject = f"{what} is" if what else "got a tensor"
         super().__init__(
             f"device mismatch: expected {expected}, {subject} on {got}",
-            hint or "Move the tensor with vramkit.to_device(t, device) or tensor.to(device) first.",
+            hint or "Move the tensor with vramkit.devices.to_device(t, device) or tensor.to(device) first.",
         )
 
 

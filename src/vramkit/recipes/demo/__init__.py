@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING
 from vramkit._lazy import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
-    ".run": ("run_demo", "DemoResult"),
-    ".plan": ("plan_demo", "DemoPlan"),
-    ".config": ("DemoConfig", "DEFAULT_REPORT"),
-    ".harness": ("DemoProgress",),
+    ".run": ("run_demo", "DemoResult", "build_model"),
+    ".plan": ("plan_demo", "DemoPlan", "block_names"),
+    ".config": ("DemoConfig", "DEFAULT_REPORT", "CPU_PLAN_HARDWARE"),
+    ".harness": ("DemoProgress", "ProgressCallback", "TrainingRun", "alternate", "fixed_batch",
+                 "make_profiler", "median_step_seconds", "memory_cap"),
     "vramkit.recipes.lora": ("LoRALinear", "add_lora_adapters", "LORA_TARGETS"),
 })
 

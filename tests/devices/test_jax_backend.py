@@ -142,6 +142,25 @@ def test_device_lists_and_default_device() -> None:
     assert result["fallback"] == "cpu"
 
 
+def test_distribute_data_to_the_host_devices_by_name() -> None:
+    # jax.devices("cpu") names the host devices whatever the default backend is; the manager
+    # lists them and distributes over a slice of them.
+    result = run_jax_script("""
+        jm = manager().jax_manager
+        hosts = jm.cpu_devices
+        data = np.arange(5 * 2, dtype=np.float32).reshape(5, 2)
+        shards = jm.distribute_data(data, target_devices=hosts[:2])
+        result["hosts"] = [d.id for d in hosts]
+        result["devices"] = [list(s.devices())[0].id for s in shards]
+        result["rows"] = [s.shape[0] for s in shards]
+        result["whole"] = np.array_equal(np.concatenate([np.asarray(s) for s in shards]), data)
+    """)
+    assert result["hosts"] == [0, 1, 2, 3]
+    assert result["devices"] == [0, 1]
+    assert result["rows"] == [3, 2]
+    assert result["whole"] is True
+
+
 def test_memory_settings_are_in_the_environment_before_jax_starts() -> None:
     result = run_jax_script("""
         from vramkit.devices.jax_backend import memory_fraction_env_name

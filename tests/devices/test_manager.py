@@ -594,6 +594,9 @@ class _GpuDefaultJax(types.ModuleType):
             return list(self.cpus)
         raise RuntimeError(f"Unknown backend {backend}")
 
+    def device_put(self, data: Any, device: Any) -> tuple[Any, Any]:
+        return data, device
+
 
 def test_cpu_devices_listed_when_a_gpu_backend_is_the_default(
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -606,6 +609,11 @@ def test_cpu_devices_listed_when_a_gpu_backend_is_the_default(
     assert [d.id for d in jm.devices] == [0, 1, 10, 11, 12]
     assert jm.get_default_device().id == 10  # "cpu" first in the priority
     assert jm.tpu_devices == []
+    # Data goes to the host devices when asked, although the GPUs are JAX's default.
+    shards = jm.distribute_data(torch.arange(6).reshape(3, 2).numpy(),
+                                target_devices=jm.cpu_devices[:2])
+    assert [device.id for _, device in shards] == [10, 11]
+    assert [rows.shape[0] for rows, _ in shards] == [2, 1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -402,7 +402,12 @@ class JAXDeviceManager:
 
     @property
     def cpu_devices(self) -> list[Any]:
-        """JAX CPU devices (several with ``--xla_force_host_platform_device_count``)."""
+        """JAX CPU devices (several with ``--xla_force_host_platform_device_count``).
+
+        Asked for by name (``jax.devices("cpu")``), so they are listed beside the GPUs when a GPU
+        backend is JAX's default; empty only when JAX did not start its CPU backend
+        (``JAX_PLATFORMS`` without ``cpu``).
+        """
         return self._devices_of("cpu")
 
     @property

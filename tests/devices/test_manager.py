@@ -107,6 +107,7 @@ def isolated(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, int]]:
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
                         lambda fraction, device=None: calls.append((fraction, device)))
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # room for every fake GPU
     return calls
 
 
@@ -291,6 +292,28 @@ def test_gpu_reported_but_pytorch_cannot_cap_it(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", _REAL_SET_FRACTION)
     with pytest.raises(DeviceError):
         DeviceManager(detector=FakeDetector(1))
+
+
+def test_detector_reporting_more_gpus_than_pytorch_sees(
+        monkeypatch: pytest.MonkeyPatch, isolated: list) -> None:
+    def set_fraction(fraction: float, device: int) -> None:
+        if device >= 1:  # what PyTorch says for an ordinal it does not have
+            raise RuntimeError(f"Allocator not initialized for device {chr(device)}")
+        isolated.append((fraction, device))
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(DeviceError) as info:
+        DeviceManager(detector=FakeDetector(3))
+    message = str(info.value)
+    assert "the detector reports 3 GPUs" in message and "PyTorch sees 1" in message
+    assert "Allocator" not in message
+    assert isolated == []  # checked before any GPU was capped
+    # The ordinals matter, not only the count: GPU 2 alone is not one of PyTorch's 2.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(DeviceError, match="GPU 2"):
+        DeviceManager(detector=FakeDetector(1, device_ids=[2]))
+    DeviceManager(detector=FakeDetector(2), apply=False)  # only looking: no check needed
 
 
 @pytest.mark.parametrize(("n_gpus", "ids", "priority", "expected"), [

@@ -452,15 +452,44 @@ class DeviceManager:
         Raises:
             TooLateError: JAX already started with other memory settings, or an environment
                 variable can no longer take effect.
-            DeviceError: PyTorch cannot set the memory fraction on a reported GPU.
+            DeviceError: a reported GPU is not one PyTorch sees, or PyTorch cannot set the
+                memory fraction on it.
         """
         fraction = self._config.effective_fraction
         _apply_environment_variables(self._config.environment_variables)
+        self._check_gpus_exist_in_pytorch()
         if jax_installed():
             apply_jax_memory_settings(fraction, self._config.preallocate)
         apply_jax_flags(self._config.enable_x64, self._config.enable_jit)
         self._apply_torch_memory_fraction(fraction)
         self._apply = True
+
+    def _check_gpus_exist_in_pytorch(self) -> None:
+        """Every GPU the detector reports must be one of PyTorch's ordinals.
+
+        Checked before anything is capped: a custom detector that reports more GPUs than exist
+        would otherwise fail inside PyTorch with an allocator message that names no cause.
+        """
+        if not self.has_gpu:
+            return
+        import torch
+
+        try:
+            seen = int(torch.cuda.device_count())
+        except (RuntimeError, AssertionError) as err:  # a broken CUDA install: none usable
+            logger.debug("torch.cuda.device_count() failed: %s", err)
+            seen = 0
+        missing = [device_id for device_id in self.gpu_ids if not 0 <= device_id < seen]
+        if missing:
+            listed = ", ".join(str(device_id) for device_id in missing)
+            raise DeviceError(
+                f"the detector reports {self.gpu_count} GPUs (CUDA ordinals "
+                f"{', '.join(str(i) for i in self.gpu_ids)}) and PyTorch sees {seen}: "
+                + (f"GPU {listed} does not" if len(missing) == 1 else f"GPUs {listed} do not")
+                + " exist for PyTorch",
+                "Check the detector passed to DeviceManager and CUDA_VISIBLE_DEVICES (PyTorch "
+                "numbers the GPUs it sees from 0), or pass apply=False to only inspect what the "
+                "detector reports.")
 
     def _apply_torch_memory_fraction(self, fraction: float) -> None:
         if not self.has_gpu:

@@ -34,7 +34,13 @@ from vramkit.devices.manager import (
     get_device_manager,
     print_device_info,
 )
-from vramkit.errors import ConfigError, DeviceError, JaxUnavailableError, TooLateError
+from vramkit.errors import (
+    ConfigError,
+    DeviceError,
+    JaxUnavailableError,
+    TooLateError,
+    VramkitWarning,
+)
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 _REAL_SET_FRACTION = torch.cuda.set_per_process_memory_fraction
@@ -589,15 +595,48 @@ def test_force_reinit_with_another_strategy_on_cpu_only_jax(
     assert second is not first and second.config is aggressive
     assert get_device_manager() is second
     assert os.environ[JAX_PREALLOCATE_ENV] == "false"  # what JAX read; nothing rewritten
-    # The same on a machine whose JAX started a GPU backend: refused, shared manager kept.
+    assert second.settings == {"applied": {}, "not_applied": {}}  # nothing could act here
+    assert isolated == []  # no GPU was capped on the way
+
+
+def test_force_reinit_after_a_jax_gpu_start_applies_what_it_can(
+        monkeypatch: pytest.MonkeyPatch, isolated: list) -> None:
+    monkeypatch.setattr(manager, "jax_installed", lambda: True)  # JAX itself is faked below
+    first = get_device_manager(DeviceConfiguration(memory_strategy="conservative"),
+                               detector=FakeDetector(1))
+    fraction_env = memory_fraction_env_name()
+    assert first.settings["applied"] == {fraction_env: "0.6", JAX_PREALLOCATE_ENV: "false",
+                                         "torch_memory_fraction": 0.6}
+    # JAX starts a GPU backend after the first manager wrote its settings.
+    for module in (manager, jax_backend):
+        monkeypatch.setattr(module, "jax_backend_initialized", lambda: True)
+        monkeypatch.setattr(module, "jax_imported", lambda: True)
     monkeypatch.setattr(jax_backend, "jax_backend_platforms",
                         lambda: frozenset({"cpu", "cuda"}))
-    with pytest.raises(TooLateError) as info:
-        get_device_manager(DeviceConfiguration(), force_reinit=True, detector=FakeDetector(1))
-    assert info.value.setting in (JAX_MEM_FRACTION_ENV, LEGACY_JAX_MEM_FRACTION_ENV)
-    assert "cuda" in info.value.reason and info.value.hint
-    assert get_device_manager() is second
-    assert isolated == []  # no GPU was capped on the way
+    monkeypatch.setattr(manager, "apply_jax_flags", lambda *a, **k: None)
+    aggressive = DeviceConfiguration(memory_strategy="aggressive", preallocate=True)
+    with pytest.warns(VramkitWarning) as caught:
+        second = get_device_manager(aggressive, force_reinit=True, detector=FakeDetector(1))
+    assert second is not first and get_device_manager() is second
+    assert isolated[-1] == (0.9, 0)  # PyTorch's fraction still applies
+    assert os.environ[fraction_env] == "0.6"  # what JAX read; nothing rewritten
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2
+    assert fraction_env in messages[0] and "memory fraction 0.6, 0.9 was requested" in messages[0]
+    assert JAX_PREALLOCATE_ENV in messages[1]
+    info = second.get_device_info()
+    assert info["settings"]["applied"] == {"torch_memory_fraction": 0.9}
+    assert set(info["settings"]["not_applied"]) == {fraction_env, JAX_PREALLOCATE_ENV}
+    assert "(cpu, cuda) already started" in info["settings"]["not_applied"][fraction_env]
+    out = io.StringIO()
+    print_device_info(second, file=out)
+    assert f"not applied: {fraction_env}" in out.getvalue()
+    # A first manager (no re-initialization asked for) still refuses before applying anything.
+    monkeypatch.setattr(manager, "_shared_manager", None)
+    calls = len(isolated)
+    with pytest.raises(TooLateError):
+        get_device_manager(aggressive, detector=FakeDetector(1))
+    assert len(isolated) == calls
 
 
 class _GpuDefaultJax(types.ModuleType):

@@ -35,6 +35,11 @@ FLAGS = {"budget": "--budget", "model_size": "--model-size", "steps": "--steps",
     ("--budget 4GiB is more than free", "--budget 4GiB is more than free"),
     ("SwapConfig.num_slots must be >= 1", "SwapConfig.num_slots must be >= 1"),
     ("my_budget and budget_bytes", "my_budget and budget_bytes"),
+    # a function's argument, as validators name it
+    ("plan_demo.steps must be >= 1, got 0", "--steps must be >= 1, got 0"),
+    ("Give plan_demo.budget as a size.", "Give --budget as a size."),
+    # a module's attribute is not an argument
+    ("got torch.steps", "got torch.steps"),
 ])
 def test_flag_text(text: str, expected: str) -> None:
     assert flag_text(text, FLAGS) == expected

@@ -118,15 +118,18 @@ def flag_values() -> Iterator[None]:
 def flag_text(text: str, flags: Mapping[str, str]) -> str:
     """``text`` with the Python names of ``flags`` (field or argument name -> flag) as flags.
 
-    Rewritten: qualified field names (``DemoConfig.budget`` -> ``--budget``), keyword forms
-    (``max_utilization=10`` -> ``--max-util 10``) and names with an underscore
-    (``min_free_memory`` -> ``--min-free``). Plain words (``steps``, ``device``) are rewritten
-    only in the first two forms: as words they are ordinary English.
+    Rewritten: qualified names, as validators name a field of a config class or an argument
+    of a function (``DemoConfig.budget``, ``measure_read_bandwidth.threads`` -> ``--budget``,
+    ``--disk-threads``), keyword forms (``max_utilization=10`` -> ``--max-util 10``) and names
+    with an underscore (``min_free_memory`` -> ``--min-free``). Plain words (``steps``,
+    ``device``) are rewritten only in the first two forms: as words they are ordinary English
+    (and ``torch.device`` is a module's name, not a qualified argument: a function qualifier
+    has an underscore).
     """
     for name in sorted(flags, key=len, reverse=True):
         flag = flags[name]
         escaped = re.escape(name)
-        text = re.sub(rf"(?<![\w.-])[A-Z]\w*\.{escaped}\b", flag, text)
+        text = re.sub(rf"(?<![\w.-])(?:[A-Z]\w*|[a-z]\w*_\w*)\.{escaped}\b", flag, text)
         text = re.sub(rf"(?<![\w.-]){escaped}=", f"{flag} ", text)
         if "_" in name:
             text = re.sub(rf"(?<![\w.-]){escaped}\b", flag, text)

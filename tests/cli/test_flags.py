@@ -3,6 +3,8 @@ that names the flag in one line, whatever the value (negative, absurd, not a num
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.cli._helpers import check_error
@@ -96,3 +98,21 @@ def test_negative_looking_values_stay_in_the_profiled_command(
         "select", "-n-2"]
     assert cli_main._attach_negative_values(parser, ["demo", "--budget", "-v"]) == [
         "demo", "--budget", "-v"]  # an option, not a value
+
+
+# -- output flags: a path in a directory that does not exist is refused, nothing is made ------
+
+@pytest.mark.parametrize(("sub", "flag", "argv"), [
+    ("demo", "--report", ["--report", "{missing}/r.html"]),
+    ("profile", "--out", ["--out", "{missing}/out", "--", "python", "{tmp}/t.py"]),
+])
+def test_output_flags_refuse_a_missing_directory(sub: str, flag: str, argv: list[str],
+                                                 tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "t.py").write_text("print('ran')\n")
+    missing = tmp_path / "no" / "such"
+    code = main([sub, *[w.format(missing=missing, tmp=tmp_path) for w in argv]])
+    out, err = capsys.readouterr()
+    check_error(code, out, err, sub=sub, exit_code=2, says=(flag, str(missing), "does not exist"))
+    assert "ran" not in out
+    assert not (tmp_path / "no").exists()

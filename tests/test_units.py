@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vramkit.units import format_size, parse_size
+from vramkit.units import MAX_SIZE_BYTES, format_size, parse_size
 
 
 @pytest.mark.parametrize(
@@ -42,7 +42,25 @@ def test_parse_size_rejects_bad_input(bad: object) -> None:
 
 
 def test_large_integer_sizes_are_exact() -> None:
-    assert parse_size("123456789012345678901") == 123456789012345678901
+    # 2**53 + 1 has no exact float: parsed as an integer, not through float.
+    assert parse_size("9007199254740993") == 9007199254740993
+    assert parse_size(str(MAX_SIZE_BYTES)) == 2**63 - 1
+
+
+@pytest.mark.parametrize("absurd", ["1e99GiB", "123456789012345678901", "8192PiB", "9.3e18",
+                                    2**63, 1e300, "10000000 TB"])
+def test_sizes_beyond_any_memory_are_refused(absurd: object) -> None:
+    # Above 2**63 - 1 bytes (the largest signed 64-bit size, more than any machine addresses).
+    with pytest.raises(ValueError, match=r"invalid size .*larger than any memory") as info:
+        parse_size(absurd)  # type: ignore[arg-type]
+    assert len(str(info.value)) < 200  # no 90-digit figure
+
+
+def test_a_negative_size_says_so() -> None:
+    with pytest.raises(ValueError, match="sizes cannot be negative"):
+        parse_size("-3GiB")
+    with pytest.raises(ValueError, match="sizes cannot be negative"):
+        parse_size("-0.5 GB")
 
 
 def test_format_size() -> None:

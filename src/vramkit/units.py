@@ -17,7 +17,12 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["format_size", "parse_size"]
+__all__ = ["MAX_SIZE_BYTES", "format_size", "parse_size"]
+
+#: The largest size :func:`parse_size` accepts: the largest signed 64-bit byte count, which is
+#: what PyTorch, CUDA and the OS use for sizes (``int64_t``, ``ssize_t``) and more memory than any
+#: machine addresses. Anything above it is a typo (``1e99GiB``), not a budget.
+MAX_SIZE_BYTES = 2**63 - 1
 
 _UNITS: dict[str, int] = {
     "": 1, "b": 1, "byte": 1, "bytes": 1,
@@ -28,7 +33,7 @@ _UNITS: dict[str, int] = {
     "p": 1024**5, "pib": 1024**5, "pb": 1000**5,
 }
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*([+-]?)([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
 def parse_size(value: str | int | float) -> int:
@@ -39,17 +44,29 @@ def parse_size(value: str | int | float) -> int:
             ``"1.5 GB"``, ``"512 MiB"``, ``"4096"``, ``"8G"``.
 
     Returns:
-        The size in bytes (>= 0).
+        The size in bytes, from 0 to :data:`MAX_SIZE_BYTES`.
 
     Raises:
-        ValueError: for negative sizes, fractional bytes, NaN/inf, booleans, or strings that are
-            not a number followed by a known unit.
+        ValueError: for negative sizes, sizes above :data:`MAX_SIZE_BYTES`, fractional bytes,
+            NaN/inf, booleans, or strings that are not a number followed by a known unit.
     """
+    return _within_bounds(_parse_size(value), value)
+
+
+def _within_bounds(nbytes: int, original: object) -> int:
+    if nbytes < 0:
+        raise ValueError(f"invalid size {original!r}: sizes cannot be negative")
+    if nbytes > MAX_SIZE_BYTES:
+        shown = original if not isinstance(original, int) else f"{original:.3e}"
+        raise ValueError(f"invalid size {shown!r}: larger than any memory (the limit is "
+                         f"2**63 - 1 bytes, {format_size(MAX_SIZE_BYTES)})")
+    return nbytes
+
+
+def _parse_size(value: str | int | float) -> int:
     if isinstance(value, bool):
         raise ValueError(f"invalid size {value!r}: a boolean is not a size")
     if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"invalid size {value!r}: sizes cannot be negative")
         return value
     if isinstance(value, float):
         return _whole_bytes(value, value)
@@ -60,21 +77,25 @@ def parse_size(value: str | int | float) -> int:
         raise ValueError(
             f"invalid size {value!r}: expected a number and a unit, like '24GiB', '1.5 GB' or "
             "'4096' (units: B, KiB, MiB, GiB, TiB, kB, MB, GB, TB, or K/M/G/T for binary)")
-    number, unit = match.groups()
+    sign, number, unit = match.groups()
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise ValueError(
             f"invalid size {value!r}: unknown unit {unit!r} (use B, KiB, MiB, GiB, TiB, kB, MB, "
             "GB, TB, or K/M/G/T for binary)")
+    if sign == "-" and float(number) != 0:
+        raise ValueError(f"invalid size {value!r}: sizes cannot be negative")
     # Integers are parsed exactly (no float rounding for large byte counts).
     if re.fullmatch(r"[0-9]+", number):
         return int(number) * factor
     amount = float(number) * factor
+    if not math.isfinite(amount):
+        raise ValueError(f"invalid size {value!r}: not a finite number")
+    if amount > 2 * MAX_SIZE_BYTES:
+        return MAX_SIZE_BYTES + 1  # refused by the caller; no 90-digit integer made on the way
     if factor == 1:
         return _whole_bytes(amount, value)
     # A fraction of a scaled unit ("1.3 GiB") rounds to the nearest byte.
-    if not math.isfinite(amount):
-        raise ValueError(f"invalid size {value!r}: not a finite number")
     return round(amount)
 
 

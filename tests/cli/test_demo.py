@@ -39,7 +39,7 @@ def test_json_output(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_table_output_and_report(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    report = tmp_path / "out" / "demo.html"
+    report = tmp_path / "demo.html"
     assert main(["demo", *FAST, "--budget", "8MiB", "--no-baseline", "--report",
                  str(report)]) == 0
     out = capsys.readouterr().out
@@ -167,12 +167,14 @@ def test_read_only_directory_fails_before_any_work(tmp_path: Path,
     assert no_work == []
 
 
-def test_missing_report_directories_are_made(tmp_path: Path, no_work: list[str],
-                                             capsys: pytest.CaptureFixture[str]) -> None:
-    # missing parents pass the check (they are made when the report is written) and the work
-    # starts; the check itself creates nothing
-    assert main(["demo", *FAST, "--report", str(tmp_path / "new" / "deeper" / "r.html")]) == 1
-    assert no_work == ["plan_demo"] and "work started" in capsys.readouterr().err
+def test_missing_report_directories_are_refused(tmp_path: Path, no_work: list[str],
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    # a missing directory is a usage error naming the path, before any work; nothing is made
+    path = tmp_path / "new" / "deeper" / "r.html"
+    assert main(["demo", *FAST, "--report", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "--report" in err and str(path) in err and "does not exist" in err
+    assert no_work == []
     assert not (tmp_path / "new").exists()
 
 

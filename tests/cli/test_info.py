@@ -217,7 +217,8 @@ def test_info_disk_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert main(["info", "--no-torch", "--disk", str(path), "--disk-threads", "4"]) == 0
     assert "4 threads" in capsys.readouterr().out
     for argv, says in ((["--disk-threads", "4"], "--disk"),
-                       (["--disk", str(path), "--disk-threads", "0"], "threads")):
+                       (["--disk", str(path), "--disk-threads", "0"], "--disk-threads")):
         code = main(["info", "--no-torch", *argv])
         captured = capsys.readouterr()
-        check_error(code, captured.out, captured.err, sub="info", exit_code=1, says=(says,))
+        # a flag's value: a usage error, before anything is measured
+        check_error(code, captured.out, captured.err, sub="info", exit_code=2, says=(says,))

@@ -47,10 +47,13 @@ def read_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
 def test_json_report(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = read_json(capsys, str(checkpoint), "--top", "2")
     assert data["num_tensors"] == 4 and data["metadata"] == {"format": "pt"}
-    assert data["parameters"] == 128 * 256 + 128 + 64 * 256 + 10
+    # the int64 ids are not parameters: they are shown apart
+    assert data["parameters"] == 128 * 256 + 128 + 64 * 256
+    assert data["other"] == {"tensors": 1, "elements": 10, "bytes": 80}
     stored = 128 * 256 * 2 + 128 * 2 + 64 * 256 * 4 + 80
     assert data["total_bytes"] == stored
-    assert data["dtypes"]["BF16"] == {"tensors": 2, "parameters": 128 * 257, "bytes": 128 * 514}
+    assert data["dtypes"]["BF16"] == {"tensors": 2, "elements": 128 * 257, "bytes": 128 * 514}
+    assert data["dtypes"]["I64"] == {"tensors": 1, "elements": 10, "bytes": 80}
     assert [t["name"] for t in data["largest"]] == ["embed", "layers.0.weight"]
     assert len(data["tensors"]) == 4
     memory = data["memory"]
@@ -62,6 +65,26 @@ def test_json_report(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> No
     # quantized 2-D weights take about 1 byte (fp8/int8) or 0.5 byte (int4) per element
     assert weights <= memory["int8"] - (128 * 2 + 80) < weights * 1.2
     assert weights / 2 <= memory["int4"] - (128 * 2 + 80) < weights * 0.7
+
+
+def test_only_weights_are_parameters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Integer and bool tensors (position ids, masks, step counters) are not parameters; a
+    # quantized weight counts its original elements once, not its packed parts and scales.
+    from vramkit.quant.formats import quantize_tensor
+    from vramkit.quant.serialization import save_quantized
+
+    weight = torch.randn(64, 128)
+    save_quantized({"fc.weight": quantize_tensor(weight, "int8"), "fc.bias": torch.zeros(64),
+                    "position_ids": torch.arange(512), "mask": torch.ones(16, dtype=torch.bool),
+                    "num_batches_tracked": torch.tensor(7)}, tmp_path / "q.safetensors")
+    data = read_json(capsys, str(tmp_path / "q.safetensors"))
+    assert data["parameters"] == 64 * 128 + 64
+    assert data["other"] == {"tensors": 3, "elements": 512 + 16 + 1,
+                             "bytes": 512 * 8 + 16 + 8}
+    assert run_cli([str(tmp_path / "q.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert f"{64 * 128 + 64:,} parameters" in out
+    assert "3 other tensors (buffers: 529 elements" in out
 
 
 def test_arithmetic_ratios_without_vramkit_quant(checkpoint: Path,
@@ -232,3 +255,31 @@ def test_paths_that_are_not_checkpoints(make: Any, said: str, hinted: str, tmp_p
     captured = capsys.readouterr()
     error = json.loads(captured.out)
     assert said in error["error"] and hinted in error["hint"]
+
+
+def test_quantized_ratios_are_what_vramkit_quant_stores() -> None:
+    # The command ships these figures so that it needs neither torch nor vramkit.quant; they
+    # must stay what quantizing the 16x1024 sample gives.
+    from vramkit.quant.formats import quantize_tensor
+
+    sample = torch.randn(inspect_cli._SAMPLE_SHAPE, generator=torch.Generator().manual_seed(0))
+    measured = {fmt: quantize_tensor(sample, fmt).nbytes / sample.numel()
+                for fmt in ("fp8", "int8", "int4")}
+    assert inspect_cli.QUANTIZED_BYTES_PER_ELEMENT == measured
+
+
+def test_inspect_imports_neither_torch_nor_vramkit_quant(tmp_path: Path) -> None:
+    import subprocess
+
+    save_file({"w": torch.zeros(8, 8), "ids": torch.arange(4)}, tmp_path / "m.safetensors")
+    script = ("import sys\n"
+              "from vramkit.cli.main import main\n"
+              f"code = main(['inspect', {str(tmp_path / 'm.safetensors')!r}])\n"
+              "loaded = [m for m in ('torch', 'vramkit.quant', 'numpy') if m in sys.modules]\n"
+              "print('LOADED', loaded, code)\n")
+    src = Path(__file__).resolve().parents[2] / "src"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(src), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert "LOADED [] 0" in done.stdout, (done.stdout, done.stderr)

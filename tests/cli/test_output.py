@@ -35,6 +35,11 @@ FLAGS = {"budget": "--budget", "model_size": "--model-size", "steps": "--steps",
     ("--budget 4GiB is more than free", "--budget 4GiB is more than free"),
     ("SwapConfig.num_slots must be >= 1", "SwapConfig.num_slots must be >= 1"),
     ("my_budget and budget_bytes", "my_budget and budget_bytes"),
+    # a function's argument, as validators name it
+    ("plan_demo.steps must be >= 1, got 0", "--steps must be >= 1, got 0"),
+    ("Give plan_demo.budget as a size.", "Give --budget as a size."),
+    # a module's attribute is not an argument
+    ("got torch.steps", "got torch.steps"),
 ])
 def test_flag_text(text: str, expected: str) -> None:
     assert flag_text(text, FLAGS) == expected
@@ -49,15 +54,24 @@ def test_flag_values_marks_config_errors_as_usage_errors() -> None:
         raise DeviceError("gone")
 
 
-def test_output_file_accepts_new_files_and_missing_parents(tmp_path: Path) -> None:
+def test_output_file_accepts_new_files_in_existing_directories(tmp_path: Path) -> None:
     assert check_output_file("--report", tmp_path / "r.html") == tmp_path / "r.html"
-    deep = tmp_path / "a" / "b" / "r.json"
-    assert check_output_file("--report", deep, formats=REPORT_FORMATS) == deep
-    assert not (tmp_path / "a").exists()  # the check makes nothing
     existing = tmp_path / "old.html"
     existing.write_text("x")
     assert check_output_file("--report", existing) == existing
     assert os.listdir(tmp_path) == ["old.html"]  # and leaves no probe file behind
+
+
+def test_output_paths_whose_parent_is_missing_are_refused(tmp_path: Path) -> None:
+    # A typo in a directory name would otherwise grow a tree of directories silently.
+    deep = tmp_path / "a" / "b" / "r.json"
+    with pytest.raises(ConfigError) as caught:
+        check_output_file("--report", deep, formats=REPORT_FORMATS)
+    text = f"{caught.value.message} {caught.value.hint}"
+    assert "--report" in text and str(deep) in text and "does not exist" in text
+    with pytest.raises(ConfigError, match=r"--out .*does not exist"):
+        check_output_dir("--out", tmp_path / "a" / "out")
+    assert os.listdir(tmp_path) == []  # the checks make nothing
 
 
 @pytest.mark.parametrize("case", ["directory", "parent is a file", "suffix", "empty",
@@ -99,7 +113,7 @@ def test_output_file_in_a_read_only_directory(tmp_path: Path) -> None:
     locked.chmod(0o500)
     try:
         with pytest.raises(ConfigError, match="cannot write in"):
-            check_output_file("--report", locked / "new" / "r.html")
+            check_output_file("--report", locked / "r.html")
     finally:
         locked.chmod(0o700)
 

@@ -207,3 +207,50 @@ def test_other_kinds_are_read_from_the_code_before_the_message(code: int,
 def test_sticky_codes_are_not_recoverable() -> None:
     assert not explain_cuda_error(accelerator_error(700, "CUDA error")).recoverable
     assert explain_cuda_error(accelerator_error(9, "CUDA error")).recoverable
+
+
+# -- torch < 2.8: the code read from the text C10_CUDA_CHECK formats ---------------------------
+
+#: What ``c10_cuda_check_implementation`` (c10/cuda/CUDAException.cpp) raised for
+#: ``cudaErrorMemoryAllocation`` before torch 2.8: "CUDA error: " + cudaGetErrorString(2), then
+#: the suffix of ``get_cuda_check_suffix`` (c10/cuda/CUDAMiscFunctions.cpp) and the
+#: device-side-assertion line, as a plain RuntimeError without ``error_code``.
+C10_CUDA_CHECK_OOM_TEXT = (
+    "CUDA error: out of memory\n"
+    "CUDA kernel errors might be asynchronously reported at some other API call, so the "
+    "stacktrace below might be incorrect.\n"
+    "For debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
+    "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n")
+
+
+@pytest.mark.parametrize("version", ["2.5.1+cu124", "2.7.1", "2.7.0a0+git1234"])
+def test_old_torch_out_of_memory_is_read_from_the_c10_cuda_check_text(
+        monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    monkeypatch.setattr(torch, "__version__", version)
+    for text in (C10_CUDA_CHECK_OOM_TEXT,
+                 "CUDA error: out of memory\nCompile with `TORCH_USE_CUDA_DSA` to enable "
+                 "device-side assertions.\n",  # CUDA_LAUNCH_BLOCKING=1: no suffix
+                 "CUDA error: out of memory"):
+        error = RuntimeError(text)
+        assert cuda_error_code(error) == CUDA_ERROR_MEMORY_ALLOCATION
+        assert is_cuda_out_of_memory(error)
+        assert explain_cuda_error(error).kind is CudaErrorKind.OUT_OF_MEMORY
+    # Only that exact first line of a plain RuntimeError: no substring search.
+    for error in (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                  RuntimeError("my op: CUDA error: out of memory"),
+                  RuntimeError("CUDA error: out of memory (while doing x)"),
+                  RuntimeError(" CUDA error: out of memory"),
+                  RuntimeError("CUDA error: an illegal memory access was encountered\n"
+                               "CUDA error: out of memory"),
+                  CodedRuntimeError("CUDA error: out of memory", 999),
+                  ValueError("CUDA error: out of memory")):
+        assert not is_cuda_out_of_memory(error), error
+
+
+def test_new_torch_out_of_memory_text_without_the_code_stays_unread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch >= 2.8 sets error_code itself; a RuntimeError with only the text is not its error.
+    for version in ("2.8.0", "2.13.0+cpu", "3.0.0"):
+        monkeypatch.setattr(torch, "__version__", version)
+        assert cuda_error_code(RuntimeError(C10_CUDA_CHECK_OOM_TEXT)) is None
+        assert not is_cuda_out_of_memory(RuntimeError(C10_CUDA_CHECK_OOM_TEXT))

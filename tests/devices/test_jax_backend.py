@@ -142,6 +142,25 @@ def test_device_lists_and_default_device() -> None:
     assert result["fallback"] == "cpu"
 
 
+def test_distribute_data_to_the_host_devices_by_name() -> None:
+    # jax.devices("cpu") names the host devices whatever the default backend is; the manager
+    # lists them and distributes over a slice of them.
+    result = run_jax_script("""
+        jm = manager().jax_manager
+        hosts = jm.cpu_devices
+        data = np.arange(5 * 2, dtype=np.float32).reshape(5, 2)
+        shards = jm.distribute_data(data, target_devices=hosts[:2])
+        result["hosts"] = [d.id for d in hosts]
+        result["devices"] = [list(s.devices())[0].id for s in shards]
+        result["rows"] = [s.shape[0] for s in shards]
+        result["whole"] = np.array_equal(np.concatenate([np.asarray(s) for s in shards]), data)
+    """)
+    assert result["hosts"] == [0, 1, 2, 3]
+    assert result["devices"] == [0, 1]
+    assert result["rows"] == [3, 2]
+    assert result["whole"] is True
+
+
 def test_memory_settings_are_in_the_environment_before_jax_starts() -> None:
     result = run_jax_script("""
         from vramkit.devices.jax_backend import memory_fraction_env_name
@@ -228,16 +247,21 @@ def test_cpu_only_jax_accepts_another_memory_strategy() -> None:
         # Variables XLA reads on every platform are still refused once it started.
         err = raises(TooLateError, manager, environment_variables={"XLA_FLAGS": "--x"})
         result["flags_setting"] = err.setting
-        # With a GPU backend among the started ones the same request is refused, with a hint.
+        # With a GPU backend among the started ones the fraction cannot apply: the new
+        # manager warns, says so in its info, and replaces the shared one all the same.
+        import warnings
+        from vramkit.errors import VramkitWarning
         jax_backend.jax_backend_platforms = lambda: frozenset({"cpu", "cuda"})
-        err = raises(TooLateError, get_device_manager,
-                     DeviceConfiguration(memory_strategy="balanced"), force_reinit=True,
-                     detector=CpuDetector())
-        result["gpu_setting"] = err.setting
-        result["gpu_message"] = str(err)
-        result["kept"] = get_device_manager() is second
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            third = get_device_manager(DeviceConfiguration(memory_strategy="balanced"),
+                                       force_reinit=True, detector=CpuDetector())
+        result["gpu_warnings"] = [str(w.message) for w in caught
+                                  if issubclass(w.category, VramkitWarning)]
+        result["not_applied"] = sorted(third.get_device_info()["settings"]["not_applied"])
+        result["kept"] = get_device_manager() is third
         # Host devices are listed whatever backend is the default.
-        result["cpu_devices"] = [d.platform for d in second.jax_manager.cpu_devices]
+        result["cpu_devices"] = [d.platform for d in third.jax_manager.cpu_devices]
     """)
     assert result["sum"] == 6.0 and result["started"] is True
     assert result["platforms"] == ["cpu"]
@@ -245,9 +269,10 @@ def test_cpu_only_jax_accepts_another_memory_strategy() -> None:
     assert result["env"] == ["0.6", "false"]  # left as the backend read them
     assert result["written"] == {}
     assert result["flags_setting"] == "XLA_FLAGS"
-    assert result["gpu_setting"] == "XLA_CLIENT_MEM_FRACTION"
-    assert "(cpu, cuda) already started with memory fraction 0.6" in result["gpu_message"]
-    assert "before the first JAX operation" in result["gpu_message"]
+    assert len(result["gpu_warnings"]) == 1
+    assert "(cpu, cuda) already started with memory fraction 0.6" in result["gpu_warnings"][0]
+    assert "before the first JAX operation" in result["gpu_warnings"][0]
+    assert result["not_applied"] == ["XLA_CLIENT_MEM_FRACTION"]
     assert result["kept"] is True
     assert result["cpu_devices"] == ["cpu"] * 4
 

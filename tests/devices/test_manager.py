@@ -34,7 +34,13 @@ from vramkit.devices.manager import (
     get_device_manager,
     print_device_info,
 )
-from vramkit.errors import ConfigError, DeviceError, JaxUnavailableError, TooLateError
+from vramkit.errors import (
+    ConfigError,
+    DeviceError,
+    JaxUnavailableError,
+    TooLateError,
+    VramkitWarning,
+)
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 _REAL_SET_FRACTION = torch.cuda.set_per_process_memory_fraction
@@ -107,6 +113,7 @@ def isolated(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, int]]:
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
                         lambda fraction, device=None: calls.append((fraction, device)))
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # room for every fake GPU
     return calls
 
 
@@ -291,6 +298,28 @@ def test_gpu_reported_but_pytorch_cannot_cap_it(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", _REAL_SET_FRACTION)
     with pytest.raises(DeviceError):
         DeviceManager(detector=FakeDetector(1))
+
+
+def test_detector_reporting_more_gpus_than_pytorch_sees(
+        monkeypatch: pytest.MonkeyPatch, isolated: list) -> None:
+    def set_fraction(fraction: float, device: int) -> None:
+        if device >= 1:  # what PyTorch says for an ordinal it does not have
+            raise RuntimeError(f"Allocator not initialized for device {chr(device)}")
+        isolated.append((fraction, device))
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(DeviceError) as info:
+        DeviceManager(detector=FakeDetector(3))
+    message = str(info.value)
+    assert "the detector reports 3 GPUs" in message and "PyTorch sees 1" in message
+    assert "Allocator" not in message
+    assert isolated == []  # checked before any GPU was capped
+    # The ordinals matter, not only the count: GPU 2 alone is not one of PyTorch's 2.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(DeviceError, match="GPU 2"):
+        DeviceManager(detector=FakeDetector(1, device_ids=[2]))
+    DeviceManager(detector=FakeDetector(2), apply=False)  # only looking: no check needed
 
 
 @pytest.mark.parametrize(("n_gpus", "ids", "priority", "expected"), [
@@ -566,15 +595,48 @@ def test_force_reinit_with_another_strategy_on_cpu_only_jax(
     assert second is not first and second.config is aggressive
     assert get_device_manager() is second
     assert os.environ[JAX_PREALLOCATE_ENV] == "false"  # what JAX read; nothing rewritten
-    # The same on a machine whose JAX started a GPU backend: refused, shared manager kept.
+    assert second.settings == {"applied": {}, "not_applied": {}}  # nothing could act here
+    assert isolated == []  # no GPU was capped on the way
+
+
+def test_force_reinit_after_a_jax_gpu_start_applies_what_it_can(
+        monkeypatch: pytest.MonkeyPatch, isolated: list) -> None:
+    monkeypatch.setattr(manager, "jax_installed", lambda: True)  # JAX itself is faked below
+    first = get_device_manager(DeviceConfiguration(memory_strategy="conservative"),
+                               detector=FakeDetector(1))
+    fraction_env = memory_fraction_env_name()
+    assert first.settings["applied"] == {fraction_env: "0.6", JAX_PREALLOCATE_ENV: "false",
+                                         "torch_memory_fraction": 0.6}
+    # JAX starts a GPU backend after the first manager wrote its settings.
+    for module in (manager, jax_backend):
+        monkeypatch.setattr(module, "jax_backend_initialized", lambda: True)
+        monkeypatch.setattr(module, "jax_imported", lambda: True)
     monkeypatch.setattr(jax_backend, "jax_backend_platforms",
                         lambda: frozenset({"cpu", "cuda"}))
-    with pytest.raises(TooLateError) as info:
-        get_device_manager(DeviceConfiguration(), force_reinit=True, detector=FakeDetector(1))
-    assert info.value.setting in (JAX_MEM_FRACTION_ENV, LEGACY_JAX_MEM_FRACTION_ENV)
-    assert "cuda" in info.value.reason and info.value.hint
-    assert get_device_manager() is second
-    assert isolated == []  # no GPU was capped on the way
+    monkeypatch.setattr(manager, "apply_jax_flags", lambda *a, **k: None)
+    aggressive = DeviceConfiguration(memory_strategy="aggressive", preallocate=True)
+    with pytest.warns(VramkitWarning) as caught:
+        second = get_device_manager(aggressive, force_reinit=True, detector=FakeDetector(1))
+    assert second is not first and get_device_manager() is second
+    assert isolated[-1] == (0.9, 0)  # PyTorch's fraction still applies
+    assert os.environ[fraction_env] == "0.6"  # what JAX read; nothing rewritten
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2
+    assert fraction_env in messages[0] and "memory fraction 0.6, 0.9 was requested" in messages[0]
+    assert JAX_PREALLOCATE_ENV in messages[1]
+    info = second.get_device_info()
+    assert info["settings"]["applied"] == {"torch_memory_fraction": 0.9}
+    assert set(info["settings"]["not_applied"]) == {fraction_env, JAX_PREALLOCATE_ENV}
+    assert "(cpu, cuda) already started" in info["settings"]["not_applied"][fraction_env]
+    out = io.StringIO()
+    print_device_info(second, file=out)
+    assert f"not applied: {fraction_env}" in out.getvalue()
+    # A first manager (no re-initialization asked for) still refuses before applying anything.
+    monkeypatch.setattr(manager, "_shared_manager", None)
+    calls = len(isolated)
+    with pytest.raises(TooLateError):
+        get_device_manager(aggressive, detector=FakeDetector(1))
+    assert len(isolated) == calls
 
 
 class _GpuDefaultJax(types.ModuleType):
@@ -594,6 +656,9 @@ class _GpuDefaultJax(types.ModuleType):
             return list(self.cpus)
         raise RuntimeError(f"Unknown backend {backend}")
 
+    def device_put(self, data: Any, device: Any) -> tuple[Any, Any]:
+        return data, device
+
 
 def test_cpu_devices_listed_when_a_gpu_backend_is_the_default(
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -606,6 +671,11 @@ def test_cpu_devices_listed_when_a_gpu_backend_is_the_default(
     assert [d.id for d in jm.devices] == [0, 1, 10, 11, 12]
     assert jm.get_default_device().id == 10  # "cpu" first in the priority
     assert jm.tpu_devices == []
+    # Data goes to the host devices when asked, although the GPUs are JAX's default.
+    shards = jm.distribute_data(torch.arange(6).reshape(3, 2).numpy(),
+                                target_devices=jm.cpu_devices[:2])
+    assert [device.id for _, device in shards] == [10, 11]
+    assert [rows.shape[0] for rows, _ in shards] == [2, 1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,10 +19,10 @@ from vramkit.memory.transfer import HostStreams, StreamOp
 
 
 def fake_entries(sizes: list[int], itemsize: int = 2) -> list[TensorEntry]:
-    dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[itemsize]
+    code = {1: "U8", 2: "BF16", 4: "F32", 8: "F64"}[itemsize]
     entries, offset = [], 0
     for i, size in enumerate(sizes):
-        entries.append(TensorEntry(f"t{i}", "X", dtype, (size,), offset,
+        entries.append(TensorEntry(f"t{i}", code, (size,), offset,
                                    offset + size * itemsize, 8, Path("f")))
         offset += size * itemsize
     return entries

@@ -9,9 +9,9 @@ error (``DemoConfig.budget``, ``min_free_memory``, ``max_utilization=10``) as th
 flags (``--budget``, ``--min-free``, ``--max-util 10``).
 
 Output paths. Every command that writes files checks each path with :func:`check_output_file`
-or :func:`check_output_dir` *before* any work starts: a path that is a directory, a parent that
-is a file or cannot be created, a directory this process cannot write in, a file format whose
-optional library is missing.
+or :func:`check_output_dir` *before* any work starts: a path that is a directory, a parent
+directory that does not exist (none is made) or is a file, a directory this process cannot
+write in, a file format whose optional library is missing.
 """
 
 from __future__ import annotations
@@ -118,15 +118,18 @@ def flag_values() -> Iterator[None]:
 def flag_text(text: str, flags: Mapping[str, str]) -> str:
     """``text`` with the Python names of ``flags`` (field or argument name -> flag) as flags.
 
-    Rewritten: qualified field names (``DemoConfig.budget`` -> ``--budget``), keyword forms
-    (``max_utilization=10`` -> ``--max-util 10``) and names with an underscore
-    (``min_free_memory`` -> ``--min-free``). Plain words (``steps``, ``device``) are rewritten
-    only in the first two forms: as words they are ordinary English.
+    Rewritten: qualified names, as validators name a field of a config class or an argument
+    of a function (``DemoConfig.budget``, ``measure_read_bandwidth.threads`` -> ``--budget``,
+    ``--disk-threads``), keyword forms (``max_utilization=10`` -> ``--max-util 10``) and names
+    with an underscore (``min_free_memory`` -> ``--min-free``). Plain words (``steps``,
+    ``device``) are rewritten only in the first two forms: as words they are ordinary English
+    (and ``torch.device`` is a module's name, not a qualified argument: a function qualifier
+    has an underscore).
     """
     for name in sorted(flags, key=len, reverse=True):
         flag = flags[name]
         escaped = re.escape(name)
-        text = re.sub(rf"(?<![\w.-])[A-Z]\w*\.{escaped}\b", flag, text)
+        text = re.sub(rf"(?<![\w.-])(?:[A-Z]\w*|[a-z]\w*_\w*)\.{escaped}\b", flag, text)
         text = re.sub(rf"(?<![\w.-]){escaped}=", f"{flag} ", text)
         if "_" in name:
             text = re.sub(rf"(?<![\w.-]){escaped}\b", flag, text)
@@ -163,11 +166,19 @@ def _probe_directory(directory: Path) -> None:
 
 
 def _check_writable_dir(flag: str, path: Path, directory: Path) -> None:
-    """``directory`` (where ``path`` or its missing parents will be made) must take files."""
+    """``directory``, where ``path`` will be written, must exist and take files.
+
+    A missing directory is refused, not made: a typo in a directory name would otherwise grow
+    a tree of directories nobody asked for.
+    """
     existing = _nearest_existing(directory)
     if not existing.is_dir():
         raise ConfigError(f"{flag} {path}: {existing} is not a directory",
                           hint=f"Give {flag} a path whose parent is a directory.")
+    if existing != directory:
+        raise ConfigError(f"{flag} {path}: the directory {directory} does not exist",
+                          hint=f"Create {directory} first, or give {flag} a path in an "
+                               "existing directory.")
     try:
         _probe_directory(existing)
     except OSError as err:
@@ -184,8 +195,7 @@ def check_output_file(flag: str, path: str | os.PathLike[str], *,
 
     Args:
         flag: the flag that named the path (``"--report"``), for the messages.
-        path: the file to be written; missing parent directories count as creatable when the
-            nearest existing one is a writable directory.
+        path: the file to be written, in an existing, writable directory.
         formats: accepted suffixes (lower case, with the dot), each with the optional library it
             needs (``None``: none); ``None`` accepts any suffix.
         what: what the file is, for messages (``"a profile report"``).
@@ -196,7 +206,8 @@ def check_output_file(flag: str, path: str | os.PathLike[str], *,
 
     Raises:
         ConfigError: for an unknown suffix, a missing library, a path that is a directory, a
-            parent that is a file, an unwritable file or directory.
+            parent directory that does not exist or is a file, an unwritable file or
+            directory.
     """
     target = Path(path)
     if str(path) == "":
@@ -229,8 +240,8 @@ def check_output_file(flag: str, path: str | os.PathLike[str], *,
 
 def check_output_dir(flag: str, path: str | os.PathLike[str],
                      files: Iterable[str] = ()) -> Path:
-    """Check, before any work, that directory ``path`` can be made (if missing) and written,
-    and that none of ``files`` inside it is a directory.
+    """Check, before any work, that directory ``path`` can be made (if missing: in an existing
+    parent) and written, and that none of ``files`` inside it is a directory.
 
     Raises:
         ConfigError: naming ``flag``.
@@ -241,7 +252,7 @@ def check_output_dir(flag: str, path: str | os.PathLike[str],
     if target.exists() and not target.is_dir():
         raise ConfigError(f"{flag} {path}: exists and is not a directory",
                           hint=f"Give {flag} a directory (it is made when missing).")
-    _check_writable_dir(flag, target, target)
+    _check_writable_dir(flag, target, target if target.is_dir() else target.parent)
     for name in files:
         inner = target / name
         if inner.is_dir():

@@ -46,6 +46,10 @@ RELEVANT_ENV_VARS: tuple[tuple[str, str], ...] = (
 )
 
 
+#: The arguments the flags feed, each with its flag (errors name the flag).
+FLAG_NAMES = {"threads": "--disk-threads"}
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "info", help="show GPUs, versions, allocator settings and environment",
@@ -62,7 +66,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--disk-threads", type=int, default=1, metavar="N",
                         help="with --disk: N reads in flight at once (default 1; NVMe and "
                              "network disks often need several to reach their bandwidth)")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, flag_names=FLAG_NAMES)
 
 
 def _version(dist: str) -> str | None:
@@ -272,14 +276,21 @@ def run(args: argparse.Namespace) -> int:
     if args.jax and "jax" not in sys.modules:
         # Starting JAX's GPU client would otherwise take 75% of every GPU for this process.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    from vramkit._validate import check_int
+    from vramkit.cli._output import flag_values
+    from vramkit.io.disk import MAX_READ_THREADS
+
+    with flag_values():  # a bad flag value is a usage error (exit code 2), before any work
+        check_int("--disk-threads", args.disk_threads, minimum=1, maximum=MAX_READ_THREADS,
+                  hint="Give --disk-threads the reads to keep in flight, e.g. --disk-threads 4.")
+        if args.disk is None and args.disk_threads != 1:
+            raise ConfigError("--disk-threads applies to --disk", hint="Add --disk PATH.")
     disk = None
     if args.disk is not None:
         from vramkit.io.disk import measure_read_bandwidth
 
         # Measured first: a bad path ends as one error, before anything is printed.
         disk = measure_read_bandwidth(args.disk, threads=args.disk_threads).to_dict()
-    elif args.disk_threads != 1:
-        raise ConfigError("--disk-threads applies to --disk", hint="Add --disk PATH.")
     info = collect_info(include_torch=not args.no_torch, include_jax=args.jax)
     if disk is not None:
         info["disk"] = disk

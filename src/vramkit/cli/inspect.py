@@ -13,20 +13,29 @@ prints it with its hint; exit code 1). In a sharded checkpoint, a shard that can
 left out and marked: the report covers the other shards, lists the bad ones (``errors`` in
 JSON: file, error, hint; an ``ERROR`` row in the files table) and the exit code is 1.
 
+Parameters. Only weights count: floating-point tensors, and each quantized weight a
+:mod:`vramkit.quant` file declares (its original elements once, not its packed parts and
+scales). Integer and bool tensors (position ids, masks, step counters) are shown apart as
+"other tensors" (``other`` in JSON).
+
 Memory estimates. Floating-point tensors with two or more dimensions (Linear/Conv weights,
 embeddings) are counted in the quantized format; 1-D tensors (norms, biases) are counted in
 bf16 and integer/bool tensors as stored. Bytes per element of each quantized format, scales
-included, are *measured* by quantizing a 16x1024 sample with :mod:`vramkit.quant` when it
-imports; otherwise this arithmetic is used (per row of ``cols`` elements, groups of 64):
-fp8 ``cols + 4`` (one fp32 scale per row), int8 ``cols + 4 * ceil(cols / 64)`` (fp32 scale per
-block), int4 ``ceil(cols / 2) + 4 * ceil(cols / 64)`` (packed nibbles, fp16 scale and zero point
-per group).
+included, are :data:`QUANTIZED_BYTES_PER_ELEMENT`: measured by quantizing a 16x1024 sample with
+:mod:`vramkit.quant` (the test suite checks them against it, so the command needs neither torch
+nor vramkit.quant). Without them this arithmetic is used (per row of ``cols`` elements, groups
+of 64): fp8 ``cols + 4`` (one fp32 scale per row), int8 ``cols + 4 * ceil(cols / 64)`` (fp32
+scale per block), int4 ``ceil(cols / 2) + 4 * ceil(cols / 64)`` (packed nibbles, fp16 scale and
+zero point per group).
+
+Start-up. The command reads headers only, so it imports neither torch nor vramkit.quant:
+``python -X importtime -m vramkit inspect FILE`` shows what it loads.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import json
 import logging
 import math
 import re
@@ -60,26 +69,18 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-@functools.cache
-def _format_bytes_per_element() -> tuple[dict[str, float] | None, str]:
-    """Measured bytes/element of fp8/int8/int4 from vramkit.quant, or None when unavailable."""
-    try:
-        import torch
+#: Bytes per element of each quantized format, scales included, for rows of 1024 elements:
+#: ``quantize_tensor(sample, fmt).nbytes / sample.numel()`` for a 16x1024 float32 sample with
+#: vramkit.quant's default configs (tests/cli/test_inspect.py checks these against it).
+QUANTIZED_BYTES_PER_ELEMENT = {"fp8": 1.00390625, "int8": 1.03515625, "int4": 0.55078125}
 
-        from vramkit.quant.formats import quantize_tensor
-    except ImportError as err:
-        logger.debug("vramkit.quant unavailable (%s): using arithmetic ratios", err)
-        return None, "arithmetic"
-    generator = torch.Generator().manual_seed(0)
-    sample = torch.randn(_SAMPLE_SHAPE, generator=generator)
-    ratios = {}
-    try:
-        for fmt in ("fp8", "int8", "int4"):
-            ratios[fmt] = quantize_tensor(sample, fmt).nbytes / sample.numel()
-    except Exception as err:  # a broken quant install must not break inspect: fall back
-        logger.debug("measuring quantized sizes failed (%s): using arithmetic ratios", err)
-        return None, "arithmetic"
-    return ratios, "measured"
+# The __metadata__ key of a vramkit.quant file that declares its quantized weights.
+_QUANT_LAYOUT_KEY = "vramkit.quant.layout"
+
+
+def _format_bytes_per_element() -> tuple[dict[str, float] | None, str]:
+    """Bytes/element of fp8/int8/int4 (``None`` to use the arithmetic), and their source."""
+    return dict(QUANTIZED_BYTES_PER_ELEMENT), "measured"
 
 
 def _quantized_bytes(fmt: str, shape: tuple[int, ...], ratios: dict[str, float] | None) -> int:
@@ -102,7 +103,9 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
 
     Returns:
         ``path``, ``files`` (every file of the checkpoint, readable or not), ``num_tensors``,
-        ``parameters``, ``total_bytes``, ``dtypes`` (code -> tensors/parameters/bytes),
+        ``parameters`` (weights only, see the module docstring), ``other`` (the integer and
+        bool tensors: tensors/elements/bytes), ``total_bytes``, ``dtypes`` (code ->
+        tensors/elements/bytes),
         ``tensors`` (name, dtype, shape, bytes, file; in file order), ``memory`` (format ->
         bytes), ``ratio_source``, ``metadata`` and ``errors`` (one ``{"file", "error", "hint"}``
         per shard that could not be read; the other fields cover the readable shards).
@@ -121,17 +124,27 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     if bad and len(files) == 1:
         raise bad[0].error  # a single file: nothing else to show
     ratios, source = _format_bytes_per_element()
+    quantized_parts, parameters = _quantized_weights(metadata)
     dtypes: dict[str, dict[str, int]] = {}
+    other = {"tensors": 0, "elements": 0, "bytes": 0}
     memory = dict.fromkeys(FORMATS, 0)
     tensors = []
     for entry in entries:
-        info = dtypes.setdefault(entry.dtype_code, {"tensors": 0, "parameters": 0, "bytes": 0})
+        info = dtypes.setdefault(entry.dtype_code, {"tensors": 0, "elements": 0, "bytes": 0})
         info["tensors"] += 1
-        info["parameters"] += entry.numel
+        info["elements"] += entry.numel
         info["bytes"] += entry.nbytes
         tensors.append({"name": entry.name, "dtype": entry.dtype_code, "shape": list(entry.shape),
                         "bytes": entry.nbytes, "file": entry.path.name})
-        floating = entry.dtype.is_floating_point
+        floating = entry.is_floating_point
+        if entry.name in quantized_parts:
+            pass  # a part of a quantized weight: its weight's elements are counted once
+        elif floating:
+            parameters += entry.numel
+        else:
+            other["tensors"] += 1
+            other["elements"] += entry.numel
+            other["bytes"] += entry.nbytes
         for fmt in FORMATS:
             if not floating:
                 memory[fmt] += entry.nbytes
@@ -143,7 +156,8 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         "path": str(path),
         "files": files,
         "num_tensors": len(entries),
-        "parameters": sum(e.numel for e in entries),
+        "parameters": parameters,
+        "other": other,
         "total_bytes": sum(e.nbytes for e in entries),
         "dtypes": dtypes,
         "tensors": tensors,
@@ -154,6 +168,24 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         "errors": [{"file": str(b.path), "error": b.error.message, "hint": b.error.hint}
                    for b in bad],
     }
+
+
+def _quantized_weights(metadata: dict[str, str]) -> tuple[set[str], int]:
+    """The tensors that are parts of quantized weights a vramkit.quant file declares, and the
+    elements of those weights (their original shapes)."""
+    raw = metadata.get(_QUANT_LAYOUT_KEY)
+    if raw is None:
+        return set(), 0
+    try:
+        layout = json.loads(raw)
+        parts = {name for record in layout.values() for name in record["tensors"].values()}
+        elements = sum(math.prod(int(d) for d in record["shape"]) for record in layout.values())
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
+        # a damaged layout: its parts are counted as what they are stored as
+        logger.debug("unreadable %s metadata (%s): parts counted as stored", _QUANT_LAYOUT_KEY,
+                     err)
+        return set(), 0
+    return parts, elements
 
 
 def _file_order(checkpoint: Any) -> Any:
@@ -203,16 +235,20 @@ def _print_tables(report: dict[str, Any], largest: list[dict[str, Any]], list_al
 
     con = console()
     files = report["files"]
+    other = report["other"]
+    apart = (f" (+ {other['tensors']} other tensors (buffers: {other['elements']:,} elements, "
+             f"{format_size(other['bytes'])}): integer and bool, not parameters)"
+             if other["tensors"] else "")
     con.print(f"[bold]{escape(report['path'])}[/bold]: {report['num_tensors']} tensors in "
-              f"{len(files)} file(s), {report['parameters']:,} parameters, "
+              f"{len(files)} file(s), {report['parameters']:,} parameters{escape(apart)}, "
               f"{format_size(report['total_bytes'])}")
     if report["errors"]:
         con.print(_files_table(report))
     dtypes = Table(title="dtypes")
-    for column in ("dtype", "tensors", "parameters", "bytes"):
+    for column in ("dtype", "tensors", "elements", "bytes"):
         dtypes.add_column(column, justify="left" if column == "dtype" else "right")
     for code, info in sorted(report["dtypes"].items(), key=lambda kv: -kv[1]["bytes"]):
-        dtypes.add_row(code, str(info["tensors"]), f"{info['parameters']:,}",
+        dtypes.add_row(code, str(info["tensors"]), f"{info['elements']:,}",
                        format_size(info["bytes"]))
     con.print(dtypes)
     if largest:

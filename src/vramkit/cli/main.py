@@ -33,6 +33,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import sys
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
@@ -120,6 +121,56 @@ def _subparser(parser: argparse.ArgumentParser, name: str | None) -> argparse.Ar
     return parser
 
 
+# A word that argparse would take for an option but is a negative value: "-3GiB", "-1", "-.5".
+_NEGATIVE_VALUE = re.compile(r"^-\.?[0-9]")
+
+
+def _attach_negative_values(parser: argparse.ArgumentParser, words: Sequence[str]) -> list[str]:
+    """``--budget -3GiB`` as ``--budget=-3GiB`` (``-n -2`` as ``-n-2``), for every flag that
+    takes one value.
+
+    argparse takes a word such as ``-3GiB`` for an unknown option and fails with "expected one
+    argument" and its whole usage; attached, the value reaches the flag's own check, whose
+    one-line error says what is wrong with it. Words after ``--`` or after the first word of
+    a command that a sub-command runs (``profile``'s) are left as they are.
+    """
+    result: list[str] = []
+    current = parser
+    rest_is_a_command = False
+    index = 0
+    while index < len(words):
+        word = words[index]
+        if word == "--" or rest_is_a_command:
+            result.extend(words[index:])
+            break
+        index += 1
+        if current is parser and not word.startswith("-"):
+            current = _subparser(parser, word)
+            result.append(word)
+            continue
+        action = current._option_string_actions.get(word)
+        takes_value = action is not None and action.nargs is None and not isinstance(
+            action, (argparse._StoreConstAction, argparse._StoreTrueAction,
+                     argparse._CountAction, argparse._HelpAction, argparse._VersionAction))
+        if takes_value and index < len(words):
+            value = words[index]
+            if _NEGATIVE_VALUE.match(value):
+                result.append(f"{word}={value}" if word.startswith("--") else f"{word}{value}")
+                index += 1
+                continue
+            if not value.startswith("-"):
+                result.extend((word, value))
+                index += 1
+                continue
+        if not word.startswith("-") and any(a.nargs == argparse.REMAINDER
+                                            for a in current._actions):
+            rest_is_a_command = True
+            index -= 1
+            continue
+        result.append(word)
+    return result
+
+
 def _json_requested(argv: Sequence[str]) -> bool:
     """``--json`` among the options (before ``--``): known even when parsing fails."""
     for word in argv:
@@ -195,15 +246,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
-        args, extras = parser.parse_known_args(words)
+        args, extras = parser.parse_known_args(_attach_negative_values(parser, words))
         if extras:
             # The top parser collects what no parser knew; the sub-command's own parser names it.
             _subparser(parser, getattr(args, _COMMAND_DEST, None)).error(
                 "unrecognized arguments: " + " ".join(extras))
     except _ArgumentError as err:
         printer = _ErrorPrinter(err.prog, _json_requested(words))
+        # An error about one flag's value ("argument --top: invalid int value: 'x'") names the
+        # flag: one line and the hint. The usage is shown for a command line of the wrong shape
+        # (unknown or missing arguments).
+        usage = None if err.message.startswith("argument ") else err.usage
         return printer(err.message, f"Run `{err.prog} --help` to see the options.", EXIT_USAGE,
-                       usage=err.usage)
+                       usage=usage)
     except SystemExit as stop:  # --help, --version
         return stop.code if isinstance(stop.code, int) else EXIT_OK
 

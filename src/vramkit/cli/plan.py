@@ -122,23 +122,34 @@ def _int_flag(flag: str, text: str | None, minimum: int, example: int) -> int | 
     return check_int(flag, value, minimum=minimum)
 
 
-def _headroom(text: str | None) -> int | float | None:
-    """``--headroom``: a fraction (``0.1``) or a size (``2GiB``)."""
-    from vramkit.units import parse_size
+def _headroom(text: str | None, budget: int, budget_text: str) -> int | float | None:
+    """``--headroom``: a fraction (``0.1``) or a size (``2GiB``) that leaves some of the
+    budget."""
+    from vramkit.errors import ConfigError
+    from vramkit.planning.api import resolve_headroom
+    from vramkit.units import format_size, parse_size
 
     if text is None:
         return None
+    value: int | float | None = None
     with contextlib.suppress(ValueError):
-        value = float(text)
-        if 0 <= value < 1:
-            return value
-    from vramkit.errors import ConfigError
-
-    try:
-        return parse_size(text)
-    except ValueError:
-        raise ConfigError(f"--headroom must be a fraction below 1 or a size, got {text!r}",
-                          hint="Pass --headroom 0.1 or --headroom 2GiB.") from None
+        fraction = float(text)
+        if 0 <= fraction < 1:
+            value = fraction
+    if value is None:
+        try:
+            value = parse_size(text)
+        except ValueError as err:
+            raise ConfigError(f"--headroom must be a fraction below 1 or a size, got {text!r}"
+                              f" ({str(err).split(': ', 1)[-1]})",
+                              hint="Pass --headroom 0.1 or --headroom 2GiB.") from None
+    kept = resolve_headroom(budget, value)
+    if kept >= budget:
+        raise ConfigError(f"--headroom {text} ({format_size(kept)}) leaves nothing of --budget "
+                          f"{budget_text} ({format_size(budget)})",
+                          hint="Keep less free, e.g. --headroom 0.05 or --headroom 1GiB, or "
+                               "raise --budget.")
+    return value
 
 
 def _formats(text: str) -> tuple[str, ...]:
@@ -204,7 +215,7 @@ def make_plan(args: argparse.Namespace,
         seq_len = _int_flag("--seq-len", args.seq_len, 1, 4096)
         frames = _int_flag("--frames", args.frames, 1, 81)
         allow = _formats(args.allow)
-        headroom = _headroom(args.headroom)
+        headroom = _headroom(args.headroom, budget, args.budget)
         hardware, note = _hardware(args.hardware)
         if args.mode == "infer" and args.checkpointing != "auto":
             raise ConfigError(f"--checkpointing {args.checkpointing} applies to training",

@@ -52,8 +52,9 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
                      "LEGACY_JAX_MEM_FRACTION_ENV", "JAXDeviceManager", "apply_jax_flags",
                      "apply_jax_memory_settings", "installed_jax_version",
                      "jax_backend_initialized", "jax_backend_platforms", "jax_imported",
-                     "jax_installed", "memory_fraction_env_name"),
-    ".cuda_errors": ("CUDA_ERROR_MEMORY_ALLOCATION", "CudaErrorExplanation", "CudaErrorKind",
+                     "jax_installed", "jax_memory_conflicts", "memory_fraction_env_name"),
+    ".cuda_errors": ("C10_CUDA_CHECK_OOM_LINE", "CUDA_ERROR_MEMORY_ALLOCATION",
+                     "CudaErrorExplanation", "CudaErrorKind",
                      "cuda_error_code", "explain_cuda_error", "is_cuda_out_of_memory"),
 })
 

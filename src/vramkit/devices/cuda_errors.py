@@ -2,15 +2,16 @@
 
 :func:`explain_cuda_error` maps an exception to a :class:`CudaErrorExplanation`.
 
-* **Out of memory** is recognised by exception *type* and by CUDA *error code*, never by message
-  text: ``torch.OutOfMemoryError`` (or a subclass), or an exception carrying the code
+* **Out of memory** is recognised by exception *type* and by CUDA *error code*, never by a
+  search of message text: ``torch.OutOfMemoryError`` (or a subclass), or an exception carrying the code
   ``cudaErrorMemoryAllocation`` (2) as read by :func:`cuda_error_code` -- the one place vramkit
   reads a CUDA error code. torch >= 2.8 raises ``torch.AcceleratorError`` (a ``RuntimeError``)
   for CUDA runtime failures and sets its ``error_code`` attribute to the ``cudaError_t`` value;
   that is how an out-of-memory outside the caching allocator shows (``cudaHostAlloc`` for
   pinned memory, a PyTorch extension's own ``cudaMalloc`` checked with ``C10_CUDA_CHECK``).
-  Before torch 2.8 such failures are plain ``RuntimeError``s with only a message, and they are
-  *not* taken for out-of-memory.
+  Before torch 2.8 such failures are plain ``RuntimeError``s with only a message; for those
+  torch versions only, the code is read from the exact text ``C10_CUDA_CHECK`` formats
+  (:data:`C10_CUDA_CHECK_OOM_LINE`, compared with the whole first line: never a substring).
 * The other kinds (invalid launch configuration, illegal memory access, launch failures,
   context/driver failures) are read from the error code when there is one, and otherwise from
   the CUDA error name or description in the message of a ``RuntimeError``, a cuda-core
@@ -21,10 +22,12 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 import sys
 from dataclasses import dataclass
 
 __all__ = [
+    "C10_CUDA_CHECK_OOM_LINE",
     "CUDA_ERROR_MEMORY_ALLOCATION",
     "CudaErrorExplanation",
     "CudaErrorKind",
@@ -38,6 +41,17 @@ logger = logging.getLogger(__name__)
 #: ``cudaErrorMemoryAllocation`` (CUDA runtime ``driver_types.h``; HIP's ``hipErrorOutOfMemory``
 #: has the same value): the one CUDA error code that means out of memory.
 CUDA_ERROR_MEMORY_ALLOCATION = 2
+
+#: The first line of the message ``C10_CUDA_CHECK`` raises for ``cudaErrorMemoryAllocation``:
+#: ``c10_cuda_check_implementation`` (c10/cuda/CUDAException.cpp) writes ``"CUDA error: "``,
+#: then ``cudaGetErrorString(cudaErrorMemoryAllocation)`` ("out of memory"), then the suffix of
+#: ``get_cuda_check_suffix`` (c10/cuda/CUDAMiscFunctions.cpp), which begins with a newline
+#: ("CUDA kernel errors might be asynchronously reported ...", empty with
+#: ``CUDA_LAUNCH_BLOCKING=1``), then a newline and the device-side assertion note.
+C10_CUDA_CHECK_OOM_LINE = "CUDA error: out of memory"
+
+# The first torch release whose CUDA runtime errors carry error_code (torch.AcceleratorError).
+_FIRST_TORCH_WITH_ERROR_CODE = (2, 8)
 
 
 class CudaErrorKind(str, enum.Enum):
@@ -160,7 +174,7 @@ _CODES: dict[int, CudaErrorKind] = {
 
 # CUDA driver/runtime error names and descriptions (cudaGetErrorString / cuGetErrorName) per
 # kind, for errors that carry no code. Out-of-memory is deliberately absent: its text is never
-# read (see the module docstring).
+# searched (only torch < 2.8's exact C10_CUDA_CHECK line stands for its code, see above).
 _MARKERS: tuple[tuple[CudaErrorKind, tuple[str, ...]], ...] = (
     (CudaErrorKind.INVALID_CONFIGURATION, (
         "invalid configuration argument", "cudaerrorinvalidconfiguration",
@@ -198,8 +212,16 @@ def cuda_error_code(error: BaseException) -> int | None:
     Args:
         error: any exception.
 
+    With torch < 2.8, which raised CUDA runtime failures as plain ``RuntimeError``s without
+    ``error_code``, a plain ``RuntimeError`` whose first line is exactly
+    :data:`C10_CUDA_CHECK_OOM_LINE` carries :data:`CUDA_ERROR_MEMORY_ALLOCATION`: the message
+    ``C10_CUDA_CHECK`` formats from that code is the only trace of it. No other text is read.
+
+    Args:
+        error: any exception.
+
     Returns:
-        The code as an ``int``; ``None`` for an error without one (every CUDA error of
+        The code as an ``int``; ``None`` for an error without one (other CUDA errors of
         torch < 2.8, cuda-core's ``CUDAError``).
     """
     if not isinstance(error, RuntimeError):
@@ -208,9 +230,22 @@ def cuda_error_code(error: BaseException) -> int | None:
         code = getattr(error, "error_code", None)
     except Exception:  # a property that raises is no code
         return None
+    if code is None and type(error) is RuntimeError and _torch_without_error_codes():
+        first_line = str(error).split("\n", 1)[0]
+        return CUDA_ERROR_MEMORY_ALLOCATION if first_line == C10_CUDA_CHECK_OOM_LINE else None
     if isinstance(code, bool) or not isinstance(code, int):
         return None
     return int(code)
+
+
+def _torch_without_error_codes() -> bool:
+    """Whether the imported torch predates ``error_code`` on its CUDA errors (torch < 2.8)."""
+    torch = sys.modules.get("torch")
+    version = getattr(torch, "__version__", None) if torch is not None else None
+    match = re.match(r"(\d+)\.(\d+)", str(version)) if version is not None else None
+    if match is None:  # no torch imported (then no torch error) or an unreadable version
+        return False
+    return (int(match.group(1)), int(match.group(2))) < _FIRST_TORCH_WITH_ERROR_CODE
 
 
 def is_cuda_out_of_memory(error: BaseException) -> bool:
@@ -218,8 +253,9 @@ def is_cuda_out_of_memory(error: BaseException) -> bool:
 
     ``True`` for ``torch.OutOfMemoryError`` (the caching allocator's, on CUDA and ROCm builds)
     and its subclasses, and for an error whose :func:`cuda_error_code` is
-    :data:`CUDA_ERROR_MEMORY_ALLOCATION`. Its message is never read. The cause chain is not
-    followed (:func:`explain_cuda_error` follows it).
+    :data:`CUDA_ERROR_MEMORY_ALLOCATION` (with torch < 2.8: read from the exact first line
+    ``C10_CUDA_CHECK`` formats, nothing looser). The cause chain is not followed
+    (:func:`explain_cuda_error` follows it).
 
     Args:
         error: any exception.

@@ -52,6 +52,7 @@ __all__ = [
     "jax_backend_platforms",
     "jax_imported",
     "jax_installed",
+    "jax_memory_conflicts",
     "memory_fraction_env_name",
 ]
 
@@ -252,6 +253,55 @@ def _set_env(env: MutableMapping[str, str], name: str, value: str) -> None:
     env[name] = value
 
 
+def jax_memory_conflicts(memory_fraction: float, preallocate: bool,
+                         environ: MutableMapping[str, str] | None = None) -> list[TooLateError]:
+    """The JAX memory settings that can no longer take effect, one error each.
+
+    Empty before the JAX backend starts, when it runs on CPU backends only (the settings cannot
+    act there), and when a GPU backend runs with exactly these values. Otherwise one
+    :class:`TooLateError` for the fraction and/or one for preallocation, each naming what is in
+    effect and what was asked for. Nothing is written.
+
+    Args:
+        memory_fraction: fraction of each GPU's total memory JAX may use, in (0, 1].
+        preallocate: whether JAX reserves that memory up front.
+        environ: environment to read (default ``os.environ``).
+
+    Returns:
+        The conflicts, fraction first.
+    """
+    env = os.environ if environ is None else environ
+    if not jax_backend_initialized():
+        return []
+    platforms = jax_backend_platforms()
+    if platforms and platforms <= _HOST_PLATFORMS:
+        logger.debug("JAX runs on %s only: memory fraction %s and preallocate=%s cannot act "
+                     "there; the environment is left as it is", sorted(platforms),
+                     memory_fraction, preallocate)
+        return []
+    started = ("the JAX backend" if platforms is None
+               else f"the JAX backend ({', '.join(sorted(platforms))})")
+    conflicts: list[TooLateError] = []
+    in_effect = _effective_fraction(env)
+    if in_effect is None or not math.isclose(in_effect, memory_fraction, abs_tol=1e-9):
+        name = (LEGACY_JAX_MEM_FRACTION_ENV if LEGACY_JAX_MEM_FRACTION_ENV in env
+                and JAX_MEM_FRACTION_ENV not in env else JAX_MEM_FRACTION_ENV)
+        conflicts.append(TooLateError(
+            name,
+            f"{started} already started with memory fraction {in_effect}, "
+            f"{memory_fraction} was requested",
+            "Create the DeviceManager before the first JAX operation, or ask for the "
+            "fraction in effect."))
+    if _effective_preallocate(env) != preallocate:
+        conflicts.append(TooLateError(
+            JAX_PREALLOCATE_ENV,
+            f"{started} already started with preallocate={not preallocate}, "
+            f"preallocate={preallocate} was requested",
+            "Create the DeviceManager before the first JAX operation, or set "
+            "DeviceConfiguration(preallocate=...) to the value in effect."))
+    return conflicts
+
+
 def apply_jax_memory_settings(memory_fraction: float, preallocate: bool,
                               environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Set JAX's GPU memory fraction and preallocation through the environment.
@@ -261,7 +311,8 @@ def apply_jax_memory_settings(memory_fraction: float, preallocate: bool,
     nothing can change them any more. Both only act on GPU memory, so when JAX runs on CPU
     backends only (:func:`jax_backend_platforms`) any request is accepted and nothing is
     written; with a GPU backend (or platforms that cannot be read) a request equal to what is in
-    effect is accepted and a different one raises :class:`TooLateError`.
+    effect is accepted and a different one raises :class:`TooLateError`
+    (:func:`jax_memory_conflicts` lists them without raising).
 
     Args:
         memory_fraction: fraction of each GPU's total memory JAX may use, in (0, 1].
@@ -272,36 +323,15 @@ def apply_jax_memory_settings(memory_fraction: float, preallocate: bool,
         The variables written (empty when the backend already runs with these values).
 
     Raises:
-        TooLateError: a GPU backend started with a different fraction or preallocation.
+        TooLateError: a GPU backend started with a different fraction or preallocation (the
+            fraction's error first).
         ConfigError: both fraction variable names are already set.
     """
     env = os.environ if environ is None else environ
     if jax_backend_initialized():
-        platforms = jax_backend_platforms()
-        if platforms and platforms <= _HOST_PLATFORMS:
-            logger.debug("JAX runs on %s only: memory fraction %s and preallocate=%s cannot act "
-                         "there; the environment is left as it is", sorted(platforms),
-                         memory_fraction, preallocate)
-            return {}
-        started = ("the JAX backend" if platforms is None
-                   else f"the JAX backend ({', '.join(sorted(platforms))})")
-        in_effect = _effective_fraction(env)
-        if in_effect is None or not math.isclose(in_effect, memory_fraction, abs_tol=1e-9):
-            name = (LEGACY_JAX_MEM_FRACTION_ENV if LEGACY_JAX_MEM_FRACTION_ENV in env
-                    and JAX_MEM_FRACTION_ENV not in env else JAX_MEM_FRACTION_ENV)
-            raise TooLateError(
-                name,
-                f"{started} already started with memory fraction {in_effect}, "
-                f"{memory_fraction} was requested",
-                "Create the DeviceManager before the first JAX operation, or ask for the "
-                "fraction in effect.")
-        if _effective_preallocate(env) != preallocate:
-            raise TooLateError(
-                JAX_PREALLOCATE_ENV,
-                f"{started} already started with preallocate={not preallocate}, "
-                f"preallocate={preallocate} was requested",
-                "Create the DeviceManager before the first JAX operation, or set "
-                "DeviceConfiguration(preallocate=...) to the value in effect.")
+        conflicts = jax_memory_conflicts(memory_fraction, preallocate, env)
+        if conflicts:
+            raise conflicts[0]
         return {}
     written = {
         memory_fraction_env_name(environ=env): repr(float(memory_fraction)),
@@ -402,7 +432,12 @@ class JAXDeviceManager:
 
     @property
     def cpu_devices(self) -> list[Any]:
-        """JAX CPU devices (several with ``--xla_force_host_platform_device_count``)."""
+        """JAX CPU devices (several with ``--xla_force_host_platform_device_count``).
+
+        Asked for by name (``jax.devices("cpu")``), so they are listed beside the GPUs when a GPU
+        backend is JAX's default; empty only when JAX did not start its CPU backend
+        (``JAX_PLATFORMS`` without ``cpu``).
+        """
         return self._devices_of("cpu")
 
     @property

@@ -15,8 +15,11 @@ is created (pass ``apply=False`` to only look):
    ``XLA_CLIENT_MEM_FRACTION`` (or the legacy name on old jaxlib) and
    ``XLA_PYTHON_CLIENT_PREALLOCATE``, before its backend starts; a different value after a GPU
    backend started raises :class:`~vramkit.errors.TooLateError`. When JAX runs on the CPU
-   only, these settings cannot act, so any value is accepted (a new manager with another
-   strategy, ``get_device_manager(config, force_reinit=True)``, works there).
+   only, these settings cannot act, so any value is accepted. A re-initialization,
+   ``get_device_manager(config, force_reinit=True)``, never fails for a setting that came too
+   late: it applies the others (PyTorch's fraction), warns with a
+   :class:`~vramkit.errors.VramkitWarning` and lists what it left out in
+   :attr:`DeviceManager.settings`.
 4. ``enable_x64`` / ``enable_jit`` go to JAX through ``jax.config.update`` when JAX is already
    imported or when :attr:`DeviceManager.jax_manager` is used, and through ``JAX_ENABLE_X64`` /
    ``JAX_DISABLE_JIT`` for a later import otherwise. JAX is never imported just for this.
@@ -33,12 +36,19 @@ import math
 import numbers
 import os
 import threading
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import IO, TYPE_CHECKING, Any, cast
 
-from vramkit._validate import check_bool, check_int, check_known_fields, check_number
+from vramkit._validate import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_known_fields,
+    check_number,
+)
 from vramkit.devices._runtime import cuda_initialized
 from vramkit.devices.info import DeviceCapabilities, DeviceInfo, DeviceType
 from vramkit.devices.jax_backend import (
@@ -54,8 +64,15 @@ from vramkit.devices.jax_backend import (
     jax_backend_initialized,
     jax_imported,
     jax_installed,
+    jax_memory_conflicts,
 )
-from vramkit.errors import ConfigError, DeviceError, JaxUnavailableError, TooLateError
+from vramkit.errors import (
+    ConfigError,
+    DeviceError,
+    JaxUnavailableError,
+    TooLateError,
+    VramkitWarning,
+)
 from vramkit.units import format_size
 
 if TYPE_CHECKING:
@@ -327,15 +344,25 @@ def _too_late_reason(name: str) -> str | None:
     return None
 
 
-def _apply_environment_variables(variables: Mapping[str, str]) -> None:
-    # Check every variable first so that a refusal leaves the environment untouched.
+def _environment_conflicts(variables: Mapping[str, str]) -> list[TooLateError]:
+    """One error per variable a backend already read with another value."""
+    conflicts = []
     for name, value in variables.items():
         if os.environ.get(name) == value:
             continue
         reason = _too_late_reason(name)
         if reason is not None:
-            raise TooLateError(name, f"{reason}; it read {name}={os.environ.get(name)!r} and "
-                                     f"{value!r} was requested")
+            conflicts.append(TooLateError(name, f"{reason}; it read {name}="
+                                                f"{os.environ.get(name)!r} and {value!r} was "
+                                                "requested"))
+    return conflicts
+
+
+def _apply_environment_variables(variables: Mapping[str, str]) -> None:
+    # Check every variable first so that a refusal leaves the environment untouched.
+    conflicts = _environment_conflicts(variables)
+    if conflicts:
+        raise conflicts[0]
     for name, value in variables.items():
         os.environ[name] = value
     if variables:
@@ -357,15 +384,22 @@ class DeviceManager:
         apply: apply the configuration now (default True); see the module docstring for what
             that does. With False the manager only reports; :meth:`apply_configuration`
             applies later.
+        on_too_late: what to do with a setting that can no longer take effect (JAX's memory
+            fraction after its GPU backend started, a variable a backend already read):
+            ``"raise"`` (default) raises :class:`~vramkit.errors.TooLateError` before anything
+            is applied; ``"warn"`` applies every other setting, warns with a
+            :class:`~vramkit.errors.VramkitWarning` for each one left out and lists them in
+            :attr:`settings` (``get_device_manager(config, force_reinit=True)`` does this: a
+            re-initialization keeps what it can).
 
     Raises:
-        ConfigError: ``config`` or ``detector`` of the wrong type.
-        TooLateError: a setting can no longer take effect.
+        ConfigError: ``config`` or ``detector`` of the wrong type, an unknown ``on_too_late``.
+        TooLateError: a setting can no longer take effect (with ``on_too_late="raise"``).
         DeviceError: the detector reports GPUs that PyTorch cannot configure.
     """
 
     def __init__(self, config: DeviceConfiguration | None = None, detector: Any = None, *,
-                 apply: bool = True) -> None:
+                 apply: bool = True, on_too_late: str = "raise") -> None:
         config = DeviceConfiguration() if config is None else config
         if not isinstance(config, DeviceConfiguration):
             raise ConfigError(f"config must be a DeviceConfiguration, got {type(config).__name__}",
@@ -373,11 +407,14 @@ class DeviceManager:
                               "DeviceConfiguration.from_dict(...).")
         self._config = config
         self._apply = bool(apply)
+        self._on_too_late = check_choice("on_too_late", on_too_late, ("raise", "warn"))
+        self._applied: dict[str, Any] = {}
+        self._not_applied: dict[str, str] = {}
         self._jax_manager: JAXDeviceManager | None = None
         self._precision: Any = None
         if self._apply:
             # Before detection: CUDA_VISIBLE_DEVICES and friends decide what is detected.
-            _apply_environment_variables(config.environment_variables)
+            self._apply_environment()
         if detector is None:
             from vramkit.devices.info import SystemDetector
 
@@ -395,7 +432,7 @@ class DeviceManager:
         self._devices: tuple[DeviceInfo, ...] = (
             tuple(list_devices()) if callable(list_devices) else ())
         if self._apply:
-            self.apply_configuration()
+            self._apply_configuration(environment_applied=True)
 
     # -- what there is ------------------------------------------------------------------------
 
@@ -440,6 +477,18 @@ class DeviceManager:
         return tuple(range(self.gpu_count))
 
     @property
+    def settings(self) -> dict[str, dict[str, Any]]:
+        """What applying the configuration did: ``{"applied": {setting: value},
+        "not_applied": {setting: reason}}``.
+
+        ``applied`` holds the environment variables written (JAX's memory variables among them)
+        and ``torch_memory_fraction`` when PyTorch's GPUs were capped; ``not_applied`` the
+        settings that could no longer take effect (only with ``on_too_late="warn"``). Both are
+        empty before the configuration is applied.
+        """
+        return {"applied": dict(self._applied), "not_applied": dict(self._not_applied)}
+
+    @property
     def precision(self) -> Any:
         """Mixed-precision choice made by :func:`configure_for_generative_models`, else None."""
         return self._precision
@@ -452,15 +501,75 @@ class DeviceManager:
         Raises:
             TooLateError: JAX already started with other memory settings, or an environment
                 variable can no longer take effect.
-            DeviceError: PyTorch cannot set the memory fraction on a reported GPU.
+            DeviceError: a reported GPU is not one PyTorch sees, or PyTorch cannot set the
+                memory fraction on it.
         """
+        self._applied, self._not_applied = {}, {}
+        self._apply_configuration(environment_applied=False)
+
+    def _apply_configuration(self, *, environment_applied: bool) -> None:
+        # __init__ writes the environment before detection (it decides what is detected) and
+        # must not write (or warn about) it a second time here.
+        if not environment_applied:
+            self._apply_environment()
         fraction = self._config.effective_fraction
-        _apply_environment_variables(self._config.environment_variables)
+        self._check_gpus_exist_in_pytorch()
         if jax_installed():
-            apply_jax_memory_settings(fraction, self._config.preallocate)
+            conflicts = jax_memory_conflicts(fraction, self._config.preallocate)
+            if conflicts:
+                self._too_late(conflicts)
+            else:
+                self._applied.update(apply_jax_memory_settings(fraction,
+                                                               self._config.preallocate))
         apply_jax_flags(self._config.enable_x64, self._config.enable_jit)
         self._apply_torch_memory_fraction(fraction)
         self._apply = True
+
+    def _apply_environment(self) -> None:
+        variables = self._config.environment_variables
+        conflicts = _environment_conflicts(variables)
+        if conflicts:
+            self._too_late(conflicts)
+        refused = {err.setting for err in conflicts}
+        kept = {name: value for name, value in variables.items() if name not in refused}
+        _apply_environment_variables(kept)
+        self._applied.update(kept)
+
+    def _too_late(self, conflicts: list[TooLateError]) -> None:
+        """Raise the first conflict, or (``on_too_late="warn"``) warn and record each one."""
+        if self._on_too_late == "raise":
+            raise conflicts[0]
+        for err in conflicts:
+            self._not_applied[err.setting] = err.reason
+            warnings.warn(f"{err.message}; the other settings were applied. {err.hint}",
+                          VramkitWarning, stacklevel=4)
+
+    def _check_gpus_exist_in_pytorch(self) -> None:
+        """Every GPU the detector reports must be one of PyTorch's ordinals.
+
+        Checked before anything is capped: a custom detector that reports more GPUs than exist
+        would otherwise fail inside PyTorch with an allocator message that names no cause.
+        """
+        if not self.has_gpu:
+            return
+        import torch
+
+        try:
+            seen = int(torch.cuda.device_count())
+        except (RuntimeError, AssertionError) as err:  # a broken CUDA install: none usable
+            logger.debug("torch.cuda.device_count() failed: %s", err)
+            seen = 0
+        missing = [device_id for device_id in self.gpu_ids if not 0 <= device_id < seen]
+        if missing:
+            listed = ", ".join(str(device_id) for device_id in missing)
+            raise DeviceError(
+                f"the detector reports {self.gpu_count} GPUs (CUDA ordinals "
+                f"{', '.join(str(i) for i in self.gpu_ids)}) and PyTorch sees {seen}: "
+                + (f"GPU {listed} does not" if len(missing) == 1 else f"GPUs {listed} do not")
+                + " exist for PyTorch",
+                "Check the detector passed to DeviceManager and CUDA_VISIBLE_DEVICES (PyTorch "
+                "numbers the GPUs it sees from 0), or pass apply=False to only inspect what the "
+                "detector reports.")
 
     def _apply_torch_memory_fraction(self, fraction: float) -> None:
         if not self.has_gpu:
@@ -476,6 +585,7 @@ class DeviceManager:
                     f"cannot cap PyTorch memory on GPU {device_id}: {err}",
                     "Install a CUDA build of PyTorch, check CUDA_VISIBLE_DEVICES, or pass "
                     "apply=False to only inspect devices.") from err
+        self._applied["torch_memory_fraction"] = fraction
         logger.info("PyTorch memory fraction %.3f set on GPUs %s", fraction, self.gpu_ids)
 
     # -- choosing -----------------------------------------------------------------------------
@@ -560,7 +670,8 @@ class DeviceManager:
             ``device_count``, ``gpu_count``, ``gpu_ids``, ``memory_strategy``,
             ``memory_fraction``, ``preallocate``, ``platform_priority``, ``total_memory_mb``,
             ``compute_capability``, ``supports_mixed_precision``, ``supports_distributed``,
-            ``devices`` (one dict per GPU) and ``versions`` (torch, cuda, driver, jax).
+            ``devices`` (one dict per GPU), ``versions`` (torch, cuda, driver, jax) and
+            ``settings`` (:attr:`settings`: what was applied and what could not be).
         """
         import torch
 
@@ -598,6 +709,7 @@ class DeviceManager:
                 # Package metadata, so that reporting never imports (and starts) JAX.
                 "jax": installed_jax_version("jax"),
             },
+            "settings": self.settings,
         }
 
     def __repr__(self) -> str:
@@ -623,7 +735,10 @@ def get_device_manager(config: DeviceConfiguration | None = None, force_reinit: 
         config: configuration for a new shared manager (default: keep the existing one, or
             ``DeviceConfiguration()`` when there is none).
         force_reinit: replace the shared manager with a new one built from ``config``
-            (default False).
+            (default False). The new manager applies every setting that can still take effect
+            and warns (:class:`~vramkit.errors.VramkitWarning`) about each one that cannot --
+            JAX's memory fraction once its GPU backend started -- listing them in its
+            ``settings`` (and ``get_device_info()["settings"]``).
         detector: detector for a newly created manager (default ``SystemDetector``).
 
     Returns:
@@ -632,9 +747,8 @@ def get_device_manager(config: DeviceConfiguration | None = None, force_reinit: 
     Raises:
         ConfigError: ``config`` differs from the shared manager's and ``force_reinit`` is
             False (it would otherwise be ignored).
-        TooLateError: (with ``force_reinit``) a JAX GPU backend already started with another
-            memory fraction or preallocation. JAX on the CPU only never refuses: the fraction
-            cannot act there.
+        TooLateError: (without ``force_reinit``, for the first manager) a setting can no
+            longer take effect.
     """
     global _shared_manager
     with _shared_lock:
@@ -653,7 +767,8 @@ def get_device_manager(config: DeviceConfiguration | None = None, force_reinit: 
                     "Pass force_reinit=True to replace it, or create your own "
                     "DeviceManager(config).")
             return current
-        _shared_manager = DeviceManager(config, detector=detector)
+        _shared_manager = DeviceManager(config, detector=detector,
+                                        on_too_late="warn" if force_reinit else "raise")
         return _shared_manager
 
 
@@ -705,6 +820,8 @@ def print_device_info(manager: DeviceManager | None = None, *, file: IO[str] | N
         table.add_row(key.replace("_", " "), str(info[key]))
     for name, version in info["versions"].items():
         table.add_row(f"{name} version", str(version) if version else "-")
+    for setting, reason in info["settings"]["not_applied"].items():
+        table.add_row(f"not applied: {setting}", reason)
     for dev in info["devices"]:
         table.add_row(f"cuda:{dev['device_id']}",
                       f"{dev['name']} ({format_size(dev['total_memory'])}, "

@@ -12,6 +12,7 @@ anything is allocated for it, so a hostile length can neither exhaust memory nor
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -21,14 +22,17 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from vramkit.errors import SafetensorsFormatError
 from vramkit.io import _paths
 
+if TYPE_CHECKING:  # headers are read without torch; a TensorEntry's dtype imports it when asked
+    import torch
+
 __all__ = [
+    "DTYPE_ITEMSIZES",
+    "FLOATING_CODES",
     "MAX_HEADER_BYTES",
     "SAFETENSORS_DTYPES",
     "SafetensorsHeader",
@@ -49,8 +53,28 @@ _REPAIR_HINT = ("The file is damaged or was not written as safetensors; re-downl
                 "it with safetensors.torch.save_file.")
 
 
+#: Bytes per element of every safetensors dtype code whose element is a whole number of bytes.
+DTYPE_ITEMSIZES: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8, "U16": 2, "U32": 4, "U64": 8,
+    "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1, "F8_E8M0": 1,
+}
+
+#: The codes of floating-point elements (weights; integers and bools are ids, masks, counters).
+FLOATING_CODES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ",
+                            "F8_E5M2FNUZ", "F8_E8M0"})
+
+# Codes whose torch dtype exists only in newer torch builds (torch attribute names).
+_OPTIONAL_CODES = {"U16": "uint16", "U32": "uint32", "U64": "uint64",
+                   "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+                   "F8_E8M0": "float8_e8m0fnu"}
+
+
+@functools.cache
 def _dtype_table() -> dict[str, torch.dtype]:
     # Every safetensors dtype named explicitly; the optional ones exist only in newer torch builds.
+    import torch
+
     table: dict[str, torch.dtype] = {
         "F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
         "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
@@ -58,20 +82,28 @@ def _dtype_table() -> dict[str, torch.dtype]:
         "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
         "C64": torch.complex64,
     }
-    optional = {"U16": "uint16", "U32": "uint32", "U64": "uint64",
-                "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
-                "F8_E8M0": "float8_e8m0fnu"}
-    for code, attr in optional.items():
+    for code, attr in _OPTIONAL_CODES.items():
         dtype = getattr(torch, attr, None)
         if isinstance(dtype, torch.dtype):
             table[code] = dtype
     return table
 
 
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = _dtype_table()
-"""safetensors dtype code -> torch dtype, for every code this torch build can represent."""
+#: safetensors dtype code -> torch dtype, for every code this torch build can represent (and
+#: its inverse); module attributes made on first use by :func:`__getattr__`.
+SAFETENSORS_DTYPES: dict[str, torch.dtype]
+TORCH_TO_SAFETENSORS: dict[torch.dtype, str]
 
-TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+def __getattr__(name: str) -> Any:
+    # SAFETENSORS_DTYPES and TORCH_TO_SAFETENSORS need torch: made on first use, so that reading
+    # a header (vramkit inspect) never imports it.
+    if name == "SAFETENSORS_DTYPES":
+        return _dtype_table()
+    if name == "TORCH_TO_SAFETENSORS":
+        return {v: k for k, v in _dtype_table().items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Codes the format defines whose element is not a whole byte (or that torch lacks): named in the
 # error so the user knows the file is valid but unsupported here.
@@ -85,8 +117,8 @@ class TensorEntry:
 
     Args:
         name: the tensor's name.
-        dtype_code: the safetensors dtype code (``"BF16"``...).
-        dtype: the matching torch dtype.
+        dtype_code: the safetensors dtype code (``"BF16"``...); :attr:`dtype` is its torch
+            dtype.
         shape: the tensor's shape.
         begin: first byte, relative to the start of the data section.
         end: one past the last byte, relative to the start of the data section.
@@ -96,12 +128,21 @@ class TensorEntry:
 
     name: str
     dtype_code: str
-    dtype: torch.dtype
     shape: tuple[int, ...]
     begin: int
     end: int
     data_start: int
     path: Path
+
+    @functools.cached_property
+    def dtype(self) -> torch.dtype:
+        """The matching torch dtype (imports torch on first use)."""
+        return _dtype_table()[self.dtype_code]
+
+    @property
+    def is_floating_point(self) -> bool:
+        """Whether the elements are floating-point numbers (known without torch)."""
+        return self.dtype_code in FLOATING_CODES
 
     @property
     def nbytes(self) -> int:
@@ -320,14 +361,18 @@ def _parse_entry(name: str, value: Any, data_start: int, path: Path) -> TensorEn
     code = value["dtype"]
     if not isinstance(code, str):
         raise _fail(path, f"dtype is a JSON {type(code).__name__}, not a string", name)
-    dtype = SAFETENSORS_DTYPES.get(code)
-    if dtype is None:
+    itemsize = DTYPE_ITEMSIZES.get(code)
+    # torch is imported only for the rare codes an older torch may lack.
+    if itemsize is None or (code in _OPTIONAL_CODES and code not in _dtype_table()):
         if code in _KNOWN_UNSUPPORTED:
+            import torch
+
             raise _fail(path, f"dtype {code!r} is valid safetensors but not supported by this "
                               f"PyTorch ({torch.__version__})", name,
                         hint="Upgrade PyTorch, or convert the tensor to a supported dtype.")
-        raise _fail(path, f"unknown dtype {code!r}; known: {', '.join(sorted(SAFETENSORS_DTYPES))}",
-                    name)
+        known = sorted(c for c in DTYPE_ITEMSIZES if c not in _KNOWN_UNSUPPORTED
+                       or c in _dtype_table())
+        raise _fail(path, f"unknown dtype {code!r}; known: {', '.join(known)}", name)
     shape = value["shape"]
     if not isinstance(shape, list) or not all(_is_index(d) and d >= 0 for d in shape):
         raise _fail(path, f"shape {shape!r} is not a list of non-negative integers", name)
@@ -338,11 +383,11 @@ def _parse_entry(name: str, value: Any, data_start: int, path: Path) -> TensorEn
     begin, end = offsets
     if begin > end:
         raise _fail(path, f"data_offsets [{begin}, {end}] end before they begin", name)
-    expected = math.prod(shape) * dtype.itemsize
+    expected = math.prod(shape) * itemsize
     if expected != end - begin:
         raise _fail(path, f"shape {shape} of {code} needs {expected} bytes but data_offsets "
                           f"[{begin}, {end}] hold {end - begin}", name)
-    return TensorEntry(name, code, dtype, tuple(shape), begin, end, data_start, path)
+    return TensorEntry(name, code, tuple(shape), begin, end, data_start, path)
 
 
 @dataclass(frozen=True)

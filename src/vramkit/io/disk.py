@@ -35,6 +35,9 @@ from vramkit._validate import check_bool, check_int, check_size
 from vramkit.errors import ConfigError, VramkitError
 from vramkit.units import format_size
 
+#: The most reads :func:`measure_read_bandwidth` keeps in flight at once.
+MAX_READ_THREADS = 256
+
 __all__ = ["DiskReadResult", "drop_page_cache", "measure_read_bandwidth"]
 
 _ALIGN = 4096  # O_DIRECT offsets, sizes and buffer addresses: a multiple of the logical block
@@ -320,7 +323,8 @@ def measure_read_bandwidth(path: str | os.PathLike[str], *, max_bytes: int | str
     max_bytes = check_size("measure_read_bandwidth.max_bytes", max_bytes, minimum=1)
     block_bytes = check_size("measure_read_bandwidth.block_bytes", block_bytes, minimum=1)
     cold = check_bool("measure_read_bandwidth.cold", cold)
-    threads = check_int("measure_read_bandwidth.threads", threads, minimum=1, maximum=256)
+    threads = check_int("measure_read_bandwidth.threads", threads, minimum=1,
+                        maximum=MAX_READ_THREADS)
     file, size = _file_to_read(Path(path))
     measured = _read_direct(file, size, max_bytes, block_bytes, threads) if cold else None
     if measured is not None:

@@ -33,9 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from vramkit._validate import check_choice, check_int
 from vramkit.errors import ConfigError, SafetensorsFormatError
@@ -48,6 +46,9 @@ from vramkit.io._header import (
     read_header,
     read_index,
 )
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: reading headers needs none
+    import torch
 
 __all__ = ["BadShard", "LazySafetensors", "ReadThreads", "TensorSlice", "resolve_checkpoint"]
 
@@ -238,6 +239,8 @@ class _FileReader:
             with warnings.catch_warnings():
                 # the mapping is read-only; the view is only ever a copy source
                 warnings.simplefilter("ignore", UserWarning)
+                import torch
+
                 src = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset)
             dst.copy_(src)
             del src
@@ -414,6 +417,8 @@ class LazySafetensors:
 
     def shape(self, name: str) -> torch.Size:
         """The shape of ``name``."""
+        import torch
+
         return torch.Size(self.entry(name).shape)
 
     def dtype(self, name: str) -> torch.dtype:
@@ -508,6 +513,8 @@ class LazySafetensors:
 
     def _read_rows(self, entry: TensorEntry, row0: int, row1: int,
                    threads: ReadThreads | None) -> torch.Tensor:
+        import torch
+
         if not entry.shape:  # a 0-d tensor is one "row"
             raw = torch.empty(entry.nbytes, dtype=torch.uint8)
             self.read_bytes(entry, raw, 0, threads)
@@ -600,6 +607,8 @@ class TensorSlice:
     @property
     def shape(self) -> torch.Size:
         """The full tensor's shape."""
+        import torch
+
         return torch.Size(self._entry.shape)
 
     @property

@@ -69,8 +69,10 @@ __all__, _lazy_getattr, __dir__ = lazy_exports(__name__, {
     # -- floor 3: loading checkpoints; moving weights, activations and optimizer state ---------
     "vramkit.io.lazy": ("LazySafetensors",),
     "vramkit.io.loader": ("MemoryEfficientLoader", "LoadStats", "load_into", "stream_weights"),
-    "vramkit.offload.swap": ("BlockSwapper", "SwapConfig", "SwapStats", "BlockScheduleEntry",
-                             "BlockFootprint"),
+    "vramkit.offload.swap.swapper": ("BlockSwapper",),
+    "vramkit.offload.swap.config": ("SwapConfig", "SwapStats"),
+    "vramkit.offload.blocks": ("BlockScheduleEntry",),
+    "vramkit.offload.swap.records": ("BlockFootprint",),
     "vramkit.offload.cpu": ("CPUOffloadManager", "CPUOffloadConfig", "CPUOffloadStats",
                             "LoadHandle"),
     "vramkit.offload.activations": ("ActivationOffloader", "ActivationOffloadConfig",

@@ -25,10 +25,10 @@ from torch import nn
 from vramkit.errors import ConfigError, DeviceError, OffloadError, VramkitWarning
 from vramkit.memory.layout import Random, Sequential, Strided
 from vramkit.memory.transfer import HostStreams, StreamOp
-from vramkit.offload import swap as swap_module
 from vramkit.offload.blocks import BlockSpec, spread_evenly
 from vramkit.offload.checkpointing import enable_gradient_checkpointing, is_checkpointed
 from vramkit.offload.swap import BlockScheduleEntry, BlockSwapper, SwapConfig, SwapStats
+from vramkit.offload.swap import swapper as swapper_module
 
 D = 32
 MIN = 1024  # min_param_bytes for the tests: Linear weights (>= 8 KiB) swap, biases/norms stay
@@ -159,7 +159,7 @@ def log(monkeypatch: pytest.MonkeyPatch) -> list[StreamOp]:
     """Swappers created in the test get a HostStreams that logs every op into this list."""
     ops: list[StreamOp] = []
     streams = HostStreams(log=ops)
-    monkeypatch.setattr(swap_module, "transfer_streams", lambda device: streams)
+    monkeypatch.setattr(swapper_module, "transfer_streams", lambda device: streams)
     return ops
 
 
@@ -863,18 +863,18 @@ def test_double_backward_through_swapped_blocks_is_refused(setup: str) -> None:
 def test_structure_watch_is_released_when_a_swapper_is_collected() -> None:
     import gc
 
-    from vramkit.offload import _swap_structure as swap_module
+    from vramkit.offload import _structure as structure_module
 
     gc.collect()
-    users = swap_module._STRUCTURE["users"]
+    users = structure_module._STRUCTURE["users"]
     model = _frozen_blocks(_net())
     swapper = _swap(model)
     # the swapper, and the lean checkpoint of each checkpointed block (its parameter places)
-    assert swap_module._STRUCTURE["users"] == users + 1 + sum(
+    assert structure_module._STRUCTURE["users"] == users + 1 + sum(
         b.lean is not None for b in swapper.blocks)
     del swapper, model  # never detached
     gc.collect()
-    assert swap_module._STRUCTURE["users"] == users
+    assert structure_module._STRUCTURE["users"] == users
 
 
 def test_structure_watch_hooks_are_removed_with_the_last_watcher() -> None:
@@ -882,10 +882,10 @@ def test_structure_watch_hooks_are_removed_with_the_last_watcher() -> None:
 
     from torch.nn.modules import module as torch_module
 
-    from vramkit.offload import _swap_structure as swap_module
+    from vramkit.offload import _structure as structure_module
 
     gc.collect()
-    new = 0 if swap_module._STRUCTURE["users"] else 1  # hooks another test's model still holds
+    new = 0 if structure_module._STRUCTURE["users"] else 1  # hooks another test's model still holds
     before = (len(torch_module._global_module_registration_hooks),
               len(torch_module._global_parameter_registration_hooks))
     first = _swap(_frozen_blocks(_net()), checkpointing=False)
@@ -1316,7 +1316,7 @@ def test_host_gradients_follow_pytorch_accumulation_semantics() -> None:
 def test_checkpointed_calls_without_backward_are_freed() -> None:
     import gc
 
-    from vramkit.offload._swap_function import BlockCall
+    from vramkit.offload.swap.function import BlockCall
 
     model = _net()
     swapper = _swap(model, checkpointing=True)

@@ -138,15 +138,14 @@ class BlockCalls:
         outs = SwapBlockFunction.apply(call, anchor, *tensors)
         return call.rebuild_outputs(list(outs))
 
-
     def _in_graph(self, ring: SlotRing, block: SwappedBlock, fn: Callable[..., Any],
-                       leaves: list[Any], spec: Any, positions: list[int],
-                       chain: list[tuple[int, OutputHook]]) -> Any:
-        """A training call whose nodes join the outer graph (see :mod:`~vramkit.offload.swap.graph`): pre-hooks on
-        the output nodes and an identity Function on the inputs hold the slot across the block's
-        backward. ``spec`` is ``None`` when ``leaves`` are the positional arguments themselves;
-        ``positions`` index the leaves that require grad; ``chain`` holds the output hooks of
-        the swapped call made just before."""
+                  leaves: list[Any], spec: Any, positions: list[int],
+                  chain: list[tuple[int, OutputHook]]) -> Any:
+        """A training call whose nodes join the outer graph (:mod:`~vramkit.offload.swap.graph`):
+        pre-hooks on the output nodes and an identity Function on the inputs hold the slot across
+        the block's backward. ``spec`` is ``None`` when ``leaves`` are the positional arguments
+        themselves; ``positions`` index the leaves that require grad; ``chain`` holds the output
+        hooks of the swapped call made just before."""
         call = BlockBackward(ring, block)
         entry = None
         if positions:

@@ -585,7 +585,8 @@ class BlockSwapper:
                                              self.model.parameters())
 
     def _run_pending_steps(self) -> None:
-        """The deferred steps (clipping): :func:`~vramkit.offload.swap.optimizer.run_pending_steps`."""
+        """The deferred steps (clipping), once the swapper knows it may run them:
+        :func:`~vramkit.offload.swap.optimizer.run_pending_steps`."""
         stepper, ring = self._stepper, self._ring
         if stepper is None or ring is None or not stepper.pending():
             return

@@ -47,11 +47,11 @@ from _common import add_common_args, format_markdown_row, parse_variants, write_
 from _swap_models import CopyTraffic, tokens_to_image_size
 from _timing import log
 from vramkit.memory import transfer as _transfer
-from vramkit.offload import _swap_graph
-from vramkit.offload import swap as swap_module
 from vramkit.offload.blocks import find_blocks
 from vramkit.offload.checkpointing import enable_gradient_checkpointing
 from vramkit.offload.swap import BlockSwapper, SwapConfig
+from vramkit.offload.swap import calls as calls_module
+from vramkit.offload.swap import graph as graph_module
 
 PARTS = ("phases", "calls", "gc", "micro", "dma")
 # GPU cycles slept after each 1 MiB chunk of the paced copies in part micro: two rates below
@@ -179,12 +179,12 @@ def _timed(name: str, fn: Callable[..., Any], totals: dict[str, float]) -> Calla
 def instrumented(totals: dict[str, float]) -> Iterator[None]:
     """Time the swapper's pieces (whichever this code version has) into ``totals``."""
     patches: list[tuple[Any, str, Any]] = [
-        (swap_module, "torch_checkpoint", "checkpointed block"),
-        (swap_module.BlockSwapper, "_call_block", "forward wrapper"),
+        (calls_module, "torch_checkpoint", "checkpointed block"),
+        (BlockSwapper, "_call_block", "forward wrapper"),
         (_transfer.CudaStreams, "copy", "copy enqueue"),
-        (swap_module, "enter_block", "BlockEntry apply"),
-        (swap_module, "exit_block", "BlockExit apply"),
-        (_swap_graph.BlockBackward, "on_outputs", "output hooks"),
+        (calls_module, "enter_block", "BlockEntry apply"),
+        (calls_module, "exit_block", "BlockExit apply"),
+        (graph_module.BlockBackward, "on_outputs", "output hooks"),
     ]
     saved = []
     for owner, attr, label in patches:
@@ -194,8 +194,8 @@ def instrumented(totals: dict[str, float]) -> Iterator[None]:
             continue
         saved.append((owner, attr, original))
         setattr(owner, attr, _timed(label, original, totals))
-    for cls, label in ((_swap_graph.BlockEntry, "BlockEntry backward"),
-                       (_swap_graph.BlockExit, "BlockExit backward")):
+    for cls, label in ((graph_module.BlockEntry, "BlockEntry backward"),
+                       (graph_module.BlockExit, "BlockExit backward")):
         original = cls.__dict__["_on_backward"]
         saved.append((cls, "_on_backward", original))
         cls._on_backward = staticmethod(_timed(label, original.__func__, totals))

@@ -11,8 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.offload.test_cpu import _mlp
-from tests.offload.test_swap import (
+from tests.offload.swap.test_swapper import (
     MIN,
     X,
     _frozen_blocks,
@@ -21,6 +20,7 @@ from tests.offload.test_swap import (
     _step,
     _swap,
 )
+from tests.offload.test_cpu import _mlp
 from vramkit.errors import OffloadError
 from vramkit.offload.cpu import CPUOffloadManager
 

@@ -1,7 +1,7 @@
 """Moving weights, activations and optimizer state between the GPU and host memory.
 
 * :mod:`vramkit.offload.swap`: :class:`BlockSwapper` streams a model's blocks through a ring of
-  GPU slots (its parts: ``_swap_blocks``, ``_swap_ring``, ``_swap_function``, ``_swap_graph``).
+  GPU slots (a package: its ``__init__`` lists the parts).
 * :mod:`vramkit.offload.checkpointing`: gradient checkpointing of blocks and functions.
 * :mod:`vramkit.offload.cpu`: :class:`CPUOffloadManager`, weights in pinned host memory on request.
 * :mod:`vramkit.offload.activations`: activation offload through saved-tensor hooks.
@@ -19,8 +19,11 @@ from typing import TYPE_CHECKING
 from vramkit._lazy import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
-    ".swap": ("BlockSwapper", "SwapConfig", "SwapStats", "BlockFootprint", "GradientHook",
-              "MasterMemory", "DiskSplit", "BlockLoader"),
+    ".swap.swapper": ("BlockSwapper",),
+    ".swap.config": ("SwapConfig", "SwapStats", "GradientHook"),
+    ".swap.records": ("BlockFootprint",),
+    ".swap.host": ("MasterMemory", "DiskSplit"),
+    ".swap.ring": ("BlockLoader",),
     ".blocks": ("BlockScheduleEntry", "BlockSpec", "find_blocks", "module_bytes",
                 "as_block_specs", "choose_swapped", "named_schedule", "natural_key",
                 "split_blocks", "spread_evenly", "unet_blocks"),

@@ -50,7 +50,7 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 
 from vramkit.errors import OffloadError
 from vramkit.offload import _tree
-from vramkit.offload._swap_structure import shape_key, structure_epoch, watch_structure
+from vramkit.offload._structure import shape_key, structure_epoch, watch_structure
 
 __all__ = ["CHECKPOINT_METHODS", "LeanState", "foreign_leaves", "run_lean"]
 

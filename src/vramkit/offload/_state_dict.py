@@ -1,6 +1,7 @@
 """``state_dict`` and ``load_state_dict`` of modules whose tensors live in host masters.
 
-While a :class:`~vramkit.offload.swap.BlockSwapper` is attached, or a
+While a :class:`~vramkit.offload.swap.BlockSwapper` is attached (its hooks:
+:mod:`vramkit.offload.swap.state_dict`), or a
 :class:`~vramkit.offload.cpu.CPUOffloadManager` holds a module's tensors, those ``Parameter``
 objects hold a zero-byte placeholder (or a view of a GPU slot that the next load overwrites).
 PyTorch's own ``state_dict`` would save zeros for them, and ``load_state_dict`` would fail on
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,10 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from vramkit.errors import OffloadError
 
-if TYPE_CHECKING:
-    from vramkit.offload.swap import SwappedBlock
-
-__all__ = ["MasterTensor", "install_master_hooks", "install_swap_hooks"]
+__all__ = ["MasterTensor", "install_master_hooks"]
 
 
 @dataclass
@@ -124,46 +122,3 @@ def install_master_hooks(module: nn.Module, tensors: list[MasterTensor], owner: 
             _register(module, "register_load_state_dict_pre_hook",
                       "_register_load_state_dict_pre_hook", before, with_module=True),
             module.register_load_state_dict_post_hook(after)]
-
-
-def install_swap_hooks(block: SwappedBlock, sync: Callable[[], None] | None = None, *,
-                       reader: Callable[[SwappedBlock, int, int], torch.Tensor] | None = None
-                       ) -> list[RemovableHandle]:
-    """The hooks of one swapped block: its masters are always the truth (a slot copy is at
-    best equal, and stale after a host optimizer step); after a load the block's slot copy is
-    marked stale, so the next use reloads it. ``sync`` is called before a master is read or
-    written (device->host write-backs of ``trainable="swap"`` land first). A block kept on
-    disk has no master: ``reader(block, offset, nbytes)`` reads its bytes for ``state_dict``,
-    and loads into it are refused (its weights are frozen on disk)."""
-    names: dict[int, list[str]] = {}
-    for name, module in block.module.named_modules(remove_duplicate=False):
-        names.setdefault(id(module), []).append(name)
-    tensors = []
-    for i, e in enumerate(block.entries):
-        keys = [f"{n}.{e.attr}" if n else e.attr for n in names[id(e.owner)]]
-
-        def restore(e: Any = e) -> None:
-            e.tensor.data = e.placeholder
-
-        def current(i: int = i, e: Any = e) -> torch.Tensor:
-            if reader is not None:
-                raw = reader(block, e.offset, e.nbytes)
-                return raw.view(e.dtype).view(e.shape)
-            if sync is not None:
-                sync()
-            return block.master_views[i]  # looked up late: a master may still be filling
-
-        tensors.append(MasterTensor(keys, e.tensor, current, restore,
-                                    read_only=None if reader is None else
-                                    "the block's weights are kept on disk (host_budget)"))
-
-    def unbind() -> None:
-        block.bound = None  # the next acquire points the tensors at their slot again
-
-    def after_load() -> None:
-        unbind()
-        if block.slot is not None:  # the copy in its slot predates the load: reload it
-            block.slot.loaded_version = -1
-
-    return install_master_hooks(block.module, tensors, f"swapped block {block.name}",
-                                unbind, after_load)

@@ -1,5 +1,5 @@
 """Full fine-tuning with ``SwapConfig(trainable="swap")``: block optimizers stepped on the device
-inside backward, weights and optimizer state travelling together (``vramkit.offload._swap_optim``).
+inside backward, weights and optimizer state travelling together (``vramkit.offload.swap.stepper``).
 
 Every training test runs the same job twice -- the plain model with one optimizer over all its
 parameters, and the swapped model with a resident optimizer plus the swapper's block optimizers --
@@ -22,9 +22,9 @@ from torch import nn
 
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.memory.transfer import HostStreams, StreamOp
-from vramkit.offload import swap as swap_module
 from vramkit.offload.checkpointing import enable_gradient_checkpointing
 from vramkit.offload.swap import BlockSwapper, SwapConfig
+from vramkit.offload.swap import swapper as swapper_module
 from vramkit.optim import AdamW8bit
 
 D = 32
@@ -454,7 +454,7 @@ def test_detach_keeps_the_block_optimizers_usable() -> None:
 def test_write_back_and_reload_ordering(monkeypatch: pytest.MonkeyPatch) -> None:
     ops: list[StreamOp] = []
     streams = HostStreams(log=ops)
-    monkeypatch.setattr(swap_module, "transfer_streams", lambda device: streams)
+    monkeypatch.setattr(swapper_module, "transfer_streams", lambda device: streams)
     _, model, swapper = make(adamw, keep=0, num_slots=2)
     train_swapped(model, swapper, adamw, batches(2))
     copies = [op for op in ops if op.kind == "copy"]
@@ -490,7 +490,7 @@ def test_states_follow_their_weights_when_prefetched_in_backward(
     that steps; the parameters still equal the resident model's."""
     ops: list[StreamOp] = []
     streams = HostStreams(log=ops)
-    monkeypatch.setattr(swap_module, "transfer_streams", lambda device: streams)
+    monkeypatch.setattr(swapper_module, "transfer_streams", lambda device: streams)
     ref, model, swapper = make(adamw, keep=0, num_slots=3, accumulation_steps=accumulate)
     xs = batches(3 * accumulate)
     train_reference(ref, adamw, xs, accumulate=accumulate)
@@ -626,7 +626,7 @@ def test_forward_without_backward_does_not_delay_steps() -> None:
 def test_dropped_graph_is_freed() -> None:
     """Saved tensors of a graph dropped without backward are freed (a saved output returned as
     is by the swapper's pack hook would hold its own grad_fn: a cycle through C++)."""
-    from vramkit.offload._swap_blocks import WeightRef
+    from vramkit.offload.swap.records import WeightRef
 
     _, model, swapper = make(adamw)
     for _ in range(3):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.offload.test_swap_load import Net, _meta, _reference
+from tests.offload.swap.test_source import Net, _meta, _reference
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 

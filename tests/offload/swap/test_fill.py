@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.offload.test_swap_load import CONFIG, Net, _assert_same, _meta, _reference
+from tests.offload.swap.test_source import CONFIG, Net, _assert_same, _meta, _reference
 from vramkit.errors import ConfigError, OffloadError
-from vramkit.offload._swap_source import CheckpointSource
 from vramkit.offload.swap import BlockSwapper, SwapConfig
+from vramkit.offload.swap.source import CheckpointSource
 
 
 @pytest.fixture()
@@ -207,11 +207,12 @@ def test_masters_are_pinned_no_further_ahead_of_the_reads_than_the_lead(
         monkeypatch: pytest.MonkeyPatch, lead_blocks: float) -> None:
     # LEAD blocks ahead at least, more while they hold less than LEAD_BYTES (here 0 bytes:
     # the block rule alone, or two and a half blocks' bytes: one block more).
-    from vramkit.offload import _swap_fill, _swap_host
+    from vramkit.offload.swap import fill as fill_module
+    from vramkit.offload.swap import host as host_module
 
     patch_reads(delay=0.02)
     ahead: list[tuple[int, int]] = []  # unread blocks before the one pinned, their bytes
-    real = _swap_host.HostStore._give_master
+    real = host_module.HostStore._give_master
 
     def give_master(self: Any, block: Any) -> torch.Tensor:
         fill = self.filler
@@ -221,16 +222,16 @@ def test_masters_are_pinned_no_further_ahead_of_the_reads_than_the_lead(
             ahead.append((len(unread), sum(b.nbytes for b in unread)))
         return real(self, block)
 
-    monkeypatch.setattr(_swap_host.HostStore, "_give_master", give_master)
+    monkeypatch.setattr(host_module.HostStore, "_give_master", give_master)
     net = _meta()
     block_bytes = BlockSwapper.footprint(reference.blocks[0], CONFIG).swapped  # 5 equal
-    monkeypatch.setattr(_swap_fill, "LEAD_BYTES", int(lead_blocks * block_bytes))
+    monkeypatch.setattr(fill_module, "LEAD_BYTES", int(lead_blocks * block_bytes))
     swapper = BlockSwapper(net, config=CONFIG, device="cpu", checkpoint=path)
     swapper.wait_loaded()
     most = max(count for count, _ in ahead)
-    assert len(ahead) >= 3 and _swap_fill.LEAD == 2
+    assert len(ahead) >= 3 and fill_module.LEAD == 2
     # A block is pinned while fewer than LEAD are unread, or they hold under LEAD_BYTES.
-    assert all(count < 2 or nbytes < _swap_fill.LEAD_BYTES for count, nbytes in ahead)
+    assert all(count < 2 or nbytes < fill_module.LEAD_BYTES for count, nbytes in ahead)
     assert most == (1 if lead_blocks == 0 else 2)  # the lead was used, not more
     _assert_same(net, reference)
     figures = swapper._host.filler.figures()
@@ -241,9 +242,9 @@ def test_masters_are_pinned_no_further_ahead_of_the_reads_than_the_lead(
 
 def test_few_fill_reads_run_while_the_resident_tensors_load(
         path: Path, reference: Net, monkeypatch: pytest.MonkeyPatch) -> None:
-    from vramkit.offload import _swap_host
+    from vramkit.offload.swap import host as host_module
 
-    monkeypatch.setattr(_swap_host, "_fill_threads", lambda: 6)
+    monkeypatch.setattr(host_module, "_fill_threads", lambda: 6)
     lock = threading.Lock()
     running = [0]
     peak = {"resident": 0, "after": 0}
@@ -278,8 +279,8 @@ def test_few_fill_reads_run_while_the_resident_tensors_load(
     net = _meta()
     swapper = BlockSwapper(net, config=CONFIG, device="cpu", checkpoint=path)
     swapper.wait_loaded()
-    assert 1 <= peak["resident"] <= _swap_host.RESIDENT_LOAD_FILL_JOBS
-    assert peak["after"] > _swap_host.RESIDENT_LOAD_FILL_JOBS  # the limit is lifted after it
+    assert 1 <= peak["resident"] <= host_module.RESIDENT_LOAD_FILL_JOBS
+    assert peak["after"] > host_module.RESIDENT_LOAD_FILL_JOBS  # the limit is lifted after it
     _assert_same(net, reference)
     swapper.detach()
 

@@ -41,10 +41,10 @@ import torch
 
 from vramkit.errors import OffloadError
 from vramkit.io._header import TensorEntry
-from vramkit.offload._swap_blocks import SwapEntry, SwappedBlock, typed_view
+from vramkit.offload.swap.records import SwapEntry, SwappedBlock, typed_view
 
 if TYPE_CHECKING:
-    from vramkit.offload._swap_source import CheckpointSource
+    from vramkit.offload.swap.source import CheckpointSource
 
 __all__ = ["FillSpec", "MasterFill"]
 
@@ -136,8 +136,11 @@ class MasterFill:
 
     # -- running ---------------------------------------------------------------------------
 
-    def start(self, *, background: bool) -> None:
-        """Start filling; blocks are usable as :meth:`wait` returns for them."""
+    def start(self, *, background: bool, on_done: Callable[[], None] | None = None) -> None:
+        """Start filling; blocks are usable as :meth:`wait` returns for them. ``on_done``
+        (when given) replaces the constructor's: the caller learns it only now."""
+        if on_done is not None:
+            self._on_done = on_done
         self.background = background
         self.started = time.perf_counter()
         for block in self.blocks:

@@ -15,12 +15,12 @@ in which blocks are called, and moves bytes on the device's shared copy streams:
 * The order is learnt from the last forward pass and committed when backward starts; backward
   runs it in reverse, inference wraps around to the first blocks.
 * :meth:`SlotRing.weight_hooks` turns slot-resident tensors autograd saves into
-  :class:`~vramkit.offload._swap_blocks.WeightRef` handles, and hands every other saved tensor
+  :class:`~vramkit.offload.swap.records.WeightRef` handles, and hands every other saved tensor
   to the hooks that were active outside the block (activation offload composes).
 * :meth:`SlotRing.end_block_backward` sends a block's trainable gradients device->host into its
   pinned gradient buffer (``trainable="cpu"``).
 
-It implements :class:`~vramkit.offload._swap_blocks.BlockRuntime`, the interface the autograd
+It implements :class:`~vramkit.offload.swap.records.BlockRuntime`, the interface the autograd
 helpers use. No host synchronization happens in steady state.
 """
 
@@ -36,7 +36,7 @@ import torch
 from vramkit.errors import OffloadError
 from vramkit.memory.pool import MemoryPool, PoolConfig
 from vramkit.memory.transfer import Streams
-from vramkit.offload._swap_blocks import (
+from vramkit.offload.swap.records import (
     ALIGN,
     Slot,
     SwappedBlock,
@@ -46,8 +46,8 @@ from vramkit.offload._swap_blocks import (
 )
 
 if TYPE_CHECKING:
-    from vramkit.offload._swap_disk import DiskTier
-    from vramkit.offload._swap_optim import SwapStepper
+    from vramkit.offload.swap.disk import DiskTier
+    from vramkit.offload.swap.stepper import SwapStepper
 
 __all__ = ["BlockLoader", "SlotRing"]
 
@@ -123,7 +123,7 @@ class SlotRing:
         if loader is not None and self.slot_bytes:
             padded = max(loader.padded_bytes(b.nbytes) for b in blocks)
             self.slot_bytes = -(-padded // ALIGN) * ALIGN
-        # trainable="swap": steps the blocks' optimizers (vramkit.offload._swap_optim).
+        # trainable="swap": steps the blocks' optimizers (vramkit.offload.swap.stepper).
         self.stepper: SwapStepper | None = None
         self.gradient_hook: Any = None  # BlockSwapper.set_gradient_hook
         # host_budget: blocks without a master, read from disk into staging ahead of use.

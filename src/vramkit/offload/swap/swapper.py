@@ -25,12 +25,12 @@ transfers. How a swapped block moves:
   order at first). Forward goes front to back; backward back to front, so the last R blocks
   stay loaded across the forward->backward turn; inference wraps around to the first blocks.
 * **Backward**: saved weights are block handles, never GPU memory. Blocks whose swapped weights
-  are frozen join the outer autograd graph (:mod:`vramkit.offload._swap_graph`): a pre-hook on
+  are frozen join the outer autograd graph (:mod:`vramkit.offload.swap.graph`): a pre-hook on
   each output node re-acquires the slot before the block's backward (and its recomputation when
   checkpointed), and the slot is released once the block's input gradients are done -- by an
   identity Function on the inputs, or, for a block fed by the previous swapped block's output,
   by that block's hook. Blocks with swapped trainable weights run through
-  :class:`vramkit.offload._swap_function.SwapBlockFunction`, which re-acquires, recomputes when
+  :class:`vramkit.offload.swap.function.SwapBlockFunction`, which re-acquires, recomputes when
   checkpointed and back-propagates in its own backward.
 
 Trainable weights in swapped blocks (``SwapConfig.trainable="cpu"``, full fine-tuning): after a
@@ -52,310 +52,68 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from vramkit._validate import check_bool, check_choice, check_int, check_number, check_size
+from vramkit._validate import check_bool, check_size
 from vramkit.devices.resolve import resolve_device
 from vramkit.errors import ConfigError, OffloadError, VramkitWarning
-from vramkit.memory.layout import Random, Sequential, Strided, analyze_access_pattern
 from vramkit.memory.transfer import transfer_streams
-from vramkit.offload import _patch, _tree
+from vramkit.offload import _patch
 from vramkit.offload._lean_checkpoint import LeanState
-from vramkit.offload._state_dict import install_swap_hooks
-from vramkit.offload._swap_blocks import (
-    BlockFootprint,
-    SwapEntry,
-    SwappedBlock,
-    block_footprint,
-    block_tensors,
-    is_swappable,
-    layout_entries,
-    schedule_bytes,
-)
-from vramkit.offload._swap_function import BlockCall, SwapBlockFunction
-from vramkit.offload._swap_graph import (
-    BlockBackward,
-    OutputHook,
-    enter_block,
-    exit_block,
-    hook_outputs,
-)
-from vramkit.offload._swap_host import DiskSplit, HostStore, MasterMemory, split_for_host_budget
-from vramkit.offload._swap_optim import OptimizerFactory, SwappedOptimizer, SwapStepper
-from vramkit.offload._swap_ring import COUNTERS as RING_COUNTERS
-from vramkit.offload._swap_ring import BlockLoader, SlotRing
-from vramkit.offload._swap_source import CheckpointSource
-from vramkit.offload._swap_structure import shape_key, structure_epoch, watch_structure
+from vramkit.offload._structure import watch_structure
 from vramkit.offload.blocks import (
     BlockScheduleEntry,
     BlockSpec,
     as_block_specs,
     choose_swapped,
     find_blocks,
-    module_bytes,
     named_schedule,
 )
-from vramkit.offload.checkpointing import (
-    checkpoint_method,
-    is_checkpointed,
-    run_checkpointed,
-    unwrapped_forward,
+from vramkit.offload.checkpointing import checkpoint_method, is_checkpointed, unwrapped_forward
+from vramkit.offload.swap.attach import (
+    Countdown,
+    DDPIgnored,
+    collect_swapped,
+    ignore_in_ddp,
+    module_names,
+    move_to_device,
+    nothing_swapped_reason,
+    refuse_wrapped,
+    restore_ddp_ignored,
+    restore_entry,
+    restore_moved,
 )
+from vramkit.offload.swap.calls import BlockCalls
+from vramkit.offload.swap.config import GradientHook, SwapConfig, SwapStats
+from vramkit.offload.swap.host import (
+    DiskSplit,
+    HostStore,
+    MasterMemory,
+    parks_grads,
+    split_for_host_budget,
+)
+from vramkit.offload.swap.optimizer import SwappedOptimizer, run_pending_steps
+from vramkit.offload.swap.records import (
+    BlockFootprint,
+    SwappedBlock,
+    block_footprint,
+    schedule_bytes,
+)
+from vramkit.offload.swap.ring import BlockLoader, SlotRing
+from vramkit.offload.swap.source import CheckpointSource
+from vramkit.offload.swap.state_dict import install_swap_hooks
+from vramkit.offload.swap.stats import swap_stats
+from vramkit.offload.swap.stepper import OptimizerFactory, SwapStepper
 from vramkit.units import format_size
 
-__all__ = [
-    "BlockFootprint",
-    "BlockLoader",
-    "BlockScheduleEntry",
-    "BlockSwapper",
-    "DiskSplit",
-    "GradientHook",
-    "MasterMemory",
-    "SwapConfig",
-    "SwapStats",
-]
-
-# Called with a swapped block's name and its trainable weights' gradients on the device, once
-# they are complete for the step; may return a finish() for work still in flight (see
-# BlockSwapper.set_gradient_hook).
-GradientHook = Callable[[str, list[torch.Tensor]], "Callable[[], None] | None"]
+__all__ = ["BlockSwapper"]
 
 logger = logging.getLogger(__name__)
 
-_TRAINABLE = ("resident", "cpu", "swap")
-_STAGING_MIN = 3  # disk tier: one buffer copying to the GPU, one ready, one being read
-# Argument/output types that are leaves for certain (the fast path skips the tree walk for calls
-# made only of these); a tensor subclass or a container takes the general path.
-_PLAIN_LEAVES = frozenset({torch.Tensor, nn.Parameter, type(None), bool, int, float, str})
-
-
-@dataclass(frozen=True)
-class SwapConfig:
-    """How a :class:`BlockSwapper` chooses and moves blocks.
-
-    Args:
-        max_gpu_blocks: keep at most this many blocks resident; the rest are swapped.
-        max_gpu_bytes: GPU bytes allowed for blocks: resident blocks plus the R slots (an int
-            or a string such as ``"6GiB"``). With both limits the stricter one wins; with
-            neither (default) every block is swapped. It counts weights: with
-            ``trainable="swap"`` the state slots (R x the largest block's optimizer state,
-            known after the first step: ``stats().state_slot_bytes``) come on top.
-        num_slots: R, the GPU slots of the ring (default 2, at least 1). With
-            ``trainable="swap"`` also the optimizer-state slots (at least 2), and more slots let
-            write-backs overlap the next loads: give it what the card has room for (Flux-12B
-            full fine-tuning reached its copy bound at 8; docs/benchmarks.md).
-        prefetch: how many of the next blocks (in predicted order) should be in slots when a
-            block releases its slot; missing ones are loaded then. Default ``num_slots`` (the
-            released slot is free for the block after the next), at most that; 0 loads every
-            block on demand.
-        checkpointing: recompute swapped blocks in backward instead of keeping their
-            activations. ``None`` (default) follows the blocks:
-            :func:`vramkit.offload.checkpointing.enable_gradient_checkpointing` marks them.
-        min_param_bytes: tensors smaller than this stay resident (norms, biases, modulation
-            tables). Default 64 KiB.
-        swap_buffers: swap large buffers as well as parameters (default ``True``). Swapped
-            buffers are read-only: a write in forward is lost at eviction.
-        trainable: ``"resident"`` (default) keeps trainable parameters on the GPU;
-            ``"cpu"`` swaps them too, offloads their gradients to pinned host memory and expects
-            a CPU optimizer over :meth:`BlockSwapper.host_parameters`; ``"swap"`` swaps them
-            with their optimizer state and steps each block's own optimizer on the GPU inside
-            backward (full fine-tuning; give ``BlockSwapper(..., optimizer=factory)``).
-        accumulation_steps: with ``trainable="swap"``, backward passes per optimizer step of the
-            swapped blocks (default 1); the gradients of the first ``N - 1`` wait in pinned
-            host memory.
-        max_grad_norm: with ``trainable="swap"``, clip the gradients by their global L2 norm
-            (resident and swapped together). The swapped blocks' steps are then deferred: call
-            :meth:`BlockSwapper.clip_grad_norm_` and ``swapper.optimizer.step()`` after
-            backward. Default ``None`` (no clipping; blocks step inside backward).
-        preserve_rng_state: replay the RNG state when recomputing a checkpointed block, so
-            dropout masks match (default ``True``).
-        swapped_blocks: the names of the blocks to swap, as a planner chose them (the other
-            blocks stay resident); a list is stored as a tuple. Not with ``max_gpu_blocks`` or
-            ``max_gpu_bytes``. Default ``None``: the schedule chooses by the limits.
-        host_budget: pinned host bytes the swapper may hold (masters, gradient buffers and
-            disk staging; an int or a string such as ``"8GiB"``). Swapped blocks whose masters
-            do not fit stay on disk (frozen weights only): in the checkpoint the swapper was
-            attached with, or in a cache file written once, and are read ahead of use into a
-            few pinned staging buffers (:mod:`vramkit.offload._swap_disk`). Default ``None``:
-            every swapped block is pinned.
-        disk_cache_dir: where the disk tier writes its cache file when blocks cannot be read
-            from a checkpoint (default: ``$VRAMKIT_CACHE_DIR`` or ``~/.cache/vramkit``). Use a
-            local disk, not tmpfs (that would be RAM again).
-    """
-
-    max_gpu_blocks: int | None = None
-    max_gpu_bytes: int | str | None = None
-    num_slots: int = 2
-    prefetch: int | None = None
-    checkpointing: bool | None = None
-    min_param_bytes: int = 64 * 1024
-    swap_buffers: bool = True
-    trainable: str = "resident"
-    preserve_rng_state: bool = True
-    swapped_blocks: tuple[str, ...] | None = None
-    accumulation_steps: int = 1
-    max_grad_norm: float | None = None
-    host_budget: int | str | None = None
-    disk_cache_dir: str | None = None
-
-    def __post_init__(self) -> None:
-        check_int("SwapConfig.max_gpu_blocks", self.max_gpu_blocks, minimum=0, allow_none=True)
-        object.__setattr__(self, "max_gpu_bytes", check_size(
-            "SwapConfig.max_gpu_bytes", self.max_gpu_bytes, allow_none=True))
-        check_int("SwapConfig.num_slots", self.num_slots, minimum=1)
-        check_int("SwapConfig.prefetch", self.prefetch, minimum=0, maximum=self.num_slots,
-                  allow_none=True,
-                  hint="Prefetching more blocks than there are slots would evict blocks before "
-                       "they are used. Raise num_slots.")
-        check_bool("SwapConfig.checkpointing", self.checkpointing, allow_none=True)
-        check_int("SwapConfig.min_param_bytes", self.min_param_bytes, minimum=0)
-        check_choice("SwapConfig.trainable", self.trainable, _TRAINABLE)
-        check_bool("SwapConfig.swap_buffers", self.swap_buffers)
-        check_bool("SwapConfig.preserve_rng_state", self.preserve_rng_state)
-        check_int("SwapConfig.accumulation_steps", self.accumulation_steps, minimum=1)
-        object.__setattr__(self, "max_grad_norm", check_number(
-            "SwapConfig.max_grad_norm", self.max_grad_norm, minimum=0.0, low_open=True,
-            allow_none=True))
-        if self.trainable != "swap" and (self.accumulation_steps != 1
-                                         or self.max_grad_norm is not None):
-            knob = ("accumulation_steps" if self.accumulation_steps != 1 else "max_grad_norm")
-            raise ConfigError(
-                f"SwapConfig.{knob} applies to trainable='swap' (the swapper steps the "
-                f"swapped blocks' optimizers), not to trainable={self.trainable!r}",
-                hint="Use trainable='swap' with an optimizer factory, or accumulate and clip "
-                     "in your own training loop.")
-        object.__setattr__(self, "host_budget", check_size(
-            "SwapConfig.host_budget", self.host_budget, allow_none=True))
-        if self.disk_cache_dir is not None:
-            if not isinstance(self.disk_cache_dir, (str, os.PathLike)) or not str(
-                    self.disk_cache_dir):
-                raise ConfigError(
-                    f"SwapConfig.disk_cache_dir must be a directory path, got "
-                    f"{self.disk_cache_dir!r}",
-                    hint="Pass a path on a local disk, e.g. '/scratch/vramkit-cache'.")
-            object.__setattr__(self, "disk_cache_dir", os.fspath(self.disk_cache_dir))
-            if self.host_budget is None:
-                raise ConfigError(
-                    "SwapConfig.disk_cache_dir is where the disk tier writes, and there is no "
-                    "disk tier without host_budget",
-                    hint="Set host_budget (e.g. '8GiB') as well, or drop disk_cache_dir.")
-        if self.host_budget is not None and self.trainable == "swap":
-            raise ConfigError(
-                "SwapConfig.host_budget does not bound trainable='swap' yet: the block "
-                "optimizers' state masters are pinned on their first step and not counted",
-                hint="Drop host_budget for full fine-tuning (pinned = weights + optimizer "
-                     "state), or use it with frozen swapped weights (LoRA).")
-        if self.swapped_blocks is not None:
-            names = self.swapped_blocks
-            if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(
-                    isinstance(n, str) and n for n in names):
-                raise ConfigError(
-                    f"SwapConfig.swapped_blocks must be a list of block names, got {names!r}",
-                    hint="Name blocks as find_blocks(model) does, e.g. ['blocks.0', 'blocks.3'].")
-            if self.max_gpu_blocks is not None or self.max_gpu_bytes is not None:
-                raise ConfigError(
-                    "SwapConfig.swapped_blocks names the blocks to swap; max_gpu_blocks and "
-                    "max_gpu_bytes would choose them again",
-                    hint="Give either swapped_blocks or the limits, not both.")
-            object.__setattr__(self, "swapped_blocks", tuple(names))
-
-    @property
-    def lookahead(self) -> int:
-        """How many upcoming blocks should be loaded when a slot is released."""
-        return self.num_slots if self.prefetch is None else self.prefetch
-
-
-@dataclass(frozen=True)
-class SwapStats:
-    """What a :class:`BlockSwapper` holds and has moved.
-
-    Attributes:
-        blocks: blocks found; ``swapped_blocks`` of them are swapped.
-        swapped_bytes: bytes of the swapped tensors (their pinned masters, before alignment).
-        pinned_bytes: host bytes reserved for masters (and gradient buffers, disk staging), page
-            locked on a GPU except ``pageable_bytes`` of them.
-        slot_bytes: GPU bytes of the ring (R x the largest swapped block).
-        resident_block_bytes: bytes of blocks (and swapped blocks' small tensors) kept on GPU.
-        loads: slot fills; ``prefetched`` of them were issued ahead of use, ``on_demand`` when
-            a block was needed and not on its way (a misprediction or the first pass).
-        hits: acquisitions that found the block already in a slot.
-        h2d_bytes / d2h_bytes: bytes copied host->device (weights) / device->host (gradients).
-        gathered_bytes: weight bytes that reached the slots from the other GPUs instead of the
-            host (a collective ``block_loader``: sharded uploads).
-        enqueue_seconds: host time spent in acquire/release (enqueuing copies and events).
-        acquisitions: blocks acquired (forward and backward).
-        order_pattern: how the learnt forward order walks the swapped blocks' model positions
-            (:func:`vramkit.memory.layout.analyze_access_pattern`): ``Sequential()`` for a
-            plain front-to-back stack, ``Strided``/``Random`` when blocks are called out of
-            their container order (prefetch follows the learnt order either way).
-        optimizer_steps: block optimizer steps taken (``trainable="swap"``).
-        state_bytes: pinned host bytes of the block optimizers' state masters (included in
-            ``pinned_bytes``; grows as blocks adopt their state on their first step).
-        state_slot_bytes: GPU bytes of the optimizer state slots (``num_slots`` of them, at
-            least two).
-        state_prefetched: block optimizer states loaded right behind their block's weights
-            when prefetched in backward (the others load as the block's backward begins).
-        pageable_bytes: host bytes of masters/buffers that could not be page-locked (the
-            pinned pool fell back to pageable memory: copies from them are slower).
-        disk_blocks / disk_bytes: swapped blocks kept on disk (``host_budget``) and their
-            bytes; ``staging_bytes`` the pinned staging buffers they are read into (included
-            in ``pinned_bytes``).
-        disk_reads / disk_read_bytes / disk_read_seconds: blocks read from disk, bytes and
-            time the reader spent; ``disk_hits`` copies served from a staging buffer without a
-            read; ``disk_waits`` / ``disk_wait_seconds`` times (and time) a block was needed
-            before its read finished.
-        shared_bytes: of ``pinned_bytes``, the masters in memory shared by the processes of
-            one node (``vramkit.distributed``): one copy per node, not per process.
-        checkpoint_bytes / load_seconds: bytes read from the checkpoint and the time from
-            the start of the attach to the end of the load (``checkpoint=``); ``loading``:
-            swapped blocks are still being read in the background (these two figures and
-            ``pinned_bytes`` are then the ones so far).
-    """
-
-    blocks: int
-    swapped_blocks: int
-    swapped_bytes: int
-    pinned_bytes: int
-    slot_bytes: int
-    resident_block_bytes: int
-    loads: int
-    prefetched: int
-    on_demand: int
-    hits: int
-    h2d_bytes: int
-    d2h_bytes: int
-    acquisitions: int
-    enqueue_seconds: float
-    order_pattern: Sequential | Strided | Random = field(default_factory=Sequential)
-    optimizer_steps: int = 0
-    state_bytes: int = 0
-    state_slot_bytes: int = 0
-    pageable_bytes: int = 0
-    disk_blocks: int = 0
-    disk_bytes: int = 0
-    staging_bytes: int = 0
-    disk_reads: int = 0
-    disk_read_bytes: int = 0
-    disk_read_seconds: float = 0.0
-    disk_hits: int = 0
-    disk_waits: int = 0
-    disk_wait_seconds: float = 0.0
-    checkpoint_bytes: int = 0
-    load_seconds: float = 0.0
-    loading: bool = False
-    shared_bytes: int = 0
-    gathered_bytes: int = 0
-    state_prefetched: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        out = dict(self.__dict__)
-        out["order_pattern"] = type(self.order_pattern).__name__.lower()
-        return out
 
 
 class _SwappedForward(_patch.MethodWrapper):
@@ -460,7 +218,7 @@ class BlockSwapper:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}",
                               hint="Pass the torch.nn.Module whose blocks should be swapped.")
-        _refuse_wrapped(model)
+        refuse_wrapped(model)
         if config.trainable == "swap" and not callable(optimizer):
             raise ConfigError(
                 "SwapConfig(trainable='swap') steps each swapped block with its own optimizer: "
@@ -493,17 +251,19 @@ class BlockSwapper:
         self._state_hooks: list[RemovableHandle] = []  # state_dict through the host masters
         self._blocks: list[SwappedBlock] = []
         self._ring: SlotRing | None = None
-        self._trainable_cache: dict[int, bool] = {}
-        # Output hooks of the swapped call just made (node sequence number, hook): the next
-        # call chains to them when its inputs come from one of those nodes (_call_in_graph).
-        self._last_hooks: list[tuple[int, OutputHook]] = []
-        self._anchor: torch.Tensor | None = None
+        self._calls: BlockCalls | None = None  # the per-call path, once the ring exists
         self._stepper: SwapStepper | None = None
         self._optimizer: SwappedOptimizer | None = None
         self._resident_block_bytes = 0
         self._unwatch: weakref.finalize | None = None
         self._source: CheckpointSource | None = None
-        self._host = HostStore(config, self.device, self.streams, None, master_memory)
+        self._host = HostStore(
+            self.device, self.streams, None, master_memory,
+            host_params=config.trainable == "cpu",
+            park_grads=parks_grads(config.trainable, config.accumulation_steps,
+                                   config.max_grad_norm),
+            host_budget=config.host_budget,  # type: ignore[arg-type]  # normalized to int
+            disk_cache_dir=config.disk_cache_dir)
         if block_loader is not None and config.host_budget is not None:
             raise ConfigError(
                 "block_loader= with SwapConfig.host_budget: blocks read from disk become ready "
@@ -513,7 +273,7 @@ class BlockSwapper:
                      "(shared_swapper(..., uploads='whole')).")
         self._loader = block_loader
         self._gradient_hook: GradientHook | None = None
-        self._ddp_ignored: tuple[bool, Any] | None = None  # (had the attribute, its value)
+        self._ddp_ignored: DDPIgnored | None = None
         self._model_type = type(model)
         self._load_began = time.perf_counter()
         self._load_stats = (0, 0.0)
@@ -523,7 +283,7 @@ class BlockSwapper:
             if checkpoint is not None:
                 check_bool("strict", strict)
                 check_bool("progress", progress, allow_none=True)
-                skip = _module_names(model, checkpoint_skip)
+                skip = module_names(model, checkpoint_skip)
                 self._source = CheckpointSource(model, checkpoint, prefix=prefix, strict=strict,
                                                 progress=progress, skip=skip)
                 self._host.source = self._source
@@ -624,7 +384,7 @@ class BlockSwapper:
             host_budget: the pinned host budget (bytes or a size string; ``None``: no limit).
 
         Returns:
-            A :class:`~vramkit.offload._swap_host.DiskSplit` (indices on disk, staging buffers,
+            A :class:`~vramkit.offload.swap.host.DiskSplit` (indices on disk, staging buffers,
             pinned bytes), or ``None`` when every master fits.
 
         Raises:
@@ -636,54 +396,20 @@ class BlockSwapper:
     # -- attaching --------------------------------------------------------------------------
 
     def _attach(self, found: list[tuple[str, nn.Module]], *, background: bool = False) -> None:
-        shared = self._shared_tensor_ids(found)
-        for entry in self.schedule:
-            name, module = found[entry.index]
-            if not entry.swapped:
-                self._resident_block_bytes += module_bytes(module)
-                continue
-            entries: list[SwapEntry] = []
-            for owner, attr, tensor, is_param in block_tensors(module):
-                if id(tensor) in shared or not is_swappable(tensor, self.config,
-                                                             is_param=is_param):
-                    self._resident_block_bytes += tensor.numel() * tensor.element_size()
-                    continue
-                nbytes = tensor.numel() * tensor.element_size()
-                # A tensor built on meta comes back to the CPU at detach, with its values.
-                home = torch.device("cpu") if tensor.is_meta else tensor.device
-                entries.append(SwapEntry(owner, attr, is_param, tensor, 0, nbytes,
-                                         tensor.shape, tuple(tensor.stride()), tensor.dtype,
-                                         home, bool(tensor.requires_grad)))
-            if not entries:
-                continue  # nothing worth swapping: the block stays resident
-            self._blocks.append(SwappedBlock(entry.index, name, module, entries,
-                                             layout_entries(entries)))
+        self._blocks, self._resident_block_bytes = collect_swapped(
+            self.model, found, self.schedule, self.config)
         self._host.place(self._blocks)
         swapped_ids = {id(e.tensor) for b in self._blocks for e in b.entries}
         # Everything else goes to the device (placement recorded for detach); from the
         # checkpoint when one is given and holds it.
         source = self._source
-        from_file: list[torch.Tensor] = []
-        seen: set[int] = set()
-        for owner in self.model.modules():
-            for tensors in (owner._parameters, owner._buffers):
-                for t in tensors.values():
-                    if t is None or id(t) in swapped_ids or id(t) in seen:
-                        continue
-                    seen.add(id(t))
-                    if source is not None and source.entry(t) is not None:
-                        from_file.append(t)
-                    elif t.is_meta:
-                        continue  # a non-persistent buffer recomputed below, or an error
-                    elif t.device != self.device:
-                        self._moved.append((t, t.device))
-                        t.data = t.data.to(self.device)
+        self._moved, from_file = move_to_device(self.model, swapped_ids, source, self.device)
         # The masters start filling first, so the disk reads them beside the resident tensors
         # (the whole checkpoint is read at the disk's pace: the loader alone does not keep it
         # busy); in the background when asked, with few reads in flight until the resident
         # tensors are in place (the first forward needs them first). The checkpoint closes once
         # both are done with it.
-        close = _Countdown(2 if source is not None else 1, self._close_source)
+        close = Countdown(2 if source is not None else 1, self._close_source)
         self._host.start_fill(background=background and source is not None,
                               on_done=close.release)
         try:
@@ -704,7 +430,7 @@ class BlockSwapper:
         self._ring = SlotRing(self._blocks, self.device, self.streams,
                               num_slots=self.config.num_slots, lookahead=self.config.lookahead,
                               preserve_rng_state=self.config.preserve_rng_state,
-                              on_backward_turn=self._forget_chain, loader=self._loader)
+                              loader=self._loader)
         self._ring.disk = self._host.disk
         if self.config.trainable == "swap":
             assert self._factory is not None  # checked in __init__
@@ -715,97 +441,27 @@ class BlockSwapper:
                 state_slots=self.config.num_slots)
             self._ring.stepper = self._stepper
             self._optimizer = SwappedOptimizer(self._stepper, self._run_pending_steps)
+        self._calls = BlockCalls(self._ring, self.device, stepper=self._stepper,
+                                 preserve_rng_state=self.config.preserve_rng_state)
+        self._ring.on_backward_turn = self._calls.forget_chain
         for block in self._blocks:
             self._wrap_forward(block)
             self._state_hooks += install_swap_hooks(
                 block, functools.partial(self._sync_masters, block),
                 reader=(self._host.disk.read_tensor if block.on_disk and self._host.disk
                         else None))
-        self._ignore_in_ddp()
+        self._ddp_ignored = ignore_in_ddp(self.model, self._blocks)
         watch_structure(True)
         # Released by detach(), or when the swapper is collected without one.
         self._unwatch = weakref.finalize(self, watch_structure, False)
         self._attached = True
         if not self._blocks:
-            warnings.warn(self._nothing_swapped_reason(found), VramkitWarning, stacklevel=3)
+            warnings.warn(nothing_swapped_reason(self.config, self.schedule, found), VramkitWarning,
+                          stacklevel=3)
         logger.info("BlockSwapper: %d of %d blocks swapped (%s pinned, %d slots of %s)",
                     len(self._blocks), len(self.schedule),
                     format_size(sum(b.nbytes for b in self._blocks)), len(self._ring.slots),
                     format_size(self._ring.slot_bytes))
-
-    def _ignore_in_ddp(self) -> None:
-        """List the swapped tensors in ``model._ddp_params_and_buffers_to_ignore`` (DDP's own
-        way to leave tensors out): their placeholders must not be broadcast (they alias one
-        element) nor reduced (vramkit.distributed reduces swapped trainable gradients)."""
-        swapped = {id(e.tensor) for b in self._blocks for e in b.entries}
-        if not swapped:
-            return
-        names = [n for n, t in (*self.model.named_parameters(remove_duplicate=False),
-                                *self.model.named_buffers(remove_duplicate=False))
-                 if id(t) in swapped]
-        had = hasattr(self.model, "_ddp_params_and_buffers_to_ignore")
-        before = getattr(self.model, "_ddp_params_and_buffers_to_ignore", None)
-        self._ddp_ignored = (had, before)
-        merged = list(before or []) + [n for n in names if n not in set(before or [])]
-        self.model._ddp_params_and_buffers_to_ignore = merged  # type: ignore[assignment]
-
-    def _restore_ddp_ignored(self) -> None:
-        if self._ddp_ignored is None:
-            return
-        had, before = self._ddp_ignored
-        self._ddp_ignored = None
-        if had:
-            self.model._ddp_params_and_buffers_to_ignore = before  # type: ignore[assignment]
-        elif hasattr(self.model, "_ddp_params_and_buffers_to_ignore"):
-            del self.model._ddp_params_and_buffers_to_ignore
-
-    def _nothing_swapped_reason(self, found: list[tuple[str, nn.Module]]) -> str:
-        """Why an attached swapper swaps no block, in words a user can act on."""
-        config = self.config
-        chosen = [found[e.index] for e in self.schedule if e.swapped]
-        prefix = f"BlockSwapper swaps none of the {len(found)} blocks it found: "
-        if not chosen:
-            if config.swapped_blocks is not None:
-                return prefix + "SwapConfig.swapped_blocks is empty."
-            limit = (f"max_gpu_bytes={format_size(config.max_gpu_bytes)}"  # type: ignore[arg-type]
-                     if config.max_gpu_bytes is not None
-                     else f"max_gpu_blocks={config.max_gpu_blocks}")
-            return (prefix + f"{limit} holds every block "
-                    f"({format_size(sum(e.nbytes for e in self.schedule))}), so the model runs "
-                    "resident. Lower the limit if the GPU cannot hold it.")
-        tensors = [(t, is_param) for _, module in chosen
-                   for _, _, t, is_param in block_tensors(module)]
-        largest = max((t.numel() * t.element_size() for t, _ in tensors), default=0)
-        if largest < max(1, config.min_param_bytes):
-            return (prefix + f"every tensor of the {len(chosen)} blocks the schedule chose is "
-                    f"below min_param_bytes={format_size(config.min_param_bytes)} (the largest "
-                    f"is {format_size(largest)}). Lower SwapConfig.min_param_bytes to swap "
-                    "small blocks.")
-        big = [t for t, _ in tensors
-               if t.numel() * t.element_size() >= max(1, config.min_param_bytes)]
-        if config.trainable == "resident" and all(t.requires_grad for t in big):
-            return (prefix + "the large tensors of the blocks it chose are trainable and "
-                    "trainable='resident' keeps them on the GPU. Freeze the base weights "
-                    "(LoRA), or use SwapConfig(trainable='swap') (optimizer on the GPU) or "
-                    "trainable='cpu' for full fine-tuning.")
-        return (prefix + "the tensors of the blocks it chose are shared with other blocks, "
-                "buffers with swap_buffers=False, or not dense, so they stay resident.")
-
-    def _shared_tensor_ids(self, found: list[tuple[str, nn.Module]]) -> set[int]:
-        """Tensors used by more than one block, or by a block and the rest of the model: tied
-        weights stay resident, because a swapped copy would diverge from its twin."""
-        owners: dict[int, set[int]] = {}
-        prefixes = [(name + ".", i) for i, (name, _) in enumerate(found)]
-        names = {name: i for i, (name, _) in enumerate(found)}
-        # remove_duplicate=False: a submodule shared by two blocks is listed under both names.
-        for qual, sub in self.model.named_modules(remove_duplicate=False):
-            where = names.get(qual, -1)
-            if where < 0:
-                where = next((i for prefix, i in prefixes if qual.startswith(prefix)), -1)
-            for t in list(sub._parameters.values()) + list(sub._buffers.values()):
-                if t is not None:
-                    owners.setdefault(id(t), set()).add(where)
-        return {k for k, v in owners.items() if len(v) > 1}
 
     def _sync_masters(self, block: SwappedBlock | None = None) -> None:
         """Before ``block``'s master (every master: ``None``) is read or written on the host:
@@ -813,11 +469,6 @@ class BlockSwapper:
         self._host.wait(block)
         if self._stepper is not None:
             self._stepper.synchronize()
-
-    def _anchor_tensor(self) -> torch.Tensor:
-        if self._anchor is None:
-            self._anchor = torch.zeros((), device=self.device, requires_grad=True)
-        return self._anchor
 
     def _wrap_forward(self, block: SwappedBlock) -> None:
         module = block.module
@@ -833,9 +484,6 @@ class BlockSwapper:
         block.wrapper = _patch.install(module, _SwappedForward(self, block, fn))
         block.module_type = type(module)
 
-    def _forget_chain(self) -> None:
-        self._last_hooks = []
-
     # -- the hot path -----------------------------------------------------------------------
 
     def _call_block(self, block: SwappedBlock, fn: Callable[..., Any], args: tuple[Any, ...],
@@ -843,171 +491,10 @@ class BlockSwapper:
         if not self._attached:
             raise OffloadError(f"swapped block {block.name} called after detach()",
                                hint="Call the model, not a forward kept from before detach().")
-        ring: SlotRing = self._ring  # type: ignore[assignment]  # set before _attached
         if type(block.module) is not block.module_type or type(self.model) is not self._model_type:
-            _refuse_wrapped(self.model, attached=True)
+            refuse_wrapped(self.model, attached=True)
             block.module_type, self._model_type = type(block.module), type(self.model)
-        if ring.observe(block):
-            self._trainable_cache.clear()
-        chain = self._last_hooks
-        if chain:
-            self._last_hooks = []  # only the immediately preceding call chains
-        if not torch.is_grad_enabled():
-            ring.begin_no_grad()  # a collective loader copies plainly (maybe one rank alone)
-            ring.training_pass = False
-            stream = ring.acquire(block, backward=False)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                ring.release(block, backward=False, stream=stream)
-        ring.end_no_grad()
-        # Most blocks take plain tensors positionally: one pass over them, no tree walk (this
-        # path runs once per block and step, where the swapper is host-bound).
-        spec = None
-        positions: list[int] | None = [] if not kwargs else None
-        if positions is not None:
-            for i, a in enumerate(args):
-                kind = type(a)
-                if kind is torch.Tensor or kind is nn.Parameter:
-                    if a.requires_grad:
-                        positions.append(i)
-                elif kind not in _PLAIN_LEAVES:
-                    positions = None
-                    break
-        if positions is None:
-            leaves, spec = _tree.flatten((args, kwargs))
-            positions = [i for i, x in enumerate(leaves)
-                         if isinstance(x, torch.Tensor) and x.requires_grad]
-        else:
-            leaves = list(args)
-        # Whether the block has trainable parameters only matters when no input requires
-        # grad (LoRA on a frozen model's first block) or for the anchor of swapped trainable
-        # weights: otherwise the per-pass requires_grad check is skipped.
-        if not positions and not self._has_trainable(block):
-            ring.training_pass = False
-            stream = ring.acquire(block, backward=False)
-            try:
-                # Grad mode with nothing to differentiate: anything autograd still saves from
-                # the slot (a requires-grad tensor hidden from pytree) must fail loudly.
-                with ring.weight_hooks(block, forbid=True):
-                    return fn(*args, **kwargs)
-            finally:
-                ring.release(block, backward=False, stream=stream)
-        ring.training_pass = True
-        if not block.trainable_entries:
-            return self._call_in_graph(ring, block, fn, leaves, spec, positions, chain)
-        if spec is None:
-            spec = _tree.flatten((args, kwargs))[1]
-        call = BlockCall(ring, block, fn, leaves, spec, block.checkpointed)
-        if self._stepper is not None:
-            self._stepper.forward_call(block, call)  # steps after the last call's backward
-        tensors = [x for x, t in zip(leaves, call.is_tensor, strict=True) if t]
-        anchor = self._anchor_tensor() if self._has_trainable(block) else None
-        outs = SwapBlockFunction.apply(call, anchor, *tensors)
-        return call.rebuild_outputs(list(outs))
-
-    def _call_in_graph(self, ring: SlotRing, block: SwappedBlock, fn: Callable[..., Any],
-                       leaves: list[Any], spec: Any, positions: list[int],
-                       chain: list[tuple[int, OutputHook]]) -> Any:
-        """A training call whose nodes join the outer graph (see ``_swap_graph``): pre-hooks on
-        the output nodes and an identity Function on the inputs hold the slot across the block's
-        backward. ``spec`` is ``None`` when ``leaves`` are the positional arguments themselves;
-        ``positions`` index the leaves that require grad; ``chain`` holds the output hooks of
-        the swapped call made just before."""
-        call = BlockBackward(ring, block)
-        entry = None
-        if positions:
-            # A chain of swapped blocks: when every differentiable input comes from one output
-            # node of the previous call, that node's hook releases this call (no entry Function).
-            entry = leaves[positions[0]].grad_fn
-            link = None
-            if chain and entry is not None:
-                number = entry._sequence_nr()
-                for n, hook in chain:
-                    if n == number:
-                        link = hook
-                        break
-                if link is not None:
-                    for i in positions:
-                        if leaves[i].grad_fn is not entry:
-                            link = None
-                            break
-            if link is not None:
-                link.consumers.append(call)
-            else:
-                entered = enter_block(call, [leaves[i] for i in positions])
-                for i, t in zip(positions, entered, strict=True):
-                    leaves[i] = t
-                entry = entered[0].grad_fn
-        if spec is None:
-            args: Any = leaves
-            kwargs: dict[str, Any] = {}
-        else:
-            args, kwargs = _tree.unflatten(leaves, spec)
-        stream = ring.acquire(block, backward=False)
-        try:
-            if block.checkpointed:
-                # Keeps the inputs and recomputes in backward after the output hooks
-                # re-acquired the slot. Lean: the forward saves nothing but the inputs (no slot
-                # weight), and the recomputation's graph lives inside its backward, while the
-                # slot is held. PyTorch's: every tensor saved inside goes through the
-                # checkpoint's own (innermost) hooks. Either way the swapper's hooks are not
-                # needed here.
-                out = run_checkpointed(fn, args, kwargs, self.config.preserve_rng_state,
-                                       module=block.module, lean=block.lean)
-            else:
-                with ring.weight_hooks(block):
-                    out = fn(*args, **kwargs)
-        finally:
-            ring.release(block, backward=False, stream=stream)
-        if type(out) is torch.Tensor:
-            if not out.requires_grad:
-                return out
-            hooked = hook_outputs(call, [out], entry)
-            if hooked is not None:
-                self._last_hooks = hooked
-                return out
-            return exit_block(call, [out])[0]
-        if type(out) is tuple and all(type(o) in _PLAIN_LEAVES for o in out):
-            out_leaves, out_spec = list(out), None
-        else:
-            out_leaves, out_spec = _tree.flatten(out)
-        outputs = [i for i, x in enumerate(out_leaves)
-                   if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not outputs:
-            return out
-        differentiable = [out_leaves[i] for i in outputs]
-        hooked = hook_outputs(call, differentiable, entry)
-        if hooked is not None:
-            self._last_hooks = hooked
-            return out
-        exited = exit_block(call, differentiable)
-        for i, t in zip(outputs, exited, strict=True):
-            out_leaves[i] = t
-        return tuple(out_leaves) if out_spec is None else _tree.unflatten(out_leaves, out_spec)
-
-    def _has_trainable(self, block: SwappedBlock) -> bool:
-        """Whether the block has a parameter that requires grad. Re-read at the start of every
-        pass (adapters may be added or weights unfrozen between steps) and cached within it:
-        walking the module's parameters costs tens of microseconds per block, so the list is
-        kept and listed again only after a module or parameter was registered anywhere
-        (PyTorch's global registration hooks count those, ``_swap_structure``) or a child
-        or parameter count of the block's modules changed (writes that bypass those hooks,
-        such as ``ModuleList.insert``; replacing an entry of ``_modules`` in place is not
-        seen)."""
-        cached = self._trainable_cache.get(id(block))
-        if cached is None:
-            epoch = structure_epoch()
-            # Registrations anywhere bump the epoch; writes that skip PyTorch's registration
-            # hooks (ModuleList.insert, del) still change a child or parameter count.
-            if block.params_epoch != epoch or block.shape_key != shape_key(block.submodules):
-                block.submodules = list(block.module.modules())
-                block.params = list(block.module.parameters())
-                block.params_epoch = epoch
-                block.shape_key = shape_key(block.submodules)
-            cached = any(p.requires_grad for p in block.params)
-            self._trainable_cache[id(block)] = cached
-        return cached
+        return self._calls.run(block, fn, args, kwargs)  # type: ignore[union-attr]  # attached
 
     # -- public API -------------------------------------------------------------------------
 
@@ -1098,28 +585,15 @@ class BlockSwapper:
                                              self.model.parameters())
 
     def _run_pending_steps(self) -> None:
-        """The deferred steps (clipping): blocks in backward order, each acquired (weights),
-        its state and parked gradients loaded, stepped and written back; the ring prefetches
-        the next ones meanwhile."""
+        """The deferred steps (clipping), once the swapper knows it may run them:
+        :func:`~vramkit.offload.swap.optimizer.run_pending_steps`."""
         stepper, ring = self._stepper, self._ring
-        if stepper is None or ring is None:
-            return
-        pending = {id(bo.block): bo for bo in stepper.pending()}
-        if not pending:
+        if stepper is None or ring is None or not stepper.pending():
             return
         if not self._attached:
             raise OffloadError("this BlockSwapper is detached",
                                hint="Step before swapper.detach().")
-        for block in reversed(ring.order):
-            bo = pending.get(id(block))
-            if bo is None:
-                continue
-            ring.acquire(block, backward=True)
-            try:
-                stepper.step_pending_block(bo)
-            finally:
-                ring.release(block, backward=True)
-        stepper.finish_pending()
+        run_pending_steps(stepper, ring)
 
     def set_gradient_hook(self, hook: GradientHook | None) -> None:
         """Call ``hook(block_name, grads)`` on each swapped block's trainable gradients.
@@ -1200,28 +674,10 @@ class BlockSwapper:
 
     def stats(self) -> SwapStats:
         """Counters and sizes (see :class:`SwapStats`)."""
-        ring = self._ring
-        c = ring.counters if ring is not None else dict.fromkeys(RING_COUNTERS, 0)
-        host = self._host.stats()
-        stepper = self._stepper
-        state_bytes = stepper.state_bytes() if stepper is not None else 0
-        order = ring.order if ring is not None else []
-        return SwapStats(
-            blocks=len(self.schedule), swapped_blocks=len(self._blocks),
-            swapped_bytes=sum(e.nbytes for b in self._blocks for e in b.entries),
-            pinned_bytes=host.pop("pinned") + state_bytes,
-            slot_bytes=ring.slot_bytes * len(ring.slots) if ring is not None else 0,
-            resident_block_bytes=self._resident_block_bytes,
-            loads=c["loads"], prefetched=c["prefetched"], on_demand=c["on_demand"],
-            hits=c["hits"], h2d_bytes=c["h2d_bytes"], d2h_bytes=c["d2h_bytes"],
-            acquisitions=c["acquisitions"], gathered_bytes=c["gathered_bytes"],
-            state_prefetched=c["state_prefetched"],
-            enqueue_seconds=ring.enqueue_seconds if ring is not None else 0.0,
-            order_pattern=analyze_access_pattern([self._blocks.index(b) for b in order]),
-            optimizer_steps=stepper.steps if stepper is not None else 0,
-            state_bytes=state_bytes,
-            state_slot_bytes=stepper.state_slot_bytes() if stepper is not None else 0,
-            **host, **self._load_figures())
+        return swap_stats(blocks=len(self.schedule), swapped=self._blocks, ring=self._ring,
+                          stepper=self._stepper, host=self._host.stats(),
+                          resident_block_bytes=self._resident_block_bytes,
+                          load=self._load_figures())
 
     def _load_figures(self) -> dict[str, Any]:
         source = self._source  # still open: the masters are filling in the background
@@ -1285,14 +741,7 @@ class BlockSwapper:
                 failed = failed or error
             # (no views: the attach failed before this block's tensors were replaced)
             for e, view in zip(block.entries, views, strict=False):
-                e.host_param = None
-                if view is None:  # built on meta and never read (a failed load): meta again
-                    self._back_to_meta(e)
-                    continue
-                restored = torch.empty_strided(e.shape, e.stride, dtype=e.dtype,
-                                               device=e.original_device)
-                restored.copy_(view)
-                e.tensor.data = restored
+                restore_entry(e, view)
             block.slot = block.bound = None
             block.slot_views.clear()
             block.slot_flat.clear()
@@ -1303,22 +752,17 @@ class BlockSwapper:
                     handle.free()
                 setattr(block, attr, None)
             block.master = block.grad_buffer = None
-        for tensor, device in self._moved:
-            grad = tensor.grad
-            if grad is not None:
-                tensor.grad = None
-            tensor.data = tensor.data.to(device)
-            if grad is not None:
-                tensor.grad = grad.to(device)
+        restore_moved(self._moved)
         self._moved = []
-        self._restore_ddp_ignored()
+        if self._ddp_ignored is not None:
+            restore_ddp_ignored(self.model, self._ddp_ignored)
+            self._ddp_ignored = None
         if self._ring is not None:
             self._ring.disk = None  # the host store stops the reader
             self._ring.close()
         self._host.close()
         self._blocks = []
-        self._anchor = None
-        self._last_hooks = []
+        self._calls = None
         if failed is not None:
             raise OffloadError(
                 f"detached, but the swapped blocks whose load failed are left on the meta "
@@ -1340,15 +784,6 @@ class BlockSwapper:
         """Whether ``block``'s master lives in :attr:`master_memory` (one copy per node)."""
         return id(block) in self._host.shared_masters
 
-    @staticmethod
-    def _back_to_meta(e: SwapEntry) -> None:
-        # A meta tensor cannot take another device's data, nor the reverse: a new object.
-        meta = torch.empty_strided(e.shape, e.stride, dtype=e.dtype, device="meta")
-        tensor = (nn.Parameter(meta, requires_grad=e.tensor.requires_grad) if e.is_param
-                  else meta)
-        (e.owner._parameters if e.is_param else e.owner._buffers)[e.attr] = tensor
-        e.tensor = tensor
-
     def __enter__(self) -> BlockSwapper:
         return self
 
@@ -1363,67 +798,3 @@ class BlockSwapper:
         return (f"BlockSwapper({len(self._blocks)}/{len(self.schedule)} blocks swapped, "
                 f"{slots} slots of {format_size(slot_bytes)}, "
                 f"device={self.device}, {state})")
-
-
-
-class _Countdown:
-    """Calls ``action`` once, on the ``count``-th :meth:`release` (from any thread)."""
-
-    def __init__(self, count: int, action: Callable[[], None]) -> None:
-        self._count = count
-        self._action = action
-        self._lock = threading.Lock()
-
-    def release(self) -> None:
-        with self._lock:
-            self._count -= 1
-            last = self._count == 0
-        if last:
-            self._action()
-
-
-def _refuse_wrapped(model: nn.Module, *, attached: bool = False) -> None:
-    """Refuse a model wrapped by DDP or sharded by FSDP (``attached``: it happened after the
-    swapper attached, seen at the next call of a swapped block)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel):
-        raise ConfigError(
-            "BlockSwapper cannot attach to a DistributedDataParallel wrapper: DDP has already "
-            "registered the weights it would swap (and broadcast them)",
-            hint="Attach to the plain model first, then wrap it: swapper = BlockSwapper(model, "
-                 "...); ddp = vramkit.distributed.wrap_ddp(model, swapper).")
-    sharded = [name or "the model" for name, m in model.named_modules() if _is_fsdp(m)]
-    if sharded:
-        when = ("was sharded by FSDP after the swapper attached" if attached
-                else "is sharded by FSDP")
-        raise ConfigError(
-            f"{sharded[0]} {when}: FSDP and BlockSwapper both own the storage of the same "
-            "parameters (FSDP shards and all-gathers them, the swapper streams them from host "
-            "masters), so they cannot manage one module",
-            hint="Use BlockSwapper with DistributedDataParallel (vramkit.distributed.wrap_ddp), "
-                 "or FSDP with its own CPUOffloadPolicy, not both on the same module "
-                 "(docs/distributed.md has the compatibility matrix).")
-
-
-def _is_fsdp(module: nn.Module) -> bool:
-    """Whether ``module`` is managed by FSDP (FSDP2's ``fully_shard`` or FSDP1's wrapper), by
-    its classes' names and modules: FSDP itself is never imported to ask."""
-    for cls in type(module).__mro__:
-        if cls.__name__ in ("FSDPModule", "FullyShardedDataParallel") and cls.__module__.startswith(
-                "torch.distributed"):
-            return True
-    return False
-
-
-def _module_names(model: nn.Module, names: Sequence[str]) -> list[str]:
-    """``names`` checked to be submodules of ``model`` (``checkpoint_skip``)."""
-    if isinstance(names, str):
-        names = [names]
-    known = dict(model.named_modules())
-    unknown = [n for n in names if not isinstance(n, str) or n not in known or not n]
-    if unknown:
-        raise ConfigError(f"checkpoint_skip names modules the model does not have: {unknown[:5]}",
-                          hint="Pass qualified names from model.named_modules(), such as "
-                               "'transformer_blocks.3'.")
-    return list(names)

@@ -209,7 +209,7 @@ def test_a_model_on_meta_without_checkpoint_is_refused() -> None:
 _RSS_CHILD = textwrap.dedent("""
     import os, sys, torch
     sys.path.insert(0, {test_dir!r})
-    from test_swap_load import Net, CONFIG
+    from test_source import Net, CONFIG
     from vramkit.offload.swap import BlockSwapper
     from safetensors.torch import load_file
 
@@ -219,7 +219,7 @@ _RSS_CHILD = textwrap.dedent("""
                 return int(line.split()[1]) * 1024
 
     mode, path = sys.argv[1], sys.argv[2]
-    import test_swap_load as t
+    import test_source as t
     t.D = 1024
     torch.manual_seed(0)
     base = hwm()
@@ -241,7 +241,7 @@ _RSS_CHILD = textwrap.dedent("""
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
 def test_peak_host_memory_is_the_masters_not_twice_the_model(tmp_path: Path) -> None:
-    import tests.offload.test_swap_load as module
+    import tests.offload.swap.test_source as module
 
     old = module.D
     module.D = 1024

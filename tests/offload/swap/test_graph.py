@@ -1,4 +1,4 @@
-"""The autograd boundary of swapped blocks (``vramkit.offload._swap_graph``) on the CPU.
+"""The autograd boundary of swapped blocks (``vramkit.offload.swap.graph``) on the CPU.
 
 Where a swapped block's only differentiable input comes from one output node of the swapped
 block called just before it (``x = block(x)``), the two share one boundary: the earlier block's
@@ -16,7 +16,15 @@ import pytest
 import torch
 from torch import nn
 
-from tests.offload.test_swap import MIN, D, MLPBlock, X, _assert_same_grads, _frozen_blocks, _net
+from tests.offload.swap.test_swapper import (
+    MIN,
+    D,
+    MLPBlock,
+    X,
+    _assert_same_grads,
+    _frozen_blocks,
+    _net,
+)
 from vramkit.offload.checkpointing import enable_gradient_checkpointing
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 

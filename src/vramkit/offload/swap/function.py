@@ -1,7 +1,7 @@
 """The autograd side of block swapping for blocks with swapped *trainable* weights.
 
 (Blocks whose swapped weights are all frozen -- LoRA, frozen bases -- join the outer graph
-instead, without a reentrant backward: see :mod:`vramkit.offload._swap_graph`. This Function keeps
+instead, without a reentrant backward: see :mod:`vramkit.offload.swap.graph`. This Function keeps
 a clean boundary where the host-gradient copies of ``trainable="cpu"`` need one.)
 
 One Function per swapped-block call.
@@ -36,10 +36,10 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from vramkit.errors import OffloadError
 from vramkit.offload import _tree
-from vramkit.offload._swap_blocks import WeightRef
+from vramkit.offload.swap.records import WeightRef
 
 if TYPE_CHECKING:
-    from vramkit.offload._swap_blocks import BlockRuntime, SwappedBlock
+    from vramkit.offload.swap.records import BlockRuntime, SwappedBlock
 
 __all__ = ["BlockCall", "SwapBlockFunction", "WeightRef"]
 

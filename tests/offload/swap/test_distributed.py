@@ -12,7 +12,8 @@ from torch import nn
 
 from tests.distributed._group import single_rank_group
 from vramkit.errors import ConfigError
-from vramkit.offload.swap import BlockSwapper, SwapConfig, _is_fsdp
+from vramkit.offload.swap import BlockSwapper, SwapConfig
+from vramkit.offload.swap.attach import is_fsdp
 
 CONFIG = SwapConfig(min_param_bytes=0)
 IGNORE = "_ddp_params_and_buffers_to_ignore"
@@ -204,15 +205,15 @@ def test_fsdp_classes_are_recognised_by_name_in_torch_distributed_only() -> None
     fsdp2 = _fake_fsdp_class()
     fsdp1 = _fake_fsdp_class("FullyShardedDataParallel",
                              "torch.distributed.fsdp.fully_sharded_data_parallel")
-    assert _is_fsdp(fsdp2()) and _is_fsdp(fsdp1())
+    assert is_fsdp(fsdp2()) and is_fsdp(fsdp1())
     # fully_shard re-classes a module to a subclass of (FSDPModule, its class): seen in the MRO.
     sharded = type("FSDPLinear", (fsdp2, nn.Linear), {"__module__": __name__})
-    assert _is_fsdp(sharded.__new__(sharded))
+    assert is_fsdp(sharded.__new__(sharded))
     # The same names elsewhere, or other torch.distributed classes, are not FSDP.
-    assert not _is_fsdp(_fake_fsdp_class(module="mypackage.fsdp")())
-    assert not _is_fsdp(_fake_fsdp_class(module="torchdistributed")())
-    assert not _is_fsdp(_fake_fsdp_class("FSDPModuleish")())
-    assert not _is_fsdp(nn.Linear(2, 2)) and not _is_fsdp(Net())
+    assert not is_fsdp(_fake_fsdp_class(module="mypackage.fsdp")())
+    assert not is_fsdp(_fake_fsdp_class(module="torchdistributed")())
+    assert not is_fsdp(_fake_fsdp_class("FSDPModuleish")())
+    assert not is_fsdp(nn.Linear(2, 2)) and not is_fsdp(Net())
 
 
 def test_a_model_with_an_fsdp_sharded_module_is_refused_before_attaching() -> None:

@@ -5,8 +5,8 @@ The rule (:func:`is_swappable`, :func:`block_footprint`) is the swapper's own an
 everyone who needs it -- the schedule, the planner, the demo -- so it exists once. The records
 (:class:`SwapEntry`, :class:`SwappedBlock`, :class:`Slot`, :class:`WeightRef`) and the
 :class:`BlockRuntime` interface are shared by the swapper (:mod:`vramkit.offload.swap`), its slot
-ring (:mod:`vramkit.offload._swap_ring`) and its autograd helpers
-(:mod:`vramkit.offload._swap_function`, :mod:`vramkit.offload._swap_graph`), which see the
+ring (:mod:`vramkit.offload.swap.ring`) and its autograd helpers
+(:mod:`vramkit.offload.swap.function`, :mod:`vramkit.offload.swap.graph`), which see the
 swapper only through that interface.
 """
 

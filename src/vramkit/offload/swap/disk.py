@@ -41,7 +41,7 @@ import torch
 from vramkit.errors import OffloadError
 from vramkit.io.lazy import pread_into
 from vramkit.memory.transfer import Streams
-from vramkit.offload._swap_blocks import SwappedBlock
+from vramkit.offload.swap.records import SwappedBlock
 
 __all__ = ["CacheFile", "DiskRead", "DiskTier", "open_read"]
 

@@ -31,7 +31,8 @@ Gradient clipping by global norm (``SwapConfig(max_grad_norm=...)``) needs every
 any step, so the step is *deferred*: at the end of the accumulation window each block's
 per-tensor gradient norms are taken on the GPU and its gradients go to the pinned buffer;
 :meth:`SwapStepper.clip_grad_norm_` adds the resident gradients' norms, clips those in place and
-fixes the coefficient; :meth:`SwapStepper.step_pending` (``swapper.optimizer.step()``) then walks
+fixes the coefficient; :func:`vramkit.offload.swap.optimizer.run_pending_steps`
+(``swapper.optimizer.step()``) then walks
 the blocks in backward order, loading weights, state and gradients, scaling, stepping and writing
 back. Cost: the gradients once each way, plus one extra transfer-bound pass that moves the
 weights and states (the in-backward step hides those copies behind backward compute).
@@ -53,12 +54,12 @@ from vramkit._validate import check_number
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.memory.layout import align_up
 from vramkit.memory.pool import MemoryPool, PoolConfig
-from vramkit.offload._swap_blocks import ALIGN, SwappedBlock, complete_gradients, typed_view
+from vramkit.offload.swap.records import ALIGN, SwappedBlock, complete_gradients, typed_view
 
 if TYPE_CHECKING:
     from vramkit.memory.transfer import Streams
 
-__all__ = ["BlockOptimizer", "OptimizerFactory", "SwapStepper", "SwappedOptimizer"]
+__all__ = ["BlockOptimizer", "OptimizerFactory", "SwapStepper"]
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -692,126 +693,6 @@ class SwapStepper:
     def state_slot_bytes(self) -> int:
         """Device bytes of the state slots."""
         return len(self._slots) * self._slot_bytes
-
-
-class SwappedOptimizer(torch.optim.Optimizer):
-    """The swapped blocks' optimizers seen as one (``swapper.optimizer``).
-
-    ``param_groups`` lists every block optimizer's groups (the same dicts), so an LR scheduler
-    built over this object (``LambdaLR(swapper.optimizer, ...)``) sets every block's learning
-    rate. ``step()`` runs the deferred steps of clipping mode (``SwapConfig.max_grad_norm``) and
-    otherwise has nothing left to do: the blocks stepped inside backward. Call it where you call
-    your resident optimizer's ``step()``. ``state_dict()``/``load_state_dict()`` go through the
-    host masters (the device never holds the whole state). ``zero_grad()`` forgets gradients
-    accumulated on the host.
-    """
-
-    def __init__(self, stepper: SwapStepper, run_pending: Callable[[], None]) -> None:
-        # The base initializer would register the parameters as one new group; the groups here
-        # are the block optimizers' own.
-        self._stepper = stepper
-        # Weak: the swapper holds this object; a strong reference back would keep a dropped
-        # swapper (its pinned memory, its global hooks) alive until the garbage collector runs.
-        self._run_pending_ref = weakref.WeakMethod(run_pending)  # type: ignore[arg-type]
-        first = next(iter(stepper.by_block.values()), None)
-        self.defaults = dict(first.optimizer.defaults) if first is not None else {}
-        self._optimizer_step_pre_hooks: dict[int, Any] = {}
-        self._optimizer_step_post_hooks: dict[int, Any] = {}
-        self._optimizer_state_dict_pre_hooks: dict[int, Any] = {}
-        self._optimizer_state_dict_post_hooks: dict[int, Any] = {}
-        self._optimizer_load_state_dict_pre_hooks: dict[int, Any] = {}
-        self._optimizer_load_state_dict_post_hooks: dict[int, Any] = {}
-
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [group for bo in self._stepper.by_block.values()
-                for group in bo.optimizer.param_groups]
-
-    @property  # type: ignore[override]
-    def state(self) -> dict[torch.Tensor, Any]:
-        """Per parameter state of every block optimizer (between steps, state tensors that
-        travel hold placeholders; :meth:`state_dict` has their values)."""
-        out: dict[torch.Tensor, Any] = {}
-        for bo in self._stepper.by_block.values():
-            out.update(bo.optimizer.state)
-        return out
-
-    @property
-    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
-        """``{block name: its optimizer}``."""
-        return {bo.block.name: bo.optimizer for bo in self._stepper.by_block.values()}
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Run deferred block steps (clipping mode); with in-backward steps there is nothing
-        left. ``closure`` is not supported (the steps depend on the backward pass)."""
-        if closure is not None:
-            raise ConfigError("swapper.optimizer.step() takes no closure",
-                              hint="Run forward and backward yourself, then call step().")
-        run = self._run_pending_ref()
-        if run is not None:
-            run()
-        return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget gradients accumulated on the host and a deferred step not taken (gradients of
-        swapped blocks never stay on the device: they are dropped after each step).
-        ``set_to_none`` is there for the ``Optimizer`` signature: forgotten and zeroed parked
-        gradients accumulate the same, so both values do the same."""
-        for bo in self._stepper.by_block.values():
-            bo.host_grads = [False] * len(bo.params)
-            bo.micro_steps = 0
-            bo.norms = {}
-            bo.step_pending = False
-            for p in bo.params:
-                p.grad = None
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise ConfigError("swapper.optimizer holds the swapped blocks' optimizers; it takes no "
-                          "new parameter groups",
-                          hint="Give other parameters to your own optimizer "
-                               "(swapper.optimizer_parameters()).")
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"blocks": {block name: that block optimizer's state_dict()}}``; state tensors
-        are views of the host masters (save them before the next step, as with any
-        optimizer's state_dict)."""
-        stepper = self._stepper
-        blocks = {}
-        with stepper.host_state():
-            for bo in stepper.by_block.values():
-                sd = bo.optimizer.state_dict()
-                # torch's state_dict shares each parameter's state dict: copy it, or the
-                # placeholders put back after this would show through.
-                sd["state"] = {k: dict(v) for k, v in sd["state"].items()}
-                blocks[bo.block.name] = sd
-        return {"blocks": blocks}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what :meth:`state_dict` returned (for the same model and settings)."""
-        blocks = state_dict.get("blocks") if isinstance(state_dict, dict) else None
-        if not isinstance(blocks, dict):
-            raise ConfigError("not a state dict of swapper.optimizer (no 'blocks' entry)",
-                              hint="Load what swapper.optimizer.state_dict() returned.")
-        by_name = {bo.block.name: bo for bo in self._stepper.by_block.values()}
-        if set(blocks) != set(by_name):
-            missing = sorted(set(by_name) - set(blocks))[:3]
-            extra = sorted(set(blocks) - set(by_name))[:3]
-            raise ConfigError(
-                f"the state dict's blocks do not match the swapped blocks (missing {missing}, "
-                f"unexpected {extra})",
-                hint="Swap the same blocks as when the state was saved (the same "
-                     "SwapConfig or swapped_blocks).")
-        for name, bo in by_name.items():
-            self._stepper.load_block_state(bo, blocks[name])
-
-    def __repr__(self) -> str:
-        n = len(self._stepper.by_block)
-        kind = next((type(bo.optimizer).__name__ for bo in self._stepper.by_block.values()),
-                    "none")
-        return f"SwappedOptimizer({n} block optimizers, {kind})"
-
-    def __getstate__(self) -> dict[str, Any]:
-        raise TypeError("swapper.optimizer cannot be pickled; save its state_dict()")
 
 
 def _typed_at(buffer: torch.Tensor, offset: int, e: StateEntry) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Swapped blocks whose graph joins the outer autograd graph (no reentrant backward).
 
-:class:`~vramkit.offload._swap_function.SwapBlockFunction` builds each call's graph on detached
+:class:`~vramkit.offload.swap.function.SwapBlockFunction` builds each call's graph on detached
 inputs and runs a *reentrant* ``torch.autograd.backward`` over it in backward: a clean boundary,
 but every call pays for a nested engine run (a one-off cProfile on the H200 host, not a benchmark:
 ~0.3 ms per swapped block per step, which shows where the model is host-bound). For blocks
@@ -12,7 +12,7 @@ outer graph:
   (:func:`hook_outputs`) runs before any node of the block (every block node is an ancestor
   of the outputs), so it re-acquires the slot there -- before the checkpoint's recomputation,
   which needs the weights, and before any saved
-  :class:`~vramkit.offload._swap_function.WeightRef` is unpacked. A hook costs less host time
+  :class:`~vramkit.offload.swap.function.WeightRef` is unpacked. A hook costs less host time
   than an identity Function (no view, no Python ``backward`` call through the Function
   machinery), which matters where the model is host-bound. :class:`BlockExit`, an identity
   Function on the outputs, does the same where a hook cannot: an output that is an input passed
@@ -41,7 +41,7 @@ from torch.autograd.function import once_differentiable
 from vramkit.errors import OffloadError
 
 if TYPE_CHECKING:
-    from vramkit.offload._swap_blocks import BlockRuntime, SwappedBlock
+    from vramkit.offload.swap.records import BlockRuntime, SwappedBlock
 
 __all__ = ["BlockBackward", "BlockEntry", "BlockExit", "OutputHook", "enter_block",
            "exit_block", "hook_outputs"]

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import save_file
 
-from tests.offload.test_swap_disk import BLOCK, _train
-from tests.offload.test_swap_load import _meta, _reference
+from tests.offload.swap.test_disk import BLOCK, _train
+from tests.offload.swap.test_source import _meta, _reference
 from vramkit.errors import VramkitWarning
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 

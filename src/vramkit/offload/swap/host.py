@@ -6,13 +6,13 @@
 * **Pinned masters**, one per block, from a pinned :class:`~vramkit.memory.pool.MemoryPool`
   that grows by exactly each master (one segment each), so the next block's memory is
   page-locked on a helper thread while this one is filled -- from the model's tensors, or
-  straight from a checkpoint (:mod:`vramkit.offload._swap_source`).
+  straight from a checkpoint (:mod:`vramkit.offload.swap.source`).
 * **Gradient buffers** where gradients wait on the host (``trainable="cpu"``, accumulation and
   deferred clipped steps with ``trainable="swap"``).
 * **The disk tier** (``SwapConfig.host_budget``): the fewest frozen blocks, spread evenly, stay
   on disk so that masters plus staging buffers fit the budget; what is left of the budget buys
   more staging buffers (a deeper read-ahead, a larger cache). See
-  :mod:`vramkit.offload._swap_disk`.
+  :mod:`vramkit.offload.swap.disk`.
 * **Masters in memory the swapper does not own** (:class:`MasterMemory`): frozen blocks' masters
   can live in memory shared by the processes of one node (``vramkit.distributed``), one copy
   per node instead of one per rank; one process writes them, the others only map them.
@@ -34,17 +34,16 @@ from torch import nn
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.memory.pool import MemoryPool, PoolConfig
 from vramkit.memory.transfer import Streams
-from vramkit.offload._swap_blocks import ALIGN, SwapEntry, SwappedBlock, typed_view
-from vramkit.offload._swap_disk import DISK_ALIGN, CacheFile, DiskRead, DiskTier, open_read
-from vramkit.offload._swap_fill import FillSpec, MasterFill
 from vramkit.offload.blocks import spread_evenly
+from vramkit.offload.swap.disk import DISK_ALIGN, CacheFile, DiskRead, DiskTier, open_read
+from vramkit.offload.swap.fill import FillSpec, MasterFill
+from vramkit.offload.swap.records import ALIGN, SwapEntry, SwappedBlock, typed_view
 from vramkit.units import format_size
 
 if TYPE_CHECKING:
-    from vramkit.offload._swap_source import CheckpointSource
-    from vramkit.offload.swap import SwapConfig
+    from vramkit.offload.swap.source import CheckpointSource
 
-__all__ = ["DiskSplit", "HostStore", "MasterMemory", "split_for_host_budget"]
+__all__ = ["DiskSplit", "HostStore", "MasterMemory", "parks_grads", "split_for_host_budget"]
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +149,13 @@ def split_for_host_budget(sizes: Sequence[int], frozen: Sequence[bool], budget: 
              "blocks (find_blocks with finer names).")
 
 
+def parks_grads(trainable: str, accumulation_steps: int, max_grad_norm: float | None) -> bool:
+    """Whether trainable blocks need pinned gradient buffers: trainable="cpu" always; "swap"
+    only where gradients wait on the host (accumulation, deferred clipped steps)."""
+    return trainable == "cpu" or (trainable == "swap" and (
+        accumulation_steps > 1 or max_grad_norm is not None))
+
+
 def _min_staging(disk_blocks: int) -> int:
     """Staging buffers a disk tier of ``disk_blocks`` needs: three, or two for one or two blocks
     (the reader's rule: a buffer never holding an upcoming block is always free to refill)."""
@@ -160,7 +166,13 @@ class HostStore:
     """Where a swapper's blocks live on the host (see the module docstring).
 
     Args:
-        config: the swapper's config (``trainable``, ``host_budget``, ``disk_cache_dir``...).
+        host_params: give trainable entries a host ``Parameter`` over their master
+            (``trainable="cpu"``: a CPU optimizer steps them).
+        park_grads: trainable blocks get pinned gradient buffers (:func:`parks_grads`).
+        host_budget: pinned host bytes allowed (``SwapConfig.host_budget``, normalized);
+            ``None``: every master is pinned, no disk tier.
+        disk_cache_dir: where the disk tier writes its cache file (``None``:
+            ``$VRAMKIT_CACHE_DIR`` or ``~/.cache/vramkit``).
         device: the compute device (pinned pools for CUDA, plain host pools for the CPU).
         streams: the device's copy streams.
         source: the checkpoint swapped tensors are read from, when the swapper was given one
@@ -169,9 +181,14 @@ class HostStore:
             (:class:`MasterMemory`); ``None``: the swapper pins its own.
     """
 
-    def __init__(self, config: SwapConfig, device: torch.device, streams: Streams,
-                 source: CheckpointSource | None, shared: MasterMemory | None = None) -> None:
-        self.config = config
+    def __init__(self, device: torch.device, streams: Streams,
+                 source: CheckpointSource | None, shared: MasterMemory | None = None, *,
+                 host_params: bool = False, park_grads: bool = False,
+                 host_budget: int | None = None, disk_cache_dir: str | None = None) -> None:
+        self.host_params = host_params
+        self.park_grads = park_grads
+        self.host_budget = host_budget
+        self.disk_cache_dir = disk_cache_dir
         self.device = device
         self.streams = streams
         self.source = source
@@ -243,7 +260,7 @@ class HostStore:
     def _prepare_masters(self, blocks: list[SwappedBlock], specs: dict[int, list[FillSpec]],
                          readonly: set[int]) -> None:
         own = sum(b.nbytes for b in blocks if id(b) not in self.shared_masters)
-        grads = sum(b.nbytes for b in blocks if b.trainable_entries) if self.parks_grads() else 0
+        grads = sum(b.nbytes for b in blocks if b.trainable_entries) if self.park_grads else 0
         # One segment per master (the pool grows by exactly each request, up to the total), so
         # the next block's memory is page-locked while this one is filled.
         if own:
@@ -273,7 +290,7 @@ class HostStore:
         for e in block.entries:
             view = typed_view(block.master, e.offset, e)
             block.master_views.append(view)
-            if e.trainable and self.config.trainable == "cpu":
+            if e.trainable and self.host_params:
                 e.host_param = nn.Parameter(view, requires_grad=True)  # .grad set by the first
                 # backward that produces one, as for any parameter
         return block.master
@@ -292,12 +309,11 @@ class HostStore:
         if background and (self._reserved
                            or any(b.trainable_entries for b in filler.blocks)):
             background = False  # other processes wait for published(), after the whole fill
-        filler._on_done = on_done
         if self.source is not None and background:
             # the attach returns (and the first forward starts) once the resident tensors are
             # in place: they go first; a foreground attach waits for everything anyway
             filler.limit(RESIDENT_LOAD_FILL_JOBS)  # until resident_loaded()
-        filler.start(background=background)
+        filler.start(background=background, on_done=on_done)
 
     def resident_loaded(self) -> None:
         """The attach's own load of the resident tensors is over: the fill gets every thread."""
@@ -347,13 +363,6 @@ class HostStore:
         if self.filler is not None:
             self.filler.cancel()
 
-    def parks_grads(self) -> bool:
-        """Pinned gradient buffers: trainable="cpu" always; "swap" only where gradients wait
-        on the host (accumulation, deferred clipped steps)."""
-        config = self.config
-        return config.trainable == "cpu" or (config.trainable == "swap" and (
-            config.accumulation_steps > 1 or config.max_grad_norm is not None))
-
     def fill(self, spec: FillSpec, view: torch.Tensor) -> None:
         """Write a swapped tensor's value into ``view`` (its place in staging), now."""
         if spec.file is not None:
@@ -379,10 +388,9 @@ class HostStore:
 
     def _choose_disk_blocks(self, blocks: list[SwappedBlock]) -> list[SwappedBlock]:
         """The swapped blocks left on disk so pinned memory stays within ``host_budget``."""
-        budget = self.config.host_budget
-        assert budget is None or isinstance(budget, int)  # normalized by SwapConfig
+        budget = self.host_budget
         grads = (sum(b.nbytes for b in blocks if b.trainable_entries)
-                 if self.parks_grads() else 0)
+                 if self.park_grads else 0)
         split = split_for_host_budget([b.nbytes for b in blocks],
                                       [not b.trainable_entries for b in blocks], budget,
                                       grads=grads)
@@ -432,7 +440,7 @@ class HostStore:
                     format_size(sum(b.nbytes for b in blocks)), count, format_size(slot))
 
     def _cache_dir(self) -> Path:
-        configured = self.config.disk_cache_dir or os.environ.get("VRAMKIT_CACHE_DIR")
+        configured = self.disk_cache_dir or os.environ.get("VRAMKIT_CACHE_DIR")
         directory = Path(configured) if configured else Path.home() / ".cache" / "vramkit"
         try:
             directory.mkdir(parents=True, exist_ok=True)

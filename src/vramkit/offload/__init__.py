@@ -6,6 +6,8 @@
 * :mod:`vramkit.offload.cpu`: :class:`CPUOffloadManager`, weights in pinned host memory on request.
 * :mod:`vramkit.offload.activations`: activation offload through saved-tensor hooks.
 * :mod:`vramkit.offload.optimizer`: :class:`CPUOffloadOptimizer` (ZeRO-Offload style).
+* :mod:`vramkit.offload.compiled`: ``torch.compile`` of each block's own forward, beneath
+  checkpointing and swapping.
 * :mod:`vramkit.offload.blocks`: finding a model's repeated blocks and scheduling them.
 
 They share one host->device and one device->host copy stream per GPU
@@ -35,12 +37,14 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".activations": ("ActivationOffloader", "ActivationOffloadConfig", "ActivationOffloadStats",
                      "offload_activations"),
     ".optimizer": ("CPUOffloadOptimizer", "OptimizerOffloadStats"),
+    ".compiled": ("COMPILE_MODES", "compile_blocks", "is_compiled", "uncompile_blocks"),
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.offload.activations import *  # noqa: F403
     from vramkit.offload.blocks import *  # noqa: F403
     from vramkit.offload.checkpointing import *  # noqa: F403
+    from vramkit.offload.compiled import *  # noqa: F403
     from vramkit.offload.cpu import *  # noqa: F403
     from vramkit.offload.optimizer import *  # noqa: F403
     from vramkit.offload.swap import *  # noqa: F403

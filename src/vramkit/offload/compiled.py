@@ -1,0 +1,149 @@
+"""Compiled blocks: ``torch.compile`` each block's own forward, beneath checkpointing and swapping.
+
+:func:`compile_blocks` installs a ``"compile"`` wrapper (through :mod:`vramkit.offload._patch`,
+the one patching primitive) on each block's ``forward`` *before* anything else wraps it, so the
+compiled function is the innermost callable: vramkit's checkpoint recomputes it, and the block
+swapper runs it with the block's weights repointed into a ring slot. Nothing of the swapper's
+machinery (slot acquisition, saved-tensor hooks, autograd boundaries) is traced.
+
+Why this composes with swapping without recompiling. Dynamo treats a module's parameters and
+buffers as graph inputs (``inline_inbuilt_nn_modules``, the default since torch 2.5): a
+parameter repointed to another slot is a new input address, not a new guard, so every block of
+one class shares one compiled graph per calling context (grad mode, whether the input requires
+grad), step after step. ``tests/offload/test_compiled.py`` counts the frames compiled across
+steps; ``dynamic=False`` keeps shapes static, as a training step's are.
+
+What it does not do: CUDA graphs. ``mode="reduce-overhead"`` records graphs against fixed input
+addresses, and a swapped block's weights move between slots from call to call; those modes are
+refused (:data:`COMPILE_MODES` lists the ones accepted).
+
+:func:`uncompile_blocks` restores each forward exactly. Wrappers are objects: a copy or a pickle
+of the model carries the wrapper without its compiled function, which is made again on first
+call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from vramkit._validate import check_bool, check_choice
+from vramkit.errors import OffloadError
+from vramkit.offload import _patch
+from vramkit.offload.blocks import find_blocks
+
+__all__ = ["COMPILE_MODES", "compile_blocks", "is_compiled", "uncompile_blocks"]
+
+logger = logging.getLogger(__name__)
+
+#: ``torch.compile`` modes accepted for blocks: the ones that record no CUDA graph.
+COMPILE_MODES: tuple[str, ...] = ("default", "max-autotune-no-cudagraphs")
+
+
+class _CompiledForward(_patch.MethodWrapper):
+    """A block's forward run through ``torch.compile`` (compiled on first call)."""
+
+    __slots__ = ("_compiled", "options")
+
+    kind = "compile"
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__()
+        self.options = options
+        self._compiled: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.active:
+            return self.inner(*args, **kwargs)
+        compiled = self._compiled
+        if compiled is None:
+            compiled = self._compiled = torch.compile(self.inner, **self.options)
+        return compiled(*args, **kwargs)
+
+    # Copies and pickles carry the wrapper, not the compiled function (it holds caches and
+    # generated code bound to this process): the copy compiles again on its first call.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"inner": self.inner, "name": self.name, "active": self.active,
+                "_had_previous": self._had_previous, "_previous": self._previous,
+                "options": self.options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+        self._compiled = None
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether :func:`compile_blocks` compiled ``module``'s forward."""
+    return _patch.find(module, _CompiledForward.kind) is not None
+
+
+def compile_blocks(model: nn.Module, blocks: str | Sequence[str] = "auto", *,
+                   mode: str = "default", fullgraph: bool = False) -> list[str]:
+    """Compile each block's forward with ``torch.compile`` (static shapes), beneath vramkit's
+    checkpointing and block swapping.
+
+    Call it before :func:`~vramkit.offload.checkpointing.enable_gradient_checkpointing` and
+    before attaching a :class:`~vramkit.offload.swap.BlockSwapper` (``vramkit.fit(...,
+    compile=True)`` does it in that order). A block compiled already is left as it is.
+
+    Args:
+        model: the model.
+        blocks: ``"auto"`` (default: the repeated blocks the swapper finds) or module names /
+            ``fnmatch`` patterns, as for the swapper.
+        mode: a ``torch.compile`` mode from :data:`COMPILE_MODES` (default ``"default"``).
+        fullgraph: passed to ``torch.compile`` (default ``False``: graph breaks allowed).
+
+    Returns:
+        Qualified names of the blocks compiled by this call, in execution order.
+
+    Raises:
+        ConfigError: for a mode outside :data:`COMPILE_MODES` (the CUDA-graph modes) or a
+            non-bool ``fullgraph``.
+        OffloadError: when a block is checkpointed or swapped already (its forward would be
+            compiled with vramkit's machinery inside), or ``blocks`` matches nothing.
+    """
+    check_choice("mode", mode, COMPILE_MODES,
+                 hint="CUDA-graph modes (reduce-overhead, max-autotune) record graphs against "
+                      "fixed weight addresses, which swapped blocks do not have; use 'default' "
+                      "or 'max-autotune-no-cudagraphs'.")
+    check_bool("fullgraph", fullgraph)
+    options: dict[str, Any] = {"dynamic": False, "fullgraph": fullgraph}
+    if mode != "default":
+        options["mode"] = mode
+    found = find_blocks(model, blocks)
+    names: list[str] = []
+    for name, module in found:
+        if is_compiled(module):
+            continue
+        others = [w.kind for w in _patch.wrappers(module)]
+        if others:
+            raise OffloadError(
+                f"block {name} is wrapped already ({', '.join(others)}): compiling it now would "
+                "trace vramkit's own machinery",
+                hint="Compile the blocks first, then checkpoint or swap them (vramkit.fit("
+                     "..., compile=True) does this), or detach the swapper / disable "
+                     "checkpointing before compiling.")
+        _patch.install(module, _CompiledForward(dict(options)))
+        names.append(name)
+    logger.debug("compiling %d of %d blocks (mode=%s)", len(names), len(found), mode)
+    return names
+
+
+def uncompile_blocks(model: nn.Module) -> list[str]:
+    """Undo :func:`compile_blocks` on every module of ``model``.
+
+    Returns:
+        Qualified names of the modules whose forward was restored.
+    """
+    restored: list[str] = []
+    for name, module in model.named_modules():
+        wrapper = _patch.find(module, _CompiledForward.kind)
+        if wrapper is not None:
+            _patch.restore(module, wrapper)
+            restored.append(name)
+    return restored

@@ -1,0 +1,142 @@
+"""Compiled blocks (vramkit.offload.compiled) alone, checkpointed and under block swapping, on
+the CPU's inductor backend: the same numbers as the compiled resident model, and no frame
+compiled again once two steps have met every calling context."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from vramkit.errors import ConfigError, OffloadError
+from vramkit.offload import _patch
+from vramkit.offload.checkpointing import enable_gradient_checkpointing
+from vramkit.offload.compiled import compile_blocks, is_compiled, uncompile_blocks
+from vramkit.offload.swap import BlockSwapper, SwapConfig
+
+dynamo = pytest.importorskip("torch._dynamo")
+
+
+class _Block(nn.Module):
+    """A pre-norm MLP block with a trainable low-rank adapter beside its frozen weights."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+        self.adapter = nn.Linear(width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x)))) + self.adapter(x)
+
+
+class _Stack(nn.Module):
+    def __init__(self, blocks: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_Block() for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _lora_stack() -> _Stack:
+    model = _Stack()
+    for name, p in model.named_parameters():
+        p.requires_grad_("adapter" in name)
+    return model
+
+
+def _frames() -> int:
+    return int(dynamo.utils.counters["frames"]["ok"])
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    out = model(x)
+    out.square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return out.detach(), grads
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_swapped_compiled_blocks_equal_the_compiled_resident_model_and_never_recompile(
+        checkpointing: bool) -> None:
+    resident, swapped = _lora_stack(), _lora_stack()
+    for model in (resident, swapped):
+        assert compile_blocks(model) == [f"blocks.{i}" for i in range(4)]
+    BlockSwapper(swapped, "blocks", SwapConfig(max_gpu_blocks=1, checkpointing=checkpointing,
+                                               min_param_bytes=0), device="cpu")
+    if checkpointing:
+        enable_gradient_checkpointing(resident, "blocks")
+    frames_after_warmup = None
+    for step in range(4):
+        x = torch.randn(6, 32, generator=torch.Generator().manual_seed(step))
+        out_r, grads_r = _step(resident, x)
+        out_s, grads_s = _step(swapped, x)
+        torch.testing.assert_close(out_s, out_r, rtol=0, atol=0)
+        assert len(grads_s) == len(grads_r) == 4
+        for a, b in zip(grads_s, grads_r, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        if step == 1:
+            # Two steps meet every calling context: the lean checkpoint's forward (no grad,
+            # input with or without grad) and its recomputation in backward.
+            frames_after_warmup = _frames()
+    assert frames_after_warmup is not None and frames_after_warmup > 0
+    assert _frames() == frames_after_warmup, "a block was compiled again after the warm-up"
+
+
+def test_blocks_of_one_class_share_their_graphs() -> None:
+    model = _lora_stack()
+    compile_blocks(model)
+    _step(model, torch.randn(6, 32, requires_grad=True))
+    # Four blocks, one class, one calling context: one frame.
+    assert _frames() == 1
+
+
+def test_uncompile_restores_the_forward_exactly() -> None:
+    model = _lora_stack()
+    before = {name: m.__dict__.get("forward") for name, m in model.named_modules()}
+    compile_blocks(model)
+    assert all(is_compiled(b) for b in model.blocks)
+    assert compile_blocks(model) == []  # compiled already: left as it is
+    assert uncompile_blocks(model) == [f"blocks.{i}" for i in range(4)]
+    assert not any(is_compiled(b) for b in model.blocks)
+    assert {name: m.__dict__.get("forward") for name, m in model.named_modules()} == before
+
+
+def test_copies_and_pickles_compile_again_on_first_call() -> None:
+    model = _lora_stack()
+    compile_blocks(model)
+    x = torch.randn(6, 32)
+    expected = model(x)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        wrapper = _patch.find(clone.blocks[0], "compile")
+        assert wrapper is not None and wrapper._compiled is None
+        torch.testing.assert_close(clone(x), expected, rtol=0, atol=0)
+
+
+def test_compiling_a_wrapped_block_is_refused() -> None:
+    model = _lora_stack()
+    enable_gradient_checkpointing(model, "blocks")
+    with pytest.raises(OffloadError, match="wrapped already") as err:
+        compile_blocks(model)
+    assert "Compile the blocks first" in err.value.hint
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune", "fast"])
+def test_cuda_graph_modes_are_refused(mode: str) -> None:
+    with pytest.raises(ConfigError, match="mode"):
+        compile_blocks(_lora_stack(), mode=mode)

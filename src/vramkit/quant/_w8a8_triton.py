@@ -97,14 +97,14 @@ def _quantize_rows_kernel(x_ptr, col_scale_ptr, codes_ptr, scales_ptr, n_rows, x
         codes = _to_codes(h, scale[:, None], QMAX, INT8)
         tl.store(code_rows + cols, codes.to(codes_ptr.dtype.element_ty), mask=mask)
     else:
-        running = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        running = tl.full([BLOCK_M, BLOCK_K], 0.0, tl.float32)
         for k0 in range(0, N_COLS, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)[None, :]
             mask = row_ok[:, None] & (cols < N_COLS)
             h = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
             if COL_SCALE:
                 h = h * tl.load(col_scale_ptr + cols, mask=cols < N_COLS, other=0.0)
-            running = _max_keeping_nan(running, tl.abs(h))
+            running = tl.maximum(running, tl.abs(h), propagate_nan=tl.PropagateNan.ALL)
         amax = tl.reduce(running, 1, _max_keeping_nan)
         scale = tl.fma(amax, INV_QMAX, FLOOR)
         for k0 in range(0, N_COLS, BLOCK_K):

@@ -290,7 +290,8 @@ class Int8Epilogue:
         out = torch.empty((rows, self.cols), dtype=dtype, device=acc.device)
         if rows:
             stride = acc.stride(0)
-            key = (acc.device.index, dtype, stride, _aligned(col_scale),
+            key = (acc.device.index, dtype, stride, acc.data_ptr() % 16 == 0,
+                   row_scale.data_ptr() % 16 == 0, _aligned(col_scale),
                    None if bias is None else (bias.dtype, bias.data_ptr() % 16 == 0))
             grid = ((rows + _EPILOGUE_BLOCK_M - 1) // _EPILOGUE_BLOCK_M, self._col_blocks, 1)
             self._launches[bias is not None](grid, key, (acc, row_scale, col_scale, bias, out,

@@ -5,6 +5,7 @@ reference of the math, the 8-bit backward, a FLUX-shaped layer, and the host tim
 from __future__ import annotations
 
 import time
+from types import ModuleType
 
 import pytest
 import torch
@@ -138,3 +139,123 @@ def test_gpu_quantize_model_w8a8_moves_half_the_bytes() -> None:
     assert after <= 0.51 * before
     y = model(torch.randn(32, 1024, device="cuda", dtype=torch.bfloat16))
     assert torch.isfinite(y).all()
+
+
+# -- the Triton kernels (vramkit.quant._w8a8_triton) against the aten code, bit for bit ---------
+
+def _triton_kernels() -> ModuleType:
+    """The kernels' module, imported only here (it imports triton)."""
+    pytest.importorskip("triton")
+    from vramkit.quant import _w8a8_triton
+
+    return _w8a8_triton
+
+
+def _gpu_rows(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    torch.manual_seed(rows + cols)
+    x = (torch.randn(rows, cols, device="cuda")
+         * torch.logspace(-4, 3, rows, device="cuda")[:, None]).to(dtype)
+    x[0] = 0.0
+    return x
+
+
+# (rows, cols): one row; FLUX widths; a row shorter than its power-of-two tile with several rows
+# per program; rows over the one-pass limit (two passes, the last block partly masked)
+ROW_SHAPES = [(1, 3072), (333, 3072), (4096, 3072), (64, 12288), (50, 100), (37, 20000)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+def test_gpu_triton_rows_equal_the_aten_rows(kind: str, shape: tuple[int, int]) -> None:
+    _skip_unless_capable(kind)
+    kernels = _triton_kernels()
+    x = _gpu_rows(*shape)
+    codes, scales = kernels.RowQuantizer(kind, shape[1])(x)
+    want_codes, want_scales = quantize_rows(x, kind)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert (codes[0].float() == 0).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_triton_rows_of_other_dtypes(kind: str, dtype: torch.dtype) -> None:
+    _skip_unless_capable(kind)
+    x = _gpu_rows(200, 1536, dtype)
+    codes, scales = _triton_kernels().RowQuantizer(kind, 1536)(x)
+    want_codes, want_scales = quantize_rows(x, kind)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cols", [3072, 20000])
+def test_gpu_triton_col_scaled_rows_equal_the_aten_product(kind: str, cols: int) -> None:
+    _skip_unless_capable(kind)
+    g = _gpu_rows(129, cols)
+    col_scale = torch.rand(cols, device="cuda") * 1e-2 + 1e-5
+    codes, scales = _triton_kernels().RowQuantizer(kind, cols, col_scaled=True)(g, col_scale)
+    want_codes, want_scales = quantize_rows(g * col_scale, kind)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+
+
+def test_gpu_triton_int8_rounds_half_to_even() -> None:
+    _skip_unless_capable("int8")
+    scale = torch.add(torch.tensor(1e-30), torch.tensor([[127.0]], device="cuda"), alpha=1 / 127)
+    halves = torch.tensor([[127.0, 0.5, 1.5, 2.5, -2.5, -0.5, 126.5, -3.5]], device="cuda")
+    x = halves * scale
+    assert torch.equal(x / scale, halves)
+    codes, _ = _triton_kernels().RowQuantizer("int8", 8)(x)
+    assert codes.tolist() == [[127, 0, 2, 2, -2, 0, 126, -4]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gpu_triton_int8_epilogue_matches_the_aten_passes(dtype: torch.dtype,
+                                                          with_bias: bool) -> None:
+    _skip_unless_capable("int8")
+    torch.manual_seed(1)
+    rows, cols = 333, 3080
+    acc = torch.randint(-2**24, 2**24, (rows, cols), dtype=torch.int32, device="cuda")
+    row_scale = torch.rand(rows, 1, device="cuda") * 1e-3
+    col_scale = torch.rand(cols, device="cuda") * 1e-3
+    bias = torch.randn(cols, device="cuda").to(dtype) if with_bias else None
+    got = _triton_kernels().Int8Epilogue(cols, col_scaled=True)(acc, row_scale, col_scale, bias,
+                                                                dtype)
+    scaled = torch.mul(acc, col_scale)
+    out = torch.empty(rows, cols, dtype=dtype, device="cuda")
+    want = (torch.mul(scaled, row_scale, out=out) if bias is None
+            else torch.addcmul(bias, scaled, row_scale, out=out))
+    if bias is None:
+        assert torch.equal(got, want)
+    else:  # an fma or not: at most one step of the output dtype
+        torch.testing.assert_close(got, want, rtol=2.0 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_layer_runs_the_triton_kernels_like_the_aten_ones(kind: str) -> None:
+    _skip_unless_capable(kind)
+    _triton_kernels()
+    from vramkit.quant import w8a8
+
+    layer, _ = _layer(kind, 3072, 1536)
+    x = torch.randn(2, 300, 3072, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(2, 300, 1536, device="cuda", dtype=torch.bfloat16)
+    y = layer(x)
+    assert layer._kernel.quantizer == "triton" and layer.kernel == kind
+    y.backward(grad)
+    grad_x, grad_b = x.grad.clone(), layer.bias.grad.clone()
+    x.grad = layer.bias.grad = None
+    layer._kernel = w8a8._KERNELS[kind]  # the aten kernel, kept: the device is already checked
+    y_aten = layer(x)
+    y_aten.backward(grad)
+    if kind == "fp8":  # the same codes into the same _scaled_mm
+        assert torch.equal(y, y_aten) and torch.equal(grad_x, x.grad)
+    else:  # the same sums, scaled in one pass (an fma or not)
+        torch.testing.assert_close(y, y_aten, rtol=2.0 ** -7, atol=1e-3)
+        torch.testing.assert_close(grad_x, x.grad, rtol=2.0 ** -7, atol=1e-3)
+    assert torch.equal(grad_b, layer.bias.grad)
+    layer.cpu()
+    layer(torch.randn(4, 3072, dtype=torch.bfloat16))
+    assert layer._kernel.quantizer == "aten"

@@ -40,9 +40,15 @@ copy of ``Q_w`` is made per backward call (``N*K`` bytes, half of what a bf16 de
 Neither ``grad_y @ W`` nor its transpose ``W^T grad_y^T`` avoids it; keeping a second, transposed
 copy of the weight would double the bytes the swapper moves.
 
+On CUDA with triton installed, the per-row quantization runs as ONE Triton launch
+(:mod:`vramkit.quant._w8a8_triton`: amax, scale and codes; in the backward ``h = g * s_w`` too)
+instead of four aten calls, with the same codes bit for bit, and int8's epilogue is one pass
+(``acc * s_w * s_x + b`` stored in the output dtype). The CPU, and CUDA without triton, run the
+aten code.
+
 Host time: one ``torch.autograd.Function`` (skipped when nothing needs a gradient) calls one of
-three kernel objects chosen when the layer is built; per call there are no config lookups,
-format checks or Triton launches. The buffers ``weight`` (codes ``[out, in]``) and
+the kernel objects, chosen at the first call on a device (again after a move); per call there are
+no config lookups or format checks. The buffers ``weight`` (codes ``[out, in]``) and
 ``weight_scale`` (fp32 ``[out]``) are read at every call, so a block swapper may repoint them.
 """
 
@@ -57,6 +63,7 @@ from torch import nn
 
 from vramkit.errors import QuantizationError
 from vramkit.quant.formats import FP8Config, Int8Config, QuantizedTensor, quantize_tensor
+from vramkit.quant.kernels import triton_available
 
 __all__ = ["W8A8_CAPABILITY", "W8A8Kind", "W8A8Linear", "check_w8a8_device", "quantize_rows",
            "w8a8_fits", "w8a8_weight_format"]
@@ -198,30 +205,41 @@ def _unit_scales(cols: int, device: torch.device) -> torch.Tensor:
     return ones
 
 
+def _fp8_matmul(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                scale: torch.Tensor, bias: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    # Row-wise scaled_mm writes bf16 only; other dtypes are cast after.
+    if dtype is torch.bfloat16:
+        return torch._scaled_mm(codes, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1),
+                                bias=bias, out_dtype=dtype)
+    y = torch._scaled_mm(codes, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1),
+                         out_dtype=torch.bfloat16).to(dtype)
+    return y if bias is None else y.add_(bias)
+
+
+def _fp8_grad_matmul(codes: torch.Tensor, g_scale: torch.Tensor, weight: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    y = torch._scaled_mm(codes, _column_major(weight), scale_a=g_scale,
+                         scale_b=_unit_scales(weight.shape[1], codes.device),
+                         out_dtype=torch.bfloat16)
+    return y if dtype is torch.bfloat16 else y.to(dtype)
+
+
 class _Fp8Kernel:
     name = "fp8"
+    quantizer = "aten"
 
     @staticmethod
     def forward(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
         codes, x_scale = _fp8_rows(x)
-        dtype = x.dtype
-        # Row-wise scaled_mm writes bf16 only; other dtypes are cast after.
-        if dtype is torch.bfloat16:
-            return torch._scaled_mm(codes, weight.t(), scale_a=x_scale,
-                                    scale_b=scale.view(1, -1), bias=bias, out_dtype=dtype)
-        y = torch._scaled_mm(codes, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1),
-                             out_dtype=torch.bfloat16).to(dtype)
-        return y if bias is None else y.add_(bias)
+        return _fp8_matmul(codes, x_scale, weight, scale, bias, x.dtype)
 
     @staticmethod
     def grad_input(grad: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                    dtype: torch.dtype) -> torch.Tensor:
         codes, g_scale = _fp8_rows(grad * scale)  # h = g * s_w, quantized per row
-        y = torch._scaled_mm(codes, _column_major(weight), scale_a=g_scale,
-                             scale_b=_unit_scales(weight.shape[1], grad.device),
-                             out_dtype=torch.bfloat16)
-        return y if dtype is torch.bfloat16 else y.to(dtype)
+        return _fp8_grad_matmul(codes, g_scale, weight, dtype)
 
 
 def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -233,6 +251,7 @@ def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 class _Int8Kernel:
     name = "int8"
+    quantizer = "aten"
 
     @staticmethod
     def forward(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -257,6 +276,7 @@ class _DequantizeKernel:
     """For shapes the 8-bit GEMMs cannot take: the weight dequantized at each call."""
 
     name = "dequantize"
+    quantizer = "none"
 
     @staticmethod
     def forward(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -269,9 +289,76 @@ class _DequantizeKernel:
         return grad.to(dtype) @ _dequantized(weight, scale, dtype)
 
 
-_Kernel = type[_Fp8Kernel] | type[_Int8Kernel] | type[_DequantizeKernel]
+class _TritonFp8Kernel:
+    """fp8 on CUDA with triton: one Triton launch quantizes the rows (forward: ``x``; backward:
+    ``g * s_w``), then the same ``_scaled_mm`` as :class:`_Fp8Kernel`."""
+
+    name = "fp8"
+    quantizer = "triton"
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        from vramkit.quant import _w8a8_triton  # imports triton: CUDA only
+
+        self._rows = _w8a8_triton.row_quantizer("fp8", in_features)
+        self._grad_rows = _w8a8_triton.row_quantizer("fp8", out_features, col_scaled=True)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        codes, x_scale = self._rows(x)
+        return _fp8_matmul(codes, x_scale, weight, scale, bias, x.dtype)
+
+    def grad_input(self, grad: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+        codes, g_scale = self._grad_rows(grad, scale)
+        return _fp8_grad_matmul(codes, g_scale, weight, dtype)
+
+
+class _TritonInt8Kernel:
+    """int8 on CUDA with triton: one Triton launch quantizes the rows, ``_int_mm``, then one
+    Triton pass scales the int32 sums into the output dtype (bias added there too)."""
+
+    name = "int8"
+    quantizer = "triton"
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        from vramkit.quant import _w8a8_triton  # imports triton: CUDA only
+
+        self._rows = _w8a8_triton.row_quantizer("int8", in_features)
+        self._grad_rows = _w8a8_triton.row_quantizer("int8", out_features, col_scaled=True)
+        self._epilogue = _w8a8_triton.int8_epilogue(out_features, col_scaled=True)
+        self._grad_epilogue = _w8a8_triton.int8_epilogue(in_features, col_scaled=False)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        codes, x_scale = self._rows(x)
+        return self._epilogue(_int_mm(codes, weight.t()), x_scale, scale, bias, x.dtype)
+
+    def grad_input(self, grad: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+        codes, g_scale = self._grad_rows(grad, scale)
+        return self._grad_epilogue(_int_mm(codes, _column_major(weight)), g_scale, None, None,
+                                   dtype)
+
+
+_Kernel = (type[_Fp8Kernel] | type[_Int8Kernel] | type[_DequantizeKernel] | _TritonFp8Kernel
+           | _TritonInt8Kernel)
 _KERNELS: dict[str, _Kernel] = {"fp8": _Fp8Kernel, "int8": _Int8Kernel,
                                 "dequantize": _DequantizeKernel}
+_TRITON_KERNELS: dict[tuple[str, int, int], _Kernel] = {}
+
+
+def _device_kernel(name: str, in_features: int, out_features: int,
+                   device: torch.device) -> _Kernel:
+    """The kernel object of ``name`` (``"fp8"``, ``"int8"`` or ``"dequantize"``) for inputs on
+    ``device``: the Triton-quantizing one on CUDA with triton installed, else the aten one."""
+    if name == "dequantize" or not triton_available(device):
+        return _KERNELS[name]
+    key = (name, in_features, out_features)
+    kernel = _TRITON_KERNELS.get(key)
+    if kernel is None:
+        kind = _TritonFp8Kernel if name == "fp8" else _TritonInt8Kernel
+        kernel = _TRITON_KERNELS[key] = kind(in_features, out_features)
+    return kernel
 
 
 def _dequantized(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -288,21 +375,27 @@ class _W8A8Function(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None, kernel: _Kernel) -> torch.Tensor:
         shape = x.shape
-        y = kernel.forward(x.reshape(-1, shape[-1]), weight, scale, bias)
-        ctx.kernel, ctx.x_shape, ctx.x_dtype = kernel, shape, x.dtype
+        ctx.call = (kernel, shape, x.dtype)  # one attribute: ctx's setattr is not free
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(weight, scale)
+        if len(shape) == 2:
+            return kernel.forward(x, weight, scale, bias)
+        y = kernel.forward(x.reshape(-1, shape[-1]), weight, scale, bias)
         return y.view(*shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        kernel, x_shape, x_dtype = ctx.call
+        flat = grad_out.dim() != 2
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1]) if flat else grad_out
         grad_x = grad_bias = None
-        if ctx.needs_input_grad[0]:
+        needs = ctx.needs_input_grad
+        if needs[0]:
             weight, scale = ctx.saved_tensors
-            grad_x = ctx.kernel.grad_input(grad_2d, weight, scale,
-                                           ctx.x_dtype).view(ctx.x_shape)
-        if ctx.needs_input_grad[3]:
+            grad_x = kernel.grad_input(grad_2d, weight, scale, x_dtype)
+            if flat:
+                grad_x = grad_x.view(x_shape)
+        if needs[3]:
             grad_bias = grad_2d.sum(0)
         return grad_x, None, None, grad_bias, None
 
@@ -442,8 +535,12 @@ class W8A8Linear(nn.Module):
         return _dequantized(self.weight, self.weight_scale, dtype)
 
     def _verify_device(self, x: torch.Tensor) -> None:
+        """Check ``x``'s device once and pick the kernel object for it (Triton-quantizing on
+        CUDA with triton installed)."""
         if x.device.type == "cuda":
             check_w8a8_device(self.kind, x.device)
+        self._kernel = _device_kernel(self._kernel.name, self.in_features, self.out_features,
+                                      x.device)
         self._checked_device = x.device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -465,13 +562,15 @@ class W8A8Linear(nn.Module):
             dtype = torch.get_autocast_dtype(device.type)
             if x.dtype != dtype:
                 x = x.to(dtype)
-        bias = self.bias
+        bias = self._parameters["bias"]
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         if torch.is_grad_enabled() and (x.requires_grad
                                         or (bias is not None and bias.requires_grad)):
             return _W8A8Function.apply(x, weight, scale, bias, self._kernel)
         shape = x.shape
+        if len(shape) == 2:
+            return self._kernel.forward(x, weight, scale, bias)
         y = self._kernel.forward(x.reshape(-1, shape[-1]), weight, scale, bias)
         return y.view(*shape[:-1], self.out_features)
 

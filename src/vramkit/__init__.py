@@ -83,7 +83,7 @@ __all__, _lazy_getattr, __dir__ = lazy_exports(__name__, {
     # -- floor 4: planning and tiling ---------------------------------------------------------
     "vramkit.planning.api": ("plan",),
     "vramkit.planning.fitting": ("fit", "Fitted", "FitReport"),
-    "vramkit.planning.planner": ("Plan",),
+    "vramkit.planning.record": ("Plan",),
     "vramkit.planning.hardware": ("hardware_profile",),
     "vramkit.planning.activations": ("ActivationEstimate", "estimate_activations"),
     "vramkit.tiling.vae": ("VAETiling", "TilingHandle", "SeamReport", "seam_error"),
@@ -148,7 +148,7 @@ if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.planning.api import *  # noqa: F403
     from vramkit.planning.fitting import *  # noqa: F403
     from vramkit.planning.hardware import *  # noqa: F403
-    from vramkit.planning.planner import *  # noqa: F403
+    from vramkit.planning.record import *  # noqa: F403
     from vramkit.quant.formats import *  # noqa: F403
     from vramkit.quant.linear import *  # noqa: F403
     from vramkit.quant.model import *  # noqa: F403

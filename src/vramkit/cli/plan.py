@@ -172,7 +172,7 @@ def make_plan(args: argparse.Namespace,
 
     Returns:
         ``(target, plan, note)``: the :class:`~vramkit.planning.models.PlanTarget`, the
-        :class:`~vramkit.planning.planner.Plan` and a note on the hardware (or ``None``).
+        :class:`~vramkit.planning.record.Plan` and a note on the hardware (or ``None``).
 
     Raises:
         FlagError: for a bad flag value (exit code 2).

@@ -27,7 +27,8 @@ from vramkit.planning.analysis import FORMATS, ModelCost, analyze
 from vramkit.planning.calibration import BlockTimes, calibrate_blocks
 from vramkit.planning.hardware import HardwareProfile
 from vramkit.planning.machine import Machine, machine_for
-from vramkit.planning.planner import CHECKPOINTING, Plan, search
+from vramkit.planning.planner import search
+from vramkit.planning.record import CHECKPOINTING, Plan
 from vramkit.units import format_size
 
 __all__ = ["DEFAULT_HEADROOM", "plan", "resolve_headroom"]
@@ -116,7 +117,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
             sizes: the planner chooses the rest around it) or ``"none"`` (training only).
 
     Returns:
-        The :class:`~vramkit.planning.planner.Plan`.
+        The :class:`~vramkit.planning.record.Plan`.
 
     Raises:
         PlanError: when no plan fits; the message names the smallest budget that would, and

@@ -14,8 +14,9 @@ a model, its inputs and a memory budget, before anything is allocated; apply the
 * :mod:`.machine` / :mod:`.hardware`: the machine, measured or from sourced GPU profiles.
 * :mod:`.calibration`: the compute time of one block of each kind, measured on the device.
 * :mod:`.activations`: activation bytes of a step by block, with and without checkpointing.
-* :mod:`.models`: the shipped model presets (FLUX.1-dev, SDXL, SD3.5-large, Qwen-Image,
-  Wan2.1-14B, Llama-3.1-8B) built on the meta device, and local model folders.
+
+The shipped model presets the CLI plans for (FLUX.1-dev, SDXL, ...) are recipes, a floor above:
+:mod:`vramkit.recipes.targets`.
 
 The package is ``vramkit.planning``; its verbs are ``vramkit.plan`` and ``vramkit.fit``.
 """
@@ -39,8 +40,6 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".machine": ("Machine", "machine_for", "measure_machine", "ACHIEVED_FRACTION", "COPY_SLOWDOWN"),
     ".hardware": ("HardwareProfile", "PROFILES", "hardware_profile"),
     ".activations": ("ActivationEstimate", "estimate_activations", "activation_accounting"),
-    ".models": ("build_target", "PlanTarget", "ModelPreset", "MODEL_PRESETS", "LORA_TARGETS",
-                "list_presets"),
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions
@@ -51,7 +50,6 @@ if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.planning.fitting import *  # noqa: F403
     from vramkit.planning.hardware import *  # noqa: F403
     from vramkit.planning.machine import *  # noqa: F403
-    from vramkit.planning.models import *  # noqa: F403
     from vramkit.planning.planner import *  # noqa: F403
     from vramkit.planning.pricing import *  # noqa: F403
     from vramkit.planning.record import *  # noqa: F403

@@ -33,7 +33,7 @@ from vramkit.planning import calibration
 from vramkit.planning.analysis import analyze
 from vramkit.planning.hardware import PROFILES, hardware_profile
 from vramkit.planning.machine import ACHIEVED_FRACTION, Machine, phase_work
-from vramkit.planning.models import build_target, list_presets
+from vramkit.recipes.targets import build_target, list_presets
 
 
 def _profile_for(device: torch.device, name: str | None) -> str:

@@ -94,7 +94,7 @@ def _target(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         return {"model": meta, "inputs": synthetic_batch(config, 1, device="meta"),
                 "step": flow_matching_loss, "blocks": names, "autocast": None,
                 "config": config}
-    from vramkit.planning.models import build_target
+    from vramkit.recipes.targets import build_target
 
     options: dict[str, Any] = {"resolution": 256, "seq_len": 128} if args.tiny else {}
     target = build_target(args.model, **{k: v for k, v in options.items()

@@ -129,7 +129,7 @@ def tiny_folder(model: str) -> str:
 
 
 def meta_target(model: str, s: Settings, mode: str = "train") -> Any:
-    from vramkit.planning.models import build_target
+    from vramkit.recipes.targets import build_target
 
     name = tiny_folder(model) if s.tiny else {"flux": "flux-dev", "llama": "llama-3.1-8b"}[model]
     options: dict[str, Any] = {"mode": mode}

@@ -38,9 +38,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, write_result
 from vramkit.planning import calibration
-from vramkit.planning.models import build_target
 from vramkit.quant import kernels
 from vramkit.quant.formats import quantize_tensor
+from vramkit.recipes.targets import build_target
 
 FLUX_LORA = ["to_q", "to_k", "to_v", "to_out.0"]
 

@@ -272,7 +272,7 @@ def run_stack(args: argparse.Namespace, device: torch.device) -> tuple[list[dict
 
 def flux_child(kind: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     from plan import fill_random, real_inputs
-    from vramkit.planning.models import build_target
+    from vramkit.recipes.targets import build_target
 
     torch.backends.cuda.enable_cudnn_sdp(False)  # illegal memory access on these shapes (2.11)
     if device.type == "cuda":

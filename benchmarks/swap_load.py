@@ -218,7 +218,7 @@ def torch_pinned_bytes() -> int | None:
 
 
 def model_config(tiny: bool) -> dict[str, Any]:
-    from vramkit.planning.models import MODEL_PRESETS
+    from vramkit.recipes.targets import MODEL_PRESETS
 
     config = dict(TINY_FLUX if tiny else MODEL_PRESETS["flux-dev"].config)
     return {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}

@@ -31,7 +31,7 @@ from plan import fill_random, real_inputs, tiny_folder
 from vramkit.offload.blocks import find_blocks
 from vramkit.planning.activations import activation_accounting
 from vramkit.planning.analysis import analyze
-from vramkit.planning.models import build_target
+from vramkit.recipes.targets import build_target
 
 FLUX_LORA = ["to_q", "to_k", "to_v", "to_out.0"]
 

@@ -51,7 +51,7 @@ __all__, __getattr__, _dir = _lazy_exports(__name__, {
     # -- floor 4: planning and tiling ---------------------------------------------------------
     "vramkit.planning.api": ("plan",),
     "vramkit.planning.fitting": ("fit", "Fitted", "FitReport"),
-    "vramkit.planning.planner": ("Plan",),
+    "vramkit.planning.record": ("Plan",),
     "vramkit.tiling.vae": ("VAETiling",),
     # -- floor 5: recipes built from the floors below -----------------------------------------
     "vramkit.recipes.presets": ("optimize_flux_memory", "optimize_sdxl_memory"),
@@ -101,7 +101,7 @@ if _TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.optim.adamw8bit import AdamW8bit
     from vramkit.planning.api import plan
     from vramkit.planning.fitting import FitReport, Fitted, fit
-    from vramkit.planning.planner import Plan
+    from vramkit.planning.record import Plan
     from vramkit.quant.linear import QuantizedLinear
     from vramkit.quant.model import QuantizationConfig, quantize_model
     from vramkit.quant.serialization import load_quantized_model, save_quantized

@@ -57,7 +57,7 @@ def test_a_tight_budget_swaps_and_the_table_explains_it(llama_dir: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     import vramkit
     from vramkit.errors import PlanError
-    from vramkit.planning import build_target
+    from vramkit.recipes.targets import build_target
 
     target = build_target(llama_dir, seq_len=512)
     with pytest.raises(PlanError) as info:
@@ -176,7 +176,7 @@ def test_a_host_budget_below_the_masters_keeps_blocks_on_disk(
     common = [str(llama_dir), "--hardware", "l4", "--seq-len", "512", "--headroom", "0"]
     import vramkit
     from vramkit.errors import PlanError
-    from vramkit.planning import build_target
+    from vramkit.recipes.targets import build_target
 
     target = build_target(llama_dir, seq_len=512)
     with pytest.raises(PlanError) as info:
@@ -199,7 +199,7 @@ def test_a_host_budget_below_the_masters_keeps_blocks_on_disk(
 def test_ddp_plans_one_rank_with_the_gradient_buckets_kept_free(
         llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from vramkit.distributed import ddp_bucket_bytes
-    from vramkit.planning import build_target
+    from vramkit.recipes.targets import build_target
 
     common = [str(llama_dir), "--budget", "8GiB", "--hardware", "rtx4090", "--seq-len", "512"]
     alone = _json(capsys, *common)

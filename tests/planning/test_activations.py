@@ -299,7 +299,7 @@ def test_flux_block_estimates_equal_what_an_h100_keeps() -> None:
     pytest.importorskip("diffusers")
     pytest.importorskip("peft")
     from vramkit.planning.analysis import analyze
-    from vramkit.planning.models import build_target
+    from vramkit.recipes.targets import build_target
 
     target = build_target("flux-dev", lora_targets=["to_q", "to_k", "to_v", "to_out.0"])
     found = analyze(target.model, target.inputs, step=target.step).activations
@@ -316,7 +316,7 @@ def test_flux_inference_holds_a_single_blocks_transient_tensors() -> None:
     # stand-in stopped holding its rotated q and k past the call.)
     pytest.importorskip("diffusers")
     from vramkit.planning.analysis import analyze
-    from vramkit.planning.models import build_target
+    from vramkit.recipes.targets import build_target
 
     target = build_target("flux-dev", mode="infer")
     found = analyze(target.model, target.inputs, step=target.step, mode="infer",

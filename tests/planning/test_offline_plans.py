@@ -10,7 +10,8 @@ import pytest
 
 import vramkit
 from vramkit.errors import PlanError
-from vramkit.planning import analyze, build_target
+from vramkit.planning import analyze
+from vramkit.recipes.targets import build_target
 
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")

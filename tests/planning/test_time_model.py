@@ -155,7 +155,7 @@ H100_BLOCK_MS = {
 def test_offline_block_times_match_the_h100(name: str) -> None:
     pytest.importorskip("peft")
     pytest.importorskip("transformers" if name.startswith("llama") else "diffusers")
-    from vramkit.planning.models import build_target
+    from vramkit.recipes.targets import build_target
 
     target = build_target(name)
     cost = analyze(target.model, target.inputs, step=target.step)

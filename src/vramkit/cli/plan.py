@@ -182,8 +182,8 @@ def make_plan(args: argparse.Namespace,
     """Check the flags, build the model on meta and plan it.
 
     Returns:
-        ``(target, plan, note)``: the :class:`~vramkit.planning.models.PlanTarget`, the
-        :class:`~vramkit.planning.planner.Plan` and a note on the hardware (or ``None``).
+        ``(target, plan, note)``: the :class:`~vramkit.recipes.targets.PlanTarget`, the
+        :class:`~vramkit.planning.record.Plan` and a note on the hardware (or ``None``).
 
     Raises:
         FlagError: for a bad flag value (exit code 2).
@@ -193,7 +193,7 @@ def make_plan(args: argparse.Namespace,
     from vramkit.cli._output import flag_values
     from vramkit.errors import ConfigError, PlanError
     from vramkit.planning.api import plan
-    from vramkit.planning.models import build_target
+    from vramkit.recipes.targets import build_target
 
     def say(text: str) -> None:
         if status is not None:
@@ -280,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
 def _print_lists(as_json: bool) -> int:
     from vramkit.cli._output import console, print_json
     from vramkit.planning.hardware import PROFILES
-    from vramkit.planning.models import MODEL_PRESETS
+    from vramkit.recipes.targets import MODEL_PRESETS
     from vramkit.units import format_size
 
     if as_json:

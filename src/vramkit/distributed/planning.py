@@ -28,7 +28,7 @@ from torch import nn
 from vramkit._validate import check_bool, check_choice, check_size
 from vramkit.planning.api import plan
 from vramkit.planning.fitting import Fitted, fit
-from vramkit.planning.planner import Plan
+from vramkit.planning.record import Plan
 
 __all__ = ["agree_on_plan", "ddp_bucket_bytes", "fit_rank", "plan_for_rank"]
 
@@ -60,7 +60,7 @@ def plan_for_rank(model: nn.Module, example_inputs: Any, budget: int | str, *,
             ``reserved_bytes`` adds to DDP's buckets.
 
     Returns:
-        The rank's :class:`~vramkit.planning.planner.Plan`.
+        The rank's :class:`~vramkit.planning.record.Plan`.
     """
     check_bool("gradient_as_bucket_view", gradient_as_bucket_view)
     extra = 0 if gradient_as_bucket_view else ddp_bucket_bytes(model)

@@ -6,12 +6,17 @@ a model, its inputs and a memory budget, before anything is allocated; apply the
   steps; :meth:`Fitted.detach` gives the model back exactly.
 * :mod:`.analysis`: a model's costs by block on the meta device (FLOPs, activation bytes,
   weight bytes per storage format by the swapper's own rule).
-* :mod:`.planner`: the model of time (phases simulated block by block) and memory, the search.
+* :mod:`.record`: the :class:`Plan` record, what it shows (``explain``, ``to_dict``) and how it is
+  saved and loaded (``save``, ``load``, ``from_dict``) for :func:`vramkit.fit` to apply again.
+* :mod:`.planner`: the search; :mod:`.pricing`: what a candidate costs (per-block prices as
+  built, checkpointed and packed, a candidate's phases and memory); :mod:`.simulation`: one
+  phase simulated block by block over the host, the compute stream and the copy engine.
 * :mod:`.machine` / :mod:`.hardware`: the machine, measured or from sourced GPU profiles.
 * :mod:`.calibration`: the compute time of one block of each kind, measured on the device.
 * :mod:`.activations`: activation bytes of a step by block, with and without checkpointing.
-* :mod:`.models`: the shipped model presets (FLUX.1-dev, SDXL, SD3.5-large, Qwen-Image,
-  Wan2.1-14B, Llama-3.1-8B) built on the meta device, and local model folders.
+
+The shipped model presets the CLI plans for (FLUX.1-dev, SDXL, ...) are recipes, a floor above:
+:mod:`vramkit.recipes.targets`.
 
 The package is ``vramkit.planning``; its verbs are ``vramkit.plan`` and ``vramkit.fit``.
 """
@@ -25,15 +30,16 @@ from vramkit._lazy import lazy_exports
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".api": ("plan", "DEFAULT_HEADROOM", "resolve_headroom"),
     ".fitting": ("fit", "Fitted", "FitReport"),
-    ".planner": ("Plan", "PhaseTime", "search", "CHECKPOINTING"),
+    ".record": ("Plan", "PhaseTime", "CHECKPOINTING"),
+    ".planner": ("search",),
+    ".pricing": ("BlockPrices", "Candidate", "Priced", "StepPricer"),
+    ".simulation": ("simulate_phase",),
     ".analysis": ("analyze", "ModelCost", "BlockCost", "Work", "FORMATS", "default_step",
                   "meta_copy", "to_meta"),
     ".calibration": ("BlockTimes", "CallTimes", "calibrate_blocks"),
     ".machine": ("Machine", "machine_for", "measure_machine", "ACHIEVED_FRACTION", "COPY_SLOWDOWN"),
     ".hardware": ("HardwareProfile", "PROFILES", "hardware_profile"),
     ".activations": ("ActivationEstimate", "estimate_activations", "activation_accounting"),
-    ".models": ("build_target", "PlanTarget", "ModelPreset", "MODEL_PRESETS", "LORA_TARGETS",
-                "list_presets"),
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions
@@ -44,5 +50,7 @@ if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.planning.fitting import *  # noqa: F403
     from vramkit.planning.hardware import *  # noqa: F403
     from vramkit.planning.machine import *  # noqa: F403
-    from vramkit.planning.models import *  # noqa: F403
     from vramkit.planning.planner import *  # noqa: F403
+    from vramkit.planning.pricing import *  # noqa: F403
+    from vramkit.planning.record import *  # noqa: F403
+    from vramkit.planning.simulation import *  # noqa: F403

@@ -282,7 +282,8 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
             step: Callable[[nn.Module, Any], torch.Tensor] | None = None,
             blocks: str | Sequence[str] = "auto", formats: Sequence[str] = ("bf16",),
             swap_config: SwapConfig | None = None,
-            autocast: torch.dtype | None = torch.bfloat16) -> ModelCost:
+            autocast: torch.dtype | None = torch.bfloat16,
+            found: Sequence[tuple[str, nn.Module]] | None = None) -> ModelCost:
     """Measure a model's per-block costs on the meta device.
 
     Args:
@@ -298,6 +299,10 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
             (default ``SwapConfig()``; ``trainable`` follows: adapters stay resident).
         autocast: the low-precision dtype of bf16-style autocast during the step (default
             bf16; ``None``: no autocast).
+        found: the blocks already found, as :func:`~vramkit.offload.blocks.find_blocks`
+            returns them, of ``model`` already on the meta device (``blocks`` is then not
+            read): :func:`vramkit.plan` makes one meta copy and finds its blocks once for its
+            analyses and its calibration.
 
     Returns:
         A :class:`ModelCost`.
@@ -310,8 +315,12 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
         check_choice("format", fmt, FORMATS)
     started = time.perf_counter()
     rule = swap_config if swap_config is not None else SwapConfig()
-    meta = meta_copy(model)
-    found = find_blocks(meta, blocks)
+    if found is None:
+        meta = meta_copy(model)
+        found = find_blocks(meta, blocks)
+    else:
+        meta = model
+    found = list(found)
     names = [n for n, _ in found]
     meta_inputs = to_meta(inputs)
     run = step if step is not None else default_step

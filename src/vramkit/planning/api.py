@@ -4,6 +4,7 @@ for a model, its inputs and a memory budget, at the best predicted speed, before
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -23,11 +24,12 @@ from vramkit._validate import (
 )
 from vramkit.errors import ConfigError, PlanError
 from vramkit.offload.blocks import find_blocks, module_bytes, split_blocks
-from vramkit.planning.analysis import FORMATS, ModelCost, analyze
+from vramkit.planning.analysis import FORMATS, ModelCost, analyze, meta_copy
 from vramkit.planning.calibration import BlockTimes, calibrate_blocks
 from vramkit.planning.hardware import HardwareProfile
 from vramkit.planning.machine import Machine, machine_for
-from vramkit.planning.planner import CHECKPOINTING, Plan, search
+from vramkit.planning.planner import search
+from vramkit.planning.record import CHECKPOINTING, Plan
 from vramkit.units import format_size
 
 __all__ = ["DEFAULT_HEADROOM", "plan", "resolve_headroom"]
@@ -116,7 +118,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
             sizes: the planner chooses the rest around it) or ``"none"`` (training only).
 
     Returns:
-        The :class:`~vramkit.planning.planner.Plan`.
+        The :class:`~vramkit.planning.record.Plan`.
 
     Raises:
         PlanError: when no plan fits; the message names the smallest budget that would, and
@@ -166,15 +168,26 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
                 low = mid + 1
         return low
 
-    def analyzed(units: str | Sequence[str]) -> ModelCost:
-        return analyze(model, example_inputs, mode=mode, step=step, blocks=units,
+    @functools.cache
+    def on_meta() -> tuple[nn.Module, list[tuple[str, nn.Module]]]:
+        """The model on the meta device and its blocks there: made once, on first need, for
+        every analysis and calibration of this call (a copy of a large model takes seconds)."""
+        meta = meta_copy(model)
+        return meta, find_blocks(meta, blocks)
+
+    def analyzed(units: list[tuple[str, nn.Module]]) -> ModelCost:
+        return analyze(on_meta()[0], example_inputs, mode=mode, step=step, found=units,
                        formats=("bf16", *allow_formats), autocast=autocast)
 
-    def planned(units: str | Sequence[str], cost: ModelCost,
+    def planned(units: list[tuple[str, nn.Module]] | None, cost: ModelCost,
                 block_times: BlockTimes | None) -> Plan:
+        """The plan of ``cost``, calibrating ``units`` first where the machine is measured
+        (``None``: the blocks of ``blocks``)."""
         if block_times is None and hardware is None:
-            block_times = calibrate_blocks(model, example_inputs, mode=mode, step=step,
-                                           blocks=units, autocast=autocast, device=target,
+            meta, whole = on_meta()
+            block_times = calibrate_blocks(meta, example_inputs, mode=mode, step=step,
+                                           found=whole if units is None else units,
+                                           autocast=autocast, device=target,
                                            formats=allow_formats)
         if block_times is not None:
             missing = [b.name for b in cost.blocks if b.name not in block_times.forward]
@@ -191,14 +204,14 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
     may_split = (mode == "infer" and isinstance(blocks, str) and blocks == "auto"
                  and cost is None and block_times is None)
     if cost is None:
-        cost = analyzed(blocks)
+        cost = analyzed(on_meta()[1])
     elif cost.mode != mode:
         raise ConfigError(f"cost= was analyzed for mode {cost.mode!r}, not {mode!r}",
                           hint="Analyze again with the same mode, or leave cost=None.")
     result: Plan | None = None
     refused: PlanError | None = None
     try:
-        result = planned(blocks, cost, block_times)
+        result = planned(None, cost, block_times)
     except PlanError as exc:
         refused = exc
     # Inference that swaps: whole blocks go through slots as large as the largest block, their
@@ -206,7 +219,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
     # more slots or resident units where the slots weigh (an H200's calibrated FLUX.1-dev plan
     # at 2 GiB kept one block resident and one 648 MiB slot).
     if may_split and (result is None or result.swapped):
-        result, refused = _finer(model, cost, result, refused, analyzed, planned)
+        meta, whole = on_meta()
+        result, refused = _finer(meta, whole, cost, result, refused, analyzed, planned)
     if result is None:
         assert refused is not None  # one of the two is always set
         raise refused
@@ -229,24 +243,27 @@ def _unclean(cost: ModelCost) -> set[str]:
     return {*cost.foreign_reads, *cost.repeated_calls}
 
 
-def _finer(model: nn.Module, cost: ModelCost, whole: Plan | None, refused: PlanError | None,
-           analyzed: Callable[[list[str]], ModelCost],
-           planned: Callable[[list[str], ModelCost, None], Plan]
+def _finer(meta: nn.Module, found: list[tuple[str, nn.Module]], cost: ModelCost,
+           whole: Plan | None, refused: PlanError | None,
+           analyzed: Callable[[list[tuple[str, nn.Module]]], ModelCost],
+           planned: Callable[[list[tuple[str, nn.Module]], ModelCost, None], Plan]
            ) -> tuple[Plan | None, PlanError | None]:
-    """The plan of ``model``'s blocks split into their children
-    (:func:`~vramkit.offload.blocks.split_blocks`) where it fits when whole blocks do not, or
-    is :data:`SPLIT_GAIN` faster; otherwise ``whole`` (or ``refused``) as they were. ``cost``
-    is the whole blocks' analysis: what a whole block holds while it runs bounds the split
-    plan's activations (the block's own code keeps tensors between its children's calls)."""
-    found = find_blocks(model, "auto")
+    """The plan of the blocks ``found`` in ``meta`` (the model on the meta device) split into
+    their children (:func:`~vramkit.offload.blocks.split_blocks`) where it fits when whole
+    blocks do not, or is :data:`SPLIT_GAIN` faster; otherwise ``whole`` (or ``refused``) as
+    they were. ``cost`` is the whole blocks' analysis: what a whole block holds while it runs
+    bounds the split plan's activations (the block's own code keeps tensors between its
+    children's calls)."""
     parts = {name: split_blocks([(name, block)]) for name, block in found}
+    # units in the model's order of registration, as find_blocks orders named blocks
+    position = {name: i for i, (name, _) in enumerate(meta.named_modules())}
     finer_cost = None
     for _ in range(2):  # again with whole blocks where units do not swap cleanly
         units = [unit for name, _ in found for unit in parts[name]]
         if len(units) == len(found):
             return whole, refused  # no block splits
-        names = [name for name, _ in units]
-        finer_cost = analyzed(names)
+        units.sort(key=lambda unit: position.get(unit[0], math.inf))
+        finer_cost = analyzed(units)
         unclean = _unclean(finer_cost)
         if not unclean:
             break
@@ -261,7 +278,7 @@ def _finer(model: nn.Module, cost: ModelCost, whole: Plan | None, refused: PlanE
     finer_cost = replace(finer_cost, activations=replace(
         finer_cost.activations, enclosing_peak=cost.activations.inference_peak))
     try:
-        finer = planned(names, finer_cost, None)
+        finer = planned(units, finer_cost, None)
     except PlanError as exc:
         if refused is not None and (exc.minimum_budget or math.inf) < (
                 refused.minimum_budget or math.inf):

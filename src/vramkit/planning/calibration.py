@@ -456,7 +456,8 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
                      blocks: str | Sequence[str] = "auto",
                      autocast: torch.dtype | None = torch.bfloat16,
                      device: str | torch.device | None = None, repeats: int = 5,
-                     seed: int = 0, formats: Sequence[str] = ()) -> BlockTimes:
+                     seed: int = 0, formats: Sequence[str] = (),
+                     found: Sequence[tuple[str, nn.Module]] | None = None) -> BlockTimes:
     """Time one block of each kind on ``device`` (see the module docstring).
 
     Args:
@@ -476,6 +477,9 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
             :func:`vramkit.fit` stores a packed block (``quantize_model``, layers that own
             trainable parameters kept), so a plan prices dequantizing on the fly by what it
             costs on this device (:meth:`BlockTimes.extra`).
+        found: the blocks already found, as :func:`~vramkit.offload.blocks.find_blocks`
+            returns them, of ``model`` already on the meta device (``blocks`` is then not
+            read; :func:`vramkit.plan` passes the ones its analysis used).
 
     Returns:
         :class:`BlockTimes` for every block.
@@ -495,8 +499,12 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
         target = torch.device("cuda", torch.cuda.current_device())
     started = time.perf_counter()
     train = mode == "train"
-    meta = meta_copy(model)
-    names = [n for n, _ in find_blocks(meta, blocks)]
+    if found is None:
+        meta = meta_copy(model)
+        found = find_blocks(meta, blocks)
+    else:
+        meta = model
+    names = [n for n, _ in found]
     calls_of = _record_calls(meta, names, to_meta(inputs), step or default_step, autocast,
                              train)
     kinds: dict[Any, list[str]] = {}

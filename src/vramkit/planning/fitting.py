@@ -38,7 +38,7 @@ from vramkit.offload.checkpointing import (
 from vramkit.offload.swap import BlockLoader, BlockSwapper, MasterMemory, SwapConfig
 from vramkit.planning._meta import trainable_module_names
 from vramkit.planning.api import plan as make_plan
-from vramkit.planning.planner import Plan
+from vramkit.planning.record import Plan
 from vramkit.quant.dense import DenseScratch, group_dense, ungroup_dense
 from vramkit.units import format_size
 
@@ -138,7 +138,7 @@ class Fitted:
 
     Attributes:
         model: the model.
-        plan: the :class:`~vramkit.planning.planner.Plan` applied.
+        plan: the :class:`~vramkit.planning.record.Plan` applied.
         swapper: the :class:`~vramkit.offload.swap.BlockSwapper`, or ``None`` when nothing is
             swapped.
         device: where the model runs.
@@ -379,7 +379,8 @@ class Fitted:
 
 
 def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
-        device: str | int | torch.device | None = None, plan: Plan | None = None,
+        device: str | int | torch.device | None = None,
+        plan: Plan | str | os.PathLike[str] | None = None,
         observe_steps: int = 3, checkpoint: str | os.PathLike[str] | None = None,
         prefix: str | None = None, strict: bool = True,
         master_memory: MasterMemory | None = None, block_loader: BlockLoader | None = None,
@@ -392,7 +393,9 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
         example_inputs: as for :func:`vramkit.plan`.
         budget: as for :func:`vramkit.plan`.
         device: where to run (default: the current CUDA device).
-        plan: a plan made earlier for this model (default: made now with ``plan_options``).
+        plan: a plan made earlier for this model, or the path of one saved with
+            :meth:`Plan.save <vramkit.planning.record.Plan.save>`: applied as it is, without
+            searching again (default: made now with ``plan_options``).
         observe_steps: steps after which the prediction is checked (logged; :meth:`Fitted.report`).
         checkpoint: a safetensors checkpoint to fill ``model`` from while the plan is applied
             (``model`` may then be on the meta device): swapped blocks are read straight into
@@ -428,6 +431,8 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
                                "them first (vramkit.load_into(model, path)), or call "
                                "vramkit.plan for a plan without weights.")
     target = resolve_device(device, owner="vramkit.fit")
+    if isinstance(plan, (str, os.PathLike)):
+        plan = Plan.load(plan)
     if plan is None:
         if target.type == "cuda" and plan_options.get("hardware") is None:
             plan_options.setdefault("device", target)  # measure the GPU it will run on

@@ -3,7 +3,8 @@ formats, whether to offload activations, for the best predicted step time under 
 
 The model (:class:`~vramkit.planning.analysis.ModelCost`) gives per block FLOPs, activation bytes
 and weight bytes per format; the machine (:class:`~vramkit.planning.machine.Machine`) gives copy
-bandwidth and throughput. A candidate is predicted phase by phase (DESIGN.md §4):
+bandwidth and throughput. A candidate is predicted phase by phase
+(:class:`~vramkit.planning.pricing.StepPricer`):
 
 * memory: frozen weights kept on the device + ``R`` slots of the largest swapped block +
   with packed formats, the largest packed block's weights dequantized (one buffer that every
@@ -11,7 +12,7 @@ bandwidth and throughput. A candidate is predicted phase by phase (DESIGN.md §4
   trainable parameters, their gradients and AdamW state + activations for the checkpointed set
   (:meth:`~vramkit.planning.activations.ActivationEstimate.bytes_with`) <= budget - headroom;
 * time: forward and backward (with recomputation) are each simulated block by block
-  (:func:`simulate_phase`): the host enqueues the blocks ahead of the device (a block's kernels
+  (:func:`~vramkit.planning.simulation.simulate_phase`): the host enqueues the blocks ahead of the device (a block's kernels
   start once the host began enqueueing it and end no earlier than it finished), the compute
   stream runs the blocks in order, a swapped block waits for its copy, and a copy waits for the
   copy engine and for a free slot (the slot of the swapped block ``R`` places earlier frees when
@@ -21,7 +22,8 @@ bandwidth and throughput. A candidate is predicted phase by phase (DESIGN.md §4
   copies to hide. Plus the optimizer; the swapper's bookkeeping counts on the host. A block's
   own device and host times are measured (``times``, a calibrated machine: as built, under
   checkpointing, in each packed format) or, offline, the time model of its counted work
-  (:meth:`~vramkit.planning.machine.Machine.work_sides`).
+  (:meth:`~vramkit.planning.machine.Machine.work_sides`); the prices of a block as built,
+  checkpointed and packed are :class:`~vramkit.planning.pricing.BlockPrices`.
 
 The search: for each pair of formats (swapped blocks, resident blocks) among the allowed ones,
 each ``R`` and each number of swapped blocks (three candidate sets, :func:`_swap_sets`: spread
@@ -31,280 +33,35 @@ checkpointed blocks that fit (blocks in order of activation saved per recomputed
 search, since checkpointing more never needs more memory; ``checkpointing="all"`` or
 ``"none"`` fixes the set), and activation offload with everything checkpointed wherever it
 fits. The fastest candidate wins; ties go to less swapping, less recomputation and fewer
-slots.
+slots. It returns a :class:`~vramkit.planning.record.Plan`.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vramkit.errors import PlanError
-from vramkit.offload._activation_settings import ActivationOffloadConfig
 from vramkit.offload.blocks import spread_evenly
-from vramkit.planning.analysis import BlockCost, ModelCost
-from vramkit.planning.calibration import CHECKPOINTED, FULL, BlockTimes, CallTimes, packed_variant
-from vramkit.planning.machine import SWAP_HOST_SECONDS, Machine
+from vramkit.planning.analysis import ModelCost
+from vramkit.planning.calibration import BlockTimes
+from vramkit.planning.machine import Machine
+from vramkit.planning.pricing import (
+    ADAMW_STATE_BYTES,
+    DEFAULT_DISK_BYTES_PER_S,
+    BlockPrices,
+    Candidate,
+    Priced,
+    StepPricer,
+    _offloaded,
+)
+from vramkit.planning.record import CHECKPOINTING, Plan
 from vramkit.units import format_size
 
-__all__ = ["CHECKPOINTING", "PhaseTime", "Plan", "search"]
-
-#: What a plan may be asked to checkpoint: ``"auto"`` (the fewest blocks that fit, chosen per
-#: candidate), ``"all"`` (every block: what trainers run at these sizes, the planner choosing
-#: everything else) or ``"none"``.
-CHECKPOINTING = ("auto", "all", "none")
-
-#: Optimizer state bytes per trainable parameter (AdamW: two fp32 moments).
-ADAMW_STATE_BYTES = 8
-_OFFLOAD_DEFAULTS = ActivationOffloadConfig()  # what fit's offloader runs with
-#: Activations an offloader holds on the device beyond the blocks' own: the forward's last
-#: tensors still held while their copies run (``max_inflight_bytes``) and what backward has
-#: already brought back ahead of use (``prefetch_bytes``).
-OFFLOAD_INFLIGHT_BYTES = int(_OFFLOAD_DEFAULTS.max_inflight_bytes)
-OFFLOAD_PREFETCH_BYTES = int(_OFFLOAD_DEFAULTS.prefetch_bytes)
-OFFLOAD_WINDOW_BYTES = OFFLOAD_INFLIGHT_BYTES + OFFLOAD_PREFETCH_BYTES
-
-
-@dataclass(frozen=True)
-class PhaseTime:
-    """One phase's prediction.
-
-    Attributes:
-        seconds: the phase's time, from a simulation of the host, the compute stream and the
-            copy engine (a block's kernels wait for the host to enqueue them and for its copy, a
-            copy for a free slot and for the engine).
-        compute_seconds: the kernels alone (recomputation included in backward).
-        copy_seconds: the copy engine's busy time (swapped blocks, restored activations).
-        copy_bytes: the bytes those copies move.
-        host_seconds: the host's time to enqueue the phase (Python, the dispatcher, the
-            swapper's bookkeeping); it runs ahead of the device unless the blocks are small.
-        slowed_seconds: what the compute loses to the copies running beside it (the memory
-            system is shared: :meth:`~vramkit.planning.calibration.BlockTimes.copy_slowdown`),
-            part of ``seconds``.
-    """
-
-    seconds: float
-    compute_seconds: float
-    copy_seconds: float
-    copy_bytes: int
-    host_seconds: float = 0.0
-    slowed_seconds: float = 0.0
-
-    @property
-    def host_bound(self) -> bool:
-        """Whether the host's enqueueing paces the phase (it takes 99 % of it or more, and the
-        kernels less)."""
-        return (self.host_seconds >= 0.99 * self.seconds
-                and self.host_seconds > 1.01 * self.compute_seconds)
-
-    @property
-    def transfer_bound(self) -> bool:
-        """Whether compute waits for copies for more than 1 % of the phase (and not for the
-        host); compute slowed beside the copies is still compute."""
-        return (not self.host_bound
-                and self.seconds > 1.01 * (self.compute_seconds + self.slowed_seconds))
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What to turn on, and what it is predicted to cost (:func:`vramkit.plan`).
-
-    Attributes:
-        mode: ``"train"`` or ``"infer"``.
-        machine: the machine's name (a hardware profile, or ``"measured: ..."``).
-        budget_bytes / headroom_bytes: the budget and the part of it kept free.
-        swapped / resident: block names in execution order.
-        checkpointed: blocks recomputed in backward.
-        num_slots: R, the swapper's GPU slots.
-        swapped_format / resident_format: storage of the swapped / resident blocks' frozen
-            weights (``"bf16"`` = as built).
-        activation_offload: whether saved activations go to pinned host memory.
-        predicted_peak_bytes: the predicted peak of allocated memory.
-        peak_breakdown: its parts, in bytes.
-        forward / backward: per-phase predictions (``backward`` is zero for inference).
-        optimizer_seconds: the optimizer step.
-        overhead_seconds: time outside both phases and the optimizer (0 from the search, whose
-            phases include the swapper's host time; a caller may add its own, e.g. a
-            data-parallel step's).
-        host_bytes: pinned host memory for the swapped blocks' masters and offloaded
-            activations.
-        notes: remarks on the prediction (an offline machine's figures, ...).
-        block_order: every block, swapped or resident, in execution order.
-        disk_blocks: swapped blocks kept on disk because their masters would not fit
-            ``host_budget`` (the swapper's disk tier, ``SwapConfig(host_budget=...)``), read
-            ahead of use at ``disk_bytes_per_s`` through pinned staging buffers.
-        swap_host_budget: the ``SwapConfig.host_budget`` that keeps exactly ``disk_blocks`` on
-            disk (the host budget less the offloaded activations' pinned bytes); ``None``
-            without a disk tier.
-        disk_bytes_per_s: the disk read bandwidth the prediction assumed (``None`` without a
-            disk tier).
-        dequantize_together: whether each packed block's first call dequantizes all of its
-            layers into one shared buffer (:mod:`vramkit.quant.dense`; counted in
-            ``peak_breakdown["dequantized_weights"]``) instead of each layer at its own call.
-        checkpointing: what the plan was asked to checkpoint: ``"auto"`` (the planner's
-            choice), ``"all"`` or ``"none"`` (:data:`CHECKPOINTING`).
-        split: the blocks were split into their children (attention, feed-forward, norms;
-            :func:`vramkit.offload.blocks.split_blocks`): ``swapped``, ``resident`` and
-            ``block_order`` name those units, and the ring's slots are as large as the largest
-            unit (inference at budgets where whole blocks leave no room).
-    """
-
-    mode: str
-    machine: str
-    budget_bytes: int
-    headroom_bytes: int
-    swapped: tuple[str, ...]
-    resident: tuple[str, ...]
-    checkpointed: tuple[str, ...]
-    num_slots: int
-    swapped_format: str
-    resident_format: str
-    activation_offload: bool
-    predicted_peak_bytes: int
-    peak_breakdown: dict[str, int]
-    forward: PhaseTime
-    backward: PhaseTime
-    optimizer_seconds: float
-    overhead_seconds: float
-    host_bytes: int
-    notes: tuple[str, ...] = field(default_factory=tuple)
-    block_order: tuple[str, ...] = field(default_factory=tuple)
-    disk_blocks: tuple[str, ...] = field(default_factory=tuple)
-    swap_host_budget: int | None = None
-    disk_bytes_per_s: float | None = None
-    dequantize_together: bool = False
-    checkpointing: str = "auto"
-    split: bool = False
-
-    @property
-    def predicted_step_seconds(self) -> float:
-        """Forward + backward + optimizer + overhead."""
-        return (self.forward.seconds + self.backward.seconds + self.optimizer_seconds
-                + self.overhead_seconds)
-
-    @property
-    def host_bound_phases(self) -> tuple[str, ...]:
-        """The phases predicted host-bound (``"forward"``, ``"backward"``): the host's pace
-        decides their time."""
-        return tuple(name for name in ("forward", "backward") if getattr(self, name).host_bound)
-
-    @property
-    def formats(self) -> dict[str, str]:
-        """Block name -> storage format of its frozen weights."""
-        out = dict.fromkeys(self.resident, self.resident_format)
-        out.update(dict.fromkeys(self.swapped, self.swapped_format))
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready data, with the derived figures."""
-        data = asdict(self)
-        data["predicted_step_seconds"] = self.predicted_step_seconds
-        for phase in ("forward", "backward"):
-            data[phase]["transfer_bound"] = getattr(self, phase).transfer_bound
-            data[phase]["host_bound"] = getattr(self, phase).host_bound
-        return data
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    def explain(self) -> str:
-        """The plan and its reasons, in plain words."""
-        lines = []
-        n = len(self.swapped) + len(self.resident)
-        budget = (f"{format_size(self.budget_bytes)} budget "
-                  f"({format_size(self.headroom_bytes)} kept free)")
-        parts = ", ".join(f"{k.replace('_', ' ')} {format_size(v)}"
-                          for k, v in self.peak_breakdown.items() if v)
-        lines.append(f"Predicted peak {format_size(self.predicted_peak_bytes)} of a {budget}: "
-                     f"{parts}.")
-        if self.swapped:
-            what = "units (blocks split into their children)" if self.split else "blocks"
-            lines.append(f"Swap {len(self.swapped)} of {n} {what} through {self.num_slots} "
-                         f"slot{'s' if self.num_slots > 1 else ''}; "
-                         f"{format_size(self.host_bytes)} of pinned host memory.")
-            stacks = _by_stack(self.block_order or (*self.swapped, *self.resident),
-                               set(self.swapped))
-            if len(stacks) > 1:
-                lines.append("Swapped per stack: " + ", ".join(
-                    f"{stack} {k} of {total}" for stack, (k, total) in stacks.items()) + ".")
-        else:
-            lines.append(f"Every one of the {n} blocks stays on the GPU: no swapping.")
-        if self.disk_blocks:
-            rate = (f"{self.disk_bytes_per_s / 1e9:.2f} GB/s" if self.disk_bytes_per_s
-                    else "the disk's speed")
-            lines.append(f"Keep {len(self.disk_blocks)} of the swapped blocks on disk (the host "
-                         "budget holds the others' masters and the staging buffers), read "
-                         f"ahead of use at {rate}: SwapConfig(host_budget="
-                         f"{format_size(self.swap_host_budget or 0)}).")
-        if self.mode == "train":
-            if self.checkpointing == "all":
-                lines.append(f"Checkpoint all {n} blocks (recomputed in backward), as asked "
-                             "(checkpointing='all').")
-            elif self.checkpointing == "none":
-                lines.append("No checkpointing, as asked (checkpointing='none').")
-            elif self.checkpointed:
-                lines.append(f"Checkpoint {len(self.checkpointed)} of {n} blocks (recomputed "
-                             "in backward) so their activations fit.")
-            else:
-                lines.append("No checkpointing: the activations fit.")
-        formats = {self.swapped_format if self.swapped else None,
-                   self.resident_format if self.resident else None} - {None}
-        if formats != {"bf16"}:
-            lines.append(f"Store frozen weights as {self.swapped_format} (swapped) / "
-                         f"{self.resident_format} (resident).")
-            if self.dequantize_together:
-                scratch = self.peak_breakdown.get("dequantized_weights", 0)
-                lines.append("Dequantize each packed block's layers together at its first "
-                             f"call, into one buffer of {format_size(scratch)} (less host "
-                             "time per layer).")
-        if self.activation_offload:
-            lines.append("Offload saved activations to pinned host memory.")
-        for label, phase in (("forward", self.forward), ("backward", self.backward)):
-            if self.mode != "train" and label == "backward":
-                continue
-            compute = f"{phase.compute_seconds * 1e3:.0f} ms of compute"
-            if phase.host_bound:
-                copies = (f", {format_size(phase.copy_bytes)} of copies "
-                          f"({phase.copy_seconds * 1e3:.0f} ms)" if phase.copy_bytes else "")
-                lines.append(f"{label.capitalize()} {phase.seconds * 1e3:.0f} ms, host-bound: "
-                             f"the host needs {phase.host_seconds * 1e3:.0f} ms to enqueue "
-                             f"{compute}{copies}.")
-            elif phase.copy_bytes:
-                copies = (f"{format_size(phase.copy_bytes)} of copies "
-                          f"({phase.copy_seconds * 1e3:.0f} ms)")
-                bound = ("transfer-bound" if phase.transfer_bound else
-                         "compute-bound (the copies hide behind compute)")
-                slowed = (f"; beside the copies the compute runs "
-                          f"{phase.slowed_seconds * 1e3:.1f} ms slower"
-                          if phase.slowed_seconds >= 5e-5 else "")
-                lines.append(f"{label.capitalize()} {phase.seconds * 1e3:.0f} ms, {bound}: "
-                             f"{copies} vs {compute}{slowed}.")
-            else:
-                lines.append(f"{label.capitalize()} {phase.seconds * 1e3:.0f} ms: {compute}, "
-                             "no copies.")
-        lines.append(f"Predicted step: {self.predicted_step_seconds * 1e3:.0f} ms on "
-                     f"{self.machine}.")
-        lines.extend(self.notes)
-        return "\n".join(lines)
-
-
-def _by_stack(names: Sequence[str], swapped: set[str]) -> dict[str, tuple[int, int]]:
-    """Per stack of blocks (a name up to its last index: ``transformer_blocks`` for
-    ``transformer_blocks.3`` and for a split block's ``transformer_blocks.3.attn``), how many of
-    its blocks are swapped and how many it has, in the order the stacks first run."""
-    out: dict[str, tuple[int, int]] = {}
-    for name in names:
-        parts = name.split(".")
-        index = max((i for i, part in enumerate(parts) if part.isdigit() and i), default=0)
-        stack = ".".join(parts[:index]) if index else name  # a split block's unit: its stack
-        k, total = out.get(stack, (0, 0))
-        out[stack] = (k + (name in swapped), total + 1)
-    return out
+__all__ = ["CHECKPOINTING", "search"]
 
 
 def _checkpoint_order(cost: ModelCost) -> list[str]:
@@ -319,123 +76,6 @@ def _checkpoint_order(cost: ModelCost) -> list[str]:
 
     useful = [i for i, b in enumerate(cost.blocks) if b.activations > b.inputs]
     return [cost.blocks[i].name for i in sorted(useful, key=gain)]
-
-
-def simulate_phase(compute: Sequence[float], copies: Sequence[float],
-                   swapped: Sequence[bool], slots: int,
-                   restores: Sequence[float] | None = None,
-                   host: Sequence[float] | None = None,
-                   slowdown: float | Sequence[float] = 0.0) -> float:
-    """The time of one phase over blocks in their order of execution.
-
-    The compute stream runs the blocks one after another. A swapped block waits for its copy;
-    the copy starts when the copy engine is free and a slot is: the slot of the swapped block
-    ``slots`` places earlier frees when that block's compute ends (the swapper prefetches at
-    release). The first ``slots`` swapped blocks are in their slots when the phase starts (kept
-    across the forward/backward turn and between steps). ``restores`` are copies a block needs
-    before it runs whatever its slot (offloaded activations coming back), on the same engine:
-    the offloader's prefetch window issues them ahead of use, so a block's restore is queued
-    when the block before it starts, ahead of the weight copy that block's end queues (the
-    first block's at the start of the phase).
-    ``host``: each block's enqueue time on the host, which runs ahead of the device (nothing in
-    a step waits for the device on the host): a block's kernels start no earlier than the host
-    began enqueueing it and end no earlier than it finished. ``slowdown``: the share by which a
-    block's compute is slower while the copy engine runs beside it (one figure, or one per
-    block; :meth:`~vramkit.planning.calibration.BlockTimes.copy_slowdown`).
-    """
-    return _simulate(compute, copies, swapped, slots, restores, host, slowdown)[0]
-
-
-def _simulate(compute: Sequence[float], copies: Sequence[float], swapped: Sequence[bool],
-              slots: int, restores: Sequence[float] | None, host: Sequence[float] | None,
-              slowdown: float | Sequence[float]) -> tuple[float, float]:
-    """:func:`simulate_phase`'s time, and the seconds its compute lost to copies beside it."""
-    n = len(compute)
-    slow = ([float(slowdown)] * n if isinstance(slowdown, (int, float))
-            else list(slowdown))
-    order = [i for i, s in enumerate(swapped) if s]
-    arrives = {i: 0.0 for i in order[:slots]}  # when each swapped block's copy has landed
-    t = 0.0
-    engine = 0.0  # when the copy engine has done everything enqueued on it so far
-    enqueued = 0.0
-    done = 0  # swapped blocks whose compute has ended
-    lost = 0.0
-    restored = [0.0] * n  # when each block's offloaded activations are back
-    if restores is not None and n and restores[0]:
-        engine = restored[0] = restores[0]
-    for i, (c, s) in enumerate(zip(compute, swapped, strict=True)):
-        ready = max(t, restored[i])
-        if host is not None:
-            ready = max(ready, enqueued)
-            enqueued += host[i]
-        if s:
-            ready = max(ready, arrives[i])
-        if restores is not None and i + 1 < n and restores[i + 1]:
-            # the next block's activations, queued as this block starts
-            engine = max(engine, ready) + restores[i + 1]
-            restored[i + 1] = engine
-        # the copies enqueued so far run beside this block until the engine is done
-        beside = min(max(0.0, engine - ready), c)
-        lost += slow[i] * beside
-        t = max(ready + c + slow[i] * beside, enqueued)
-        if s:
-            nxt = done + slots
-            done += 1
-            if nxt < len(order):  # its slot takes the swapped block ``slots`` places later
-                engine = max(engine, t) + copies[order[nxt]]
-                arrives[order[nxt]] = engine
-    return t, lost
-
-
-def _simulate_calls(compute: Sequence[float], copies: Sequence[float],
-                    swapped: Sequence[bool], slots: int, host: Sequence[float] | None,
-                    slowdown: float | Sequence[float]) -> tuple[float, float]:
-    """:func:`_simulate` of one inference call in a run of back-to-back calls: the time and
-    the compute lost to copies of the second of two calls simulated in a row.
-
-    Inference has no backward turn to keep blocks across: while a call's last swapped blocks
-    run, the swapper already loads the next call's first ones into the slots they free
-    (``SlotRing``'s inference order wraps around), so every swapped block is copied once a
-    call, its first copies beside the previous call's tail. One call simulated alone starts
-    with those first blocks in place for free: FLUX.1-dev at 11.5 GiB on an H200 (43 of 57
-    swapped, 3 slots, transfer-bound) was predicted 247 ms and ran 284 ms
-    (``benchmarks/plan.py``, docs/benchmarks.md). When every swapped block has a slot nothing
-    is copied after the first call: the call alone."""
-    once = _simulate(compute, copies, swapped, slots, None, host, slowdown)
-    if sum(1 for s in swapped if s) <= slots:
-        return once
-    slow = slowdown if isinstance(slowdown, (int, float)) else [*slowdown, *slowdown]
-    twice = _simulate([*compute, *compute], [*copies, *copies], [*swapped, *swapped], slots,
-                      None, None if host is None else [*host, *host], slow)
-    return twice[0] - once[0], twice[1] - once[1]
-
-
-def _block_sides(full: Sequence[CallTimes], as_checkpointed: Sequence[CallTimes],
-                 dequant: Sequence[CallTimes], per_layer: Sequence[CallTimes],
-                 swapped: Sequence[bool], checkpointed: Sequence[bool], together: bool
-                 ) -> tuple[list[float], list[float], list[float], list[float]]:
-    """Per block, the device's and the host's seconds of its forward, then of its backward, in
-    a candidate: its own call as built (``full``) or checkpointed (``as_checkpointed``: the
-    checkpoint's forward, the recomputation in backward), what its storage format adds
-    (``dequant``; the recomputation dequantizes again) and the swapper's bookkeeping on the
-    host. Dequantizing together, an un-checkpointed block's backward finds the shared
-    buffer holding another block and dequantizes each layer (``per_layer``); a checkpointed
-    one's recomputation has just filled it."""
-    fwd_dev: list[float] = []
-    fwd_host: list[float] = []
-    bwd_dev: list[float] = []
-    bwd_host: list[float] = []
-    for c, ck, d, layer, s, k in zip(full, as_checkpointed, dequant, per_layer, swapped,
-                                     checkpointed, strict=True):
-        swap_host = SWAP_HOST_SECONDS if s else 0.0
-        back = layer if together and not k else d
-        call = ck if k else c
-        fwd_dev.append(call.forward + d.forward)
-        fwd_host.append(call.host_forward + d.host_forward + swap_host)
-        bwd_dev.append(call.backward + back.backward + (d.forward if k else 0.0))
-        bwd_host.append(call.host_backward + back.host_backward
-                        + (d.host_forward if k else 0.0) + swap_host)
-    return fwd_dev, fwd_host, bwd_dev, bwd_host
 
 
 def _swap_sets(sizes: Sequence[int], compute: Sequence[float], k: int,
@@ -575,150 +215,22 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     least_activations = min(act_choices)
     if activation_offload and train and checkpointing != "none":
         least_activations = min(least_activations, _offloaded(estimate, train))
-    flops = machine.flops_per_s
-    # Each block's call, the device's and the host's seconds apart: measured where the
-    # calibration timed it, else the time model of its counted work.
-    full: list[CallTimes] = []
-    for b in cost.blocks:
-        (fwd, host_fwd), (bwd, host_bwd) = machine.block_sides(b.forward_flops,
-                                                               b.backward_flops, b.work)
-        full.append(CallTimes(fwd, bwd, host_fwd, host_bwd))
-    measured: set[str] = set()
-    if times is not None:
-        measured = set(times.calls.get(FULL, {})) - set(times.fallbacks)
-        full = [times.calls[FULL][b.name] if b.name in measured else c
-                for b, c in zip(cost.blocks, full, strict=True)]
-        flops = times.flops_per_s(cost) or flops
-    # Each block's call checkpointed: measured (the lean checkpoint's forward records no graph,
-    # so its host side can cost less than the call as built; its backward recomputes the
-    # forward first), else the call as built with one more forward in backward.
-    as_checkpointed: list[CallTimes] = []
-    for b, c in zip(cost.blocks, full, strict=True):
-        timed = (times.call(b.name, CHECKPOINTED)
-                 if times is not None and b.name in measured else None)
-        as_checkpointed.append(timed if timed is not None else CallTimes(
-            c.forward, c.backward + c.forward, c.host_forward, c.host_backward + c.host_forward))
-    # How much slower each block's compute runs beside the copy engine: measured where the
-    # calibration timed it (GPU), else the machine's share (a hardware profile's assumed one; 0
-    # on a measured machine, whose calibration times it).
-    slow_fwd = [machine.copy_slowdown[0]] * n
-    slow_bwd = [machine.copy_slowdown[1]] * n
-    if times is not None:
-        for i, b in enumerate(cost.blocks):
-            if b.name in measured:
-                slow_fwd[i], slow_bwd[i] = times.copy_slowdown(b.name)
+    prices = BlockPrices.of(cost, machine, times, formats)
+    full, measured = prices.full, prices.measured
+    slow_fwd, slow_bwd = prices.slow_forward, prices.slow_backward
+    ways, dequant_by, dense_of = prices.ways, prices.dequant, prices.dense
     bw = machine.h2d_bytes_per_s
     disk_bw = disk_bytes_per_s if disk_bytes_per_s is not None else DEFAULT_DISK_BYTES_PER_S
-    optimizer = 4 * cost.trainable_bytes / machine.memory_bandwidth_bytes_per_s if train else 0.0
-    if times is None:
-        outside_fwd, outside_bwd = machine.block_seconds(
-            cost.outside_forward_flops, cost.outside_backward_flops, cost.outside_work)
-    else:  # at the throughput the timed blocks reached
-        outside_fwd = cost.outside_forward_flops / flops
-        outside_bwd = cost.outside_backward_flops / flops
-    # What storing a block packed adds to its forward and backward calls: measured where the
-    # calibration timed the format, else the memory traffic of dequantizing.
-    # Two ways to run a packed block: each layer dequantizes its own weight at its call, or
-    # (``together``) the block's first call dequantizes all of its layers into one buffer shared
-    # by every packed block (vramkit.quant.dense): less host time, the largest packed block's
-    # weights in memory. Weighed where the calibration timed both.
-    ways = [False]
-    if times is not None and any(times.calls.get(packed_variant(f, True)) for f in formats):
-        ways.append(True)
-    dequant_by: dict[bool, dict[str, list[CallTimes]]] = {}
-    for together in ways:
-        dequant_by[together] = {}
-        for fmt in formats:
-            dequant_by[together][fmt] = []
-            for b in cost.blocks:
-                extra = (times.extra(packed_variant(fmt, together), b.name)
-                         if times is not None and fmt != "bf16" else None)
-                if extra is None:
-                    modeled = _dequant(b, fmt, machine)
-                    extra = CallTimes(modeled, modeled, 0.0, 0.0)
-                dequant_by[together][fmt].append(extra)
-    dense_of = {fmt: [b.dense.get(fmt, 0) for b in cost.blocks] for fmt in formats}
     # Activation offload is a candidate wherever it fits, not only where nothing else does:
     # the room it frees keeps more weights on the device, fewer copies in a transfer-bound
     # forward, while its own copies run on the other engine in forward and in a backward
     # whose copies hide behind compute.
     offload_too = activation_offload and train and checkpointing != "none"
+    pricer = StepPricer(cost=cost, machine=machine, prices=prices, order=order,
+                        act_choices=act_choices, trainable=trainable, formats=formats,
+                        host_budget=host_budget, disk_bytes_per_s=disk_bw)
 
-    def price(k: int, chosen: list[int], flags: list[bool], r: int, sizes: list[int],
-              copy_s: list[float], master_bytes: int, weights: int, slots: int, scratch: int,
-              dequant: list[CallTimes], per_layer: list[CallTimes], fmt_s: str, fmt_r: str,
-              together: bool, m: int, offload: bool) -> dict[str, Any] | None:
-        """One candidate's predicted phases and memory (``None``: its masters cannot be split
-        between host and disk under ``host_budget``)."""
-        ckpt = order[:m]
-        act = act_choices[m] if not offload else _offloaded(estimate, train)
-        offload_bytes = _offload_bytes(estimate, ckpt) if offload else 0
-        host = master_bytes + offload_bytes
-        disk: tuple[int, ...] = ()
-        swap_budget = None
-        phase_copy_s = copy_s
-        if host_budget is not None and host > host_budget:
-            swap_budget = host_budget - offload_bytes
-            split = _disk_split([sizes[i] for i in chosen], swap_budget)
-            if split is None:
-                return None
-            disk = tuple(chosen[j] for j in split.on_disk)
-            host = split.pinned + offload_bytes
-            phase_copy_s = list(copy_s)
-            for i in disk:  # read from disk, then copied: the slower one paces it
-                phase_copy_s[i] = sizes[i] / min(bw, disk_bw)
-        copies = int(master_bytes * max(0, k - r) / k) if k else 0
-        ckpt_set = set(ckpt)
-        sides = _block_sides(full, as_checkpointed, dequant, per_layer, flags,
-                             [name in ckpt_set for name in names],
-                             together)
-        if train:
-            fwd_time, fwd_lost = _simulate(sides[0], phase_copy_s, flags, r, None, sides[1],
-                                           slow_fwd)
-        else:  # back-to-back calls: the ring wraps around to the next call's first blocks
-            fwd_time, fwd_lost = _simulate_calls(sides[0], phase_copy_s, flags, r, sides[1],
-                                                 slow_fwd)
-        fwd_time += outside_fwd
-        if offload:  # device->host copies run on the other engine
-            fwd_time = max(fwd_time, offload_bytes / machine.d2h_bytes_per_s)
-        # Copy engine time: disk blocks are paced by the disk (the same share of them as of
-        # all swapped blocks is copied in a phase). Training keeps the last slots' blocks
-        # across the turn and the first ones between steps; inference copies every swapped
-        # block once a call unless all of them have a slot.
-        share = max(0, k - r) / k if k else 0.0
-        if not train and k > r:
-            share = 1.0
-            copies = master_bytes
-        copy_time = copies / bw + share * sum(
-            sizes[i] * (1 / min(bw, disk_bw) - 1 / bw) for i in disk)
-        fwd = PhaseTime(fwd_time, outside_fwd + sum(sides[0]), copy_time,
-                        copies, outside_fwd + sum(sides[1]), fwd_lost)
-        if train:
-            restores = ([_kept_bytes(estimate, b.name, ckpt_set) / bw
-                         for b in cost.blocks] if offload else None)
-            back, bwd_lost = _simulate(sides[2][::-1], phase_copy_s[::-1], flags[::-1], r,
-                                       restores[::-1] if restores else None,
-                                       sides[3][::-1], slow_bwd[::-1])
-            bwd = PhaseTime(outside_bwd + back, outside_bwd + sum(sides[2]),
-                            copy_time + offload_bytes / bw,
-                            copies + offload_bytes,
-                            outside_bwd + sum(sides[3]), bwd_lost)
-        else:
-            bwd = PhaseTime(0.0, 0.0, 0.0, 0)
-        seconds = fwd.seconds + bwd.seconds + optimizer  # the swapper's host time: in the phases
-        breakdown = {"resident_weights": weights, "swap_slots": slots,
-                     "trainable_and_optimizer": trainable, "activations": act}
-        if scratch:
-            breakdown["dequantized_weights"] = scratch
-        return {
-            "seconds": seconds, "k": k, "m": m, "r": r, "offload": offload,
-            "fmt_rank": (formats.index(fmt_s), formats.index(fmt_r)),
-            "chosen": chosen, "ckpt": ckpt, "breakdown": breakdown, "fwd": fwd,
-            "bwd": bwd, "host": host, "fmt_s": fmt_s,
-            "fmt_r": fmt_r, "disk": disk, "swap_budget": swap_budget,
-            "together": together}
-
-    candidates: list[dict[str, Any]] = []
+    candidates: list[Priced] = []
     smallest = math.inf  # the least memory any candidate needs (for the error)
     for together in ways:
         dequant_of = dequant_by[together]
@@ -768,9 +280,13 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                                 # everything checkpointed, saved tensors on the host: more room for weights
                                 fits.append((len(act_choices) - 1, True))
                             for m, offload in fits:
-                                candidate = price(k, chosen, flags, r, sizes, copy_s, master_bytes, weights,
-                                                  slots, scratch, dequant, per_layer, fmt_s, fmt_r, together,
-                                                  m, offload)
+                                candidate = pricer.price(Candidate(
+                                    chosen=chosen, flags=flags, num_slots=r, sizes=sizes,
+                                    copy_seconds=copy_s, master_bytes=master_bytes,
+                                    weights=weights, slot_bytes=slots, scratch=scratch,
+                                    dequant=dequant, per_layer=per_layer, swapped_format=fmt_s,
+                                    resident_format=fmt_r, together=together, checkpoints=m,
+                                    offload=offload))
                                 if candidate is not None:
                                     candidates.append(candidate)
     best = _prefer_simple(candidates)
@@ -779,10 +295,10 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
             smallest) else None
         raise _impossible(cost, budget, headroom, need, allow_formats, host_budget,
                           checkpointing, min(num_slots))
-    chosen_set = set(best["chosen"])
-    swapped = tuple(names[i] for i in best["chosen"])
+    chosen_set = set(best.chosen)
+    swapped = tuple(names[i] for i in best.chosen)
     resident = tuple(name for i, name in enumerate(names) if i not in chosen_set)
-    ckpt_set = set(best["ckpt"])
+    ckpt_set = set(best.checkpointed)
     notes = []
     if times is not None:
         notes.append(f"Block times measured on {times.device} ({times.kinds} kind(s) of block "
@@ -818,7 +334,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         notes.append(f"Times are estimates from {machine.name}'s published peak throughput "
                      "and copy bandwidth; vramkit.fit measures and compares after the first "
                      "steps.")
-    if best["disk"] and disk_bytes_per_s is None:
+    if best.disk and disk_bytes_per_s is None:
         notes.append(f"The disk tier's reads are assumed at {DEFAULT_DISK_BYTES_PER_S / 1e9:.1f} "
                      "GB/s: pass disk_bytes_per_s= (vramkit info --disk PATH measures it; "
                      "vramkit.fit measures its checkpoint).")
@@ -826,17 +342,17 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         mode=cost.mode, machine=machine.name, budget_bytes=budget, headroom_bytes=headroom,
         swapped=swapped, resident=resident,
         checkpointed=tuple(name for name in names if name in ckpt_set),
-        num_slots=best["r"] if swapped else 0,
-        swapped_format=best["fmt_s"], resident_format=best["fmt_r"],
-        activation_offload=best["offload"],
-        predicted_peak_bytes=sum(best["breakdown"].values()),
-        peak_breakdown=best["breakdown"], forward=best["fwd"], backward=best["bwd"],
-        optimizer_seconds=optimizer, overhead_seconds=0.0,
-        host_bytes=best["host"], notes=tuple(notes), block_order=tuple(names),
-        disk_blocks=tuple(names[i] for i in best["disk"]),
-        swap_host_budget=best["swap_budget"] if best["disk"] else None,
-        disk_bytes_per_s=disk_bw if best["disk"] else None,
-        dequantize_together=best["together"], checkpointing=checkpointing)
+        num_slots=best.r if swapped else 0,
+        swapped_format=best.swapped_format, resident_format=best.resident_format,
+        activation_offload=best.offload,
+        predicted_peak_bytes=sum(best.breakdown.values()),
+        peak_breakdown=best.breakdown, forward=best.forward, backward=best.backward,
+        optimizer_seconds=prices.optimizer, overhead_seconds=0.0,
+        host_bytes=best.host, notes=tuple(notes), block_order=tuple(names),
+        disk_blocks=tuple(names[i] for i in best.disk),
+        swap_host_budget=best.swap_budget if best.disk else None,
+        disk_bytes_per_s=disk_bw if best.disk else None,
+        dequantize_together=best.together, checkpointing=checkpointing)
 
 
 #: Plans within this share of the fastest one count as equally fast: among them the one with
@@ -845,13 +361,13 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
 EQUAL_TIME_SHARE = 1e-6
 
 
-def _prefer_simple(candidates: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _prefer_simple(candidates: list[Priced]) -> Priced | None:
     if not candidates:
         return None
-    fastest = min(c["seconds"] for c in candidates)
-    near = [c for c in candidates if c["seconds"] <= fastest * (1 + EQUAL_TIME_SHARE)]
-    return min(near, key=lambda c: (len(c["disk"]), c["k"], c["m"], c["offload"], c["r"],
-                                    c["fmt_rank"], c["together"], c["seconds"]))
+    fastest = min(c.seconds for c in candidates)
+    near = [c for c in candidates if c.seconds <= fastest * (1 + EQUAL_TIME_SHARE)]
+    return min(near, key=lambda c: (len(c.disk), c.k, c.m, c.offload, c.r, c.fmt_rank,
+                                    c.together, c.seconds))
 
 
 def _fit_activations(act_choices: list[int], room: int, train: bool, estimate: Any,
@@ -869,64 +385,6 @@ def _fit_activations(act_choices: list[int], room: int, train: bool, estimate: A
     if activation_offload and _offloaded(estimate, train) <= room:
         return len(act_choices) - 1, True
     return None, False
-
-
-def _offloaded(estimate: Any, train: bool) -> int:
-    """Activations on the device with offload on, at the largest of three moments:
-
-    * the turn of the step: the tail (a language model's logits) with the forward's last
-      tensors still held -- backward has prefetched nothing yet (counting the whole window
-      there put Llama-8B's 7.5 GiB plan 0.5 GiB above its measured peak, one slot short: R=1,
-      2.0x the resident step);
-    * the start of backward: those held tensors, the prefetched ones, and the last block
-      rebuilt by its recomputation with its temporaries (of the order of what it saves);
-    * later in backward: the held tensors are used up (the first blocks of backward take them),
-      so the prefetched ones, the block being recomputed and its temporaries. (Counting the
-      held tensors here too put every FLUX offload plan ~256 MiB above its measured peak; a
-      snapshot of the 7.5 GiB row's peak held the prefetched tensors, 285 MB, and a double
-      block's recomputation and temporaries, nothing of the forward's.)"""
-    if not train:
-        return max(estimate.largest_block, estimate.tail)
-    last = next(reversed(estimate.per_block.values()), 0)  # backward's first recomputation
-    backward = max(OFFLOAD_PREFETCH_BYTES + 2 * estimate.largest_block,
-                   OFFLOAD_WINDOW_BYTES + 2 * last)
-    return estimate.outside + max(backward, OFFLOAD_INFLIGHT_BYTES + estimate.tail)
-
-
-def _offload_bytes(estimate: Any, checkpointed: Sequence[str]) -> int:
-    """Bytes an activation offloader moves each way: what the blocks keep."""
-    chosen = set(checkpointed)
-    return sum(_kept_bytes(estimate, n, chosen) for n in estimate.per_block)
-
-
-def _dequant(block: BlockCost, fmt: str, machine: Machine) -> float:
-    """Dequantizing a block's packed weights at a call: reading the packed bytes and writing
-    bf16 ones (the matmul then reads them as it would the bf16 weights)."""
-    if fmt == "bf16":
-        return 0.0
-    return (block.swapped[fmt] + block.swapped["bf16"]) / machine.memory_bandwidth_bytes_per_s
-
-
-#: Disk read bandwidth a disk tier is planned with when none is given: a SATA SSD or a cloud
-#: volume; the H100 machine's virtio disk read 1.28 GB/s (docs/benchmarks.md).
-DEFAULT_DISK_BYTES_PER_S = 1.0e9
-
-
-def _disk_split(sizes: list[int], budget: int) -> Any:
-    """The swapper's disk tier for ``sizes`` under ``budget`` (``None``: impossible)."""
-    from vramkit.errors import ConfigError
-    from vramkit.offload.swap import BlockSwapper
-
-    if budget <= 0:
-        return None
-    try:
-        return BlockSwapper.disk_split(sizes, [True] * len(sizes), budget)
-    except ConfigError:
-        return None
-
-
-def _kept_bytes(estimate: Any, name: str, checkpointed: set[str]) -> int:
-    return int(estimate.inputs[name] if name in checkpointed else estimate.per_block[name])
 
 
 def _impossible(cost: ModelCost, budget: int, headroom: int, need: int | None,

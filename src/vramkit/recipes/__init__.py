@@ -8,6 +8,9 @@
   (``torchrun --nproc_per_node N -m vramkit demo``).
 * :mod:`vramkit.recipes.lora`: the demo's LoRA layer (``LoRALinear``, ``add_lora_adapters``).
 * :mod:`vramkit.recipes.presets`: SDXL and Flux memory presets and the verbs that apply them.
+* :mod:`vramkit.recipes.targets`: the published models ``vramkit plan`` and the benchmarks plan
+  for (FLUX.1-dev, SDXL, SD3.5-large, Qwen-Image, Wan2.1-14B, Llama-3.1-8B; ``build_target``,
+  ``MODEL_PRESETS``), built on the meta device, and local model folders.
 * :mod:`vramkit.recipes.dit`: a Flux-style diffusion transformer with random weights, for the demo
   and the benchmarks (no downloads). It is not re-exported from :mod:`vramkit`.
 """
@@ -29,6 +32,8 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".dit": ("DiT", "DiTConfig", "DoubleStreamBlock", "SingleStreamBlock", "synthetic_batch",
              "flow_matching_loss", "rotary_embedding", "timestep_features"),
     ".lora": ("LoRALinear", "add_lora_adapters", "LORA_TARGETS"),
+    ".targets": ("build_target", "PlanTarget", "ModelPreset", "MODEL_PRESETS",
+                 "LORA_TARGETS_BY_FAMILY", "list_presets"),
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions
@@ -37,3 +42,4 @@ if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.recipes.dit import *  # noqa: F403
     from vramkit.recipes.lora import *  # noqa: F403
     from vramkit.recipes.presets import *  # noqa: F403
+    from vramkit.recipes.targets import *  # noqa: F403

@@ -29,7 +29,7 @@ from vramkit.errors import ConfigError
 from vramkit.offload.blocks import unet_blocks as find_unet_blocks
 from vramkit.offload.swap import SwapConfig
 from vramkit.planning._meta import MetaAutocast, quantize_on_meta
-from vramkit.planning.models import MODEL_PRESETS
+from vramkit.recipes.targets import MODEL_PRESETS
 from vramkit.units import format_size
 
 QUANT_FORMATS = ("int8", "int4", "nf4", "fp8")
@@ -52,7 +52,7 @@ def unet_blocks(unet: nn.Module) -> list[str]:
 # ------------------------------------------------------------------------------------------
 
 #: SDXL base 1.0's UNet and FLUX.1-dev's transformer: the planner's model presets'
-#: published configs (:data:`vramkit.planning.models.MODEL_PRESETS`, sourced there):
+#: published configs (:data:`vramkit.recipes.targets.MODEL_PRESETS`, sourced there):
 #: 2,567,463,684 and 11,901,408,320 parameters.
 SDXL_UNET_CONFIG: dict[str, Any] = dict(MODEL_PRESETS["sdxl"].config)
 FLUX_DEV_TRANSFORMER_CONFIG: dict[str, Any] = dict(MODEL_PRESETS["flux-dev"].config)

@@ -1,4 +1,4 @@
-"""vramkit.planning.models: the planner's models, built on the meta device with one step's inputs."""
+"""vramkit.recipes.targets: the planner's models, built on the meta device with one step's inputs."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from vramkit.errors import ConfigError
-from vramkit.planning.models import (
-    LORA_TARGETS,
+from vramkit.recipes.targets import (
+    LORA_TARGETS_BY_FAMILY,
     MODEL_PRESETS,
     PlanTarget,
     build_target,
@@ -51,7 +51,7 @@ def test_preset_trains_on_meta(name: str) -> None:
     assert trainable and all("lora_" in n for n in trainable)
     assert {p.dtype for p in trainable.values()} == {torch.float32}
     assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
-    targets = LORA_TARGETS[target.family]
+    targets = LORA_TARGETS_BY_FAMILY[target.family]
     assert all(n.split(".lora_")[0].endswith(targets) for n in trainable)
     assert f"{sum(p.numel() for p in trainable.values()):,} parameters" in target.trainable
     assert "LoRA r16" in target.trainable

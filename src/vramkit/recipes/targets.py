@@ -1,11 +1,13 @@
-"""The models the planner plans for, built on the meta device: no weight read, nothing allocated.
+"""The models ``vramkit plan`` and the benchmarks plan for, built on the meta device: no weight
+read, nothing allocated.
 
 :func:`build_target` turns a preset name (:data:`MODEL_PRESETS`: published configs only) or a
 local diffusers / transformers folder (only its ``config.json`` is read) into a
 :class:`PlanTarget`: the model on the meta device in bf16, the keyword inputs of one forward at
 the asked resolution, batch and sequence length (meta tensors), and a step that turns them into
 a scalar loss. For training, peft LoRA adapters (fp32, as trainers keep them) go on the attention
-projections the LoRA trainers target (:data:`LORA_TARGETS`) and the base is frozen;
+projections the LoRA trainers target (:data:`LORA_TARGETS_BY_FAMILY`) and the base is
+frozen;
 ``lora_rank=0`` leaves every parameter trainable (full fine-tuning).
 
 Everything a step does runs on meta tensors: forward, and for training ``loss.backward()``, cost
@@ -39,8 +41,8 @@ from vramkit._validate import check_choice, check_int
 from vramkit.errors import ConfigError
 from vramkit.planning._meta import MetaAutocast
 
-__all__ = ["LORA_TARGETS", "MODEL_PRESETS", "ModelPreset", "PlanTarget", "build_target",
-           "list_presets"]
+__all__ = ["LORA_TARGETS_BY_FAMILY", "MODEL_PRESETS", "ModelPreset", "PlanTarget",
+           "build_target", "list_presets"]
 
 _INSTALL_HINT = "pip install 'vramkit[integration]'"
 _MODES = ("train", "infer")
@@ -181,7 +183,7 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
 #: Flux/Qwen-Image trainers (ai-toolkit, SimpleTuner, diffusers with ``--lora_layers``) do; the
 #: feed-forward layers some of them add are left out. Llama: the attention projections (peft's
 #: own default for Llama).
-LORA_TARGETS: dict[str, tuple[str, ...]] = {
+LORA_TARGETS_BY_FAMILY: dict[str, tuple[str, ...]] = {
     "flux": ("to_q", "to_k", "to_v", "to_out.0",
              "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
     "sd3": ("to_q", "to_k", "to_v", "to_out.0",
@@ -442,7 +444,7 @@ def _make_trainable(module: nn.Module, family: str, mode: str, rank: int,
     except ImportError as err:
         raise ConfigError(f"planning LoRA training needs peft ({err})",
                           hint=_INSTALL_HINT) from err
-    chosen = tuple(targets) if targets is not None else LORA_TARGETS[family]
+    chosen = tuple(targets) if targets is not None else LORA_TARGETS_BY_FAMILY[family]
     config = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=list(chosen))
     try:
         with torch.device("meta"):
@@ -736,7 +738,7 @@ def build_target(model: str | Path, *, mode: str = "train", lora_rank: int = 16,
             text tokens (default: Flux-dev 512, SDXL 77, SD3.5 333, Qwen-Image 512, Wan 512).
         frames: a video model's frames (Wan: 4k+1, default 81). Not for image models.
         dtype: the frozen weights' dtype (default bf16; LoRA adapters are fp32).
-        lora_targets: module names for the adapters, instead of :data:`LORA_TARGETS`.
+        lora_targets: module names for the adapters, instead of :data:`LORA_TARGETS_BY_FAMILY`.
 
     Returns:
         A :class:`PlanTarget`; ``target.step(target.model, target.inputs)`` runs on meta.

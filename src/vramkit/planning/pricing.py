@@ -1,0 +1,411 @@
+"""What the planner prices a candidate at: per block, the device's and the host's seconds of its
+calls, and per candidate, its phases and its memory.
+
+* :class:`BlockPrices`: one search's per-block figures. A block's call is measured where the
+  calibration timed it (:class:`~vramkit.planning.calibration.BlockTimes`), else the time model
+  of its counted work (:meth:`~vramkit.planning.machine.Machine.block_sides`); checkpointed, the
+  lean checkpoint's measured call, else the call as built with one more forward in backward;
+  beside the copy engine, the measured slowdown, else the machine's share; stored packed, the
+  measured cost of dequantizing, else its memory traffic.
+* :class:`StepPricer`: one candidate (:class:`Candidate`: which blocks swap, through how many
+  slots, in which formats, how many checkpointed, with or without activation offload) priced
+  into its phases (:func:`~vramkit.planning.simulation.simulate_phase`) and its peak
+  (:class:`Priced`); ``None`` where its masters cannot be split between host and disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vramkit.offload._activation_settings import ActivationOffloadConfig
+from vramkit.planning.analysis import BlockCost, ModelCost
+from vramkit.planning.calibration import CHECKPOINTED, FULL, BlockTimes, CallTimes, packed_variant
+from vramkit.planning.machine import SWAP_HOST_SECONDS, Machine
+from vramkit.planning.record import PhaseTime
+from vramkit.planning.simulation import _simulate, _simulate_calls
+
+__all__ = ["BlockPrices", "Candidate", "Priced", "StepPricer"]
+
+#: Optimizer state bytes per trainable parameter (AdamW: two fp32 moments).
+ADAMW_STATE_BYTES = 8
+_OFFLOAD_DEFAULTS = ActivationOffloadConfig()  # what fit's offloader runs with
+#: Activations an offloader holds on the device beyond the blocks' own: the forward's last
+#: tensors still held while their copies run (``max_inflight_bytes``) and what backward has
+#: already brought back ahead of use (``prefetch_bytes``).
+OFFLOAD_INFLIGHT_BYTES = int(_OFFLOAD_DEFAULTS.max_inflight_bytes)
+OFFLOAD_PREFETCH_BYTES = int(_OFFLOAD_DEFAULTS.prefetch_bytes)
+OFFLOAD_WINDOW_BYTES = OFFLOAD_INFLIGHT_BYTES + OFFLOAD_PREFETCH_BYTES
+
+
+#: Disk read bandwidth a disk tier is planned with when none is given: a SATA SSD or a cloud
+#: volume; the H100 machine's virtio disk read 1.28 GB/s (docs/benchmarks.md).
+DEFAULT_DISK_BYTES_PER_S = 1.0e9
+
+
+@dataclass(frozen=True)
+class BlockPrices:
+    """One search's per-block prices, each list in the blocks' order
+    (:attr:`ModelCost.blocks`).
+
+    Attributes:
+        full: each block's call as built (device and host, forward and backward).
+        as_checkpointed: each block's call checkpointed (its backward recomputes the forward).
+        slow_forward / slow_backward: the share by which each block's compute is slower while
+            the copy engine runs beside it.
+        dequant: ``dequant[together][fmt]``: what storing each block in ``fmt`` adds to its
+            calls, its layers dequantized each at its call (``together=False``) or all at the
+            block's first call into one shared buffer (``True``).
+        dense: ``dense[fmt]``: each block's weights dequantized from ``fmt`` (the shared
+            buffer's size when they are dequantized together).
+        ways: the ways of dequantizing weighed (``[False]``, plus ``True`` where the
+            calibration timed both).
+        measured: the blocks whose calls were timed (the others: the time model).
+        outside_forward / outside_backward: the seconds of the work outside the blocks.
+        optimizer: the optimizer step's seconds.
+    """
+
+    full: list[CallTimes]
+    as_checkpointed: list[CallTimes]
+    slow_forward: list[float]
+    slow_backward: list[float]
+    dequant: dict[bool, dict[str, list[CallTimes]]]
+    dense: dict[str, list[int]]
+    ways: list[bool]
+    measured: frozenset[str]
+    outside_forward: float
+    outside_backward: float
+    optimizer: float
+
+    @classmethod
+    def of(cls, cost: ModelCost, machine: Machine, times: BlockTimes | None,
+           formats: Sequence[str]) -> BlockPrices:
+        """The prices of ``cost``'s blocks on ``machine``, measured where ``times`` has them,
+        in the storage ``formats`` the search weighs."""
+        train = cost.mode == "train"
+        n = len(cost.blocks)
+        flops = machine.flops_per_s
+        # Each block's call, the device's and the host's seconds apart: measured where the
+        # calibration timed it, else the time model of its counted work.
+        full: list[CallTimes] = []
+        for b in cost.blocks:
+            (fwd, host_fwd), (bwd, host_bwd) = machine.block_sides(b.forward_flops,
+                                                                   b.backward_flops, b.work)
+            full.append(CallTimes(fwd, bwd, host_fwd, host_bwd))
+        measured: set[str] = set()
+        if times is not None:
+            measured = set(times.calls.get(FULL, {})) - set(times.fallbacks)
+            full = [times.calls[FULL][b.name] if b.name in measured else c
+                    for b, c in zip(cost.blocks, full, strict=True)]
+            flops = times.flops_per_s(cost) or flops
+        # Each block's call checkpointed: measured (the lean checkpoint's forward records no
+        # graph, so its host side can cost less than the call as built; its backward recomputes
+        # the forward first), else the call as built with one more forward in backward.
+        as_checkpointed: list[CallTimes] = []
+        for b, c in zip(cost.blocks, full, strict=True):
+            timed = (times.call(b.name, CHECKPOINTED)
+                     if times is not None and b.name in measured else None)
+            as_checkpointed.append(timed if timed is not None else CallTimes(
+                c.forward, c.backward + c.forward, c.host_forward,
+                c.host_backward + c.host_forward))
+        # How much slower each block's compute runs beside the copy engine: measured where the
+        # calibration timed it (GPU), else the machine's share (a hardware profile's assumed
+        # one; 0 on a measured machine, whose calibration times it).
+        slow_fwd = [machine.copy_slowdown[0]] * n
+        slow_bwd = [machine.copy_slowdown[1]] * n
+        if times is not None:
+            for i, b in enumerate(cost.blocks):
+                if b.name in measured:
+                    slow_fwd[i], slow_bwd[i] = times.copy_slowdown(b.name)
+        optimizer = (4 * cost.trainable_bytes / machine.memory_bandwidth_bytes_per_s
+                     if train else 0.0)
+        if times is None:
+            outside_fwd, outside_bwd = machine.block_seconds(
+                cost.outside_forward_flops, cost.outside_backward_flops, cost.outside_work)
+        else:  # at the throughput the timed blocks reached
+            outside_fwd = cost.outside_forward_flops / flops
+            outside_bwd = cost.outside_backward_flops / flops
+        # What storing a block packed adds to its forward and backward calls: measured where
+        # the calibration timed the format, else the memory traffic of dequantizing.
+        # Two ways to run a packed block: each layer dequantizes its own weight at its call, or
+        # (``together``) the block's first call dequantizes all of its layers into one buffer
+        # shared by every packed block (vramkit.quant.dense): less host time, the largest
+        # packed block's weights in memory. Weighed where the calibration timed both.
+        ways = [False]
+        if times is not None and any(times.calls.get(packed_variant(f, True)) for f in formats):
+            ways.append(True)
+        dequant_by: dict[bool, dict[str, list[CallTimes]]] = {}
+        for together in ways:
+            dequant_by[together] = {}
+            for fmt in formats:
+                dequant_by[together][fmt] = []
+                for b in cost.blocks:
+                    extra = (times.extra(packed_variant(fmt, together), b.name)
+                             if times is not None and fmt != "bf16" else None)
+                    if extra is None:
+                        modeled = _dequant(b, fmt, machine)
+                        extra = CallTimes(modeled, modeled, 0.0, 0.0)
+                    dequant_by[together][fmt].append(extra)
+        dense_of = {fmt: [b.dense.get(fmt, 0) for b in cost.blocks] for fmt in formats}
+        return cls(full=full, as_checkpointed=as_checkpointed, slow_forward=slow_fwd,
+                   slow_backward=slow_bwd, dequant=dequant_by, dense=dense_of, ways=ways,
+                   measured=frozenset(measured), outside_forward=outside_fwd,
+                   outside_backward=outside_bwd, optimizer=optimizer)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search, as :meth:`StepPricer.price` takes it.
+
+    Attributes:
+        chosen: the indices of the swapped blocks; ``flags``: per block, whether it swaps.
+        num_slots: R, the ring's slots.
+        sizes: per block, the bytes a swap moves in the swapped format.
+        copy_seconds: per block, its copy's seconds (0 for a resident block).
+        master_bytes: the swapped blocks' masters (pinned host memory).
+        weights / slot_bytes / scratch: device bytes of the resident weights, of the ring's
+            slots, and of the shared buffer packed blocks dequantize into.
+        dequant / per_layer: per block, what its format adds to its calls (the chosen way, and
+            layer by layer: the backward of an un-checkpointed block dequantized together).
+        swapped_format / resident_format: the formats of the swapped / resident blocks.
+        together: the packed blocks' layers are dequantized together.
+        checkpoints: how many blocks of the checkpoint order are checkpointed.
+        offload: saved activations go to pinned host memory.
+    """
+
+    chosen: list[int]
+    flags: list[bool]
+    num_slots: int
+    sizes: list[int]
+    copy_seconds: list[float]
+    master_bytes: int
+    weights: int
+    slot_bytes: int
+    scratch: int
+    dequant: list[CallTimes]
+    per_layer: list[CallTimes]
+    swapped_format: str
+    resident_format: str
+    together: bool
+    checkpoints: int
+    offload: bool
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A candidate's prediction: the step's seconds, its phases, its peak by part, and what
+    the search ranks it by.
+
+    Attributes:
+        seconds: forward + backward + optimizer (the swapper's host time is in the phases).
+        k / m / r: swapped blocks, checkpointed blocks, slots.
+        fmt_rank: the formats' places among those weighed (the ones as built first).
+        checkpointed: the names of the checkpointed blocks.
+        breakdown: the predicted peak by part, in bytes.
+        host: pinned host bytes (masters on the host, offloaded activations).
+        disk: the indices of the swapped blocks kept on disk; ``swap_budget`` the
+            ``SwapConfig.host_budget`` that keeps them there (``None`` without a disk tier).
+    """
+
+    seconds: float
+    k: int
+    m: int
+    r: int
+    offload: bool
+    fmt_rank: tuple[int, int]
+    chosen: list[int]
+    checkpointed: list[str]
+    breakdown: dict[str, int]
+    forward: PhaseTime
+    backward: PhaseTime
+    host: int
+    swapped_format: str
+    resident_format: str
+    disk: tuple[int, ...]
+    swap_budget: int | None
+    together: bool
+
+
+@dataclass(frozen=True)
+class StepPricer:
+    """Prices candidates of one search (:meth:`price`).
+
+    Attributes:
+        cost / machine / prices: the model, the machine and its blocks' prices.
+        order: the blocks in the order they are checkpointed.
+        act_choices: the activation bytes with the first ``m`` of ``order`` checkpointed.
+        trainable: bytes of the trainable parameters, their gradients and optimizer state.
+        formats: the formats weighed, the ones as built first.
+        host_budget: pinned host memory the swapped blocks and offloaded activations may take.
+        disk_bytes_per_s: the disk tier's read bandwidth.
+    """
+
+    cost: ModelCost
+    machine: Machine
+    prices: BlockPrices
+    order: list[str]
+    act_choices: list[int]
+    trainable: int
+    formats: list[str]
+    host_budget: int | None
+    disk_bytes_per_s: float
+
+    def price(self, candidate: Candidate) -> Priced | None:
+        """``candidate``'s predicted phases and memory (``None``: its masters cannot be split
+        between host and disk under ``host_budget``)."""
+        c, p, cost = candidate, self.prices, self.cost
+        train = cost.mode == "train"
+        estimate = cost.activations
+        bw, disk_bw = self.machine.h2d_bytes_per_s, self.disk_bytes_per_s
+        k, r, m, offload, chosen, sizes = (len(c.chosen), c.num_slots, c.checkpoints,
+                                           c.offload, c.chosen, c.sizes)
+        ckpt = self.order[:m]
+        act = self.act_choices[m] if not offload else _offloaded(estimate, train)
+        offload_bytes = _offload_bytes(estimate, ckpt) if offload else 0
+        host = c.master_bytes + offload_bytes
+        disk: tuple[int, ...] = ()
+        swap_budget = None
+        phase_copy_s = c.copy_seconds
+        if self.host_budget is not None and host > self.host_budget:
+            swap_budget = self.host_budget - offload_bytes
+            split = _disk_split([sizes[i] for i in chosen], swap_budget)
+            if split is None:
+                return None
+            disk = tuple(chosen[j] for j in split.on_disk)
+            host = split.pinned + offload_bytes
+            phase_copy_s = list(c.copy_seconds)
+            for i in disk:  # read from disk, then copied: the slower one paces it
+                phase_copy_s[i] = sizes[i] / min(bw, disk_bw)
+        copies = int(c.master_bytes * max(0, k - r) / k) if k else 0
+        ckpt_set = set(ckpt)
+        sides = _block_sides(p.full, p.as_checkpointed, c.dequant, c.per_layer, c.flags,
+                             [b.name in ckpt_set for b in cost.blocks], c.together)
+        if train:
+            fwd_time, fwd_lost = _simulate(sides[0], phase_copy_s, c.flags, r, None, sides[1],
+                                           p.slow_forward)
+        else:  # back-to-back calls: the ring wraps around to the next call's first blocks
+            fwd_time, fwd_lost = _simulate_calls(sides[0], phase_copy_s, c.flags, r, sides[1],
+                                                 p.slow_forward)
+        fwd_time += p.outside_forward
+        if offload:  # device->host copies run on the other engine
+            fwd_time = max(fwd_time, offload_bytes / self.machine.d2h_bytes_per_s)
+        # Copy engine time: disk blocks are paced by the disk (the same share of them as of
+        # all swapped blocks is copied in a phase). Training keeps the last slots' blocks
+        # across the turn and the first ones between steps; inference copies every swapped
+        # block once a call unless all of them have a slot.
+        share = max(0, k - r) / k if k else 0.0
+        if not train and k > r:
+            share = 1.0
+            copies = c.master_bytes
+        copy_time = copies / bw + share * sum(
+            sizes[i] * (1 / min(bw, disk_bw) - 1 / bw) for i in disk)
+        fwd = PhaseTime(fwd_time, p.outside_forward + sum(sides[0]), copy_time,
+                        copies, p.outside_forward + sum(sides[1]), fwd_lost)
+        if train:
+            restores = ([_kept_bytes(estimate, b.name, ckpt_set) / bw
+                         for b in cost.blocks] if offload else None)
+            back, bwd_lost = _simulate(sides[2][::-1], phase_copy_s[::-1], c.flags[::-1], r,
+                                       restores[::-1] if restores else None,
+                                       sides[3][::-1], p.slow_backward[::-1])
+            bwd = PhaseTime(p.outside_backward + back, p.outside_backward + sum(sides[2]),
+                            copy_time + offload_bytes / bw,
+                            copies + offload_bytes,
+                            p.outside_backward + sum(sides[3]), bwd_lost)
+        else:
+            bwd = PhaseTime(0.0, 0.0, 0.0, 0)
+        # the swapper's host time: in the phases
+        seconds = fwd.seconds + bwd.seconds + p.optimizer
+        breakdown = {"resident_weights": c.weights, "swap_slots": c.slot_bytes,
+                     "trainable_and_optimizer": self.trainable, "activations": act}
+        if c.scratch:
+            breakdown["dequantized_weights"] = c.scratch
+        return Priced(
+            seconds=seconds, k=k, m=m, r=r, offload=offload,
+            fmt_rank=(self.formats.index(c.swapped_format),
+                      self.formats.index(c.resident_format)),
+            chosen=chosen, checkpointed=ckpt, breakdown=breakdown, forward=fwd, backward=bwd,
+            host=host, swapped_format=c.swapped_format, resident_format=c.resident_format,
+            disk=disk, swap_budget=swap_budget, together=c.together)
+
+
+def _block_sides(full: Sequence[CallTimes], as_checkpointed: Sequence[CallTimes],
+                 dequant: Sequence[CallTimes], per_layer: Sequence[CallTimes],
+                 swapped: Sequence[bool], checkpointed: Sequence[bool], together: bool
+                 ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per block, the device's and the host's seconds of its forward, then of its backward, in
+    a candidate: its own call as built (``full``) or checkpointed (``as_checkpointed``: the
+    checkpoint's forward, the recomputation in backward), what its storage format adds
+    (``dequant``; the recomputation dequantizes again) and the swapper's bookkeeping on the
+    host. Dequantizing together, an un-checkpointed block's backward finds the shared
+    buffer holding another block and dequantizes each layer (``per_layer``); a checkpointed
+    one's recomputation has just filled it."""
+    fwd_dev: list[float] = []
+    fwd_host: list[float] = []
+    bwd_dev: list[float] = []
+    bwd_host: list[float] = []
+    for c, ck, d, layer, s, k in zip(full, as_checkpointed, dequant, per_layer, swapped,
+                                     checkpointed, strict=True):
+        swap_host = SWAP_HOST_SECONDS if s else 0.0
+        back = layer if together and not k else d
+        call = ck if k else c
+        fwd_dev.append(call.forward + d.forward)
+        fwd_host.append(call.host_forward + d.host_forward + swap_host)
+        bwd_dev.append(call.backward + back.backward + (d.forward if k else 0.0))
+        bwd_host.append(call.host_backward + back.host_backward
+                        + (d.host_forward if k else 0.0) + swap_host)
+    return fwd_dev, fwd_host, bwd_dev, bwd_host
+
+
+def _offloaded(estimate: Any, train: bool) -> int:
+    """Activations on the device with offload on, at the largest of three moments:
+
+    * the turn of the step: the tail (a language model's logits) with the forward's last
+      tensors still held -- backward has prefetched nothing yet (counting the whole window
+      there put Llama-8B's 7.5 GiB plan 0.5 GiB above its measured peak, one slot short: R=1,
+      2.0x the resident step);
+    * the start of backward: those held tensors, the prefetched ones, and the last block
+      rebuilt by its recomputation with its temporaries (of the order of what it saves);
+    * later in backward: the held tensors are used up (the first blocks of backward take them),
+      so the prefetched ones, the block being recomputed and its temporaries. (Counting the
+      held tensors here too put every FLUX offload plan ~256 MiB above its measured peak; a
+      snapshot of the 7.5 GiB row's peak held the prefetched tensors, 285 MB, and a double
+      block's recomputation and temporaries, nothing of the forward's.)"""
+    if not train:
+        return max(estimate.largest_block, estimate.tail)
+    last = next(reversed(estimate.per_block.values()), 0)  # backward's first recomputation
+    backward = max(OFFLOAD_PREFETCH_BYTES + 2 * estimate.largest_block,
+                   OFFLOAD_WINDOW_BYTES + 2 * last)
+    return estimate.outside + max(backward, OFFLOAD_INFLIGHT_BYTES + estimate.tail)
+
+
+def _offload_bytes(estimate: Any, checkpointed: Sequence[str]) -> int:
+    """Bytes an activation offloader moves each way: what the blocks keep."""
+    chosen = set(checkpointed)
+    return sum(_kept_bytes(estimate, n, chosen) for n in estimate.per_block)
+
+
+def _dequant(block: BlockCost, fmt: str, machine: Machine) -> float:
+    """Dequantizing a block's packed weights at a call: reading the packed bytes and writing
+    bf16 ones (the matmul then reads them as it would the bf16 weights)."""
+    if fmt == "bf16":
+        return 0.0
+    return (block.swapped[fmt] + block.swapped["bf16"]) / machine.memory_bandwidth_bytes_per_s
+
+
+def _disk_split(sizes: list[int], budget: int) -> Any:
+    """The swapper's disk tier for ``sizes`` under ``budget`` (``None``: impossible)."""
+    from vramkit.errors import ConfigError
+    from vramkit.offload.swap import BlockSwapper
+
+    if budget <= 0:
+        return None
+    try:
+        return BlockSwapper.disk_split(sizes, [True] * len(sizes), budget)
+    except ConfigError:
+        return None
+
+
+def _kept_bytes(estimate: Any, name: str, checkpointed: set[str]) -> int:
+    return int(estimate.inputs[name] if name in checkpointed else estimate.per_block[name])
+

@@ -343,3 +343,30 @@ def test_peft_base_layer_is_replaced_and_adapters_kept() -> None:
     trained = [p for p in model.parameters() if p.requires_grad]
     assert trained and all(p.grad is not None for p in trained)
     assert x.grad is not None
+
+
+def test_fp8_on_a_cpu_without_row_wise_scaled_mm_matches_the_kernel(monkeypatch) -> None:
+    """torch < 2.13 on the CPU takes per-tensor scales only: the fp32 emulation gives what the
+    row-wise kernel gives (the same codes and scales)."""
+    from vramkit.quant import w8a8
+
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32).to(torch.bfloat16).requires_grad_(False)
+    layer = W8A8Linear.from_linear(lin, "fp8", release_weight=False)
+    x = torch.randn(5, 64, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(5, 32, dtype=torch.bfloat16)
+    y = layer(x)
+    y.backward(g)
+    grad = x.grad.clone()
+    x.grad = None
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Now _scaled_mm only supports per-tensor scaling for CPU backend.")
+
+    monkeypatch.setattr(w8a8, "_CPU_ROWWISE_FP8", [True])
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    y_emulated = layer(x)
+    y_emulated.backward(g)
+    assert not w8a8._CPU_ROWWISE_FP8[0]
+    torch.testing.assert_close(y_emulated, y, rtol=2.0 ** -7, atol=1e-2)
+    torch.testing.assert_close(x.grad, grad, rtol=2.0 ** -7, atol=1e-2)

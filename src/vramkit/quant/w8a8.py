@@ -205,23 +205,45 @@ def _unit_scales(cols: int, device: torch.device) -> torch.Tensor:
     return ones
 
 
+# torch's CPU _scaled_mm takes row-wise scales from torch 2.13 on (per-tensor only before): on an
+# older CPU build the fp8 product is computed in fp32 from the same codes and scales (the CPU is a
+# reference and test device here; CUDA never takes this path). Set on the first refusal.
+_CPU_ROWWISE_FP8 = [True]
+
+
+def _fp8_mm(codes: torch.Tensor, second: torch.Tensor, scale_a: torch.Tensor,
+            scale_b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``_scaled_mm`` into bf16 with row-wise scales, or its fp32 emulation on an old CPU."""
+    if codes.device.type != "cpu" or _CPU_ROWWISE_FP8[0]:
+        try:
+            return torch._scaled_mm(codes, second, scale_a=scale_a, scale_b=scale_b, bias=bias,
+                                    out_dtype=torch.bfloat16)
+        except RuntimeError as exc:
+            if codes.device.type != "cpu":
+                raise
+            _CPU_ROWWISE_FP8[0] = False
+            logger.info("W8A8: this torch's CPU _scaled_mm takes no row-wise scales (%s); the "
+                        "CPU computes fp8 products in fp32 from the same codes", exc)
+    y = (codes.float() @ second.float()) * scale_a * scale_b
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(torch.bfloat16)
+
+
 def _fp8_matmul(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
                 scale: torch.Tensor, bias: torch.Tensor | None,
                 dtype: torch.dtype) -> torch.Tensor:
     # Row-wise scaled_mm writes bf16 only; other dtypes are cast after.
     if dtype is torch.bfloat16:
-        return torch._scaled_mm(codes, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1),
-                                bias=bias, out_dtype=dtype)
-    y = torch._scaled_mm(codes, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1),
-                         out_dtype=torch.bfloat16).to(dtype)
+        return _fp8_mm(codes, weight.t(), x_scale, scale.view(1, -1), bias)
+    y = _fp8_mm(codes, weight.t(), x_scale, scale.view(1, -1), None).to(dtype)
     return y if bias is None else y.add_(bias)
 
 
 def _fp8_grad_matmul(codes: torch.Tensor, g_scale: torch.Tensor, weight: torch.Tensor,
                      dtype: torch.dtype) -> torch.Tensor:
-    y = torch._scaled_mm(codes, _column_major(weight), scale_a=g_scale,
-                         scale_b=_unit_scales(weight.shape[1], codes.device),
-                         out_dtype=torch.bfloat16)
+    y = _fp8_mm(codes, _column_major(weight), g_scale,
+                _unit_scales(weight.shape[1], codes.device), None)
     return y if dtype is torch.bfloat16 else y.to(dtype)
 
 

@@ -398,9 +398,12 @@ def _select_layers(model: nn.Module, config: QuantizationConfig
     layers: list[tuple[str, nn.Module]] = []
     tied = 0
     trainable: list[str] = []
+    # The loader hands any config with should_quantize / weight_format through here: only a
+    # QuantizationConfig knows about W8A8.
+    w8a8 = getattr(config, "w8a8", False)
     for name, module in model.named_modules():
         if not name or not config.should_quantize(name, module):
-            if (name and config.w8a8 and is_trainable_for_w8a8(name, module)
+            if (name and w8a8 and is_trainable_for_w8a8(name, module)
                     and not config.is_excluded(name)
                     and isinstance(module, (nn.Linear, nn.Conv2d))):
                 trainable.append(name)

@@ -11,7 +11,7 @@ replayed and through Triton's JIT; with the backward's column pre-scale; a few t
 tokens), the one-pass int8 epilogue against the aten passes, and the layer call (no_grad, and
 forward + backward) with the aten kernels ("before") and the Triton ones ("after").
 
-Run (GPU): PYTHONPATH=src python3 benchmarks/investigations/w8a8_ops.py
+Run (GPU): PYTHONPATH=src python3 benchmarks/w8a8_ops.py
 """
 
 from __future__ import annotations

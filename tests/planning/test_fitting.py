@@ -271,3 +271,26 @@ def test_a_report_says_when_a_host_bound_plan_is_off_by_more_than_the_tolerance(
     assert "host-bound" not in report(off, ()).describe()  # the device's pace: nothing to add
     assert "host-bound" not in report(0.310, ("backward",)).describe()  # within the tolerance
     assert "host-bound" not in report(None, ("backward",)).describe()  # nothing measured yet
+
+
+def test_fit_compiles_the_blocks_beneath_the_swapper_and_trains_like_compiled_resident() -> None:
+    from vramkit.offload.compiled import compile_blocks, is_compiled
+
+    torch._dynamo.reset()
+    reference, model = stack(), stack()
+    compile_blocks(reference, "blocks")
+    fitted = vramkit.fit(model, inputs(), 6 * MiB, compile=True, **OPTIONS)
+    assert fitted.plan.swapped
+    assert all(is_compiled(model.get_submodule(n)) for n in fitted.plan.block_order)
+    # compiled innermost: beneath the checkpoint and the swapper
+    wrapped = model.get_submodule(fitted.plan.swapped[0])
+    assert [w.kind for w in _patch.wrappers(wrapped)][0] == "compile"
+    assert _train(model) == _train(reference)
+    fitted.detach()
+    assert all(not _patch.wrappers(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("value", ["reduce-overhead", 1, "yes"])
+def test_fit_refuses_a_compile_it_cannot_do(value: object) -> None:
+    with pytest.raises(ConfigError, match="compile"):
+        vramkit.fit(stack(), inputs(), 6 * MiB, compile=value, **OPTIONS)

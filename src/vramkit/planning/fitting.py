@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vramkit._validate import check_int
+from vramkit._validate import check_choice, check_int
 from vramkit.devices.resolve import resolve_device
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.offload import _patch
@@ -35,6 +35,7 @@ from vramkit.offload.checkpointing import (
     enable_gradient_checkpointing,
     is_checkpointed,
 )
+from vramkit.offload.compiled import COMPILE_MODES, compile_blocks, uncompile_blocks
 from vramkit.offload.swap import BlockLoader, BlockSwapper, MasterMemory, SwapConfig
 from vramkit.planning._meta import trainable_module_names
 from vramkit.planning.api import plan as make_plan
@@ -148,7 +149,8 @@ class Fitted:
                  blocks: str | Sequence[str] = "auto", observe_steps: int = 3,
                  checkpoint: str | os.PathLike[str] | None = None, prefix: str | None = None,
                  strict: bool = True, master_memory: MasterMemory | None = None,
-                 block_loader: BlockLoader | None = None) -> None:
+                 block_loader: BlockLoader | None = None, compile_mode: str | None = None
+                 ) -> None:
         self.model = model
         self.plan = plan
         self.device = device
@@ -157,6 +159,8 @@ class Fitted:
         self._originals: list[tuple[nn.Module, str, nn.Module,
                                     list[tuple[torch.Tensor, torch.Tensor]]]] = []
         self._checkpointed: list[str] = []
+        self._compile_mode = compile_mode
+        self._compiled: list[str] = []
         self._moved: list[tuple[torch.Tensor, torch.device]] = []
         self._offload: _OffloadingForward | None = None
         # the dequantized weights of one packed block at a time (vramkit.quant.dense)
@@ -199,6 +203,9 @@ class Fitted:
             for name in packed:
                 group_dense(model.get_submodule(name), self._dense)
         skip = packed if checkpoint is not None else []
+        if self._compile_mode is not None:  # innermost: before checkpointing and swapping
+            self._compiled = compile_blocks(model, list(plan.block_order) or blocks,
+                                            mode=self._compile_mode)
         if plan.mode == "train" and plan.checkpointed:
             todo = [n for n in plan.checkpointed if not is_checkpointed(model.get_submodule(n))]
             if todo:
@@ -348,6 +355,9 @@ class Fitted:
         if self._checkpointed:
             disable_gradient_checkpointing(self.model, self._checkpointed)
             self._checkpointed = []
+        if self._compiled:
+            uncompile_blocks(self.model)
+            self._compiled = []
         ungroup_dense(self.model)
         self._dense.release()
         for owner, attr, module, tensors in reversed(self._originals):
@@ -384,7 +394,7 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
         observe_steps: int = 3, checkpoint: str | os.PathLike[str] | None = None,
         prefix: str | None = None, strict: bool = True,
         master_memory: MasterMemory | None = None, block_loader: BlockLoader | None = None,
-        **plan_options: Any) -> Fitted:
+        compile: bool | str = False, **plan_options: Any) -> Fitted:
     """Plan ``model`` for ``budget`` and apply the plan; train or run the model as usual.
 
     Args:
@@ -412,6 +422,10 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
             memory shared by a node's ranks). Default: the swapper's own pinned pool.
         block_loader: how the swapper fills its slots (``BlockSwapper(block_loader=)``;
             :func:`vramkit.distributed.fit_rank` passes sharded uploads over NVLink).
+        compile: ``torch.compile`` each block's own forward beneath checkpointing and swapping
+            (:func:`vramkit.offload.compiled.compile_blocks`): ``True`` for the default mode, or
+            a mode of :data:`~vramkit.offload.compiled.COMPILE_MODES` (default ``False``). The
+            plan is not priced for compiled blocks: its step prediction is the eager one.
         **plan_options: the keyword arguments of :func:`vramkit.plan` (``mode``,
             ``hardware``, ``allow_formats``, ``host_budget``, ``headroom``, ``step``, ...).
 
@@ -423,6 +437,7 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
         PlanError: when no plan fits the budget.
     """
     check_int("observe_steps", observe_steps, minimum=1)
+    compile_mode = _compile_mode(compile)
     if checkpoint is None and any(t.device.type == "meta"
                                   for t in (*model.parameters(), *model.buffers())):
         raise ConfigError("vramkit.fit needs the model's weights, and some are on the meta "
@@ -448,7 +463,20 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
     blocks = list(plan.block_order) if plan.split else plan_options.get("blocks", "auto")
     return Fitted(model, plan, target, blocks=blocks, observe_steps=observe_steps,
                   checkpoint=checkpoint, prefix=prefix, strict=strict,
-                  master_memory=master_memory, block_loader=block_loader)
+                  master_memory=master_memory, block_loader=block_loader,
+                  compile_mode=compile_mode)
+
+
+def _compile_mode(compile: object) -> str | None:
+    """``fit``'s ``compile`` as a ``torch.compile`` mode, or ``None`` for no compiling."""
+    if isinstance(compile, bool):
+        return "default" if compile else None
+    if isinstance(compile, str):
+        return check_choice("compile", compile, COMPILE_MODES,
+                            hint="True compiles with torch.compile's default mode; CUDA-graph "
+                                 "modes are refused for swapped blocks.")
+    raise ConfigError(f"compile must be a bool or a mode name, got {type(compile).__name__}",
+                      hint=f"compile=True, or one of {', '.join(COMPILE_MODES)}.")
 
 
 def _replaced(block: nn.Module, before: dict[str, nn.Module]

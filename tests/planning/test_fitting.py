@@ -284,7 +284,7 @@ def test_fit_compiles_the_blocks_beneath_the_swapper_and_trains_like_compiled_re
     assert all(is_compiled(model.get_submodule(n)) for n in fitted.plan.block_order)
     # compiled innermost: beneath the checkpoint and the swapper
     wrapped = model.get_submodule(fitted.plan.swapped[0])
-    assert [w.kind for w in _patch.wrappers(wrapped)][0] == "compile"
+    assert _patch.wrappers(wrapped)[0].kind == "compile"
     assert _train(model) == _train(reference)
     fitted.detach()
     assert all(not _patch.wrappers(m) for m in model.modules())

@@ -112,7 +112,7 @@ def test_failed_registration_falls_back_and_warns_once(
     for part in ("cudaHostRegister", "cudaErrorMemoryAllocation", "cudaError 2",
                  "segment 4.0 KiB", "already pinned by vramkit in this process",
                  "pageable memory", "block the Python thread", "several times slower",
-                 "docs/benchmarks.md", "ulimit -l", "host_budget", "pin_fallback=False"):
+                 "benchmarks/pinning_fallback.py", "ulimit -l", "host_budget", "pin_fallback=False"):
         assert part in message, part
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and warned[0].getMessage() == message

@@ -518,8 +518,8 @@ def warn_pin_fallback(size: int, cause: str, host: HostMemory | None, *,
         "The segment is plain pageable memory instead (and so is any later one that cannot be "
         "pinned; this is said once per process): results stay correct, but host<->device "
         "copies from or into it are staged by the CUDA driver, block the Python thread and run "
-        "several times slower than from pinned memory (measured on an H100: 8.6x host->device, "
-        "4.9x device->host; docs/benchmarks.md). "
+        "several times slower than from pinned memory (measured on an H100 by "
+        "benchmarks/pinning_fallback.py: 8.6x host->device, 4.9x device->host). "
         f"Hint: {_fallback_hint(host, capped=capped, fallback_on=True)}")
     logger.warning("%s", message)
     warnings.warn(message, VramkitWarning, stacklevel=_caller_stacklevel())
@@ -713,7 +713,7 @@ def populate(mapping: torch.Tensor) -> None:
     ``cudaHostRegister`` of untouched pages faults them in itself, inside the CUDA driver, at
     1.5-2.3 GB/s, and holds the driver's lock all the while: every CUDA call of every other
     thread of the process waits (measured on an H100: another thread's small kernel launches fell
-    from 101,000/s to 3-4/s). Pages faulted in beforehand register at 17-22 GB/s. The kernel does
+    from 101,000/s to 3-4/s; ``benchmarks/investigations/pin_contention.py``). Pages faulted in beforehand register at 17-22 GB/s. The kernel does
     it with ``madvise(MADV_POPULATE_WRITE)``, 8 MiB at a time on up to 4 threads, outside any
     lock of ours (the GIL is released); where that is missing (Linux < 5.14, other systems)
     one byte per page is written -- zero, which a fresh mapping already holds.

@@ -1,15 +1,19 @@
 """Out-of-memory errors: recognize one, and say which kind it is.
 
 * :func:`is_oom_error` recognizes an out-of-memory error by its exception *type* or its CUDA
-  *error code*, never by its message: ``torch.OutOfMemoryError`` (raised by CUDA and by ROCm/HIP
-  builds, which report through the same CUDA caching allocator), an error carrying the CUDA code
-  ``cudaErrorMemoryAllocation`` (``torch.AcceleratorError`` from torch >= 2.8, read by
-  :func:`vramkit.devices.cuda_errors.cuda_error_code`), the XPU/MPS classes where a torch build
-  defines them, Python's ``MemoryError`` and vramkit's
+  *error code*, never by matching words in its message: ``torch.OutOfMemoryError`` (raised by
+  CUDA and by ROCm/HIP builds, which report through the same CUDA caching allocator), an error
+  carrying the CUDA code ``cudaErrorMemoryAllocation`` (read by
+  :func:`vramkit.devices.cuda_errors.cuda_error_code`: ``torch.AcceleratorError``'s
+  ``error_code`` from torch >= 2.8; before torch 2.8, which raised CUDA runtime failures as plain
+  ``RuntimeError``s without a code, a plain ``RuntimeError`` whose first line is exactly the one
+  ``C10_CUDA_CHECK`` formats for that code,
+  :data:`~vramkit.devices.cuda_errors.C10_CUDA_CHECK_OOM_LINE`), the XPU/MPS classes where a
+  torch build defines them, Python's ``MemoryError`` and vramkit's
   :class:`~vramkit.errors.PoolExhaustedError`. PyTorch's CPU allocator raises a plain
-  ``RuntimeError`` when ``malloc`` fails (torch 2.13 has no type for it), and torch < 2.8 raises
-  CUDA runtime failures as plain ``RuntimeError``s without a code; such errors are *not*
-  recognized, because matching their text is what this module refuses to do.
+  ``RuntimeError`` when ``malloc`` fails (torch 2.13 has no type for it), and other messages
+  that merely mention running out of memory carry no code; such errors are *not* recognized,
+  because matching their text is what this module refuses to do.
 * :func:`classify_oom` says why memory ran out -- capacity, fragmentation or memory held outside
   PyTorch -- from the caching allocator's statistics, ``cudaMemGetInfo`` and NVML, with a hint;
   :func:`diagnose_memory` is its pure part, over a :class:`DeviceMemoryReading` (the one
@@ -90,11 +94,13 @@ def is_oom_error(error: BaseException) -> bool:
 
     Recognized: ``torch.OutOfMemoryError`` (CUDA and ROCm/HIP), a ``RuntimeError`` carrying the
     CUDA error code ``cudaErrorMemoryAllocation`` (2) -- ``torch.AcceleratorError`` from
-    torch >= 2.8, see :func:`vramkit.devices.cuda_errors.is_cuda_out_of_memory` --,
+    torch >= 2.8, or with torch < 2.8 a plain ``RuntimeError`` whose first line is exactly
+    ``C10_CUDA_CHECK``'s line for that code; see
+    :func:`vramkit.devices.cuda_errors.is_cuda_out_of_memory` --,
     ``torch.xpu.OutOfMemoryError`` and ``torch.mps.OutOfMemoryError`` when the torch build
     defines them, ``MemoryError`` (host) and vramkit's
-    :class:`~vramkit.errors.PoolExhaustedError`. The message is never read: a ``RuntimeError``
-    that only *says* "CUDA out of memory" (torch < 2.8 raises those for runtime failures) is not
+    :class:`~vramkit.errors.PoolExhaustedError`. Otherwise the message is not read: a
+    ``RuntimeError`` that only *says* "CUDA out of memory" somewhere in its text is not
     recognized. A :class:`~vramkit.errors.RecoveryError` (a ``MemoryError`` raised when recovery
     gave up) is not a fresh OOM and returns ``False``, so nested recovery loops do not retry it.
 

@@ -4,8 +4,9 @@ PyTorch's non-reentrant checkpoint records the block's whole graph in forward --
 saved-tensor hook call (in Python) for each tensor an op saves, only to drop what is saved -- so
 its forward costs the host *more* than the block's plain forward. Training a large DiT with every
 block checkpointed, the forward pass is host-bound for that reason: on an H200, FLUX.1-dev's
-double block took 1.4-2.4 ms more host time per forward checkpointed than as built
-(docs/benchmarks.md), with ~4.6 ms of device work to hide it behind.
+double block took 1.4-2.4 ms more host time per forward checkpointed than as built (the
+calibration's "checkpointed" timing, ``benchmarks/plan.py``; ``benchmarks/checkpoint_method.py``
+compares the methods), with ~4.6 ms of device work to hide it behind.
 
 Here the forward is an ``autograd.Function`` whose ``forward`` runs the block with grad off: no
 node is recorded and nothing is saved but the block's inputs (through the saved-tensor hooks, so
@@ -66,8 +67,8 @@ class LeanState:
     is neither its input nor its parameter.
 
     It also keeps where the block's parameters are registered between calls (walking a FLUX
-    double block's ~60 modules at every call took 0.3-0.4 ms under a one-off cProfile on an
-    H200 host, which inflates Python calls), listed again
+    double block's ~60 modules at every call took 0.3-0.4 ms on an H200 host under cProfile,
+    which inflates Python calls; a probe that is not kept), listed again
     when a module or parameter was registered anywhere since (PyTorch's registration hooks,
     watched while a LeanState exists) or a listed module's children or parameters were
     added or removed otherwise. Which of them require grad is read at every call.

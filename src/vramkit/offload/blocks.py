@@ -300,7 +300,7 @@ def spread_evenly(sizes: Sequence[int], count: int) -> list[int]:
     lets the copy stream start one block into the forward pass and run until one block before
     the end of backward, where a resident end block would leave it idle for that block's
     compute (with R slots the pipeline cannot fill earlier or drain later; measured on the
-    2048-token stack in docs/benchmarks.md). One pick takes the middle. Returns sorted indices.
+    2048-token stack of ``benchmarks/swap.py``). One pick takes the middle. Returns sorted indices.
     """
     n = len(sizes)
     if count <= 0:

@@ -79,7 +79,8 @@ def run_checkpointed(fn: Callable[..., Any], inputs: Sequence[Any], kwargs: dict
     anything else it is given -- keyword arguments, tensors inside tuples or lists, a partial's
     bound arguments -- by reference until backward. diffusers calls its transformer blocks with
     keyword arguments, so under activation offload every checkpointed block's hidden states
-    stayed on the GPU (1.5 GiB at FLUX.1-dev's peak at 1024 px, measured on an H100). The call is
+    stayed on the GPU (1.5 GiB at FLUX.1-dev's peak at 1024 px, measured on an H100 with
+    ``benchmarks/plan.py --snapshot``). The call is
     flattened instead: each tensor leaf goes positionally, the rest is rebuilt inside (which
     also keeps a function's own ``use_reentrant`` or ``preserve_rng_state`` parameter apart
     from the checkpoint's options).

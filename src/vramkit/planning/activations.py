@@ -10,7 +10,7 @@ estimate many times over at long sequences. RMS norm likewise: where torch has t
 (``torch._fused_rms_norm``, what ``F.rms_norm`` runs on CUDA) it keeps its input as given and a
 float32 reciprocal RMS per row, while on meta tensors ``F.rms_norm`` decomposes into float32
 ops that keep a float32 copy (FLUX's q/k norms: 57 MB more per block than a GPU keeps,
-measured on an H100).
+measured on an H100 with ``benchmarks/investigations/activations_real.py``).
 
 Where the step returns its loss, its backward runs on meta too, followed op by op
 (:class:`~vramkit.planning._following.BackwardFollower`): what each block saved and has not

@@ -157,7 +157,7 @@ class BlockTimes:
         step on an H200 every single block, swapped or resident, ran 0.10 ms (2.8 %) slower
         than in the resident step (``benchmarks/plan_phases.py``), and this calibration read
         +3.4-4.0 % forward, +2.5-3.0 % backward (the plans' notes in
-        ``benchmarks/plan.py``; docs/benchmarks.md)."""
+        ``benchmarks/plan.py``)."""
         timed, full = self.call(name, BESIDE_COPIES), self.call(name)
         if timed is None or full is None:
             return 0.0, 0.0
@@ -255,7 +255,7 @@ class _Clock:
     and the events see device time alone. The host's time is the median of the warm-up rounds
     after the first (which pays compilation and first-call caches): a single sample swung by
     up to 2.7x between runs of one block (SD3.5's block 0: 3.69 vs 9.99 ms,
-    docs/benchmarks.md). On the CPU both are the region's wall time.
+    ``benchmarks/block_times.py``). On the CPU both are the region's wall time.
     """
 
     #: Spin cycles per second of host enqueue time: a 2 GHz clock, doubled for margin.
@@ -276,8 +276,8 @@ class _Clock:
         """The host's enqueue time a plan uses: the median of every round after the first,
         with the device idle (warm-up) and busy (timed) -- inside a step the host meets both
         (a device-bound phase keeps the device busy, a host-bound one idle). A FLUX double
-        block's forward enqueue read 2.75-4.76 ms across one session's H200 calibrations
-        (docs/benchmarks.md); twice the samples steady the median within one."""
+        block's forward enqueue read 2.75-4.76 ms across a day's H200 calibrations
+        (``benchmarks/calibration_host.py`` repeats them); twice the samples steady the median within one."""
         samples = self.host_samples[1:] + self.busy_samples
         return statistics.median(samples) if samples else self.host_s
 

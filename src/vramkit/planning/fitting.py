@@ -66,7 +66,7 @@ class FitReport:
         budget_bytes: the budget.
         host_bound: the phases the plan predicted host-bound (``"forward"``, ``"backward"``):
             their time follows the host's pace, which can drift between planning and the steps
-            (on a shared machine by 20-25 %, docs/benchmarks.md).
+            (on a shared machine by 20-25 %, ``benchmarks/calibration_host.py``).
     """
 
     steps: int

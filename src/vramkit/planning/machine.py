@@ -14,7 +14,7 @@ kernel; the host needs :data:`HOST_SECONDS_PER_KERNEL` to launch each one; the b
 longer of the two. One share of the peak for everything (:data:`ACHIEVED_FRACTION`, what plans
 used before) fitted FLUX.1-dev's blocks and missed a Llama layer by 36 %: on an H100 a FLUX
 block reaches 0.29 of the peak and a Llama layer 0.46, because FLUX spends more of its time in
-memory-bound work and kernel launches (docs/benchmarks.md, "Planner").
+memory-bound work and kernel launches (``benchmarks/block_times.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ __all__ = ["ACHIEVED_FRACTION", "COPY_SLOWDOWN", "Machine", "machine_for", "meas
 #: achieve, as the planner counts their FLOPs: on an H100 80GB HBM3 (the h100-sxm profile,
 #: 989 TFLOP/s), FLUX.1-dev LoRA at 1024x1024 with every block checkpointed, the blocks' timed
 #: forward and backward (calibrate_blocks: 277 + 695 ms) against their FLOPs (578 ms at 0.43)
-#: gave 0.26 (benchmarks/plan.py, docs/benchmarks.md). Attention, norms and element-wise work
+#: gave 0.26 (the calibration of ``benchmarks/plan.py``). Attention, norms and element-wise work
 #: are in the blocks' time but not in a matmul's peak, hence the low share. A measured machine
 #: needs no such factor. Offline, blocks whose work was counted are timed by the model below;
 #: this share remains the throughput (``Machine.flops_per_s``) of work that was not (a
@@ -47,15 +47,15 @@ ACHIEVED_FRACTION = 0.26
 #: How much slower a block's compute runs, forward and backward, while host-to-device copies
 #: run beside it: the copy engine's writes share the GPU's memory with the kernels. What the
 #: calibration (``calibrate_blocks``' ``"beside-copies"`` timing) read on an H200 for FLUX.1-dev's
-#: blocks in every plan of benchmarks/plan.py: +3.4-4.0 % forward, +2.5-3.0 % backward
-#: (docs/benchmarks.md, "Eleventh session"); the midpoints. An offline plan prices it for every
+#: blocks in every plan of ``benchmarks/plan.py`` (its plans' notes): +3.4-4.0 % forward,
+#: +2.5-3.0 % backward; the midpoints. An offline plan prices it for every
 #: card (a measured machine times its own): not measured off Hopper, said in the plan's notes.
 COPY_SLOWDOWN = (0.037, 0.0275)
 # The offline time model (module docstring), fitted on an H100 80GB HBM3 (989 TFLOP/s bf16,
 # 3.35 TB/s) to the device and host times of one block of each kind of FLUX.1-dev, Llama-3.1-8B,
 # SD3.5-large, Qwen-Image, Wan2.1-14B and SDXL (calibrate_blocks' timing, with the kernels and
 # bytes analyze() counts for them). Against the stored run (`benchmarks/block_times.py
-# --measured benchmarks/data/block_times_h100.json`; docs/benchmarks.md "Planner"): the
+# --measured benchmarks/data/block_times_h100.json`): the
 # device part of the transformer blocks and SDXL's attention stacks -18 % .. +10 %, the whole
 # (device or host) mean |error| 17.5 % over 42 block phases, against 60.5 % for one share of
 # the peak.
@@ -81,7 +81,7 @@ HOST_SECONDS_PER_CONVOLUTION = (370e-6, 150e-6)
 BACKWARD_KERNELS = 1.43
 BACKWARD_BYTES = 1.65
 #: Host time the swapper adds per block acquisition (enqueue of a copy and events), seconds:
-#: docs/benchmarks.md, 0.036-0.047 ms per block on the H200 host.
+#: 0.04-0.06 ms per block on the H200 host (the enqueue column of ``benchmarks/swap.py``).
 SWAP_HOST_SECONDS = 50e-6
 
 

@@ -40,7 +40,8 @@ OFFLOAD_WINDOW_BYTES = OFFLOAD_INFLIGHT_BYTES + OFFLOAD_PREFETCH_BYTES
 
 
 #: Disk read bandwidth a disk tier is planned with when none is given: a SATA SSD or a cloud
-#: volume; the H100 machine's virtio disk read 1.28 GB/s (docs/benchmarks.md).
+#: volume; a virtio disk of the H100 machine read 1.28 GB/s
+#: (``vramkit.io.disk.measure_read_bandwidth``, as ``benchmarks/swap_load.py`` prints it).
 DEFAULT_DISK_BYTES_PER_S = 1.0e9
 
 

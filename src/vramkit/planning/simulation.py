@@ -91,7 +91,7 @@ def _simulate_calls(compute: Sequence[float], copies: Sequence[float],
     call, its first copies beside the previous call's tail. One call simulated alone starts
     with those first blocks in place for free: FLUX.1-dev at 11.5 GiB on an H200 (43 of 57
     swapped, 3 slots, transfer-bound) was predicted 247 ms and ran 284 ms
-    (``benchmarks/plan.py``, docs/benchmarks.md). When every swapped block has a slot nothing
+    (``benchmarks/plan.py``). When every swapped block has a slot nothing
     is copied after the first call: the call alone."""
     once = _simulate(compute, copies, swapped, slots, None, host, slowdown)
     if sum(1 for s in swapped if s) <= slots:

@@ -42,7 +42,7 @@ class SwapConfig:
         num_slots: R, the GPU slots of the ring (default 2, at least 1). With
             ``trainable="swap"`` also the optimizer-state slots (at least 2), and more slots let
             write-backs overlap the next loads: give it what the card has room for (Flux-12B
-            full fine-tuning reached its copy bound at 8; docs/benchmarks.md).
+            full fine-tuning reached its copy bound at 8; ``benchmarks/swap_full_ft.py``).
         prefetch: how many of the next blocks (in predicted order) should be in slots when a
             block releases its slot; missing ones are loaded then. Default ``num_slots`` (the
             released slot is free for the block after the next), at most that; 0 loads every

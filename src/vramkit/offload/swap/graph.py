@@ -2,7 +2,7 @@
 
 :class:`~vramkit.offload.swap.function.SwapBlockFunction` builds each call's graph on detached
 inputs and runs a *reentrant* ``torch.autograd.backward`` over it in backward: a clean boundary,
-but every call pays for a nested engine run (a one-off cProfile on the H200 host, not a benchmark:
+but every call pays for a nested engine run (cProfile on the H200 host, a probe not kept:
 ~0.3 ms per swapped block per step, which shows where the model is host-bound). For blocks
 without swapped trainable weights the boundary is drawn with node pre-hooks on the outputs and an
 identity Function on the inputs instead, and the block's own nodes are ordinary nodes of the

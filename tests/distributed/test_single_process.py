@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests._toys import Stack, grads_of, mlp, present_grads
 from tests.distributed._group import single_rank_group
 from tests.planning._models import inputs, stack
 from vramkit.distributed import (
@@ -37,23 +38,19 @@ CONFIG = SwapConfig(min_param_bytes=0)
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-class Net(nn.Module):
-    """Trainable input/output layers around residual MLP blocks (frozen unless ``full``)."""
+class Net(Stack):
+    """Trainable input/output layers around residual MLP blocks (frozen unless ``full``), with
+    ``lora`` a trainable matrix applied after every block."""
 
     def __init__(self, full: bool = False, lora: bool = False) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(12, 32)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(3))
-        self.out = nn.Linear(32, 5)
-        self.blocks.requires_grad_(full)
+        super().__init__(lambda: mlp(32, 64), 3, inp=(12, 32), out=(32, 5), seed=0,
+                         frozen=not full)
         self.lora = nn.Parameter(torch.randn(32, 32) * 0.1) if lora else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
         for block in self.blocks:
-            x = x + block(x)
+            x = block(x)
             if self.lora is not None:
                 x = x + x @ self.lora
         return self.out(x)
@@ -67,11 +64,6 @@ def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def _loss(model: nn.Module, seed: int = 0) -> torch.Tensor:
     x, y = _batch(seed)
     return nn.functional.mse_loss(model(x), y)
-
-
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()
-            if p.requires_grad and p.grad is not None}
 
 
 @pytest.fixture()
@@ -198,19 +190,6 @@ def test_a_gradient_hook_must_be_callable() -> None:
         swapper.detach()
 
 
-def _host_grads(model: nn.Module, swapper: BlockSwapper) -> dict[str, torch.Tensor]:
-    """Every trainable gradient, the swapped ones from their host parameters."""
-    host = {id(e.tensor): e.host_param for b in swapper.blocks for e in b.trainable_entries}
-    out = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            hp = host.get(id(p))
-            g = hp.grad if hp is not None else p.grad
-            assert g is not None, name
-            out[name] = g.detach().clone()
-    return out
-
-
 def _full_cpu_swapper() -> tuple[nn.Module, BlockSwapper, dict[str, torch.Tensor]]:
     """A fully trainable Net with trainable="cpu" swapping, and the gradients one unswapped
     backward of the same loss gives."""
@@ -219,7 +198,7 @@ def _full_cpu_swapper() -> tuple[nn.Module, BlockSwapper, dict[str, torch.Tensor
     model = Net(full=True)
     swapper = BlockSwapper(model, "blocks.*", SwapConfig(min_param_bytes=0, trainable="cpu"),
                            device="cpu")
-    return model, swapper, _grads(reference)
+    return model, swapper, present_grads(reference)
 
 
 def test_the_gradient_hook_sees_each_swapped_blocks_complete_gradients() -> None:
@@ -240,7 +219,7 @@ def test_the_gradient_hook_sees_each_swapped_blocks_complete_gradients() -> None
             for e, g in zip(entries, grads, strict=True):
                 qualified = next(n for n, p in model.named_parameters() if p is e.tensor)
                 assert torch.allclose(g, want[qualified], atol=1e-6), qualified
-        assert _host_grads(model, swapper).keys() == want.keys()
+        assert grads_of(model, swapper).keys() == want.keys()
     finally:
         swapper.detach()
 
@@ -256,7 +235,7 @@ def test_the_gradient_hook_can_change_the_gradients_in_place() -> None:
     try:
         _loss(model).backward()
         swapper.sync_gradients()
-        got = _host_grads(model, swapper)
+        got = grads_of(model, swapper)
         swapped = {n for n, p in model.named_parameters()
                    if any(p is e.tensor for b in swapper.blocks for e in b.trainable_entries)}
         assert swapped and swapped < got.keys()
@@ -278,7 +257,7 @@ def test_a_hook_is_not_needed_in_a_job_of_one_process() -> None:
     try:
         _loss(model).backward()  # no group: nothing to reduce, nothing refused
         swapper.sync_gradients()
-        got, want = _host_grads(model, swapper), _grads(reference)
+        got, want = grads_of(model, swapper), present_grads(reference)
         assert got.keys() == want.keys()
         assert all(torch.allclose(got[n], want[n], atol=1e-6) for n in want)
     finally:
@@ -402,7 +381,7 @@ def test_wrap_ddp_trains_like_the_unwrapped_model(group: None) -> None:
         for step in range(2):
             _loss(reference, step).backward()
             _loss(ddp, step).backward()
-            got, want = _grads(model), _grads(reference)
+            got, want = present_grads(model), present_grads(reference)
             assert got.keys() == want.keys() and "lora" in got
             for name in want:
                 assert torch.allclose(got[name], want[name], atol=1e-6), (step, name)
@@ -428,7 +407,7 @@ def test_wrap_ddp_averages_swapped_trainable_gradients_through_the_hook(group: N
         swapper.sync_gradients()
         assert hook.calls == len(swapper.blocks)
         assert hook.bytes == sum(e.nbytes for b in swapper.blocks for e in b.trainable_entries)
-        got, want = _host_grads(model, swapper), _grads(reference)
+        got, want = grads_of(model, swapper), present_grads(reference)
         assert got.keys() == want.keys()
         assert all(torch.allclose(got[n], want[n], atol=1e-6) for n in want)
     finally:

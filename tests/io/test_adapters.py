@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests._toys import Stack
+
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
@@ -31,16 +33,8 @@ class Block(nn.Module):
         return x + self.o(torch.tanh(self.q(x)))
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(4))
-        self.head = nn.Linear(32, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+def _net() -> Stack:
+    return Stack(Block, 4, out=(32, 1), names=("inp", "head"))
 
 
 def _x() -> torch.Tensor:
@@ -48,17 +42,17 @@ def _x() -> torch.Tensor:
 
 
 @pytest.fixture()
-def base(tmp_path: Path) -> tuple[Net, Path]:
+def base(tmp_path: Path) -> tuple[Stack, Path]:
     torch.manual_seed(0)
-    model = Net()
+    model = _net()
     path = tmp_path / "base.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
     return model, path
 
 
-def _meta_peft(**lora: object) -> tuple[nn.Module, Net]:
+def _meta_peft(**lora: object) -> tuple[nn.Module, Stack]:
     with torch.device("meta"):
-        inner = Net()
+        inner = _net()
     inner.requires_grad_(False)
     config = LoraConfig(r=4, target_modules=["q"], **lora)  # type: ignore[arg-type]
     return get_peft_model(inner, config), inner
@@ -69,7 +63,7 @@ def _adapters(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_load_into_fills_the_renamed_base_and_initializes_the_adapters(
-        base: tuple[Net, Path]) -> None:
+        base: tuple[Stack, Path]) -> None:
     reference, path = base
     peft_model, inner = _meta_peft()
     result = load_into(inner, path)  # strict: the adapters are not "missing"
@@ -89,7 +83,7 @@ def test_load_into_fills_the_renamed_base_and_initializes_the_adapters(
 
 
 def test_the_swapper_loads_a_meta_peft_model_and_trains_like_a_cpu_built_one(
-        base: tuple[Net, Path]) -> None:
+        base: tuple[Stack, Path]) -> None:
     reference_base, path = base
     peft_model, inner = _meta_peft()
     swapper = BlockSwapper(inner, "blocks.*", SwapConfig(min_param_bytes=0), device="cpu",
@@ -117,7 +111,7 @@ def test_the_swapper_loads_a_meta_peft_model_and_trains_like_a_cpu_built_one(
 
 @pytest.mark.parametrize("lora", [{"init_lora_weights": "gaussian"},
                                   {"init_lora_weights": False}], ids=["gaussian", "false"])
-def test_base_independent_initializations_are_applied(base: tuple[Net, Path],
+def test_base_independent_initializations_are_applied(base: tuple[Stack, Path],
                                                       lora: dict[str, object]) -> None:
     _, path = base
     _, inner = _meta_peft(**lora)
@@ -135,7 +129,7 @@ def test_base_independent_initializations_are_applied(base: tuple[Net, Path],
 @pytest.mark.parametrize("lora", [{"init_lora_weights": "pissa"}, {"use_dora": True}],
                          ids=["pissa", "dora"])
 def test_initializations_that_read_the_base_weights_are_refused(
-        base: tuple[Net, Path], lora: dict[str, object]) -> None:
+        base: tuple[Stack, Path], lora: dict[str, object]) -> None:
     _, path = base
     try:
         _, inner = _meta_peft(**lora)

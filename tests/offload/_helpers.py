@@ -1,4 +1,4 @@
-"""Models and training loops shared by the CPU and GPU offload tests."""
+"""The training loop shared by the CPU and GPU offload tests."""
 
 from __future__ import annotations
 
@@ -26,24 +26,3 @@ def train_offloaded(model: nn.Module, opt: torch.optim.Optimizer, xs: list[torch
             mgr.release()
             mgr.clear_inactive()
     return losses
-
-
-class FrozenBlocks(nn.Module):
-    """Frozen (swappable) residual MLP blocks between trainable input and output layers."""
-
-    def __init__(self, in_dim: int, width: int, hidden: int, blocks: int, out_dim: int) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(in_dim, width)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
-            for _ in range(blocks))
-        self.out = nn.Linear(width, out_dim)
-        for p in self.blocks.parameters():
-            p.requires_grad_(False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = x + block(x)
-        return self.out(x)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tests.offload._helpers import FrozenBlocks
+from tests._toys import Stack, assert_all_equal, frozen_mlp_stack
 from vramkit.errors import ConfigError, DeviceError, OffloadError
 from vramkit.memory.transfer import HostStreams, StreamOp
 from vramkit.offload.activations import (
@@ -65,12 +65,6 @@ def train_step(model: nn.Module, x: torch.Tensor,
     loss.backward()
     grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
     return [*grads, inp.grad.clone(), loss.detach()]
-
-
-def assert_bit_identical(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    assert len(a) == len(b)
-    for left, right in zip(a, b, strict=True):
-        assert torch.equal(left, right)
 
 
 class Save(torch.autograd.Function):
@@ -140,7 +134,7 @@ def test_gradients_bit_identical(inflight: int | None) -> None:
     reference = train_step(model, x, contextlib.nullcontext())
     config: dict[str, Any] = {} if inflight is None else {"max_inflight_bytes": inflight}
     offloader = ActivationOffloader(ActivationOffloadConfig(min_bytes=0, **config), device="cpu")
-    assert_bit_identical(reference, train_step(model, x, offloader))
+    assert_all_equal(reference, train_step(model, x, offloader))
     stats = offloader.stats()
     assert stats.offloaded_tensors > 0
     assert stats.deduplicated >= 3  # h * h in each block, and views equal to their base
@@ -504,7 +498,7 @@ def test_pinned_cap_keeps_the_rest_on_the_device() -> None:
     total = free.stats().pinned_peak_bytes
     cap = total // 2
     capped = make_offloader(max_pinned_bytes=cap)
-    assert_bit_identical(reference, train_step(model, x, capped))
+    assert_all_equal(reference, train_step(model, x, capped))
     stats = capped.stats()
     assert stats.kept_over_cap > 0 and stats.offloaded_tensors > 0
     assert stats.pinned_peak_bytes <= cap
@@ -601,15 +595,15 @@ def test_composes_with_checkpointing(reentrant: bool) -> None:
     x = torch.randn(8, 32)
     reference = train_step(model, x, contextlib.nullcontext())
     plain = make_offloader()
-    assert_bit_identical(reference, train_step(model, x, plain))
+    assert_all_equal(reference, train_step(model, x, plain))
     unwrapped = make_offloader()
     train_step(model.blocks, x, unwrapped)
     # The checkpointed block's own saves are recomputed, not offloaded.
     assert plain.stats().offloaded_tensors < unwrapped.stats().offloaded_tensors
 
 
-def _frozen_blocks() -> FrozenBlocks:
-    return FrozenBlocks(in_dim=32, width=64, hidden=64, blocks=4, out_dim=8)
+def _frozen_blocks() -> Stack:
+    return frozen_mlp_stack(in_dim=32, width=64, hidden=64, blocks=4, out_dim=8)
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])
@@ -618,13 +612,13 @@ def test_composes_with_the_block_swapper(checkpointed: bool) -> None:
     x = torch.randn(16, 32)
     reference = train_step(_frozen_blocks(), x, contextlib.nullcontext())
     alone = make_offloader()
-    assert_bit_identical(reference, train_step(_frozen_blocks(), x, alone))
+    assert_all_equal(reference, train_step(_frozen_blocks(), x, alone))
     model = _frozen_blocks()
     swapper = swap.BlockSwapper(model, config=swap.SwapConfig(
         max_gpu_blocks=2, checkpointing=checkpointed, min_param_bytes=0), device="cpu")
     try:
         offloader = make_offloader()
-        assert_bit_identical(reference, train_step(model, x, offloader))
+        assert_all_equal(reference, train_step(model, x, offloader))
         assert swapper.stats().swapped_blocks == 2
     finally:
         swapper.detach()
@@ -819,7 +813,7 @@ def test_keyword_inputs_of_checkpointed_blocks_are_offloaded(swapped: bool) -> N
     try:
         offloader = make_offloader()
         alive: list[Any] = []
-        assert_bit_identical(reference, _keyword_step(model, x, offloader, alive))
+        assert_all_equal(reference, _keyword_step(model, x, offloader, alive))
         if swapper is not None:
             assert swapper.stats().swapped_blocks == 3
     finally:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.offload._helpers import FrozenBlocks
+from tests._toys import Stack, frozen_mlp_stack
 from vramkit.offload.activations import ActivationOffloadConfig, ActivationOffloader
 
 pytestmark = pytest.mark.gpu
@@ -213,8 +213,8 @@ def test_composes_with_checkpointing_on_cuda() -> None:
     assert offloader.stats().offloaded_tensors > 0
 
 
-def _frozen_blocks() -> FrozenBlocks:
-    return FrozenBlocks(in_dim=1024, width=1024, hidden=4096, blocks=6, out_dim=1024)
+def _frozen_blocks() -> Stack:
+    return frozen_mlp_stack(in_dim=1024, width=1024, hidden=4096, blocks=6, out_dim=1024)
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from tests._toys import ResidualLinear, Stack
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.offload.blocks import (
     BlockScheduleEntry,
@@ -27,25 +28,16 @@ from vramkit.offload.blocks import (
 # --------------------------------------------------------------------------------------------
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int = 16) -> None:
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc(x)
+class Block(ResidualLinear):
+    pass
 
 
 class SingleBlock(Block):
     pass
 
 
-class Stack(nn.Module):
-    def __init__(self, n: int = 4, dim: int = 16) -> None:
-        super().__init__()
-        self.embed = nn.Linear(dim, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(n))
-        self.head = nn.Linear(dim, dim)
+def _stack(n: int = 4, dim: int = 16) -> Stack:
+    return Stack(lambda: Block(dim), n, inp=(dim, dim), out=(dim, dim), names=("embed", "head"))
 
 
 class TwoStacks(nn.Module):
@@ -115,7 +107,7 @@ def test_block_spec_validates() -> None:
 
 
 def test_auto_finds_a_plain_modulelist_stack() -> None:
-    model = Stack(n=12)
+    model = _stack(n=12)
     found = find_blocks(model)
     assert _names(found) == [f"blocks.{i}" for i in range(12)]  # blocks.2 before blocks.10
     assert all(module is model.blocks[i] for i, (_, module) in enumerate(found))
@@ -151,7 +143,7 @@ def test_auto_rejects_a_sequential_of_all_different_modules() -> None:
 
 
 def test_auto_ignores_a_tiny_modulelist() -> None:
-    model = Stack(n=3, dim=64)
+    model = _stack(n=3, dim=64)
     model.tiny = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))  # far below 1% of the bytes
     assert _names(find_blocks(model)) == ["blocks.0", "blocks.1", "blocks.2"]
     only_tiny = nn.Module()
@@ -173,13 +165,13 @@ def test_auto_on_a_model_without_stacks_raises() -> None:
 
 
 def test_container_name_means_its_children() -> None:
-    model = Stack(n=11)
+    model = _stack(n=11)
     assert _names(find_blocks(model, ["blocks"])) == [f"blocks.{i}" for i in range(11)]
     assert _names(find_blocks(model, "blocks")) == [f"blocks.{i}" for i in range(11)]
 
 
 def test_glob_pattern_dedupes_nested_matches() -> None:
-    model = Stack(n=11)
+    model = _stack(n=11)
     # "blocks.*" also matches blocks.3.fc: only the outer block is kept, in numeric order.
     found = find_blocks(model, ["blocks.*"])
     assert _names(found) == [f"blocks.{i}" for i in range(11)]
@@ -187,7 +179,7 @@ def test_glob_pattern_dedupes_nested_matches() -> None:
 
 
 def test_names_of_plain_modules_and_overlapping_requests() -> None:
-    model = Stack(n=4)
+    model = _stack(n=4)
     found = find_blocks(model, ["head", "blocks.1", "blocks", "embed"])
     # Registration order of the model, whatever order they were asked in; no duplicates.
     assert _names(found) == ["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
@@ -211,7 +203,7 @@ def test_no_match_lists_containers_in_the_hint() -> None:
 @pytest.mark.parametrize("blocks", [3, [1, 2], None, ["blocks", 0]])
 def test_bad_blocks_type_is_a_config_error(blocks: object) -> None:
     with pytest.raises(ConfigError):
-        find_blocks(Stack(), blocks)  # type: ignore[arg-type]
+        find_blocks(_stack(), blocks)  # type: ignore[arg-type]
 
 
 def test_model_must_be_a_module() -> None:
@@ -334,8 +326,8 @@ def test_unet_blocks_are_each_stages_resnets_and_attentions() -> None:
                          "down_blocks.1.resnets.0", "down_blocks.1.resnets.1"]
     assert "mid_block.attentions.0" in names and "up_blocks.1.resnets.2" in names
     assert len(names) == 2 + 4 + 3 + 6 + 3
-    assert unet_blocks(Stack()) == []  # not a UNet: the generic rule applies
-    assert _names(find_blocks(Stack())) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert unet_blocks(_stack()) == []  # not a UNet: the generic rule applies
+    assert _names(find_blocks(_stack())) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests._toys import ResidualMLP, Stack, assert_same_grads
 from vramkit.errors import ConfigError, DeviceMismatchError, OffloadError, PoolExhaustedError
 from vramkit.memory.pool import MemoryPool, PoolConfig
 from vramkit.offload.blocks import find_blocks
@@ -33,43 +34,25 @@ from vramkit.offload.checkpointing import (
 # --------------------------------------------------------------------------------------------
 
 
-class MLPBlock(nn.Module):
+class CountingMLP(ResidualMLP):
     """A residual MLP block that counts how often its forward runs."""
 
     def __init__(self, dim: int, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim)
-        self.act = nn.GELU()
-        self.down = nn.Linear(4 * dim, dim)
-        self.drop = nn.Dropout(dropout)
+        super().__init__(dim, dropout=dropout)
         self.calls = 0
 
-    def weight_is_not_shared(self, other: MLPBlock) -> bool:
+    def weight_is_not_shared(self, other: CountingMLP) -> bool:
         return self.up.weight is not other.up.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        return x + self.drop(self.down(self.act(self.up(self.norm(x)))))
+        return super().forward(x)
 
 
-class StackModel(nn.Module):
-    def __init__(self, dim: int = 16, depth: int = 6, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.embed = nn.Linear(dim, dim)
-        self.blocks = nn.ModuleList(MLPBlock(dim, dropout) for _ in range(depth))
-        self.head = nn.Linear(dim, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
-
-
-def make_model(seed: int = 0, **kwargs: Any) -> StackModel:
-    torch.manual_seed(seed)
-    return StackModel(**kwargs)
+def make_model(seed: int = 0, dim: int = 16, depth: int = 6, dropout: float = 0.0) -> Stack:
+    """``depth`` residual MLP blocks (counting their calls) between ``embed`` and ``head``."""
+    return Stack(lambda: CountingMLP(dim, dropout), depth, inp=(dim, dim), out=(dim, 1),
+                 names=("embed", "head"), seed=seed)
 
 
 def train_step(model: nn.Module, x: torch.Tensor, seed: int = 1
@@ -88,17 +71,15 @@ def train_step(model: nn.Module, x: torch.Tensor, seed: int = 1
 def assert_identical(a: tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor],
                      b: tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]) -> None:
     assert torch.equal(a[0], b[0])
-    assert a[1].keys() == b[1].keys()
-    for name in a[1]:
-        assert torch.equal(a[1][name], b[1][name]), name
+    assert_same_grads(b[1], a[1])
     assert torch.equal(a[2], b[2])
 
 
-def block_calls(model: StackModel) -> list[int]:
+def block_calls(model: Stack) -> list[int]:
     return [b.calls for b in model.blocks]
 
 
-def reset_calls(model: StackModel) -> None:
+def reset_calls(model: Stack) -> None:
     for b in model.blocks:
         b.calls = 0
 
@@ -191,7 +172,7 @@ def test_disable_restores_the_model_exactly() -> None:
     for block in model.blocks:
         assert "forward" not in block.__dict__
         assert "_vramkit_checkpoint" not in block.__dict__
-        assert block.forward.__func__ is MLPBlock.forward
+        assert block.forward.__func__ is CountingMLP.forward
         assert not is_checkpointed(block)
     assert all(p is params[n] for n, p in model.named_parameters())
     assert model.blocks[1]._forward_hooks  # hooks untouched
@@ -277,7 +258,7 @@ def test_unwrapped_forward_is_the_original() -> None:
     assert unwrapped_forward(block) == block.forward  # not checkpointed: the module's forward
     enable_gradient_checkpointing(model)
     forward = unwrapped_forward(block)
-    assert forward.__func__ is MLPBlock.forward and forward.__self__ is block
+    assert forward.__func__ is CountingMLP.forward and forward.__self__ is block
     x = torch.randn(4, 16, requires_grad=True)
     with saved_bytes_probe() as direct:
         forward(x)

@@ -9,8 +9,8 @@ import pickle
 
 import pytest
 import torch
-from torch import nn
 
+from tests._toys import ResidualMLP, Stack, grad_step
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.offload import _patch
 from vramkit.offload.checkpointing import enable_gradient_checkpointing
@@ -20,34 +20,9 @@ from vramkit.offload.swap import BlockSwapper, SwapConfig
 dynamo = pytest.importorskip("torch._dynamo")
 
 
-class _Block(nn.Module):
-    """A pre-norm MLP block with a trainable low-rank adapter beside its frozen weights."""
-
-    def __init__(self, width: int = 32) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
-        self.adapter = nn.Linear(width, width, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x)))) + self.adapter(x)
-
-
-class _Stack(nn.Module):
-    def __init__(self, blocks: int = 4) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(_Block() for _ in range(blocks))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-def _lora_stack() -> _Stack:
-    model = _Stack()
+def _lora_stack() -> Stack:
+    """Four pre-norm MLP blocks, each with a trainable adapter beside its frozen weights."""
+    model = Stack(lambda: ResidualMLP(32, adapter=True), 4, seed=0)
     for name, p in model.named_parameters():
         p.requires_grad_("adapter" in name)
     return model
@@ -55,14 +30,6 @@ def _lora_stack() -> _Stack:
 
 def _frames() -> int:
     return int(dynamo.utils.counters["frames"]["ok"])
-
-
-def _step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    out = model(x)
-    out.square().mean().backward()
-    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    model.zero_grad(set_to_none=True)
-    return out.detach(), grads
 
 
 @pytest.fixture(autouse=True)
@@ -84,8 +51,8 @@ def test_swapped_compiled_blocks_equal_the_compiled_resident_model_and_never_rec
     frames_after_warmup = None
     for step in range(4):
         x = torch.randn(6, 32, generator=torch.Generator().manual_seed(step))
-        out_r, grads_r = _step(resident, x)
-        out_s, grads_s = _step(swapped, x)
+        out_r, grads_r = grad_step(resident, x)
+        out_s, grads_s = grad_step(swapped, x)
         torch.testing.assert_close(out_s, out_r, rtol=0, atol=0)
         assert len(grads_s) == len(grads_r) == 4
         for a, b in zip(grads_s, grads_r, strict=True):
@@ -101,7 +68,7 @@ def test_swapped_compiled_blocks_equal_the_compiled_resident_model_and_never_rec
 def test_blocks_of_one_class_share_their_graphs() -> None:
     model = _lora_stack()
     compile_blocks(model)
-    _step(model, torch.randn(6, 32, requires_grad=True))
+    grad_step(model, torch.randn(6, 32, requires_grad=True))
     # Four blocks, one class, one calling context: one frame.
     assert _frames() == 1
 

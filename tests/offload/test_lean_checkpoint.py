@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.offload.test_checkpointing import MLPBlock, assert_identical, make_model, train_step
+from tests._toys import ResidualMLP, Stack, assert_same_grads, present_grads
+from tests.offload.test_checkpointing import assert_identical, make_model, train_step
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.offload import CHECKPOINT_METHODS, checkpoint_method
 from vramkit.offload.checkpointing import (
@@ -34,7 +35,7 @@ def _lora(model: nn.Module) -> nn.Module:
 def _grads(model: nn.Module, x: torch.Tensor, **backward: Any) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     model(x).square().mean().backward(**backward)
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return present_grads(model)
 
 
 def _lean_nodes(out: torch.Tensor) -> int:
@@ -281,10 +282,7 @@ def test_a_block_reading_a_foreign_trainable_tensor_keeps_pytorchs_checkpoint() 
     model = copy.deepcopy(ref)
     enable_gradient_checkpointing(model, ["0", "1"])
     for _ in range(3):
-        got = _grads(model, X)
-        want = _grads(ref, X)
-        assert got.keys() == want.keys()
-        assert all(torch.equal(got[n], want[n]) for n in want)
+        assert_same_grads(_grads(model, X), _grads(ref, X))
     assert _lean_nodes(model(X)) == 0
     assert model[0].forward.lean.verdict is False
 
@@ -347,28 +345,12 @@ def test_state_survives_copy_and_pickle() -> None:
                                                      _grads(model, X).values(), strict=True))
 
 
-class SkipNet(nn.Module):
-    """The first block's output is read by the second block and again after the last one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Linear(16, 16)
-        self.blocks = nn.ModuleList(MLPBlock(16) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        first = self.blocks[0](self.embed(x))
-        h = first
-        for block in self.blocks[1:]:
-            h = block(h)
-        return h + first
-
-
 def test_a_tensor_read_inside_and_outside_a_block_sums_in_another_order() -> None:
     # The lean backward adds up a block input's gradient inside the block before the outer
     # graph adds the other readers' share: equal to rounding (documented), where PyTorch's
     # checkpoint, whose nodes join the outer graph, keeps the un-checkpointed order.
-    ref = SkipNet()
+    ref = Stack(lambda: ResidualMLP(16), 3, inp=(16, 16), names=("embed", "out"), seed=0,
+                skip=True)
     want = _grads(ref, X)
     for method, exact in (("pytorch", True), ("lean", False)):
         model = copy.deepcopy(ref)

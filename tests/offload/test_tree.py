@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from torch import nn
 from torch.utils import _pytree as pytree
 
+from tests._toys import ResidualLinear, Stack
 from vramkit.offload import _tree
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 
@@ -60,29 +60,9 @@ def test_flatten_makes_no_reference_cycles() -> None:
         gc.enable()
 
 
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(32, 32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.lin(x)
-
-
-class _Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(_Block() for _ in range(6))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def test_swapped_training_step_leaves_no_cyclic_garbage() -> None:
     """Cyclic garbage per call made the collector run every step (host time on the hot path)."""
-    model = _Stack()
+    model = Stack(lambda: ResidualLinear(32), 6)
     model.requires_grad_(False)
     swapper = BlockSwapper(model, config=SwapConfig(max_gpu_blocks=0, min_param_bytes=0,
                                                     checkpointing=False), device="cpu")

@@ -3,11 +3,11 @@ adapters, the shape of what vramkit plans for."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tests._toys import Stack
 
 DIM = 256
 TOKENS = 64
@@ -28,29 +28,11 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(h))) + adapted
 
 
-class Stack(nn.Module):
-    """``n`` blocks (``block()``, default :class:`Block`) between an input and an output
-    layer."""
-
-    def __init__(self, n: int = 6, dim: int = DIM,
-                 block: Callable[[], nn.Module] | None = None) -> None:
-        super().__init__()
-        self.inp = nn.Linear(dim, dim)
-        self.blocks = nn.ModuleList((block or (lambda: Block(dim)))() for _ in range(n))
-        self.out = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(x)
-
-
 def stack(seed: int = 0, n: int = 6, device: str = "cpu") -> Stack:
     """A stack with its base frozen and its adapters trainable (fp32)."""
     torch.manual_seed(seed)
     with torch.device(device):
-        model = Stack(n)
+        model = Stack(Block, n, inp=(DIM, DIM), out=(DIM, DIM))
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
     return model

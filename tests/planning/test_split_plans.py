@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import vramkit
-from tests.planning._models import Stack
+from tests._toys import Stack
 from vramkit.errors import PlanError
 from vramkit.offload import _patch
 from vramkit.planning import api
@@ -69,7 +69,7 @@ def _net(replaced: dict[int, type[Block]] | None = None) -> nn.Module:
     """Six :class:`Block` between two layers, frozen; ``replaced``: block index -> another
     class of block."""
     torch.manual_seed(0)
-    model = Stack(6, block=Block)
+    model = Stack(Block, 6, inp=(D, D), out=(D, D))
     for index, cls in (replaced or {}).items():
         model.blocks[index] = cls()
     return model.requires_grad_(False)
@@ -227,7 +227,7 @@ def test_a_split_plan_fills_a_meta_model_from_its_checkpoint(tmp_path) -> None: 
     path = tmp_path / "model.safetensors"
     save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
     with torch.device("meta"):
-        model = Stack(6, block=Block).requires_grad_(False)
+        model = Stack(Block, 6, inp=(D, D), out=(D, D)).requires_grad_(False)
     with torch.no_grad():
         expected = reference(x)
     fitted = vramkit.fit(model, (x,), 5 * MiB, device="cpu", checkpoint=path, **OPTIONS)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests._toys import Stack
 from tests.planning._models import inputs, stack
 from vramkit.errors import ConfigError
 from vramkit.planning.analysis import ATTENTION_BACKWARD_FACTOR, analyze
@@ -41,21 +42,9 @@ class _Attention(nn.Module):
         return x + out.transpose(1, 2).reshape(b, t, d)
 
 
-class _Net(nn.Module):
-    def __init__(self, causal: bool) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(_Attention(causal=causal) for _ in range(2))
-        self.head = nn.Linear(64, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 def _cost(causal: bool):  # type: ignore[no-untyped-def]
     with torch.device("meta"):
-        net = _Net(causal)
+        net = Stack(lambda: _Attention(causal=causal), 2, out=(64, 8), names=("inp", "head"))
     net.head.requires_grad_(True)
     for block in net.blocks:
         block.requires_grad_(False)

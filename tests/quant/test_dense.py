@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tests._toys import assert_all_equal
 from vramkit.errors import QuantizationError
 from vramkit.quant import kernels
 from vramkit.quant.dense import DenseGroup, DenseScratch, group_dense, ungroup_dense
@@ -78,9 +79,7 @@ def _assert_same(ref: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]],
                  got: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]) -> None:
     """Output, input gradient and parameter gradients equal bit for bit."""
     assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
-    assert len(ref[2]) == len(got[2])
-    for a, b in zip(ref[2], got[2], strict=True):
-        assert torch.equal(a, b)
+    assert_all_equal(ref[2], got[2])
 
 
 def _count(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:

@@ -15,13 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests._toys import assert_same_grads, grads_of
 from tests.offload.swap.test_swapper import (
     D,
     Net,
     X,
-    _assert_same_grads,
     _frozen_blocks,
-    _grads,
     _is_placeholder,
     _lora_only,
     _net,
@@ -70,7 +69,7 @@ def test_gradient_accumulation_of_host_gradients(set_to_none: bool) -> None:
             model(micro).square().mean().backward()
             ref(micro).square().mean().backward()
         swapper.sync_gradients()
-        _assert_same_grads(model, ref, swapper)
+        assert_same_grads(grads_of(model, swapper), grads_of(ref))
         opt.step()
         ref_opt.step()
         opt.zero_grad(set_to_none=set_to_none)
@@ -174,7 +173,7 @@ def test_lora_gradients_reach_blocks_whose_inputs_need_no_grad() -> None:
     # the others (4 forward + 4 backward acquisitions).
     assert swapper.stats().acquisitions == 8
     _step(ref)
-    _assert_same_grads(model, ref)
+    assert_same_grads(grads_of(model), grads_of(ref))
     assert all(model.blocks[i].lora_a.grad.abs().sum() > 0 for i in range(4))
     swapper.detach()
 
@@ -322,7 +321,7 @@ def test_two_forwards_then_one_backward(checkpointing: bool, n: int) -> None:
     swapper = _swap(model, checkpointing=checkpointing)
     for m in (model, ref):
         (m(X).square().mean() + m(X.flip(0)).abs().mean()).backward()
-    _assert_same_grads(model, ref)
+    assert_same_grads(grads_of(model), grads_of(ref))
     swapper.detach()
 
 
@@ -335,7 +334,7 @@ def test_autocast_matches(checkpointing: bool) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = m(X)
         out.float().square().mean().backward()
-    _assert_same_grads(model, ref)
+    assert_same_grads(grads_of(model), grads_of(ref))
     swapper.detach()
 
 
@@ -384,7 +383,7 @@ def test_preserve_rng_state_replays_dropout() -> None:
     torch.manual_seed(7)
     ref_loss = _step(ref)
     assert torch.equal(loss, ref_loss)  # forward masks are the same...
-    got, want = _grads(model), _grads(ref)
+    got, want = grads_of(model), grads_of(ref)
     assert any(not torch.equal(got[n], want[n]) for n in want)  # ...recomputed ones are not
     swapper.detach()
 
@@ -398,7 +397,7 @@ def test_retain_graph_backs_up_twice_through_frozen_swapped_blocks() -> None:
     for _ in range(2):
         loss.backward(retain_graph=True)
         ref_loss.backward(retain_graph=True)
-    got, want = _grads(model), _grads(ref)
+    got, want = grads_of(model), grads_of(ref)
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
     swapper.detach()
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests._toys import Stack
 from tests.distributed._group import single_rank_group
 from vramkit.errors import ConfigError
 from vramkit.offload.swap import BlockSwapper, SwapConfig
@@ -30,22 +31,9 @@ class Block(nn.Module):
         return x + self.fc2(torch.relu(self.fc1(x))) * self.scale
 
 
-class Net(nn.Module):
+def _net() -> Stack:
     """Trainable ``inp``/``out`` around frozen blocks."""
-
-    def __init__(self, n: int = 3) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(8, 16)
-        self.blocks = nn.ModuleList(Block() for _ in range(n))
-        self.out = nn.Linear(16, 4)
-        self.blocks.requires_grad_(False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(x)
+    return Stack(Block, 3, inp=(8, 16), out=(16, 4), seed=0, frozen=True)
 
 
 def _x() -> torch.Tensor:
@@ -68,7 +56,7 @@ def group() -> Iterator[None]:
 
 
 def test_ddp_ignores_exactly_the_swapped_tensors_while_attached() -> None:
-    model = Net()
+    model = _net()
     assert not hasattr(model, IGNORE)
     swapper = BlockSwapper(model, "blocks.*", CONFIG, device="cpu")
     ignored = list(getattr(model, IGNORE))
@@ -82,7 +70,7 @@ def test_ddp_ignores_exactly_the_swapped_tensors_while_attached() -> None:
 
 
 def test_only_the_blocks_that_swap_are_ignored() -> None:
-    model = Net()
+    model = _net()
     swapper = BlockSwapper(model, "blocks.*",
                            SwapConfig(min_param_bytes=0, swapped_blocks=["blocks.1"]),
                            device="cpu")
@@ -95,7 +83,7 @@ def test_only_the_blocks_that_swap_are_ignored() -> None:
 
 
 def test_small_tensors_that_stay_resident_are_not_ignored() -> None:
-    model = Net()
+    model = _net()
     # Weights (>= 2 KiB) swap; biases and the buffer stay on the device and DDP handles them.
     swapper = BlockSwapper(model, "blocks.*", SwapConfig(min_param_bytes=2048), device="cpu")
     try:
@@ -107,7 +95,7 @@ def test_small_tensors_that_stay_resident_are_not_ignored() -> None:
 
 
 def test_a_list_the_model_had_is_merged_and_restored_exactly() -> None:
-    model = Net()
+    model = _net()
     mine = ["inp.bias", "blocks.0.fc1.weight"]  # one of them also swapped: listed once
     model._ddp_params_and_buffers_to_ignore = mine  # type: ignore[assignment]
     swapper = BlockSwapper(model, "blocks.*", CONFIG, device="cpu")
@@ -121,7 +109,7 @@ def test_a_list_the_model_had_is_merged_and_restored_exactly() -> None:
 
 
 def test_an_empty_list_the_model_had_is_restored_too() -> None:
-    model = Net()
+    model = _net()
     empty: list[str] = []
     model._ddp_params_and_buffers_to_ignore = empty  # type: ignore[assignment]
     swapper = BlockSwapper(model, "blocks.*", CONFIG, device="cpu")
@@ -131,7 +119,7 @@ def test_an_empty_list_the_model_had_is_restored_too() -> None:
 
 
 def test_nothing_swapped_sets_nothing() -> None:
-    model = Net()
+    model = _net()
     with pytest.warns(UserWarning):  # the swapper says why it swaps nothing
         swapper = BlockSwapper(model, "blocks.*",
                                SwapConfig(min_param_bytes=0, swapped_blocks=[]), device="cpu")
@@ -149,7 +137,7 @@ def test_plain_ddp_after_attaching_constructs_and_reduces(group: None) -> None:
     element seen through a zero stride) would make that fail without the ignore list."""
     from torch.nn.parallel import DistributedDataParallel
 
-    reference = Net()
+    reference = _net()
     model = copy.deepcopy(reference)
     swapper = BlockSwapper(model, "blocks.*", CONFIG, device="cpu")
     try:
@@ -170,7 +158,7 @@ def test_without_the_ignore_list_ddp_would_fail_on_the_placeholders(group: None)
     raised before)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    model = Net()
+    model = _net()
     swapper = BlockSwapper(model, "blocks.*", CONFIG, device="cpu")
     saved = getattr(model, IGNORE)
     try:
@@ -185,7 +173,7 @@ def test_without_the_ignore_list_ddp_would_fail_on_the_placeholders(group: None)
 def test_a_ddp_wrapped_model_is_refused_with_a_hint(group: None) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
-    model = Net()
+    model = _net()
     ddp = DistributedDataParallel(model)
     with pytest.raises(ConfigError, match="DistributedDataParallel wrapper") as info:
         BlockSwapper(ddp, "module.blocks.*", CONFIG, device="cpu")
@@ -213,11 +201,11 @@ def test_fsdp_classes_are_recognised_by_name_in_torch_distributed_only() -> None
     assert not is_fsdp(_fake_fsdp_class(module="mypackage.fsdp")())
     assert not is_fsdp(_fake_fsdp_class(module="torchdistributed")())
     assert not is_fsdp(_fake_fsdp_class("FSDPModuleish")())
-    assert not is_fsdp(nn.Linear(2, 2)) and not is_fsdp(Net())
+    assert not is_fsdp(nn.Linear(2, 2)) and not is_fsdp(_net())
 
 
 def test_a_model_with_an_fsdp_sharded_module_is_refused_before_attaching() -> None:
-    model = Net()
+    model = _net()
     block = model.blocks[1]
     block.__class__ = type("FSDPBlock", (_fake_fsdp_class(), Block), {})
     with pytest.raises(ConfigError, match=r"blocks\.1 is sharded by FSDP") as info:
@@ -227,7 +215,7 @@ def test_a_model_with_an_fsdp_sharded_module_is_refused_before_attaching() -> No
 
 
 def test_a_block_sharded_after_attaching_is_refused_at_its_next_call() -> None:
-    model = Net()
+    model = _net()
     reference = copy.deepcopy(model)
     swapper = BlockSwapper(model, "blocks.*", CONFIG, device="cpu")
     block = model.blocks[2]
@@ -246,14 +234,14 @@ def test_a_block_sharded_after_attaching_is_refused_at_its_next_call() -> None:
 
 
 def test_the_model_sharded_after_attaching_is_refused_too() -> None:
-    model = Net()
+    model = _net()
     swapper = BlockSwapper(model, "blocks.*", CONFIG, device="cpu")
-    model.__class__ = type("FSDPNet", (_fake_fsdp_class(), Net), {})
+    model.__class__ = type("FSDPNet", (_fake_fsdp_class(), Stack), {})
     try:
         with pytest.raises(ConfigError, match="the model was sharded by FSDP after"):
             model(_x())
     finally:
-        model.__class__ = Net
+        model.__class__ = Stack
         swapper.detach()
 
 
@@ -262,7 +250,7 @@ def test_the_model_sharded_after_attaching_is_refused_too() -> None:
 
 def _full_ft(trainable: str) -> tuple[nn.Module, BlockSwapper, dict[str, torch.Tensor]]:
     """A fully trainable Net with its blocks swapped, and its weights before attaching."""
-    model = Net()
+    model = _net()
     for p in model.parameters():
         p.requires_grad_(True)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -320,7 +308,7 @@ def test_a_hook_returning_something_not_callable_is_an_error() -> None:
 def test_masters_changed_reloads_slots_copied_before_a_write_no_counter_saw() -> None:
     """A write into the masters that bumps no version counter (a collective, numpy, C++) leaves
     slot copies looking fresh; masters_changed() makes the next use reload them."""
-    model = Net()
+    model = _net()
     swapper = BlockSwapper(model, "blocks.*", SwapConfig(min_param_bytes=0, num_slots=3),
                            device="cpu")
     try:

@@ -16,12 +16,12 @@ import pytest
 import torch
 from torch import nn
 
+from tests._toys import Stack, assert_same_grads, grads_of
 from tests.offload.swap.test_swapper import (
     MIN,
     D,
     MLPBlock,
     X,
-    _assert_same_grads,
     _frozen_blocks,
     _net,
 )
@@ -63,7 +63,7 @@ def _compare_steps(ref: nn.Module, steps: int, **config: Any) -> None:
         for m in (model, ref):
             m.zero_grad()
             m(X).square().mean().backward()
-        _assert_same_grads(model, ref)
+        assert_same_grads(grads_of(model), grads_of(ref))
         assert _unlocked(swapper)
     swapper.detach()
 
@@ -79,22 +79,9 @@ def test_a_chain_of_swapped_blocks_has_one_entry() -> None:
     swapper.detach()
 
 
-class SkipNet(nn.Module):
+def _skip_net() -> Stack:
     """Chained swapped blocks whose first output is also used again after the last block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(D, D)
-        self.blocks = nn.ModuleList(MLPBlock() for _ in range(4))
-        self.out = nn.Linear(D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        first = self.blocks[0](self.inp(x))
-        h = first
-        for block in self.blocks[1:]:
-            h = block(h)
-        return self.out(h + first)  # block 0's output: read by block 1 and by this sum
+    return Stack(MLPBlock, 4, inp=(D, D), out=(D, D), seed=0, skip=True)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -102,7 +89,7 @@ class SkipNet(nn.Module):
 def test_chain_with_a_skip_connection_matches(checkpointing: bool, slots: int) -> None:
     # Block 1 is released by block 0's output hook, which runs only after the skip's gradient
     # arrived too: later than needed, never earlier.
-    _compare_steps(_frozen_blocks(SkipNet()), 2, checkpointing=checkpointing, num_slots=slots)
+    _compare_steps(_frozen_blocks(_skip_net()), 2, checkpointing=checkpointing, num_slots=slots)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -129,7 +116,7 @@ def test_backward_that_stops_inside_the_chain_releases_every_slot() -> None:
     assert grad.shape == held["mid"].shape and _unlocked(swapper)
     for m in (model, ref):  # a full step afterwards is still exact
         m(X).square().mean().backward()
-    _assert_same_grads(model, ref)
+    assert_same_grads(grads_of(model), grads_of(ref))
     assert _unlocked(swapper)
     swapper.detach()
 
@@ -183,7 +170,7 @@ def test_swapped_blocks_checkpoint_with_the_blocks_method(method: str) -> None:
         for m in (model, ref):
             m.zero_grad()
             m(X).square().mean().backward()
-        _assert_same_grads(model, ref)
+        assert_same_grads(grads_of(model), grads_of(ref))
         assert _unlocked(swapper)
     names = _node_names(model(X).square().mean().grad_fn)
     assert names.count("_LeanFunctionBackward") == (4 if method == "lean" else 0)

@@ -15,28 +15,18 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from tests._toys import ResidualMLP, assert_all_equal, grad_step
 from vramkit.errors import ConfigError
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 
 D = 64
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(D)
-        self.up = nn.Linear(D, 2 * D)
-        self.down = nn.Linear(2 * D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(self.norm(x))))
-
-
 class Net(nn.Module):
     def __init__(self, blocks: int = 5) -> None:
         super().__init__()
         self.embed = nn.Linear(16, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.blocks = nn.ModuleList(ResidualMLP(D, 2 * D, act=nn.ReLU()) for _ in range(blocks))
         self.head = nn.Linear(D, 4)
         self.register_buffer("scale", torch.full((D,), 0.5))
 
@@ -66,21 +56,13 @@ def _meta(dtype: torch.dtype = torch.float32) -> Net:
     return net
 
 
-def _step(net: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    for p in net.parameters():
-        p.grad = None
-    y = net(x)
-    y.float().square().mean().backward()
-    return y.detach(), [p.grad.clone() for p in net.parameters() if p.grad is not None]
-
-
 def _assert_same(net: nn.Module, ref: nn.Module) -> None:
     x = torch.randn(3, 16, dtype=next(ref.parameters()).dtype)
-    y0, g0 = _step(ref, x)
+    y0, g0 = grad_step(ref, x)
     for _ in range(2):  # the second pass runs on the learnt order and cached slots
-        y, g = _step(net, x)
+        y, g = grad_step(net, x)
         assert torch.equal(y, y0)
-        assert len(g) == len(g0) and all(torch.equal(a, b) for a, b in zip(g, g0, strict=True))
+        assert_all_equal(g, g0)
 
 
 def _save_sharded(state: dict[str, torch.Tensor], folder: Path, stem: str, shards: int) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests._toys import Stack
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 from vramkit.optim import AdamW8bit
 
@@ -40,20 +41,6 @@ class _Block(nn.Module):
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
 
-class _Net(nn.Module):
-    def __init__(self, n: int = 6) -> None:
-        super().__init__()
-        self.inp = nn.Linear(D, D)
-        self.blocks = nn.ModuleList(_Block() for _ in range(n))
-        self.out = nn.Linear(D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(x)
-
-
 FACTORIES: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True),
     "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01,
@@ -62,10 +49,14 @@ FACTORIES: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 }
 
 
+def _net() -> Stack:
+    return Stack(_Block, 6, inp=(D, D), out=(D, D))
+
+
 def _pair(dtype: torch.dtype, keep: int, checkpointing: bool, factory: Any, num_slots: int = 2
-          ) -> tuple[_Net, _Net, BlockSwapper]:
+          ) -> tuple[Stack, Stack, BlockSwapper]:
     torch.manual_seed(0)
-    ref = _Net().to(dtype).cuda()
+    ref = _net().to(dtype).cuda()
     model = copy.deepcopy(ref).cpu()
     swapper = BlockSwapper(model, config=SwapConfig(max_gpu_blocks=keep, trainable="swap",
                                                     checkpointing=checkpointing,
@@ -136,7 +127,7 @@ def test_save_resume_on_gpu_bit_identical(name: str) -> None:
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=False)
     torch.manual_seed(5)
-    fresh = _Net().to(torch.bfloat16)
+    fresh = _net().to(torch.bfloat16)
     fresh.load_state_dict(saved["model"])
     resumed = BlockSwapper(fresh, config=SwapConfig(max_gpu_blocks=0, trainable="swap",
                                                     checkpointing=True), optimizer=factory)

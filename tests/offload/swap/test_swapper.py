@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from tests._toys import assert_same_grads, grads_of, host_params
 from vramkit.errors import ConfigError, DeviceError, OffloadError, VramkitWarning
 from vramkit.memory.layout import Random, Sequential, Strided
 from vramkit.memory.transfer import HostStreams, StreamOp
@@ -109,34 +110,9 @@ def _is_placeholder(t: torch.Tensor) -> bool:
     return t.numel() > 1 and all(s == 0 for s in t.stride())
 
 
-def _host_of(swapper: BlockSwapper) -> dict[int, nn.Parameter]:
-    """Module Parameter id -> its host parameter (trainable="cpu")."""
-    return {id(e.tensor): e.host_param for b in swapper.blocks for e in b.trainable_entries
-            if e.host_param is not None}
-
-
-def _grads(model: nn.Module, swapper: BlockSwapper | None = None) -> dict[str, torch.Tensor]:
-    host = _host_of(swapper) if swapper is not None else {}
-    out = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            g = host[id(p)].grad if id(p) in host else p.grad
-            assert g is not None, f"{name} got no gradient"
-            out[name] = g.detach().clone()
-    return out
-
-
-def _assert_same_grads(model: nn.Module, ref: nn.Module,
-                       swapper: BlockSwapper | None = None) -> None:
-    got, want = _grads(model, swapper), _grads(ref)
-    assert got.keys() == want.keys()
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
-
-
 def _optimizer(model: nn.Module, swapper: BlockSwapper | None = None,
                lr: float = 0.05) -> torch.optim.Optimizer:
-    host = _host_of(swapper) if swapper is not None else {}
+    host = host_params(swapper) if swapper is not None else {}
     params = [host.get(id(p), p) for p in model.parameters() if p.requires_grad]
     return torch.optim.SGD(params, lr=lr)
 
@@ -266,7 +242,7 @@ def _train_and_compare(model: Net, swapper: BlockSwapper, ref: Net, steps: int =
         assert torch.equal(loss, ref_loss), step
         if cpu:
             swapper.sync_gradients()
-        _assert_same_grads(model, ref, swapper)
+        assert_same_grads(grads_of(model, swapper), grads_of(ref))
         opt.step()
         ref_opt.step()
         opt.zero_grad()
@@ -692,7 +668,7 @@ def test_inference_between_training_steps() -> None:
             assert torch.equal(swapper.forward_with_swapping(X), ref(X))
     _step(model)
     _step(ref)
-    _assert_same_grads(model, ref)
+    assert_same_grads(grads_of(model), grads_of(ref))
     swapper.detach()
 
 
@@ -713,7 +689,7 @@ def test_detach_restores_the_model() -> None:
     assert all("forward" in b.__dict__ for b in model.blocks)
     swapped_forward = model.blocks[0].forward
     assert torch.equal(_step(model), _step(ref))  # the user's hooks run under swapping
-    _assert_same_grads(model, ref)
+    assert_same_grads(grads_of(model), grads_of(ref))
     assert calls == ["pre"]
     swapper.detach()
     assert [id(p) for p in model.parameters()] + [id(b) for b in model.buffers()] == ids
@@ -846,7 +822,7 @@ def test_host_update_through_data_is_seen() -> None:
     _step(model)
     _step(ref)
     swapper.sync_gradients()
-    host = _host_of(swapper)
+    host = host_params(swapper)
     with torch.no_grad():
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
             h = host.get(id(p), p)
@@ -997,7 +973,7 @@ def test_swapped_blocks_swaps_exactly_the_named_blocks() -> None:
     assert swapper.swapped_names == names
     assert [e.swapped for e in swapper.schedule] == [False, True, False, True]
     assert torch.equal(_step(model), _step(ref))
-    _assert_same_grads(model, ref)
+    assert_same_grads(grads_of(model), grads_of(ref))
     swapper.detach()
 
 

@@ -27,8 +27,8 @@ __all__, __getattr__, _dir = _lazy_exports(__name__, {
     # -- floor 1: devices: what hardware there is and how it is configured ---------------------
     "vramkit.devices.info": ("detect_devices",),
     "vramkit.devices.selection": ("select_device",),
-    "vramkit.devices.manager": ("DeviceManager", "DeviceConfiguration", "MemoryStrategy",
-                                "get_device_manager"),
+    "vramkit.devices.manager": ("DeviceManager", "DeviceConfiguration", "MemoryStrategy"),
+    "vramkit.devices.shared_manager": ("get_device_manager",),
     "vramkit.devices.env": ("setup_cuda_memory_management",),
     "vramkit.devices.memory_info": ("MemoryInfo", "read_memory_info"),
     # -- floor 2: planned memory, quantized storage, optimizers -------------------------------
@@ -65,14 +65,10 @@ def __dir__() -> list[str]:
 if _TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.devices.env import setup_cuda_memory_management
     from vramkit.devices.info import detect_devices
-    from vramkit.devices.manager import (
-        DeviceConfiguration,
-        DeviceManager,
-        MemoryStrategy,
-        get_device_manager,
-    )
+    from vramkit.devices.manager import DeviceConfiguration, DeviceManager, MemoryStrategy
     from vramkit.devices.memory_info import MemoryInfo, read_memory_info
     from vramkit.devices.selection import select_device
+    from vramkit.devices.shared_manager import get_device_manager
     from vramkit.errors import (
         ConfigError,
         DeviceError,

@@ -229,7 +229,7 @@ def test_cpu_only_jax_accepts_another_memory_strategy() -> None:
     result = run_jax_script("""
         import jax, jax.numpy as jnp
         from vramkit.devices import jax_backend
-        from vramkit.devices.manager import get_device_manager
+        from vramkit.devices.shared_manager import get_device_manager
         first = get_device_manager(DeviceConfiguration(memory_strategy="conservative"),
                                    detector=CpuDetector())
         result["sum"] = float(jnp.arange(4.0).sum())  # the (CPU) backend starts here

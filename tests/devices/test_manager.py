@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from vramkit.devices import jax_backend, manager
+from vramkit.devices import jax_backend, manager, shared_manager
 from vramkit.devices.info import DeviceCapabilities, DeviceInfo, DeviceType
 from vramkit.devices.jax_backend import (
     JAX_MEM_FRACTION_ENV,
@@ -31,9 +31,8 @@ from vramkit.devices.manager import (
     DeviceManager,
     MemoryStrategy,
     configure_for_generative_models,
-    get_device_manager,
-    print_device_info,
 )
+from vramkit.devices.shared_manager import get_device_manager, print_device_info
 from vramkit.errors import (
     ConfigError,
     DeviceError,
@@ -108,7 +107,7 @@ def isolated(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, int]]:
     for module in (manager, jax_backend):
         monkeypatch.setattr(module, "jax_backend_initialized", lambda: False)
         monkeypatch.setattr(module, "jax_imported", lambda: False)
-    monkeypatch.setattr(manager, "_shared_manager", None)
+    monkeypatch.setattr(shared_manager, "_shared_manager", None)
     calls: list[tuple[float, int]] = []
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
                         lambda fraction, device=None: calls.append((fraction, device)))
@@ -632,7 +631,7 @@ def test_force_reinit_after_a_jax_gpu_start_applies_what_it_can(
     print_device_info(second, file=out)
     assert f"not applied: {fraction_env}" in out.getvalue()
     # A first manager (no re-initialization asked for) still refuses before applying anything.
-    monkeypatch.setattr(manager, "_shared_manager", None)
+    monkeypatch.setattr(shared_manager, "_shared_manager", None)
     calls = len(isolated)
     with pytest.raises(TooLateError):
         get_device_manager(aggressive, detector=FakeDetector(1))
@@ -696,8 +695,8 @@ def test_get_device_manager_singleton(isolated: list) -> None:
     assert second.config is aggressive
     assert get_device_manager() is second
     assert isolated[-1] == (0.9, 0)
-    assert manager.has_gpu() is True
-    assert manager.get_default_device() == torch.device("cuda", 0)
+    assert shared_manager.has_gpu() is True
+    assert shared_manager.get_default_device() == torch.device("cuda", 0)
 
 
 def test_queries_without_shared_manager_have_no_side_effects(
@@ -705,11 +704,11 @@ def test_queries_without_shared_manager_have_no_side_effects(
     from vramkit.devices import info
 
     monkeypatch.setattr(info, "SystemDetector", lambda: FakeDetector(2), raising=False)
-    assert manager.has_gpu() is True
-    assert manager.get_default_device() == torch.device("cuda", 0)
+    assert shared_manager.has_gpu() is True
+    assert shared_manager.get_default_device() == torch.device("cuda", 0)
     assert isolated == []
     assert JAX_PREALLOCATE_ENV not in os.environ
-    assert manager._shared_manager is None
+    assert shared_manager._shared_manager is None
 
 
 def test_print_device_info_to_file_and_console() -> None:

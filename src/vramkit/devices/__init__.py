@@ -12,7 +12,8 @@
   cgroup, ``RLIMIT_MEMLOCK``, WSL) and the cap on pinned memory in effect.
 * :mod:`vramkit.devices.env`: CUDA allocator settings, TF32, memory read-outs, cache clearing.
 * :mod:`vramkit.devices.manager` / :mod:`vramkit.devices.jax_backend`: device configuration
-  applied to PyTorch and JAX.
+  applied to PyTorch and JAX; :mod:`vramkit.devices.shared_manager`: the process-wide manager and
+  the queries answered through it (:func:`has_gpu`, :func:`get_default_device`).
 * :mod:`vramkit.devices.cuda_errors`: what a CUDA error means and what to try.
 
 Names are re-exported lazily: importing this package imports no submodule (no CUDA, no JAX, no
@@ -45,8 +46,9 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
              "allocator_env_var", "allocator_settings", "clear_cuda_cache",
              "get_gpu_memory_info", "log_memory_usage", "setup_cuda_memory_management"),
     ".manager": ("KNOWN_PLATFORMS", "DeviceConfiguration", "DeviceManager", "MemoryStrategy",
-                 "configure_for_generative_models", "get_default_device", "get_device_manager",
-                 "has_gpu", "print_device_info"),
+                 "configure_for_generative_models"),
+    ".shared_manager": ("get_default_device", "get_device_manager", "has_gpu",
+                        "print_device_info"),
     ".jax_backend": ("JAX_DEFAULT_MEMORY_FRACTION", "JAX_DISABLE_JIT_ENV", "JAX_ENABLE_X64_ENV",
                      "JAX_MEM_FRACTION_ENV", "JAX_PREALLOCATE_ENV",
                      "LEGACY_JAX_MEM_FRACTION_ENV", "JAXDeviceManager", "apply_jax_flags",
@@ -70,4 +72,5 @@ if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.devices.nvml import *  # noqa: F403
     from vramkit.devices.resolve import *  # noqa: F403
     from vramkit.devices.selection import *  # noqa: F403
+    from vramkit.devices.shared_manager import *  # noqa: F403
     from vramkit.devices.torch_backend import *  # noqa: F403

@@ -4,7 +4,8 @@ One floor above :mod:`vramkit.memory` (whose pools it reads); only the CLI, the 
 public API stand on it. Offloading and loading never import it.
 
 * :mod:`vramkit.observe.stats`: PyTorch's caching-allocator counters, NVML and host RSS.
-* :mod:`vramkit.observe.profiler`: the sampling profiler, :class:`MemoryProfiler`.
+* :mod:`vramkit.observe.profiler`: the sampling profiler, :class:`MemoryProfiler`; its per-module
+  hooks and figures live in the private :mod:`vramkit.observe._module_attribution`.
 * :mod:`vramkit.observe.report`: the report it produces, and its files (JSON, HTML, PNG);
   :mod:`vramkit.observe.report_timeline` (the axis and palette both timelines share),
   :mod:`vramkit.observe.report_svg` (the HTML report's timeline and legend),

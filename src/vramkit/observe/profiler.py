@@ -41,13 +41,11 @@ of a swapper, data-loader waits...), drawn as a lane of ticks under the report's
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import pickle
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,6 +55,7 @@ from typing import Any
 from vramkit._validate import check_bool, check_int, check_number, check_size
 from vramkit.devices._runtime import cuda_initialized
 from vramkit.errors import ConfigError, DeviceError
+from vramkit.observe._module_attribution import ModuleAttribution
 from vramkit.observe.leaks import (
     GrowthTracker,
     LeakDetector,
@@ -68,7 +67,6 @@ from vramkit.observe.leaks import (
 from vramkit.observe.report import (
     MemoryReport,
     MemorySnapshot,
-    ModuleMemory,
     PeakPoint,
     PhasePeak,
     ProfileEvent,
@@ -136,14 +134,6 @@ def _cuda_memory_limit(index: int) -> int | None:
     if fraction >= 1.0:
         return None
     return int(fraction * torch.cuda.get_device_properties(index).total_memory)
-
-
-class _ModuleStat:
-    __slots__ = ("act_max", "act_total", "bwd_max", "calls", "peak_hits", "type_name")
-
-    def __init__(self, type_name: str) -> None:
-        self.type_name = type_name
-        self.calls = self.act_max = self.act_total = self.bwd_max = self.peak_hits = 0
 
 
 class _Peak:
@@ -256,11 +246,8 @@ class MemoryProfiler:
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None
         self._running = False
-        self._handles: list[Any] = []
-        self._names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-        self._local = threading.local()
+        self._attribution = ModuleAttribution(self._module_reading)
         self._phase: str | None = None
-        self._module: str | None = None
         self._trace_token: int | None = None
         self._trace_snapshot: dict[str, Any] | None = None
         self._leak_report: LeakVerdict | None = None
@@ -284,7 +271,7 @@ class MemoryProfiler:
         self._samples = 0
         self._sums = [0.0, 0.0, 0.0, 0]  # allocated, reserved, host_rss, readings with rss
         self._phase_peaks: dict[str, list[Any]] = {}
-        self._modules: dict[str, _ModuleStat] = {}
+        self._attribution.reset()
         # the verdicts without a detector, kept incrementally, one per workload
         self._step_growth: dict[str | None, GrowthTracker] = {}
         self._events: deque[ProfileEvent] = deque(maxlen=self.max_history)
@@ -472,15 +459,14 @@ class MemoryProfiler:
                 reserved_high = max(reserved, peak_r)
             self._watermark = (max(peak_a, self._watermark[0]), max(peak_r, self._watermark[1]))
             self._last_rss = rss
-            ctx = (self._step, self._phase, self._module)
+            module = self._attribution.current
+            ctx = (self._step, self._phase, module)
             alloc_rose = self._peak["allocated"].offer(alloc_high, now, ctx)
             self._peak["reserved"].offer(reserved_high, now, ctx)
             rss_rose = rss is not None and self._peak["host_rss"].offer(rss, now, ctx)
             metric_rose = alloc_rose if index is not None else rss_rose
-            if metric_rose and ctx[2] is not None:
-                stat = self._modules.get(ctx[2].removesuffix(" [backward]"))
-                if stat is not None:
-                    stat.peak_hits += 1
+            if metric_rose:
+                self._attribution.note_peak(module)
             if nvml is not None:
                 self._peak_nvml = max(self._peak_nvml or 0, nvml)
             self._peak_pinned = max(self._peak_pinned, pinned)
@@ -506,7 +492,7 @@ class MemoryProfiler:
                 self._history.append(MemorySnapshot(
                     timestamp=now, allocated=alloc, reserved=reserved, active=active,
                     nvml_used=nvml, host_rss=rss, phase=self._phase, pinned=pinned,
-                    step=self._step, module=self._module, kind=kind))
+                    step=self._step, module=module, kind=kind))
         return alloc if index is not None else (rss or 0)
 
     def _note_limit(self, index: int) -> None:
@@ -654,113 +640,21 @@ class MemoryProfiler:
         Returns:
             ``self``; :meth:`detach` removes every hook.
         """
-        import torch.nn as nn
-        from torch.nn.modules import module as module_api
-
-        if model is None:
-            self._handles += [
-                module_api.register_module_forward_pre_hook(self._global_pre),
-                module_api.register_module_forward_hook(self._global_post, always_call=True)]
-            if backward:
-                self._handles += [
-                    module_api.register_module_full_backward_pre_hook(self._global_bwd_pre),
-                    module_api.register_module_full_backward_hook(self._global_bwd_post)]
-            return self
-        if not isinstance(model, nn.Module):
-            raise ConfigError(f"attach() needs a torch.nn.Module, got {type(model).__name__}",
-                              hint="Pass the model (a torch.nn.Module) to attach(), or call "
-                                   "attach() with no model to hook every module.")
-        for name, module in model.named_modules():
-            label = name or type(model).__name__
-            self._names[module] = label
-            enter = functools.partial(self._enter, label, type(module).__name__)
-            leave = functools.partial(self._leave, label, False)
-            self._handles.append(module.register_forward_pre_hook(
-                lambda _m, _a, _enter=enter: _enter(False)))
-            self._handles.append(module.register_forward_hook(
-                lambda _m, _a, _o, _leave=leave: _leave(), always_call=True))
-            if backward:
-                self._handles.append(module.register_full_backward_pre_hook(
-                    lambda _m, _g, _enter=enter: _enter(True)))
-                self._handles.append(module.register_full_backward_hook(
-                    lambda _m, _gi, _go, _label=label: self._leave(_label, True)))
+        self._attribution.attach(model, backward=backward)
         return self
 
     def detach(self) -> None:
         """Remove every hook added by :meth:`attach`."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._attribution.detach()
 
     @property
     def hook_count(self) -> int:
         """Hooks currently installed by :meth:`attach`."""
-        return len(self._handles)
+        return self._attribution.hook_count
 
-    def _stack(self) -> list[tuple[str, int]]:
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
-
-    def _name_of(self, module: Any) -> tuple[str, str]:
-        name = self._names.get(module)
-        if name is None and not self._stack():
-            # an outermost module: name its whole tree once
-            root = type(module).__name__
-            for sub_name, sub in module.named_modules():
-                self._names.setdefault(sub, sub_name or root)
-            name = self._names.get(module)
-        return name or type(module).__name__, type(module).__name__
-
-    def _global_pre(self, module: Any, _args: Any) -> None:
-        self._enter(*self._name_of(module), False)
-
-    def _global_post(self, module: Any, _args: Any, _out: Any) -> None:
-        self._leave(self._name_of(module)[0], False)
-
-    def _global_bwd_pre(self, module: Any, _grad_out: Any) -> None:
-        self._enter(*self._name_of(module), True)
-
-    def _global_bwd_post(self, module: Any, _grad_in: Any, _grad_out: Any) -> None:
-        self._leave(self._name_of(module)[0], True)
-
-    def _enter(self, name: str, type_name: str, backward: bool) -> None:
-        if not self._running:
-            return
-        value = self._record("module", full=False)  # closes the interval of the enclosing module
-        label = f"{name} [backward]" if backward else name
-        with self._lock:
-            if name not in self._modules:
-                self._modules[name] = _ModuleStat(type_name)
-            if not backward:
-                self._modules[name].calls += 1
-        self._stack().append((label, value))
-        self._module = label
-
-    def _leave(self, name: str, backward: bool) -> None:
-        if not self._running:
-            return
-        value = self._record("module", full=False)  # closes this module's own interval
-        label = f"{name} [backward]" if backward else name
-        stack = self._stack()
-        for depth in range(len(stack) - 1, -1, -1):
-            if stack[depth][0] == label:
-                entry_value = stack[depth][1]
-                del stack[depth:]  # children that raised without an exit hook go too
-                break
-        else:
-            return
-        delta = value - entry_value
-        with self._lock:
-            stat = self._modules.get(name)
-            if stat is not None:
-                if backward:
-                    stat.bwd_max = max(stat.bwd_max, delta)
-                else:
-                    stat.act_max = max(stat.act_max, delta)
-                    stat.act_total += max(delta, 0)
-        self._module = stack[-1][0] if stack else None
+    def _module_reading(self) -> int | None:
+        """The reading a module hook takes, ``None`` when not running (the hook then skips)."""
+        return self._record("module", full=False) if self._running else None
 
     # tracing --------------------------------------------------------------------------------
     def _require_cuda(self, what: str) -> None:
@@ -854,7 +748,6 @@ class MemoryProfiler:
         with self._lock:
             samples, sums = self._samples, list(self._sums)
             rss_peak = self._peak["host_rss"]
-            modules = sorted(self._modules.items(), key=lambda kv: kv[1].act_max, reverse=True)
             return MemoryReport(
                 device=self.device, metric=self.metric, started_at=self._started_at,
                 duration_s=finished - self._t0, sample_interval=self.sample_interval,
@@ -869,10 +762,7 @@ class MemoryProfiler:
                 mean_host_rss=sums[2] / sums[3] if sums[3] else None,
                 phase_peaks={name: PhasePeak(a, r, rss, n)
                              for name, (a, r, rss, n) in self._phase_peaks.items()},
-                top_modules=tuple(
-                    ModuleMemory(name, s.type_name, s.calls, s.act_max, s.act_total,
-                                 s.bwd_max, s.peak_hits)
-                    for name, s in modules[: self.top_modules]),
+                top_modules=self._attribution.top(self.top_modules),
                 num_allocations=delta("allocations_total"),
                 alloc_retries=delta("num_alloc_retries"), ooms=delta("num_ooms"),
                 fragmentation=fragmentation, inactive_split_ratio=inactive_ratio,

@@ -55,7 +55,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -64,94 +63,21 @@ from vramkit._validate import check_number
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.memory.pool import Block, MemoryPool, PoolConfig
 from vramkit.memory.transfer import Streams, transfer_streams
+from vramkit.offload._optimizer_records import (
+    OptimizerOffloadStats,
+    ParamSlot,
+    aligned_size,
+    host_master_dtype,
+)
 
 __all__ = ["CPUOffloadOptimizer", "OptimizerOffloadStats"]
 
 logger = logging.getLogger(__name__)
 
-_ALIGN = 64  # bytes between views in a group's flat block: cache lines, and every dtype's alignment
 _FUSED_BY_DEFAULT = (torch.optim.Adam, torch.optim.AdamW)  # CPU fused kernels: ~4x the for-loop
 
 
-@dataclass(frozen=True)
-class OptimizerOffloadStats:
-    """What a :class:`CPUOffloadOptimizer` holds and has moved (sizes in bytes).
-
-    Attributes:
-        device_params: parameters on an accelerator (fp32 master on the host).
-        host_params: host parameters stepped in place (their own master).
-        staged_host_params: 16-bit host parameters with an fp32 master copy.
-        pinned_bytes: pool bytes holding masters and staging buffers.
-        host_grad_bytes: fp32 host gradient buffers (besides the pinned staging buffers).
-        state_bytes: bytes of optimizer state tensors (all on the host).
-        gpu_state_bytes_saved: state bytes belonging to accelerator parameters, i.e. what the same
-            optimizer would keep on the GPU.
-        gpu_grad_bytes_saved: gradient bytes no longer kept on the GPU between backward and step
-            (``offload_gradients=True``), else 0.
-        grads_transferred: gradient copies device->host (staged host parameters included).
-        d2h_bytes: bytes of those copies.
-        h2d_bytes: bytes copied back to the parameters.
-        steps: ``step()`` calls.
-        cpu_step_seconds: time spent in the inner optimizer's steps (worker and main thread).
-        step_wait_seconds: time ``step()`` waited for outstanding transfers and CPU steps, the part
-            of the CPU work that backward did not hide.
-    """
-
-    device_params: int
-    host_params: int
-    staged_host_params: int
-    pinned_bytes: int
-    host_grad_bytes: int
-    state_bytes: int
-    gpu_state_bytes_saved: int
-    gpu_grad_bytes_saved: int
-    grads_transferred: int
-    d2h_bytes: int
-    h2d_bytes: int
-    steps: int
-    cpu_step_seconds: float
-    step_wait_seconds: float
-
-    @property
-    def gpu_bytes_saved(self) -> int:
-        """State plus gradient bytes kept off the GPU."""
-        return self.gpu_state_bytes_saved + self.gpu_grad_bytes_saved
-
-
-@dataclass(eq=False)
-class _Slot:
-    """One parameter and its host side. ``master`` is the param itself when stepped in place."""
-
-    index: int
-    group: int
-    name: str
-    param: torch.Tensor
-    master: torch.Tensor
-    in_place: bool
-    streams: Streams | None = None
-    staging: torch.Tensor | None = None  # pinned, param dtype: where the gradient lands
-    grad: torch.Tensor | None = None  # fp32 gradient given to the inner optimizer
-    upload: torch.Tensor | None = None  # host source of the copy back to the param
-    ready: Any = None  # event on the producing stream, waited on by the d2h copy
-    done: Any = None  # event after the d2h copy, waited on by the worker
-    sub: torch.optim.Optimizer | None = None  # single-param view of the inner optimizer (overlap)
-    grad_count: int = 0  # backward passes accumulated into ``grad``
-    received: bool = False  # a gradient arrived since the last step
-    in_flight: bool = False  # queued for the worker, not processed yet
-    stepped: bool = False  # updated by the worker since the last step
-    hook: Any = field(default=None, repr=False)
-
-
-def _align(nbytes: int) -> int:
-    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _master_dtype(dtype: torch.dtype) -> torch.dtype:
-    # 16-bit parameters are updated through an fp32 master; wider ones are their own precision.
-    return torch.float32 if dtype.itemsize < 4 else dtype
-
-
-def _worker_loop(work: queue.SimpleQueue[_Slot | None],
+def _worker_loop(work: queue.SimpleQueue[ParamSlot | None],
                  owner: weakref.ReferenceType[CPUOffloadOptimizer]) -> None:
     # Holds only a weak reference between items, so a dropped optimizer is collected and its
     # finalizer's sentinel ends the thread.
@@ -166,7 +92,7 @@ def _worker_loop(work: queue.SimpleQueue[_Slot | None],
         del optimizer
 
 
-def _shutdown(work: queue.SimpleQueue[_Slot | None], slots: list[_Slot],
+def _shutdown(work: queue.SimpleQueue[ParamSlot | None], slots: list[ParamSlot],
               blocks: list[Block]) -> None:
     work.put(None)
     for slot in slots:
@@ -250,7 +176,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._opt_kwargs = opt_kwargs
 
         groups = self._normalize_groups(params)
-        self._slots: list[_Slot] = []
+        self._slots: list[ParamSlot] = []
         self._blocks: list[Block] = []
         self._seen: set[int] = set()
         self._owns_pool = pool is None
@@ -268,7 +194,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._cond = threading.Condition()
         self._pending = 0
         self._error: BaseException | None = None
-        self._work: queue.SimpleQueue[_Slot | None] = queue.SimpleQueue()
+        self._work: queue.SimpleQueue[ParamSlot | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._closed = False
         self._grads_transferred = 0
@@ -533,18 +459,18 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _build_group(self, group: dict[str, Any], group_index: int) -> dict[str, Any]:
         """Validate a group's params, carve their masters and buffers from one flat block."""
         params = group["params"]
-        slots: list[_Slot] = []
+        slots: list[ParamSlot] = []
         pinned_bytes = grad_numel = 0
         for position, param in enumerate(params):
             name = f"group{group_index}.param{position}"
             self._validate_param(param, name)
-            master_dtype = _master_dtype(param.dtype)
+            master_dtype = host_master_dtype(param.dtype)
             in_place = param.device.type == "cpu" and param.dtype == master_dtype
-            slot = _Slot(len(self._slots) + len(slots), group_index, name, param,
+            slot = ParamSlot(len(self._slots) + len(slots), group_index, name, param,
                          param if in_place else param.detach(), in_place)
             if not in_place:
-                pinned_bytes += _align(param.numel() * master_dtype.itemsize)
-                pinned_bytes += _align(param.numel() * param.dtype.itemsize)
+                pinned_bytes += aligned_size(param.numel() * master_dtype.itemsize)
+                pinned_bytes += aligned_size(param.numel() * param.dtype.itemsize)
                 if param.dtype != master_dtype or self._host_accumulation:
                     grad_numel += param.numel()
             slots.append(slot)
@@ -570,14 +496,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 continue
             assert raw is not None  # pinned_bytes > 0 whenever a slot is staged
             param = slot.param
-            master_dtype = _master_dtype(param.dtype)
+            master_dtype = host_master_dtype(param.dtype)
             numel, shape = param.numel(), param.shape
             nbytes = numel * master_dtype.itemsize
             slot.master = raw[offset:offset + nbytes].view(master_dtype).view(shape)
-            offset += _align(nbytes)
+            offset += aligned_size(nbytes)
             nbytes = numel * param.dtype.itemsize
             slot.staging = raw[offset:offset + nbytes].view(param.dtype).view(shape)
-            offset += _align(nbytes)
+            offset += aligned_size(nbytes)
             with torch.no_grad():
                 slot.master.copy_(param.detach())
             if param.dtype != master_dtype or self._host_accumulation:
@@ -622,7 +548,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                                    "groups, e.g. filter with p.is_floating_point().")
         self._seen.add(id(param))
 
-    def _attach(self, slot: _Slot) -> None:
+    def _attach(self, slot: ParamSlot) -> None:
         """Register the gradient hook the mode needs (none for stepping everything in step())."""
         if not slot.param.requires_grad:
             return  # frozen: never receives a gradient
@@ -643,7 +569,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     # -- gradients ---------------------------------------------------------------------------
 
-    def _grad_ready(self, slot: _Slot) -> None:
+    def _grad_ready(self, slot: ParamSlot) -> None:
         """Backward hook: ship the finished gradient to the host and free it on the GPU."""
         self._raise_worker_error()
         if self._overlap and slot.received:
@@ -660,7 +586,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             return
         self._transfer_grad(slot, grad, release=True)
 
-    def _transfer_grad(self, slot: _Slot, grad: torch.Tensor, *, release: bool) -> None:
+    def _transfer_grad(self, slot: ParamSlot, grad: torch.Tensor, *, release: bool) -> None:
         if slot.in_flight:
             # The previous backward's copy into this staging buffer is not consumed yet (host
             # accumulation); a full forward passed since, so this is normally no wait at all.
@@ -705,7 +631,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             if grad is not None:
                 self._transfer_grad(slot, grad, release=True)
 
-    def _enqueue(self, slot: _Slot) -> None:
+    def _enqueue(self, slot: ParamSlot) -> None:
         with self._cond:
             self._pending += 1
             slot.in_flight = True
@@ -717,7 +643,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 self._worker.start()
         self._work.put(slot)
 
-    def _process(self, slot: _Slot) -> None:
+    def _process(self, slot: ParamSlot) -> None:
         """Worker: wait for the slot's copy, land the gradient in fp32, step it if overlapping."""
         try:
             if self._error is None:
@@ -739,7 +665,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 self._cond.notify_all()
 
     @staticmethod
-    def _land_grad(slot: _Slot) -> None:
+    def _land_grad(slot: ParamSlot) -> None:
         staging, grad = slot.staging, slot.grad
         assert staging is not None and grad is not None
         if grad is not staging:
@@ -751,7 +677,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     # -- stepping ----------------------------------------------------------------------------
 
-    def _step_one(self, slot: _Slot) -> None:
+    def _step_one(self, slot: ParamSlot) -> None:
         """Worker: one parameter's update with the inner optimizer's current hyperparameters."""
         sub = slot.sub
         assert sub is not None
@@ -778,7 +704,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             slot.staging.copy_(master)  # cast on the host: half the bytes on the link for bf16
         slot.stepped = True
 
-    def _step_all(self) -> list[_Slot]:
+    def _step_all(self) -> list[ParamSlot]:
         """Main thread, overlap=False: clip and step every master that has a gradient."""
         updated = []
         for slot in self._slots:
@@ -806,9 +732,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 slot.staging.copy_(slot.master)
         return updated
 
-    def _upload(self, slots: list[_Slot]) -> None:
+    def _upload(self, slots: list[ParamSlot]) -> None:
         """Enqueue the copies back to the parameters; the current stream waits on the GPU."""
-        by_streams: dict[int, tuple[Streams, list[_Slot]]] = {}
+        by_streams: dict[int, tuple[Streams, list[ParamSlot]]] = {}
         for slot in slots:
             assert slot.streams is not None
             by_streams.setdefault(id(slot.streams), (slot.streams, []))[1].append(slot)

@@ -271,3 +271,54 @@ def test_a_report_says_when_a_host_bound_plan_is_off_by_more_than_the_tolerance(
     assert "host-bound" not in report(off, ()).describe()  # the device's pace: nothing to add
     assert "host-bound" not in report(0.310, ("backward",)).describe()  # within the tolerance
     assert "host-bound" not in report(None, ("backward",)).describe()  # nothing measured yet
+
+
+def test_planning_or_fitting_a_fitted_model_says_to_detach_first() -> None:
+    # Re-running a notebook cell: the model still carries the first fit (its swapper's live
+    # state, which no copy can take); planning it would price the fitted model anyway.
+    from vramkit.errors import PlanError
+
+    model = stack()
+    fitted = vramkit.fit(model, inputs(), 6 * MiB, **OPTIONS)
+    assert fitted.swapper is not None
+    plan_options = {k: v for k, v in OPTIONS.items() if k != "device"}
+    for again in (lambda: vramkit.fit(model, inputs(), 6 * MiB, **OPTIONS),
+                  lambda: vramkit.plan(model, inputs(), 6 * MiB, **plan_options),
+                  lambda: vramkit.fit(model, inputs(), 6 * MiB, plan=fitted.plan,
+                                      device="cpu")):
+        with pytest.raises(PlanError, match=r"vramkit\.fit") as caught:
+            again()
+        assert "fitted.detach()" in (caught.value.hint or "")
+    fitted.detach()
+    vramkit.fit(model, inputs(), 6 * MiB, **OPTIONS).detach()  # detached: fits again
+
+
+def test_a_fitted_model_that_swaps_nothing_is_refused_too() -> None:
+    from vramkit.errors import PlanError
+
+    model = stack()
+    fitted = vramkit.fit(model, inputs(), 1 << 30, **OPTIONS)
+    assert fitted.swapper is None
+    with pytest.raises(PlanError, match=r"vramkit\.fit"):
+        vramkit.fit(model, inputs(), 1 << 30, **OPTIONS)
+    fitted.detach()
+
+
+def test_fitting_a_model_a_block_swapper_holds_says_to_detach_it() -> None:
+    from vramkit.errors import PlanError
+
+    model = stack()
+    swapper = vramkit.BlockSwapper(model, config=vramkit.SwapConfig(num_slots=1), device="cpu")
+    with pytest.raises(PlanError, match=r"blocks\.0.*BlockSwapper") as caught:
+        vramkit.fit(model, inputs(), 6 * MiB, **OPTIONS)
+    assert "swapper.detach()" in (caught.value.hint or "")
+    with pytest.raises(PlanError, match="BlockSwapper"):
+        vramkit.plan(model, inputs(), 6 * MiB, hardware="rtx4090", autocast=None)
+    swapper.detach()
+    vramkit.plan(model, inputs(), 6 * MiB, hardware="rtx4090", headroom=0, autocast=None)
+
+
+def test_checkpoint_wrappers_are_no_obstacle_to_planning() -> None:
+    model = stack()
+    vramkit.enable_gradient_checkpointing(model, ["blocks.0", "blocks.1"])
+    vramkit.plan(model, inputs(), 6 * MiB, hardware="rtx4090", headroom=0, autocast=None)

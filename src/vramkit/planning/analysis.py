@@ -28,15 +28,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from vramkit._validate import check_choice
-from vramkit.errors import ConfigError
+from vramkit.errors import ConfigError, PlanError
+from vramkit.offload import _patch
 from vramkit.offload.blocks import find_blocks
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 from vramkit.planning._meta import MetaAutocast, quantize_on_meta
 from vramkit.planning.activations import ActivationEstimate, activation_accounting
 from vramkit.quant.dense import dense_nbytes
 
-__all__ = ["FORMATS", "BlockCost", "ModelCost", "Work", "analyze", "default_step", "meta_copy",
-           "to_meta"]
+__all__ = ["FITTED_MARK", "FORMATS", "BlockCost", "ModelCost", "Work", "analyze", "default_step",
+           "meta_copy", "refuse_attached", "to_meta"]
 
 logger = logging.getLogger(__name__)
 
@@ -162,9 +163,48 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+#: Set in a model's ``__dict__`` while :func:`vramkit.fit` has a plan applied to it.
+FITTED_MARK = "_vramkit_fitted"
+#: Wrapper kinds that own a module's weights while attached, with what attached them and how
+#: to take it off: a plan of such a model would price what they made of it, and a copy of it
+#: cannot be made (their streams, threads and pinned memory are live).
+_OWNING_WRAPPERS = {"swap": ("a BlockSwapper", "swapper.detach()"),
+                    "cpu_offload": ("a CPUOffloadManager", "manager.restore()")}
+
+
+def refuse_attached(model: nn.Module) -> None:
+    """Refuse a model that a :func:`vramkit.fit` plan, a ``BlockSwapper`` or a
+    ``CPUOffloadManager`` is still attached to (checkpoint and compile wrappers are fine).
+
+    Raises:
+        PlanError: naming what is attached and how to detach it.
+    """
+    if model.__dict__.get(FITTED_MARK):
+        raise PlanError("the model has a vramkit.fit plan applied: planning or fitting it "
+                        "again would stack a second plan on the first",
+                        hint="Call fitted.detach() on what vramkit.fit returned first (or keep "
+                             "using that Fitted model as it is).")
+    for kind, (owner, detach) in _OWNING_WRAPPERS.items():
+        held = [name or type(model).__name__ for name, module in model.named_modules()
+                if any(w.kind == kind and w.active for w in _patch.wrappers(module))]
+        if held:
+            shown = ", ".join(held[:3]) + (f" (and {len(held) - 3} more)" if len(held) > 3
+                                           else "")
+            raise PlanError(f"{shown} {'is' if len(held) == 1 else 'are'} held by {owner} "
+                            "still attached to the model: a plan would price what it made of "
+                            "the model, and its live state cannot be copied",
+                            hint=f"Call {detach} first, then plan or fit the model.")
+
+
 def meta_copy(model: nn.Module) -> nn.Module:
     """``model`` itself when it is on the meta device, else a copy whose parameters and buffers
-    are meta tensors of the same shapes, dtypes and ``requires_grad`` (no data is copied)."""
+    are meta tensors of the same shapes, dtypes and ``requires_grad`` (no data is copied).
+
+    Raises:
+        PlanError: when something that owns the model's weights is attached
+            (:func:`refuse_attached`).
+    """
+    refuse_attached(model)
     tensors = [*model.parameters(), *model.buffers()]
     if all(t.device.type == "meta" for t in tensors):
         return model

@@ -37,6 +37,7 @@ from vramkit.offload.checkpointing import (
 )
 from vramkit.offload.swap import BlockLoader, BlockSwapper, MasterMemory, SwapConfig
 from vramkit.planning._meta import trainable_module_names
+from vramkit.planning.analysis import FITTED_MARK, refuse_attached
 from vramkit.planning.api import plan as make_plan
 from vramkit.planning.record import Plan
 from vramkit.quant.dense import DenseScratch, group_dense, ungroup_dense
@@ -236,6 +237,7 @@ class Fitted:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._hook = model.register_forward_pre_hook(self._on_forward)
+        model.__dict__[FITTED_MARK] = True
 
     def _load_quantized_block(self, name: str, fmt: str) -> None:
         """Fill block ``name`` (on meta) from the checkpoint, quantizing each layer as its
@@ -333,6 +335,7 @@ class Fitted:
         self._undo()
 
     def _undo(self) -> None:
+        self.model.__dict__.pop(FITTED_MARK, None)
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -420,9 +423,11 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
 
     Raises:
         ConfigError: for a model on the meta device (fit needs the weights).
-        PlanError: when no plan fits the budget.
+        PlanError: when no plan fits the budget, or when a fit plan or a ``BlockSwapper`` is
+            still attached to the model (detach it first).
     """
     check_int("observe_steps", observe_steps, minimum=1)
+    refuse_attached(model)  # before anything is planned or applied
     if checkpoint is None and any(t.device.type == "meta"
                                   for t in (*model.parameters(), *model.buffers())):
         raise ConfigError("vramkit.fit needs the model's weights, and some are on the meta "

@@ -24,7 +24,7 @@ from vramkit._validate import (
 )
 from vramkit.errors import ConfigError, PlanError
 from vramkit.offload.blocks import find_blocks, module_bytes, split_blocks
-from vramkit.planning.analysis import FORMATS, ModelCost, analyze, meta_copy
+from vramkit.planning.analysis import FORMATS, ModelCost, analyze, check_model, meta_copy
 from vramkit.planning.calibration import BlockTimes, calibrate_blocks
 from vramkit.planning.hardware import HardwareProfile
 from vramkit.planning.machine import Machine, machine_for
@@ -126,6 +126,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         ConfigError: for bad arguments, or a model whose step cannot run on meta tensors.
         DeviceError: for ``hardware=None`` without a GPU.
     """
+    check_model(model)
     check_choice("mode", mode, ("train", "infer"))
     check_choice("checkpointing", checkpointing, CHECKPOINTING)
     if mode == "infer" and checkpointing != "auto":

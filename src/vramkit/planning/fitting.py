@@ -37,7 +37,7 @@ from vramkit.offload.checkpointing import (
 )
 from vramkit.offload.swap import BlockLoader, BlockSwapper, MasterMemory, SwapConfig
 from vramkit.planning._meta import trainable_module_names
-from vramkit.planning.analysis import FITTED_MARK, refuse_attached
+from vramkit.planning.analysis import FITTED_MARK, check_model, refuse_attached
 from vramkit.planning.api import plan as make_plan
 from vramkit.planning.record import Plan
 from vramkit.quant.dense import DenseScratch, group_dense, ungroup_dense
@@ -427,7 +427,7 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
             still attached to the model (detach it first).
     """
     check_int("observe_steps", observe_steps, minimum=1)
-    refuse_attached(model)  # before anything is planned or applied
+    refuse_attached(check_model(model))  # before anything is planned or applied
     if checkpoint is None and any(t.device.type == "meta"
                                   for t in (*model.parameters(), *model.buffers())):
         raise ConfigError("vramkit.fit needs the model's weights, and some are on the meta "

@@ -241,3 +241,23 @@ def test_flux_inference_at_diffusers_peak_splits_its_blocks(
     assert main(["plan", *argv]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "units (blocks split)" in out and "Blocks split into their children" in out
+
+
+def test_an_impossible_budget_gives_the_minimum_as_a_number_in_json(
+        llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from vramkit.units import parse_size
+
+    code = main(["plan", str(llama_dir), "--budget", "64MiB", "--hardware", "rtx4090",
+                 "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 1
+    minimum = data["minimum_budget_bytes"]
+    assert isinstance(minimum, int) and minimum > 64 << 20
+    # just below it: the two sizes the message prints differ, the minimum rounded up
+    code = main(["plan", str(llama_dir), "--budget", str(minimum - 1), "--hardware", "rtx4090"])
+    err = capsys.readouterr().err
+    assert code == 1
+    budget_text = err.split("a budget of ", 1)[1].split(" cannot", 1)[0]
+    need_text = err.split("needs a budget of ", 1)[1].split(" (", 1)[0]
+    assert budget_text != need_text
+    assert parse_size(need_text.replace(" ", "")) >= minimum

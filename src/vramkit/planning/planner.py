@@ -59,7 +59,7 @@ from vramkit.planning.pricing import (
     _offloaded,
 )
 from vramkit.planning.record import CHECKPOINTING, Plan
-from vramkit.units import format_size
+from vramkit.units import format_size, format_sizes_apart
 
 __all__ = ["CHECKPOINTING", "search"]
 
@@ -416,8 +416,9 @@ def _impossible(cost: ModelCost, budget: int, headroom: int, need: int | None,
     if cost.mode == "train":
         how += (", no block checkpointed, as asked" if checkpointing == "none"
                 else ", everything checkpointed")
-    message = (f"a budget of {format_size(budget)} cannot hold this {cost.mode} step: the "
-               f"smallest plan ({how}) needs a budget of {format_size(need)} (with the "
+    shown_budget, shown_need = format_sizes_apart(budget, need)
+    message = (f"a budget of {shown_budget} cannot hold this {cost.mode} step: the "
+               f"smallest plan ({how}) needs a budget of {shown_need} (with the "
                "headroom kept free)")
-    return PlanError(message, hint=f"Raise the budget to {format_size(need)} or more, or try "
+    return PlanError(message, hint=f"Raise the budget to {shown_need} or more, or try "
                                    + "; or ".join(ideas) + ".", minimum_budget=need)

@@ -261,3 +261,12 @@ def test_an_impossible_budget_gives_the_minimum_as_a_number_in_json(
     need_text = err.split("needs a budget of ", 1)[1].split(" (", 1)[0]
     assert budget_text != need_text
     assert parse_size(need_text.replace(" ", "")) >= minimum
+
+
+@pytest.mark.parametrize("text", ["2", "8", "1.5"])
+def test_a_bare_headroom_number_of_one_or_more_is_refused_by_the_cli(
+        text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "sdxl", "--budget", "12GiB", "--hardware", "rtx4090",
+                 "--headroom", text])
+    err = capsys.readouterr().err
+    assert code == 2 and "--headroom" in err and "GiB" in err, err

@@ -224,3 +224,16 @@ def test_a_budget_just_below_the_minimum_reads_below_it(cost) -> None:  # type: 
         # the hint's figure is one to raise the budget to: never below the minimum
         raise_to = re.search(r"Raise the budget to (\S+ \S+) or more", info.value.hint or "")
         assert raise_to and parse_size(raise_to.group(1).replace(" ", "")) >= minimum
+
+
+@pytest.mark.parametrize("headroom", [1.0, 2.0, 8.0, 1e9])
+def test_a_headroom_float_of_one_or_more_is_ambiguous(headroom: float) -> None:
+    # 2.0 read as two bytes: no fraction (those are below 1), no size anyone means.
+    with pytest.raises(ConfigError, match="headroom") as err:
+        resolve_headroom(10 << 30, headroom)
+    assert "0.1" in (err.value.hint or "") and "GiB" in (err.value.hint or "")
+    with pytest.raises(ConfigError, match="headroom"):
+        plan(stack(device="meta"), inputs(device="meta"), 10 << 30, hardware="rtx4090",
+             headroom=headroom)
+    assert resolve_headroom(10 << 30, int(headroom)) == int(headroom)  # an int is bytes
+

@@ -132,10 +132,16 @@ def _headroom(text: str | None, budget: int, budget_text: str) -> int | float | 
     if text is None:
         return None
     value: int | float | None = None
+    fraction = None
     with contextlib.suppress(ValueError):
         fraction = float(text)
-        if 0 <= fraction < 1:
-            value = fraction
+    if fraction is not None and 0 <= fraction < 1:
+        value = fraction
+    elif fraction is not None and fraction >= 1:  # "2": two bytes? 2 GiB? 2 %?
+        raise ConfigError(f"--headroom {text} is ambiguous: a plain number is a fraction of "
+                          "the budget, below 1",
+                          hint="Pass --headroom 0.1 (a fraction) or --headroom 2GiB (a size "
+                               "with its unit).")
     if value is None:
         try:
             value = parse_size(text)

@@ -44,11 +44,21 @@ DEFAULT_HEADROOM = (0.08, 256 << 20)
 
 def resolve_headroom(budget: int, headroom: int | str | float | None) -> int:
     """Bytes kept free: ``None`` = the default (8 % of the budget + 256 MiB), a fraction in
-    [0, 1), or a size."""
+    [0, 1) (a float), or a size (an int of bytes, or a string such as ``"2GiB"``).
+
+    Raises:
+        ConfigError: for a float of 1 or more: neither a fraction nor a size anyone means
+            (``2.0`` would keep two bytes free).
+    """
     if headroom is None:
         share, fixed = DEFAULT_HEADROOM
         return int(budget * share) + fixed
-    if isinstance(headroom, float) and not isinstance(headroom, bool) and headroom < 1:
+    if isinstance(headroom, float):
+        if headroom >= 1:
+            raise ConfigError(f"headroom={headroom!r} is ambiguous: a float is a fraction of "
+                              "the budget, below 1",
+                              hint="Pass a fraction such as headroom=0.1, or a size: "
+                                   "headroom='2GiB' (or an int of bytes).")
         return int(budget * check_number("headroom", headroom, minimum=0, maximum=1,
                                          high_open=True))
     return int(check_size("headroom", headroom))

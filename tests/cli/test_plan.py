@@ -270,3 +270,11 @@ def test_a_bare_headroom_number_of_one_or_more_is_refused_by_the_cli(
                  "--headroom", text])
     err = capsys.readouterr().err
     assert code == 2 and "--headroom" in err and "GiB" in err, err
+
+
+def test_a_budget_above_the_named_gpu_memory_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "sdxl", "--budget", "48GiB", "--hardware", "rtx4090"])
+    captured = capsys.readouterr()
+    check_error(code, captured.out, captured.err, sub="plan", exit_code=2,
+                says=("--budget", "48.0 GiB", "24.0 GiB", "rtx4090"))

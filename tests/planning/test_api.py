@@ -98,3 +98,16 @@ def test_an_error_inside_the_step_is_kept_short() -> None:
     with pytest.raises(ConfigError) as err:
         plan(model, inputs(), 1 << 30, hardware="rtx4090", step=step)
     assert "Linear(" not in err.value.message and len(err.value.message) < 600
+
+
+def test_a_budget_above_the_hardware_memory_is_refused() -> None:
+    # A 48 GiB budget "on rtx4090" predicted a peak no 24 GiB card holds.
+    from vramkit.errors import ConfigError
+    from vramkit.planning.hardware import hardware_profile
+    from vramkit.planning.machine import Machine
+
+    profile = hardware_profile("rtx4090")
+    for hardware in ("rtx4090", profile, Machine.from_profile(profile)):
+        with pytest.raises(ConfigError, match=r"48\.0 GiB.*24\.0 GiB"):
+            plan(stack(device="meta"), inputs(device="meta"), "48GiB", hardware=hardware)
+    plan(stack(device="meta"), inputs(device="meta"), profile.memory_bytes, hardware="rtx4090")

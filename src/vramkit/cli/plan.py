@@ -223,6 +223,11 @@ def make_plan(args: argparse.Namespace,
         allow = _formats(args.allow)
         headroom = _headroom(args.headroom, budget, args.budget)
         hardware, note = _hardware(args.hardware)
+        if hardware is not None:
+            from vramkit.planning.api import check_budget_fits
+            from vramkit.planning.machine import machine_for
+
+            check_budget_fits(budget, machine_for(hardware))
         if args.mode == "infer" and args.checkpointing != "auto":
             raise ConfigError(f"--checkpointing {args.checkpointing} applies to training",
                               hint="Drop --checkpointing with --mode infer (inference keeps no "

@@ -30,9 +30,9 @@ from vramkit.planning.hardware import HardwareProfile
 from vramkit.planning.machine import Machine, machine_for
 from vramkit.planning.planner import search
 from vramkit.planning.record import CHECKPOINTING, Plan
-from vramkit.units import format_size
+from vramkit.units import format_size, format_sizes_apart
 
-__all__ = ["DEFAULT_HEADROOM", "plan", "resolve_headroom"]
+__all__ = ["DEFAULT_HEADROOM", "check_budget_fits", "plan", "resolve_headroom"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,26 @@ def resolve_headroom(budget: int, headroom: int | str | float | None) -> int:
         return int(budget * check_number("headroom", headroom, minimum=0, maximum=1,
                                          high_open=True))
     return int(check_size("headroom", headroom))
+
+
+def check_budget_fits(budget: int, machine: Machine) -> None:
+    """Refuse a budget above the memory of the machine planned for: a plan "on rtx4090" for
+    48 GiB predicts a peak no 24 GiB card holds.
+
+    Raises:
+        ConfigError: naming both sizes.
+    """
+    memory = machine.memory_bytes
+    if memory is not None and budget > memory:
+        shown_memory, shown_budget = format_size(memory), format_size(budget)
+        if shown_memory == shown_budget:
+            shown_memory, shown_budget = format_sizes_apart(memory, budget)
+        raise ConfigError(f"budget={shown_budget} is more than the {shown_memory} of memory "
+                          f"{machine.name} has",
+                          hint=f"Plan for that card's memory or less (budget="
+                               f"{format_size(memory, rounding='down')} or a cap below), or "
+                               "for a GPU with more memory (vramkit.planning.PROFILES, vramkit "
+                               "plan --list).")
 
 
 def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str = "train",
@@ -133,7 +153,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
     Raises:
         PlanError: when no plan fits; the message names the smallest budget that would, and
             what would make it fit.
-        ConfigError: for bad arguments, or a model whose step cannot run on meta tensors.
+        ConfigError: for bad arguments, a budget above the memory of ``hardware`` (or of the
+            GPU measured), or a model whose step cannot run on meta tensors.
         DeviceError: for ``hardware=None`` without a GPU.
     """
     check_model(model)
@@ -168,6 +189,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
                           hint="Lower headroom= (a fraction such as 0.05, or a size).")
     target = check_device("device", device, types=("cuda",), allow_none=True)
     machine = machine_for(hardware, target)
+    check_budget_fits(budget_bytes, machine)
     def budget_for(need: int) -> int:
         """The smallest budget whose room after this headroom rule holds ``need`` bytes."""
         low, high = need, max(need, 1) * 4 + (1 << 30)

@@ -322,3 +322,21 @@ def test_checkpoint_wrappers_are_no_obstacle_to_planning() -> None:
     model = stack()
     vramkit.enable_gradient_checkpointing(model, ["blocks.0", "blocks.1"])
     vramkit.plan(model, inputs(), 6 * MiB, hardware="rtx4090", headroom=0, autocast=None)
+
+
+def test_a_report_before_any_step_says_none_was_measured() -> None:
+    model = stack()
+    fitted = vramkit.fit(model, inputs(), 6 * MiB, **OPTIONS)
+    report = fitted.report()
+    assert report.steps == 0 and "-1" not in report.describe()
+    assert "no step measured yet" in report.describe()
+    (x,) = inputs()
+    with torch.no_grad():
+        model(x)  # one forward: the first step began, none ended
+    assert fitted.report().steps == 0
+    assert "no step measured yet" in fitted.report().describe()
+    with torch.no_grad():
+        model(x)
+    report = fitted.report()
+    assert report.steps == 1 and report.describe().startswith("after 1 step:")
+    fitted.detach()

@@ -92,7 +92,11 @@ class FitReport:
         return self.measured_step_seconds / self.predicted_step_seconds - 1
 
     def describe(self) -> str:
-        parts = [f"after {self.steps} steps:"]
+        if self.steps < 1:  # one step is the time between two forwards
+            parts = ["no step measured yet" + (":" if self.measured_peak_bytes is not None
+                                               else "")]
+        else:
+            parts = [f"after {self.steps} step{'s' if self.steps != 1 else ''}:"]
         if self.measured_peak_bytes is not None:
             parts.append(f"peak {format_size(self.measured_peak_bytes)} measured vs "
                          f"{format_size(self.predicted_peak_bytes)} predicted "
@@ -290,7 +294,7 @@ class Fitted:
                                format_size(self.plan.budget_bytes))
 
     def _measure(self) -> FitReport:
-        steps = len(self._marks) - 1
+        steps = max(0, len(self._marks) - 1)  # no forward yet: no mark to count from
         durations = [b - a for a, b in zip(self._marks, self._marks[1:], strict=False)]
         measured = statistics.median(durations[1:] or durations) if durations else None
         peak = (int(torch.cuda.max_memory_allocated(self.device)) - self._others_bytes

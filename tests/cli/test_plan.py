@@ -278,3 +278,35 @@ def test_a_budget_above_the_named_gpu_memory_is_a_usage_error(
     captured = capsys.readouterr()
     check_error(code, captured.out, captured.err, sub="plan", exit_code=2,
                 says=("--budget", "48.0 GiB", "24.0 GiB", "rtx4090"))
+
+
+def test_save_writes_the_plan_printed_and_the_fit_call_applies_it(
+        llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from vramkit.planning.record import Plan
+
+    path = tmp_path / "llama.plan.json"
+    data = _json(capsys, str(llama_dir), "--budget", "8GiB", "--hardware", "rtx4090",
+                 "--seq-len", "512", "--allow", "fp8", "--save", str(path))
+    assert data["saved"] == str(path)
+    assert Plan.load(path) == Plan.from_dict(data["plan"])  # the file is the plan printed
+    assert data["fit_call"] == f'vramkit.fit(model, inputs, "8GiB", plan="{path}")'
+    assert not list(tmp_path.glob(".*.tmp"))  # written through a temporary file, renamed
+    # the text names the call; without --save, the options that plan the same way
+    assert main(["plan", str(llama_dir), "--budget", "8GiB", "--hardware", "rtx4090",
+                 "--seq-len", "512", "--save", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f'vramkit.fit(model, inputs, "8GiB", plan="{path}")' in out and str(path) in out
+    data = _json(capsys, str(llama_dir), "--budget", "8GiB", "--hardware", "rtx4090",
+                 "--seq-len", "512", "--mode", "infer", "--allow", "fp8,nf4",
+                 "--headroom", "0.1")
+    assert data["saved"] is None
+    assert data["fit_call"] == ('vramkit.fit(model, inputs, "8GiB", mode="infer", '
+                                "allow_formats=('fp8', 'nf4'), headroom=0.1)")
+
+
+def test_save_to_a_folder_that_does_not_exist_is_a_usage_error(
+        llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", str(llama_dir), "--budget", "8GiB", "--hardware", "rtx4090",
+                 "--save", str(tmp_path / "missing" / "plan.json")])
+    captured = capsys.readouterr()
+    check_error(code, captured.out, captured.err, sub="plan", exit_code=2, says=("--save",))

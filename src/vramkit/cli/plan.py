@@ -414,6 +414,8 @@ def _print_plan(target: Any, plan: Any, note: str | None, list_blocks: bool) -> 
                  "transfer-bound" if phase.transfer_bound else "compute-bound")
         slowed = (f", {phase.slowed_seconds * 1e3:.1f} ms slower beside the copies"
                   if phase.slowed_seconds >= 5e-5 else "")
+        if phase.transfer_bound:  # what bounds it: the compute's wait, not the copies' sum
+            slowed += f", {phase.copy_wait_seconds * 1e3:.0f} ms waiting for copies"
         table.add_row(f"  {label}", f"{phase.seconds * 1e3:.0f} ms ({bound}: compute "
                                     f"{phase.compute_seconds * 1e3:.0f} ms{slowed}, copies "
                                     f"{format_size(phase.copy_bytes)} = "

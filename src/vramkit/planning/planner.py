@@ -48,7 +48,7 @@ from vramkit.errors import PlanError
 from vramkit.offload.blocks import spread_evenly
 from vramkit.planning.analysis import ModelCost
 from vramkit.planning.calibration import BlockTimes
-from vramkit.planning.machine import Machine
+from vramkit.planning.machine import COPY_SLOWDOWN, Machine
 from vramkit.planning.pricing import (
     ADAMW_STATE_BYTES,
     DEFAULT_DISK_BYTES_PER_S,
@@ -309,9 +309,13 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                    / (sum(c.forward for c in full) or 1.0))
         share_b = (sum(s * c.backward for s, c in zip(slow_bwd, full, strict=True))
                    / (sum(c.backward for c in full) or 1.0))
+        # The default share was read for one model on one card: named as such, never as if
+        # measured for the model planned.
         how = ("timed with copies running beside each kind of block" if measured else
-               "the share the calibration measured for FLUX.1-dev's blocks on an H200; "
-               "vramkit.fit's calibration times this card's own")
+               "the default share, measured on an H200 for one diffusion transformer's "
+               "blocks, not timed for this model or card; vramkit.fit's calibration times "
+               "its own" if machine.copy_slowdown == COPY_SLOWDOWN else
+               "the share Machine.copy_slowdown gives")
         notes.append(f"Copies slow the compute beside them ({how}): forward "
                      f"+{100 * share_f:.1f} %"
                      + (f", backward +{100 * share_b:.1f} %" if train else "")

@@ -85,3 +85,19 @@ def test_format_then_parse_is_close(n: int) -> None:
 
 def test_fractions_of_scaled_units_round_to_bytes() -> None:
     assert parse_size("1.3 GiB") == round(1.3 * 1024**3)
+
+
+def test_format_size_rounds_up_or_down_when_asked() -> None:
+    from vramkit.units import format_sizes_apart
+
+    assert format_size(int(2.97 * 2**30)) == "3.0 GiB"
+    assert format_size(int(2.97 * 2**30), rounding="down") == "2.9 GiB"
+    assert format_size(int(2.91 * 2**30), rounding="up") == "3.0 GiB"
+    assert format_size(3 * 2**30, rounding="up") == "3.0 GiB"  # exact stays exact
+    assert format_size(3 * 2**30, rounding="down") == "3.0 GiB"
+    assert format_size(1023.5, rounding="up") == "1024 B"
+    assert format_sizes_apart(int(2.97 * 2**30), int(2.99 * 2**30)) == ("2.97 GiB", "2.99 GiB")
+    assert format_sizes_apart(2**30, 2**30 + 1) == (f"{2**30} B", f"{2**30 + 1} B")
+    assert format_sizes_apart(2**30, 2**31) == ("1.0 GiB", "2.0 GiB")
+    with pytest.raises(ValueError, match="rounding"):
+        format_size(1, rounding="sideways")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["MAX_SIZE_BYTES", "format_size", "parse_size"]
+__all__ = ["MAX_SIZE_BYTES", "format_size", "format_sizes_apart", "parse_size"]
 
 #: The largest size :func:`parse_size` accepts: the largest signed 64-bit byte count, which is
 #: what PyTorch, CUDA and the OS use for sizes (``int64_t``, ``ssize_t``) and more memory than any
@@ -110,13 +110,16 @@ def _whole_bytes(amount: float, original: object) -> int:
     return int(rounded)
 
 
-def format_size(nbytes: int | float, *, binary: bool = True, precision: int = 1) -> str:
+def format_size(nbytes: int | float, *, binary: bool = True, precision: int = 1,
+                rounding: str = "nearest") -> str:
     """Format a byte count for humans.
 
     Args:
         nbytes: the size in bytes (negative values are shown with a minus sign, for deltas).
         binary: powers of 1024 with IEC names (default) or powers of 1000 with SI names.
         precision: digits after the decimal point for scaled units.
+        rounding: ``"nearest"`` (default), ``"up"`` or ``"down"`` (of the magnitude): a minimum
+            shown rounded up is one the reader can use as it reads.
 
     >>> format_size(1536)
     '1.5 KiB'
@@ -127,14 +130,35 @@ def format_size(nbytes: int | float, *, binary: bool = True, precision: int = 1)
         raise ValueError(f"invalid byte count {nbytes!r}")
     if isinstance(nbytes, float) and not math.isfinite(nbytes):
         raise ValueError(f"invalid byte count {nbytes!r}")
+    if rounding not in ("nearest", "up", "down"):
+        raise ValueError(f"rounding must be 'nearest', 'up' or 'down', got {rounding!r}")
     sign = "-" if nbytes < 0 else ""
     amount = float(abs(nbytes))
     base = 1024.0 if binary else 1000.0
     names = ("KiB", "MiB", "GiB", "TiB", "PiB") if binary else ("kB", "MB", "GB", "TB", "PB")
     if amount < base:
-        return f"{sign}{int(amount)} B"
+        whole = math.ceil(amount) if rounding == "up" else int(amount)
+        return f"{sign}{whole} B"
     for name in names:
         amount /= base
         if amount < base or name == names[-1]:
+            if rounding != "nearest":
+                scale = 10 ** precision
+                step = math.ceil if rounding == "up" else math.floor
+                # the division's float error must not round an exact figure one step away
+                amount = step(round(amount * scale, 6)) / scale
             return f"{sign}{amount:.{precision}f} {name}"
     raise AssertionError("unreachable")
+
+
+def format_sizes_apart(low: int, high: int, *, binary: bool = True) -> tuple[str, str]:
+    """``low`` rounded down and ``high`` rounded up, with as many decimals (up to 3) as it takes
+    to tell them apart: "a budget of 2.97 GiB ... needs 2.99 GiB", not "3.0 GiB ... 3.0 GiB".
+    Exact byte counts when even 3 decimals do not.
+    """
+    for precision in (1, 2, 3):
+        if (format_size(low, binary=binary, precision=precision)
+                != format_size(high, binary=binary, precision=precision) or low == high):
+            return (format_size(low, binary=binary, precision=precision, rounding="down"),
+                    format_size(high, binary=binary, precision=precision, rounding="up"))
+    return f"{low} B", f"{high} B"

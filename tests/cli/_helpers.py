@@ -27,7 +27,9 @@ def json_error(out: str) -> dict[str, Any]:
     assert out.lstrip().startswith("{"), out
     data = json.loads(out)  # raises on a second document or any other text
     assert isinstance(data, dict), data
-    assert set(data) == {"error", "hint"}, data
+    # besides the text, only figures an error carries, as numbers
+    assert {"error", "hint"} <= set(data) <= {"error", "hint", "minimum_budget_bytes"}, data
+    assert all(isinstance(data[k], int) for k in set(data) - {"error", "hint"}), data
     assert isinstance(data["error"], str) and data["error"]
     assert isinstance(data["hint"], str) and data["hint"]
     return data

@@ -241,3 +241,72 @@ def test_flux_inference_at_diffusers_peak_splits_its_blocks(
     assert main(["plan", *argv]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "units (blocks split)" in out and "Blocks split into their children" in out
+
+
+def test_an_impossible_budget_gives_the_minimum_as_a_number_in_json(
+        llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from vramkit.units import parse_size
+
+    code = main(["plan", str(llama_dir), "--budget", "64MiB", "--hardware", "rtx4090",
+                 "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 1
+    minimum = data["minimum_budget_bytes"]
+    assert isinstance(minimum, int) and minimum > 64 << 20
+    # just below it: the two sizes the message prints differ, the minimum rounded up
+    code = main(["plan", str(llama_dir), "--budget", str(minimum - 1), "--hardware", "rtx4090"])
+    err = capsys.readouterr().err
+    assert code == 1
+    budget_text = err.split("a budget of ", 1)[1].split(" cannot", 1)[0]
+    need_text = err.split("needs a budget of ", 1)[1].split(" (", 1)[0]
+    assert budget_text != need_text
+    assert parse_size(need_text.replace(" ", "")) >= minimum
+
+
+@pytest.mark.parametrize("text", ["2", "8", "1.5"])
+def test_a_bare_headroom_number_of_one_or_more_is_refused_by_the_cli(
+        text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "sdxl", "--budget", "12GiB", "--hardware", "rtx4090",
+                 "--headroom", text])
+    err = capsys.readouterr().err
+    assert code == 2 and "--headroom" in err and "GiB" in err, err
+
+
+def test_a_budget_above_the_named_gpu_memory_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "sdxl", "--budget", "48GiB", "--hardware", "rtx4090"])
+    captured = capsys.readouterr()
+    check_error(code, captured.out, captured.err, sub="plan", exit_code=2,
+                says=("--budget", "48.0 GiB", "24.0 GiB", "rtx4090"))
+
+
+def test_save_writes_the_plan_printed_and_the_fit_call_applies_it(
+        llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from vramkit.planning.record import Plan
+
+    path = tmp_path / "llama.plan.json"
+    data = _json(capsys, str(llama_dir), "--budget", "8GiB", "--hardware", "rtx4090",
+                 "--seq-len", "512", "--allow", "fp8", "--save", str(path))
+    assert data["saved"] == str(path)
+    assert Plan.load(path) == Plan.from_dict(data["plan"])  # the file is the plan printed
+    assert data["fit_call"] == f'vramkit.fit(model, inputs, "8GiB", plan="{path}")'
+    assert not list(tmp_path.glob(".*.tmp"))  # written through a temporary file, renamed
+    # the text names the call; without --save, the options that plan the same way
+    assert main(["plan", str(llama_dir), "--budget", "8GiB", "--hardware", "rtx4090",
+                 "--seq-len", "512", "--save", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f'vramkit.fit(model, inputs, "8GiB", plan="{path}")' in out and str(path) in out
+    data = _json(capsys, str(llama_dir), "--budget", "8GiB", "--hardware", "rtx4090",
+                 "--seq-len", "512", "--mode", "infer", "--allow", "fp8,nf4",
+                 "--headroom", "0.1")
+    assert data["saved"] is None
+    assert data["fit_call"] == ('vramkit.fit(model, inputs, "8GiB", mode="infer", '
+                                "allow_formats=('fp8', 'nf4'), headroom=0.1)")
+
+
+def test_save_to_a_folder_that_does_not_exist_is_a_usage_error(
+        llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", str(llama_dir), "--budget", "8GiB", "--hardware", "rtx4090",
+                 "--save", str(tmp_path / "missing" / "plan.json")])
+    captured = capsys.readouterr()
+    check_error(code, captured.out, captured.err, sub="plan", exit_code=2, says=("--save",))

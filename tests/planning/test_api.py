@@ -59,3 +59,55 @@ def test_a_calibrated_training_plan_copies_and_finds_blocks_once(
     p = plan(stack(), inputs(), 6 * MiB, headroom=0, autocast=None)
     assert p.notes and "measured on cpu" in p.notes[0]
     assert calls == {"meta_copy": 1, "find_blocks": 1}
+
+
+@pytest.mark.parametrize("model", [None, lambda t: t, "flux-dev"])
+def test_a_model_that_is_no_module_is_a_config_error(model: Any) -> None:
+    import vramkit
+    from vramkit.errors import ConfigError
+
+    for call in (lambda: plan(model, inputs(), 1 << 30, hardware="rtx4090"),
+                 lambda: vramkit.fit(model, inputs(), 1 << 30, hardware="rtx4090",
+                                     device="cpu"),
+                 lambda: vramkit.planning.analyze(model, inputs())):
+        with pytest.raises(ConfigError, match=r"model must be a torch\.nn\.Module, got "
+                                              f"{type(model).__name__}"):
+            call()
+
+
+@pytest.mark.parametrize("example_inputs", [None, 3, inputs()[0]])
+def test_bad_example_inputs_are_named_by_type_not_by_the_model_repr(example_inputs: Any) -> None:
+    from vramkit.errors import ConfigError
+
+    model = stack()
+    with pytest.raises(ConfigError) as err:
+        plan(model, example_inputs, 1 << 30, hardware="rtx4090")
+    said = f"{err.value.message} {err.value.hint}"
+    assert type(example_inputs).__name__ in said
+    assert repr(model) not in said and "Linear(" not in said and len(said) < 400
+
+
+def test_an_error_inside_the_step_is_kept_short() -> None:
+    from vramkit.errors import ConfigError
+
+    model = stack()
+
+    def step(m: Any, x: Any) -> Any:  # a failure whose text carries the model's repr
+        raise TypeError(f"{m!r} cannot take {x!r}")
+
+    with pytest.raises(ConfigError) as err:
+        plan(model, inputs(), 1 << 30, hardware="rtx4090", step=step)
+    assert "Linear(" not in err.value.message and len(err.value.message) < 600
+
+
+def test_a_budget_above_the_hardware_memory_is_refused() -> None:
+    # A 48 GiB budget "on rtx4090" predicted a peak no 24 GiB card holds.
+    from vramkit.errors import ConfigError
+    from vramkit.planning.hardware import hardware_profile
+    from vramkit.planning.machine import Machine
+
+    profile = hardware_profile("rtx4090")
+    for hardware in ("rtx4090", profile, Machine.from_profile(profile)):
+        with pytest.raises(ConfigError, match=r"48\.0 GiB.*24\.0 GiB"):
+            plan(stack(device="meta"), inputs(device="meta"), "48GiB", hardware=hardware)
+    plan(stack(device="meta"), inputs(device="meta"), profile.memory_bytes, hardware="rtx4090")

@@ -294,3 +294,72 @@ def test_fit_compiles_the_blocks_beneath_the_swapper_and_trains_like_compiled_re
 def test_fit_refuses_a_compile_it_cannot_do(value: object) -> None:
     with pytest.raises(ConfigError, match="compile"):
         vramkit.fit(stack(), inputs(), 6 * MiB, compile=value, **OPTIONS)
+
+
+def test_planning_or_fitting_a_fitted_model_says_to_detach_first() -> None:
+    # Re-running a notebook cell: the model still carries the first fit (its swapper's live
+    # state, which no copy can take); planning it would price the fitted model anyway.
+    from vramkit.errors import PlanError
+
+    model = stack()
+    fitted = vramkit.fit(model, inputs(), 6 * MiB, **OPTIONS)
+    assert fitted.swapper is not None
+    plan_options = {k: v for k, v in OPTIONS.items() if k != "device"}
+    for again in (lambda: vramkit.fit(model, inputs(), 6 * MiB, **OPTIONS),
+                  lambda: vramkit.plan(model, inputs(), 6 * MiB, **plan_options),
+                  lambda: vramkit.fit(model, inputs(), 6 * MiB, plan=fitted.plan,
+                                      device="cpu")):
+        with pytest.raises(PlanError, match=r"vramkit\.fit") as caught:
+            again()
+        assert "fitted.detach()" in (caught.value.hint or "")
+    fitted.detach()
+    vramkit.fit(model, inputs(), 6 * MiB, **OPTIONS).detach()  # detached: fits again
+
+
+def test_a_fitted_model_that_swaps_nothing_is_refused_too() -> None:
+    from vramkit.errors import PlanError
+
+    model = stack()
+    fitted = vramkit.fit(model, inputs(), 1 << 30, **OPTIONS)
+    assert fitted.swapper is None
+    with pytest.raises(PlanError, match=r"vramkit\.fit"):
+        vramkit.fit(model, inputs(), 1 << 30, **OPTIONS)
+    fitted.detach()
+
+
+def test_fitting_a_model_a_block_swapper_holds_says_to_detach_it() -> None:
+    from vramkit.errors import PlanError
+
+    model = stack()
+    swapper = vramkit.BlockSwapper(model, config=vramkit.SwapConfig(num_slots=1), device="cpu")
+    with pytest.raises(PlanError, match=r"blocks\.0.*BlockSwapper") as caught:
+        vramkit.fit(model, inputs(), 6 * MiB, **OPTIONS)
+    assert "swapper.detach()" in (caught.value.hint or "")
+    with pytest.raises(PlanError, match="BlockSwapper"):
+        vramkit.plan(model, inputs(), 6 * MiB, hardware="rtx4090", autocast=None)
+    swapper.detach()
+    vramkit.plan(model, inputs(), 6 * MiB, hardware="rtx4090", headroom=0, autocast=None)
+
+
+def test_checkpoint_wrappers_are_no_obstacle_to_planning() -> None:
+    model = stack()
+    vramkit.enable_gradient_checkpointing(model, ["blocks.0", "blocks.1"])
+    vramkit.plan(model, inputs(), 6 * MiB, hardware="rtx4090", headroom=0, autocast=None)
+
+
+def test_a_report_before_any_step_says_none_was_measured() -> None:
+    model = stack()
+    fitted = vramkit.fit(model, inputs(), 6 * MiB, **OPTIONS)
+    report = fitted.report()
+    assert report.steps == 0 and "-1" not in report.describe()
+    assert "no step measured yet" in report.describe()
+    (x,) = inputs()
+    with torch.no_grad():
+        model(x)  # one forward: the first step began, none ended
+    assert fitted.report().steps == 0
+    assert "no step measured yet" in fitted.report().describe()
+    with torch.no_grad():
+        model(x)
+    report = fitted.report()
+    assert report.steps == 1 and report.describe().startswith("after 1 step:")
+    fitted.detach()

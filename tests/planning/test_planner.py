@@ -200,3 +200,40 @@ def test_a_real_model_is_planned_without_touching_its_weights() -> None:
     assert p.swapped
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert all(t.device.type == "cpu" for t in model.parameters())
+
+
+def test_a_budget_just_below_the_minimum_reads_below_it(cost) -> None:  # type: ignore[no-untyped-def]
+    # "a budget of 3.0 GiB cannot hold ... needs a budget of 3.0 GiB": both rounded to the
+    # nearest tenth. The budget rounds down, the minimum up, finely enough to tell them apart.
+    import re
+
+    from vramkit.units import parse_size
+
+    with pytest.raises(PlanError) as info:
+        _plan(cost, 2 * MiB)
+    minimum = info.value.minimum_budget
+    assert minimum is not None
+    for below in (minimum - 1, minimum - 4096, int(minimum * 0.99)):
+        with pytest.raises(PlanError) as info:
+            _plan(cost, below)
+        said = re.search(r"a budget of (.+?) cannot hold .* needs a budget of (.+?) \(",
+                         info.value.message)
+        assert said, info.value.message
+        shown_budget, shown_minimum = (parse_size(s.replace(" ", "")) for s in said.groups())
+        assert shown_budget <= below < minimum <= shown_minimum, info.value.message
+        # the hint's figure is one to raise the budget to: never below the minimum
+        raise_to = re.search(r"Raise the budget to (\S+ \S+) or more", info.value.hint or "")
+        assert raise_to and parse_size(raise_to.group(1).replace(" ", "")) >= minimum
+
+
+@pytest.mark.parametrize("headroom", [1.0, 2.0, 8.0, 1e9])
+def test_a_headroom_float_of_one_or_more_is_ambiguous(headroom: float) -> None:
+    # 2.0 read as two bytes: no fraction (those are below 1), no size anyone means.
+    with pytest.raises(ConfigError, match="headroom") as err:
+        resolve_headroom(10 << 30, headroom)
+    assert "0.1" in (err.value.hint or "") and "GiB" in (err.value.hint or "")
+    with pytest.raises(ConfigError, match="headroom"):
+        plan(stack(device="meta"), inputs(device="meta"), 10 << 30, hardware="rtx4090",
+             headroom=headroom)
+    assert resolve_headroom(10 << 30, int(headroom)) == int(headroom)  # an int is bytes
+

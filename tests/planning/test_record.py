@@ -53,7 +53,7 @@ def test_explain_says_how_much_of_each_stack_is_swapped() -> None:
         model.a[2](model.a[1](model.a[0](x))))))
     model.requires_grad_(False).to("meta")
     x = torch.empty(8, 512, device="meta")
-    whole = plan(model, (x,), 1 << 40, hardware="rtx4090", headroom=0, mode="infer")
+    whole = plan(model, (x,), 20 << 30, hardware="rtx4090", headroom=0, mode="infer")
     tight = plan(model, (x,), whole.predicted_peak_bytes - 2 * 512 * 513 * 4,
                  hardware="rtx4090", headroom=0, mode="infer")
     assert tight.swapped
@@ -116,3 +116,43 @@ def test_fit_applies_a_loaded_plan_without_searching_again(
     assert {n for n in made.block_order if is_checkpointed(model.get_submodule(n))} == set(
         made.checkpointed)
     fitted.detach()
+
+
+def test_a_transfer_bound_phase_says_what_the_compute_waits_for(cost) -> None:  # type: ignore[no-untyped-def]
+    # "Forward 1205 ms, transfer-bound: 2.3 GiB of copies (897 ms) vs 1093 ms of compute"
+    # read as a contradiction: the copies take less than the compute, yet bound it (the first
+    # block's copy, and copies a full ring cannot start early, do not overlap).
+    import dataclasses
+
+    from vramkit.planning.record import PhaseTime
+
+    phase = PhaseTime(seconds=1.205, compute_seconds=1.093, copy_seconds=0.897,
+                      copy_bytes=int(2.3 * (1 << 30)), slowed_seconds=0.0)
+    assert phase.transfer_bound
+    made = dataclasses.replace(_plan(cost, 7 * MiB), forward=phase)
+    line = next(li for li in made.explain().splitlines() if li.startswith("Forward"))
+    assert "waits 112 ms for them" in line and "1093 ms" in line and "897 ms" in line
+    assert " vs " not in line
+    hidden = PhaseTime(seconds=0.091, compute_seconds=0.091, copy_seconds=0.001,
+                       copy_bytes=15 << 20)
+    line = next(li for li in dataclasses.replace(made, forward=hidden).explain().splitlines()
+                if li.startswith("Forward"))
+    assert "compute-bound" in line and "hide behind" in line and " vs " not in line
+
+
+def test_an_offline_plan_names_no_model_its_copy_slowdown_was_measured_on(cost) -> None:  # type: ignore[no-untyped-def]
+    # Plans of Llama and SDXL said "the share the calibration measured for FLUX.1-dev's blocks".
+    import dataclasses
+
+    made = _plan(cost, 7 * MiB)
+    assert made.swapped
+    note = next(n for n in made.notes if n.startswith("Copies slow the compute"))
+    assert "FLUX" not in note and "not timed for this model" in note
+    from vramkit.planning.hardware import hardware_profile
+    from vramkit.planning.machine import Machine
+
+    own = dataclasses.replace(Machine.from_profile(hardware_profile("rtx4090")),
+                              copy_slowdown=(0.05, 0.04))
+    made = _plan(cost, 7 * MiB, hardware=own)
+    note = next(n for n in made.notes if n.startswith("Copies slow the compute"))
+    assert "H200" not in note and "Machine.copy_slowdown" in note

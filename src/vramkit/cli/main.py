@@ -18,7 +18,8 @@ How errors end, in every sub-command (no Python traceback for a user error):
   code 1; with ``-v`` the traceback too.
 
 With ``--json`` an error is exactly one JSON object ``{"error": ..., "hint": ...}`` on stdout and
-nothing else is printed there; without it, errors go to stderr.
+nothing else is printed there (an error that carries a figure adds it as a number: a
+``PlanError``'s ``"minimum_budget_bytes"``); without it, errors go to stderr.
 
 ``-v``/``--verbose`` and ``--json`` work before and after the sub-command
 (``vramkit -v info`` and ``vramkit info -v``).
@@ -42,7 +43,7 @@ from typing import Any, NoReturn
 from vramkit import __version__
 from vramkit.errors import VramkitError
 
-__all__ = ["build_parser", "describe_error", "main"]
+__all__ = ["build_parser", "describe_error", "error_fields", "main"]
 
 # Sub-command modules, in the order `vramkit --help` lists them.
 _COMMAND_MODULES = ("info", "select", "plan", "profile", "inspect", "demo")
@@ -191,7 +192,8 @@ class _ErrorPrinter:
         self.flags = flags or {}
 
     def __call__(self, message: str, hint: str | None, code: int, *,
-                 usage: str | None = None, details: str | None = None) -> int:
+                 usage: str | None = None, details: str | None = None,
+                 fields: Mapping[str, Any] | None = None) -> int:
         from vramkit.cli._output import flag_text
 
         message = flag_text(message, self.flags)
@@ -201,7 +203,7 @@ class _ErrorPrinter:
         if self.as_json:
             with _quiet_broken_pipe():
                 sys.stdout.flush()
-                json.dump({"error": message, "hint": hint}, sys.stdout)
+                json.dump({"error": message, "hint": hint, **(fields or {})}, sys.stdout)
                 sys.stdout.write("\n")
                 sys.stdout.flush()
             return code
@@ -291,7 +293,17 @@ def _run(args: argparse.Namespace, fail: _ErrorPrinter, verbose: bool) -> int:
         error = err
         message, hint, code = describe_error(err)
     details = "".join(traceback.format_exception(error)) if verbose else None
-    return fail(message, hint, code, details=details)
+    return fail(message, hint, code, details=details, fields=error_fields(error))
+
+
+def error_fields(err: BaseException) -> dict[str, Any]:
+    """The figures an error carries, for ``--json`` beside its text: what a script needs as a
+    number rather than read out of a sentence."""
+    from vramkit.errors import PlanError
+
+    if isinstance(err, PlanError) and err.minimum_budget is not None:
+        return {"minimum_budget_bytes": int(err.minimum_budget)}
+    return {}
 
 
 def describe_error(err: Exception) -> tuple[str, str, int]:

@@ -6,7 +6,9 @@ transformers folder (only its ``config.json`` is read). The model is built on th
 (nothing allocated, no weight read), one step is traced there, and :func:`vramkit.plan` chooses
 the swapped blocks, ring slots, checkpointed blocks, storage formats and activation offload with
 the best predicted step time under the budget. The command prints the plan, its predicted peak
-and step time per phase, and the reasons (``--json``: one object).
+and step time per phase, and the reasons (``--json``: one object), then the ``vramkit.fit`` call
+that applies it in code; ``--save PATH`` writes the plan (:meth:`Plan.save
+<vramkit.planning.record.Plan.save>`) for that call's ``plan=PATH``.
 
 Hardware. ``--hardware NAME`` plans offline for a GPU of :data:`vramkit.planning.PROFILES`
 (``--list`` shows them). Without it, the GPU of this machine is measured when PyTorch sees one;
@@ -20,11 +22,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import re
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["DEFAULT_OFFLINE_HARDWARE", "FLAG_NAMES", "make_plan", "register", "run"]
+__all__ = ["DEFAULT_OFFLINE_HARDWARE", "FLAG_NAMES", "fit_call", "make_plan", "register", "run"]
 
 #: The GPU planned for when no ``--hardware`` is given and PyTorch sees no GPU.
 DEFAULT_OFFLINE_HARDWARE = "rtx4090"
@@ -99,6 +102,9 @@ def register(subparsers: Any) -> None:
                              "(default auto), every block, or none")
     parser.add_argument("--headroom", metavar="SIZE|FRACTION", default=None,
                         help="part of the budget kept free (default 8%% + 256 MiB)")
+    parser.add_argument("--save", metavar="PATH", default=None,
+                        help="write the plan as JSON to PATH, for vramkit.fit(model, inputs, "
+                             "budget, plan=PATH) to apply as it is")
     parser.add_argument("--blocks", action="store_true",
                         help="list every block with its placement, format and checkpointing")
     parser.add_argument("--list", action="store_true",
@@ -132,10 +138,16 @@ def _headroom(text: str | None, budget: int, budget_text: str) -> int | float | 
     if text is None:
         return None
     value: int | float | None = None
+    fraction = None
     with contextlib.suppress(ValueError):
         fraction = float(text)
-        if 0 <= fraction < 1:
-            value = fraction
+    if fraction is not None and 0 <= fraction < 1:
+        value = fraction
+    elif fraction is not None and fraction >= 1:  # "2": two bytes? 2 GiB? 2 %?
+        raise ConfigError(f"--headroom {text} is ambiguous: a plain number is a fraction of "
+                          "the budget, below 1",
+                          hint="Pass --headroom 0.1 (a fraction) or --headroom 2GiB (a size "
+                               "with its unit).")
     if value is None:
         try:
             value = parse_size(text)
@@ -215,8 +227,17 @@ def make_plan(args: argparse.Namespace,
         seq_len = _int_flag("--seq-len", args.seq_len, 1, 4096)
         frames = _int_flag("--frames", args.frames, 1, 81)
         allow = _formats(args.allow)
+        if getattr(args, "save", None) is not None:
+            from vramkit.cli._output import check_output_file
+
+            check_output_file("--save", args.save, what="the plan")
         headroom = _headroom(args.headroom, budget, args.budget)
         hardware, note = _hardware(args.hardware)
+        if hardware is not None:
+            from vramkit.planning.api import check_budget_fits
+            from vramkit.planning.machine import machine_for
+
+            check_budget_fits(budget, machine_for(hardware))
         if args.mode == "infer" and args.checkpointing != "auto":
             raise ConfigError(f"--checkpointing {args.checkpointing} applies to training",
                               hint="Drop --checkpointing with --mode infer (inference keeps no "
@@ -261,6 +282,34 @@ def _spinner(enabled: bool) -> Iterator[Any]:
         yield lambda text: status.update(text)
 
 
+def fit_call(args: argparse.Namespace, saved: str | None) -> str:
+    """The ``vramkit.fit`` call that applies this plan in code: ``plan=`` the file ``--save``
+    wrote (``saved``), else the options that plan the same way on the GPU it runs on. With
+    ``--ddp``, ``vramkit.distributed.fit_rank`` (which plans each rank itself)."""
+    budget = args.budget.strip()
+    arguments = ["model", "inputs", budget if budget.isdigit() else json.dumps(budget)]
+    if saved is not None and not args.ddp:
+        arguments.append(f"plan={json.dumps(saved)}")
+    else:
+        if args.mode != "train":
+            arguments.append(f"mode={json.dumps(args.mode)}")
+        formats = _formats(args.allow)
+        if formats:
+            arguments.append(f"allow_formats={formats!r}")
+        for name, text in (("host_budget", args.host_budget), ("headroom", args.headroom)):
+            if text is not None:
+                value = text.strip()
+                number = value.replace(".", "", 1).isdigit()
+                arguments.append(f"{name}={value if number else json.dumps(value)}")
+        disk_speed = _disk_speed(args.disk_speed)
+        if disk_speed is not None:
+            arguments.append(f"disk_bytes_per_s={disk_speed:.4g}")
+        if args.checkpointing != "auto":
+            arguments.append(f"checkpointing={json.dumps(args.checkpointing)}")
+    function = "vramkit.distributed.fit_rank" if args.ddp else "vramkit.fit"
+    return f"{function}({', '.join(arguments)})"
+
+
 def run(args: argparse.Namespace) -> int:
     """Plan and print; returns the exit code."""
     from vramkit.cli._output import print_json
@@ -269,12 +318,30 @@ def run(args: argparse.Namespace) -> int:
         return _print_lists(args.json)
     with _spinner(not args.json) as status:
         target, result, note = make_plan(args, status)
+    saved = str(result.save(args.save)) if args.save is not None else None
+    call = fit_call(args, saved)
     if args.json:
         print_json({"model": target.name, "mode": target.mode, "trainable": target.trainable,
-                    "shapes": target.shapes, "note": note, "plan": result.to_dict()})
+                    "shapes": target.shapes, "note": note, "plan": result.to_dict(),
+                    "saved": saved, "fit_call": call})
         return 0
     _print_plan(target, result, note, args.blocks)
+    _print_fit_call(call, saved)
     return 0
+
+
+def _print_fit_call(call: str, saved: str | None) -> None:
+    from rich.markup import escape
+
+    from vramkit.cli._output import console
+
+    con = console()
+    if saved is not None:
+        con.print(f"Saved the plan to {escape(saved)}.")
+    con.print(f"In code (model and inputs: yours, as planned here): {escape(call)}",
+              soft_wrap=True)
+    if saved is None:
+        con.print("(--save PATH writes this very plan, for plan=PATH.)")
 
 
 def _print_lists(as_json: bool) -> int:
@@ -347,6 +414,8 @@ def _print_plan(target: Any, plan: Any, note: str | None, list_blocks: bool) -> 
                  "transfer-bound" if phase.transfer_bound else "compute-bound")
         slowed = (f", {phase.slowed_seconds * 1e3:.1f} ms slower beside the copies"
                   if phase.slowed_seconds >= 5e-5 else "")
+        if phase.transfer_bound:  # what bounds it: the compute's wait, not the copies' sum
+            slowed += f", {phase.copy_wait_seconds * 1e3:.0f} ms waiting for copies"
         table.add_row(f"  {label}", f"{phase.seconds * 1e3:.0f} ms ({bound}: compute "
                                     f"{phase.compute_seconds * 1e3:.0f} ms{slowed}, copies "
                                     f"{format_size(phase.copy_bytes)} = "

@@ -28,15 +28,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from vramkit._validate import check_choice
-from vramkit.errors import ConfigError
+from vramkit.errors import ConfigError, PlanError
+from vramkit.offload import _patch
 from vramkit.offload.blocks import find_blocks
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 from vramkit.planning._meta import MetaAutocast, quantize_on_meta
 from vramkit.planning.activations import ActivationEstimate, activation_accounting
 from vramkit.quant.dense import dense_nbytes
 
-__all__ = ["FORMATS", "BlockCost", "ModelCost", "Work", "analyze", "default_step", "meta_copy",
-           "to_meta"]
+__all__ = ["FITTED_MARK", "FORMATS", "BlockCost", "ModelCost", "Work", "analyze", "check_model",
+           "default_step", "meta_copy", "refuse_attached", "to_meta"]
 
 logger = logging.getLogger(__name__)
 
@@ -162,9 +163,65 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def check_model(model: Any) -> nn.Module:
+    """``model``, refused unless it is an ``nn.Module`` (named by its type: a model's repr
+    runs to pages).
+
+    Raises:
+        ConfigError: for anything else (``None``, a function, a preset's name, a pipeline).
+    """
+    if isinstance(model, nn.Module):
+        return model
+    hint = ("A preset's name is for the command line (vramkit plan NAME); in Python, build it: "
+            "vramkit.recipes.targets.build_target(NAME).model." if isinstance(model, str)
+            else "Pass the torch.nn.Module to plan: a pipeline's transformer or UNet, not the "
+                 "pipeline, nor a function.")
+    raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}", hint=hint)
+
+
+#: Set in a model's ``__dict__`` while :func:`vramkit.fit` has a plan applied to it.
+FITTED_MARK = "_vramkit_fitted"
+#: Wrapper kinds that own a module's weights while attached, with what attached them and how
+#: to take it off: a plan of such a model would price what they made of it, and a copy of it
+#: cannot be made (their streams, threads and pinned memory are live).
+_OWNING_WRAPPERS = {"swap": ("a BlockSwapper", "swapper.detach()"),
+                    "cpu_offload": ("a CPUOffloadManager", "manager.restore()")}
+
+
+def refuse_attached(model: nn.Module) -> None:
+    """Refuse a model that a :func:`vramkit.fit` plan, a ``BlockSwapper`` or a
+    ``CPUOffloadManager`` is still attached to (checkpoint and compile wrappers are fine).
+
+    Raises:
+        PlanError: naming what is attached and how to detach it.
+    """
+    if model.__dict__.get(FITTED_MARK):
+        raise PlanError("the model has a vramkit.fit plan applied: planning or fitting it "
+                        "again would stack a second plan on the first",
+                        hint="Call fitted.detach() on what vramkit.fit returned first (or keep "
+                             "using that Fitted model as it is).")
+    for kind, (owner, detach) in _OWNING_WRAPPERS.items():
+        held = [name or type(model).__name__ for name, module in model.named_modules()
+                if any(w.kind == kind and w.active for w in _patch.wrappers(module))]
+        if held:
+            shown = ", ".join(held[:3]) + (f" (and {len(held) - 3} more)" if len(held) > 3
+                                           else "")
+            raise PlanError(f"{shown} {'is' if len(held) == 1 else 'are'} held by {owner} "
+                            "still attached to the model: a plan would price what it made of "
+                            "the model, and its live state cannot be copied",
+                            hint=f"Call {detach} first, then plan or fit the model.")
+
+
 def meta_copy(model: nn.Module) -> nn.Module:
     """``model`` itself when it is on the meta device, else a copy whose parameters and buffers
-    are meta tensors of the same shapes, dtypes and ``requires_grad`` (no data is copied)."""
+    are meta tensors of the same shapes, dtypes and ``requires_grad`` (no data is copied).
+
+    Raises:
+        ConfigError: when ``model`` is no ``nn.Module``.
+        PlanError: when something that owns the model's weights is attached
+            (:func:`refuse_attached`).
+    """
+    refuse_attached(check_model(model))
     tensors = [*model.parameters(), *model.buffers()]
     if all(t.device.type == "meta" for t in tensors):
         return model
@@ -194,7 +251,18 @@ def to_meta(value: Any) -> Any:
 
 def default_step(model: nn.Module, inputs: Any) -> torch.Tensor:
     """Run ``model`` on ``inputs`` (a tuple of positional arguments or a dict of keyword ones)
-    and reduce its floating-point outputs to a scalar (what a loss would cost, roughly)."""
+    and reduce its floating-point outputs to a scalar (what a loss would cost, roughly).
+
+    Raises:
+        ConfigError: for ``inputs`` neither a tuple (or list) nor a mapping: a lone tensor
+            would be unpacked along its first dimension.
+    """
+    if not isinstance(inputs, (tuple, list, Mapping)):
+        raise ConfigError(f"example inputs must be a tuple of positional arguments or a dict of "
+                          f"keyword arguments for the model's forward, got "
+                          f"{type(inputs).__name__}",
+                          hint="Wrap a single tensor as (x,), or pass step=lambda model, "
+                               "inputs: loss to feed the model other inputs.")
     out = model(**inputs) if isinstance(inputs, Mapping) else model(*inputs)
     tensors = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not tensors:
@@ -204,6 +272,16 @@ def default_step(model: nn.Module, inputs: Any) -> torch.Tensor:
     for t in tensors[1:]:
         total = total + t.float().mean()
     return total
+
+
+def _short(exc: BaseException, model: nn.Module, limit: int = 300) -> str:
+    """``exc``'s text for an error message: the model's repr (Python puts a callable's repr in
+    some TypeErrors) by its type's name, and at most ``limit`` characters."""
+    text = str(exc)
+    if "\n" in text or len(text) > limit:
+        text = text.replace(repr(model), type(model).__name__)
+        text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _flatten(value: Any) -> list[Any]:
@@ -310,6 +388,7 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
     Raises:
         ConfigError: for an unknown mode or format, or a model whose step cannot run on meta.
     """
+    check_model(model)
     check_choice("mode", mode, _MODES)
     for fmt in formats:
         check_choice("format", fmt, FORMATS)
@@ -346,7 +425,7 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
             total = _flop_counts(counter)
     except (RuntimeError, NotImplementedError, TypeError) as exc:
         raise ConfigError(f"{type(model).__name__} cannot run its step on the meta device: "
-                          f"{exc}",
+                          f"{_short(exc, model)}",
                           hint="Check example_inputs against the model's forward, or pass a "
                                "step=lambda model, inputs: loss that runs it.") from exc
     root = type(meta).__name__

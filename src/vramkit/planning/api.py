@@ -24,15 +24,15 @@ from vramkit._validate import (
 )
 from vramkit.errors import ConfigError, PlanError
 from vramkit.offload.blocks import find_blocks, module_bytes, split_blocks
-from vramkit.planning.analysis import FORMATS, ModelCost, analyze, meta_copy
+from vramkit.planning.analysis import FORMATS, ModelCost, analyze, check_model, meta_copy
 from vramkit.planning.calibration import BlockTimes, calibrate_blocks
 from vramkit.planning.hardware import HardwareProfile
 from vramkit.planning.machine import Machine, machine_for
 from vramkit.planning.planner import search
 from vramkit.planning.record import CHECKPOINTING, Plan
-from vramkit.units import format_size
+from vramkit.units import format_size, format_sizes_apart
 
-__all__ = ["DEFAULT_HEADROOM", "plan", "resolve_headroom"]
+__all__ = ["DEFAULT_HEADROOM", "check_budget_fits", "plan", "resolve_headroom"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +44,44 @@ DEFAULT_HEADROOM = (0.08, 256 << 20)
 
 def resolve_headroom(budget: int, headroom: int | str | float | None) -> int:
     """Bytes kept free: ``None`` = the default (8 % of the budget + 256 MiB), a fraction in
-    [0, 1), or a size."""
+    [0, 1) (a float), or a size (an int of bytes, or a string such as ``"2GiB"``).
+
+    Raises:
+        ConfigError: for a float of 1 or more: neither a fraction nor a size anyone means
+            (``2.0`` would keep two bytes free).
+    """
     if headroom is None:
         share, fixed = DEFAULT_HEADROOM
         return int(budget * share) + fixed
-    if isinstance(headroom, float) and not isinstance(headroom, bool) and headroom < 1:
+    if isinstance(headroom, float):
+        if headroom >= 1:
+            raise ConfigError(f"headroom={headroom!r} is ambiguous: a float is a fraction of "
+                              "the budget, below 1",
+                              hint="Pass a fraction such as headroom=0.1, or a size: "
+                                   "headroom='2GiB' (or an int of bytes).")
         return int(budget * check_number("headroom", headroom, minimum=0, maximum=1,
                                          high_open=True))
     return int(check_size("headroom", headroom))
+
+
+def check_budget_fits(budget: int, machine: Machine) -> None:
+    """Refuse a budget above the memory of the machine planned for: a plan "on rtx4090" for
+    48 GiB predicts a peak no 24 GiB card holds.
+
+    Raises:
+        ConfigError: naming both sizes.
+    """
+    memory = machine.memory_bytes
+    if memory is not None and budget > memory:
+        shown_memory, shown_budget = format_size(memory), format_size(budget)
+        if shown_memory == shown_budget:
+            shown_memory, shown_budget = format_sizes_apart(memory, budget)
+        raise ConfigError(f"budget={shown_budget} is more than the {shown_memory} of memory "
+                          f"{machine.name} has",
+                          hint=f"Plan for that card's memory or less (budget="
+                               f"{format_size(memory, rounding='down')} or a cap below), or "
+                               "for a GPU with more memory (vramkit.planning.PROFILES, vramkit "
+                               "plan --list).")
 
 
 def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str = "train",
@@ -123,9 +153,11 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
     Raises:
         PlanError: when no plan fits; the message names the smallest budget that would, and
             what would make it fit.
-        ConfigError: for bad arguments, or a model whose step cannot run on meta tensors.
+        ConfigError: for bad arguments, a budget above the memory of ``hardware`` (or of the
+            GPU measured), or a model whose step cannot run on meta tensors.
         DeviceError: for ``hardware=None`` without a GPU.
     """
+    check_model(model)
     check_choice("mode", mode, ("train", "infer"))
     check_choice("checkpointing", checkpointing, CHECKPOINTING)
     if mode == "infer" and checkpointing != "auto":
@@ -157,6 +189,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
                           hint="Lower headroom= (a fraction such as 0.05, or a size).")
     target = check_device("device", device, types=("cuda",), allow_none=True)
     machine = machine_for(hardware, target)
+    check_budget_fits(budget_bytes, machine)
     def budget_for(need: int) -> int:
         """The smallest budget whose room after this headroom rule holds ``need`` bytes."""
         low, high = need, max(need, 1) * 4 + (1 << 30)

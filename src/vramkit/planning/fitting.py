@@ -38,6 +38,7 @@ from vramkit.offload.checkpointing import (
 from vramkit.offload.compiled import COMPILE_MODES, compile_blocks, uncompile_blocks
 from vramkit.offload.swap import BlockLoader, BlockSwapper, MasterMemory, SwapConfig
 from vramkit.planning._meta import trainable_module_names
+from vramkit.planning.analysis import FITTED_MARK, check_model, refuse_attached
 from vramkit.planning.api import plan as make_plan
 from vramkit.planning.record import Plan
 from vramkit.quant.dense import DenseScratch, group_dense, ungroup_dense
@@ -92,7 +93,11 @@ class FitReport:
         return self.measured_step_seconds / self.predicted_step_seconds - 1
 
     def describe(self) -> str:
-        parts = [f"after {self.steps} steps:"]
+        if self.steps < 1:  # one step is the time between two forwards
+            parts = ["no step measured yet" + (":" if self.measured_peak_bytes is not None
+                                               else "")]
+        else:
+            parts = [f"after {self.steps} step{'s' if self.steps != 1 else ''}:"]
         if self.measured_peak_bytes is not None:
             parts.append(f"peak {format_size(self.measured_peak_bytes)} measured vs "
                          f"{format_size(self.predicted_peak_bytes)} predicted "
@@ -243,6 +248,7 @@ class Fitted:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._hook = model.register_forward_pre_hook(self._on_forward)
+        model.__dict__[FITTED_MARK] = True
 
     def _load_quantized_block(self, name: str, fmt: str) -> None:
         """Fill block ``name`` (on meta) from the checkpoint, quantizing each layer as its
@@ -295,7 +301,7 @@ class Fitted:
                                format_size(self.plan.budget_bytes))
 
     def _measure(self) -> FitReport:
-        steps = len(self._marks) - 1
+        steps = max(0, len(self._marks) - 1)  # no forward yet: no mark to count from
         durations = [b - a for a, b in zip(self._marks, self._marks[1:], strict=False)]
         measured = statistics.median(durations[1:] or durations) if durations else None
         peak = (int(torch.cuda.max_memory_allocated(self.device)) - self._others_bytes
@@ -340,6 +346,7 @@ class Fitted:
         self._undo()
 
     def _undo(self) -> None:
+        self.model.__dict__.pop(FITTED_MARK, None)
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -434,9 +441,11 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
 
     Raises:
         ConfigError: for a model on the meta device (fit needs the weights).
-        PlanError: when no plan fits the budget.
+        PlanError: when no plan fits the budget, or when a fit plan or a ``BlockSwapper`` is
+            still attached to the model (detach it first).
     """
     check_int("observe_steps", observe_steps, minimum=1)
+    refuse_attached(check_model(model))  # before anything is planned or applied
     compile_mode = _compile_mode(compile)
     if checkpoint is None and any(t.device.type == "meta"
                                   for t in (*model.parameters(), *model.buffers())):

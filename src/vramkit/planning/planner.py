@@ -48,7 +48,7 @@ from vramkit.errors import PlanError
 from vramkit.offload.blocks import spread_evenly
 from vramkit.planning.analysis import ModelCost
 from vramkit.planning.calibration import BlockTimes
-from vramkit.planning.machine import Machine
+from vramkit.planning.machine import COPY_SLOWDOWN, Machine
 from vramkit.planning.pricing import (
     ADAMW_STATE_BYTES,
     DEFAULT_DISK_BYTES_PER_S,
@@ -59,7 +59,7 @@ from vramkit.planning.pricing import (
     _offloaded,
 )
 from vramkit.planning.record import CHECKPOINTING, Plan
-from vramkit.units import format_size
+from vramkit.units import format_size, format_sizes_apart
 
 __all__ = ["CHECKPOINTING", "search"]
 
@@ -309,9 +309,13 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                    / (sum(c.forward for c in full) or 1.0))
         share_b = (sum(s * c.backward for s, c in zip(slow_bwd, full, strict=True))
                    / (sum(c.backward for c in full) or 1.0))
+        # The default share was read for one model on one card: named as such, never as if
+        # measured for the model planned.
         how = ("timed with copies running beside each kind of block" if measured else
-               "the share the calibration measured for FLUX.1-dev's blocks on an H200; "
-               "vramkit.fit's calibration times this card's own")
+               "the default share, measured on an H200 for one diffusion transformer's "
+               "blocks, not timed for this model or card; vramkit.fit's calibration times "
+               "its own" if machine.copy_slowdown == COPY_SLOWDOWN else
+               "the share Machine.copy_slowdown gives")
         notes.append(f"Copies slow the compute beside them ({how}): forward "
                      f"+{100 * share_f:.1f} %"
                      + (f", backward +{100 * share_b:.1f} %" if train else "")
@@ -416,8 +420,9 @@ def _impossible(cost: ModelCost, budget: int, headroom: int, need: int | None,
     if cost.mode == "train":
         how += (", no block checkpointed, as asked" if checkpointing == "none"
                 else ", everything checkpointed")
-    message = (f"a budget of {format_size(budget)} cannot hold this {cost.mode} step: the "
-               f"smallest plan ({how}) needs a budget of {format_size(need)} (with the "
+    shown_budget, shown_need = format_sizes_apart(budget, need)
+    message = (f"a budget of {shown_budget} cannot hold this {cost.mode} step: the "
+               f"smallest plan ({how}) needs a budget of {shown_need} (with the "
                "headroom kept free)")
-    return PlanError(message, hint=f"Raise the budget to {format_size(need)} or more, or try "
+    return PlanError(message, hint=f"Raise the budget to {shown_need} or more, or try "
                                    + "; or ".join(ideas) + ".", minimum_budget=need)

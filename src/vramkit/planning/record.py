@@ -61,6 +61,14 @@ class PhaseTime:
                 and self.host_seconds > 1.01 * self.compute_seconds)
 
     @property
+    def copy_wait_seconds(self) -> float:
+        """What the compute waits for copies: the phase less its compute (slowed beside the
+        copies included); 0 for a host-bound phase, whose gaps are the host's."""
+        if self.host_bound:
+            return 0.0
+        return max(0.0, self.seconds - self.compute_seconds - self.slowed_seconds)
+
+    @property
     def transfer_bound(self) -> bool:
         """Whether compute waits for copies for more than 1 % of the phase (and not for the
         host); compute slowed beside the copies is still compute."""
@@ -304,15 +312,21 @@ class Plan:
                              f"the host needs {phase.host_seconds * 1e3:.0f} ms to enqueue "
                              f"{compute}{copies}.")
             elif phase.copy_bytes:
+                # Which side bounds the phase, said as what waits for what: copies that take
+                # less time than the compute can still bound it (the first block's copy, and
+                # copies a full ring cannot start early, overlap nothing).
                 copies = (f"{format_size(phase.copy_bytes)} of copies "
-                          f"({phase.copy_seconds * 1e3:.0f} ms)")
-                bound = ("transfer-bound" if phase.transfer_bound else
-                         "compute-bound (the copies hide behind compute)")
+                          f"({phase.copy_seconds * 1e3:.0f} ms on the copy engine)")
                 slowed = (f"; beside the copies the compute runs "
                           f"{phase.slowed_seconds * 1e3:.1f} ms slower"
                           if phase.slowed_seconds >= 5e-5 else "")
-                lines.append(f"{label.capitalize()} {phase.seconds * 1e3:.0f} ms, {bound}: "
-                             f"{copies} vs {compute}{slowed}.")
+                if phase.transfer_bound:
+                    said = (f"transfer-bound: {copies} do not all overlap the "
+                            f"{phase.compute_seconds * 1e3:.0f} ms of compute, which waits "
+                            f"{phase.copy_wait_seconds * 1e3:.0f} ms for them{slowed}")
+                else:
+                    said = f"compute-bound: {copies} hide behind {compute}{slowed}"
+                lines.append(f"{label.capitalize()} {phase.seconds * 1e3:.0f} ms, {said}.")
             else:
                 lines.append(f"{label.capitalize()} {phase.seconds * 1e3:.0f} ms: {compute}, "
                              "no copies.")

@@ -1037,3 +1037,28 @@ def test_trainable_blocks_kept_resident_are_named_as_the_reason() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", VramkitWarning)
         _swap(_frozen_blocks(_net())).detach()  # swaps: no warning
+
+
+def test_a_second_swapper_on_a_swapped_model_is_refused() -> None:
+    # It found every block's tensors already in the first swapper's masters: it swapped
+    # nothing and warned about shared tensors, with both attached.
+    model = _frozen_blocks(_net())
+    first = BlockSwapper(model, config=SwapConfig(num_slots=1, min_param_bytes=0),
+                         device="cpu")
+    assert first.swapped_names
+    with pytest.raises(OffloadError, match=r"blocks\.0 .*swapped by another BlockSwapper") as err:
+        BlockSwapper(model, config=SwapConfig(num_slots=1, min_param_bytes=0), device="cpu")
+    assert "detach" in (err.value.hint or "")
+    first.detach()
+    BlockSwapper(model, config=SwapConfig(num_slots=1, min_param_bytes=0), device="cpu").detach()
+
+
+def test_a_swapper_on_weights_a_cpu_offload_manager_holds_is_refused() -> None:
+    from vramkit.offload.cpu import CPUOffloadManager
+
+    model = _frozen_blocks(_net())
+    manager = CPUOffloadManager("cpu")
+    manager.offload_weights(model)
+    with pytest.raises(OffloadError, match="CPUOffloadManager"):
+        BlockSwapper(model, config=SwapConfig(num_slots=1, min_param_bytes=0), device="cpu")
+    manager.restore()

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from vramkit.errors import ConfigError
+from vramkit.errors import ConfigError, OffloadError
+from vramkit.offload import _patch
 from vramkit.offload.blocks import BlockScheduleEntry, module_bytes
 from vramkit.offload.swap.config import SwapConfig
 from vramkit.offload.swap.records import (
@@ -39,6 +40,7 @@ __all__ = [
     "module_names",
     "move_to_device",
     "nothing_swapped_reason",
+    "refuse_held",
     "refuse_wrapped",
     "restore_ddp_ignored",
     "restore_entry",
@@ -231,6 +233,31 @@ class Countdown:
             last = self._count == 0
         if last:
             self._action()
+
+
+#: Wrapper kinds whose owner holds a module's weights while attached, with how to let go: a
+#: second owner would find its tensors already replaced (a swapper: placeholders shared with
+#: the first one's masters), swap nothing and leave both attached.
+_HOLDERS = {"swap": ("swapped by another BlockSwapper", "Detach the first swapper "
+                     "(swapper.detach(), or fitted.detach() for vramkit.fit) before attaching "
+                     "another, or keep using the first."),
+            "cpu_offload": ("offloaded by a CPUOffloadManager", "Call manager.restore() "
+                            "before attaching a BlockSwapper to the model.")}
+
+
+def refuse_held(model: nn.Module) -> None:
+    """Refuse a model whose modules another swapper or a CPU offload manager holds.
+
+    Raises:
+        OffloadError: naming the first module held and how to detach its holder.
+    """
+    for name, module in model.named_modules():
+        for w in _patch.wrappers(module):
+            if w.active and w.kind in _HOLDERS:
+                how, hint = _HOLDERS[w.kind]
+                raise OffloadError(f"{name or type(model).__name__} is already {how}: a "
+                                   "second swapper would find its weights taken",
+                                   hint=hint)
 
 
 def refuse_wrapped(model: nn.Module, *, attached: bool = False) -> None:

@@ -82,6 +82,7 @@ from vramkit.offload.swap.attach import (
     module_names,
     move_to_device,
     nothing_swapped_reason,
+    refuse_held,
     refuse_wrapped,
     restore_ddp_ignored,
     restore_entry,
@@ -219,6 +220,7 @@ class BlockSwapper:
             raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}",
                               hint="Pass the torch.nn.Module whose blocks should be swapped.")
         refuse_wrapped(model)
+        refuse_held(model)
         if config.trainable == "swap" and not callable(optimizer):
             raise ConfigError(
                 "SwapConfig(trainable='swap') steps each swapped block with its own optimizer: "

@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING
 from vramkit._lazy import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
-    ".api": ("plan", "DEFAULT_HEADROOM", "resolve_headroom"),
+    ".api": ("plan", "DEFAULT_HEADROOM", "resolve_headroom", "check_budget_fits"),
     ".fitting": ("fit", "Fitted", "FitReport"),
     ".record": ("Plan", "PhaseTime", "CHECKPOINTING"),
     ".planner": ("search",),
     ".pricing": ("BlockPrices", "Candidate", "Priced", "StepPricer"),
     ".simulation": ("simulate_phase",),
     ".analysis": ("analyze", "ModelCost", "BlockCost", "Work", "FORMATS", "default_step",
-                  "meta_copy", "to_meta"),
+                  "meta_copy", "to_meta", "FITTED_MARK", "check_model", "refuse_attached"),
     ".calibration": ("BlockTimes", "CallTimes", "calibrate_blocks"),
     ".machine": ("Machine", "machine_for", "measure_machine", "ACHIEVED_FRACTION", "COPY_SLOWDOWN"),
     ".hardware": ("HardwareProfile", "PROFILES", "hardware_profile"),

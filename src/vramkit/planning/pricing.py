@@ -25,6 +25,7 @@ from vramkit.planning.calibration import CHECKPOINTED, FULL, BlockTimes, CallTim
 from vramkit.planning.machine import SWAP_HOST_SECONDS, Machine
 from vramkit.planning.record import PhaseTime
 from vramkit.planning.simulation import _simulate, _simulate_calls
+from vramkit.planning.w8a8 import is_w8a8, w8a8_change
 
 __all__ = ["BlockPrices", "Candidate", "Priced", "StepPricer"]
 
@@ -56,7 +57,9 @@ class BlockPrices:
             the copy engine runs beside it.
         dequant: ``dequant[together][fmt]``: what storing each block in ``fmt`` adds to its
             calls, its layers dequantized each at its call (``together=False``) or all at the
-            block's first call into one shared buffer (``True``).
+            block's first call into one shared buffer (``True``). A W8A8 format dequantizes
+            nothing (both ways alike): what its 8-bit GEMMs and quantization passes change,
+            negative where they win.
         dense: ``dense[fmt]``: each block's weights dequantized from ``fmt`` (the shared
             buffer's size when they are dequantized together).
         ways: the ways of dequantizing weighed (``[False]``, plus ``True`` where the
@@ -141,6 +144,9 @@ class BlockPrices:
             for fmt in formats:
                 dequant_by[together][fmt] = []
                 for b in cost.blocks:
+                    if is_w8a8(fmt):
+                        dequant_by[together][fmt].append(_w8a8_extra(b, fmt, machine, times))
+                        continue
                     extra = (times.extra(packed_variant(fmt, together), b.name)
                              if times is not None and fmt != "bf16" else None)
                     if extra is None:
@@ -349,11 +355,12 @@ def _block_sides(full: Sequence[CallTimes], as_checkpointed: Sequence[CallTimes]
         swap_host = SWAP_HOST_SECONDS if s else 0.0
         back = layer if together and not k else d
         call = ck if k else c
-        fwd_dev.append(call.forward + d.forward)
-        fwd_host.append(call.host_forward + d.host_forward + swap_host)
-        bwd_dev.append(call.backward + back.backward + (d.forward if k else 0.0))
-        bwd_host.append(call.host_backward + back.host_backward
-                        + (d.host_forward if k else 0.0) + swap_host)
+        # a W8A8 format's change may be negative (faster GEMMs), never below nothing
+        fwd_dev.append(max(0.0, call.forward + d.forward))
+        fwd_host.append(max(0.0, call.host_forward + d.host_forward) + swap_host)
+        bwd_dev.append(max(0.0, call.backward + back.backward + (d.forward if k else 0.0)))
+        bwd_host.append(max(0.0, call.host_backward + back.host_backward
+                            + (d.host_forward if k else 0.0)) + swap_host)
     return fwd_dev, fwd_host, bwd_dev, bwd_host
 
 
@@ -391,6 +398,20 @@ def _dequant(block: BlockCost, fmt: str, machine: Machine) -> float:
     if fmt == "bf16":
         return 0.0
     return (block.swapped[fmt] + block.swapped["bf16"]) / machine.memory_bandwidth_bytes_per_s
+
+
+def _w8a8_extra(block: BlockCost, fmt: str, machine: Machine, times: BlockTimes | None
+                ) -> CallTimes:
+    """What storing a block in a W8A8 format changes in its call: measured where the
+    calibration timed it (the difference may be negative: the 8-bit GEMMs can be faster),
+    else the offline model (:func:`~vramkit.planning.w8a8.w8a8_change`), else nothing (a block
+    the calibration could not run keeps its FLOP-based time either way)."""
+    timed = (times.extra(packed_variant(fmt), block.name, signed=True)
+             if times is not None else None)
+    if timed is not None:
+        return timed
+    modeled = w8a8_change(block.linear_calls, fmt, machine)
+    return modeled if modeled is not None else CallTimes(0.0, 0.0, 0.0, 0.0)
 
 
 def _disk_split(sizes: list[int], budget: int) -> Any:

@@ -241,3 +241,13 @@ def test_flux_inference_at_diffusers_peak_splits_its_blocks(
     assert main(["plan", *argv]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "units (blocks split)" in out and "Blocks split into their children" in out
+
+
+def test_allow_takes_the_w8a8_formats(llama_dir: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(capsys, str(llama_dir), "--budget", "8GiB", "--hardware", "rtx3090",
+                 "--seq-len", "512", "--allow", "int8-w8a8,fp8-w8a8")
+    plan = data["plan"]
+    assert {plan["swapped_format"], plan["resident_format"]} <= {"bf16", "int8-w8a8"}
+    # the RTX 3090 has no fp8 tensor cores: the format is not offered, and the plan says so
+    assert any(note.startswith("fp8-w8a8 is not offered") for note in plan["notes"])

@@ -17,13 +17,13 @@ from vramkit.offload.swap import BlockSwapper, SwapConfig
 from vramkit.planning import Machine, analyze, calibrate_blocks
 from vramkit.planning.analysis import FORMATS
 from vramkit.planning.hardware import PROFILES
+from vramkit.planning.pricing import w8a8_change
 from vramkit.planning.record import Plan
 from vramkit.planning.w8a8 import (
     W8A8_OUTPUT_ERROR,
     LinearCall,
     unavailable_on_device,
     unavailable_on_machine,
-    w8a8_change,
 )
 from vramkit.quant.model import QuantizationConfig, quantize_model
 from vramkit.quant.w8a8 import W8A8Linear

@@ -13,9 +13,9 @@ This module holds what the planner needs beyond the weight-only formats:
 * whether a machine or a device can run a format (:func:`unavailable_on_machine`,
   :func:`unavailable_on_device`): a GPU without the 8-bit GEMM is not offered the format, and
   the plan says why (never a silent full-precision fallback);
-* the offline time model of a W8A8 block (:func:`w8a8_change`): what its frozen layers' calls
-  change against the block as built, from the calls the analysis counted
-  (:class:`LinearCall`);
+* what the offline time model of a W8A8 block reads
+  (:func:`vramkit.planning.pricing.w8a8_change`): the frozen layers' calls the analysis
+  counted (:class:`LinearCall`) and the memory traffic and kernels each adds;
 * what each format costs in accuracy (:data:`W8A8_OUTPUT_ERROR`).
 """
 
@@ -28,11 +28,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:  # annotations only
-    from vramkit.planning.calibration import CallTimes
     from vramkit.planning.machine import Machine
 
 __all__ = ["W8A8_FORMATS", "W8A8_OUTPUT_ERROR", "LinearCall", "accuracy_note", "is_w8a8",
-           "storage_config", "unavailable_on_device", "unavailable_on_machine", "w8a8_change"]
+           "storage_config", "unavailable_on_device", "unavailable_on_machine"]
 
 #: Plan format -> the W8A8 kind (:class:`~vramkit.quant.w8a8.W8A8Linear`'s ``kind``).
 W8A8_FORMATS: dict[str, str] = {"fp8-w8a8": "fp8", "int8-w8a8": "int8"}
@@ -136,63 +135,3 @@ class LinearCall:
     in_features: int
     out_features: int
     input_grad: bool
-
-
-def w8a8_change(calls: Sequence[LinearCall], fmt: str, machine: Machine) -> CallTimes | None:
-    """What storing a block in ``fmt`` changes in its call by the offline time model, device
-    and host side apart, forward and backward (negative where the 8-bit GEMMs win), from the
-    frozen linears' ``calls`` (:attr:`~vramkit.planning.analysis.BlockCost.linear_calls`).
-
-    Per call that the 8-bit GEMMs take (:func:`~vramkit.quant.w8a8.w8a8_fits`): the forward
-    GEMM and, with ``input_grad``, the backward's input-gradient GEMM run at the machine's
-    8-bit rate instead of bf16 (a frozen layer has no weight-gradient GEMM either way); the
-    forward quantizes its input (:data:`QUANTIZE_BYTES` per element), the backward its gradient
-    and makes one transposed copy of the weight (:data:`TRANSPOSE_BYTES` per weight element);
-    int8 adds its epilogue (:data:`INT8_EPILOGUE_BYTES` per output element); each adds
-    :data:`EXTRA_KERNELS`. A call the GEMMs cannot take dequantizes its weight
-    (:data:`DEQUANTIZE_BYTES`), as weight-only storage does.
-
-    Returns:
-        The change, or ``None`` where the machine has no peak throughput or no 8-bit rate
-        (a measured machine: its calibration times the format).
-    """
-    from vramkit.planning.calibration import CallTimes
-    from vramkit.planning.machine import (
-        DEVICE_SECONDS_PER_KERNEL,
-        HOST_SECONDS_PER_KERNEL,
-        MATMUL_FRACTION,
-        MEMORY_FRACTION,
-    )
-    from vramkit.quant.w8a8 import w8a8_fits
-
-    kind = W8A8_FORMATS[fmt]
-    peak = machine.peak_flops_per_s
-    rate = machine.fp8_gemm_flops_per_s if kind == "fp8" else machine.int8_gemm_flops_per_s
-    if peak is None or rate is None:
-        return None
-    epilogue = INT8_EPILOGUE_BYTES if kind == "int8" else 0
-    extra_fwd, extra_bwd = EXTRA_KERNELS[kind]
-    flops = [0.0, 0.0]
-    moved = [0.0, 0.0]
-    kernels = [0, 0]
-    for c in calls:
-        m, k, n = c.rows, c.in_features, c.out_features
-        phases = (0, 1) if c.input_grad else (0,)
-        if not w8a8_fits(kind, k, n):
-            for p in phases:
-                moved[p] += DEQUANTIZE_BYTES * n * k
-                kernels[p] += 1
-            continue
-        flops[0] += 2.0 * m * k * n
-        moved[0] += QUANTIZE_BYTES * m * k + epilogue * m * n
-        kernels[0] += extra_fwd
-        if c.input_grad:
-            flops[1] += 2.0 * m * k * n
-            moved[1] += QUANTIZE_BYTES * m * n + TRANSPOSE_BYTES * n * k + epilogue * m * k
-            kernels[1] += extra_bwd
-    bandwidth = machine.memory_bandwidth_bytes_per_s * MEMORY_FRACTION
-    device = [f * (1 / (rate * MATMUL_FRACTION) - 1 / (peak * MATMUL_FRACTION))
-              + b / bandwidth + n * DEVICE_SECONDS_PER_KERNEL
-              for f, b, n in zip(flops, moved, kernels, strict=True)]
-    host = [n * HOST_SECONDS_PER_KERNEL for n in kernels]
-    return CallTimes(device[0], device[1], host[0], host[1])

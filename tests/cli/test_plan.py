@@ -310,3 +310,13 @@ def test_save_to_a_folder_that_does_not_exist_is_a_usage_error(
                  "--save", str(tmp_path / "missing" / "plan.json")])
     captured = capsys.readouterr()
     check_error(code, captured.out, captured.err, sub="plan", exit_code=2, says=("--save",))
+
+
+def test_allow_takes_the_w8a8_formats(llama_dir: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(capsys, str(llama_dir), "--budget", "8GiB", "--hardware", "rtx3090",
+                 "--seq-len", "512", "--allow", "int8-w8a8,fp8-w8a8")
+    plan = data["plan"]
+    assert {plan["swapped_format"], plan["resident_format"]} <= {"bf16", "int8-w8a8"}
+    # the RTX 3090 has no fp8 tensor cores: the format is not offered, and the plan says so
+    assert any(note.startswith("fp8-w8a8 is not offered") for note in plan["notes"])

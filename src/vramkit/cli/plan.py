@@ -87,7 +87,8 @@ def register(subparsers: Any) -> None:
                              f"this machine's GPU, or {DEFAULT_OFFLINE_HARDWARE} without one")
     parser.add_argument("--allow", metavar="FORMATS", default="",
                         help="packed storage the plan may use for frozen weights, e.g. "
-                             "fp8,int8 (fp8, int8, int4, nf4; default none)")
+                             "fp8,int8 (fp8, int8, int4, nf4; fp8-w8a8 and int8-w8a8 also "
+                             "run the frozen layers' matmuls in 8 bits; default none)")
     parser.add_argument("--host-budget", metavar="SIZE", default=None,
                         help="pinned host memory the plan may use (default: no limit); "
                              "swapped blocks that do not fit stay on disk")

@@ -32,7 +32,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".fitting": ("fit", "Fitted", "FitReport"),
     ".record": ("Plan", "PhaseTime", "CHECKPOINTING"),
     ".planner": ("search",),
-    ".pricing": ("BlockPrices", "Candidate", "Priced", "StepPricer"),
+    ".pricing": ("BlockPrices", "Candidate", "Priced", "StepPricer", "w8a8_change"),
     ".simulation": ("simulate_phase",),
     ".analysis": ("analyze", "ModelCost", "BlockCost", "Work", "FORMATS", "default_step",
                   "meta_copy", "to_meta", "FITTED_MARK", "check_model", "refuse_attached"),
@@ -40,6 +40,8 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".machine": ("Machine", "machine_for", "measure_machine", "ACHIEVED_FRACTION", "COPY_SLOWDOWN"),
     ".hardware": ("HardwareProfile", "PROFILES", "hardware_profile"),
     ".activations": ("ActivationEstimate", "estimate_activations", "activation_accounting"),
+    ".w8a8": ("W8A8_FORMATS", "W8A8_OUTPUT_ERROR", "LinearCall", "accuracy_note", "is_w8a8",
+              "storage_config", "unavailable_on_device", "unavailable_on_machine"),
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions
@@ -54,3 +56,4 @@ if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.planning.pricing import *  # noqa: F403
     from vramkit.planning.record import *  # noqa: F403
     from vramkit.planning.simulation import *  # noqa: F403
+    from vramkit.planning.w8a8 import *  # noqa: F403

@@ -78,15 +78,20 @@ def quantize_on_meta(module: nn.Module, weight_format: str) -> nn.Module:
 
     Args:
         module: a model or block on the meta device.
-        weight_format: ``"int8"``, ``"int4"``, ``"nf4"`` or ``"fp8"``.
+        weight_format: ``"int8"``, ``"int4"``, ``"nf4"`` or ``"fp8"``, or a W8A8 format
+            (``"fp8-w8a8"``, ``"int8-w8a8"``: :class:`~vramkit.quant.w8a8.W8A8Linear` layers,
+            one fp32 scale per output row).
     """
+    from vramkit.planning.w8a8 import storage_config
     from vramkit.quant.formats import QuantizedTensor, expected_layout
-    from vramkit.quant.model import QuantizationConfig, quantizable_layers, quantized_layer
+    from vramkit.quant.model import quantizable_layers, quantized_layer
+    from vramkit.quant.w8a8 import w8a8_weight_format
 
-    config = QuantizationConfig(weights_dtype=weight_format,
-                                modules_to_not_quantize=tuple(trainable_module_names(module)))
-    fmt = config.weight_format()
+    config = storage_config(weight_format, trainable_module_names(module))
     for name, layer in quantizable_layers(module, config):
+        # W8A8: one scale per output row, as quantize_weight stores it
+        fmt = (w8a8_weight_format(config.w8a8_kind, layer.weight[0].numel())
+               if config.w8a8_kind is not None else config.weight_format())
         tensors = {key: torch.empty(shape, dtype=dtype, device="meta")
                    for key, (shape, dtype) in expected_layout(fmt, layer.weight.shape).items()}
         q = QuantizedTensor(config=fmt, data=tensors["data"], scales=tensors["scales"],

@@ -34,6 +34,7 @@ from vramkit.offload.blocks import find_blocks
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 from vramkit.planning._meta import MetaAutocast, quantize_on_meta
 from vramkit.planning.activations import ActivationEstimate, activation_accounting
+from vramkit.planning.w8a8 import W8A8_FORMATS, LinearCall
 from vramkit.quant.dense import dense_nbytes
 
 __all__ = ["FITTED_MARK", "FORMATS", "BlockCost", "ModelCost", "Work", "analyze", "check_model",
@@ -41,8 +42,10 @@ __all__ = ["FITTED_MARK", "FORMATS", "BlockCost", "ModelCost", "Work", "analyze"
 
 logger = logging.getLogger(__name__)
 
-#: Storage formats a plan may choose for a block's frozen weights.
-FORMATS = ("bf16", "fp8", "int8", "nf4", "int4")
+#: Storage formats a plan may choose for a block's frozen weights: as built, weight-only packed
+#: (dequantized at each call), or W8A8 (:mod:`vramkit.planning.w8a8`: the same bytes as fp8 /
+#: int8, both matmuls of each frozen linear in 8 bits).
+FORMATS = ("bf16", "fp8", "int8", "nf4", "int4", *W8A8_FORMATS)
 #: Backward of fused attention over its forward (flash attention: 5 matmuls vs 2).
 ATTENTION_BACKWARD_FACTOR = 2.5
 _MODES = ("train", "infer")
@@ -88,6 +91,8 @@ class BlockCost:
         dense: format -> bytes of its quantized linears dequantized in the compute dtype (the
             share of the device buffer a packed block's call dequantizes them into,
             :mod:`vramkit.quant.dense`; absent or 0 for ``"bf16"``).
+        linear_calls: the calls of its frozen linears a W8A8 format would replace, in the
+            order they ran (what :func:`~vramkit.planning.w8a8.w8a8_change` prices).
     """
 
     name: str
@@ -100,6 +105,7 @@ class BlockCost:
     adapters: int
     work: Work | None = None
     dense: Mapping[str, int] = field(default_factory=dict)
+    linear_calls: tuple[LinearCall, ...] = ()
 
     def resident_bytes(self, fmt: str) -> int:
         """Frozen bytes on the device when the block stays resident in ``fmt``."""
@@ -404,6 +410,7 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
     meta_inputs = to_meta(inputs)
     run = step if step is not None else default_step
     counter = FlopCounterMode(display=False)
+    linear_calls, hooks = _count_linear_calls(found, mode == "train")
     try:
         with counter:
             with activation_accounting(meta, names) as saved, _KernelCounter(saved) as kernels:
@@ -428,6 +435,9 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
                           f"{_short(exc, model)}",
                           hint="Check example_inputs against the model's forward, or pass a "
                                "step=lambda model, inputs: loss that runs it.") from exc
+    finally:
+        for hook in hooks:
+            hook.remove()
     root = type(meta).__name__
     attention = saved.attention_flops
     estimate = saved.estimate()
@@ -452,7 +462,8 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
         adapters = sum(_nbytes(p) for p in module.parameters() if p.requires_grad)
         costs.append(BlockCost(name, matmul[name] + attn, bwd if mode == "train" else 0.0,
                                estimate.per_block[name], estimate.inputs[name], swapped, kept,
-                               adapters, kernels.work(name, matmul[name], attn), dense))
+                               adapters, kernels.work(name, matmul[name], attn), dense,
+                               tuple(linear_calls[name])))
     in_blocks = {id(t) for _, m in found for t in (*m.parameters(), *m.buffers())}
     outside = sum(_nbytes(t) for t in (*meta.parameters(), *meta.buffers())
                   if id(t) not in in_blocks and not t.requires_grad)
@@ -475,6 +486,36 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
     logger.debug("analyzed %s in %.1f s: %d blocks, %.1f TFLOP forward", root, result.seconds,
                  len(costs), result.forward_flops / 1e12)
     return result
+
+
+def _count_linear_calls(found: Sequence[tuple[str, nn.Module]], train: bool
+                        ) -> tuple[dict[str, list[LinearCall]], list[Any]]:
+    """Hooks that note, block by block, each call of a frozen linear a W8A8 format would
+    replace (the selection :func:`vramkit.fit` applies: layers owning trainable parameters
+    kept), and the calls' list by block; remove the hooks after the step."""
+    from vramkit.planning._meta import trainable_module_names
+    from vramkit.planning.w8a8 import storage_config
+    from vramkit.quant.model import quantizable_layers
+
+    calls: dict[str, list[LinearCall]] = {name: [] for name, _ in found}
+    hooks = []
+    for name, block in found:
+        config = storage_config("int8-w8a8", trainable_module_names(block))
+        for _, layer in quantizable_layers(block, config):
+            if not isinstance(layer, nn.Linear):
+                continue
+
+            def note(module: nn.Module, args: tuple[Any, ...], out: Any,
+                     tally: list[LinearCall] = calls[name]) -> None:
+                x = args[0] if args else None
+                if not isinstance(x, torch.Tensor) or not x.dim():
+                    return
+                k = int(x.shape[-1])
+                tally.append(LinearCall(x.numel() // max(k, 1), k, module.out_features,
+                                        train and torch.is_grad_enabled() and x.requires_grad))
+
+            hooks.append(layer.register_forward_hook(note))
+    return calls, hooks
 
 
 def _footprints(meta: nn.Module, found: list[tuple[str, nn.Module]], formats: Sequence[str],

@@ -117,7 +117,12 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
             machine's GPU: its copy bandwidth, and the compute time of one block of each kind
             (:func:`~vramkit.planning.calibration.calibrate_blocks`).
         allow_formats: packed storage the plan may use for frozen weights: ``"fp8"``,
-            ``"int8"``, ``"nf4"``, ``"int4"`` (default none: the weights as built).
+            ``"int8"``, ``"nf4"``, ``"int4"`` (default none: the weights as built), and W8A8
+            (``"fp8-w8a8"``, ``"int8-w8a8"``: the same bytes as fp8 / int8, the frozen
+            linears' forward and input gradient as 8-bit GEMMs, activations quantized too:
+            :mod:`vramkit.planning.w8a8`). A W8A8 format the GPU cannot run (fp8 below
+            capability 8.9, int8 below 8.0; a profile without the 8-bit rate) is not offered,
+            and the plan's notes say why.
         host_budget: pinned host memory the swapped blocks (and offloaded activations) may
             take (default: no limit). Where the swapped blocks' masters do not fit, the plan
             keeps some on disk (``Plan.disk_blocks``: the swapper's disk tier, frozen weights

@@ -30,7 +30,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from vramkit._validate import check_choice, check_device, check_int
 from vramkit.offload.blocks import find_blocks
 from vramkit.planning._meta import MetaAutocast
 from vramkit.planning.analysis import FORMATS, ModelCost, default_step, meta_copy, to_meta
+from vramkit.planning.w8a8 import is_w8a8, storage_config, unavailable_on_device
 
 __all__ = ["BlockTimes", "CallTimes", "calibrate_blocks"]
 
@@ -107,6 +108,8 @@ class BlockTimes:
         device: where they were timed (``"cuda:0"``, ``"cpu"``).
         fallbacks: blocks whose kind could not run on random inputs (FLOP-based times).
         seconds: how long the calibration took.
+        unavailable: formats asked for that this device cannot run -> why (a W8A8 format
+            whose 8-bit GEMM the GPU lacks): not timed, and a plan does not offer them.
     """
 
     calls: dict[str, dict[str, CallTimes]]
@@ -114,6 +117,7 @@ class BlockTimes:
     device: str
     fallbacks: tuple[str, ...] = ()
     seconds: float = 0.0
+    unavailable: dict[str, str] = field(default_factory=dict)
 
     def call(self, name: str, variant: str = FULL) -> CallTimes | None:
         """Block ``name``'s times in ``variant``, or ``None`` when that was not timed."""
@@ -129,12 +133,17 @@ class BlockTimes:
         """Block name -> seconds of its backward alone (0 for inference)."""
         return {n: c.seconds[1] for n, c in self.calls.get(FULL, {}).items()}
 
-    def extra(self, variant: str, name: str) -> CallTimes | None:
+    def extra(self, variant: str, name: str, *, signed: bool = False) -> CallTimes | None:
         """What a call of block ``name`` costs in ``variant`` over its :data:`FULL` call (each
-        side never negative), or ``None`` when that was not timed."""
+        side never negative; ``signed``: negative where the variant is faster, as a W8A8
+        block's 8-bit GEMMs can be), or ``None`` when that was not timed."""
         timed, full = self.call(name, variant), self.call(name)
         if timed is None or full is None:
             return None
+        if signed:
+            return CallTimes(timed.forward - full.forward, timed.backward - full.backward,
+                             timed.host_forward - full.host_forward,
+                             timed.host_backward - full.host_backward)
         return timed.minus(full)
 
     def packed_extra(self, fmt: str, name: str, *, together: bool = False
@@ -476,7 +485,10 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
             each kind in as well: the block's frozen layers quantized as
             :func:`vramkit.fit` stores a packed block (``quantize_model``, layers that own
             trainable parameters kept), so a plan prices dequantizing on the fly by what it
-            costs on this device (:meth:`BlockTimes.extra`).
+            costs on this device (:meth:`BlockTimes.extra`); and W8A8 formats
+            (``"fp8-w8a8"``, ``"int8-w8a8"``: the block built with
+            :class:`~vramkit.quant.w8a8.W8A8Linear` layers), except where the GPU lacks their
+            8-bit GEMM (:attr:`BlockTimes.unavailable` says why).
         found: the blocks already found, as :func:`~vramkit.offload.blocks.find_blocks`
             returns them, of ``model`` already on the meta device (``blocks`` is then not
             read; :func:`vramkit.plan` passes the ones its analysis used).
@@ -497,6 +509,11 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
     target = check_device("device", device if device is not None else "cuda")
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
+    # A W8A8 format whose GEMM this GPU lacks is not timed, and not offered: never a block
+    # timed (or run) in full precision under its name.
+    unavailable = {fmt: why for fmt in formats
+                   if (why := unavailable_on_device(fmt, target)) is not None}
+    formats = tuple(fmt for fmt in formats if fmt not in unavailable)
     started = time.perf_counter()
     train = mode == "train"
     if found is None:
@@ -539,7 +556,8 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
                 timed[CHECKPOINTED] = _time_checkpointed(block, args, kwargs, target, autocast,
                                                          repeats)
             for fmt in formats:
-                for together in (False, True):
+                # a W8A8 block dequantizes nothing: no together variant
+                for together in (False,) if is_w8a8(fmt) else (False, True):
                     timed[packed_variant(fmt, together)] = _time_packed(
                         block, fmt, args, kwargs, target, train, autocast, repeats,
                         together=together)
@@ -563,7 +581,8 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
     seconds = time.perf_counter() - started
     logger.info("calibrated %d block kind(s) on %s in %.1f s", len(kinds), target, seconds)
     return BlockTimes(calls=calls, kinds=len(kinds), device=str(target),
-                      fallbacks=tuple(dict.fromkeys(fallbacks)), seconds=seconds)
+                      fallbacks=tuple(dict.fromkeys(fallbacks)), seconds=seconds,
+                      unavailable=unavailable)
 
 
 def _time_packed(block: nn.Module, fmt: str, args: Any, kwargs: Any, device: torch.device,
@@ -576,12 +595,11 @@ def _time_packed(block: nn.Module, fmt: str, args: Any, kwargs: Any, device: tor
     or each at its call."""
     from vramkit.planning._meta import trainable_module_names
     from vramkit.quant.dense import DenseScratch, group_dense
-    from vramkit.quant.model import QuantizationConfig, quantize_model
+    from vramkit.quant.model import quantize_model
 
     packed = copy.deepcopy(block)
     try:
-        quantize_model(packed, QuantizationConfig(
-            weights_dtype=fmt, modules_to_not_quantize=tuple(trainable_module_names(packed))))
+        quantize_model(packed, storage_config(fmt, trainable_module_names(packed)))
         if not together:
             return _time_block(packed, args, kwargs, device, train, autocast, repeats)
         # Each round's forward fills the buffer anew, as a step's does (the buffer holds other

@@ -255,15 +255,14 @@ class Fitted:
         weight arrives (``load_into(quantization=)``): the block never exists in full
         precision. Detach puts the original layers back, filled from the checkpoint again."""
         from vramkit.io.loader import load_into
-        from vramkit.quant.model import QuantizationConfig
+        from vramkit.planning.w8a8 import storage_config
 
         checkpoint, prefix, strict = self._checkpoint
         block = self.model.get_submodule(name)
         keep = tuple(trainable_module_names(block))
         before = dict(block.named_modules())
         load_into(block, checkpoint, prefix=f"{prefix or ''}{name}.", strict=strict,
-                  quantization=QuantizationConfig(weights_dtype=fmt,
-                                                  modules_to_not_quantize=keep),
+                  quantization=storage_config(fmt, keep),
                   use_mmap=False, progress=False)
         for owner, attr, qual, module in _replaced(block, before):
             # the original layer was on meta: detach refills it from the file
@@ -271,7 +270,8 @@ class Fitted:
             self._refill.append((module, f"{prefix or ''}{name}.{qual}."))
 
     def _quantize_block(self, name: str, fmt: str) -> None:
-        from vramkit.quant.model import QuantizationConfig, quantize_model
+        from vramkit.planning.w8a8 import storage_config
+        from vramkit.quant.model import quantize_model
 
         block = self.model.get_submodule(name)
         keep = tuple(trainable_module_names(block))
@@ -280,8 +280,8 @@ class Fitted:
         # detach() can put the very same bytes back.
         held = {id(m): [(t, t.data) for t in (*m._parameters.values(), *m._buffers.values())
                         if t is not None] for m in before.values()}
-        quantize_model(block, QuantizationConfig(weights_dtype=fmt,
-                                                 modules_to_not_quantize=keep))
+        # a W8A8 format: the frozen linears become W8A8Linear (no dequantizing at all)
+        quantize_model(block, storage_config(fmt, keep))
         for owner, attr, _, module in _replaced(block, before):
             self._originals.append((owner, attr, module, held[id(module)]))
 

@@ -104,6 +104,11 @@ class Machine:
             host-to-device copies run beside it, for blocks the calibration did not time
             (a hardware profile: :data:`COPY_SLOWDOWN`; a measured machine: none, its
             calibration times each kind of block beside copies).
+        fp8_gemm_flops_per_s / int8_gemm_flops_per_s: the peak an 8-bit GEMM of W8A8 compute
+            is timed against, as ``peak_flops_per_s`` is for bf16 (:mod:`vramkit.planning.w8a8`):
+            the bf16 peak times the profile's measured ratio where it has one, else the
+            datasheet's 8-bit peak; ``None``: no such GEMM (or a measured machine, whose
+            calibration times W8A8 blocks).
     """
 
     name: str
@@ -116,13 +121,16 @@ class Machine:
     measured: bool = False
     peak_flops_per_s: float | None = None
     copy_slowdown: tuple[float, float] = (0.0, 0.0)
+    fp8_gemm_flops_per_s: float | None = None
+    int8_gemm_flops_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "flops_per_s",
                      "memory_bandwidth_bytes_per_s"):
             check_number(f"Machine.{name}", getattr(self, name), minimum=0, low_open=True)
-        check_number("Machine.peak_flops_per_s", self.peak_flops_per_s, minimum=0,
-                     low_open=True, allow_none=True)
+        for name in ("peak_flops_per_s", "fp8_gemm_flops_per_s", "int8_gemm_flops_per_s"):
+            check_number(f"Machine.{name}", getattr(self, name), minimum=0, low_open=True,
+                         allow_none=True)
         shares = self.copy_slowdown
         if not isinstance(shares, tuple) or len(shares) != 2:
             raise ConfigError(f"Machine.copy_slowdown must be a (forward, backward) pair of "
@@ -204,12 +212,22 @@ class Machine:
         check_number("achieved_fraction", achieved_fraction, minimum=0, maximum=1,
                      low_open=True)
         fp8 = profile.fp8_flops * achieved_fraction if profile.fp8_flops else None
+
+        def gemm8(peak: float | None, measured: float | None) -> float | None:
+            """An 8-bit GEMM's peak: bf16's times the measured ratio where there is one (the
+            datasheets promise what the H200's int8 GEMM did not reach)."""
+            if peak is None:
+                return None
+            return profile.bf16_flops * measured if measured is not None else peak
+
         return cls(name=profile.name, memory_bytes=profile.memory_bytes,
                    h2d_bytes_per_s=profile.h2d_bytes_per_s,
                    d2h_bytes_per_s=profile.d2h_bytes_per_s,
                    flops_per_s=profile.bf16_flops * achieved_fraction, fp8_flops_per_s=fp8,
                    memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s,
-                   peak_flops_per_s=profile.bf16_flops, copy_slowdown=COPY_SLOWDOWN)
+                   peak_flops_per_s=profile.bf16_flops, copy_slowdown=COPY_SLOWDOWN,
+                   fp8_gemm_flops_per_s=gemm8(profile.fp8_flops, profile.fp8_gemm_vs_bf16),
+                   int8_gemm_flops_per_s=gemm8(profile.int8_flops, profile.int8_gemm_vs_bf16))
 
 
 def phase_work(work: Work, backward_flops: float

@@ -59,6 +59,7 @@ from vramkit.planning.pricing import (
     _offloaded,
 )
 from vramkit.planning.record import CHECKPOINTING, Plan
+from vramkit.planning.w8a8 import accuracy_note, is_w8a8, unavailable_on_machine
 from vramkit.units import format_size, format_sizes_apart
 
 __all__ = ["CHECKPOINTING", "search"]
@@ -190,6 +191,10 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     """
     train = cost.mode == "train"
     formats = ["bf16", *[f for f in allow_formats if f != "bf16" and f in cost.formats]]
+    # W8A8 formats the machine cannot run are not offered (never run in full precision under
+    # their name); the plan's notes say why.
+    refused = {f: why for f in formats if (why := _w8a8_refusal(f, machine, times)) is not None}
+    formats = [f for f in formats if f not in refused]
     avail = budget - headroom
     n = len(cost.blocks)
     names = [b.name for b in cost.blocks]
@@ -299,7 +304,12 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     swapped = tuple(names[i] for i in best.chosen)
     resident = tuple(name for i, name in enumerate(names) if i not in chosen_set)
     ckpt_set = set(best.checkpointed)
-    notes = []
+    notes = list(refused.values())
+    for fmt in dict.fromkeys((best.swapped_format if swapped else "bf16",
+                              best.resident_format if resident else "bf16")):
+        note = accuracy_note(fmt)
+        if note is not None:
+            notes.append(note)
     if times is not None:
         notes.append(f"Block times measured on {times.device} ({times.kinds} kind(s) of block "
                      "timed" + (f"; {len(times.fallbacks)} block(s) from FLOP counts"
@@ -324,7 +334,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         for fmt in formats:
             for together in ways:
                 timed = ([times.packed_extra(fmt, b.name, together=together)
-                          for b in cost.blocks] if fmt != "bf16" else [])
+                          for b in cost.blocks] if fmt != "bf16" and not is_w8a8(fmt) else [])
                 if timed and all(t is not None for t in timed):
                     extra_fwd = sum(t[0] for t in timed if t is not None)
                     base = sum(times.forward[b.name] for b in cost.blocks) or 1.0
@@ -334,6 +344,15 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                                  f"adds {extra_fwd * 1e3:.1f} ms to a forward pass of every "
                                  f"block ({100 * extra_fwd / base:.0f} % of their "
                                  "full-precision time).")
+    if times is not None:
+        for fmt in formats:
+            change = [times.extra(fmt, b.name, signed=True) for b in cost.blocks]
+            if is_w8a8(fmt) and change and all(c is not None for c in change):
+                forward = sum(c.forward for c in change if c is not None)
+                base = sum(times.forward[b.name] for b in cost.blocks) or 1.0
+                notes.append(f"{fmt} timed on {times.device}: its 8-bit GEMMs and quantization "
+                             f"passes change a forward pass of every block by "
+                             f"{forward * 1e3:+.1f} ms ({100 * forward / base:+.0f} %).")
     if not machine.measured:
         notes.append(f"Times are estimates from {machine.name}'s published peak throughput "
                      "and copy bandwidth; vramkit.fit measures and compares after the first "
@@ -357,6 +376,20 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         swap_host_budget=best.swap_budget if best.disk else None,
         disk_bytes_per_s=disk_bw if best.disk else None,
         dequantize_together=best.together, checkpointing=checkpointing)
+
+
+def _w8a8_refusal(fmt: str, machine: Machine, times: BlockTimes | None) -> str | None:
+    """Why ``fmt`` (a W8A8 format) is not offered on ``machine``: the device measured lacks its
+    GEMM, the profile has no 8-bit rate, or a measured machine's calibration did not time it
+    (its speed would be a guess); ``None`` where it is offered (or not W8A8)."""
+    if not is_w8a8(fmt):
+        return None
+    if times is not None and fmt in times.unavailable:
+        return times.unavailable[fmt]
+    if machine.measured and (times is None or not times.calls.get(fmt)):
+        return (f"{fmt} is not offered: the calibration did not time it on this device "
+                f"(calibrate_blocks(..., formats=('{fmt}',)) times it)")
+    return unavailable_on_machine(fmt, machine)
 
 
 #: Plans within this share of the fastest one count as equally fast: among them the one with

@@ -6,7 +6,9 @@ calls, and per candidate, its phases and its memory.
   of its counted work (:meth:`~vramkit.planning.machine.Machine.block_sides`); checkpointed, the
   lean checkpoint's measured call, else the call as built with one more forward in backward;
   beside the copy engine, the measured slowdown, else the machine's share; stored packed, the
-  measured cost of dequantizing, else its memory traffic.
+  measured cost of dequantizing, else its memory traffic; stored W8A8, the measured change,
+  else :func:`w8a8_change` (its frozen linears' GEMMs at the 8-bit rate, the quantization
+  passes as memory traffic).
 * :class:`StepPricer`: one candidate (:class:`Candidate`: which blocks swap, through how many
   slots, in which formats, how many checkpointed, with or without activation offload) priced
   into its phases (:func:`~vramkit.planning.simulation.simulate_phase`) and its peak
@@ -22,11 +24,29 @@ from typing import Any
 from vramkit.offload._activation_settings import ActivationOffloadConfig
 from vramkit.planning.analysis import BlockCost, ModelCost
 from vramkit.planning.calibration import CHECKPOINTED, FULL, BlockTimes, CallTimes, packed_variant
-from vramkit.planning.machine import SWAP_HOST_SECONDS, Machine
+from vramkit.planning.machine import (
+    DEVICE_SECONDS_PER_KERNEL,
+    HOST_SECONDS_PER_KERNEL,
+    MATMUL_FRACTION,
+    MEMORY_FRACTION,
+    SWAP_HOST_SECONDS,
+    Machine,
+)
 from vramkit.planning.record import PhaseTime
 from vramkit.planning.simulation import _simulate, _simulate_calls
+from vramkit.planning.w8a8 import (
+    DEQUANTIZE_BYTES,
+    EXTRA_KERNELS,
+    INT8_EPILOGUE_BYTES,
+    QUANTIZE_BYTES,
+    TRANSPOSE_BYTES,
+    W8A8_FORMATS,
+    LinearCall,
+    is_w8a8,
+)
+from vramkit.quant.w8a8 import w8a8_fits
 
-__all__ = ["BlockPrices", "Candidate", "Priced", "StepPricer"]
+__all__ = ["BlockPrices", "Candidate", "Priced", "StepPricer", "w8a8_change"]
 
 #: Optimizer state bytes per trainable parameter (AdamW: two fp32 moments).
 ADAMW_STATE_BYTES = 8
@@ -57,7 +77,9 @@ class BlockPrices:
             the copy engine runs beside it.
         dequant: ``dequant[together][fmt]``: what storing each block in ``fmt`` adds to its
             calls, its layers dequantized each at its call (``together=False``) or all at the
-            block's first call into one shared buffer (``True``).
+            block's first call into one shared buffer (``True``). A W8A8 format dequantizes
+            nothing (both ways alike): what its 8-bit GEMMs and quantization passes change,
+            negative where they win.
         dense: ``dense[fmt]``: each block's weights dequantized from ``fmt`` (the shared
             buffer's size when they are dequantized together).
         ways: the ways of dequantizing weighed (``[False]``, plus ``True`` where the
@@ -142,6 +164,9 @@ class BlockPrices:
             for fmt in formats:
                 dequant_by[together][fmt] = []
                 for b in cost.blocks:
+                    if is_w8a8(fmt):
+                        dequant_by[together][fmt].append(_w8a8_extra(b, fmt, machine, times))
+                        continue
                     extra = (times.extra(packed_variant(fmt, together), b.name)
                              if times is not None and fmt != "bf16" else None)
                     if extra is None:
@@ -350,11 +375,12 @@ def _block_sides(full: Sequence[CallTimes], as_checkpointed: Sequence[CallTimes]
         swap_host = SWAP_HOST_SECONDS if s else 0.0
         back = layer if together and not k else d
         call = ck if k else c
-        fwd_dev.append(call.forward + d.forward)
-        fwd_host.append(call.host_forward + d.host_forward + swap_host)
-        bwd_dev.append(call.backward + back.backward + (d.forward if k else 0.0))
-        bwd_host.append(call.host_backward + back.host_backward
-                        + (d.host_forward if k else 0.0) + swap_host)
+        # a W8A8 format's change may be negative (faster GEMMs), never below nothing
+        fwd_dev.append(max(0.0, call.forward + d.forward))
+        fwd_host.append(max(0.0, call.host_forward + d.host_forward) + swap_host)
+        bwd_dev.append(max(0.0, call.backward + back.backward + (d.forward if k else 0.0)))
+        bwd_host.append(max(0.0, call.host_backward + back.host_backward
+                            + (d.host_forward if k else 0.0)) + swap_host)
     return fwd_dev, fwd_host, bwd_dev, bwd_host
 
 
@@ -392,6 +418,71 @@ def _dequant(block: BlockCost, fmt: str, machine: Machine) -> float:
     if fmt == "bf16":
         return 0.0
     return (block.swapped[fmt] + block.swapped["bf16"]) / machine.memory_bandwidth_bytes_per_s
+
+
+def _w8a8_extra(block: BlockCost, fmt: str, machine: Machine, times: BlockTimes | None
+                ) -> CallTimes:
+    """What storing a block in a W8A8 format changes in its call: measured where the
+    calibration timed it (the difference may be negative: the 8-bit GEMMs can be faster),
+    else the offline model (:func:`~vramkit.planning.w8a8.w8a8_change`), else nothing (a block
+    the calibration could not run keeps its FLOP-based time either way)."""
+    timed = (times.extra(packed_variant(fmt), block.name, signed=True)
+             if times is not None else None)
+    if timed is not None:
+        return timed
+    modeled = w8a8_change(block.linear_calls, fmt, machine)
+    return modeled if modeled is not None else CallTimes(0.0, 0.0, 0.0, 0.0)
+
+
+def w8a8_change(calls: Sequence[LinearCall], fmt: str, machine: Machine) -> CallTimes | None:
+    """What storing a block in ``fmt`` changes in its call by the offline time model, device
+    and host side apart, forward and backward (negative where the 8-bit GEMMs win), from the
+    frozen linears' ``calls`` (:attr:`~vramkit.planning.analysis.BlockCost.linear_calls`).
+
+    Per call that the 8-bit GEMMs take (:func:`~vramkit.quant.w8a8.w8a8_fits`): the forward
+    GEMM and, with ``input_grad``, the backward's input-gradient GEMM run at the machine's
+    8-bit rate instead of bf16 (a frozen layer has no weight-gradient GEMM either way); the
+    forward quantizes its input (:data:`~vramkit.planning.w8a8.QUANTIZE_BYTES` per element), the backward its gradient
+    and makes one transposed copy of the weight (:data:`TRANSPOSE_BYTES` per weight element);
+    int8 adds its epilogue (:data:`INT8_EPILOGUE_BYTES` per output element); each adds
+    :data:`EXTRA_KERNELS`. A call the GEMMs cannot take dequantizes its weight
+    (:data:`DEQUANTIZE_BYTES`), as weight-only storage does.
+
+    Returns:
+        The change, or ``None`` where the machine has no peak throughput or no 8-bit rate
+        (a measured machine: its calibration times the format).
+    """
+    kind = W8A8_FORMATS[fmt]
+    peak = machine.peak_flops_per_s
+    rate = machine.fp8_gemm_flops_per_s if kind == "fp8" else machine.int8_gemm_flops_per_s
+    if peak is None or rate is None:
+        return None
+    epilogue = INT8_EPILOGUE_BYTES if kind == "int8" else 0
+    extra_fwd, extra_bwd = EXTRA_KERNELS[kind]
+    flops = [0.0, 0.0]
+    moved = [0.0, 0.0]
+    kernels = [0, 0]
+    for c in calls:
+        m, k, n = c.rows, c.in_features, c.out_features
+        phases = (0, 1) if c.input_grad else (0,)
+        if not w8a8_fits(kind, k, n):
+            for p in phases:
+                moved[p] += DEQUANTIZE_BYTES * n * k
+                kernels[p] += 1
+            continue
+        flops[0] += 2.0 * m * k * n
+        moved[0] += QUANTIZE_BYTES * m * k + epilogue * m * n
+        kernels[0] += extra_fwd
+        if c.input_grad:
+            flops[1] += 2.0 * m * k * n
+            moved[1] += QUANTIZE_BYTES * m * n + TRANSPOSE_BYTES * n * k + epilogue * m * k
+            kernels[1] += extra_bwd
+    bandwidth = machine.memory_bandwidth_bytes_per_s * MEMORY_FRACTION
+    device = [f * (1 / (rate * MATMUL_FRACTION) - 1 / (peak * MATMUL_FRACTION))
+              + b / bandwidth + n * DEVICE_SECONDS_PER_KERNEL
+              for f, b, n in zip(flops, moved, kernels, strict=True)]
+    host = [n * HOST_SECONDS_PER_KERNEL for n in kernels]
+    return CallTimes(device[0], device[1], host[0], host[1])
 
 
 def _disk_split(sizes: list[int], budget: int) -> Any:

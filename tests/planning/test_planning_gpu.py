@@ -88,6 +88,43 @@ def test_packed_formats_are_timed_on_the_gpu() -> None:
         assert all(c.forward > 0 and c.backward > 0 for c in times.calls[variant].values())
 
 
+def test_w8a8_formats_are_timed_planned_and_fitted_on_the_gpu() -> None:
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 W8A8 needs compute capability >= 8.9")
+    from vramkit.quant.w8a8 import W8A8Linear
+
+    torch.backends.cuda.enable_cudnn_sdp(False)  # torch 2.11 + Hopper crash (docs/architecture.md)
+    model, config = _dit("meta")
+    batch = synthetic_batch(config, 2, device="meta")
+    times = calibrate_blocks(model, batch, step=_step, device="cuda",
+                             formats=("fp8-w8a8", "int8-w8a8"))
+    for variant in ("fp8-w8a8", "int8-w8a8"):
+        assert set(times.calls[variant]) == set(times.forward)
+        assert all(c.forward > 0 and c.backward > 0 for c in times.calls[variant].values())
+    model, config = _dit()
+    batch = synthetic_batch(config, 2, device="cuda", generator=torch.Generator().manual_seed(0))
+    with pytest.raises(vramkit.PlanError) as info:
+        vramkit.plan(model, batch, 1, step=_step, hardware="h100-pcie",
+                     allow_formats=("fp8-w8a8",))
+    budget = info.value.minimum_budget
+    fitted = vramkit.fit(model, batch, budget, step=_step, observe_steps=2,
+                         allow_formats=("fp8-w8a8",))
+    w8a8 = [m for m in model.modules() if isinstance(m, W8A8Linear)]
+    assert (len(w8a8) > 0) == any(f == "fp8-w8a8" for f in fitted.plan.formats.values())
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    for _ in range(3):
+        loss = _step(model, batch)
+        assert torch.isfinite(loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    report = fitted.report()
+    assert report.measured_peak_bytes is not None and report.measured_peak_bytes <= budget
+    fitted.detach()
+    assert not any(isinstance(m, W8A8Linear) for m in model.modules())
+
+
 def test_fit_with_a_measured_plan_trains_exactly_and_stays_under_budget() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)  # torch 2.11 + Hopper crash (docs/architecture.md)
     model, config = _dit()

@@ -290,3 +290,21 @@ def test_the_summary_names_a_host_bound_phase_when_the_step_is_off(
                if "planner's prediction" in line)
     assert "step 300.0 ms (measured" in row
     assert ("the backward is host-bound" in row) is said
+
+
+def test_a_model_larger_than_the_host_is_refused_before_it_is_built(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    from vramkit.devices import host
+    from vramkit.recipes.dit import DiT
+
+    real = host.read_host_memory()
+    small = dataclasses.replace(real, available=2 << 30, cgroup_limit=None, cgroup_usage=None)
+    monkeypatch.setattr(host, "read_host_memory", lambda: small)
+    built: list[object] = []
+    monkeypatch.setattr(DiT, "__init__", lambda self, *a, **k: built.append(k) or None)
+    code = main(["demo", "--model-size", "1TiB", "--device", "cpu", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 2 and not built, out
+    assert "host memory" in out["error"] and "2.0 GiB" in out["error"]

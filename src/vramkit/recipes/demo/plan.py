@@ -264,6 +264,24 @@ def _choose_budget(config: DemoConfig, device: torch.device) -> int | None:
     return budget
 
 
+def _check_host_memory(dit_config: DiTConfig, model_name: str, kind: str) -> None:
+    """Refuse, before anything is built, a model the host cannot hold: the demo builds its
+    weights on the host, and on the CPU a second copy (the resident twin) beside them."""
+    from vramkit.devices.host import read_host_memory
+
+    copies = 1 if kind == "cuda" else 2
+    need = copies * dit_config.weight_bytes()
+    room = read_host_memory().headroom
+    if room is not None and need > room:
+        raise ConfigError(
+            f"the DiT {model_name} needs {format_size(need)} of host memory "
+            f"({copies} {'copies' if copies > 1 else 'copy'} of "
+            f"{format_size(dit_config.weight_bytes())} "
+            f"of weights) and this host has {format_size(room)} left",
+            hint="Pick a smaller --model-size (a preset: tiny, small, base, large, xl), or free "
+                 "host memory.")
+
+
 def plan_demo(config: DemoConfig | None = None, *, data_parallel: bool = False) -> DemoPlan:
     """Resolve ``config`` for this machine and plan the memory with :func:`vramkit.plan`,
     without building weights.
@@ -290,6 +308,7 @@ def plan_demo(config: DemoConfig | None = None, *, data_parallel: bool = False) 
     kind = device.type
     budget = _choose_budget(config, device)
     dit_config, model_name = _model_config(config, device, budget)
+    _check_host_memory(dit_config, model_name, kind)
 
     meta = DiT(dit_config, device="meta")
     names = block_names(meta)

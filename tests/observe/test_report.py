@@ -150,3 +150,21 @@ def test_cpu_reports_show_allocator_figures_as_not_measured() -> None:
     from vramkit.observe.report_html import render_html
 
     assert "n/a (no CUDA allocator)" in render_html(report)
+
+
+def test_a_report_that_fails_while_written_leaves_the_previous_one_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vramkit.observe import report as report_module
+
+    path = save_report(_synthetic(), tmp_path / "r.json")
+    before = path.read_bytes()
+
+    def half_written(report: object, target: Path) -> None:
+        target.write_text('{"truncated": ')
+        raise KeyboardInterrupt  # as a Ctrl-C or a kill would stop it midway
+
+    monkeypatch.setattr(report_module, "_write_json", half_written)
+    with pytest.raises(KeyboardInterrupt):
+        save_report(_synthetic(), path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -393,7 +394,14 @@ def save_report(report: MemoryReport, path: str | Path) -> Path:
         raise ConfigError(f"cannot save a memory report as {suffix or 'a file without suffix'!r}",
                           "Use a path ending in .json, .html or .png.")
     target.parent.mkdir(parents=True, exist_ok=True)
-    writer(report, target)
+    # Written under a temporary name and renamed: a process killed while writing leaves the
+    # previous report whole, and no half-written file under the report's name.
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        writer(report, temporary)
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
     logger.debug("wrote memory report %s", target)
     return target
 

@@ -106,6 +106,15 @@ def test_script_exception_gives_exit_code_1(tmp_path: Path) -> None:
     assert (tmp_path / "o" / "report.json").exists()
 
 
+def test_an_interrupted_script_keeps_its_report(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "interrupted.py"
+    script.write_text("import torch\nx = torch.ones(1000)\nraise KeyboardInterrupt\n")
+    assert _run(["--out", str(tmp_path / "o"), "--", "python", str(script)]) == 130
+    assert json.loads((tmp_path / "o" / "report.json").read_text())["num_samples"] >= 1
+    assert "interrupted" in capsys.readouterr().err
+
+
 def test_python_c_form(tmp_path: Path) -> None:
     assert _run(["--out", str(tmp_path / "o"), "--", "python", "-c",
                  "import sys; sys.exit(5)"]) == 5

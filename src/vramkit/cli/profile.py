@@ -186,6 +186,10 @@ def run_in_process(target: PythonTarget) -> int:
         return 0
     except SystemExit as stop:
         return _exit_code(stop.code)
+    except KeyboardInterrupt:  # Ctrl-C: the report keeps what was collected, exit 130
+        print("vramkit profile: interrupted; the report covers what ran until then",
+              file=sys.stderr)
+        return 130
     except Exception:  # the script's own error (vramkit's included): its traceback, exit 1
         traceback.print_exc()
         return 1

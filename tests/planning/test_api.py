@@ -111,3 +111,21 @@ def test_a_budget_above_the_hardware_memory_is_refused() -> None:
         with pytest.raises(ConfigError, match=r"48\.0 GiB.*24\.0 GiB"):
             plan(stack(device="meta"), inputs(device="meta"), "48GiB", hardware=hardware)
     plan(stack(device="meta"), inputs(device="meta"), profile.memory_bytes, hardware="rtx4090")
+
+
+def test_without_a_gpu_plan_and_fit_plan_for_the_cli_s_gpu_and_say_so(monkeypatch) -> None:
+    """The Python API on a laptop agrees with `vramkit plan`: no hardware= and no GPU plans for
+    the same stated GPU, said in the plan; fit on the CPU needs no extra arguments."""
+    import torch
+
+    import vramkit
+    from tests.planning._models import inputs, stack
+    from vramkit.cli import plan as plan_cli
+    from vramkit.planning.api import DEFAULT_OFFLINE_HARDWARE
+
+    assert plan_cli.DEFAULT_OFFLINE_HARDWARE == DEFAULT_OFFLINE_HARDWARE
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    made = vramkit.plan(stack(), inputs(), "1GiB")
+    assert made.machine == DEFAULT_OFFLINE_HARDWARE
+    assert any("PyTorch sees no GPU" in note and DEFAULT_OFFLINE_HARDWARE in note
+               for note in made.notes)

@@ -14,7 +14,14 @@ from torch import nn
 import vramkit
 from tests.planning import _models
 from vramkit.errors import ConfigError, DeviceError, PlanError
-from vramkit.planning import BlockTimes, CallTimes, Machine, analyze, calibrate_blocks
+from vramkit.planning import (
+    BlockTimes,
+    CallTimes,
+    Machine,
+    analyze,
+    calibrate_blocks,
+    measure_machine,
+)
 
 SLEEP = 0.02
 
@@ -166,8 +173,9 @@ def test_measuring_needs_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     model = _frozen(Mixed())
     with pytest.raises(DeviceError, match="measures this machine's GPU") as info:
-        vramkit.plan(model, _models.inputs(), "1GiB", autocast=None)
+        measure_machine()
     assert "hardware=" in info.value.hint
+    # plan() itself plans offline for the CLI's GPU then, and says so (tests/planning/test_api.py)
     with pytest.raises(ConfigError, match="device"):
         vramkit.plan(model, _models.inputs(), "1GiB", autocast=None, device="cpu")
     with pytest.raises(ConfigError, match="repeats"):

@@ -363,3 +363,14 @@ def test_a_report_before_any_step_says_none_was_measured() -> None:
     report = fitted.report()
     assert report.steps == 1 and report.describe().startswith("after 1 step:")
     fitted.detach()
+
+
+def test_fit_on_the_cpu_needs_no_arguments_the_cli_does_not(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    reference, model = stack(), stack()
+    fitted = vramkit.fit(model, inputs(), 6 * MiB, device="cpu")
+    assert fitted.plan.swapped and fitted.plan.machine == "rtx4090"
+    assert any("no headroom kept" in note for note in fitted.plan.notes)
+    assert any("PyTorch sees no GPU" in note for note in fitted.plan.notes)
+    assert _train(model) == _train(reference)
+    fitted.detach()

@@ -29,7 +29,9 @@ from typing import Any
 
 __all__ = ["DEFAULT_OFFLINE_HARDWARE", "FLAG_NAMES", "fit_call", "make_plan", "register", "run"]
 
-#: The GPU planned for when no ``--hardware`` is given and PyTorch sees no GPU.
+#: The GPU planned for when no ``--hardware`` is given and PyTorch sees no GPU: the Python
+#: API's default too (``vramkit.planning.api.DEFAULT_OFFLINE_HARDWARE``; a test keeps them one),
+#: written out here so that building the parser imports no torch.
 DEFAULT_OFFLINE_HARDWARE = "rtx4090"
 
 #: Python names of the settings the flags feed (errors speak of the flags).

@@ -32,7 +32,12 @@ from vramkit.planning.planner import search
 from vramkit.planning.record import CHECKPOINTING, Plan
 from vramkit.units import format_size, format_sizes_apart
 
-__all__ = ["DEFAULT_HEADROOM", "check_budget_fits", "plan", "resolve_headroom"]
+__all__ = ["DEFAULT_HEADROOM", "DEFAULT_OFFLINE_HARDWARE", "check_budget_fits", "plan",
+           "resolve_headroom"]
+
+#: The GPU a plan is made for when no ``hardware=`` is given and PyTorch sees no GPU (the CLI's
+#: default too).
+DEFAULT_OFFLINE_HARDWARE = "rtx4090"
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +120,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
             :data:`vramkit.planning.PROFILES`) to plan offline from its published figures; a
             :class:`HardwareProfile` or :class:`Machine`; ``None`` (default) measures this
             machine's GPU: its copy bandwidth, and the compute time of one block of each kind
-            (:func:`~vramkit.planning.calibration.calibrate_blocks`).
+            (:func:`~vramkit.planning.calibration.calibrate_blocks`); with no GPU in sight it
+            plans offline for :data:`DEFAULT_OFFLINE_HARDWARE`, said in the plan's notes.
         allow_formats: packed storage the plan may use for frozen weights: ``"fp8"``,
             ``"int8"``, ``"nf4"``, ``"int4"`` (default none: the weights as built), and W8A8
             (``"fp8-w8a8"``, ``"int8-w8a8"``: the same bytes as fp8 / int8, the frozen
@@ -160,7 +166,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
             what would make it fit.
         ConfigError: for bad arguments, a budget above the memory of ``hardware`` (or of the
             GPU measured), or a model whose step cannot run on meta tensors.
-        DeviceError: for ``hardware=None`` without a GPU.
+        DeviceError: for ``hardware=None`` with ``device=`` a CUDA device PyTorch cannot see.
     """
     check_model(model)
     check_choice("mode", mode, ("train", "infer"))
@@ -193,6 +199,12 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
                           f"{budget_bytes}-byte budget",
                           hint="Lower headroom= (a fraction such as 0.05, or a size).")
     target = check_device("device", device, types=("cuda",), allow_none=True)
+    offline_note = None
+    if hardware is None and target is None and not torch.cuda.is_available():
+        # As `vramkit plan` does: a machine with no GPU plans for a stated one, and says so.
+        hardware = DEFAULT_OFFLINE_HARDWARE
+        offline_note = (f"PyTorch sees no GPU here: planned offline for {hardware} "
+                        "(hardware= names another GPU).")
     machine = machine_for(hardware, target)
     check_budget_fits(budget_bytes, machine)
     def budget_for(need: int) -> int:
@@ -262,6 +274,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
     if result is None:
         assert refused is not None  # one of the two is always set
         raise refused
+    if offline_note is not None:
+        result = replace(result, notes=(offline_note, *result.notes))
     logger.info("plan: %d of %d blocks swapped, %d checkpointed, predicted %.0f ms, peak %d",
                 len(result.swapped), len(result.block_order), len(result.checkpointed),
                 result.predicted_step_seconds * 1e3, result.predicted_peak_bytes)

@@ -14,6 +14,7 @@ and step time are compared with the prediction, logged, and kept for :meth:`Fitt
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import statistics
@@ -467,7 +468,14 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
 
             read = measure_read_bandwidth(checkpoint, max_bytes="256MiB")
             plan_options["disk_bytes_per_s"] = read.bytes / max(read.seconds, 1e-9)
+        cpu_headroom = target.type == "cpu" and plan_options.get("headroom") is None
+        if cpu_headroom:  # the default headroom is for a GPU's allocator and context
+            plan_options["headroom"] = 0
         plan = make_plan(model, example_inputs, budget, **plan_options)
+        if cpu_headroom:
+            plan = dataclasses.replace(plan, notes=(
+                *plan.notes, "Runs on the CPU: no headroom kept (the default headroom is for a "
+                "GPU's caching allocator and CUDA context)."))
     # A plan of split blocks names its units: the swapper takes exactly those.
     blocks = list(plan.block_order) if plan.split else plan_options.get("blocks", "auto")
     return Fitted(model, plan, target, blocks=blocks, observe_steps=observe_steps,

@@ -193,8 +193,12 @@ def flux():  # type: ignore[no-untyped-def]
 
 
 def _flux_plan(flux, budget_gib: int, hardware: str, allow: tuple[str, ...]):  # type: ignore[no-untyped-def]
+    from vramkit.planning.machine import machine_for
+
     target, cost = flux
-    return vramkit.plan(target.model, target.inputs, budget_gib * GiB, cost=cost,
+    # the card's whole memory where the budget is more (a budget above the card is refused)
+    budget = min(budget_gib * GiB, machine_for(hardware).memory_bytes)
+    return vramkit.plan(target.model, target.inputs, budget, cost=cost,
                         hardware=hardware, allow_formats=allow)
 
 

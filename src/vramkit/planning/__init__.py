@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 from vramkit._lazy import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
-    ".api": ("plan", "DEFAULT_HEADROOM", "resolve_headroom", "check_budget_fits"),
+    ".api": ("plan", "DEFAULT_HEADROOM", "DEFAULT_OFFLINE_HARDWARE", "resolve_headroom",
+             "check_budget_fits"),
     ".fitting": ("fit", "Fitted", "FitReport"),
     ".record": ("Plan", "PhaseTime", "CHECKPOINTING"),
     ".planner": ("search",),

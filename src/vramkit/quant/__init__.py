@@ -24,7 +24,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".dense": ("DenseGroup", "DenseScratch", "dense_nbytes", "group_dense", "ungroup_dense"),
     ".formats": ("FP8Config", "Int4Config", "Int8Config", "NF4Config", "QuantConfigT",
                  "QuantFormat", "QuantizedTensor", "dequantize_tensor", "expected_layout",
-                 "format_config", "quantize_tensor"),
+                 "format_config", "quantize_tensor", "apply_device_only"),
     ".kernels": ("FP8_GEMM_MULTIPLE", "FUSED_MAX_TOKENS", "dequantize", "fp8_gemm_fits",
                  "has_fp8_gemm", "quantized_matmul", "triton_available"),
     ".linear": ("QuantizedConv2d", "QuantizedLinear", "register_peft_lora"),

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
@@ -43,6 +44,7 @@ __all__ = [
     "QuantConfigT",
     "QuantFormat",
     "QuantizedTensor",
+    "apply_device_only",
     "dequantize_tensor",
     "expected_layout",
     "format_config",
@@ -392,3 +394,26 @@ def _dequantize_affine(tensor: torch.Tensor, scale: torch.Tensor | float,
                                             tensor.device)
     values = values * _broadcast_affine(scale, rows, cols, group_size, "scale", tensor.device)
     return values.reshape(tensor.shape).to(dtype)
+
+
+def apply_device_only(module: torch.nn.Module, names: Sequence[str], fn: Callable[[torch.Tensor],
+                      torch.Tensor], apply: Callable[[], object]) -> None:
+    """Run ``apply()`` (the module's ``nn.Module._apply(fn)``) with the buffers ``names`` set
+    aside, then move each of them with ``fn`` keeping its dtype.
+
+    ``module.to(dtype)`` casts floating buffers: that would turn packed codes and fp32 scales
+    into something their format cannot read, so they follow device moves only.
+    """
+    kept = {name: module._buffers[name] for name in names}
+    for name in names:
+        module._buffers[name] = None  # _apply skips None buffers
+    try:
+        apply()
+    finally:
+        for name, tensor in kept.items():
+            if tensor is None:
+                continue
+            moved = fn(tensor)
+            if moved.dtype != tensor.dtype:
+                moved = tensor.to(device=moved.device)
+            module._buffers[name] = moved

@@ -43,6 +43,7 @@ from vramkit.quant.formats import (
     QuantConfigT,
     QuantFormat,
     QuantizedTensor,
+    apply_device_only,
     format_config,
     quantize_tensor,
 )
@@ -187,20 +188,8 @@ class _QuantizedWeightModule(nn.Module):
         # nn.Module.to(dtype) casts floating buffers: that would turn fp8 codes and fp32 scales
         # into something the format cannot read. Packed buffers follow device moves only; the
         # recorded dtype (of dequantized weights) follows the cast.
-        names = self._buffer_names
-        packed = {name: self._buffers[name] for name in names}
-        for name in names:
-            self._buffers[name] = None  # _apply skips None buffers
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            for name, tensor in packed.items():
-                if tensor is None:
-                    continue
-                moved = fn(tensor)
-                if moved.dtype != tensor.dtype:
-                    moved = tensor.to(device=moved.device)
-                self._buffers[name] = moved
+        apply = super()._apply
+        apply_device_only(self, self._buffer_names, fn, lambda: apply(fn, recurse))
         probe = fn(torch.empty(0, dtype=self._layout.dtype))
         if probe.dtype != self._layout.dtype and probe.dtype.is_floating_point:
             layout = self._layout

@@ -62,7 +62,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from vramkit.errors import QuantizationError
-from vramkit.quant.formats import FP8Config, Int8Config, QuantizedTensor, quantize_tensor
+from vramkit.quant.formats import (
+    FP8Config,
+    Int8Config,
+    QuantizedTensor,
+    apply_device_only,
+    quantize_tensor,
+)
 from vramkit.quant.kernels import triton_available
 
 __all__ = ["W8A8_CAPABILITY", "W8A8Kind", "W8A8Linear", "check_w8a8_device", "quantize_rows",
@@ -599,19 +605,8 @@ class W8A8Linear(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
         # nn.Module.to(dtype) casts floating buffers: fp8 codes and fp32 scales follow device
         # moves only.
-        stored = {name: self._buffers[name] for name in ("weight", "weight_scale")}
-        for name in stored:
-            self._buffers[name] = None  # _apply skips None buffers
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            for name, tensor in stored.items():
-                if tensor is None:
-                    continue
-                moved = fn(tensor)
-                if moved.dtype != tensor.dtype:
-                    moved = tensor.to(device=moved.device)
-                self._buffers[name] = moved
+        apply = super()._apply
+        apply_device_only(self, ("weight", "weight_scale"), fn, lambda: apply(fn, recurse))
         self._checked_device = None
         return self
 

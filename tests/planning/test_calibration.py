@@ -101,7 +101,11 @@ def test_one_block_of_each_kind_is_timed_and_its_times_shared() -> None:
     assert set(times.forward) == set(names) == set(times.backward)
     assert times.calls["full"]["blocks.0"] is not times.calls["full"]["blocks.2"]
     assert times.forward["blocks.1"] == times.forward["blocks.3"] >= SLEEP
-    assert times.forward["blocks.0"] < SLEEP and times.forward["blocks.2"] < SLEEP
+    # the other kinds have measurements of their own, not the sleeping kind's (compared as
+    # values, not against a time limit: a loaded host takes tens of ms for the tiny blocks)
+    assert times.calls["full"]["blocks.0"] is not times.calls["full"]["blocks.1"]
+    assert times.calls["full"]["blocks.2"] is not times.calls["full"]["blocks.1"]
+    assert times.calls["full"]["blocks.1"] is times.calls["full"]["blocks.3"]
     assert all(times.backward[n] > 0 for n in names)  # input and adapter gradients
     # Only the structure was used: the model's own weights are as they were.
     assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())

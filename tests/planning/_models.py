@@ -41,3 +41,20 @@ def stack(seed: int = 0, n: int = 6, device: str = "cpu") -> Stack:
 def inputs(batch: int = 2, device: str = "cpu") -> tuple[torch.Tensor]:
     return (torch.randn(batch, TOKENS, DIM, generator=torch.Generator().manual_seed(1)).to(
         device),)
+
+
+def stack_cost():  # type: ignore[no-untyped-def]
+    """The test stack's step analyzed on meta (bf16, fp8 and nf4 storage)."""
+    from vramkit.planning.analysis import analyze
+
+    return analyze(stack(device="meta"), inputs(device="meta"), mode="train", autocast=None,
+                   formats=("bf16", "fp8", "nf4"))
+
+
+def plan_stack(cost, budget: int, **kw):  # type: ignore[no-untyped-def]
+    """A plan of the test stack from ``cost`` (rtx4090, no headroom unless given)."""
+    from vramkit.planning.api import plan
+
+    kw.setdefault("hardware", "rtx4090")
+    kw.setdefault("headroom", 0)
+    return plan(stack(device="meta"), inputs(device="meta"), budget, cost=cost, **kw)

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from tests.planning._models import inputs, stack
+from tests.planning._models import inputs, plan_stack, stack, stack_cost
 from vramkit.errors import ConfigError, PlanError
 from vramkit.planning.analysis import analyze
 from vramkit.planning.api import plan, resolve_headroom
@@ -20,14 +20,10 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def cost():  # type: ignore[no-untyped-def]
-    return analyze(stack(device="meta"), inputs(device="meta"), mode="train", autocast=None,
-                   formats=("bf16", "fp8", "nf4"))
+    return stack_cost()
 
 
-def _plan(cost, budget: int, **kw):  # type: ignore[no-untyped-def]
-    kw.setdefault("hardware", "rtx4090")
-    kw.setdefault("headroom", 0)
-    return plan(stack(device="meta"), inputs(device="meta"), budget, cost=cost, **kw)
+_plan = plan_stack
 
 
 def test_the_analysis_sees_blocks_flops_activations_and_formats(cost) -> None:  # type: ignore[no-untyped-def]

@@ -95,7 +95,7 @@ DEFAULT_ROWS = (
 )
 KINDS = {"flux": ("bf16", "fp8", "bf16-all", "fp8-all", "offline", "infer", "fp8w8a8", "int8w8a8",
                   "bf16+c", "fp8w8a8+c", "int8w8a8+c", "bf16-all+c", "fp8w8a8-all+c"),
-         "llama": ("bf16", "offline"),
+         "llama": ("bf16", "offline", "fp8w8a8", "fp8w8a8+c", "bf16+c"),
          "demo": None, "plan": ("flux",)}
 
 # Tiny stand-ins for --tiny (CPU): the same classes and code paths in seconds.

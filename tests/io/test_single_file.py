@@ -8,8 +8,8 @@ import types
 import pytest
 import torch
 
-from vramkit.io._single_file import FLUX, LDM_PREFIX, SDXL, detect_layout, layout_pieces
 from tests.io._single_files import tiny_flux, tiny_sdxl, to_original
+from vramkit.io._single_file import FLUX, LDM_PREFIX, SDXL, detect_layout, layout_pieces
 
 pytest.importorskip("diffusers")
 

@@ -221,3 +221,37 @@ def test_diffusers_layout_files_open_as_they_are(tmp_path: Path) -> None:
     save_file({"a.weight": torch.zeros(2)}, path)
     assert not isinstance(open_checkpoint(path), MappedCheckpoint)
     assert detect_format(path).describe() == "safetensors"
+
+
+def _flux_inputs() -> dict:
+    torch.manual_seed(1)
+    return dict(hidden_states=torch.randn(1, 16, 8), encoder_hidden_states=torch.randn(1, 4, 32),
+                pooled_projections=torch.randn(1, 32), timestep=torch.tensor([0.5]),
+                guidance=torch.tensor([3.5]), img_ids=torch.zeros(16, 3),
+                txt_ids=torch.zeros(4, 3), return_dict=False)
+
+
+@pytest.mark.parametrize("kind", ["gguf", "fp8_scaled"])
+def test_a_swapper_streams_the_file_into_its_masters(tmp_path: Path, kind: str) -> None:
+    from vramkit.offload.swap import BlockSwapper, SwapConfig
+    from vramkit.quant.gguf import GGUFLinear
+
+    if kind == "gguf":
+        path, _, _ = _gguf_flux(tmp_path, kinds=("Q8_0", "Q4_0"))
+    else:
+        original, _ = _fp8_scaled(to_original(FLUX, tiny_flux().state_dict(), prefix=LDM_PREFIX))
+        path = tmp_path / "flux_fp8_scaled.safetensors"
+        save_file(original, path)
+    loaded = tiny_flux("meta")
+    load_into(loaded, path)
+    with torch.no_grad():
+        want = loaded(**_flux_inputs())[0]
+    model = tiny_flux("meta").requires_grad_(False)
+    with BlockSwapper(model, config=SwapConfig(min_param_bytes=0), device="cpu",
+                      checkpoint=path) as swapper:
+        names = {e.attr for b in swapper.blocks for e in b.entries}
+        assert ("weight_packed" in names) == (kind == "gguf")
+        assert isinstance(model.transformer_blocks[0].attn.to_q, GGUFLinear) == (kind == "gguf")
+        with torch.no_grad():
+            got = model(**_flux_inputs())[0]
+    assert torch.equal(got, want)

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from vramkit._gguf_types import GGUF_FLOAT_TYPES, GGUF_QUANT_TYPES
 from vramkit.errors import SafetensorsFormatError
 from vramkit.io._paths import check_path
-from vramkit.quant._gguf_types import GGUF_FLOAT_TYPES, GGUF_QUANT_TYPES
 
 __all__ = ["GGUF_MAGIC", "GGUFHeader", "GGUFTensorInfo", "is_gguf", "read_gguf_header"]
 

@@ -36,20 +36,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vramkit._gguf_types import GGUF_FLOAT_TYPES
 from vramkit.errors import ConfigError, SafetensorsFormatError
 from vramkit.io import _paths
 from vramkit.io._gguf_file import GGUFHeader, is_gguf, read_gguf_header
 from vramkit.io._header import SafetensorsHeader, TensorEntry, read_header
 from vramkit.io._single_file import FLUX, SDXL, Piece, detect_layout, layout_pieces
 from vramkit.io.lazy import LazySafetensors, ReadThreads, resolve_checkpoint
-from vramkit.quant._gguf_types import GGUF_FLOAT_TYPES
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
 __all__ = ["CheckpointFormat", "MappedCheckpoint", "describe_names", "detect_format",
-           "open_checkpoint", "prepare_module"]
+           "gguf_file", "open_checkpoint", "prepare_module"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,12 @@ def _read_prefix(path: Path) -> bytes:
         os.close(fd)
 
 
+def gguf_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a regular file that starts like a GGUF file (no blocking open)."""
+    target = Path(path)
+    return target.is_file() and is_gguf(_read_prefix(target))
+
+
 def detect_format(path: str | os.PathLike[str]) -> CheckpointFormat:
     """Name a checkpoint's format from its bytes (headers only; no torch).
 
@@ -112,7 +118,7 @@ def detect_format(path: str | os.PathLike[str]) -> CheckpointFormat:
         SafetensorsFormatError: for a path that is not a readable checkpoint.
     """
     target = Path(path)
-    if target.is_file() and is_gguf(_read_prefix(target)):
+    if gguf_file(target):
         header = read_gguf_header(target)
         counts: dict[str, int] = {}
         for info in header.tensors:
@@ -242,7 +248,7 @@ def open_checkpoint(path: str | os.PathLike[str], *, use_mmap: bool = True) -> L
         SafetensorsFormatError: for a malformed file (truncated GGUF, unknown tensor type...).
     """
     target = Path(path)
-    if target.is_file() and is_gguf(_read_prefix(target)):
+    if gguf_file(target):
         return _open_gguf(read_gguf_header(target), use_mmap)
     index, files = resolve_checkpoint(path)
     if index is not None or len(files) != 1:  # shards: the diffusers layout

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vramkit._gguf_types import GGUF_QUANT_TYPES, GGUFQuantType, gguf_quant_type
 from vramkit.errors import QuantizationError
-from vramkit.quant._gguf_types import GGUF_QUANT_TYPES, GGUFQuantType, gguf_quant_type
 from vramkit.quant.formats import apply_device_only
 
 __all__ = ["GGUF_QUANT_TYPES", "GGUFLinear", "GGUFQuantType", "GGUFWeight", "dequantize_gguf",

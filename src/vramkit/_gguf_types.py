@@ -1,7 +1,8 @@
 """The GGML tensor types of GGUF files: ids, names and block geometry (no torch).
 
-Kept apart from :mod:`vramkit.quant.gguf` (the torch decoders) so that reading a GGUF header
-(``vramkit inspect``) imports nothing heavy.
+On the bottom floor, beside the errors: :mod:`vramkit.quant.gguf` (the torch decoders) and
+:mod:`vramkit.io` (reading GGUF headers, ``vramkit inspect``, which imports neither torch nor
+``vramkit.quant``) both use it.
 """
 
 from __future__ import annotations

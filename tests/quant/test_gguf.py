@@ -137,3 +137,32 @@ def test_the_swapper_moves_the_packed_bytes() -> None:
     assert "weight_packed" in names
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(blocks(x), want)
+
+
+def test_the_type_table_is_the_file_formats() -> None:
+    from vramkit._gguf_types import GGUF_FLOAT_TYPES, GGUF_QUANT_TYPES
+
+    for qtype in GGUF_QUANT_TYPES.values():
+        ggml = gguf.GGMLQuantizationType(qtype.type_id)
+        assert ggml.name == qtype.name
+        assert gguf.GGML_QUANT_SIZES[ggml] == (qtype.block_size, qtype.type_size)
+    for type_id, (name, width, _) in GGUF_FLOAT_TYPES.items():
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type_id)] == (1, width), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", TYPES)
+def test_gpu_decoding_equals_the_cpu_reference(name: str) -> None:
+    qtype = gguf_quant_type(name)
+    rows, cols = 64, 4 * qtype.block_size
+    raw = torch.from_numpy(random_blocks(name, rows * 4, seed=3)).reshape(rows, -1)
+    cpu = dequantize_gguf(raw, name, (rows, cols))
+    gpu = dequantize_gguf(raw.cuda(), name, (rows, cols))
+    assert torch.equal(gpu.cpu(), cpu)
+    want = gguf.quants.dequantize(raw.numpy(), getattr(gguf.GGMLQuantizationType, name))
+    assert torch.equal(cpu, torch.from_numpy(np.ascontiguousarray(want)))
+    # and the layer on the GPU, in bf16 as training runs it
+    layer = GGUFLinear(raw, name, cols, rows, dtype=torch.bfloat16).cuda()
+    x = torch.randn(8, cols, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(layer(x), F.linear(x, cpu.cuda().bfloat16()))

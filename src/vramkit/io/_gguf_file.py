@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -21,7 +22,8 @@ from vramkit._gguf_types import GGUF_FLOAT_TYPES, GGUF_QUANT_TYPES
 from vramkit.errors import SafetensorsFormatError
 from vramkit.io._paths import check_path
 
-__all__ = ["GGUF_MAGIC", "GGUFHeader", "GGUFTensorInfo", "is_gguf", "read_gguf_header"]
+__all__ = ["GGUF_MAGIC", "GGUFHeader", "GGUFTensorInfo", "is_gguf", "read_gguf_header",
+           "write_gguf"]
 
 GGUF_MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
@@ -264,3 +266,55 @@ def _info(path: Path, name: str, shape: tuple[int, ...], type_id: int, begin: in
             f"but the file has {size}", path=path, tensor=name,
             hint="The download or copy was cut short; fetch the file again.")
     return GGUFTensorInfo(name, shape, type_id, type_name, begin, nbytes, quantized)
+
+
+def write_gguf(path: str | os.PathLike[str],
+               tensors: Sequence[tuple[str, tuple[int, ...], int, Callable[[], bytes | Any]]],
+               metadata: dict[str, str] | None = None, *, alignment: int = _DEFAULT_ALIGNMENT
+               ) -> int:
+    """Write a GGUF (version 3) file, tensor by tensor: for benchmarks and tests that need a
+    large file without the ``gguf`` package or the whole model in memory.
+
+    Args:
+        path: the file to write.
+        tensors: ``(name, shape in torch order, GGML type id, data)`` with ``data()`` returning
+            the tensor's bytes (anything with the buffer protocol), called once, in order.
+        metadata: string key-value pairs.
+        alignment: data alignment (default 32).
+
+    Returns:
+        The file's size.
+    """
+    out = bytearray(GGUF_MAGIC)
+    out += struct.pack("<IQQ", 3, len(tensors), len(metadata or {}))
+
+    def text(value: str) -> bytes:
+        raw = value.encode("utf-8")
+        return struct.pack("<Q", len(raw)) + raw
+
+    for key, value in (metadata or {}).items():
+        out += text(key) + struct.pack("<I", _STRING) + text(value)
+    offset = 0
+    sizes = []
+    for name, shape, type_id, _ in tensors:
+        numel = math.prod(shape)
+        if type_id in GGUF_FLOAT_TYPES:
+            nbytes = numel * GGUF_FLOAT_TYPES[type_id][1]
+        else:
+            qtype = GGUF_QUANT_TYPES[type_id]
+            nbytes = numel // qtype.block_size * qtype.type_size
+        out += text(name) + struct.pack("<I", len(shape))
+        out += b"".join(struct.pack("<Q", d) for d in reversed(shape))
+        out += struct.pack("<IQ", type_id, offset)
+        sizes.append(nbytes)
+        offset += -(-nbytes // alignment) * alignment
+    out += bytes(-len(out) % alignment)
+    with open(path, "wb") as handle:
+        handle.write(out)
+        for (name, _, _, data), nbytes in zip(tensors, sizes, strict=True):
+            raw = memoryview(data()).cast("B")
+            if raw.nbytes != nbytes:
+                raise ValueError(f"tensor {name!r}: {raw.nbytes} bytes given, {nbytes} expected")
+            handle.write(raw)
+            handle.write(bytes(-nbytes % alignment))
+        return handle.tell()

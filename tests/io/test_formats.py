@@ -255,3 +255,30 @@ def test_a_swapper_streams_the_file_into_its_masters(tmp_path: Path, kind: str) 
         with torch.no_grad():
             got = model(**_flux_inputs())[0]
     assert torch.equal(got, want)
+
+
+def test_a_model_prepared_for_fp8_keeps_the_files_codes_under_a_swapper(tmp_path: Path) -> None:
+    from vramkit.io.formats import prepare_module
+    from vramkit.offload.swap import BlockSwapper, SwapConfig
+    from vramkit.quant.linear import QuantizedLinear
+    from vramkit.quant.model import QuantizationConfig
+
+    original, _ = _fp8_scaled(to_original(FLUX, tiny_flux().state_dict(), prefix=LDM_PREFIX))
+    path = tmp_path / "flux_fp8_scaled.safetensors"
+    save_file(original, path)
+    config = QuantizationConfig("fp8")
+    loaded = tiny_flux("meta")
+    load_into(loaded, path, quantization=config)
+    with torch.no_grad():
+        want = loaded(**_flux_inputs())[0]
+    model = tiny_flux("meta").requires_grad_(False)
+    replaced = prepare_module(model, path, config)
+    assert "transformer_blocks.0.attn.to_q" in replaced
+    with BlockSwapper(model, config=SwapConfig(min_param_bytes=0), device="cpu",
+                      checkpoint=path) as swapper:
+        names = {e.attr for b in swapper.blocks for e in b.entries}
+        assert "weight_data" in names  # the fp8 codes are what the masters hold
+        assert isinstance(model.single_transformer_blocks[0].proj_mlp, QuantizedLinear)
+        with torch.no_grad():
+            got = model(**_flux_inputs())[0]
+    assert torch.equal(got, want)

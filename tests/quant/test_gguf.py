@@ -166,3 +166,19 @@ def test_gpu_decoding_equals_the_cpu_reference(name: str) -> None:
     layer = GGUFLinear(raw, name, cols, rows, dtype=torch.bfloat16).cuda()
     x = torch.randn(8, cols, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(layer(x), F.linear(x, cpu.cuda().bfloat16()))
+
+
+def test_peft_lora_adapts_a_gguf_layer() -> None:
+    peft = pytest.importorskip("peft")
+
+    from vramkit.quant.linear import register_peft_lora
+
+    model = nn.Sequential(_layer("Q8_0", out_features=8))
+    config = register_peft_lora(peft.LoraConfig(r=2, target_modules=["0"], init_lora_weights=False))
+    peft.inject_adapter_in_model(config, model)
+    x = torch.randn(3, model[0].in_features)
+    out = model(x)
+    base = model[0].base_layer(x)
+    assert not torch.allclose(out, base)  # the adapter adds its update
+    out.sum().backward()
+    assert model[0].lora_A["default"].weight.grad is not None

@@ -361,8 +361,8 @@ def _mapped(header: SafetensorsHeader, entries: dict[str, TensorEntry], fmt: Che
 # -- preparing a model on meta for packed tensors -----------------------------------------------
 
 
-def prepare_module(module: nn.Module, checkpoint: LazySafetensors, quantization: Any = None,
-                   device: str | torch.device = "cpu") -> list[str]:
+def prepare_module(module: nn.Module, checkpoint: LazySafetensors | str | os.PathLike[str],
+                   quantization: Any = None, device: str | torch.device = "cpu") -> list[str]:
     """Replace the layers whose weights a checkpoint keeps packed, before the module is filled.
 
     * a GGUF quantized weight of an ``nn.Linear``: the layer becomes a
@@ -372,12 +372,14 @@ def prepare_module(module: nn.Module, checkpoint: LazySafetensors, quantization:
       ``QuantizedLinear`` whose ``weight_data`` is the file's fp8 codes and whose scales are
       the file's scale (filled here: they are tiny).
 
-    Call it on a module built on the meta device, after :func:`open_checkpoint` and before
-    ``load_into`` / a swapper's ``checkpoint=`` (``load_into`` calls it itself).
+    Layers already prepared (by an earlier call on the same model) are matched again: their
+    packed tensor is what this checkpoint fills. So a model can be prepared once, with the
+    load's quantization config, and then filled by a swapper's ``checkpoint=`` (which calls
+    this without one). ``load_into`` calls it itself.
 
     Args:
         module: the model (on meta).
-        checkpoint: from :func:`open_checkpoint` (anything else: nothing to do).
+        checkpoint: from :func:`open_checkpoint`, or a path (opened, prepared for, closed).
         quantization: the load's ``QuantizationConfig``, or None.
         device: where the tensors this fills itself (fp8 scales) go: the load's device.
 
@@ -388,12 +390,15 @@ def prepare_module(module: nn.Module, checkpoint: LazySafetensors, quantization:
         ConfigError: a GGUF quantized tensor that lands on something other than an
             ``nn.Linear`` weight.
     """
+    if not isinstance(checkpoint, LazySafetensors):
+        with open_checkpoint(checkpoint) as opened:
+            return prepare_module(module, opened, quantization, device)
     if not isinstance(checkpoint, MappedCheckpoint):
         return []
     replaced: list[str] = []
     if checkpoint.packed:
         replaced += _prepare_gguf(module, checkpoint)
-    if checkpoint.scales and quantization is not None:
+    if checkpoint.scales:
         replaced += _prepare_fp8(module, checkpoint, quantization, device)
     return replaced
 
@@ -422,9 +427,13 @@ def _prepare_gguf(module: nn.Module, checkpoint: MappedCheckpoint) -> list[str]:
     replaced = []
     state = dict(module.state_dict(keep_vars=True))
     for key, (kind, shape) in list(checkpoint.packed.items()):
-        if key not in state:
+        if key not in state and not isinstance(_owner(module, key), GGUFLinear):
             continue  # unexpected: the filler reports it
         owner, layer = _linear_of(module, key)
+        current = _owner(module, key)
+        if isinstance(current, GGUFLinear) and current.qtype.name == kind:
+            checkpoint.rename(key, f"{owner}.weight_packed")  # prepared before
+            continue
         if layer is None:
             raise ConfigError(
                 f"{checkpoint.source.name}: tensor {key!r} is GGUF {kind}, and it lands on "
@@ -453,18 +462,27 @@ def _prepare_fp8(module: nn.Module, checkpoint: MappedCheckpoint, config: Any,
     import torch
 
     from vramkit.quant.formats import FP8Config, QuantizedTensor
+    from vramkit.quant.linear import QuantizedLinear
     from vramkit.quant.model import QuantizationConfig, quantizable_layers, quantized_layer
 
-    if not isinstance(config, QuantizationConfig):
-        return []  # the filler refuses it with its own message
-    fmt = config.weight_format()
-    if not isinstance(fmt, FP8Config) or config.w8a8:
-        return []  # another format: the weights are scaled and quantized as they stream in
-    selected = dict(quantizable_layers(module, config))
+    fmt: Any = None
+    selected: dict[str, Any] = {}
+    if isinstance(config, QuantizationConfig) and not config.w8a8:
+        fmt = config.weight_format()
+        if isinstance(fmt, FP8Config):
+            selected = dict(quantizable_layers(module, config))
     replaced = []
     for key, scale in list(checkpoint.scales.items()):
         entry = checkpoint.entry(key)
         owner, layer = _linear_of(module, key)
+        current = _owner(module, key)
+        if (isinstance(current, QuantizedLinear) and isinstance(current.quant_config, FP8Config)
+                and current.weight_data.is_meta and entry.dtype_code == "F8_E4M3"
+                and tuple(current.weight_data.shape) == tuple(entry.shape)):
+            # prepared before: its scales were filled then
+            checkpoint.rename(key, f"{owner}.weight_data")
+            checkpoint.prefilled.add(f"{owner}.weight_scales")
+            continue
         if layer is None or owner not in selected or entry.dtype_code != "F8_E4M3":
             continue
         rows, cols = layer.out_features, layer.in_features
@@ -481,3 +499,11 @@ def _prepare_fp8(module: nn.Module, checkpoint: MappedCheckpoint, config: Any,
         checkpoint.prefilled.add(f"{owner}.weight_scales")
         replaced.append(owner)
     return replaced
+
+
+def _owner(module: nn.Module, key: str) -> Any:
+    owner = key.rpartition(".")[0]
+    try:
+        return module.get_submodule(owner) if owner else module
+    except AttributeError:
+        return None

@@ -282,3 +282,18 @@ def test_a_model_prepared_for_fp8_keeps_the_files_codes_under_a_swapper(tmp_path
         with torch.no_grad():
             got = model(**_flux_inputs())[0]
     assert torch.equal(got, want)
+
+
+def test_a_block_loads_alone_from_a_gguf_file(tmp_path: Path) -> None:
+    from vramkit.quant.gguf import GGUFLinear
+
+    path, _, _ = _gguf_flux(tmp_path, kinds=("Q8_0",))
+    whole = tiny_flux("meta")
+    load_into(whole, path)
+    block = tiny_flux("meta").transformer_blocks[1]
+    load_into(block, path, prefix="transformer_blocks.1.", strict=True)
+    assert isinstance(block.attn.to_k, GGUFLinear)
+    want = {f"transformer_blocks.1.{k}": v for k, v in block.state_dict().items()}
+    got = {k: v for k, v in whole.state_dict().items() if k.startswith("transformer_blocks.1.")}
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)

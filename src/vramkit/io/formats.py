@@ -362,7 +362,8 @@ def _mapped(header: SafetensorsHeader, entries: dict[str, TensorEntry], fmt: Che
 
 
 def prepare_module(module: nn.Module, checkpoint: LazySafetensors | str | os.PathLike[str],
-                   quantization: Any = None, device: str | torch.device = "cpu") -> list[str]:
+                   quantization: Any = None, device: str | torch.device = "cpu", *,
+                   prefix: str | None = None) -> list[str]:
     """Replace the layers whose weights a checkpoint keeps packed, before the module is filled.
 
     * a GGUF quantized weight of an ``nn.Linear``: the layer becomes a
@@ -382,6 +383,8 @@ def prepare_module(module: nn.Module, checkpoint: LazySafetensors | str | os.Pat
         checkpoint: from :func:`open_checkpoint`, or a path (opened, prepared for, closed).
         quantization: the load's ``QuantizationConfig``, or None.
         device: where the tensors this fills itself (fp8 scales) go: the load's device.
+        prefix: the checkpoint names of ``module``'s tensors start with it (``load_into``'s
+            ``prefix``: a block filled alone); other names are left as they are.
 
     Returns:
         The qualified names of the layers replaced.
@@ -392,14 +395,14 @@ def prepare_module(module: nn.Module, checkpoint: LazySafetensors | str | os.Pat
     """
     if not isinstance(checkpoint, LazySafetensors):
         with open_checkpoint(checkpoint) as opened:
-            return prepare_module(module, opened, quantization, device)
+            return prepare_module(module, opened, quantization, device, prefix=prefix)
     if not isinstance(checkpoint, MappedCheckpoint):
         return []
     replaced: list[str] = []
     if checkpoint.packed:
-        replaced += _prepare_gguf(module, checkpoint)
+        replaced += _prepare_gguf(module, checkpoint, prefix or "")
     if checkpoint.scales:
-        replaced += _prepare_fp8(module, checkpoint, quantization, device)
+        replaced += _prepare_fp8(module, checkpoint, quantization, device, prefix or "")
     return replaced
 
 
@@ -419,46 +422,49 @@ def _set(module: nn.Module, name: str, layer: nn.Module) -> None:
     setattr(module.get_submodule(parent) if parent else module, child, layer)
 
 
-def _prepare_gguf(module: nn.Module, checkpoint: MappedCheckpoint) -> list[str]:
+def _prepare_gguf(module: nn.Module, checkpoint: MappedCheckpoint, prefix: str) -> list[str]:
     import torch
 
     from vramkit.quant.gguf import GGUFLinear
 
     replaced = []
     state = dict(module.state_dict(keep_vars=True))
-    for key, (kind, shape) in list(checkpoint.packed.items()):
+    for name, (kind, shape) in list(checkpoint.packed.items()):
+        if not name.startswith(prefix):
+            continue
+        key = name[len(prefix):]
         if key not in state and not isinstance(_owner(module, key), GGUFLinear):
             continue  # unexpected: the filler reports it
         owner, layer = _linear_of(module, key)
         current = _owner(module, key)
         if isinstance(current, GGUFLinear) and current.qtype.name == kind:
-            checkpoint.rename(key, f"{owner}.weight_packed")  # prepared before
+            checkpoint.rename(name, f"{prefix}{owner}.weight_packed")  # prepared before
             continue
         if layer is None:
             raise ConfigError(
-                f"{checkpoint.source.name}: tensor {key!r} is GGUF {kind}, and it lands on "
+                f"{checkpoint.source.name}: tensor {name!r} is GGUF {kind}, and it lands on "
                 f"{type(module.get_submodule(owner)).__name__ if owner else 'the model'}, not an "
                 "nn.Linear weight: only linear weights are kept quantized",
                 hint="Use a GGUF file that stores this tensor as F16/BF16/F32 (llama.cpp and "
                      "ComfyUI-GGUF keep norms, embeddings and convolutions unquantized), or "
                      "load a safetensors checkpoint.")
         if tuple(layer.weight.shape) != tuple(shape):
-            raise ConfigError(f"{checkpoint.source.name}: {key!r} is {list(shape)} in the file, "
+            raise ConfigError(f"{checkpoint.source.name}: {name!r} is {list(shape)} in the file, "
                               f"{list(layer.weight.shape)} in the module",
                               hint="Build the module with the checkpoint's configuration.")
-        rows, row_bytes = checkpoint.entry(key).shape
+        rows, row_bytes = checkpoint.entry(name).shape
         packed = torch.empty((rows, row_bytes), dtype=torch.uint8, device=layer.weight.device)
         new = GGUFLinear(packed, kind, layer.in_features, layer.out_features, layer.bias,
                          dtype=layer.weight.dtype)
         new.train(layer.training)
         _set(module, owner, new)
-        checkpoint.rename(key, f"{owner}.weight_packed")
+        checkpoint.rename(name, f"{prefix}{owner}.weight_packed")
         replaced.append(owner)
     return replaced
 
 
 def _prepare_fp8(module: nn.Module, checkpoint: MappedCheckpoint, config: Any,
-                 device: Any) -> list[str]:
+                 device: Any, prefix: str) -> list[str]:
     import torch
 
     from vramkit.quant.formats import FP8Config, QuantizedTensor
@@ -472,15 +478,18 @@ def _prepare_fp8(module: nn.Module, checkpoint: MappedCheckpoint, config: Any,
         if isinstance(fmt, FP8Config):
             selected = dict(quantizable_layers(module, config))
     replaced = []
-    for key, scale in list(checkpoint.scales.items()):
-        entry = checkpoint.entry(key)
+    for name, scale in list(checkpoint.scales.items()):
+        if not name.startswith(prefix):
+            continue
+        key = name[len(prefix):]
+        entry = checkpoint.entry(name)
         owner, layer = _linear_of(module, key)
         current = _owner(module, key)
         if (isinstance(current, QuantizedLinear) and isinstance(current.quant_config, FP8Config)
                 and current.weight_data.is_meta and entry.dtype_code == "F8_E4M3"
                 and tuple(current.weight_data.shape) == tuple(entry.shape)):
             # prepared before: its scales were filled then
-            checkpoint.rename(key, f"{owner}.weight_data")
+            checkpoint.rename(name, f"{prefix}{owner}.weight_data")
             checkpoint.prefilled.add(f"{owner}.weight_scales")
             continue
         if layer is None or owner not in selected or entry.dtype_code != "F8_E4M3":
@@ -495,7 +504,7 @@ def _prepare_fp8(module: nn.Module, checkpoint: MappedCheckpoint, config: Any,
                             shape=torch.Size((rows, cols)), dtype=layer.weight.dtype)
         new = quantized_layer(layer, q, layer.bias, config, name=owner)
         _set(module, owner, new)
-        checkpoint.rename(key, f"{owner}.weight_data")
+        checkpoint.rename(name, f"{prefix}{owner}.weight_data")
         checkpoint.prefilled.add(f"{owner}.weight_scales")
         replaced.append(owner)
     return replaced

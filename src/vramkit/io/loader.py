@@ -280,7 +280,8 @@ class MemoryEfficientLoader:
         with self._open(path) as checkpoint:
             # Layers whose weights the file keeps packed (GGUF, fp8_scaled kept in fp8) are
             # replaced on meta first, so their packed buffers are what the file fills.
-            prepared = prepare_module(module, checkpoint, quantization, self.device)
+            prepared = prepare_module(module, checkpoint, quantization, self.device,
+                                      prefix=prefix)
             if prepared:
                 logger.info("%d layer(s) keep the file's packed weights: %s", len(prepared),
                             _listed(prepared))

@@ -43,10 +43,14 @@ def test_decoding_matches_the_gguf_reference_bit_for_bit(name: str) -> None:
     assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(want)))
 
 
-def test_decoding_casts_to_the_asked_dtype() -> None:
-    raw = torch.from_numpy(random_blocks("Q8_0", 4))
-    full = dequantize_gguf(raw, "Q8_0", (4, 32))
-    assert torch.equal(dequantize_gguf(raw, 8, (4, 32), torch.bfloat16), full.bfloat16())
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decoding_to_a_half_dtype_rounds_once(name: str, dtype: torch.dtype) -> None:
+    qtype = gguf_quant_type(name)
+    raw = torch.from_numpy(random_blocks(name, 4, seed=2))
+    full = dequantize_gguf(raw, name, (4, qtype.block_size))
+    assert torch.equal(dequantize_gguf(raw, qtype.type_id, (4, qtype.block_size), dtype),
+                       full.to(dtype))
 
 
 def test_unknown_and_undecoded_types_are_named() -> None:

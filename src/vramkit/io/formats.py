@@ -23,7 +23,8 @@ reads into its masters work unchanged. The few that need work after reading (FLU
 modulation with its halves swapped, fp8 weights scaled) are :attr:`MappedCheckpoint.fixed_names`,
 which :meth:`MappedCheckpoint.load_tensor` applies.
 
-:func:`detect_format` names a file's format without torch (``vramkit inspect``).
+:func:`detect_format` names a file's format without torch (``vramkit inspect``);
+:func:`write_gguf` writes a GGUF file tensor by tensor (benchmarks, tests, examples).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from vramkit._gguf_types import GGUF_FLOAT_TYPES
 from vramkit.errors import ConfigError, SafetensorsFormatError
 from vramkit.io import _paths
-from vramkit.io._gguf_file import GGUFHeader, is_gguf, read_gguf_header
+from vramkit.io._gguf_file import GGUFHeader, is_gguf, read_gguf_header, write_gguf
 from vramkit.io._header import SafetensorsHeader, TensorEntry, read_header
 from vramkit.io._single_file import FLUX, SDXL, Piece, detect_layout, layout_pieces
 from vramkit.io.lazy import LazySafetensors, ReadThreads, resolve_checkpoint
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = ["CheckpointFormat", "MappedCheckpoint", "describe_names", "detect_format",
-           "gguf_file", "open_checkpoint", "prepare_module"]
+           "gguf_file", "open_checkpoint", "prepare_module", "write_gguf"]
 
 logger = logging.getLogger(__name__)
 

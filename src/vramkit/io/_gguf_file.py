@@ -30,6 +30,7 @@ _VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
 _MAX_NAME = 1 << 16  # a key or tensor name longer than this is corruption, not a name
 _MAX_DIMS = 8
+_MAX_NESTING = 8  # arrays of arrays deeper than this are corruption (and would recurse)
 _KEEP_ARRAY = 64  # arrays longer than this (tokenizer vocabularies) are summarized, not kept
 # GGUF value types: id -> struct format of a scalar (8: string, 9: array).
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
@@ -127,7 +128,10 @@ class _Reader:
             raise SafetensorsFormatError(f"{what} at byte {self.offset - length} is not UTF-8",
                                          path=self.path, hint=_HINT) from err
 
-    def value(self, kind: int, key: str) -> Any:
+    def value(self, kind: int, key: str, depth: int = 0) -> Any:
+        if depth > _MAX_NESTING:
+            raise SafetensorsFormatError(f"metadata {key!r}: arrays nested over {_MAX_NESTING} "
+                                         "deep", path=self.path, hint=_HINT)
         if kind in _SCALARS:
             return self.unpack(_SCALARS[kind], f"value of {key!r}")
         if kind == _STRING:
@@ -147,7 +151,7 @@ class _Reader:
                 raise SafetensorsFormatError(
                     f"truncated GGUF file: array {key!r} claims {count} items past the end",
                     path=self.path, hint=_HINT)
-            items = [self.value(item, key) for _ in range(count)]
+            items = [self.value(item, key, depth + 1) for _ in range(count)]
             return items if count <= _KEEP_ARRAY else f"<array of {count} {_type_name(item)}>"
         raise SafetensorsFormatError(f"metadata {key!r}: unknown value type {kind}",
                                      path=self.path, hint=_HINT)
@@ -218,7 +222,7 @@ def read_gguf_header(path: str | os.PathLike[str]) -> GGUFHeader:
             raise SafetensorsFormatError("tensor stored twice", path=path, tensor=name,
                                          hint=_HINT)
         seen.add(name)
-        tensors.append(_info(path, name, shape, type_id, begin, data_start, size, alignment))
+        tensors.append(_info(path, name, shape, type_id, begin, data_start, size))
     tensors.sort(key=lambda t: t.begin)
     return GGUFHeader(path=path, file_size=size, version=version, data_start=data_start,
                       tensors=tensors, metadata=metadata)
@@ -237,7 +241,7 @@ def _tensor_record(reader: _Reader) -> tuple[str, tuple[int, ...], int, int]:
 
 
 def _info(path: Path, name: str, shape: tuple[int, ...], type_id: int, begin: int,
-          data_start: int, size: int, alignment: int) -> GGUFTensorInfo:
+          data_start: int, size: int) -> GGUFTensorInfo:
     numel = math.prod(shape)
     if type_id in GGUF_FLOAT_TYPES:
         type_name, width, _ = GGUF_FLOAT_TYPES[type_id]
@@ -257,9 +261,6 @@ def _info(path: Path, name: str, shape: tuple[int, ...], type_id: int, begin: in
         raise SafetensorsFormatError(f"unknown GGML tensor type {type_id}", path=path, tensor=name,
                                      hint=f"Known types: {known}. The file may come from a newer "
                                           "llama.cpp; convert it to one of them.")
-    if begin % alignment:
-        raise SafetensorsFormatError(f"data offset {begin} is not aligned to {alignment}",
-                                     path=path, tensor=name, hint=_HINT)
     if data_start + begin + nbytes > size:
         raise SafetensorsFormatError(
             f"truncated GGUF file: the tensor's data ends at byte {data_start + begin + nbytes} "

@@ -297,3 +297,42 @@ def test_a_block_loads_alone_from_a_gguf_file(tmp_path: Path) -> None:
     got = {k: v for k, v in whole.state_dict().items() if k.startswith("transformer_blocks.1.")}
     assert set(got) == set(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_gguf_sdxl_with_flattened_convolutions_decodes_them_as_they_load(tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    from vramkit.quant.gguf import GGUFLinear
+
+    state = tiny_sdxl().state_dict()
+    original = to_original(SDXL, state)  # a UNet saved alone: no prefix
+    path = tmp_path / "sdxl-Q8_0.gguf"
+    writer = gguf.GGUFWriter(str(path), "sdxl")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    flattened = []
+    for name, t in original.items():
+        array = t.float().numpy()
+        if t.dim() == 4 and t[0].numel() % 32 == 0:  # ComfyUI-GGUF: rows of whole blocks
+            writer.add_array(f"comfy.gguf.orig_shape.{name}", list(t.shape))
+            writer.add_tensor(name, gguf.quants.quantize(array.reshape(t.shape[0], -1), q8),
+                              raw_dtype=q8)
+            flattened.append(name)
+        elif t.dim() == 2 and t.shape[1] % 32 == 0:
+            writer.add_tensor(name, gguf.quants.quantize(array, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert flattened
+    model = tiny_sdxl("meta")
+    load_into(model, path)
+    conv = model.down_blocks[1].resnets[0].conv1
+    reader = gguf.GGUFReader(str(path))
+    stored = next(t for t in reader.tensors if t.name == "input_blocks.4.0.in_layers.2.weight")
+    want = gguf.quants.dequantize(stored.data, stored.tensor_type).reshape(conv.weight.shape)
+    assert torch.equal(conv.weight, torch.from_numpy(np.ascontiguousarray(want)))
+    assert isinstance(model.down_blocks[1].attentions[0].transformer_blocks[0].attn1.to_q,
+                      GGUFLinear)

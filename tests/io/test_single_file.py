@@ -81,4 +81,5 @@ def test_sdxl_pieces_match_diffusers_converter() -> None:
 
 def test_other_layouts_are_not_detected() -> None:
     assert detect_layout(["transformer_blocks.0.attn.to_q.weight"]) is None
-    assert detect_layout(["input_blocks.0.0.weight", "middle_block.0.x"]) is None  # no prefix
+    assert detect_layout(["input_blocks.0.0.weight"]) is None  # no middle block: not a UNet
+    assert detect_layout(["input_blocks.0.0.weight", "middle_block.0.x"]) == (SDXL, "")

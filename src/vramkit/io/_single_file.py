@@ -58,9 +58,10 @@ def detect_layout(names: Sequence[str]) -> tuple[str, str] | None:
     for prefix in ("", LDM_PREFIX):
         if f"{prefix}double_blocks.0.img_attn.qkv.weight" in present:
             return FLUX, prefix
-    if f"{LDM_PREFIX}input_blocks.0.0.weight" in present and any(
-            n.startswith(f"{LDM_PREFIX}middle_block.") for n in present):
-        return SDXL, LDM_PREFIX
+    for prefix in (LDM_PREFIX, ""):  # bare: a UNet saved alone (ComfyUI-GGUF's unet files)
+        if f"{prefix}input_blocks.0.0.weight" in present and any(
+                n.startswith(f"{prefix}middle_block.") for n in present):
+            return SDXL, prefix
     return None
 
 

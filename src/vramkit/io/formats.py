@@ -30,6 +30,7 @@ which :meth:`MappedCheckpoint.load_tensor` applies.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import struct
 from collections.abc import Sequence
@@ -169,6 +170,8 @@ class MappedCheckpoint(LazySafetensors):
         swapped: tensors whose two halves (along rows) are swapped after reading.
         packed: GGUF quantized tensors -> ``(type name, shape of the decoded weight)``; each is
             held as ``uint8 [rows, row_bytes]``.
+        decoded: GGUF quantized tensors decoded to float32 as they are read (those
+            :func:`prepare_module` found on something other than an ``nn.Linear`` weight).
         prefilled: module keys :func:`prepare_module` already filled (fp8 scales), which the
             file does not hold as such.
         left_out: names in the file that belong to no tensor of the model (other components
@@ -187,21 +190,46 @@ class MappedCheckpoint(LazySafetensors):
         self.packed = packed
         self.prefilled: set[str] = set()
         self.left_out = left_out
+        self.decoded: dict[str, tuple[str, tuple[int, ...]]] = {}
 
     @property
     def fixed_names(self) -> frozenset[str]:
         """Tensors that need work after their bytes are read (scaled, halves swapped): a
         loader must read them through :meth:`load_tensor`, not as raw bytes."""
-        return frozenset(self.scales) | frozenset(self.swapped)
+        return frozenset(self.scales) | frozenset(self.swapped) | frozenset(self.decoded)
 
     def load_tensor(self, name: str, index: Any = None, *,
                     threads: ReadThreads | None = None) -> torch.Tensor:
-        """Read a tensor as the model wants it (fp8 scaled to float32, halves swapped);
-        indexed reads return stored values."""
+        """Read a tensor as the model wants it (fp8 scaled to float32, halves swapped, GGUF
+        blocks of a tensor that is not kept packed decoded to float32); indexed reads return
+        stored values."""
+        if name in self.decoded and index is None:
+            import torch
+
+            from vramkit.quant.gguf import dequantize_gguf, gguf_quant_type
+
+            entry = self.entry(name)
+            raw = torch.empty(entry.nbytes, dtype=torch.uint8)
+            self.read_bytes(entry, raw, threads=threads)
+            kind, shape = self.decoded[name]
+            # Decoded as a run of blocks (the stored rows may be a flattening of ``shape``).
+            block = gguf_quant_type(kind).block_size
+            numel = math.prod(shape)
+            values = dequantize_gguf(raw, kind, (numel // block, block)).reshape(shape)
+            return self.fix(name, values)
         tensor = super().load_tensor(name, index, threads=threads)
         if index is None:
             tensor = self.fix(name, tensor)
         return tensor
+
+    def decode_on_load(self, name: str) -> None:
+        """Make GGUF tensor ``name`` (quantized, not kept packed) a float32 tensor of its real
+        shape, decoded one tensor at a time as it is read."""
+        kind, shape = self.packed.pop(name)
+        entry = self._entries[name]
+        self._entries[name] = TensorEntry(name, "F32", tuple(shape), entry.begin, entry.end,
+                                          entry.data_start, entry.path)
+        self.decoded[name] = (kind, tuple(shape))
 
     def fix(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Apply ``name``'s fixups to its stored value (on any device)."""
@@ -274,9 +302,10 @@ def _open_gguf(gguf: GGUFHeader, use_mmap: bool) -> MappedCheckpoint:
             rows = info.numel // info.shape[-1] if info.shape else 1
             shape: tuple[int, ...] = (rows, info.nbytes // max(rows, 1))
             code = "U8"
-            packed_types[info.name] = (info.type_name, info.shape)
+            packed_types[info.name] = (info.type_name, _real_shape(gguf, info.name, info.shape))
         else:
-            shape, code = info.shape, GGUF_FLOAT_TYPES[info.type_id][2]
+            shape = _real_shape(gguf, info.name, info.shape)
+            code = GGUF_FLOAT_TYPES[info.type_id][2]
         entries[info.name] = TensorEntry(info.name, code, shape, info.begin,
                                          info.begin + info.nbytes, gguf.data_start, gguf.path)
     found = detect_layout(list(entries))
@@ -285,6 +314,20 @@ def _open_gguf(gguf: GGUFHeader, use_mmap: bool) -> MappedCheckpoint:
                                {k: str(v) for k, v in gguf.metadata.items()})
     fmt = CheckpointFormat("gguf", kind, prefix, quant_types=counts)
     return _mapped(header, entries, fmt, use_mmap, gguf.path, packed_types)
+
+
+def _real_shape(gguf: GGUFHeader, name: str, stored: tuple[int, ...]) -> tuple[int, ...]:
+    """ComfyUI-GGUF flattens tensors whose rows are not whole blocks (SDXL's convolutions) and
+    records the shape to restore under ``comfy.gguf.orig_shape.<name>``."""
+    recorded = gguf.metadata.get(f"comfy.gguf.orig_shape.{name}")
+    if isinstance(recorded, list) and all(isinstance(d, int) for d in recorded):
+        real = tuple(recorded)
+        if math.prod(real) == math.prod(stored):
+            return real
+        raise SafetensorsFormatError(f"comfy.gguf.orig_shape {list(real)} does not hold the "
+                                     f"{math.prod(stored)} elements of {list(stored)}",
+                                     path=gguf.path, tensor=name)
+    return stored
 
 
 def _read_scale(entry: TensorEntry) -> float:
@@ -368,7 +411,8 @@ def prepare_module(module: nn.Module, checkpoint: LazySafetensors | str | os.Pat
     """Replace the layers whose weights a checkpoint keeps packed, before the module is filled.
 
     * a GGUF quantized weight of an ``nn.Linear``: the layer becomes a
-      :class:`~vramkit.quant.gguf.GGUFLinear` whose ``weight_packed`` the file fills;
+      :class:`~vramkit.quant.gguf.GGUFLinear` whose ``weight_packed`` the file fills (any other
+      quantized tensor, a convolution's or an embedding's, is decoded as it loads);
     * an fp8_scaled weight of a layer ``quantization`` (a ``QuantizationConfig``) quantizes to
       fp8 weight-only, when the file's layout fits vramkit's fp8 format: the layer becomes a
       ``QuantizedLinear`` whose ``weight_data`` is the file's fp8 codes and whose scales are
@@ -391,8 +435,7 @@ def prepare_module(module: nn.Module, checkpoint: LazySafetensors | str | os.Pat
         The qualified names of the layers replaced.
 
     Raises:
-        ConfigError: a GGUF quantized tensor that lands on something other than an
-            ``nn.Linear`` weight.
+        ConfigError: a GGUF quantized weight whose shape differs from its layer's.
     """
     if not isinstance(checkpoint, LazySafetensors):
         with open_checkpoint(checkpoint) as opened:
@@ -442,13 +485,11 @@ def _prepare_gguf(module: nn.Module, checkpoint: MappedCheckpoint, prefix: str) 
             checkpoint.rename(name, f"{prefix}{owner}.weight_packed")  # prepared before
             continue
         if layer is None:
-            raise ConfigError(
-                f"{checkpoint.source.name}: tensor {name!r} is GGUF {kind}, and it lands on "
-                f"{type(module.get_submodule(owner)).__name__ if owner else 'the model'}, not an "
-                "nn.Linear weight: only linear weights are kept quantized",
-                hint="Use a GGUF file that stores this tensor as F16/BF16/F32 (llama.cpp and "
-                     "ComfyUI-GGUF keep norms, embeddings and convolutions unquantized), or "
-                     "load a safetensors checkpoint.")
+            # A convolution, an embedding...: decoded as it is read (one tensor at a time).
+            logger.info("%s: %s is GGUF %s on a %s: decoded as it loads", checkpoint.source.name,
+                        name, kind, type(current).__name__)
+            checkpoint.decode_on_load(name)
+            continue
         if tuple(layer.weight.shape) != tuple(shape):
             raise ConfigError(f"{checkpoint.source.name}: {name!r} is {list(shape)} in the file, "
                               f"{list(layer.weight.shape)} in the module",

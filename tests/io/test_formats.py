@@ -231,13 +231,16 @@ def _flux_inputs() -> dict:
                 txt_ids=torch.zeros(4, 3), return_dict=False)
 
 
-@pytest.mark.parametrize("kind", ["gguf", "fp8_scaled"])
+@pytest.mark.parametrize("kind", ["bf16", "gguf", "fp8_scaled"])
 def test_a_swapper_streams_the_file_into_its_masters(tmp_path: Path, kind: str) -> None:
     from vramkit.offload.swap import BlockSwapper, SwapConfig
     from vramkit.quant.gguf import GGUFLinear
 
     if kind == "gguf":
         path, _, _ = _gguf_flux(tmp_path, kinds=("Q8_0", "Q4_0"))
+    elif kind == "bf16":
+        path = tmp_path / "flux1-dev.safetensors"
+        save_file(to_original(FLUX, tiny_flux().state_dict()), path)
     else:
         original, _ = _fp8_scaled(to_original(FLUX, tiny_flux().state_dict(), prefix=LDM_PREFIX))
         path = tmp_path / "flux_fp8_scaled.safetensors"

@@ -339,3 +339,35 @@ def test_gguf_sdxl_with_flattened_convolutions_decodes_them_as_they_load(tmp_pat
     assert torch.equal(conv.weight, torch.from_numpy(np.ascontiguousarray(want)))
     assert isinstance(model.down_blocks[1].attentions[0].transformer_blocks[0].attn1.to_q,
                       GGUFLinear)
+
+
+def test_fit_plans_and_trains_a_model_prepared_for_a_gguf_file(tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    import vramkit
+    from tests.planning._models import inputs, stack
+    from vramkit.io.formats import prepare_module
+    from vramkit.quant.gguf import GGUFLinear
+
+    path = tmp_path / "stack-Q8_0.gguf"
+    writer = gguf.GGUFWriter(str(path), "stack")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for name, value in stack().state_dict().items():
+        array = value.float().numpy()
+        if value.dim() == 2 and "lora_" not in name:
+            writer.add_tensor(name, gguf.quants.quantize(array, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model = stack(device="meta")
+    assert prepare_module(model, path)  # the planner then prices the packed layers
+    with vramkit.fit(model, inputs(), 6 << 20, checkpoint=path, hardware="rtx4090", headroom=0,
+                     autocast=None, device="cpu") as fitted:
+        assert fitted.plan.swapped and isinstance(model.blocks[0].up, GGUFLinear)
+        (x,) = inputs()
+        model(x).square().mean().backward()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

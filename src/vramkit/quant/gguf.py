@@ -371,7 +371,8 @@ class GGUFLinear(nn.Module):
             raise QuantizationError(f"activations end in {x.shape[-1]} features, the weight "
                                     f"takes {self.in_features}",
                                     hint="Give x a last dimension of the layer's in_features.")
-        if torch.is_autocast_enabled(x.device.type):
+        kind = x.device.type
+        if kind != "meta" and torch.is_autocast_enabled(kind):  # (meta: no autocast state)
             x = x.to(torch.get_autocast_dtype(x.device.type))
         bias = self.bias
         if bias is not None and bias.dtype != x.dtype:

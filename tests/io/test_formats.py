@@ -40,6 +40,10 @@ def test_single_file_flux_streams_into_the_diffusers_model(tmp_path: Path, prefi
     result = load_into(model, path)
     assert result.missing_keys == [] and result.unexpected_keys == []
     _assert_state_equal(model, want)
+    if prefix:  # the layout's own prefix, passed as ComfyUI users would: already mapped
+        again = tiny_flux("meta")
+        load_into(again, path, prefix=prefix)
+        _assert_state_equal(again, want)
     # Each split piece is a byte range of its fused tensor: the whole file is read once.
     original_bytes = sum(t.numel() * t.element_size() for k, t in original.items()
                          if k.startswith(prefix) and not k.startswith(("first", "text")))
@@ -250,8 +254,10 @@ def test_a_swapper_streams_the_file_into_its_masters(tmp_path: Path, kind: str) 
     with torch.no_grad():
         want = loaded(**_flux_inputs())[0]
     model = tiny_flux("meta").requires_grad_(False)
+    # ComfyUI's file, with its prefix given as its users would: the mapping already took it off
+    prefix = {"prefix": LDM_PREFIX} if kind == "fp8_scaled" else {}
     with BlockSwapper(model, config=SwapConfig(min_param_bytes=0), device="cpu",
-                      checkpoint=path) as swapper:
+                      checkpoint=path, **prefix) as swapper:
         names = {e.attr for b in swapper.blocks for e in b.entries}
         assert ("weight_packed" in names) == (kind == "gguf")
         assert isinstance(model.transformer_blocks[0].attn.to_q, GGUFLinear) == (kind == "gguf")

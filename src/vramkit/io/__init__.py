@@ -42,7 +42,8 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".disk": ("DiskReadResult", "drop_page_cache", "measure_read_bandwidth"),
     ".adapters": ("adapter_keys", "init_meta_adapters", "peft_base_key"),
     ".formats": ("CheckpointFormat", "MappedCheckpoint", "describe_names", "detect_format",
-                 "gguf_file", "open_checkpoint", "prepare_module", "write_gguf"),
+                 "gguf_file", "model_prefix", "open_checkpoint", "prepare_module",
+                 "write_gguf"),
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = ["CheckpointFormat", "MappedCheckpoint", "describe_names", "detect_format",
-           "gguf_file", "open_checkpoint", "prepare_module", "write_gguf"]
+           "gguf_file", "model_prefix", "open_checkpoint", "prepare_module", "write_gguf"]
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +142,16 @@ def _is_fp8_scaled(entries: dict[str, TensorEntry]) -> bool:
                and entries.get(name[:-len(_SCALE_SUFFIX)] + ".weight") is not None
                and entries[name[:-len(_SCALE_SUFFIX)] + ".weight"].dtype_code in _FP8_CODES
                for name in entries)
+
+
+def model_prefix(checkpoint: LazySafetensors, prefix: str | None) -> str | None:
+    """The prefix a loader should strip: ``None`` when ``prefix`` is the single-file layout's
+    own (``"model.diffusion_model."``), which the mapping to the model's names already took off;
+    else ``prefix``."""
+    fmt = getattr(checkpoint, "format", None)
+    if fmt is not None and fmt.layout != "diffusers" and prefix == fmt.prefix:
+        return None
+    return prefix
 
 
 def describe_names(names: Sequence[str], limit: int = 6) -> str:

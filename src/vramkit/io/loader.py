@@ -39,7 +39,7 @@ from vramkit.errors import ConfigError
 from vramkit.io._buffers import meta_non_persistent_buffers, recompute_meta_buffers
 from vramkit.io._header import TensorEntry
 from vramkit.io.adapters import adapter_keys, init_meta_adapters, peft_base_key
-from vramkit.io.formats import describe_names, open_checkpoint, prepare_module
+from vramkit.io.formats import describe_names, model_prefix, open_checkpoint, prepare_module
 from vramkit.io.lazy import LazySafetensors, ReadThreads
 
 if TYPE_CHECKING:  # imported on use (see ModuleFiller._plan_quantization)
@@ -278,6 +278,7 @@ class MemoryEfficientLoader:
             SafetensorsFormatError: for a malformed checkpoint.
         """
         with self._open(path) as checkpoint:
+            prefix = model_prefix(checkpoint, prefix)
             # Layers whose weights the file keeps packed (GGUF, fp8_scaled kept in fp8) are
             # replaced on meta first, so their packed buffers are what the file fills.
             prepared = prepare_module(module, checkpoint, quantization, self.device,
@@ -524,6 +525,7 @@ class ModuleFiller:
                  skip: Sequence[str] = ()) -> None:
         self.module = module
         self.checkpoint = checkpoint
+        prefix = model_prefix(checkpoint, prefix)
         self.dtype = dtype
         self.device = device
         # Submodules filled another way: their keys are neither read nor expected.

@@ -52,14 +52,28 @@ if TYPE_CHECKING:
     from vramkit.offload.swap.config import SwapConfig
     from vramkit.offload.swap.records import SwappedBlock
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "HostMemoryChoice", "StagedCopies", "resolve_host_memory",
-           "staging_layout"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "HostMemoryChoice", "StagedCopies", "measure_memcpy_bytes_per_s",
+           "resolve_host_memory", "staging_layout"]
 
 # One chunk: large enough that a copy's fixed costs (an event, a launch, ~10 us) vanish against
 # its transfer (64 MiB take ~1.2 ms at 55 GB/s), small enough that a 2 GiB pool holds 32 of
 # them and the memcpy of one overlaps the DMA of several.
 DEFAULT_CHUNK_BYTES = 64 << 20
 _POLL_SECONDS = 0.25  # how often a waiting main thread checks that the worker is alive
+
+
+def measure_memcpy_bytes_per_s(nbytes: int = DEFAULT_CHUNK_BYTES * 4, repeats: int = 3) -> float:
+    """This host's rate of the staging worker's memcpy: a torch CPU copy of ``nbytes`` between
+    two ordinary buffers, the best of ``repeats`` (after one to fault the pages in)."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / max(best, 1e-9)
 
 
 def resolve_host_memory(config: SwapConfig, device: torch.device,

@@ -25,7 +25,7 @@ from vramkit._validate import (
 from vramkit.devices.host import HOST_MEMORY_MODES, HostMemoryChoice, choose_host_memory
 from vramkit.errors import ConfigError, PlanError
 from vramkit.offload.blocks import find_blocks, module_bytes, split_blocks
-from vramkit.offload.swap.staged import measure_memcpy_bytes_per_s
+from vramkit.offload.swap.staged import measure_memcpy_bytes_per_s, staging_layout
 from vramkit.planning.analysis import FORMATS, ModelCost, analyze, check_model, meta_copy
 from vramkit.planning.calibration import BlockTimes, calibrate_blocks
 from vramkit.planning.hardware import (
@@ -321,7 +321,11 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         result = searched()
     result = replace(result, host_memory=choice.mode, host_memory_reason=choice.reason)
     if choice.mode == "pageable" and pageable is not None:
-        result = replace(result, copy_bytes_per_s=pageable.rate, staging_pool_bytes=pool_bytes,
+        # the pool the swapper will pin: no more than the blocks its ring has in flight
+        largest = result.peak_breakdown.get("swap_slots", 0) // max(1, result.num_slots)
+        chunk, count = staging_layout(pool_bytes, largest, result.num_slots + 1)
+        result = replace(result, copy_bytes_per_s=pageable.rate,
+                         staging_pool_bytes=chunk * count,
                          notes=(*result.notes, pageable.note(machine)))
     if offline_note is not None:
         result = replace(result, notes=(offline_note, *result.notes))

@@ -34,8 +34,12 @@ FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=4,
 
 def write_flux(folder: str | Path, seed: int = 0) -> Path:
     """A tiny FLUX pipeline folder (random weights) and its transformer as one file."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
-    from diffusers import FluxTransformer2DModel
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+    )
     from safetensors.torch import save_file
 
     folder = Path(folder)

@@ -93,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--list)")
     p.add_argument("--host_memory", choices=("auto", "pinned", "pageable"), default="auto",
                    help="where swapped weights live on the host (vramkit.fit's host_memory)")
+    p.add_argument("--plan_file", default=None,
+                   help="apply the plan saved here (no planning: the fastest start), or plan "
+                        "and save it here when the file does not exist yet")
     return p.parse_args(argv)
 
 
@@ -329,12 +332,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--resolution must be a multiple of {2 * factor}")
 
     # The one memory call: plan swapping/checkpointing for the budget and apply it.
+    saved_plan = (args.plan_file if args.plan_file and Path(args.plan_file).is_file()
+                  else None)
     fitted = vramkit.fit(
         transformer, example_inputs(transformer.config, args.train_batch_size, seq_len,
                                     args.guidance_scale, latent_hw, device, weight_dtype),
-        args.vram_budget, device=device, checkpoint=checkpoint, hardware=args.hardware,
-        autocast=weight_dtype if weight_dtype != torch.float32 else None,
-        host_memory=args.host_memory)
+        args.vram_budget, device=device, checkpoint=checkpoint, plan=saved_plan,
+        host_memory=args.host_memory,
+        **({} if saved_plan else {"hardware": args.hardware, "autocast": (
+            weight_dtype if weight_dtype != torch.float32 else None)}))
+    if args.plan_file and not saved_plan and accelerator.is_main_process:
+        fitted.plan.save(args.plan_file)
     accelerator.print(fitted.plan.explain())
 
     params = [p for p in transformer.parameters() if p.requires_grad]

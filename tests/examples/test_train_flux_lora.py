@@ -35,10 +35,16 @@ def test_trains_under_swapping_saves_and_resumes(tiny: Path, tmp_path: Path,
     assert "resumed from checkpoint-2 (step 2)" in capsys.readouterr().out
 
 
-def test_reads_the_transformer_from_one_file(tiny: Path, tmp_path: Path) -> None:
-    result = _run(tiny, tmp_path, "--max_train_steps", "1", "--transformer_file",
-                  str(tiny / "flux" / "flux-transformer.safetensors"))
-    assert result["global_step"] == 1 and result["plan"].swapped
+def test_reads_the_transformer_from_one_file_with_a_saved_plan(tiny: Path,
+                                                              tmp_path: Path) -> None:
+    file = str(tiny / "flux" / "flux-transformer.safetensors")
+    plan_file = tmp_path / "plan.json"
+    first = _run(tiny, tmp_path / "a", "--max_train_steps", "1", "--transformer_file", file,
+                 "--plan_file", str(plan_file))
+    assert first["global_step"] == 1 and first["plan"].swapped and plan_file.is_file()
+    again = _run(tiny, tmp_path / "b", "--max_train_steps", "1", "--transformer_file", file,
+                 "--plan_file", str(plan_file))  # applied as saved, not planned again
+    assert again["plan"] == first["plan"]
 
 
 def test_a_missing_file_or_embeddings_is_a_clear_exit(tiny: Path, tmp_path: Path) -> None:

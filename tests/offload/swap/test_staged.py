@@ -202,3 +202,29 @@ def test_pageable_refuses_shared_masters() -> None:
     with pytest.raises(ConfigError, match="master_memory"):
         staged_module.resolve_host_memory(SwapConfig(host_memory="pageable"),
                                           torch.device("cpu"), [_Sized(10)], shared=True)
+
+
+def test_copy_out_lands_in_pageable_memory_and_frees_the_source() -> None:
+    copier = _copier()
+    src = torch.randint(0, 256, (3000,), dtype=torch.uint8)
+    dst = torch.zeros(3000, dtype=torch.uint8)
+    key = object()
+    copier.copy_out(dst, src, key, what="grads")
+    copier.settle(key)
+    assert torch.equal(dst, src)
+    assert copier._pending == {}  # settled
+    assert copier.counters()["staged_out_bytes"] == 3000
+    copier.close()
+
+
+def test_cpu_optimizer_gradients_come_back_through_staging_unpinned() -> None:
+    model = _net()
+    swapper = _swap(model, max_gpu_blocks=1, host_memory="pageable", trainable="cpu",
+                    staging_pool=8192)
+    model(X).square().mean().backward()
+    swapper.sync_gradients()
+    stats = swapper.stats()
+    # the gradient buffers are pageable too: nothing pinned but the pool
+    assert stats.pinned_bytes == stats.staging_pool_bytes <= 8192
+    assert swapper._host.staged.counters()["staged_out_copies"] > 0
+    swapper.detach()

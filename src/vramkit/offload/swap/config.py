@@ -89,8 +89,9 @@ class SwapConfig:
             that cannot lock the model. ``"auto"`` (default) chooses per machine at attach
             (:func:`vramkit.devices.host.choose_host_memory`: pageable on Windows and WSL, and
             where the masters would take most of the pinning cap; ``BlockSwapper.host_memory``
-            says which and why). Not with ``trainable="swap"`` (its write-backs need pinned
-            masters) or a ``master_memory``/``block_loader``.
+            says which and why). With ``trainable="cpu"`` the gradients come back through
+            the same pool into pageable buffers. Not with ``trainable="swap"`` (its
+            write-backs need pinned masters) or a ``master_memory``/``block_loader``.
         staging_pool: pinned bytes of the staging pool with ``host_memory="pageable"`` (an int
             or a size string; default ``"2GiB"``, at least two chunks); a small model uses less
             (no more than the blocks the ring has in flight).

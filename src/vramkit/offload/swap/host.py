@@ -276,8 +276,8 @@ class HostStore:
         # the next block's memory is page-locked while this one is filled.
         if own:
             self.master_pool = self.pool(own, initial=0, pinned=self.staging is None)
-        if grads:
-            self.grad_pool = self.pool(grads)
+        if grads:  # pageable masters: their gradients come back through the staging chunks
+            self.grad_pool = self.pool(grads, pinned=self.staging is None)
         for block in blocks:
             if id(block) in readonly:  # another process writes it: only the views here
                 self._give_master(block)
@@ -502,8 +502,8 @@ class HostStore:
         # pageable masters are not pinned (on a CPU device nothing is: there every pool counts
         # as the stand-in for pinned memory, as before)
         pinned = sum(stats[id(p)].reserved for p in (
-            None if staged is not None else self.master_pool, self.grad_pool, self.staging_pool)
-            if p is not None)
+            (self.staging_pool,) if staged is not None
+            else (self.master_pool, self.grad_pool, self.staging_pool)) if p is not None)
         return {
             "pinned": pinned + shared + (staged.pinned_bytes if staged is not None else 0),
             "host_memory": "pageable" if self.staging is not None else "pinned",

@@ -446,6 +446,8 @@ class SlotRing:
                    if e.host_param is not None and e.host_param.grad is not None]
         if not pending:
             return
+        if self.staged is not None:  # pageable gradient buffers: the worker's copy lands first
+            self.staged.settle(block)
         if block.grad_event is not None:  # the previous device->host copy must land first
             self.streams.wait(self.streams.current(), block.grad_event)
         for e, grad in pending:
@@ -481,14 +483,18 @@ class SlotRing:
             if grad is None or hp is None:
                 continue  # no gradient this step: the host gradient keeps its state
             target = typed_view(block.grad_buffer, e.offset, e)
-            streams.copy(target, grad, streams.d2h, block.name)
+            if self.staged is not None:  # pageable buffers: through the staging chunks
+                self.staged.copy_out(_flat_bytes(target), _flat_bytes(grad.detach()), block,
+                                     waits=(ready,), what=block.name)
+            else:
+                streams.copy(target, grad, streams.d2h, block.name)
             hp.grad = target
-            if grad.device.type == "cuda":
+            if grad.device.type == "cuda" and self.staged is None:
                 grad.record_stream(streams.d2h)
             e.tensor.grad = None
             self.counters["d2h_bytes"] += e.nbytes
             copied = True
-        if copied:
+        if copied and self.staged is None:  # staged: settle(block) / drain() wait instead
             block.grad_event = streams.event()
             streams.record(block.grad_event, streams.d2h)
 
@@ -645,6 +651,11 @@ def _outer_saved_tensor_hooks() -> tuple[Callable[..., Any], Callable[..., Any]]
     if top is None:  # older PyTorch: outer hooks do not reach inside swapped blocks
         return None
     return top(False)  # type: ignore[no-any-return]
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as one flat uint8 view (a copy first when it is not contiguous)."""
+    return t.contiguous().view(-1).view(torch.uint8)
 
 
 def _version(block: SwappedBlock) -> int:

@@ -123,13 +123,16 @@ def staging_layout(pool_bytes: int, largest_block: int, blocks_in_flight: int,
 
 @dataclass(eq=False)
 class _Job:
-    """One block's host->device copy, as the worker sees it."""
+    """One block's copy, as the worker sees it: host->device (``done_event`` recorded behind
+    the copies; ``enqueued`` once they are enqueued) or, with ``out``, device->host (``waits``
+    ordering the copies after the producer; ``enqueued`` once the bytes are in ``dst``)."""
 
     dst: torch.Tensor
     src: torch.Tensor
     waits: tuple[Any, ...]
     done_event: Any
     what: str
+    out: bool = False
     enqueued: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -148,7 +151,11 @@ class _State:
         self.next_chunk = 0
         self.lock = threading.Lock()
         self.counters = {"staged_copies": 0, "staged_copy_bytes": 0, "staged_chunk_waits": 0,
-                         "staged_memcpy_seconds": 0.0}
+                         "staged_memcpy_seconds": 0.0, "staged_out_copies": 0,
+                         "staged_out_bytes": 0}
+
+
+_NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
 def _worker(state: _State) -> None:
@@ -164,11 +171,14 @@ def _worker(state: _State) -> None:
             job.enqueued.set()
             continue
         try:
-            _run(state, job)
+            (_run_out if job.out else _run)(state, job)
         except BaseException as exc:  # kept for the main thread, never lost on this one
             state.error = exc
             job.error = exc
         finally:
+            # a gradient's device memory is free to go once its copies are enqueued (the
+            # job itself may wait in the pending table until the next settle/drain)
+            job.src = job.dst = _NOTHING
             job.enqueued.set()
 
 
@@ -180,16 +190,9 @@ def _run(state: _State, job: _Job) -> None:
     offset = 0
     chunks, events = state.chunks, state.chunk_events
     while offset < nbytes:
-        i = state.next_chunk
-        state.next_chunk = (i + 1) % len(chunks)
+        i = _take_chunk(state)  # its last DMA done before it is overwritten
         chunk = chunks[i]
         size = min(chunk.numel(), nbytes - offset)
-        if events[i] is not None:  # its last DMA must be done before it is overwritten
-            if not streams.done(events[i]):
-                state.counters["staged_chunk_waits"] += 1
-                streams.synchronize(events[i])
-        else:
-            events[i] = streams.event()
         start = time.perf_counter()
         chunk[:size].copy_(job.src[offset:offset + size])  # pageable -> pinned (memcpy)
         state.counters["staged_memcpy_seconds"] += time.perf_counter() - start
@@ -199,6 +202,53 @@ def _run(state: _State, job: _Job) -> None:
     streams.record(job.done_event, streams.h2d)
     state.counters["staged_copies"] += 1
     state.counters["staged_copy_bytes"] += nbytes
+
+
+def _take_chunk(state: _State) -> int:
+    """The next chunk, once its last copy (either way) is done."""
+    streams, events = state.streams, state.chunk_events
+    i = state.next_chunk
+    state.next_chunk = (i + 1) % len(state.chunks)
+    if events[i] is not None:
+        if not streams.done(events[i]):
+            state.counters["staged_chunk_waits"] += 1
+            streams.synchronize(events[i])
+    else:
+        events[i] = streams.event()
+    return i
+
+
+def _run_out(state: _State, job: _Job) -> None:
+    """Device->host: each piece copied into a chunk on the device->host stream, then (while
+    the next piece's copy runs) from the chunk into the pageable destination."""
+    streams = state.streams
+    for event in job.waits:
+        streams.wait(streams.d2h, event)
+    nbytes = job.src.numel()
+    landing: list[tuple[int, int, int]] = []
+
+    def land() -> None:
+        i, offset, size = landing.pop(0)
+        streams.synchronize(state.chunk_events[i])
+        job.dst[offset:offset + size].copy_(state.chunks[i][:size])
+
+    offset = 0
+    while offset < nbytes:
+        i = _take_chunk(state)
+        size = min(state.chunks[i].numel(), nbytes - offset)
+        streams.copy(state.chunks[i][:size], job.src[offset:offset + size], streams.d2h,
+                     job.what)
+        streams.record(state.chunk_events[i], streams.d2h)
+        landing.append((i, offset, size))
+        if len(landing) > 1:
+            land()
+        offset += size
+    while landing:
+        land()
+    if job.src.device.type == "cuda":  # freed by the caller: its memory is read on d2h
+        job.src.record_stream(streams.d2h)
+    state.counters["staged_out_copies"] += 1
+    state.counters["staged_out_bytes"] += nbytes
 
 
 def _shutdown(state: _State) -> None:
@@ -259,6 +309,20 @@ class StagedCopies:
                                hint="This is a vramkit bug; please report it with the model.")
         job = _Job(dst, src, tuple(waits), done_event, what)
         self._pending[id(done_event)] = job
+        self._state.jobs.put(job)
+
+    def copy_out(self, dst: torch.Tensor, src: torch.Tensor, key: object, *,
+                 waits: tuple[Any, ...] = (), what: str = "") -> None:
+        """Have the worker copy ``src`` (flat uint8 device bytes; kept alive until its copies
+        are enqueued) into ``dst`` (flat uint8 host bytes, pageable) after ``waits``, through
+        the staging chunks. :meth:`settle` with ``key`` (or :meth:`drain`) waits until the
+        bytes are in ``dst``."""
+        self._raise_error()
+        if self.closed:
+            raise OffloadError("the staged copier is closed",
+                               hint="Run backward() before swapper.detach().")
+        job = _Job(dst, src, tuple(waits), None, what, out=True)
+        self._pending[id(key)] = job
         self._state.jobs.put(job)
 
     def settle(self, done_event: Any) -> None:

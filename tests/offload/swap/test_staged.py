@@ -150,12 +150,53 @@ def test_state_dict_round_trip_waits_for_the_worker() -> None:
     assert torch.equal(out, model(X))
 
 
+def _within(seconds: float, fn: object) -> None:
+    """Run ``fn`` on a thread and fail (instead of hanging the suite) if it takes longer."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()  # type: ignore[operator]
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s"
+    if errors:
+        raise errors[0]
+
+
 def test_exception_in_forward_then_detach_is_clean() -> None:
     model = _lora_only(_net(lora=True))
     swapper = _swap(model, max_gpu_blocks=1, host_memory="pageable")
     with pytest.raises(RuntimeError):
         model(torch.randn(3, 5))  # wrong width: fails inside the first block
-    swapper.detach()
+    _within(30, swapper.detach)
+    assert not _workers()
+
+
+def test_a_worker_error_reaches_the_forward_and_detach_still_works(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _lora_only(_net(lora=True))
+    swapper = _swap(model, max_gpu_blocks=1, host_memory="pageable")
+    model(X).sum().backward()  # the copier works
+    staged = swapper._host.staged
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("host memory gone")
+
+    monkeypatch.setattr(staged.streams, "copy", broken)
+
+    def forward() -> None:
+        with pytest.raises(OffloadError, match="host memory gone"):
+            for _ in range(3):  # the next loads fail on the worker, the main thread hears it
+                model(X).sum().backward()
+
+    _within(30, forward)
+    monkeypatch.undo()
+    _within(30, swapper.detach)
     assert not _workers()
 
 

@@ -6,6 +6,7 @@ synchronous stand-in streams; the GPU test compares it with pinned masters on CU
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import threading
 
@@ -23,7 +24,7 @@ from tests.offload.swap.test_swapper import (
 from vramkit.devices.host import HostMemory
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.memory.transfer import HostStreams, StreamOp
-from vramkit.offload.swap import SwapConfig
+from vramkit.offload.swap import BlockSwapper, SwapConfig
 from vramkit.offload.swap import staged as staged_module
 from vramkit.offload.swap.staged import StagedCopies, staging_layout
 
@@ -268,4 +269,21 @@ def test_cpu_optimizer_gradients_come_back_through_staging_unpinned() -> None:
     # the gradient buffers are pageable too: nothing pinned but the pool
     assert stats.pinned_bytes == stats.staging_pool_bytes <= 8192
     assert swapper._host.staged.counters()["staged_out_copies"] > 0
+    swapper.detach()
+
+
+def test_pageable_masters_beside_a_disk_tier_train_identically(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tests.offload.swap.test_disk import BLOCK, _config, _reference
+    from tests.offload.swap.test_disk import _train as train_disk
+
+    expected = train_disk(_reference())
+    net = _reference()
+    config = dataclasses.replace(_config(4 * BLOCK, tmp_path / "cache"),
+                                 host_memory="pageable", staging_pool=4 * BLOCK)
+    swapper = BlockSwapper(net, config=config, device="cpu")
+    stats = swapper.stats()
+    assert stats.disk_blocks >= 2 and stats.host_memory == "pageable"
+    assert train_disk(net) == expected  # disk blocks through their staging, the rest staged
+    stats = swapper.stats()
+    assert stats.disk_reads > 0 and stats.staged_copies > 0
     swapper.detach()

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from vramkit.offload.swap.config import SwapConfig
     from vramkit.offload.swap.records import SwappedBlock
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "HostMemoryChoice", "StagedCopies", "measure_memcpy_bytes_per_s",
+__all__ = ["DEFAULT_CHUNK_BYTES", "StagedCopies", "measure_memcpy_bytes_per_s",
            "resolve_host_memory", "staging_layout"]
 
 # One chunk: large enough that a copy's fixed costs (an event, a launch, ~10 us) vanish against

@@ -59,6 +59,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from vramkit._validate import check_bool, check_size
+from vramkit.devices.host import HostMemoryChoice
 from vramkit.devices.resolve import resolve_device
 from vramkit.errors import ConfigError, OffloadError, VramkitWarning
 from vramkit.memory.transfer import transfer_streams
@@ -106,7 +107,7 @@ from vramkit.offload.swap.records import (
 )
 from vramkit.offload.swap.ring import BlockLoader, SlotRing
 from vramkit.offload.swap.source import CheckpointSource
-from vramkit.offload.swap.staged import HostMemoryChoice, resolve_host_memory
+from vramkit.offload.swap.staged import resolve_host_memory
 from vramkit.offload.swap.state_dict import install_swap_hooks
 from vramkit.offload.swap.stats import swap_stats
 from vramkit.offload.swap.stepper import OptimizerFactory, SwapStepper

@@ -12,7 +12,8 @@ Prompts come as text (the folder's CLIP and T5 text encoders encode them) or, wi
 encoders works; ``--random_embeddings`` makes random ones (smoke tests).
 
     python examples/generate_flux.py --model /tmp/tiny/flux --random_embeddings \\
-        --height 32 --width 32 --steps 2 --vram_budget 4MiB --output /tmp/flux.png
+        --max_sequence_length 16 --height 32 --width 32 --steps 2 --dtype fp32 --cpu \\
+        --vram_budget 4MiB --output /tmp/flux.png
 
 ``--no_fit`` runs the pipeline without vramkit (the reference the fitted image must equal).
 """
@@ -53,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host_memory", choices=("auto", "pinned", "pageable"), default="auto",
                    help="where swapped weights live on the host (vramkit.fit's host_memory)")
     p.add_argument("--no_fit", action="store_true", help="run without vramkit (reference)")
+    p.add_argument("--cpu", action="store_true",
+                   help="run on the CPU even when a GPU is visible (smoke tests)")
     return p.parse_args(argv)
 
 
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     from diffusers import FluxPipeline
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     # components the folder does not have (no text encoders) are passed as None
     index = json.loads((Path(args.model) / "model_index.json").read_text())

@@ -23,7 +23,7 @@ the first optimizer step: reading the model, planning, the first step).
 
     python examples/train_flux_lora.py --pretrained_model_name_or_path /tmp/tiny/flux \\
         --instance_data_dir /tmp/tiny/images --random_embeddings --output_dir /tmp/out \\
-        --resolution 32 --max_train_steps 4 --vram_budget 64MiB
+        --resolution 32 --max_train_steps 4 --vram_budget 6MiB --mixed_precision no --cpu
 """
 
 from __future__ import annotations
@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume_from_checkpoint", default=None,
                    help="a checkpoint-N folder, or 'latest' in --output_dir")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu", action="store_true",
+                   help="train on the CPU even when a GPU is visible (smoke tests)")
     p.add_argument("--vram_budget", default="12GiB",
                    help="GPU memory the training step may use (vramkit.fit)")
     p.add_argument("--hardware", default=None,
@@ -218,8 +220,8 @@ def load_transformer(args: argparse.Namespace, dtype: torch.dtype) -> tuple[Any,
     config = json.loads((folder / "transformer" / "config.json").read_text())
     config = {k: v for k, v in config.items() if not k.startswith("_")}
     with torch.device("meta"):
-        model = FluxTransformer2DModel(**config).to(dtype)
-    return model, str(path)
+        model = FluxTransformer2DModel(**config)
+    return (model.to(dtype) if dtype != torch.float32 else model), str(path)
 
 
 def check_single_file(path: Path) -> None:
@@ -303,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     output_dir = Path(args.output_dir)
     accelerator = Accelerator(
-        mixed_precision=args.mixed_precision,
+        cpu=args.cpu, mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         project_config=ProjectConfiguration(project_dir=str(output_dir)))
     set_seed(args.seed)

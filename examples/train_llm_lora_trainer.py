@@ -12,7 +12,7 @@ and gives the model back (``fitted.detach()``) when training ends, with the adap
 
     python examples/train_llm_lora_trainer.py --model /tmp/tiny/llama \\
         --train_file /tmp/tiny/llama/train.txt --output_dir /tmp/llm-lora --max_steps 4 \\
-        --vram_budget 8MiB
+        --seq_len 64 --vram_budget 2200KiB --cpu
 
 The model folder holds a transformers config and weights; with no tokenizer files in it, text
 is tokenized as UTF-8 bytes (ids 0-255; the vocabulary must have at least 256 entries).
@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume_from_checkpoint", default=None,
                    help="a checkpoint-N folder of --output_dir, or 'latest'")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu", action="store_true",
+                   help="train on the CPU even when a GPU is visible (smoke tests)")
     p.add_argument("--vram_budget", default="12GiB",
                    help="GPU memory the training step may use (vramkit.fit)")
     p.add_argument("--hardware", default=None,
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, set_seed
 
     set_seed(args.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     model = get_peft_model(model, LoraConfig(
         r=args.lora_r, lora_alpha=2 * args.lora_r, task_type="CAUSAL_LM",

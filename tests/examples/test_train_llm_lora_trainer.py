@@ -13,7 +13,7 @@ def _run(tiny: Path, out: Path, *extra: str) -> dict:
     llama = tiny / "llama"
     return example("train_llm_lora_trainer").main([
         "--model", str(llama), "--train_file", str(llama / "train.txt"), "--output_dir",
-        str(out), "--seq_len", "64", "--vram_budget", "2200KiB", *extra])
+        str(out), "--seq_len", "64", "--vram_budget", "2200KiB", "--cpu", *extra])
 
 
 def test_trainer_fine_tunes_a_fitted_model_and_resumes(tiny: Path, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -272,18 +273,37 @@ def test_cpu_optimizer_gradients_come_back_through_staging_unpinned() -> None:
     swapper.detach()
 
 
-def test_pageable_masters_beside_a_disk_tier_train_identically(tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("slots", [1, 2])
+def test_pageable_masters_beside_a_disk_tier_train_identically(tmp_path, slots) -> None:  # type: ignore[no-untyped-def]
     from tests.offload.swap.test_disk import BLOCK, _config, _reference
     from tests.offload.swap.test_disk import _train as train_disk
 
     expected = train_disk(_reference())
     net = _reference()
-    config = dataclasses.replace(_config(4 * BLOCK, tmp_path / "cache"),
+    # one slot: disk blocks (copied at once) and staged blocks (copied by the worker, later)
+    # take turns in the same slot, and the copies must land in the order they were asked for
+    config = dataclasses.replace(_config(4 * BLOCK, tmp_path / "cache"), num_slots=slots,
                                  host_memory="pageable", staging_pool=4 * BLOCK)
     swapper = BlockSwapper(net, config=config, device="cpu")
+    staged = swapper._host.staged
+    staged._state.streams = _SlowCopies(staged._state.streams)  # the worker lags behind
     stats = swapper.stats()
     assert stats.disk_blocks >= 2 and stats.host_memory == "pageable"
     assert train_disk(net) == expected  # disk blocks through their staging, the rest staged
     stats = swapper.stats()
     assert stats.disk_reads > 0 and stats.staged_copies > 0
     swapper.detach()
+
+
+class _SlowCopies:
+    """The copier's streams, each copy 20 ms late (a worker behind the main thread)."""
+
+    def __init__(self, streams: HostStreams) -> None:
+        self._streams = streams
+
+    def copy(self, *args: object, **kwargs: object) -> None:
+        time.sleep(0.02)
+        self._streams.copy(*args, **kwargs)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._streams, name)

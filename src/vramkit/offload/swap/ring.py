@@ -337,6 +337,8 @@ class SlotRing:
         # pageable masters: the staging worker enqueues the waits right before its copies
         staged = self.staged if source is None else None
         if staged is None:
+            if self.staged is not None:  # a disk block: a staged fill of this slot goes first
+                self.staged.settle(slot.loaded_event)
             streams.wait(streams.h2d, slot.free_event)
         if slot.writeback_event is not None:  # trainable="swap": updated weights leaving it
             streams.wait(streams.h2d, slot.writeback_event)

@@ -48,7 +48,14 @@ aten code.
 
 Host time: one ``torch.autograd.Function`` (skipped when nothing needs a gradient) calls one of
 the kernel objects, chosen at the first call on a device (again after a move); per call there are
-no config lookups or format checks. The buffers ``weight`` (codes ``[out, in]``) and
+no config lookups or format checks.
+
+Under ``torch.compile`` (``compile_blocks``, ``fit(..., compile=True)``) the layer calls two custom
+ops instead (:mod:`vramkit.quant._w8a8_ops`: the forward with its autograd, and the input
+gradient), which run the same kernel objects: dynamo never traces the Triton launchers or the
+per-device kernel choice, so a compiled block has no graph break and no guard on the layer's
+state (blocks compile once per calling context, as float blocks do), and its outputs equal the
+eager layer's. The buffers ``weight`` (codes ``[out, in]``) and
 ``weight_scale`` (fp32 ``[out]``) are read at every call, so a block swapper may repoint them.
 """
 
@@ -62,6 +69,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vramkit.errors import QuantizationError
+from vramkit.quant import _w8a8_ops
 from vramkit.quant.formats import (
     FP8Config,
     Int8Config,
@@ -482,6 +490,10 @@ class W8A8Linear(nn.Module):
             self.register_parameter("bias", None)
         fits = w8a8_fits(self.kind, in_features, out_features)
         self._kernel: _Kernel = _KERNELS[self.kind if fits else "dequantize"]
+        # The kernel's name, fixed for the layer's life: what a traced call reads (the kernel
+        # object above is replaced on the first eager call on a device; reading it while
+        # torch.compile traces would guard on it and compile again after that call).
+        self._kernel_name: str = self._kernel.name
         if not fits:
             logger.info("%s (%d -> %d) runs a dequantized matmul: %s GEMMs need features "
                         "divisible by %d", name, in_features, out_features, self.kind,
@@ -577,7 +589,9 @@ class W8A8Linear(nn.Module):
         buffers = self._buffers
         weight, scale = buffers["weight"], buffers["weight_scale"]
         device = x.device
-        if device != self._checked_device:
+        tracing = torch.compiler.is_compiling()
+        # Traced, the device check and kernel choice happen inside the custom op, at run time.
+        if not tracing and device != self._checked_device:
             self._verify_device(x)
         if not x.is_floating_point():
             raise QuantizationError(f"W8A8Linear needs a floating-point input, got {x.dtype}",
@@ -593,6 +607,9 @@ class W8A8Linear(nn.Module):
         bias = self._parameters["bias"]
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
+        if tracing:
+            return _w8a8_ops.traced_linear(x, weight, scale, bias, self._kernel_name,
+                                           self.out_features)
         if torch.is_grad_enabled() and (x.requires_grad
                                         or (bias is not None and bias.requires_grad)):
             return _W8A8Function.apply(x, weight, scale, bias, self._kernel)
@@ -613,3 +630,20 @@ class W8A8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, kind={self.kind}, kernel={self.kernel}")
+
+
+# (kind, device) pairs whose capability the custom ops have checked: once per device.
+_OP_CHECKED: set[tuple[str, torch.device]] = set()
+
+
+def _op_kernel(name: str, weight: torch.Tensor, device: torch.device) -> _Kernel:
+    """The kernel object a custom op of :mod:`vramkit.quant._w8a8_ops` runs for ``weight`` on
+    ``device`` (the eager layer's choice), the device's capability checked once."""
+    if name != "dequantize" and (name, device) not in _OP_CHECKED:
+        check_w8a8_device(name, device)
+        _OP_CHECKED.add((name, device))
+    out_features, in_features = weight.shape
+    return _device_kernel(name, int(in_features), int(out_features), device)
+
+
+_w8a8_ops.set_kernel_lookup(_op_kernel)

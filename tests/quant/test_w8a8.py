@@ -363,10 +363,14 @@ def test_fp8_on_a_cpu_without_row_wise_scaled_mm_matches_the_kernel(monkeypatch)
     def refuse(*args, **kwargs):
         raise RuntimeError("Now _scaled_mm only supports per-tensor scaling for CPU backend.")
 
-    monkeypatch.setattr(w8a8, "_CPU_ROWWISE_FP8", [True])
+    flag = w8a8.CPU_ROWWISE_FP8  # one list, shared with the traced path
+    saved, flag[0] = flag[0], True
     monkeypatch.setattr(torch, "_scaled_mm", refuse)
-    y_emulated = layer(x)
-    y_emulated.backward(g)
-    assert not w8a8._CPU_ROWWISE_FP8[0]
+    try:
+        y_emulated = layer(x)
+        y_emulated.backward(g)
+        assert not flag[0]
+    finally:
+        flag[0] = saved
     torch.testing.assert_close(y_emulated, y, rtol=2.0 ** -7, atol=1e-2)
     torch.testing.assert_close(x.grad, grad, rtol=2.0 ** -7, atol=1e-2)

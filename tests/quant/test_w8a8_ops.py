@@ -1,6 +1,6 @@
-"""W8A8Linear under ``torch.compile`` (the custom ops of vramkit.quant._w8a8_ops), on the CPU's
-inductor backend: one opaque node per matmul, the eager kernels' numbers, no compile after the
-warm-up in a swapped, checkpointed, compiled stack."""
+"""W8A8Linear under ``torch.compile`` (the traced path of vramkit.quant._w8a8_ops): no graph
+break, no guard on the layer's state, no compile after the warm-up in a swapped, checkpointed,
+compiled stack, and the eager layer's numbers (to a code's rounding)."""
 
 from __future__ import annotations
 
@@ -133,6 +133,8 @@ def test_untraceable_kernels_stay_out_of_the_graph_and_give_the_eager_numbers(
         results.append((y.detach(), xi.grad, layer.bias.grad.clone()))
         layer.bias.grad = None
     (y_c, gx_c, gb_c), (y_e, gx_e, gb_e) = results
-    assert torch.equal(y_c, y_e) and torch.equal(gx_c, gx_e)  # the very same kernels
-    torch.testing.assert_close(gb_c, gb_e)
+    # Inductor's generated division may put a code one step away: a few 8-bit steps at most.
+    torch.testing.assert_close(y_c, y_e, rtol=0.02, atol=0.02)
+    torch.testing.assert_close(gx_c, gx_e, rtol=0.02, atol=0.02)
+    torch.testing.assert_close(gb_c, gb_e, rtol=0.02, atol=0.02)
     assert not dynamo.utils.counters["graph_break"]

@@ -98,7 +98,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
          activation_offload: bool = True, autocast: torch.dtype | None = torch.bfloat16,
          cost: ModelCost | None = None, block_times: BlockTimes | None = None,
          device: str | torch.device | None = None, reserved_bytes: int | str = 0,
-         disk_bytes_per_s: float | None = None, checkpointing: str = "auto") -> Plan:
+         disk_bytes_per_s: float | None = None, checkpointing: str = "auto",
+         compile: str | None = None) -> Plan:
     """Plan a model's memory for a budget at the best predicted step time.
 
     Nothing is allocated or computed: the model runs on the meta device (a meta copy of a real
@@ -157,6 +158,11 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         checkpointing: ``"auto"`` (default: the planner checkpoints the fewest blocks that
             let the fastest candidate fit), ``"all"`` (every block, as trainers do at these
             sizes: the planner chooses the rest around it) or ``"none"`` (training only).
+        compile: the ``torch.compile`` mode the blocks will run compiled in
+            (:data:`~vramkit.offload.compiled.COMPILE_MODES`; ``vramkit.fit(...,
+            compile=...)`` passes its own): a measured machine times its blocks compiled. An
+            offline plan prices them as eager (the profiles state no compiled speedup), and
+            its notes say so. ``None`` (default): eager.
 
     Returns:
         The :class:`~vramkit.planning.record.Plan`.
@@ -171,6 +177,10 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
     check_model(model)
     check_choice("mode", mode, ("train", "infer"))
     check_choice("checkpointing", checkpointing, CHECKPOINTING)
+    if compile is not None:
+        from vramkit.offload.compiled import COMPILE_MODES
+
+        check_choice("compile", compile, COMPILE_MODES)
     if mode == "infer" and checkpointing != "auto":
         raise ConfigError(f"checkpointing={checkpointing!r} applies to training: inference "
                           "keeps no activations for a backward",
@@ -238,7 +248,9 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
             block_times = calibrate_blocks(meta, example_inputs, mode=mode, step=step,
                                            found=whole if units is None else units,
                                            autocast=autocast, device=target,
-                                           formats=allow_formats)
+                                           formats=allow_formats, compile=compile)
+        if block_times is not None:
+            timed_compiled.append(block_times.compiled)
         if block_times is not None:
             missing = [b.name for b in cost.blocks if b.name not in block_times.forward]
             if missing:
@@ -251,6 +263,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
                       host_budget=host, budget_for=budget_for, times=block_times,
                       disk_bytes_per_s=disk_rate, checkpointing=checkpointing)
 
+    timed_compiled: list[str | None] = []  # the compile mode of the times each plan used
     may_split = (mode == "infer" and isinstance(blocks, str) and blocks == "auto"
                  and cost is None and block_times is None)
     if cost is None:
@@ -276,10 +289,27 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         raise refused
     if offline_note is not None:
         result = replace(result, notes=(offline_note, *result.notes))
+    if compile is not None:
+        result = replace(result, notes=(*result.notes, _compile_note(compile, timed_compiled)))
     logger.info("plan: %d of %d blocks swapped, %d checkpointed, predicted %.0f ms, peak %d",
                 len(result.swapped), len(result.block_order), len(result.checkpointed),
                 result.predicted_step_seconds * 1e3, result.predicted_peak_bytes)
     return result
+
+
+def _compile_note(mode: str, timed: list[str | None]) -> str:
+    """What a plan for compiled blocks (``compile=mode``) priced them by."""
+    if timed and all(t == mode for t in timed):
+        return (f"Blocks run compiled (torch.compile mode={mode!r}): their times were measured "
+                "compiled.")
+    if not timed:
+        why = "offline profiles state no compiled speedup or host time per launch"
+    elif all(t is None for t in timed):
+        why = "the block times given were measured eager"
+    else:
+        why = "the block times given were measured compiled in another mode"
+    return (f"Blocks run compiled (torch.compile mode={mode!r}), priced as eager: {why}; "
+            "the step may be faster than predicted.")
 
 
 #: A plan of split blocks replaces the plan of whole blocks only when predicted this much

@@ -30,9 +30,8 @@ import torch
 if TYPE_CHECKING:  # annotations only
     from vramkit.planning.machine import Machine
 
-__all__ = ["W8A8_FORMATS", "W8A8_OUTPUT_ERROR", "LinearCall", "accuracy_note",
-           "backward_transient_bytes", "is_w8a8", "storage_config", "unavailable_on_device",
-           "unavailable_on_machine"]
+__all__ = ["W8A8_FORMATS", "W8A8_OUTPUT_ERROR", "LinearCall", "accuracy_note", "is_w8a8",
+           "storage_config", "unavailable_on_device", "unavailable_on_machine"]
 
 #: Plan format -> the W8A8 kind (:class:`~vramkit.quant.w8a8.W8A8Linear`'s ``kind``).
 W8A8_FORMATS: dict[str, str] = {"fp8-w8a8": "fp8", "int8-w8a8": "int8"}

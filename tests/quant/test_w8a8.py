@@ -406,3 +406,11 @@ def test_eager_call_makes_no_more_aten_calls_than_it_did(kind: str) -> None:
     most_forward, most_backward = ATEN_CALLS[kind]
     assert len(forward.calls) <= most_forward, forward.calls
     assert len(backward.calls) <= most_backward, backward.calls
+
+
+def test_a_meta_input_gives_the_output_shape_for_a_planner_pass() -> None:
+    # A model already holding W8A8 layers is planned on the meta device (under autocast).
+    layer = _layer("int8")[0].to("meta")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(torch.empty(2, 5, 64, device="meta"))
+    assert y.device.type == "meta" and y.shape == (2, 5, 48)

@@ -104,6 +104,12 @@ def _job(args: argparse.Namespace) -> plan_bench.Job:
                                    steps_per_arm=2)
     if args.device == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)  # torch 2.11 + Hopper: crashed on FLUX
+    # Each block class's forward is compiled once per calling context, by the calibration's
+    # copies too (timed eager-shaped variants, checkpointed, beside copies): more entries than
+    # dynamo's default of 8 per code object, past which it would run the block eager unsaid.
+    from torch._dynamo import config as dynamo_config
+
+    dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 64)
     t0 = time.perf_counter()
     job = plan_bench.Job("flux", settings)
     log(f"built FLUX ({'tiny' if args.tiny else 'FLUX.1-dev'}) in {time.perf_counter() - t0:.0f} s")

@@ -571,7 +571,9 @@ class W8A8Linear(nn.Module):
         if device.type == "meta":  # a planner's shape pass: no kernel, no device check
             return x.new_empty((*x.shape[:-1], self.out_features))
         tracing = torch.compiler.is_compiling()
-        # Traced, the device check and kernel choice happen inside the custom op, at run time.
+        # Traced, nothing here may read or change Python state that the first call sets (it
+        # would become a guard that fails): no device check (a GPU without the GEMM fails in
+        # the GEMM itself), no kernel choice (the traced path is aten code for every device).
         if not tracing and device != self._checked_device:
             self._verify_device(x)
         if not x.is_floating_point():

@@ -138,3 +138,28 @@ def test_untraceable_kernels_stay_out_of_the_graph_and_give_the_eager_numbers(
     torch.testing.assert_close(gx_c, gx_e, rtol=0.02, atol=0.02)
     torch.testing.assert_close(gb_c, gb_e, rtol=0.02, atol=0.02)
     assert not dynamo.utils.counters["graph_break"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_gpu_compiled_layer_is_one_graph_with_the_eager_numbers(kind: str) -> None:
+    if torch.cuda.get_device_capability() < w8a8.W8A8_CAPABILITY[kind]:
+        pytest.skip(f"{kind} W8A8 needs capability >= {w8a8.W8A8_CAPABILITY[kind]}")
+    torch.manual_seed(0)
+    layer = W8A8Linear.from_linear(nn.Linear(3072, 3072, device="cuda",
+                                             dtype=torch.bfloat16), kind)
+    layer.bias.requires_grad_(True)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    x = torch.randn(2, 512, 3072, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for module in (compiled, layer):  # eager: the Triton kernels
+        xi = x.clone().requires_grad_(True)
+        y = module(xi)
+        y.float().square().sum().backward()
+        results.append((y.detach().float(), xi.grad.float(), layer.bias.grad.float()))
+        layer.bias.grad = None
+    for got, want in zip(*results, strict=True):
+        assert float((got - want).norm() / want.norm()) < 0.02
+    assert not dynamo.utils.counters["graph_break"]
+    with torch.no_grad():  # the inference graph too
+        torch.testing.assert_close(compiled(x).float(), layer(x).float(), rtol=0.05, atol=0.05)

@@ -575,3 +575,13 @@ def test_a_plan_from_compiled_times_says_they_were_measured_compiled() -> None:
     stale = vramkit.plan(model, _models.inputs(), 64 << 20, hardware="rtx4090", headroom=0,
                          block_times=times, compile="max-autotune-no-cudagraphs")
     assert "measured compiled in another mode" in stale.explain()
+
+
+def test_fit_plans_for_the_compile_it_applies() -> None:
+    fitted = vramkit.fit(_models.stack(), _models.inputs(), 6 << 20, compile=True,
+                         hardware="rtx4090", headroom=0, autocast=None, device="cpu")
+    try:
+        assert "Blocks run compiled (torch.compile mode='default'), priced as eager" in (
+            fitted.plan.explain())
+    finally:
+        fitted.detach()

@@ -106,7 +106,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
          cost: ModelCost | None = None, block_times: BlockTimes | None = None,
          device: str | torch.device | None = None, reserved_bytes: int | str = 0,
          disk_bytes_per_s: float | None = None, checkpointing: str = "auto",
-         host_memory: str = "auto", staging_pool: int | str = "2GiB") -> Plan:
+         host_memory: str = "auto", staging_pool: int | str = "2GiB",
+         compile: str | None = None) -> Plan:
     """Plan a model's memory for a budget at the best predicted step time.
 
     Nothing is allocated or computed: the model runs on the meta device (a meta copy of a real
@@ -173,6 +174,11 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
             host; offline, for a named GPU, only the platform decides: pageable on Windows and
             WSL). The choice and its reason are in ``Plan.host_memory`` and ``explain()``.
         staging_pool: the staging pool's pinned bytes with pageable masters (default 2 GiB).
+        compile: the ``torch.compile`` mode the blocks will run compiled in
+            (:data:`~vramkit.offload.compiled.COMPILE_MODES`; ``vramkit.fit(...,
+            compile=...)`` passes its own): a measured machine times its blocks compiled. An
+            offline plan prices them as eager (the profiles state no compiled speedup), and
+            its notes say so. ``None`` (default): eager.
 
     Returns:
         The :class:`~vramkit.planning.record.Plan`.
@@ -187,6 +193,10 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
     check_model(model)
     check_choice("mode", mode, ("train", "infer"))
     check_choice("checkpointing", checkpointing, CHECKPOINTING)
+    if compile is not None:
+        from vramkit.offload.compiled import COMPILE_MODES
+
+        check_choice("compile", compile, COMPILE_MODES)
     if mode == "infer" and checkpointing != "auto":
         raise ConfigError(f"checkpointing={checkpointing!r} applies to training: inference "
                           "keeps no activations for a backward",
@@ -258,8 +268,10 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
                 calibrated[key] = calibrate_blocks(meta, example_inputs, mode=mode, step=step,
                                                    found=whole if units is None else units,
                                                    autocast=autocast, device=target,
-                                                   formats=allow_formats)
+                                                   formats=allow_formats, compile=compile)
             block_times = calibrated[key]
+        if block_times is not None:
+            timed_compiled.append(block_times.compiled)
         if block_times is not None:
             missing = [b.name for b in cost.blocks if b.name not in block_times.forward]
             if missing:
@@ -273,6 +285,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
                       disk_bytes_per_s=disk_rate, checkpointing=checkpointing,
                       copy_bytes_per_s=copy_rate[0])
 
+    timed_compiled: list[str | None] = []  # the compile mode of the times each plan used
     may_split = (mode == "infer" and isinstance(blocks, str) and blocks == "auto"
                  and cost is None and block_times is None)
     if cost is None:
@@ -329,6 +342,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
                          notes=(*result.notes, pageable.note(machine)))
     if offline_note is not None:
         result = replace(result, notes=(offline_note, *result.notes))
+    if compile is not None:
+        result = replace(result, notes=(*result.notes, _compile_note(compile, timed_compiled)))
     logger.info("plan: %d of %d blocks swapped, %d checkpointed, predicted %.0f ms, peak %d",
                 len(result.swapped), len(result.block_order), len(result.checkpointed),
                 result.predicted_step_seconds * 1e3, result.predicted_peak_bytes)
@@ -355,6 +370,21 @@ class _PageableRate:
         return (f"Pageable masters copy at {self.rate / 1e9:.1f} GB/s, the slower of the host's "
                 f"memcpy into the pinned staging pool ({self.memcpy / 1e9:.1f} GB/s, {source}) "
                 f"and the pinned copy ({machine.h2d_bytes_per_s / 1e9:.1f} GB/s).")
+
+
+def _compile_note(mode: str, timed: list[str | None]) -> str:
+    """What a plan for compiled blocks (``compile=mode``) priced them by."""
+    if timed and all(t == mode for t in timed):
+        return (f"Blocks run compiled (torch.compile mode={mode!r}): their times were measured "
+                "compiled.")
+    if not timed:
+        why = "offline profiles state no compiled speedup or host time per launch"
+    elif all(t is None for t in timed):
+        why = "the block times given were measured eager"
+    else:
+        why = "the block times given were measured compiled in another mode"
+    return (f"Blocks run compiled (torch.compile mode={mode!r}), priced as eager: {why}; "
+            "the step may be faster than predicted.")
 
 
 #: A plan of split blocks replaces the plan of whole blocks only when predicted this much

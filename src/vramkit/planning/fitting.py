@@ -434,8 +434,9 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
             :func:`vramkit.distributed.fit_rank` passes sharded uploads over NVLink).
         compile: ``torch.compile`` each block's own forward beneath checkpointing and swapping
             (:func:`vramkit.offload.compiled.compile_blocks`): ``True`` for the default mode, or
-            a mode of :data:`~vramkit.offload.compiled.COMPILE_MODES` (default ``False``). The
-            plan is not priced for compiled blocks: its step prediction is the eager one.
+            a mode of :data:`~vramkit.offload.compiled.COMPILE_MODES` (default ``False``). A
+            plan made here times the blocks compiled on a measured GPU (``vramkit.plan(...,
+            compile=)``); offline, it prices them as eager and says so in its notes.
         **plan_options: the keyword arguments of :func:`vramkit.plan` (``mode``,
             ``hardware``, ``allow_formats``, ``host_budget``, ``headroom``, ``step``, ...).
 
@@ -473,6 +474,8 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
         cpu_headroom = target.type == "cpu" and plan_options.get("headroom") is None
         if cpu_headroom:  # the default headroom is for a GPU's allocator and context
             plan_options["headroom"] = 0
+        if compile_mode is not None:  # timed (or noted) as the blocks will run
+            plan_options.setdefault("compile", compile_mode)
         plan = make_plan(model, example_inputs, budget, **plan_options)
         if cpu_headroom:
             plan = dataclasses.replace(plan, notes=(

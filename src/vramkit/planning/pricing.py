@@ -42,6 +42,7 @@ from vramkit.planning.w8a8 import (
     TRANSPOSE_BYTES,
     W8A8_FORMATS,
     LinearCall,
+    backward_transient_bytes,
     is_w8a8,
 )
 from vramkit.quant.w8a8 import w8a8_fits
@@ -352,6 +353,13 @@ class StepPricer:
                      "trainable_and_optimizer": self.trainable, "activations": act}
         if c.scratch:
             breakdown["dequantized_weights"] = c.scratch
+        if train and (is_w8a8(c.swapped_format) or is_w8a8(c.resident_format)):
+            # a W8A8 backward's transposed weight and gradient codes, one layer at a time
+            w8a8 = max((backward_transient_bytes(b.linear_calls, c.swapped_format
+                                                 if c.flags[i] else c.resident_format)
+                        for i, b in enumerate(cost.blocks)), default=0)
+            if w8a8:
+                breakdown["w8a8_backward_copies"] = w8a8
         return Priced(
             seconds=seconds, k=k, m=m, r=r, offload=offload,
             fmt_rank=(self.formats.index(c.swapped_format),

@@ -40,7 +40,6 @@ __all__ = [
     "module_names",
     "move_to_device",
     "nothing_swapped_reason",
-    "refuse_held",
     "refuse_wrapped",
     "restore_ddp_ignored",
     "restore_entry",

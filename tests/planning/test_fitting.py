@@ -374,3 +374,27 @@ def test_fit_on_the_cpu_needs_no_arguments_the_cli_does_not(monkeypatch) -> None
     assert any("PyTorch sees no GPU" in note for note in fitted.plan.notes)
     assert _train(model) == _train(reference)
     fitted.detach()
+
+
+def test_a_dtype_cast_or_device_move_of_a_fitted_model_is_refused_before_anything_changes(
+        ) -> None:
+    # The swapped weights live in host masters and slots of their dtype: a cast of the model
+    # reached only the placeholders and the forward failed in a matmul ("self and mat2 must
+    # have the same dtype"). Refused at the call, with nothing converted, on the model and on
+    # any module above a swapped tensor.
+    reference, model = stack(), stack()
+    fitted = vramkit.fit(model, inputs(), 6 * MiB, **OPTIONS)
+    assert fitted.plan.swapped
+    block = model.get_submodule(fitted.plan.swapped[-1])
+    kinds = [(n, p.dtype, p.device) for n, p in model.named_parameters()]
+    for convert in (lambda: model.to(torch.float64), model.half, model.bfloat16, model.double,
+                    lambda: model.to("meta"), model.blocks.half,
+                    lambda: block.to(torch.float16), block.up.double):
+        with pytest.raises(OffloadError, match=r"cannot be (cast|moved)") as raised:
+            convert()
+        assert "detach" in raised.value.hint
+        assert [(n, p.dtype, p.device) for n, p in model.named_parameters()] == kinds
+    model.float().to("cpu").cpu()  # conversions that change nothing go through
+    assert _train(model) == _train(reference)
+    fitted.detach()
+    assert model.double().blocks[0].up.weight.dtype == torch.float64  # detached: converts

@@ -286,6 +286,9 @@ def _print_result(con: Any, result: Any) -> None:
                 f"{format_size(report.measured_peak_bytes)}), step "
                 f"{_ms(report.predicted_step_seconds)} (measured "
                 f"{_ms(report.measured_step_seconds)})")
+        if not report.same_machine:  # a time for another GPU: no test of the prediction
+            said += (f"; the step time was predicted for {report.planned_for}, not for "
+                     f"{report.runs_on}")
         remark = host_bound_remark(report.host_bound, report.step_error)
         if remark:
             said += f"; the {remark}"

@@ -276,6 +276,8 @@ def _print_result(con: Any, result: Any) -> None:
     if result.baseline_median_step_seconds is not None:
         speed += (f"; fully resident {_ms(result.baseline_median_step_seconds)}: "
                   f"{result.slowdown:.2f}x")
+        if result.slowdown_spread is not None:  # paired rounds: how far apart they read
+            speed += f"; {result.slowdown_spread.describe()}"
     else:
         speed += f"; no baseline: {result.baseline_skipped}"
     table.add_row(STEP_TIME_LABEL, speed)

@@ -296,6 +296,8 @@ def _curves() -> dict[str, tuple[list[int], bool]]:
     return {
         "flat+noise": ([512 * MIB + rng.randint(-200_000, 200_000) for _ in range(80)], False),
         "flat with dips": (_flat_with_dips(), False),
+        "allocator jitter": ([512 * MIB + rng.choice((0, MIB, 2 * MIB)) for _ in range(80)],
+                             False),
         "flat with dips ending on a climb back": (_flat_with_dips()[:11], False),
         "linear leak 1 MiB/step": ([512 * MIB + i * MIB + rng.randint(0, 100_000)
                                     for i in range(30)], True),

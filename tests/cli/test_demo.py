@@ -308,3 +308,16 @@ def test_a_model_larger_than_the_host_is_refused_before_it_is_built(
     out = json.loads(capsys.readouterr().out)
     assert code == 2 and not built, out
     assert "host memory" in out["error"] and "2.0 GiB" in out["error"]
+
+
+def test_the_ratio_is_printed_with_the_spread_of_its_rounds(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--json", *FAST[:-4], "--steps", "3", "--device", "cpu",
+                 "--report", ""]) == 0
+    data = json.loads(capsys.readouterr().out)
+    spread = data["slowdown_spread"]
+    assert set(spread) == {"rounds", "low", "q1", "median", "q3", "high", "wide", "rule"}
+    assert spread["rounds"] == 2 and spread["wide"] is True  # too few rounds to tell
+    assert main(["demo", *FAST[:-4], "--steps", "3", "--device", "cpu", "--report", ""]) == 0
+    out = capsys.readouterr().out  # a table: words may wrap onto the cell's next line
+    assert all(word in out for word in ("rounds", "middle", "spread"))

@@ -329,3 +329,29 @@ def test_allow_takes_the_w8a8_formats(llama_dir: Path,
     assert {plan["swapped_format"], plan["resident_format"]} <= {"bf16", "int8-w8a8"}
     # the RTX 3090 has no fp8 tensor cores: the format is not offered, and the plan says so
     assert any(note.startswith("fp8-w8a8 is not offered") for note in plan["notes"])
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["flux-dev", "--frames", "9"], ("flux-dev is an image model: --frames does not apply",)),
+    (["llama-3.1-8b", "--resolution", "512"], ("language model: --resolution does not apply",)),
+    (["flux-dev", "--resolution", "1000"], ("multiples of 16", "992x992")),
+    (["wan2.1-14b", "--frames", "80"], ("4k+1 frames", "77 frames")),
+])
+def test_options_the_model_does_not_take_are_usage_errors_before_it_is_built(
+        argv: list[str], says: tuple[str, ...], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The README promises flags are checked before any work: these waited 5-11 s of building.
+    from vramkit.recipes import targets
+
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was built before its flags were checked")
+
+    monkeypatch.setattr(targets, "_build", no_build)
+    for as_json in (False, True):
+        code = main(["plan", *argv, "--budget", "24GiB", *(["--json"] if as_json else [])])
+        captured = capsys.readouterr()
+        text = check_error(code, captured.out, captured.err, sub="plan", exit_code=2,
+                           as_json=as_json, says=says)
+        if not as_json:
+            assert len([li for li in captured.err.splitlines() if ": error: " in li]) == 1
+            assert text.splitlines()[0].count("error") == 1

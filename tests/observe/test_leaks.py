@@ -271,3 +271,55 @@ def test_detector_rule_settings_are_the_ones_used() -> None:
 def test_cpu_detector_refuses_a_handed_in_reading() -> None:
     with LeakDetector("cpu", record_stacks=False) as detector, pytest.raises(ConfigError):
         detector.step(123)
+
+
+# --- the verdict and its threshold agree -----------------------------------------------------
+
+def _flat_with_dips() -> list[int]:
+    """A flat 1 GiB host RSS that drops by 2 MiB now and then (pages returned to the system)
+    and climbs back over three steps: no memory is gained."""
+    import random
+
+    rng = random.Random(3)
+    values = []
+    for i in range(60):
+        back = (i + 8) % 15  # a dip every 15 steps from step 8, recovered by thirds
+        dip = {0: 2 * MIB, 1: 4 * MIB // 3, 2: 2 * MIB // 3}.get(back, 0)
+        values.append(1024 * MIB - dip + rng.randint(-20_000, 20_000))
+    return values
+
+
+def _curves() -> dict[str, tuple[list[int], bool]]:
+    import random
+
+    rng = random.Random(4)
+    return {
+        "flat+noise": ([512 * MIB + rng.randint(-200_000, 200_000) for _ in range(80)], False),
+        "flat with dips": (_flat_with_dips(), False),
+        "allocator jitter": ([512 * MIB + rng.choice((0, MIB, 2 * MIB)) for _ in range(80)],
+                             False),
+        "flat with dips ending on a climb back": (_flat_with_dips()[:11], False),
+        "linear leak 1 MiB/step": ([512 * MIB + i * MIB + rng.randint(0, 100_000)
+                                    for i in range(30)], True),
+        "leak after a long flat stretch": ([512 * MIB] * 100 + [512 * MIB + i * MIB
+                                                                for i in range(1, 6)], True),
+        "slow growth 100 KB/step": ([512 * MIB + i * 100_000 for i in range(80)], False),
+    }
+
+
+@pytest.mark.parametrize("name", list(_curves()))
+def test_a_leak_is_reported_only_at_a_rate_at_or_above_the_threshold(name: str) -> None:
+    # A flat loop was reported as 'LEAK: 35.3 KiB/step' under a 256 KiB/step threshold: the
+    # window rule fired on memory climbing back after a dip while the verdict printed the
+    # long-run slope.
+    values, leaking = _curves()[name]
+    for n in range(2, len(values) + 1):  # at every step, not only at the end
+        verdict = assess_growth(values[:n], "host_rss")
+        if verdict.leak:
+            assert verdict.bytes_per_step >= verdict.threshold_bytes_per_step, (n, verdict)
+    verdict = assess_growth(values, "host_rss")
+    assert verdict.leak is leaking, verdict
+    if not leaking:
+        assert verdict.first_leak_step is None, verdict
+    else:
+        assert verdict.bytes_per_step == pytest.approx(MIB, rel=0.15)

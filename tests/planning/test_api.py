@@ -114,6 +114,9 @@ def test_a_budget_above_the_hardware_memory_is_refused() -> None:
         with pytest.raises(ConfigError, match=r"48\.0 GiB.*24\.0 GiB"):
             plan(stack(device="meta"), inputs(device="meta"), "48GiB", hardware=hardware)
     plan(stack(device="meta"), inputs(device="meta"), profile.memory_bytes, hardware="rtx4090")
+    plan(stack(device="meta"), inputs(device="meta"), "24GiB", hardware="rtx4090")  # as sold
+    with pytest.raises(ConfigError, match="rtx4090"):
+        plan(stack(device="meta"), inputs(device="meta"), (24 << 30) + 1, hardware="rtx4090")
 
 
 def test_without_a_gpu_plan_and_fit_plan_for_the_cli_s_gpu_and_say_so(monkeypatch) -> None:

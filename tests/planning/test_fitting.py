@@ -386,3 +386,73 @@ def test_fit_applies_pageable_masters_as_planned() -> None:
     stats = fitted.swapper.stats()
     assert stats.staged_copies > 0 and stats.staging_pool_bytes <= 1 * MiB
     fitted.detach()
+
+
+def test_a_dtype_cast_or_device_move_of_a_fitted_model_is_refused_before_anything_changes(
+        ) -> None:
+    # The swapped weights live in host masters and slots of their dtype: a cast of the model
+    # reached only the placeholders and the forward failed in a matmul ("self and mat2 must
+    # have the same dtype"). Refused at the call, with nothing converted, on the model and on
+    # any module above a swapped tensor.
+    reference, model = stack(), stack()
+    fitted = vramkit.fit(model, inputs(), 6 * MiB, **OPTIONS)
+    assert fitted.plan.swapped
+    block = model.get_submodule(fitted.plan.swapped[-1])
+    kinds = [(n, p.dtype, p.device) for n, p in model.named_parameters()]
+    for convert in (lambda: model.to(torch.float64), model.half, model.bfloat16, model.double,
+                    lambda: model.to("meta"), model.blocks.half,
+                    lambda: block.to(torch.float16), block.up.double):
+        with pytest.raises(OffloadError, match=r"cannot be (cast|moved)") as raised:
+            convert()
+        assert "detach" in raised.value.hint
+        assert [(n, p.dtype, p.device) for n, p in model.named_parameters()] == kinds
+    model.float().to("cpu").cpu()  # conversions that change nothing go through
+    assert _train(model) == _train(reference)
+    fitted.detach()
+    assert model.double().blocks[0].up.weight.dtype == torch.float64  # detached: converts
+
+
+def test_a_report_on_another_machine_than_planned_for_compares_no_step_time() -> None:
+    # fit on the CPU with a plan for an RTX 4090 said '+12595 %' and blamed a host-bound plan
+    model = stack()
+    fitted = vramkit.fit(model, inputs(), 6 * MiB, **OPTIONS)
+    _train(model, steps=3)
+    report = fitted.report()
+    fitted.detach()
+    assert report.measured_step_seconds is not None
+    assert not report.same_machine and report.step_error is None
+    assert (report.planned_for, report.runs_on) == ("rtx4090", "cpu")
+    said = report.describe()
+    assert f"step {report.measured_step_seconds * 1e3:.0f} ms measured on cpu" in said
+    assert "predicted for rtx4090, not for this machine" in said
+    assert "%" not in said and "host-bound" not in said and " vs " not in said
+
+
+def test_a_report_names_the_machine_and_blames_nothing_when_it_is_not_the_planned_one() -> None:
+    from vramkit.planning.fitting import FitReport
+
+    off = FitReport(steps=5, budget_bytes=1 << 30, predicted_peak_bytes=1 << 29,
+                    measured_peak_bytes=1 << 29, predicted_step_seconds=0.3,
+                    measured_step_seconds=3.0, host_bound=("backward",), planned_for="h200",
+                    runs_on="NVIDIA GeForce RTX 4090", same_machine=False)
+    said = off.describe()
+    assert "peak 512.0 MiB measured vs 512.0 MiB predicted (+0.0%)" in said  # memory compares
+    assert "step 3000 ms measured on NVIDIA GeForce RTX 4090" in said
+    assert "+900" not in said and "host-bound" not in said
+    same = dataclasses.replace(off, same_machine=True)
+    assert "(+900.0%)" in same.describe() and "host-bound" in same.describe()
+
+
+def test_the_machine_planned_for_is_the_gpu_measured_or_the_profile_of_the_same_card(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vramkit.planning.fitting import planned_here
+
+    monkeypatch.setattr(torch.cuda, "get_device_name",
+                        lambda device=None: "NVIDIA GeForce RTX 4090")
+    gpu = torch.device("cuda", 0)
+    assert planned_here("rtx4090", gpu) == ("NVIDIA GeForce RTX 4090", True)
+    assert planned_here("measured: NVIDIA GeForce RTX 4090", gpu)[1]
+    assert not planned_here("h200", gpu)[1]
+    assert not planned_here("measured: NVIDIA H200", gpu)[1]
+    assert not planned_here("my own box", gpu)[1]  # a Machine of the user's naming
+    assert planned_here("rtx4090", torch.device("cpu")) == ("cpu", False)

@@ -252,3 +252,27 @@ def test_gpu_load_to_cuda_is_bit_exact(tmp_path: Path) -> None:
     loaded = load_quantized(path, device="cuda")
     assert loaded["w.weight"].device.type == "cuda"
     _assert_same_record(loaded["w.weight"], q)
+
+
+def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import safetensors.torch
+
+    path = tmp_path / "model.safetensors"
+    model = quantize_model(nn.Linear(64, 64), QuantizationConfig("int8"))
+    save_quantized(model, path)
+    before = path.read_bytes()
+
+    def half_written(tensors: object, target: str, metadata: object = None) -> None:
+        Path(target).write_bytes(before[: len(before) // 2])
+        raise OSError(28, "No space left on device")  # the disk filled up midway
+
+    monkeypatch.setattr(safetensors.torch, "save_file", half_written)
+    with pytest.raises(OSError, match="No space"):
+        save_quantized(model, path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left
+    monkeypatch.undo()
+    save_quantized(model, path)  # and the next save works
+    assert torch.equal(load_quantized(path)["weight"].tensors()["data"],
+                       model.quantized_weight.tensors()["data"])

@@ -208,7 +208,7 @@ def test_preset_aliases(alias: str, name: str) -> None:
     ({"lora_rank": -1}, "lora_rank"),
     ({"resolution": 1000}, "multiples of 16"),
     ({"resolution": "big"}, "resolution"),
-    ({"frames": 81}, "frames do not apply"),
+    ({"frames": 81}, "frames does not apply"),
     ({"dtype": torch.int8}, "dtype"),
 ])
 def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
@@ -318,3 +318,36 @@ def test_missing_diffusers_says_what_to_install(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(ConfigError) as info:
         build_target("flux-dev")
     assert "vramkit[integration]" in info.value.hint
+
+
+def test_options_and_their_values_are_checked_before_the_model_is_built(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Building FLUX on meta takes seconds: a wrong option must not wait for it.
+    from vramkit.recipes import targets
+
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("built before its options were checked")
+
+    monkeypatch.setattr(targets, "_build", no_build)
+    for model, kwargs, match in (("flux-dev", {"frames": 9}, "image model: frames"),
+                                 ("llama-3.1-8b", {"resolution": 512}, "language model"),
+                                 ("flux-dev", {"resolution": 1000}, "multiples of 16"),
+                                 ("wan2.1-14b", {"frames": 80}, "4k\\+1")):
+        with pytest.raises(ConfigError, match=match):
+            build_target(model, **kwargs)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=match):
+            targets.check_inputs(model, **kwargs)  # type: ignore[arg-type]
+    targets.check_inputs("wan2.1-14b", frames=81, resolution="480x832")  # what it takes
+
+
+def test_every_family_declares_its_options() -> None:
+    from vramkit.recipes.target_kinds import INPUT_OPTIONS
+    from vramkit.recipes.targets import _DIFFUSERS_FAMILIES, TARGET_KINDS, target_options
+
+    assert set(TARGET_KINDS) == {*_DIFFUSERS_FAMILIES.values(), "causal-lm"}
+    assert all(set(kind.options) <= set(INPUT_OPTIONS) for kind in TARGET_KINDS.values())
+    for preset in MODEL_PRESETS:
+        found = target_options(preset)
+        assert found.name == preset and found.kind is TARGET_KINDS[found.family]
+    assert "frames" in target_options("wan2.1-14b").kind.options
+    assert "frames" not in target_options("flux-dev").kind.options

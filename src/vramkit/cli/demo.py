@@ -276,6 +276,8 @@ def _print_result(con: Any, result: Any) -> None:
     if result.baseline_median_step_seconds is not None:
         speed += (f"; fully resident {_ms(result.baseline_median_step_seconds)}: "
                   f"{result.slowdown:.2f}x")
+        if result.slowdown_spread is not None:  # paired rounds: how far apart they read
+            speed += f"; {result.slowdown_spread.describe()}"
     else:
         speed += f"; no baseline: {result.baseline_skipped}"
     table.add_row(STEP_TIME_LABEL, speed)
@@ -286,6 +288,9 @@ def _print_result(con: Any, result: Any) -> None:
                 f"{format_size(report.measured_peak_bytes)}), step "
                 f"{_ms(report.predicted_step_seconds)} (measured "
                 f"{_ms(report.measured_step_seconds)})")
+        if not report.same_machine:  # a time for another GPU: no test of the prediction
+            said += (f"; the step time was predicted for {report.planned_for}, not for "
+                     f"{report.runs_on}")
         remark = host_bound_remark(report.host_bound, report.step_error)
         if remark:
             said += f"; the {remark}"

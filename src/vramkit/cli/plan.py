@@ -217,7 +217,7 @@ def make_plan(args: argparse.Namespace,
     from vramkit.cli._output import flag_values
     from vramkit.errors import ConfigError, PlanError
     from vramkit.planning.api import plan
-    from vramkit.recipes.targets import build_target
+    from vramkit.recipes.targets import build_target, check_inputs, target_options
 
     def say(text: str) -> None:
         if status is not None:
@@ -231,6 +231,10 @@ def make_plan(args: argparse.Namespace,
         if args.budget is None:
             raise ConfigError("--budget is missing",
                               hint="Pass the card's memory or a cap, e.g. --budget 12GiB.")
+        # the options the model takes, from its name or config.json: before any work
+        target_options(args.model).check(
+            {"resolution": args.resolution, "frames": args.frames, "seq_len": args.seq_len},
+            FLAG_NAMES)
         budget = check_size("--budget", args.budget, minimum=1)
         host_budget = check_size("--host-budget", args.host_budget, allow_none=True)
         disk_speed = _disk_speed(args.disk_speed)
@@ -244,6 +248,9 @@ def make_plan(args: argparse.Namespace,
 
             check_output_file("--save", args.save, what="the plan")
         headroom = _headroom(args.headroom, budget, args.budget)
+        # the values the model takes (sides a multiple of its patch, Wan's 4k+1 frames)
+        check_inputs(args.model, resolution=args.resolution, batch=batch, seq_len=seq_len,
+                     frames=frames)
         hardware, note = _hardware(args.hardware)
         if hardware is not None:
             from vramkit.planning.api import check_budget_fits

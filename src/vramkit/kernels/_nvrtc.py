@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from vramkit._files import atomic_open
 from vramkit.errors import KernelError
 
 if TYPE_CHECKING:
@@ -261,15 +261,9 @@ class KernelDiskCache:
         """
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            handle, temporary = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp",
-                                                 dir=self.directory)
-            try:
-                with os.fdopen(handle, "wb") as file:
-                    file.write(_MAGIC + hashlib.sha256(binary).digest() + binary)
-                os.replace(temporary, self.path(key))
-            except BaseException:
-                Path(temporary).unlink(missing_ok=True)
-                raise
+            # a cache entry: no fsync (a lost one is compiled again)
+            with atomic_open(self.path(key), "wb", fsync=False) as file:
+                file.write(_MAGIC + hashlib.sha256(binary).digest() + binary)
         except OSError as err:
             logger.warning("cannot write the kernel cache in %s (%s); kernels will be "
                            "recompiled in new processes", self.directory, err)

@@ -25,7 +25,10 @@ The verdict rule (:class:`GrowthTracker`): readings of the first ``warmup_steps`
 
 1. the latest ``window`` readings grow on their *floor* (the suffix minimum, so a temporary spike
    does not count as growth): the floor rose in at least two thirds of the window's steps and by
-   at least ``threshold_bytes_per_step`` per step on average; or
+   at least ``threshold_bytes_per_step`` per step on average, and its last value is at least
+   ``threshold_bytes_per_step`` above the window's first reading and every reading since warm-up
+   before the window (memory climbing back after a dip, as an allocator or ``malloc_trim``
+   returns pages and takes them again, reaches no new high: it is not growth); or
 2. with at least ``3 * window`` readings, the least-squares slope of all readings since warm-up
    is at least ``threshold_bytes_per_step`` (this finds a steady leak under noise too large for
    a short window).
@@ -34,6 +37,10 @@ Fluctuations whose range stays below ``threshold_bytes_per_step * (window - 1)``
 rule 1, and their long-run slope tends to zero. With the defaults (warm-up 1, window 4, 256 KiB) a
 steady 1 MiB/step leak is reported at step 5. ``first_leak_step`` keeps the first step at which
 the rule held, even if the growth later stopped.
+
+A verdict's ``bytes_per_step`` is the growth the verdict rests on, so a leak is never reported
+at a rate below the threshold: the long-run slope, or, while only rule 1 holds (a leak that began
+after a flat stretch the long-run slope still averages in), the window's floor growth per step.
 
 **Workloads.** A verdict needs a steady state of one workload: the readings of a training run
 followed by those of another run (a second model, a new optimizer, a swapper detached) grow at
@@ -94,7 +101,9 @@ class LeakVerdict:
     Attributes:
         leak: whether memory is growing now, by the rule in the module docstring.
         conclusive: ``False`` while fewer than ``warmup_steps + window`` readings exist.
-        bytes_per_step: least-squares growth per step after warm-up (0.0 without two readings).
+        bytes_per_step: growth per step after warm-up: the least-squares slope (0.0 without two
+            readings), or, for a leak only the latest window shows, the window's floor growth
+            per step; at least ``threshold_bytes_per_step`` whenever ``leak`` is set.
         growth_bytes: last reading minus the baseline reading.
         steps: readings taken.
         first_leak_step: the first step at which the rule held, ``None`` if never.
@@ -155,6 +164,9 @@ class GrowthTracker:
         self.window = window
         self.threshold = threshold_bytes_per_step
         self._recent: deque[int] = deque(maxlen=window)
+        # the highest reading since warm-up that has left the window (rule 1's "new high")
+        self._high: int | None = None
+        self._window_rate = 0.0  # rule 1's floor growth per step while it holds
         self.steps = 0
         self.baseline: int | None = None
         self.last: int | None = None
@@ -178,9 +190,14 @@ class GrowthTracker:
         self._sy += value
         self._sxx += x * x
         self._sxy += x * value
+        if len(self._recent) == self.window:
+            left = self._recent[0]
+            self._high = left if self._high is None else max(self._high, left)
         self._recent.append(value)
-        self.leaking = ((len(self._recent) == self.window
-                         and _window_leaks(self._recent, self.threshold))
+        rate = (_window_rate(self._recent, self.threshold, self._high)
+                if len(self._recent) == self.window else None)
+        self._window_rate = rate or 0.0
+        self.leaking = (rate is not None
                         or (self._n >= 3 * self.window and self.slope >= self.threshold))
         if self.leaking and self.first_leak_step is None:
             self.first_leak_step = self.steps
@@ -197,10 +214,13 @@ class GrowthTracker:
     def verdict(self, metric: str, suspects: Sequence[LeakSuspect] = (), *,
                 workload: str | None = None) -> LeakVerdict:
         """The current :class:`LeakVerdict` for readings of ``metric`` (of ``workload``)."""
+        rate = self.slope
+        if self.leaking and rate < self.threshold:  # rule 1 alone: the window's growth
+            rate = self._window_rate
         return LeakVerdict(
             leak=self.leaking,
             conclusive=self.steps >= self.warmup_steps + self.window,
-            bytes_per_step=self.slope,
+            bytes_per_step=rate,
             growth_bytes=0 if self.baseline is None or self.last is None
             else self.last - self.baseline,
             steps=self.steps, first_leak_step=self.first_leak_step, metric=metric,
@@ -228,15 +248,22 @@ def combine_verdicts(verdicts: Iterable[LeakVerdict],
     return dataclasses.replace(ranked[0], suspects=tuple(suspects))
 
 
-def _window_leaks(values: Iterable[int], threshold: int) -> bool:
-    series = list(values)
-    floors = series[:]
+def _window_rate(values: Sequence[int], threshold: int, high: int | None) -> float | None:
+    """Rule 1 on the window ``values``: its floor's growth per step when it holds, else
+    ``None``. ``high``: the highest reading since warm-up before the window."""
+    floors = list(values)
     for i in range(len(floors) - 2, -1, -1):
         floors[i] = min(floors[i], floors[i + 1])
     rises = sum(1 for a, b in itertools.pairwise(floors) if b > a)
     steps = len(floors) - 1
     mean_rise = (floors[-1] - floors[0]) / steps
-    return rises >= math.ceil(2 * steps / 3) and mean_rise >= threshold
+    # a new high: above the window's first reading and every reading before the window, not a
+    # climb back to a level memory held before a dip
+    earlier = values[0] if high is None else max(high, values[0])
+    if (rises >= math.ceil(2 * steps / 3) and mean_rise >= threshold
+            and floors[-1] - earlier >= threshold):
+        return mean_rise
+    return None
 
 
 def assess_growth(values: Sequence[int], metric: str, *, warmup_steps: int = 1, window: int = 4,

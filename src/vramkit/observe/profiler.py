@@ -52,6 +52,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from vramkit._files import atomic_open, atomic_path
 from vramkit._validate import check_bool, check_int, check_number, check_size
 from vramkit.devices._runtime import cuda_initialized
 from vramkit.errors import ConfigError, DeviceError
@@ -702,9 +703,10 @@ class MemoryProfiler:
         if self._trace_token is not None:
             import torch
 
-            torch.cuda.memory._dump_snapshot(str(target))
+            with atomic_path(target) as temporary:
+                torch.cuda.memory._dump_snapshot(str(temporary))
         elif self._trace_snapshot is not None:
-            with open(target, "wb") as fh:
+            with atomic_open(target, "wb") as fh:
                 pickle.dump(self._trace_snapshot, fh)
         else:
             raise ConfigError("no allocation trace was recorded",

@@ -28,11 +28,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vramkit._files import atomic_path
 from vramkit.errors import ConfigError
 from vramkit.observe.leaks import LeakVerdict
 from vramkit.observe.report_html import write_html
@@ -396,12 +396,8 @@ def save_report(report: MemoryReport, path: str | Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Written under a temporary name and renamed: a process killed while writing leaves the
     # previous report whole, and no half-written file under the report's name.
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
+    with atomic_path(target) as temporary:
         writer(report, temporary)
-        os.replace(temporary, target)
-    finally:
-        temporary.unlink(missing_ok=True)
     logger.debug("wrote memory report %s", target)
     return target
 

@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING
 from vramkit._lazy import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
-    ".api": ("plan", "DEFAULT_HEADROOM", "DEFAULT_OFFLINE_HARDWARE", "resolve_headroom",
-             "check_budget_fits"),
+    ".api": ("plan", "DEFAULT_HEADROOM", "DEFAULT_OFFLINE_HARDWARE", "resolve_headroom"),
     ".fitting": ("fit", "Fitted", "FitReport"),
     ".record": ("Plan", "PhaseTime", "CHECKPOINTING"),
     ".planner": ("search",),
@@ -37,7 +36,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
                  "w8a8_change"),
     ".simulation": ("simulate_phase",),
     ".analysis": ("analyze", "ModelCost", "BlockCost", "Work", "FORMATS", "default_step",
-                  "meta_copy", "to_meta", "FITTED_MARK", "check_model", "refuse_attached"),
+                  "meta_copy", "to_meta"),
     ".calibration": ("BlockTimes", "CallTimes", "calibrate_blocks"),
     ".machine": ("Machine", "machine_for", "measure_machine", "ACHIEVED_FRACTION", "COPY_SLOWDOWN"),
     ".hardware": ("HardwareProfile", "PAGEABLE_MEMCPY_BYTES_PER_S", "PAGEABLE_MEMCPY_SOURCE",

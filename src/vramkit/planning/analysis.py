@@ -37,8 +37,8 @@ from vramkit.planning.activations import ActivationEstimate, activation_accounti
 from vramkit.planning.w8a8 import W8A8_FORMATS, LinearCall
 from vramkit.quant.dense import dense_nbytes
 
-__all__ = ["FITTED_MARK", "FORMATS", "BlockCost", "ModelCost", "Work", "analyze", "check_model",
-           "default_step", "meta_copy", "refuse_attached", "to_meta"]
+__all__ = ["FORMATS", "BlockCost", "ModelCost", "Work", "analyze", "default_step", "meta_copy",
+           "to_meta"]
 
 logger = logging.getLogger(__name__)
 

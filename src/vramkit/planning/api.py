@@ -39,8 +39,7 @@ from vramkit.planning.pricing import staged_copy_rate
 from vramkit.planning.record import CHECKPOINTING, Plan
 from vramkit.units import format_size, format_sizes_apart
 
-__all__ = ["DEFAULT_HEADROOM", "DEFAULT_OFFLINE_HARDWARE", "check_budget_fits", "plan",
-           "resolve_headroom"]
+__all__ = ["DEFAULT_HEADROOM", "DEFAULT_OFFLINE_HARDWARE", "plan", "resolve_headroom"]
 
 #: The GPU a plan is made for when no ``hardware=`` is given and PyTorch sees no GPU (the CLI's
 #: default too).
@@ -77,14 +76,16 @@ def resolve_headroom(budget: int, headroom: int | str | float | None) -> int:
 
 
 def check_budget_fits(budget: int, machine: Machine) -> None:
-    """Refuse a budget above the memory of the machine planned for: a plan "on rtx4090" for
-    48 GiB predicts a peak no 24 GiB card holds.
+    """Refuse a budget above the memory of the machine planned for (its size rounded up to a
+    whole GiB): a plan "on rtx4090" for 48 GiB predicts a peak no 24 GiB card holds.
 
     Raises:
         ConfigError: naming both sizes.
     """
     memory = machine.memory_bytes
-    if memory is not None and budget > memory:
+    # Up to the card's size in whole GiB: an RTX 4090 is sold as 24 GB and reports 23.99 GiB,
+    # and a budget of "24GiB" is what its users write.
+    if memory is not None and budget > -(-memory // (1 << 30)) * (1 << 30):
         shown_memory, shown_budget = format_size(memory), format_size(budget)
         if shown_memory == shown_budget:
             shown_memory, shown_budget = format_sizes_apart(memory, budget)

@@ -69,6 +69,13 @@ class FitReport:
         host_bound: the phases the plan predicted host-bound (``"forward"``, ``"backward"``):
             their time follows the host's pace, which can drift between planning and the steps
             (on a shared machine by 20-25 %, ``benchmarks/calibration_host.py``).
+        planned_for: the machine the plan was made for (:attr:`Plan.machine
+            <vramkit.planning.record.Plan.machine>`; ``""``: not recorded).
+        runs_on: the machine the steps ran on (``"cpu"``, or the GPU's name); ``""``: the one
+            planned for.
+        same_machine: whether the steps ran on the machine the plan predicted them for. When not
+            (a plan for an RTX 4090 run on the CPU), the measured step time is reported alone:
+            it is no test of the prediction (:attr:`step_error` is ``None``).
     """
 
     steps: int
@@ -78,6 +85,9 @@ class FitReport:
     predicted_step_seconds: float
     measured_step_seconds: float | None
     host_bound: tuple[str, ...] = ()
+    planned_for: str = ""
+    runs_on: str = ""
+    same_machine: bool = True
 
     @property
     def peak_error(self) -> float | None:
@@ -88,8 +98,9 @@ class FitReport:
 
     @property
     def step_error(self) -> float | None:
-        """``measured / predicted - 1`` of the step time."""
-        if self.measured_step_seconds is None:
+        """``measured / predicted - 1`` of the step time (``None`` before two steps, or on a
+        machine the plan did not predict the step for)."""
+        if self.measured_step_seconds is None or not self.same_machine:
             return None
         return self.measured_step_seconds / self.predicted_step_seconds - 1
 
@@ -103,7 +114,13 @@ class FitReport:
             parts.append(f"peak {format_size(self.measured_peak_bytes)} measured vs "
                          f"{format_size(self.predicted_peak_bytes)} predicted "
                          f"({self.peak_error:+.1%}), budget {format_size(self.budget_bytes)}")
-        if self.measured_step_seconds is not None:
+        if self.measured_step_seconds is not None and not self.same_machine:
+            parts.append(f"step {self.measured_step_seconds * 1e3:.0f} ms measured on "
+                         f"{self.runs_on or 'this machine'}; the plan's step time "
+                         f"({self.predicted_step_seconds * 1e3:.0f} ms) was predicted for "
+                         f"{self.planned_for or 'another machine'}, not for this machine, so "
+                         "the two are not compared")
+        elif self.measured_step_seconds is not None:
             parts.append(f"step {self.measured_step_seconds * 1e3:.0f} ms measured vs "
                          f"{self.predicted_step_seconds * 1e3:.0f} ms predicted "
                          f"({self.step_error:+.1%})")
@@ -111,6 +128,25 @@ class FitReport:
             if remark:
                 parts.append(f"-- the plan's {remark}")
         return " ".join(parts)
+
+
+def planned_here(machine: str, device: torch.device) -> tuple[str, bool]:
+    """The machine ``device`` is (``"cpu"``, or its GPU's name) and whether a plan made for
+    ``machine`` (:attr:`Plan.machine <vramkit.planning.record.Plan.machine>`) predicted its
+    step times: a GPU measured by ``vramkit.plan`` (``"measured: <name>"``) or the profile of
+    the same card. Plans are made for GPUs: the CPU is never the machine planned for."""
+    if device.type != "cuda":
+        return device.type, False
+    from vramkit.errors import VramkitError
+    from vramkit.planning.hardware import hardware_profile
+
+    name = torch.cuda.get_device_name(device)
+    if machine in (name, f"measured: {name}"):
+        return name, True
+    try:
+        return name, hardware_profile(machine).name == hardware_profile(name).name
+    except VramkitError:  # a card without a profile, or a Machine of the user's own naming
+        return name, False
 
 
 def host_bound_remark(phases: tuple[str, ...], step_error: float | None) -> str | None:
@@ -309,12 +345,15 @@ class Fitted:
         measured = statistics.median(durations[1:] or durations) if durations else None
         peak = (int(torch.cuda.max_memory_allocated(self.device)) - self._others_bytes
                 if self.device.type == "cuda" else None)
+        runs_on, same = planned_here(self.plan.machine, self.device)
         return FitReport(steps=steps, budget_bytes=self.plan.budget_bytes,
                          predicted_peak_bytes=self.plan.predicted_peak_bytes,
                          measured_peak_bytes=peak,
                          predicted_step_seconds=self.plan.predicted_step_seconds,
                          measured_step_seconds=measured,
-                         host_bound=self.plan.host_bound_phases)
+                         host_bound=self.plan.host_bound_phases,
+                         planned_for=self.plan.machine, runs_on=runs_on,
+                         same_machine=same)
 
     # -- public -----------------------------------------------------------------------------
 

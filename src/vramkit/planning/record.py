@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from vramkit._files import atomic_open
 from vramkit.errors import ConfigError
 from vramkit.units import format_size
 
@@ -230,17 +230,8 @@ class Plan:
             The path written.
         """
         target = Path(path)
-        handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
-                                             dir=target.parent)
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as file:
-                file.write(self.to_json())
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temporary, target)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
+        with atomic_open(target, "w") as file:
+            file.write(self.to_json())
         return target
 
     @classmethod

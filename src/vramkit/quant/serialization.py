@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vramkit._files import atomic_path
 from vramkit.devices.resolve import resolve_device
 from vramkit.errors import ConfigError, QuantizationError
 from vramkit.quant.formats import QuantizedTensor
@@ -163,7 +164,10 @@ def save_quantized(model_or_state_dict: nn.Module | Mapping[str, Any], path: str
                                    "QuantizedTensor); store other values in metadata= as strings.")
     user[VERSION_KEY] = FORMAT_VERSION
     user[LAYOUT_KEY] = json.dumps(layout, sort_keys=True)
-    save_file(_storable(tensors), os.fspath(path), metadata=user)
+    # Under a temporary name, renamed once whole: a save killed midway leaves the previous
+    # checkpoint readable.
+    with atomic_path(path) as temporary:
+        save_file(_storable(tensors), os.fspath(temporary), metadata=user)
     logger.info("saved %d tensors (%d quantized) to %s", len(state), len(layout), path)
 
 

@@ -33,7 +33,9 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
              "flow_matching_loss", "rotary_embedding", "timestep_features"),
     ".lora": ("LoRALinear", "add_lora_adapters", "LORA_TARGETS"),
     ".targets": ("build_target", "PlanTarget", "ModelPreset", "MODEL_PRESETS",
-                 "LORA_TARGETS_BY_FAMILY", "list_presets"),
+                 "LORA_TARGETS_BY_FAMILY", "list_presets", "TARGET_KINDS", "target_options",
+                 "check_inputs"),
+    ".target_kinds": ("INPUT_OPTIONS", "TargetKind", "TargetOptions"),
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions

@@ -40,9 +40,10 @@ from torch import nn
 from vramkit._validate import check_choice, check_int
 from vramkit.errors import ConfigError
 from vramkit.planning._meta import MetaAutocast
+from vramkit.recipes.target_kinds import TargetKind, TargetOptions
 
-__all__ = ["LORA_TARGETS_BY_FAMILY", "MODEL_PRESETS", "ModelPreset", "PlanTarget",
-           "build_target", "list_presets"]
+__all__ = ["LORA_TARGETS_BY_FAMILY", "MODEL_PRESETS", "TARGET_KINDS", "ModelPreset",
+           "PlanTarget", "build_target", "check_inputs", "list_presets", "target_options"]
 
 _INSTALL_HINT = "pip install 'vramkit[integration]'"
 _MODES = ("train", "infer")
@@ -193,6 +194,17 @@ LORA_TARGETS_BY_FAMILY: dict[str, tuple[str, ...]] = {
     "unet": ("to_q", "to_k", "to_v", "to_out.0"),
     "wan": ("to_q", "to_k", "to_v", "to_out.0"),
     "causal-lm": ("q_proj", "k_proj", "v_proj", "o_proj"),
+}
+
+#: Each family's options, declared once: :func:`build_target` and ``vramkit plan`` refuse the
+#: others before anything is built. A new family (a video model with frames) declares its own.
+TARGET_KINDS: dict[str, TargetKind] = {
+    "flux": TargetKind("an image model", ("resolution", "seq_len")),
+    "unet": TargetKind("an image model", ("resolution", "seq_len")),
+    "sd3": TargetKind("an image model", ("resolution", "seq_len")),
+    "qwen-image": TargetKind("an image model", ("resolution", "seq_len")),
+    "wan": TargetKind("a video model", ("resolution", "frames", "seq_len")),
+    "causal-lm": TargetKind("a language model", ("seq_len",)),
 }
 
 #: diffusers class -> family (which inputs its forward takes).
@@ -350,6 +362,31 @@ def _resolve(model: str | Path) -> _Spec:
         + f"; presets: {', '.join(MODEL_PRESETS)}",
         hint="Pass a preset name or a local diffusers/transformers folder with its config.json "
              "(no weights needed).")
+
+
+def _family(spec: _Spec) -> str:
+    if spec.library != "diffusers":
+        return "causal-lm"
+    family = _DIFFUSERS_FAMILIES.get(spec.class_name)
+    if family is None:
+        raise ConfigError(
+            f"{spec.name}: vramkit plans {', '.join(_DIFFUSERS_FAMILIES)} models, not "
+            f"{spec.class_name!r}",
+            hint="Point at the pipeline's denoiser (transformer/ or unet/) of a supported "
+                 "model, or use a preset.")
+    return family
+
+
+def target_options(model: str | Path) -> TargetOptions:
+    """The family of ``model`` (a preset name or a folder, as for :func:`build_target`) and the
+    options it takes, from its name or ``config.json`` alone: nothing is built or imported.
+
+    Raises:
+        ConfigError: for an unknown name, a folder without config.json or an unsupported class.
+    """
+    spec = _resolve(model)
+    family = _family(spec)
+    return TargetOptions(spec.name, family, TARGET_KINDS[family])
 
 
 # -- building on meta ---------------------------------------------------------------------------
@@ -510,16 +547,11 @@ def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
 def _inputs(family: str, config: Mapping[str, Any], *, resolution: object, frames: int | None,
             seq_len: int | None, batch: int, dtype: torch.dtype,
             name: str) -> tuple[dict[str, Any], str]:
+    # options the family does not take were refused by TargetOptions.check
     if family == "causal-lm":
-        if resolution is not None or frames is not None:
-            raise ConfigError(f"{name} is a language model: resolution and frames do not apply",
-                              hint="Give seq_len (tokens per row) instead.")
         tokens = seq_len or _LM_DEFAULT_TOKENS
         return ({"input_ids": torch.zeros(batch, tokens, dtype=torch.long, device="meta")},
                 f"batch {batch}, {tokens} tokens")
-    if family != "wan" and frames is not None:
-        raise ConfigError(f"{name} is an image model: frames do not apply",
-                          hint="Leave frames unset (video models only).")
     b = batch
     if family == "flux":
         size = _resolution(resolution, (_IMAGE_DEFAULT, _IMAGE_DEFAULT))
@@ -713,6 +745,36 @@ def _causal_lm_step(model: nn.Module, inputs: dict[str, Any], *,
 
 # -- the target -------------------------------------------------------------------------------
 
+def _checked_inputs(model: str | Path, *, resolution: object, batch: int, seq_len: int | None,
+                    frames: int | None, dtype: torch.dtype
+                    ) -> tuple[_Spec, str, dict[str, Any], str]:
+    """The options the family takes, then their values: the inputs depend on the config, not
+    on the built module, so all of it is known before building."""
+    spec = _resolve(model)
+    family = _family(spec)
+    TargetOptions(spec.name, family, TARGET_KINDS[family]).check(
+        {"resolution": resolution, "frames": frames, "seq_len": seq_len})
+    inputs, shapes = _inputs(family, spec.config, resolution=resolution, frames=frames,
+                             seq_len=seq_len, batch=batch, dtype=dtype, name=spec.name)
+    return spec, family, inputs, shapes
+
+
+def check_inputs(model: str | Path, *, resolution: int | tuple[int, int] | str | None = None,
+                 batch: int = 1, seq_len: int | None = None, frames: int | None = None) -> None:
+    """Check :func:`build_target`'s input options for ``model`` without building it: the
+    options its family takes (:data:`TARGET_KINDS`) and their values (a resolution its patches
+    divide, Wan's 4k+1 frames). What ``vramkit plan`` runs before any work.
+
+    Raises:
+        ConfigError: as :func:`build_target` would, for these options.
+    """
+    batch = check_int("batch", batch, minimum=1)
+    seq_len = check_int("seq_len", seq_len, minimum=1, allow_none=True)
+    frames = check_int("frames", frames, minimum=1, allow_none=True)
+    _checked_inputs(model, resolution=resolution, batch=batch, seq_len=seq_len, frames=frames,
+                    dtype=torch.bfloat16)
+
+
 def build_target(model: str | Path, *, mode: str = "train", lora_rank: int = 16,
                  resolution: int | tuple[int, int] | str | None = None, batch: int = 1,
                  seq_len: int | None = None, frames: int | None = None,
@@ -760,10 +822,10 @@ def build_target(model: str | Path, *, mode: str = "train", lora_rank: int = 16,
     if lora_targets is not None and (isinstance(lora_targets, str) or not lora_targets):
         raise ConfigError(f"lora_targets must be a non-empty list of module names, got "
                           f"{lora_targets!r}", hint="Pass e.g. ['to_q', 'to_k', 'to_v'].")
-    spec = _resolve(model)
-    module, family = _build(spec, dtype)
-    inputs, shapes = _inputs(family, spec.config, resolution=resolution, frames=frames,
-                             seq_len=seq_len, batch=batch, dtype=dtype, name=spec.name)
+    # Every check of the inputs comes before the build (seconds for a 12 B model).
+    spec, family, inputs, shapes = _checked_inputs(model, resolution=resolution, batch=batch,
+                                                   seq_len=seq_len, frames=frames, dtype=dtype)
+    module, _ = _build(spec, dtype)
     trainable = _make_trainable(module, family, mode, lora_rank, lora_targets)
     low_precision = dtype in (torch.bfloat16, torch.float16)
     autocast = dtype if mode == "train" and low_precision else None

@@ -712,6 +712,22 @@ def test_detach_restores_the_model() -> None:
     again.detach()
 
 
+def test_a_cast_or_a_move_of_the_swapped_model_is_refused_until_detach() -> None:
+    # Only the placeholders would follow: the forward then failed in a matmul of two dtypes.
+    ref = _frozen_blocks(_net())
+    model = copy.deepcopy(ref)
+    swapper = _swap(model)
+    for convert in (model.half, lambda: model.to(torch.float64), lambda: model.to("meta"),
+                    model.blocks[1].bfloat16):
+        with pytest.raises(OffloadError, match="nothing was converted"):
+            convert()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert torch.equal(model.float().cpu()(X), ref(X))  # no change: allowed
+    swapper.detach()
+    assert all("_apply" not in m.__dict__ for m in model.modules())
+    assert {p.dtype for p in model.half().parameters()} == {torch.float16}
+
+
 def test_detach_restores_a_preexisting_instance_forward() -> None:
     ref = _frozen_blocks(_net())
     block = ref.blocks[2]

@@ -80,3 +80,50 @@ def test_the_memory_cap_collects_garbage_before_it_reads_what_the_process_holds(
     finally:
         if was_enabled:
             gc.enable()
+
+
+def _rounds(pairs: list[tuple[float, float]]) -> list[dict[str, object]]:
+    return [{"round": i, "first": "swapped", "swapped_seconds": s, "resident_seconds": r}
+            for i, (s, r) in enumerate(pairs)]
+
+
+def test_the_ratio_comes_with_the_spread_of_its_rounds_and_a_rule_for_too_wide() -> None:
+    # The same demo read 1.14x, 0.37x and 1.09x on a loaded CPU: a ratio alone hid that.
+    from vramkit.recipes.demo.harness import MIN_ROUNDS, WIDE_SPREAD, ratio_spread
+
+    steady = ratio_spread(_rounds([(9.0, 1.0)] + [(1.1 + 0.01 * i, 1.0) for i in range(8)]))
+    assert steady is not None and steady.rounds == 8  # the first round left out
+    assert steady.low == pytest.approx(1.10) and steady.high == pytest.approx(1.17)
+    assert steady.q1 <= steady.median <= steady.q3 and not steady.wide
+    assert steady.describe() == "rounds 1.10-1.17x (middle half 1.12-1.15x, 8 rounds)"
+    loaded = ratio_spread(_rounds([(1.0, 1.0), (1.1, 1.0), (0.4, 1.0), (1.2, 1.0), (0.5, 1.0),
+                                   (1.0, 0.9), (0.35, 1.0)]))
+    assert loaded is not None and loaded.wide
+    assert loaded.q3 - loaded.q1 > WIDE_SPREAD * loaded.median
+    assert "too spread for the ratio to mean much" in loaded.describe()
+    assert f"{WIDE_SPREAD:.0%}" in loaded.rule
+    few = ratio_spread(_rounds([(1.0, 1.0)] * MIN_ROUNDS))  # MIN_ROUNDS - 1 counted
+    assert few is not None and few.wide and few.q3 == few.q1
+    assert ratio_spread([]) is None
+
+
+def test_a_paired_demo_reports_the_spread_beside_the_ratio(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The drifting clock of the test above: the medians agree (1.0x) while the rounds' own
+    # ratios range from 17/21 to 13/9, too spread for the ratio to mean much.
+    from vramkit.recipes.demo import harness as demo_mod
+
+    calls: list[float] = []
+
+    def drifting_clock() -> float:
+        calls.append(float(len(calls) ** 2))
+        return calls[-1]
+
+    monkeypatch.setattr(demo_mod, "_clock", drifting_clock)
+    result = run_demo(_tiny(steps=5))
+    spread = result.slowdown_spread
+    assert result.slowdown == 1.0 and spread is not None and spread.rounds == 4
+    assert (spread.low, spread.high) == (pytest.approx(17 / 21), pytest.approx(13 / 9))
+    assert spread.wide
+    data = result.to_dict()["slowdown_spread"]
+    assert data["wide"] is True and data["rounds"] == 4 and "median" in data["rule"]

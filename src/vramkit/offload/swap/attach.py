@@ -3,8 +3,8 @@
 Plain functions over the model and the swapped blocks' records, used by
 :class:`~vramkit.offload.swap.swapper.BlockSwapper` when it attaches and detaches: which tensors
 of the scheduled blocks are swapped, what goes to the device, how DDP is told to leave the
-swapped tensors alone, why nothing was swapped, which models are refused, and how every tensor
-gets its value back.
+swapped tensors alone, why nothing was swapped, which models are refused, how a dtype cast or a
+device move of the model is refused while attached, and how every tensor gets its value back.
 """
 
 from __future__ import annotations
@@ -32,16 +32,18 @@ from vramkit.offload.swap.source import CheckpointSource
 from vramkit.units import format_size
 
 __all__ = [
+    "ConversionGuard",
     "Countdown",
     "DDPIgnored",
     "collect_swapped",
+    "guard_conversions",
     "ignore_in_ddp",
     "is_fsdp",
     "module_names",
     "move_to_device",
     "nothing_swapped_reason",
-    "refuse_held",
     "refuse_wrapped",
+    "release_guards",
     "restore_ddp_ignored",
     "restore_entry",
     "restore_moved",
@@ -305,3 +307,78 @@ def module_names(model: nn.Module, names: Sequence[str]) -> list[str]:
                           hint="Pass qualified names from model.named_modules(), such as "
                                "'transformer_blocks.3'.")
     return list(names)
+
+
+class ConversionGuard(_patch.MethodWrapper):
+    """A module's ``_apply`` (what ``.to()``, ``.half()``, ``.float()``, ``.double()``,
+    ``.cuda()``, ``.cpu()`` and ``.type()`` all call) refusing a conversion the swapped tensors
+    beneath it cannot follow.
+
+    A swapped tensor's bytes live in its block's host master and in the device slots, sized and
+    typed when the swapper attached; ``_apply`` would convert only the placeholder, and the next
+    call would bind the old dtype's (or device's) slot views again ("self and mat2 must have the
+    same dtype"). A conversion that changes nothing (``model.to(device)`` where the model
+    already runs) goes through.
+
+    Attributes:
+        kinds: the ``(dtype, device)`` of the swapped tensors beneath the module.
+    """
+
+    __slots__ = ("kinds",)
+    kind = "swap_conversion"
+
+    def __init__(self, kinds: tuple[tuple[torch.dtype, torch.device], ...]) -> None:
+        super().__init__()
+        self.kinds = kinds
+
+    def __call__(self, fn: Callable[[torch.Tensor], Any], *args: Any, **kwargs: Any) -> Any:
+        if self.active:
+            for dtype, device in self.kinds:
+                # What the conversion does to an empty tensor like the swapped ones (the probe
+                # quantized layers use for their recorded dtype): no element is copied.
+                probe = fn(torch.empty(0, dtype=dtype, device=device))
+                if isinstance(probe, torch.Tensor) and (probe.dtype, probe.device) != (dtype,
+                                                                                         device):
+                    change = (f"cast to {probe.dtype}" if probe.dtype != dtype
+                              else f"moved to {probe.device}")
+                    raise OffloadError(
+                        f"a model with swapped blocks cannot be {change}: the swapped weights "
+                        f"live in host masters and {device} slots of {dtype}, which a "
+                        "conversion of the module does not reach; nothing was converted",
+                        hint="Detach first (fitted.detach(), or swapper.detach()), convert "
+                             "the model, then call vramkit.fit (or BlockSwapper) again; or "
+                             "convert the model before fitting it.")
+        return self.inner(fn, *args, **kwargs)
+
+
+def guard_conversions(model: nn.Module, blocks: Sequence[SwappedBlock], device: torch.device
+                      ) -> list[tuple[nn.Module, ConversionGuard]]:
+    """Install a :class:`ConversionGuard` on every module with swapped tensors beneath it (the
+    model, each swapped block, the layers between): ``_apply`` converts the modules it walks
+    one by one, so the refusal must come from the first module the call reaches, before
+    anything is converted. Returns what :func:`release_guards` takes back."""
+    owned: dict[int, set[torch.dtype]] = {}
+    for block in blocks:
+        for e in block.entries:
+            owned.setdefault(id(e.owner), set()).add(e.dtype)
+    guards: list[tuple[nn.Module, ConversionGuard]] = []
+    seen: set[int] = set()
+
+    def beneath(module: nn.Module) -> set[torch.dtype]:
+        dtypes = set(owned.get(id(module), ()))
+        for child in module.children():
+            dtypes |= beneath(child)
+        if dtypes and id(module) not in seen:
+            seen.add(id(module))
+            kinds = tuple((d, device) for d in sorted(dtypes, key=str))
+            guards.append((module, _patch.install(module, ConversionGuard(kinds), "_apply")))
+        return dtypes
+
+    beneath(model)
+    return guards
+
+
+def release_guards(guards: list[tuple[nn.Module, ConversionGuard]]) -> None:
+    """Take the guards of :func:`guard_conversions` out of the modules' ``_apply``."""
+    for module, guard in reversed(guards):
+        _patch.restore(module, guard)

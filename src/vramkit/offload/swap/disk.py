@@ -9,7 +9,9 @@ do not fit (frozen weights only) keep their bytes on disk:
   per tensor), else
 * in a cache file written once, at attach, in the swapped layout (one read per block, page
   aligned, read with ``O_DIRECT`` where the filesystem allows it). The file is unlinked as soon
-  as it is open: nothing is left behind, even after a crash.
+  as it is open: nothing is left behind, even after a crash (a process killed in the instant
+  between creating and unlinking it leaves an empty hidden file, which the next swapper using
+  the directory deletes: ``vramkit._files.new_temporary``).
 
 A reader thread fills the staging buffers with the disk blocks the slot ring will need next (the
 schedule is known: the ring passes the upcoming disk blocks in order, as far ahead as there are
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -38,6 +41,7 @@ from typing import Any
 
 import torch
 
+from vramkit._files import new_temporary
 from vramkit.errors import OffloadError
 from vramkit.io.lazy import pread_into
 from vramkit.memory.transfer import Streams
@@ -112,10 +116,8 @@ class CacheFile:
     """
 
     def __init__(self, directory: Path) -> None:
-        import tempfile
-
         try:
-            fd, name = tempfile.mkstemp(prefix="vramkit-swap-", suffix=".bin", dir=directory)
+            fd, name = new_temporary(Path(directory) / "vramkit-swap")
         except OSError as exc:
             raise OffloadError(f"cannot create the disk tier's cache file in {directory}: {exc}",
                                hint="Point SwapConfig.disk_cache_dir at a writable directory on "
@@ -145,8 +147,9 @@ class CacheFile:
             if _DONTNEED is not None:
                 os.posix_fadvise(self._write_fd, offset, padded, _DONTNEED)
         except OSError as exc:
-            raise OffloadError(f"writing the disk tier's cache file ({offset + done} bytes so "
-                               f"far) failed: {exc}",
+            full = " (the disk is full)" if exc.errno == errno.ENOSPC else ""
+            raise OffloadError(f"writing the disk tier's cache file in {self.path.parent} "
+                               f"({offset + done} bytes so far) failed{full}: {exc}",
                                hint="Free disk space, or raise SwapConfig.host_budget so fewer "
                                     "blocks stay on disk.") from exc
         self.size = offset + padded

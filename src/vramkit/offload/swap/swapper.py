@@ -79,12 +79,14 @@ from vramkit.offload.swap.attach import (
     Countdown,
     DDPIgnored,
     collect_swapped,
+    guard_conversions,
     ignore_in_ddp,
     module_names,
     move_to_device,
     nothing_swapped_reason,
     refuse_held,
     refuse_wrapped,
+    release_guards,
     restore_ddp_ignored,
     restore_entry,
     restore_moved,
@@ -252,6 +254,7 @@ class BlockSwapper:
                 max_gpu_bytes=config.max_gpu_bytes,  # type: ignore[arg-type]
                 num_slots=config.num_slots)
         self._moved: list[tuple[torch.Tensor, torch.device]] = []
+        self._guards: list[Any] = []  # .to(dtype) / device moves refused while attached
         self._state_hooks: list[RemovableHandle] = []  # state_dict through the host masters
         self._blocks: list[SwappedBlock] = []
         self._ring: SlotRing | None = None
@@ -463,6 +466,7 @@ class BlockSwapper:
                 reader=(self._host.disk.read_tensor if block.on_disk and self._host.disk
                         else None))
         self._ddp_ignored = ignore_in_ddp(self.model, self._blocks)
+        self._guards = guard_conversions(self.model, self._blocks, self.device)
         watch_structure(True)
         # Released by detach(), or when the swapper is collected without one.
         self._unwatch = weakref.finalize(self, watch_structure, False)
@@ -745,6 +749,8 @@ class BlockSwapper:
         for handle in self._state_hooks:
             handle.remove()
         self._state_hooks = []
+        release_guards(self._guards)
+        self._guards = []
         for block in self._blocks:
             if block.wrapper is not None:
                 _patch.restore(block.module, block.wrapper)

@@ -24,7 +24,8 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".plan": ("plan_demo", "DemoPlan", "block_names"),
     ".config": ("DemoConfig", "DEFAULT_REPORT", "CPU_PLAN_HARDWARE"),
     ".harness": ("DemoProgress", "ProgressCallback", "TrainingRun", "alternate", "fixed_batch",
-                 "make_profiler", "median_step_seconds", "memory_cap"),
+                 "make_profiler", "median_step_seconds", "memory_cap", "RatioSpread",
+                 "ratio_spread", "WIDE_SPREAD", "MIN_ROUNDS"),
     "vramkit.recipes.lora": ("LoRALinear", "add_lora_adapters", "LORA_TARGETS"),
 })
 

@@ -8,7 +8,10 @@ progress bar and the summary agree.
 
 **Paired rounds** (:func:`alternate`): round ``r`` runs one step of each of two runs, the
 swapped one first in even rounds and second in odd ones (ABBA), so drift of a shared machine
-(other processes, clocks) falls on both alike.
+(other processes, clocks) falls on both alike. The ratio of the two medians comes with the spread
+of the rounds' own ratios (:func:`ratio_spread`): on a loaded machine they scatter, and when
+their interquartile range is wider than :data:`WIDE_SPREAD` of their median the ratio is said to
+mean little (the same demo read 1.14x, 0.37x and 1.09x on a loaded CPU).
 
 **Step times** come from CUDA events around each step (or the host clock on the CPU); the host
 stays at most one step ahead of the GPU (a step's loss is read while the next step is already
@@ -35,8 +38,16 @@ from torch import nn
 
 from vramkit.recipes.dit import DiTConfig, flow_matching_loss, synthetic_batch
 
-__all__ = ["DemoProgress", "ProgressCallback", "TrainingRun", "alternate", "fixed_batch",
-           "make_profiler", "median_step_seconds", "memory_cap"]
+__all__ = ["MIN_ROUNDS", "WIDE_SPREAD", "DemoProgress", "ProgressCallback", "RatioSpread", "TrainingRun",
+           "alternate", "fixed_batch", "make_profiler", "median_step_seconds", "memory_cap",
+           "ratio_spread"]
+
+#: The rule for a ratio that means little: its rounds' ratios have an interquartile range wider
+#: than this share of their median (0.2: a 1.10x ratio whose middle half of rounds spans more
+#: than 0.22x), or fewer than :data:`MIN_ROUNDS` rounds were timed.
+WIDE_SPREAD = 0.2
+#: Fewer paired rounds than this (the first left out) cannot show a spread.
+MIN_ROUNDS = 4
 
 
 @dataclass(frozen=True)
@@ -201,6 +212,55 @@ def alternate(swapped: TrainingRun, resident: TrainingRun) -> list[dict[str, Any
                        "swapped_seconds": swapped.seconds[index],
                        "resident_seconds": resident.seconds[index]})
     return rounds
+
+
+@dataclass(frozen=True)
+class RatioSpread:
+    """How the per-round ratios (swapped step / resident step of one round) of paired rounds
+    scatter, the first round left out as in :func:`median_step_seconds`.
+
+    Attributes:
+        rounds: the rounds counted.
+        low / q1 / median / q3 / high: the ratios' minimum, quartiles and maximum.
+        wide: the rule of :data:`WIDE_SPREAD` holds: the ratio means little.
+        rule: the rule, in words.
+    """
+
+    rounds: int
+    low: float
+    q1: float
+    median: float
+    q3: float
+    high: float
+    wide: bool
+    rule: str
+
+    def describe(self) -> str:
+        """``"rounds 0.95-1.31x (middle half 1.02-1.18x, 9 rounds)"`` and, when wide, why the
+        ratio means little."""
+        text = (f"rounds {self.low:.2f}-{self.high:.2f}x (middle half {self.q1:.2f}-"
+                f"{self.q3:.2f}x, {self.rounds} round{'s' if self.rounds != 1 else ''})")
+        if self.wide:
+            text += f"; too spread for the ratio to mean much ({self.rule})"
+        return text
+
+
+def ratio_spread(rounds: list[dict[str, Any]]) -> RatioSpread | None:
+    """The spread of the per-round ratios of :func:`alternate`'s rounds (``None``: no rounds)."""
+    timed = rounds[1:] if len(rounds) >= 2 else rounds
+    ratios = sorted(r["swapped_seconds"] / r["resident_seconds"] for r in timed
+                    if r["resident_seconds"] > 0)
+    if not ratios:
+        return None
+    if len(ratios) >= 2:
+        q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    else:
+        q1 = median = q3 = ratios[0]
+    rule = (f"the middle half of the rounds' ratios spans more than {WIDE_SPREAD:.0%} of "
+            f"their median, or fewer than {MIN_ROUNDS} rounds were timed")
+    wide = len(ratios) < MIN_ROUNDS or (q3 - q1) > WIDE_SPREAD * median
+    return RatioSpread(rounds=len(ratios), low=ratios[0], q1=q1, median=median, q3=q3,
+                       high=ratios[-1], wide=wide, rule=rule)
 
 
 @contextlib.contextmanager

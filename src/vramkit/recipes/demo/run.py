@@ -58,12 +58,14 @@ from vramkit.recipes.demo.config import DemoConfig
 from vramkit.recipes.demo.harness import (
     DemoProgress,
     ProgressCallback,
+    RatioSpread,
     TrainingRun,
     alternate,
     fixed_batch,
     make_profiler,
     median_step_seconds,
     memory_cap,
+    ratio_spread,
 )
 from vramkit.recipes.demo.plan import DemoPlan, block_names, plan_demo
 from vramkit.recipes.dit import DiT
@@ -105,6 +107,9 @@ class DemoResult:
         baseline_median_step_seconds: the same for the fully resident model, or ``None``.
         baseline_skipped: why there is no baseline, or ``None``.
         slowdown: ``median_step_seconds / baseline_median_step_seconds``, or ``None``.
+        slowdown_spread: for ``"paired"`` timing, how the rounds' own ratios scatter
+            (:class:`~vramkit.recipes.demo.harness.RatioSpread`: min, quartiles, max, and
+            ``wide`` when the ratio means little by its stated rule); ``None`` otherwise.
         baseline_losses / baseline_step_seconds: the resident run's losses and step times.
         baseline_max_loss_diff: the largest difference between the two runs' losses (same
             adapters, same data).
@@ -152,6 +157,7 @@ class DemoResult:
     build_seconds: float = 0.0
     wall_seconds: float = 0.0
     prediction: FitReport | None = None
+    slowdown_spread: RatioSpread | None = None
 
     @property
     def loss_first(self) -> float:
@@ -371,4 +377,4 @@ def run_demo(config: DemoConfig | None = None, *, plan: DemoPlan | None = None,
                                         else "swapped only"),
         timing_rounds=rounds, report_path=report_path, report_skipped=report_skipped,
         build_seconds=build_seconds, wall_seconds=time.perf_counter() - started,
-        prediction=prediction)
+        prediction=prediction, slowdown_spread=ratio_spread(rounds))

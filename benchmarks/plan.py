@@ -24,8 +24,9 @@ it is measured):
   frozen weights stored in 8 bits and multiplied in 8 bits (activations quantized per token);
   the planner chooses per block where it predicts a faster step.
 * a ``+c`` suffix (``flux:bf16+c:23.5``, ``flux:fp8w8a8+c:11.5``) -- the same plan applied with
-  ``fit(..., compile=True)``: every block ``torch.compile``d beneath checkpointing and swapping;
-  the baseline stays the resident *eager* model; the frames compiled after warm-up are counted.
+  ``fit(..., compile=True)``: every block ``torch.compile``d beneath checkpointing and swapping,
+  planned with ``compile="default"`` (its blocks timed compiled); the baseline stays the resident
+  *eager* model; the frames compiled after warm-up are counted.
 * ``flux:offline:<cap>`` -- the plan made offline from this GPU's published profile
   (``hardware="h100-pcie"`` etc., picked from the device name), for the prediction error.
 * ``flux:infer:<cap>`` -- one 1024x1024 forward (no adapters, bf16, no_grad): ``fit(mode="infer")``
@@ -387,7 +388,9 @@ class Job:
 
     def plan_options(self, kind: str) -> dict[str, Any]:
         options: dict[str, Any] = {"step": self.step}
-        kind = kind.removesuffix("+c")  # compiling is fit's option, not the plan's
+        if kind.endswith("+c"):  # priced compiled; fit(..., compile=True) applies it
+            options["compile"] = "default"
+        kind = kind.removesuffix("+c")
         for prefix, fmt in (("fp8w8a8", "fp8-w8a8"), ("int8w8a8", "int8-w8a8"), ("fp8", "fp8")):
             if kind.startswith(prefix):
                 options["allow_formats"] = (fmt,)
@@ -419,7 +422,7 @@ class Job:
 
             options["block_times"] = calibrate_blocks(
                 self.host, self.inputs, step=self.step, device=self.device,
-                formats=options.get("allow_formats", ()))
+                formats=options.get("allow_formats", ()), compile=options.get("compile"))
             row["block_times"] = {
                 variant: {name: [c.forward, c.backward, c.host_forward, c.host_backward]
                           for name, c in calls.items()}

@@ -30,9 +30,10 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from vramkit._validate import check_choice
 from vramkit.errors import ConfigError, PlanError
 from vramkit.offload import _patch
+from vramkit.offload._reach import copy_reaching, outside_modules, reached_modules
 from vramkit.offload.blocks import find_blocks
 from vramkit.offload.swap import BlockSwapper, SwapConfig
-from vramkit.planning._meta import MetaAutocast, quantize_on_meta
+from vramkit.planning._meta import MetaAutocast, meta_autocast_checks, quantize_on_meta
 from vramkit.planning.activations import ActivationEstimate, activation_accounting
 from vramkit.planning.w8a8 import W8A8_FORMATS, LinearCall
 from vramkit.quant.dense import dense_nbytes
@@ -228,16 +229,20 @@ def meta_copy(model: nn.Module) -> nn.Module:
             (:func:`refuse_attached`).
     """
     refuse_attached(check_model(model))
-    tensors = [*model.parameters(), *model.buffers()]
-    if all(t.device.type == "meta" for t in tensors):
+    # Adapters hooked in from outside the model (a kohya-style LoRA network beside it) are
+    # copied with it -- a layer's replaced forward is bound to them -- so they go to meta too.
+    holders = [model, *outside_modules(model)]
+    params = list(dict.fromkeys(p for m in holders for p in m.parameters()))
+    buffers = list(dict.fromkeys(b for m in holders for b in m.buffers()))
+    if all(t.device.type == "meta" for t in (*params, *buffers)):
         return model
     memo: dict[int, Any] = {}
-    for p in model.parameters():
+    for p in params:
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
                                    requires_grad=p.requires_grad)
-    for b in model.buffers():
+    for b in buffers:
         memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
+    return copy_reaching(model, memo)
 
 
 def to_meta(value: Any) -> Any:
@@ -415,11 +420,12 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
         with counter:
             with activation_accounting(meta, names) as saved, _KernelCounter(saved) as kernels:
                 context = MetaAutocast(autocast) if autocast is not None else None
-                if context is not None:
-                    with context:
+                with meta_autocast_checks(context):
+                    if context is not None:
+                        with context:
+                            loss = run(meta, meta_inputs)
+                    else:
                         loss = run(meta, meta_inputs)
-                else:
-                    loss = run(meta, meta_inputs)
             forward = _flop_counts(counter)
             if mode == "train":
                 if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
@@ -459,7 +465,9 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
         share = matmul[name] / matmul_total if matmul_total else 0.0
         bwd = share * backward_matmul + ATTENTION_BACKWARD_FACTOR * attn
         swapped, kept, dense = footprints[name]
-        adapters = sum(_nbytes(p) for p in module.parameters() if p.requires_grad)
+        adapters = sum(_nbytes(p) for p in dict.fromkeys(
+            p for m in reached_modules(module) for p in m.parameters(recurse=False))
+            if p.requires_grad)
         costs.append(BlockCost(name, matmul[name] + attn, bwd if mode == "train" else 0.0,
                                estimate.per_block[name], estimate.inputs[name], swapped, kept,
                                adapters, kernels.work(name, matmul[name], attn), dense,
@@ -471,7 +479,11 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
     block_bwd = sum(c.backward_flops for c in costs)
     total_fwd = matmul_total + sum(attention.values())
     total_bwd = backward_matmul + ATTENTION_BACKWARD_FACTOR * sum(attention.values())
-    trainable = [p for p in meta.parameters() if p.requires_grad]
+    # with the adapters of a network kept beside the model (their gradients and optimizer state
+    # take the same memory)
+    trainable = [p for p in dict.fromkeys(
+        (*meta.parameters(), *(p for m in outside_modules(meta) for p in m.parameters())))
+        if p.requires_grad]
     result = ModelCost(
         mode=mode, blocks=tuple(costs), outside_bytes=outside,
         outside_forward_flops=max(0.0, total_fwd - block_fwd),

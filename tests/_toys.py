@@ -196,9 +196,10 @@ class KohyaLoRAModule(nn.Module):
         del self.org_module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # as those trainers write it: under autocast the update comes out in the compute dtype
         org_forwarded = self.org_forward(x)
-        lx = self.lora_up(self.lora_down(x.to(self.lora_down.weight.dtype)))
-        return org_forwarded + (lx * self.multiplier * self.scale).to(org_forwarded.dtype)
+        lx = self.lora_up(self.lora_down(x))
+        return org_forwarded + lx * self.multiplier * self.scale
 
 
 class KohyaLoRANetwork(nn.Module):

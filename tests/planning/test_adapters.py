@@ -6,6 +6,8 @@ hooks): the meta trace (``analysis.meta_copy``, ``analyze``), the calibration
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -128,3 +130,35 @@ def test_a_model_with_autocast_checks_is_analyzed() -> None:
     model.blocks[0].requires_grad_(False)
     cost = analyze(model, (torch.randn(2, D),), blocks=["blocks.*"])
     assert len(cost.blocks) == 3 and cost.trainable_params > 0
+
+
+def _bare_hooks(model: nn.Module) -> list[nn.Parameter]:
+    """A forward hook on each block's ``q`` closing over a bare trainable tensor."""
+    def closing_over(weight: nn.Parameter) -> Any:
+        return lambda m, args, out: out + args[0] @ weight.T
+
+    weights = [nn.Parameter(torch.randn(D, D) * 0.1) for _ in model.blocks]
+    for block, weight in zip(model.blocks, weights, strict=True):
+        block.q.register_forward_hook(closing_over(weight))
+    return weights
+
+
+@pytest.mark.parametrize("style", ["kohya", "bare"])
+def test_the_plan_says_which_checkpointed_blocks_cannot_be_lean(style: str) -> None:
+    import vramkit
+
+    model = _base()
+    if style == "kohya":
+        KohyaLoRANetwork(model, ["q"], rank=4).apply_to()
+    else:
+        _bare_hooks(model)
+    cost = analyze(model, _inputs(), autocast=None, blocks=["blocks.*"])
+    plan = vramkit.plan(model, _inputs(), "1GiB", hardware="rtx4090", checkpointing="all",
+                        autocast=None, blocks=["blocks.*"], cost=cost)
+    notes = [n for n in plan.notes if "keep PyTorch's checkpoint" in n]
+    if style == "kohya":  # the network's adapters are found: lean
+        assert cost.lean_refused == {} and notes == []
+    else:
+        assert sorted(cost.lean_refused) == [f"blocks.{i}" for i in range(3)]
+        assert len(notes) == 1 and notes[0].startswith("3 checkpointed block(s)")
+        assert "keep PyTorch's checkpoint" in plan.explain()

@@ -26,9 +26,10 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["callable_modules", "copy_reaching", "outside_modules", "reach_key",
+__all__ = ["callable_modules", "closure_tensors", "copy_reaching", "outside_modules", "reach_key",
            "reached_modules"]
 
 _DEPTH = 3  # closures of closures: a hook made by a factory made by a factory
@@ -51,6 +52,12 @@ def callable_modules(fn: Any, depth: int = _DEPTH) -> Iterator[nn.Module]:
     if isinstance(fn, functools.partial):
         for value in (fn.func, *fn.args, *fn.keywords.values()):
             yield from callable_modules(value, depth - 1)
+        return
+    inner = getattr(type(fn), "inner", None)
+    if inner is not None and not isinstance(fn, types.FunctionType):
+        # a wrapper of vramkit's own (offload._patch: checkpointing, compile) over what an
+        # adapter put there
+        yield from callable_modules(getattr(fn, "inner", None), depth - 1)
         return
     if isinstance(fn, types.FunctionType) and fn.__closure__:
         for cell in fn.__closure__:
@@ -132,7 +139,7 @@ def _rebound(fn: Any, memo: dict[int, Any]) -> Any:
         except ValueError:
             cells.append(cell)
             continue
-        if isinstance(value, nn.Module):
+        if isinstance(value, (nn.Module, torch.Tensor)):
             value = copy.deepcopy(value, memo)
             changed = True
         elif isinstance(value, types.FunctionType):
@@ -146,6 +153,23 @@ def _rebound(fn: Any, memo: dict[int, Any]) -> Any:
                              tuple(cells))
     out.__kwdefaults__ = fn.__kwdefaults__
     return out
+
+
+def closure_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Tensors held directly in the closures of the replaced forwards and hooks of ``model``'s
+    modules and of the adapters they reach (a hook closing over a bare trainable tensor)."""
+    out: dict[int, torch.Tensor] = {}
+    for sub in reached_modules(model):
+        for fn in _hooks(sub):
+            cells = fn.__closure__ if isinstance(fn, types.FunctionType) else None
+            for cell in cells or ():
+                try:
+                    value = cell.cell_contents
+                except ValueError:
+                    continue
+                if isinstance(value, torch.Tensor):
+                    out[id(value)] = value
+    return list(out.values())
 
 
 def copy_reaching(module: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:

@@ -30,7 +30,12 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from vramkit._validate import check_choice
 from vramkit.errors import ConfigError, PlanError
 from vramkit.offload import _patch
-from vramkit.offload._reach import copy_reaching, outside_modules, reached_modules
+from vramkit.offload._reach import (
+    closure_tensors,
+    copy_reaching,
+    outside_modules,
+    reached_modules,
+)
 from vramkit.offload.blocks import find_blocks
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 from vramkit.planning._meta import MetaAutocast, meta_autocast_checks, quantize_on_meta
@@ -133,6 +138,9 @@ class ModelCost:
             would hand that op an unloaded placeholder.
         repeated_calls: blocks called more than once in the step, in execution order (a
             swapper's ring learns one call per block and pass; the time model prices one).
+        lean_refused: block name -> why the lean checkpoint cannot take it (it reads a
+            trainable tensor that is neither its input, its parameter nor an adapter hooked
+            into it: checkpointed, it keeps PyTorch's checkpoint), from the training step.
     """
 
     mode: str
@@ -149,6 +157,7 @@ class ModelCost:
     outside_work: Work | None = None
     foreign_reads: tuple[str, ...] = ()
     repeated_calls: tuple[str, ...] = ()
+    lean_refused: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_index", {b.name: i for i, b in enumerate(self.blocks)})
@@ -232,7 +241,8 @@ def meta_copy(model: nn.Module) -> nn.Module:
     # Adapters hooked in from outside the model (a kohya-style LoRA network beside it) are
     # copied with it -- a layer's replaced forward is bound to them -- so they go to meta too.
     holders = [model, *outside_modules(model)]
-    params = list(dict.fromkeys(p for m in holders for p in m.parameters()))
+    params = list(dict.fromkeys((*(p for m in holders for p in m.parameters()),
+                                 *closure_tensors(model))))
     buffers = list(dict.fromkeys(b for m in holders for b in m.buffers()))
     if all(t.device.type == "meta" for t in (*params, *buffers)):
         return model
@@ -416,6 +426,8 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
     run = step if step is not None else default_step
     counter = FlopCounterMode(display=False)
     linear_calls, hooks = _count_linear_calls(found, mode == "train")
+    lean_refused, lean_hooks = _lean_checks(found, mode == "train")
+    hooks += lean_hooks
     try:
         with counter:
             with activation_accounting(meta, names) as saved, _KernelCounter(saved) as kernels:
@@ -494,7 +506,8 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
         outside_work=kernels.work(None, max(0.0, matmul_total - sum(matmul.values())),
                                   attention.get(None, 0)),
         foreign_reads=tuple(c.name for c in costs if c.name in saved.foreign),
-        repeated_calls=tuple(c.name for c in costs if c.name in saved.repeated))
+        repeated_calls=tuple(c.name for c in costs if c.name in saved.repeated),
+        lean_refused=lean_refused)
     logger.debug("analyzed %s in %.1f s: %d blocks, %.1f TFLOP forward", root, result.seconds,
                  len(costs), result.forward_flops / 1e12)
     return result
@@ -528,6 +541,36 @@ def _count_linear_calls(found: Sequence[tuple[str, nn.Module]], train: bool
 
             hooks.append(layer.register_forward_hook(note))
     return calls, hooks
+
+
+def _lean_checks(found: Sequence[tuple[str, nn.Module]], train: bool
+                 ) -> tuple[dict[str, str], list[Any]]:
+    """Hooks that walk each block's graph in the traced training step for trainable leaves the
+    lean checkpoint would not hand its recomputation (as its first call does on the device,
+    :func:`vramkit.offload._lean_checkpoint.foreign_leaves`), and the blocks found -> why;
+    remove the hooks after the step."""
+    from vramkit.offload._lean_checkpoint import foreign_leaves
+
+    refused: dict[str, str] = {}
+    hooks: list[Any] = []
+    if not train:
+        return refused, hooks
+    for name, block in found:
+        def check(module: nn.Module, args: Any, kwargs: Any, out: Any,
+                  name: str = name) -> None:
+            if name in refused or not torch.is_grad_enabled():
+                return
+            inputs = [t for t in _flatten((args, kwargs)) if isinstance(t, torch.Tensor)]
+            params = [p for m in reached_modules(module) for p in m.parameters(recurse=False)
+                      if p.requires_grad]
+            foreign = foreign_leaves(out, inputs, params)
+            if foreign:
+                refused[name] = (f"it reads {len(foreign)} trainable tensor(s) that are "
+                                 "neither its inputs, its parameters nor an adapter hooked "
+                                 "into it")
+
+        hooks.append(block.register_forward_hook(check, with_kwargs=True))
+    return refused, hooks
 
 
 def _footprints(meta: nn.Module, found: list[tuple[str, nn.Module]], formats: Sequence[str],

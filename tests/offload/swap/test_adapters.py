@@ -212,3 +212,14 @@ def test_the_adapters_a_block_reaches_are_found(style: str) -> None:
     outside = reached - own
     assert outside and all(p.requires_grad for p in adapted.params if id(p) in outside)
     assert not any(id(p) in reached for p in adapted.model.blocks[1].parameters())
+
+
+def test_adapters_under_a_wrapped_forward_are_found() -> None:
+    from vramkit.offload.checkpointing import enable_gradient_checkpointing
+
+    adapted = build("kohya")
+    layer = adapted.model.blocks[0].q
+    enable_gradient_checkpointing(adapted.model, ["blocks.0.q"])  # wraps the kohya forward
+    reached = reached_modules(adapted.model.blocks[0])
+    assert any(m is adapted.keep.loras[0] for m in reached)
+    assert layer.__dict__["forward"] is not adapted.keep.loras[0].forward

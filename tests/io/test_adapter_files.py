@@ -165,6 +165,17 @@ def test_a_kohya_network_converts_to_peft_and_back() -> None:
     assert all(torch.equal(again[k], v) for k, v in kohya.items())
 
 
+def test_lycoris_loha_is_refused_with_its_own_way_out() -> None:
+    lycoris = pytest.importorskip("lycoris")
+    base = Stack(Block, 2, seed=0).requires_grad_(False)
+    net = lycoris.create_lycoris(base, 1.0, linear_dim=4, linear_alpha=4.0, algo="loha",
+                                 warn_on_unmatched=False)
+    net.apply_to()
+    with pytest.raises(ConfigError, match=r"not LoRA factors.*LohaModule") as info:
+        lora_factors(base)
+    assert "save_weights" in (info.value.hint or "")
+
+
 def test_refusals() -> None:
     with pytest.raises(ConfigError, match="holds no LoRA layer"):
         lora_factors(nn.Linear(2, 2))

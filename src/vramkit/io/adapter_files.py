@@ -118,13 +118,23 @@ def lora_factors(model: nn.Module, adapter: str = "default") -> dict[str, LoRAFa
                               f"not {type(layer.lora_A[adapter]).__name__}",
                               hint="Save convolution adapters with peft's own save_pretrained.")
         out[_strip(name)] = LoRAFactors(down, up, float(layer.scaling[adapter]) * down.shape[0])
+    other: list[str] = []  # adapters hooked in that are not LoRA factors (LoHa, LoKr, ...)
     for name, module in model.named_modules():
         bound = getattr(module.__dict__.get("forward"), "__self__", None)
-        if (isinstance(bound, nn.Module) and isinstance(getattr(bound, "lora_down", None), nn.Module)
+        if not isinstance(bound, nn.Module) or bound is module:
+            continue
+        if (isinstance(getattr(bound, "lora_down", None), nn.Module)
                 and isinstance(getattr(bound, "lora_up", None), nn.Module)):
             out[_strip(name)] = LoRAFactors(bound.lora_down.weight.detach().flatten(1),
                                             bound.lora_up.weight.detach().flatten(1),
                                             _alpha_of(bound))
+        elif any(p.requires_grad for p in bound.parameters()):
+            other.append(f"{name} ({type(bound).__name__})")
+    if other:
+        raise ConfigError(f"{len(other)} adapted layer(s) hold adapters that are not LoRA "
+                          f"factors (down/up): {', '.join(other[:3])}",
+                          hint="Save LoHa/LoKr and other LyCORIS algorithms with the network's "
+                               "own save_weights(); these layouts hold LoRA.")
     if not out:
         raise ConfigError(f"{type(model).__name__} holds no LoRA layer",
                           hint="Add adapters with peft (get_peft_model, add_adapter) or apply a "

@@ -124,8 +124,7 @@ def main() -> None:
         except Exception as exc:  # an arm that cannot run is reported, the others go on
             errors[arm] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
-    x = torch.randn(1, args.tokens, args.hidden, device=device, dtype=torch.bfloat16,
-                    generator=None)
+    x = torch.randn(1, args.tokens, args.hidden, device=device, dtype=torch.bfloat16)
     steps = {arm: _step_fn(model, x) for arm, model in models.items()}
     warm_frames: dict[str, int] = {}
     for arm, step in list(steps.items()):  # warm-up: two steps meet every calling context

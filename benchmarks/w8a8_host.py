@@ -10,8 +10,16 @@ per call comes from CUDA events around the same calls. Small token counts keep t
 fast, so the host time is what is measured. On CPU there is no device to overlap with: the
 script runs the int8 path and prints the CPU time per call, marked ``cpu``.
 
-Run (GPU): PYTHONPATH=src python3 benchmarks/w8a8_host.py --out out/w8a8_host
-Run (CPU): PYTHONPATH=src python3 benchmarks/w8a8_host.py --calls 50 --rounds 3
+Per layer in a block (``--block-layers`` W8A8 layers chained, the shape of a block's frozen
+Linears): the host time of one block call divided by its layers, eager, compiled
+(``torch.compile``: the layer's traced path, inductor's generated quantization and epilogue
+kernels) and, on CUDA, compiled with CUDA graphs (``mode="reduce-overhead"``: one replay per
+call); ``forward`` under no_grad and ``train`` (forward and backward of an input that requires
+grad). That per-layer host time is what a swapped, compiled block pays; the target is <= 30 us
+per quantized layer forward on the H200 (9-20 us of host per aten call there).
+
+Run (GPU, ~2 min): PYTHONPATH=src python3 benchmarks/w8a8_host.py --out out/w8a8_host
+Run (CPU): PYTHONPATH=src python3 benchmarks/w8a8_host.py --calls 20 --rounds 3 --block-layers 4
 """
 
 from __future__ import annotations
@@ -102,9 +110,84 @@ def run(args: argparse.Namespace) -> None:
                      "host us/call": entry["host_us_median"],
                      "spread": f"{min(host):.1f}-{max(host):.1f}",
                      "device us/call": entry["device_us_median"] or "-"})
+    if args.block_layers:
+        for entry in _per_layer_in_block(args, device):
+            results.append(entry)
+            rows.append({"layer": entry["layer"], "mode": entry["mode"], "clock": device.type,
+                         "host us/call": entry["host_us_median"],
+                         "spread": f"{entry['host_us_min']:.1f}-{entry['host_us_max']:.1f}",
+                         "device us/call": "-"})
     write_result("w8a8_host", {"shape": [args.tokens, args.in_features, args.out_features],
-                               "calls": args.calls, "rounds": args.rounds, "results": results},
+                               "calls": args.calls, "rounds": args.rounds,
+                               "block_layers": args.block_layers, "results": results},
                  rows, args.out)
+
+
+class _Chain(nn.Module):
+    """``n`` W8A8 layers of one shape in a row (in == out features): a block's frozen Linears."""
+
+    def __init__(self, kind: str, n: int, features: int, device: torch.device) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(
+            W8A8Linear.from_linear(nn.Linear(features, features).to(device, torch.bfloat16)
+                                   .requires_grad_(False), kind) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _block_call(fn: Any, x: torch.Tensor, train: bool) -> Any:
+    if not train:
+        def call() -> None:
+            with torch.no_grad():
+                fn(x)
+        return call
+
+    def step() -> None:
+        fn(x).sum().backward()
+    return step
+
+
+def _per_layer_in_block(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    """Host us per W8A8 layer in a chain of ``--block-layers``: eager, compiled, CUDA graphs."""
+    kinds = ["int8"] if device.type == "cpu" else [
+        k for k in ("fp8", "int8")
+        if torch.cuda.get_device_capability(device) >= W8A8_CAPABILITY[k]]
+    n, features = args.block_layers, args.in_features
+    x = torch.randn(args.tokens, features, device=device, dtype=torch.bfloat16)
+    x_grad = x.clone().requires_grad_()
+    calls: dict[tuple[str, str], Any] = {}
+    for kind in kinds:
+        chain = _Chain(kind, n, features, device)
+        variants = {"eager": chain,
+                    "compiled": torch.compile(chain, dynamic=False)}
+        if device.type == "cuda":
+            variants["compiled+cudagraphs"] = torch.compile(chain, dynamic=False,
+                                                            mode="reduce-overhead")
+        for variant, fn in variants.items():
+            for mode, (xi, train) in {"forward": (x, False), "train": (x_grad, True)}.items():
+                call = _block_call(fn, xi, train)
+                for _ in range(3):  # compile, record graphs, warm up
+                    call()
+                calls[(f"w8a8 {kind} {variant} (per layer of {n})", mode)] = call
+    samples: dict[tuple[str, str], list[float]] = {key: [] for key in calls}
+    for _ in range(args.rounds):
+        for key, call in calls.items():  # alternating within each round
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                call()
+            samples[key].append((time.perf_counter() - t0) / args.calls / n * 1e6)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    return [{"layer": name, "mode": mode, "clock": device.type,
+             "host_us_median": statistics.median(v), "host_us_min": min(v),
+             "host_us_max": max(v), "device_us_median": None}
+            for (name, mode), v in samples.items()]
 
 
 def main() -> None:
@@ -116,6 +199,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--cpu", action="store_true", help="time on the CPU even with CUDA")
+    parser.add_argument("--block-layers", type=int, default=8,
+                        help="W8A8 layers chained for the per-layer block timing (0: skip it)")
     run(parser.parse_args())
 
 

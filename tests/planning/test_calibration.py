@@ -520,3 +520,68 @@ def test_the_host_sample_is_the_median_of_the_warm_up_rounds_after_the_first() -
     assert clock.enqueue_s == 2.0  # no timed rounds yet
     clock.busy_samples = [4.0, 5.0, 6.0]
     assert clock.enqueue_s == 3.5  # median of 1, 3, 2, 4, 5, 6
+
+
+# -- compiled blocks ---------------------------------------------------------------------------
+
+@pytest.fixture
+def _aot_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compile through dynamo and AOTAutograd without inductor's code generation (a CPU
+    inductor compile takes seconds): what is timed is still the compiled block's call."""
+    dynamo = pytest.importorskip("torch._dynamo")
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile",
+                        lambda fn, **options: compile_(fn, backend="aot_eager", **options))
+
+
+@pytest.mark.usefixtures("_aot_eager")
+def test_compiled_calibration_times_the_blocks_compiled() -> None:
+    import torch._dynamo as dynamo
+
+    times = calibrate_blocks(_models.stack(device="meta"), _models.inputs(), device="cpu",
+                             repeats=1, autocast=None, compile="default")
+    assert times.compiled == "default"
+    assert dynamo.utils.counters["frames"]["ok"] > 0  # the blocks' own forwards, compiled
+    names = {f"blocks.{i}" for i in range(6)}
+    assert set(times.calls["full"]) == set(times.calls["checkpointed"]) == names
+    eager = calibrate_blocks(_models.stack(device="meta"), _models.inputs(), device="cpu",
+                             repeats=1, autocast=None)
+    assert eager.compiled is None
+    with pytest.raises(ConfigError, match="compile"):
+        calibrate_blocks(_models.stack(device="meta"), _models.inputs(), device="cpu",
+                         compile="reduce-overhead")
+
+
+def test_an_offline_plan_prices_compiled_blocks_as_eager_and_says_so() -> None:
+    model, budget = _models.stack(device="meta"), 64 << 20
+    eager = vramkit.plan(model, _models.inputs(), budget, hardware="rtx4090", headroom=0)
+    compiled = vramkit.plan(model, _models.inputs(), budget, hardware="rtx4090", headroom=0,
+                            compile="default")
+    assert compiled.predicted_step_seconds == eager.predicted_step_seconds
+    assert "priced as eager: offline profiles state no compiled speedup" in compiled.explain()
+    assert "compiled" not in " ".join(eager.notes)
+
+
+@pytest.mark.usefixtures("_aot_eager")
+def test_a_plan_from_compiled_times_says_they_were_measured_compiled() -> None:
+    model = _models.stack(device="meta")
+    times = calibrate_blocks(model, _models.inputs(), device="cpu", repeats=1, autocast=None,
+                             compile="default")
+    made = vramkit.plan(model, _models.inputs(), 64 << 20, hardware="rtx4090", headroom=0,
+                        block_times=times, compile="default")
+    assert "their times were measured compiled" in made.explain()
+    stale = vramkit.plan(model, _models.inputs(), 64 << 20, hardware="rtx4090", headroom=0,
+                         block_times=times, compile="max-autotune-no-cudagraphs")
+    assert "measured compiled in another mode" in stale.explain()
+
+
+def test_fit_plans_for_the_compile_it_applies() -> None:
+    fitted = vramkit.fit(_models.stack(), _models.inputs(), 6 << 20, compile=True,
+                         hardware="rtx4090", headroom=0, autocast=None, device="cpu")
+    try:
+        assert "Blocks run compiled (torch.compile mode='default'), priced as eager" in (
+            fitted.plan.explain())
+    finally:
+        fitted.detach()

@@ -225,3 +225,29 @@ def test_flux_on_an_rtx_3090_picks_int8_w8a8_where_it_predicts_a_faster_step(flu
         only_fp8 = _flux_plan(flux, budget, "rtx3090", ("fp8-w8a8",))
         assert _formats_of(only_fp8) == {"bf16"}
         assert "fp8-w8a8 is not offered" in only_fp8.explain()
+
+
+def test_the_backward_transient_of_a_w8a8_layer_by_hand() -> None:
+    from vramkit.planning.w8a8 import backward_transient_bytes
+
+    calls = (LinearCall(128, 256, 1024, True), LinearCall(128, 1024, 256, True))
+    # up: transposed 1024 x 256 codes + 128 x 1024 gradient codes + 128 fp32 scales
+    up = 1024 * 256 + 128 * 1024 + 4 * 128
+    down = 256 * 1024 + 128 * 256 + 4 * 128
+    assert backward_transient_bytes(calls, "fp8-w8a8") == max(up, down) == 393728
+    assert backward_transient_bytes(calls, "int8") == 0  # weight-only: no such copy
+    no_grad = tuple(LinearCall(c.rows, c.in_features, c.out_features, False) for c in calls)
+    assert backward_transient_bytes(no_grad, "int8-w8a8") == 0
+    # a shape the GEMMs cannot take dequantizes: a bf16 weight
+    assert backward_transient_bytes((LinearCall(8, 24, 36, True),), "fp8-w8a8") == 2 * 24 * 36
+
+
+def test_the_predicted_peak_holds_the_w8a8_backward_copies() -> None:
+    made = vramkit.plan(stack(device="meta"), inputs(), 4 * MiB, hardware="rtx3090",
+                        allow_formats=("int8-w8a8",), **OFFLINE)
+    assert "int8-w8a8" in _formats_of(made)
+    assert made.peak_breakdown["w8a8_backward_copies"] == 393728  # the hand-worked case above
+    assert made.predicted_peak_bytes == sum(made.peak_breakdown.values())
+    bf16 = vramkit.plan(stack(device="meta"), inputs(), 64 * MiB, hardware="rtx3090",
+                        **OFFLINE)
+    assert "w8a8_backward_copies" not in bf16.peak_breakdown

@@ -363,10 +363,54 @@ def test_fp8_on_a_cpu_without_row_wise_scaled_mm_matches_the_kernel(monkeypatch)
     def refuse(*args, **kwargs):
         raise RuntimeError("Now _scaled_mm only supports per-tensor scaling for CPU backend.")
 
-    monkeypatch.setattr(w8a8, "_CPU_ROWWISE_FP8", [True])
+    flag = w8a8.CPU_ROWWISE_FP8  # one list, shared with the traced path
+    saved, flag[0] = flag[0], True
     monkeypatch.setattr(torch, "_scaled_mm", refuse)
-    y_emulated = layer(x)
-    y_emulated.backward(g)
-    assert not w8a8._CPU_ROWWISE_FP8[0]
+    try:
+        y_emulated = layer(x)
+        y_emulated.backward(g)
+        assert not flag[0]
+    finally:
+        flag[0] = saved
     torch.testing.assert_close(y_emulated, y, rtol=2.0 ** -7, atol=1e-2)
     torch.testing.assert_close(x.grad, grad, rtol=2.0 ** -7, atol=1e-2)
+
+
+# Aten calls of one eager layer call on the CPU (the aten kernels; CUDA with triton runs fewer):
+# a regression guard on the host's per-call work. Forward of a 2-D input, then its backward
+# (the input and bias gradients; autograd's own accumulation calls included).
+ATEN_CALLS = {"fp8": (7, 11), "int8": (10, 14)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_eager_call_makes_no_more_aten_calls_than_it_did(kind: str) -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.calls.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    layer = _layer(kind)[0].to(torch.bfloat16)  # the bias in the input's dtype: no cast
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(32, 48, dtype=torch.bfloat16)
+    layer(x).backward(g)  # first call: device check, kernel choice, cached unit scales
+    with Count() as forward:
+        y = layer(x)
+    with Count() as backward:
+        y.backward(g)
+    most_forward, most_backward = ATEN_CALLS[kind]
+    assert len(forward.calls) <= most_forward, forward.calls
+    assert len(backward.calls) <= most_backward, backward.calls
+
+
+def test_a_meta_input_gives_the_output_shape_for_a_planner_pass() -> None:
+    # A model already holding W8A8 layers is planned on the meta device (under autocast).
+    layer = _layer("int8")[0].to("meta")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(torch.empty(2, 5, 64, device="meta"))
+    assert y.device.type == "meta" and y.shape == (2, 5, 48)

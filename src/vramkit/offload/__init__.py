@@ -37,7 +37,8 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".activations": ("ActivationOffloader", "ActivationOffloadConfig", "ActivationOffloadStats",
                      "offload_activations"),
     ".optimizer": ("CPUOffloadOptimizer", "OptimizerOffloadStats"),
-    ".compiled": ("COMPILE_MODES", "compile_blocks", "is_compiled", "uncompile_blocks"),
+    ".compiled": ("COMPILE_MODES", "CUDA_GRAPH_MODES", "compile_blocks", "is_compiled",
+                  "uncompile_blocks"),
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions

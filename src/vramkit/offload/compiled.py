@@ -13,9 +13,17 @@ one class shares one compiled graph per calling context (grad mode, whether the 
 grad), step after step. ``tests/offload/test_compiled.py`` counts the frames compiled across
 steps; ``dynamic=False`` keeps shapes static, as a training step's are.
 
-What it does not do: CUDA graphs. ``mode="reduce-overhead"`` records graphs against fixed input
-addresses, and a swapped block's weights move between slots from call to call; those modes are
-refused (:data:`COMPILE_MODES` lists the ones accepted).
+CUDA graphs (:data:`CUDA_GRAPH_MODES`: ``"reduce-overhead"``, ``"max-autotune"``), for inference
+only. A graph is recorded against fixed addresses; a swapped block's weights live in one of the
+swapper's slots, whose addresses never change, so inductor's CUDA-graph trees record one graph per
+distinct set of weight addresses (one per slot a block kind runs in, one per resident block) and
+replay it for every block that occupies that slot, reading the bytes the swapper just copied
+there. Each call starts a new graph generation (``torch.compiler.cudagraph_mark_step_begin``) and
+returns its outputs cloned out of the graphs' memory pool, which the next replay reuses; the
+swapper's copies and waits stay outside the graphs. Training is refused: a block's backward (and
+the lean checkpoint's recomputation) runs with grad enabled, and a call with grad enabled raises
+an :class:`~vramkit.errors.OffloadError` that says to compile with a mode of
+:data:`COMPILE_MODES` for training. ``vramkit.fit`` does not offer these modes (its plans train).
 
 :func:`uncompile_blocks` restores each forward exactly. Wrappers are objects: a copy or a pickle
 of the model carries the wrapper without its compiled function, which is made again on first
@@ -36,12 +44,25 @@ from vramkit.errors import OffloadError
 from vramkit.offload import _patch
 from vramkit.offload.blocks import find_blocks
 
-__all__ = ["COMPILE_MODES", "compile_blocks", "is_compiled", "uncompile_blocks"]
+__all__ = ["COMPILE_MODES", "CUDA_GRAPH_MODES", "compile_blocks", "is_compiled",
+           "uncompile_blocks"]
 
 logger = logging.getLogger(__name__)
 
 #: ``torch.compile`` modes accepted for blocks: the ones that record no CUDA graph.
 COMPILE_MODES: tuple[str, ...] = ("default", "max-autotune-no-cudagraphs")
+#: ``torch.compile`` modes that record CUDA graphs: accepted for inference (grad disabled) only.
+CUDA_GRAPH_MODES: tuple[str, ...] = ("reduce-overhead", "max-autotune")
+
+
+def _clone_tensors(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_clone_tensors(o) for o in out)
+    if isinstance(out, dict):
+        return {k: _clone_tensors(v) for k, v in out.items()}
+    return out
 
 
 class _CompiledForward(_patch.MethodWrapper):
@@ -62,7 +83,23 @@ class _CompiledForward(_patch.MethodWrapper):
         compiled = self._compiled
         if compiled is None:
             compiled = self._compiled = torch.compile(self.inner, **self.options)
+        if self.options.get("mode") in CUDA_GRAPH_MODES:
+            return self._replay(compiled, args, kwargs)
         return compiled(*args, **kwargs)
+
+    def _replay(self, compiled: Callable[..., Any], args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        if torch.is_grad_enabled():
+            raise OffloadError(
+                f"this block was compiled with mode={self.options['mode']!r}, which records "
+                "CUDA graphs: inference only, and this call has grad enabled (a training step, "
+                "or a checkpoint's recomputation)",
+                hint="Run it under torch.no_grad() or torch.inference_mode(), or compile with "
+                     f"one of {', '.join(COMPILE_MODES)} to train.")
+        # A new generation per call: the graphs' pool may be reused by the next replay, so the
+        # outputs leave as copies.
+        torch.compiler.cudagraph_mark_step_begin()
+        return _clone_tensors(compiled(*args, **kwargs))
 
     # Copies and pickles carry the wrapper, not the compiled function (it holds caches and
     # generated code bound to this process): the copy compiles again on its first call.
@@ -95,22 +132,22 @@ def compile_blocks(model: nn.Module, blocks: str | Sequence[str] = "auto", *,
         model: the model.
         blocks: ``"auto"`` (default: the repeated blocks the swapper finds) or module names /
             ``fnmatch`` patterns, as for the swapper.
-        mode: a ``torch.compile`` mode from :data:`COMPILE_MODES` (default ``"default"``).
+        mode: a ``torch.compile`` mode from :data:`COMPILE_MODES` (default ``"default"``), or
+            from :data:`CUDA_GRAPH_MODES` for inference only (see the module docstring).
         fullgraph: passed to ``torch.compile`` (default ``False``: graph breaks allowed).
 
     Returns:
         Qualified names of the blocks compiled by this call, in execution order.
 
     Raises:
-        ConfigError: for a mode outside :data:`COMPILE_MODES` (the CUDA-graph modes) or a
-            non-bool ``fullgraph``.
+        ConfigError: for a mode outside :data:`COMPILE_MODES` and :data:`CUDA_GRAPH_MODES`,
+            or a non-bool ``fullgraph``.
         OffloadError: when a block is checkpointed or swapped already (its forward would be
             compiled with vramkit's machinery inside), or ``blocks`` matches nothing.
     """
-    check_choice("mode", mode, COMPILE_MODES,
-                 hint="CUDA-graph modes (reduce-overhead, max-autotune) record graphs against "
-                      "fixed weight addresses, which swapped blocks do not have; use 'default' "
-                      "or 'max-autotune-no-cudagraphs'.")
+    check_choice("mode", mode, COMPILE_MODES + CUDA_GRAPH_MODES,
+                 hint="Use 'default' or 'max-autotune-no-cudagraphs' (training and inference), "
+                      "or 'reduce-overhead' / 'max-autotune' (CUDA graphs, inference only).")
     check_bool("fullgraph", fullgraph)
     options: dict[str, Any] = {"dynamic": False, "fullgraph": fullgraph}
     if mode != "default":

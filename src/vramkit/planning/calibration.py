@@ -111,6 +111,8 @@ class BlockTimes:
         seconds: how long the calibration took.
         unavailable: formats asked for that this device cannot run -> why (a W8A8 format
             whose 8-bit GEMM the GPU lacks): not timed, and a plan does not offer them.
+        compiled: the ``torch.compile`` mode the blocks were timed compiled in (``None``:
+            eager).
     """
 
     calls: dict[str, dict[str, CallTimes]]
@@ -119,6 +121,7 @@ class BlockTimes:
     fallbacks: tuple[str, ...] = ()
     seconds: float = 0.0
     unavailable: dict[str, str] = field(default_factory=dict)
+    compiled: str | None = None
 
     def call(self, name: str, variant: str = FULL) -> CallTimes | None:
         """Block ``name``'s times in ``variant``, or ``None`` when that was not timed."""
@@ -501,7 +504,8 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
                      autocast: torch.dtype | None = torch.bfloat16,
                      device: str | torch.device | None = None, repeats: int = 5,
                      seed: int = 0, formats: Sequence[str] = (),
-                     found: Sequence[tuple[str, nn.Module]] | None = None) -> BlockTimes:
+                     found: Sequence[tuple[str, nn.Module]] | None = None,
+                     compile: str | None = None) -> BlockTimes:
     """Time one block of each kind on ``device`` (see the module docstring).
 
     Args:
@@ -527,6 +531,12 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
         found: the blocks already found, as :func:`~vramkit.offload.blocks.find_blocks`
             returns them, of ``model`` already on the meta device (``blocks`` is then not
             read; :func:`vramkit.plan` passes the ones its analysis used).
+        compile: a ``torch.compile`` mode of
+            :data:`~vramkit.offload.compiled.COMPILE_MODES` to time each block compiled in, as
+            ``vramkit.fit(..., compile=...)`` runs it (:func:`~vramkit.offload.compiled.
+            compile_blocks`: the block's own forward compiled, beneath the checkpoint); every
+            variant is then the compiled block's, and the warm-up rounds include compiling.
+            ``None`` (default): eager.
 
     Returns:
         :class:`BlockTimes` for every block.
@@ -536,6 +546,10 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
     """
     check_choice("mode", mode, ("train", "infer"))
     repeats = check_int("repeats", repeats, minimum=1)
+    if compile is not None:
+        from vramkit.offload.compiled import COMPILE_MODES
+
+        check_choice("compile", compile, COMPILE_MODES)
     if isinstance(formats, str):
         formats = (formats,)
     formats = tuple(dict.fromkeys(formats))
@@ -580,6 +594,8 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
                 else:
                     tensor.zero_()
         args, kwargs = _real(calls_of[first], target, train, generator)
+        if compile is not None:
+            _compile_block(block, compile)
         try:
             timed = {FULL: _time_block(block, args, kwargs, target, train, autocast, repeats)}
             if target.type == "cuda":
@@ -617,7 +633,18 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
     logger.info("calibrated %d block kind(s) on %s in %.1f s", len(kinds), target, seconds)
     return BlockTimes(calls=calls, kinds=len(kinds), device=str(target),
                       fallbacks=tuple(dict.fromkeys(fallbacks)), seconds=seconds,
-                      unavailable=unavailable)
+                      unavailable=unavailable, compiled=compile)
+
+
+def _compile_block(block: nn.Module, mode: str) -> None:
+    """Compile ``block``'s own forward in place, as ``fit(..., compile=mode)`` compiles a
+    model's blocks (:func:`~vramkit.offload.compiled.compile_blocks`); a packed copy of it
+    compiles again on its first call."""
+    from vramkit.offload.compiled import compile_blocks
+
+    holder = nn.Module()
+    holder.block = block
+    compile_blocks(holder, ["block"], mode=mode)
 
 
 def _time_packed(block: nn.Module, fmt: str, args: Any, kwargs: Any, device: torch.device,

@@ -155,8 +155,8 @@ class Fitted:
                  blocks: str | Sequence[str] = "auto", observe_steps: int = 3,
                  checkpoint: str | os.PathLike[str] | None = None, prefix: str | None = None,
                  strict: bool = True, master_memory: MasterMemory | None = None,
-                 block_loader: BlockLoader | None = None, compile_mode: str | None = None
-                 ) -> None:
+                 block_loader: BlockLoader | None = None, compile_mode: str | None = None,
+                 host_memory: str = "auto") -> None:
         self.model = model
         self.plan = plan
         self.device = device
@@ -181,6 +181,7 @@ class Fitted:
         self._checkpoint = (checkpoint, prefix, strict)
         self._master_memory = master_memory
         self._block_loader = block_loader
+        self._host_memory_asked = host_memory  # fit's host_memory= (see _host_memory)
         # (original layer, its checkpoint prefix): layers quantized while read from checkpoint
         self._refill: list[tuple[nn.Module, str]] = []
         try:
@@ -219,7 +220,8 @@ class Fitted:
         if plan.swapped:
             self.swapper = BlockSwapper(model, blocks, config=SwapConfig(
                 swapped_blocks=plan.swapped, num_slots=max(1, plan.num_slots),
-                host_budget=plan.swap_host_budget),
+                host_budget=plan.swap_host_budget, **_host_memory(
+                    plan, self._host_memory_asked, self._master_memory, self._block_loader)),
                 device=self.device, checkpoint=checkpoint, prefix=prefix, strict=strict,
                 master_memory=self._master_memory, block_loader=self._block_loader,
                 **({"checkpoint_skip": skip} if skip else {}))
@@ -432,8 +434,9 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
             :func:`vramkit.distributed.fit_rank` passes sharded uploads over NVLink).
         compile: ``torch.compile`` each block's own forward beneath checkpointing and swapping
             (:func:`vramkit.offload.compiled.compile_blocks`): ``True`` for the default mode, or
-            a mode of :data:`~vramkit.offload.compiled.COMPILE_MODES` (default ``False``). The
-            plan is not priced for compiled blocks: its step prediction is the eager one.
+            a mode of :data:`~vramkit.offload.compiled.COMPILE_MODES` (default ``False``). A
+            plan made here times the blocks compiled on a measured GPU (``vramkit.plan(...,
+            compile=)``); offline, it prices them as eager and says so in its notes.
         **plan_options: the keyword arguments of :func:`vramkit.plan` (``mode``,
             ``hardware``, ``allow_formats``, ``host_budget``, ``headroom``, ``step``, ...).
 
@@ -471,6 +474,8 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
         cpu_headroom = target.type == "cpu" and plan_options.get("headroom") is None
         if cpu_headroom:  # the default headroom is for a GPU's allocator and context
             plan_options["headroom"] = 0
+        if compile_mode is not None:  # timed (or noted) as the blocks will run
+            plan_options.setdefault("compile", compile_mode)
         plan = make_plan(model, example_inputs, budget, **plan_options)
         if cpu_headroom:
             plan = dataclasses.replace(plan, notes=(
@@ -481,7 +486,22 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
     return Fitted(model, plan, target, blocks=blocks, observe_steps=observe_steps,
                   checkpoint=checkpoint, prefix=prefix, strict=strict,
                   master_memory=master_memory, block_loader=block_loader,
-                  compile_mode=compile_mode)
+                  compile_mode=compile_mode,
+                  host_memory=plan_options.get("host_memory", "auto"))
+
+
+def _host_memory(plan: Plan, asked: object, master_memory: object,
+                 block_loader: object) -> dict[str, Any]:
+    """The swapper's ``host_memory``: pageable where the plan priced pageable masters, pinned
+    where pinned was asked for, else ``"auto"`` (the swapper decides on the host it runs on,
+    which an offline or saved plan did not see). Masters in shared memory or filled by a
+    collective loader stay as the swapper decides (pinned)."""
+    if master_memory is not None or block_loader is not None:
+        return {}
+    if plan.host_memory == "pageable":
+        return {"host_memory": "pageable",
+                "staging_pool": plan.staging_pool_bytes or SwapConfig().staging_pool}
+    return {"host_memory": "pinned" if asked == "pinned" else "auto"}
 
 
 def _compile_mode(compile: object) -> str | None:

@@ -169,7 +169,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
            activation_offload: bool = True, host_budget: int | None = None,
            budget_for: Callable[[int], int] | None = None,
            times: BlockTimes | None = None, disk_bytes_per_s: float | None = None,
-           checkpointing: str = "auto") -> Plan:
+           checkpointing: str = "auto", copy_bytes_per_s: float | None = None) -> Plan:
     """The fastest plan that fits (see the module docstring).
 
     Args:
@@ -184,6 +184,9 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
             (``BlockSwapper.disk_split``), each such block's copy paced by the disk.
         checkpointing: ``"auto"`` (default), ``"all"`` or ``"none"`` (:data:`CHECKPOINTING`;
             training only): which blocks may be checkpointed.
+        copy_bytes_per_s: the rate the swapped blocks' masters reach the device (default
+            the machine's pinned rate; pageable masters copy at
+            :func:`~vramkit.planning.pricing.staged_copy_rate`).
 
     Raises:
         PlanError: when nothing fits, naming the smallest budget that would, and what would
@@ -224,7 +227,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     full, measured = prices.full, prices.measured
     slow_fwd, slow_bwd = prices.slow_forward, prices.slow_backward
     ways, dequant_by, dense_of = prices.ways, prices.dequant, prices.dense
-    bw = machine.h2d_bytes_per_s
+    bw = copy_bytes_per_s or machine.h2d_bytes_per_s
     disk_bw = disk_bytes_per_s if disk_bytes_per_s is not None else DEFAULT_DISK_BYTES_PER_S
     # Activation offload is a candidate wherever it fits, not only where nothing else does:
     # the room it frees keeps more weights on the device, fewer copies in a transfer-bound
@@ -233,7 +236,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     offload_too = activation_offload and train and checkpointing != "none"
     pricer = StepPricer(cost=cost, machine=machine, prices=prices, order=order,
                         act_choices=act_choices, trainable=trainable, formats=formats,
-                        host_budget=host_budget, disk_bytes_per_s=disk_bw)
+                        host_budget=host_budget, disk_bytes_per_s=disk_bw,
+                        copy_bytes_per_s=copy_bytes_per_s)
 
     candidates: list[Priced] = []
     smallest = math.inf  # the least memory any candidate needs (for the error)

@@ -135,3 +135,28 @@ class LinearCall:
     in_features: int
     out_features: int
     input_grad: bool
+
+
+def backward_transient_bytes(calls: Sequence[LinearCall], fmt: str) -> int:
+    """Device bytes a W8A8 layer's backward holds beyond the step's tensors, at most, over
+    ``calls``: the weight's transposed 8-bit copy (``out * in`` bytes), the output gradient's
+    8-bit codes (``rows * out``) and their fp32 row scales, all alive at the input-gradient
+    GEMM (one layer at a time: each is freed after it). 0 for a format that is not W8A8 or
+    calls without an input gradient; a layer the GEMMs cannot take dequantizes instead (a
+    bf16 weight, ``2 * out * in``)."""
+    from vramkit.quant.w8a8 import w8a8_fits
+
+    kind = W8A8_FORMATS.get(fmt)
+    if kind is None:
+        return 0
+    most = 0
+    for c in calls:
+        if not c.input_grad:
+            continue
+        n, k = c.out_features, c.in_features
+        if w8a8_fits(kind, k, n):
+            need = n * k + c.rows * n + 4 * c.rows
+        else:
+            need = 2 * n * k
+        most = max(most, need)
+    return most

@@ -48,7 +48,13 @@ aten code.
 
 Host time: one ``torch.autograd.Function`` (skipped when nothing needs a gradient) calls one of
 the kernel objects, chosen at the first call on a device (again after a move); per call there are
-no config lookups or format checks. The buffers ``weight`` (codes ``[out, in]``) and
+no config lookups or format checks.
+
+While ``torch.compile`` traces (``compile_blocks``, ``fit(..., compile=True)``) the layer runs the
+same math as stateless aten code instead (:mod:`vramkit.quant._w8a8_ops`): dynamo never meets the
+Triton launchers or the per-device kernel choice, so a compiled block has no graph break and no
+guard on the layer's state (blocks compile once per calling context, as float blocks do), and
+inductor generates the quantization and epilogue kernels itself, fused with their neighbours. The buffers ``weight`` (codes ``[out, in]``) and
 ``weight_scale`` (fp32 ``[out]``) are read at every call, so a block swapper may repoint them.
 """
 
@@ -62,6 +68,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vramkit.errors import QuantizationError
+from vramkit.quant import _w8a8_ops
+from vramkit.quant._w8a8_ops import CPU_ROWWISE_FP8, column_major, int_mm
 from vramkit.quant.formats import (
     FP8Config,
     Int8Config,
@@ -84,8 +92,6 @@ W8A8_CAPABILITY: dict[str, tuple[int, int]] = {"fp8": (8, 9), "int8": (8, 0)}
 _MULTIPLE: dict[str, int] = {"fp8": 16, "int8": 8}
 _QMAX: dict[str, float] = {"fp8": 448.0, "int8": 127.0}
 _CODE_DTYPE: dict[str, torch.dtype] = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
-# _int_mm on CUDA wants more than 16 rows in its first operand; fewer are padded with zeros.
-_INT_MM_MIN_ROWS = 17
 
 _INF = float("inf")
 # Added to every token's scale: an all-zero row gets codes 0 / FLOOR = 0, never 0 / 0. A CPU
@@ -193,12 +199,6 @@ def quantize_rows(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tenso
 
 # -- the three kernels -------------------------------------------------------------------------
 
-def _column_major(codes: torch.Tensor) -> torch.Tensor:
-    """``codes [N, K]`` row-major as the same matrix column-major (one transposed copy), the
-    layout an 8-bit GEMM wants for a second operand contracted over ``N``."""
-    return codes.t().contiguous().t()
-
-
 _ONES: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
@@ -211,23 +211,17 @@ def _unit_scales(cols: int, device: torch.device) -> torch.Tensor:
     return ones
 
 
-# torch's CPU _scaled_mm takes row-wise scales from torch 2.13 on (per-tensor only before): on an
-# older CPU build the fp8 product is computed in fp32 from the same codes and scales (the CPU is a
-# reference and test device here; CUDA never takes this path). Set on the first refusal.
-_CPU_ROWWISE_FP8 = [True]
-
-
 def _fp8_mm(codes: torch.Tensor, second: torch.Tensor, scale_a: torch.Tensor,
             scale_b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``_scaled_mm`` into bf16 with row-wise scales, or its fp32 emulation on an old CPU."""
-    if codes.device.type != "cpu" or _CPU_ROWWISE_FP8[0]:
+    if codes.device.type != "cpu" or CPU_ROWWISE_FP8[0]:
         try:
             return torch._scaled_mm(codes, second, scale_a=scale_a, scale_b=scale_b, bias=bias,
                                     out_dtype=torch.bfloat16)
         except RuntimeError as exc:
             if codes.device.type != "cpu":
                 raise
-            _CPU_ROWWISE_FP8[0] = False
+            CPU_ROWWISE_FP8[0] = False
             logger.info("W8A8: this torch's CPU _scaled_mm takes no row-wise scales (%s); the "
                         "CPU computes fp8 products in fp32 from the same codes", exc)
     y = (codes.float() @ second.float()) * scale_a * scale_b
@@ -248,7 +242,7 @@ def _fp8_matmul(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
 
 def _fp8_grad_matmul(codes: torch.Tensor, g_scale: torch.Tensor, weight: torch.Tensor,
                      dtype: torch.dtype) -> torch.Tensor:
-    y = _fp8_mm(codes, _column_major(weight), g_scale,
+    y = _fp8_mm(codes, column_major(weight), g_scale,
                 _unit_scales(weight.shape[1], codes.device), None)
     return y if dtype is torch.bfloat16 else y.to(dtype)
 
@@ -270,13 +264,6 @@ class _Fp8Kernel:
         return _fp8_grad_matmul(codes, g_scale, weight, dtype)
 
 
-def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    rows = a.shape[0]
-    if rows < _INT_MM_MIN_ROWS:
-        return torch._int_mm(F.pad(a, (0, 0, 0, _INT_MM_MIN_ROWS - rows)), b)[:rows]
-    return torch._int_mm(a, b)
-
-
 class _Int8Kernel:
     name = "int8"
     quantizer = "aten"
@@ -285,7 +272,7 @@ class _Int8Kernel:
     def forward(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
         codes, x_scale = _int8_rows(x)
-        acc = torch.mul(_int_mm(codes, weight.t()), scale)  # int32 * fp32 -> fp32
+        acc = torch.mul(int_mm(codes, weight.t()), scale)  # int32 * fp32 -> fp32
         out = torch.empty(acc.shape, dtype=x.dtype, device=x.device)
         if bias is None:
             return torch.mul(acc, x_scale, out=out)
@@ -295,7 +282,7 @@ class _Int8Kernel:
     def grad_input(grad: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                    dtype: torch.dtype) -> torch.Tensor:
         codes, g_scale = _int8_rows(grad * scale)
-        acc = _int_mm(codes, _column_major(weight))
+        acc = int_mm(codes, column_major(weight))
         return torch.mul(acc, g_scale, out=torch.empty(acc.shape, dtype=dtype,
                                                         device=acc.device))
 
@@ -359,12 +346,12 @@ class _TritonInt8Kernel:
     def forward(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
         codes, x_scale = self._rows(x)
-        return self._epilogue(_int_mm(codes, weight.t()), x_scale, scale, bias, x.dtype)
+        return self._epilogue(int_mm(codes, weight.t()), x_scale, scale, bias, x.dtype)
 
     def grad_input(self, grad: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                    dtype: torch.dtype) -> torch.Tensor:
         codes, g_scale = self._grad_rows(grad, scale)
-        return self._grad_epilogue(_int_mm(codes, _column_major(weight)), g_scale, None, None,
+        return self._grad_epilogue(int_mm(codes, column_major(weight)), g_scale, None, None,
                                    dtype)
 
 
@@ -482,6 +469,10 @@ class W8A8Linear(nn.Module):
             self.register_parameter("bias", None)
         fits = w8a8_fits(self.kind, in_features, out_features)
         self._kernel: _Kernel = _KERNELS[self.kind if fits else "dequantize"]
+        # The kernel's name, fixed for the layer's life: what a traced call reads (the kernel
+        # object above is replaced on the first eager call on a device; reading it while
+        # torch.compile traces would guard on it and compile again after that call).
+        self._kernel_name: str = self._kernel.name
         if not fits:
             logger.info("%s (%d -> %d) runs a dequantized matmul: %s GEMMs need features "
                         "divisible by %d", name, in_features, out_features, self.kind,
@@ -577,7 +568,13 @@ class W8A8Linear(nn.Module):
         buffers = self._buffers
         weight, scale = buffers["weight"], buffers["weight_scale"]
         device = x.device
-        if device != self._checked_device:
+        if device.type == "meta":  # a planner's shape pass: no kernel, no device check
+            return x.new_empty((*x.shape[:-1], self.out_features))
+        tracing = torch.compiler.is_compiling()
+        # Traced, nothing here may read or change Python state that the first call sets (it
+        # would become a guard that fails): no device check (a GPU without the GEMM fails in
+        # the GEMM itself), no kernel choice (the traced path is aten code for every device).
+        if not tracing and device != self._checked_device:
             self._verify_device(x)
         if not x.is_floating_point():
             raise QuantizationError(f"W8A8Linear needs a floating-point input, got {x.dtype}",
@@ -593,6 +590,9 @@ class W8A8Linear(nn.Module):
         bias = self._parameters["bias"]
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
+        if tracing:
+            return _w8a8_ops.traced_linear(x, weight, scale, bias, self._kernel_name,
+                                           self.out_features)
         if torch.is_grad_enabled() and (x.requires_grad
                                         or (bias is not None and bias.requires_grad)):
             return _W8A8Function.apply(x, weight, scale, bias, self._kernel)
@@ -613,3 +613,4 @@ class W8A8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, kind={self.kind}, kernel={self.kernel}")
+

@@ -164,3 +164,101 @@ def grad_step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[tor
     grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     model.zero_grad(set_to_none=True)
     return out.detach(), grads
+
+
+# -- adapters kept outside the model ----------------------------------------------------------
+
+class KohyaLoRAModule(nn.Module):
+    """A kohya/musubi-tuner style LoRA module: ``apply_to`` replaces the target layer's
+    ``forward`` by this module's (an instance attribute) and keeps the original one to call.
+
+    ``lora_down`` Kaiming-uniform and ``lora_up`` zero, as those trainers start; ``alpha``
+    scales the update by ``alpha / rank`` and is a buffer (saved with the weights).
+    """
+
+    def __init__(self, lora_name: str, org_module: nn.Linear, rank: int = 4,
+                 alpha: float = 1.0, multiplier: float = 1.0) -> None:
+        super().__init__()
+        self.lora_name = lora_name
+        self.lora_dim = rank
+        self.lora_down = nn.Linear(org_module.in_features, rank, bias=False)
+        self.lora_up = nn.Linear(rank, org_module.out_features, bias=False)
+        nn.init.kaiming_uniform_(self.lora_down.weight, a=5 ** 0.5)
+        nn.init.zeros_(self.lora_up.weight)
+        self.register_buffer("alpha", torch.tensor(float(alpha)))
+        self.scale = alpha / rank
+        self.multiplier = multiplier
+        self.org_module = org_module  # dropped by apply_to, as those trainers do
+
+    def apply_to(self) -> None:
+        self.org_forward = self.org_module.forward
+        self.org_module.forward = self.forward
+        del self.org_module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # as those trainers write it: under autocast the update comes out in the compute dtype
+        org_forwarded = self.org_forward(x)
+        lx = self.lora_up(self.lora_down(x))
+        return org_forwarded + lx * self.multiplier * self.scale
+
+
+class KohyaLoRANetwork(nn.Module):
+    """A kohya/musubi-tuner style LoRA network: one :class:`KohyaLoRAModule` per target
+    ``nn.Linear`` of ``model`` (names containing one of ``targets``), held in ``self.loras``,
+    a ModuleList outside the model. ``lora_name`` is ``prefix`` + the module path with ``_``
+    for ``.`` (the kohya key). Call ``apply_to()`` to hook them in; register the network on the
+    model (``model.network = net``) or not, as a trainer does."""
+
+    def __init__(self, model: nn.Module, targets: Sequence[str], rank: int = 4,
+                 alpha: float = 1.0, prefix: str = "lora_unet", seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        modules = []
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear) and any(t in name.split(".") for t in targets):
+                lora_name = f"{prefix}_{name}".replace(".", "_")
+                modules.append(KohyaLoRAModule(lora_name, module, rank, alpha))
+        self.loras = nn.ModuleList(modules)
+
+    def apply_to(self) -> KohyaLoRANetwork:
+        for lora in self.loras:
+            lora.apply_to()
+        return self
+
+    def kohya_state_dict(self) -> dict[str, torch.Tensor]:
+        """``{lora_name}.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha``, as the
+        trainers save it."""
+        return {f"{m.lora_name}.{k}": v for m in self.loras for k, v in m.state_dict().items()}
+
+
+class HookLoRA(nn.Module):
+    """A low-rank adapter added by a forward hook on ``layer``: ``out + up(down(x))``.
+
+    ``bound=True`` registers a bound method (the hook's owner is this module); else a closure
+    over it. ``up`` starts random so the adapter changes the output from the first step.
+    """
+
+    def __init__(self, layer: nn.Linear, rank: int = 4, bound: bool = True) -> None:
+        super().__init__()
+        self.down = nn.Linear(layer.in_features, rank, bias=False)
+        self.up = nn.Linear(rank, layer.out_features, bias=False)
+        if bound:
+            self.handle = layer.register_forward_hook(self.hook)
+        else:
+            adapter = self
+            self.handle = layer.register_forward_hook(
+                lambda module, args, out: adapter.hook(module, args, out))
+
+    def hook(self, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor
+             ) -> torch.Tensor:
+        return out + self.up(self.down(args[0]))
+
+
+def hook_adapters(model: nn.Module, targets: Sequence[str], rank: int = 4, *,
+                  bound: bool = True, seed: int = 0) -> nn.ModuleList:
+    """A :class:`HookLoRA` on each ``nn.Linear`` of ``model`` whose name has a part in
+    ``targets``; returned in a ModuleList the model does not hold."""
+    torch.manual_seed(seed)
+    return nn.ModuleList(HookLoRA(m, rank, bound) for name, m in model.named_modules()
+                         if isinstance(m, nn.Linear) and any(t in name.split(".")
+                                                             for t in targets))

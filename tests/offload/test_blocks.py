@@ -387,3 +387,12 @@ def test_named_units_are_found_by_exact_name() -> None:
     assert [n for n, _ in find_blocks(model, names)] == names
     with pytest.raises(OffloadError, match="no module matches ''"):
         find_blocks(model, [""])  # not the model itself
+
+
+def test_auto_blocks_leave_out_a_lora_network_registered_on_the_model() -> None:
+    from tests._toys import KohyaLoRANetwork
+
+    model = Stack(lambda: nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)), 3,
+                  seed=0)
+    model.network = KohyaLoRANetwork(model, ["0", "2"], rank=4).apply_to()
+    assert [n for n, _ in find_blocks(model)] == ["blocks.0", "blocks.1", "blocks.2"]

@@ -15,6 +15,9 @@
 * :mod:`vramkit.io.adapters` -- peft LoRA added on the meta device: the renamed base weights
   (``q.base_layer.weight``) load from the base checkpoint's ``q.weight``, the adapters it lacks
   are initialized peft's way after loading.
+* :mod:`vramkit.io.adapter_files` -- LoRA adapters (peft's, or a kohya-style network's) saved
+  and loaded in the layouts users load: peft, diffusers, kohya, ComfyUI (``save_adapters``,
+  ``load_adapters``).
 * :mod:`vramkit.io.formats` -- the one door for the files users bring: ``open_checkpoint``
   detects single-file FLUX/SDXL layouts, ``fp8_scaled`` files and GGUF files from their bytes and
   opens them with the diffusers model's names (fused tensors split into row ranges of the file);
@@ -25,7 +28,8 @@
   pickle checkpoint is refused at once with an error saying what it is and what to pass.
 
 The public names of :mod:`~vramkit.io.lazy`, :mod:`~vramkit.io.loader`,
-:mod:`~vramkit.io.disk`, :mod:`~vramkit.io.adapters` and :mod:`~vramkit.io.formats` are re-exported here lazily:
+:mod:`~vramkit.io.disk`, :mod:`~vramkit.io.adapters`, :mod:`~vramkit.io.adapter_files` and
+:mod:`~vramkit.io.formats` are re-exported here lazily:
 importing the package imports none of them. Nothing here touches CUDA at import time. See ``docs/loading.md``.
 """
 
@@ -41,12 +45,15 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
                 "stream_weights"),
     ".disk": ("DiskReadResult", "drop_page_cache", "measure_read_bandwidth"),
     ".adapters": ("adapter_keys", "init_meta_adapters", "peft_base_key"),
+    ".adapter_files": ("LORA_LAYOUTS", "LoRAFactors", "adapter_state_dict", "load_adapters",
+                       "lora_factors", "save_adapters"),
     ".formats": ("CheckpointFormat", "MappedCheckpoint", "describe_names", "detect_format",
                  "gguf_file", "model_prefix", "open_checkpoint", "prepare_module",
                  "write_gguf"),
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions
+    from vramkit.io.adapter_files import *  # noqa: F403
     from vramkit.io.adapters import *  # noqa: F403
     from vramkit.io.disk import *  # noqa: F403
     from vramkit.io.formats import *  # noqa: F403

@@ -26,11 +26,14 @@ by the block alone (a chain of blocks); where an input is also read outside the 
 connection around it), its gradient is the sum of the same terms added in another order: equal to
 rounding. PyTorch's checkpoint, whose nodes join the outer graph, keeps the order.
 
-Which parameters: the block module's own. A block could also read a trainable tensor that is
-neither its input nor its parameter (a weight tied to another module by reference, a closure);
-that gradient would be lost. So each checkpointed block's first call in grad mode runs PyTorch's
-checkpoint and walks the graph it built: if it reaches a trainable leaf beyond the inputs and
-parameters, the block keeps PyTorch's checkpoint for good (:class:`LeanState`).
+Which parameters: the block module's own, and those of the adapters hooked into it from outside
+(a kohya/musubi or LyCORIS network's modules, whose ``forward`` replaced the layers' own, or a
+forward hook's owner: :func:`vramkit.offload._reach.reached_modules`). A block could also read a
+trainable tensor that is none of these (a weight tied to another module by reference, a
+closure); that gradient would be lost. So each checkpointed block's first call in grad mode runs
+PyTorch's checkpoint and walks the graph it built: if it reaches a trainable leaf beyond the
+inputs and those parameters, the block keeps PyTorch's checkpoint for good (:class:`LeanState`,
+whose ``reason`` says why; logged at INFO once).
 
 Not supported (an :class:`~vramkit.errors.OffloadError` says so): double backward
 (``create_graph=True``) through a lean block; pass ``method="pytorch"`` for that. A block whose
@@ -51,7 +54,8 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 
 from vramkit.errors import OffloadError
 from vramkit.offload import _tree
-from vramkit.offload._structure import shape_key, structure_epoch, watch_structure
+from vramkit.offload._reach import reach_key, reached_modules
+from vramkit.offload._structure import structure_epoch, watch_structure
 
 __all__ = ["CHECKPOINT_METHODS", "LeanState", "foreign_leaves", "run_lean"]
 
@@ -74,10 +78,11 @@ class LeanState:
     added or removed otherwise. Which of them require grad is read at every call.
     """
 
-    __slots__ = ("__weakref__", "_places", "verdict")
+    __slots__ = ("__weakref__", "_places", "reason", "verdict")
 
     def __init__(self) -> None:
         self.verdict: bool | None = None
+        self.reason = ""  # why PyTorch's checkpoint: set with verdict False
         self._watch()
 
     def _watch(self) -> None:
@@ -91,17 +96,19 @@ class LeanState:
 
     def __setstate__(self, state: tuple[bool | None]) -> None:
         (self.verdict,) = state
+        self.reason = ""
         self._watch()
 
     def trainable(self, module: nn.Module
                   ) -> tuple[list[torch.Tensor], list[tuple[nn.Module, str, int]]]:
-        """``module``'s parameters that require grad (each once), and every place one is
-        registered: (owning module, name, index in the list)."""
+        """``module``'s parameters that require grad, with those of the adapters hooked into
+        it (each once), and every place one is registered: (owning module, name, index in the
+        list)."""
         epoch, cached = structure_epoch(), self._places
-        if cached is None or cached[0] != epoch or cached[1] != shape_key(cached[2]):
-            modules = list(module.modules())
+        if cached is None or cached[0] != epoch or cached[1] != reach_key(cached[2]):
+            modules = reached_modules(module)
             slots = [(owner, name) for owner in modules for name in owner._parameters]
-            cached = self._places = (epoch, shape_key(modules), modules, slots)
+            cached = self._places = (epoch, reach_key(modules), modules, slots)
         params: list[torch.Tensor] = []
         places: list[tuple[nn.Module, str, int]] = []
         index: dict[int, int] = {}
@@ -135,6 +142,7 @@ def run_lean(module: nn.Module, state: LeanState, fn: Callable[..., Any],
         # A tensor subclass as a parameter (DTensor under FSDP2, ...): its owner may swap it
         # in and out of the module itself; the aliases of the recomputation would fight that.
         state.verdict = False
+        state.reason = "a trainable parameter is a tensor subclass"
         return fallback()
     leaves, spec = _tree.flatten((tuple(inputs), kwargs))
     is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
@@ -145,9 +153,12 @@ def run_lean(module: nn.Module, state: LeanState, fn: Callable[..., Any],
         if foreign is not None:
             state.verdict = not foreign
             if foreign:
-                logger.debug("%s reads %d trainable tensor(s) that are neither its inputs nor "
-                             "its parameters: PyTorch's checkpoint for it", type(module).__name__,
-                             len(foreign))
+                shapes = ", ".join(str(tuple(t.shape)) for t in foreign[:3])
+                state.reason = (f"it reads {len(foreign)} trainable tensor(s) that are neither "
+                                f"its inputs, its parameters nor an adapter hooked into it "
+                                f"(shapes {shapes})")
+                logger.info("%s keeps PyTorch's checkpoint: %s", type(module).__name__,
+                            state.reason)
         return out
     if not params and not any(t.requires_grad for t in tensors):
         return fn(*inputs, **kwargs)  # nothing to differentiate: no graph either way

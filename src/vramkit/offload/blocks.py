@@ -223,6 +223,7 @@ def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         return _named_blocks(model, unet)
     found: list[tuple[str, nn.Module]] = []
     taken: list[str] = []
+    adapters = _hooked_in(model)
     for name, module in model.named_modules():
         if not isinstance(module, _CONTAINERS) or not name:
             continue
@@ -231,6 +232,8 @@ def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         children = [(n, c) for n, c in module.named_children() if module_bytes(c) > 0]
         if len(children) < 2:
             continue
+        if all(id(c) in adapters for _, c in children):
+            continue  # a LoRA network registered on the model: its modules run inside blocks
         counts = Counter(type(c) for _, c in children)
         if counts.most_common(1)[0][1] < 2:
             continue
@@ -239,6 +242,20 @@ def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         taken.append(name)
         found.extend((f"{name}.{n}", c) for n, c in children)
     return found
+
+
+def _hooked_in(model: nn.Module) -> set[int]:
+    """Ids of the modules that another module's replaced ``forward`` or hooks call (a
+    kohya-style network's adapters, forward-hook adapters): never blocks of their own."""
+    from vramkit.offload._reach import callable_modules
+
+    out: set[int] = set()
+    for module in model.modules():
+        sources = [module.__dict__.get("forward"), *module._forward_pre_hooks.values(),
+                   *module._forward_hooks.values()]
+        for fn in sources:
+            out.update(id(m) for m in callable_modules(fn) if m is not module)
+    return out
 
 
 def _root_stack(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -30,9 +30,15 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from vramkit._validate import check_choice
 from vramkit.errors import ConfigError, PlanError
 from vramkit.offload import _patch
+from vramkit.offload._reach import (
+    closure_tensors,
+    copy_reaching,
+    outside_modules,
+    reached_modules,
+)
 from vramkit.offload.blocks import find_blocks
 from vramkit.offload.swap import BlockSwapper, SwapConfig
-from vramkit.planning._meta import MetaAutocast, quantize_on_meta
+from vramkit.planning._meta import MetaAutocast, meta_autocast_checks, quantize_on_meta
 from vramkit.planning.activations import ActivationEstimate, activation_accounting
 from vramkit.planning.w8a8 import W8A8_FORMATS, LinearCall
 from vramkit.quant.dense import dense_nbytes
@@ -132,6 +138,9 @@ class ModelCost:
             would hand that op an unloaded placeholder.
         repeated_calls: blocks called more than once in the step, in execution order (a
             swapper's ring learns one call per block and pass; the time model prices one).
+        lean_refused: block name -> why the lean checkpoint cannot take it (it reads a
+            trainable tensor that is neither its input, its parameter nor an adapter hooked
+            into it: checkpointed, it keeps PyTorch's checkpoint), from the training step.
     """
 
     mode: str
@@ -148,6 +157,7 @@ class ModelCost:
     outside_work: Work | None = None
     foreign_reads: tuple[str, ...] = ()
     repeated_calls: tuple[str, ...] = ()
+    lean_refused: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_index", {b.name: i for i, b in enumerate(self.blocks)})
@@ -228,16 +238,21 @@ def meta_copy(model: nn.Module) -> nn.Module:
             (:func:`refuse_attached`).
     """
     refuse_attached(check_model(model))
-    tensors = [*model.parameters(), *model.buffers()]
-    if all(t.device.type == "meta" for t in tensors):
+    # Adapters hooked in from outside the model (a kohya-style LoRA network beside it) are
+    # copied with it -- a layer's replaced forward is bound to them -- so they go to meta too.
+    holders = [model, *outside_modules(model)]
+    params = list(dict.fromkeys((*(p for m in holders for p in m.parameters()),
+                                 *closure_tensors(model))))
+    buffers = list(dict.fromkeys(b for m in holders for b in m.buffers()))
+    if all(t.device.type == "meta" for t in (*params, *buffers)):
         return model
     memo: dict[int, Any] = {}
-    for p in model.parameters():
+    for p in params:
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
                                    requires_grad=p.requires_grad)
-    for b in model.buffers():
+    for b in buffers:
         memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
+    return copy_reaching(model, memo)
 
 
 def to_meta(value: Any) -> Any:
@@ -411,15 +426,18 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
     run = step if step is not None else default_step
     counter = FlopCounterMode(display=False)
     linear_calls, hooks = _count_linear_calls(found, mode == "train")
+    lean_refused, lean_hooks = _lean_checks(found, mode == "train")
+    hooks += lean_hooks
     try:
         with counter:
             with activation_accounting(meta, names) as saved, _KernelCounter(saved) as kernels:
                 context = MetaAutocast(autocast) if autocast is not None else None
-                if context is not None:
-                    with context:
+                with meta_autocast_checks(context):
+                    if context is not None:
+                        with context:
+                            loss = run(meta, meta_inputs)
+                    else:
                         loss = run(meta, meta_inputs)
-                else:
-                    loss = run(meta, meta_inputs)
             forward = _flop_counts(counter)
             if mode == "train":
                 if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
@@ -459,7 +477,9 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
         share = matmul[name] / matmul_total if matmul_total else 0.0
         bwd = share * backward_matmul + ATTENTION_BACKWARD_FACTOR * attn
         swapped, kept, dense = footprints[name]
-        adapters = sum(_nbytes(p) for p in module.parameters() if p.requires_grad)
+        adapters = sum(_nbytes(p) for p in dict.fromkeys(
+            p for m in reached_modules(module) for p in m.parameters(recurse=False))
+            if p.requires_grad)
         costs.append(BlockCost(name, matmul[name] + attn, bwd if mode == "train" else 0.0,
                                estimate.per_block[name], estimate.inputs[name], swapped, kept,
                                adapters, kernels.work(name, matmul[name], attn), dense,
@@ -471,7 +491,11 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
     block_bwd = sum(c.backward_flops for c in costs)
     total_fwd = matmul_total + sum(attention.values())
     total_bwd = backward_matmul + ATTENTION_BACKWARD_FACTOR * sum(attention.values())
-    trainable = [p for p in meta.parameters() if p.requires_grad]
+    # with the adapters of a network kept beside the model (their gradients and optimizer state
+    # take the same memory)
+    trainable = [p for p in dict.fromkeys(
+        (*meta.parameters(), *(p for m in outside_modules(meta) for p in m.parameters())))
+        if p.requires_grad]
     result = ModelCost(
         mode=mode, blocks=tuple(costs), outside_bytes=outside,
         outside_forward_flops=max(0.0, total_fwd - block_fwd),
@@ -482,7 +506,8 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
         outside_work=kernels.work(None, max(0.0, matmul_total - sum(matmul.values())),
                                   attention.get(None, 0)),
         foreign_reads=tuple(c.name for c in costs if c.name in saved.foreign),
-        repeated_calls=tuple(c.name for c in costs if c.name in saved.repeated))
+        repeated_calls=tuple(c.name for c in costs if c.name in saved.repeated),
+        lean_refused=lean_refused)
     logger.debug("analyzed %s in %.1f s: %d blocks, %.1f TFLOP forward", root, result.seconds,
                  len(costs), result.forward_flops / 1e12)
     return result
@@ -516,6 +541,36 @@ def _count_linear_calls(found: Sequence[tuple[str, nn.Module]], train: bool
 
             hooks.append(layer.register_forward_hook(note))
     return calls, hooks
+
+
+def _lean_checks(found: Sequence[tuple[str, nn.Module]], train: bool
+                 ) -> tuple[dict[str, str], list[Any]]:
+    """Hooks that walk each block's graph in the traced training step for trainable leaves the
+    lean checkpoint would not hand its recomputation (as its first call does on the device,
+    :func:`vramkit.offload._lean_checkpoint.foreign_leaves`), and the blocks found -> why;
+    remove the hooks after the step."""
+    from vramkit.offload._lean_checkpoint import foreign_leaves
+
+    refused: dict[str, str] = {}
+    hooks: list[Any] = []
+    if not train:
+        return refused, hooks
+    for name, block in found:
+        def check(module: nn.Module, args: Any, kwargs: Any, out: Any,
+                  name: str = name) -> None:
+            if name in refused or not torch.is_grad_enabled():
+                return
+            inputs = [t for t in _flatten((args, kwargs)) if isinstance(t, torch.Tensor)]
+            params = [p for m in reached_modules(module) for p in m.parameters(recurse=False)
+                      if p.requires_grad]
+            foreign = foreign_leaves(out, inputs, params)
+            if foreign:
+                refused[name] = (f"it reads {len(foreign)} trainable tensor(s) that are "
+                                 "neither its inputs, its parameters nor an adapter hooked "
+                                 "into it")
+
+        hooks.append(block.register_forward_hook(check, with_kwargs=True))
+    return refused, hooks
 
 
 def _footprints(meta: nn.Module, found: list[tuple[str, nn.Module]], formats: Sequence[str],

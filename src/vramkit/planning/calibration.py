@@ -37,8 +37,9 @@ import torch
 from torch import nn
 
 from vramkit._validate import check_choice, check_device, check_int
+from vramkit.offload._reach import copy_reaching, reached_modules
 from vramkit.offload.blocks import find_blocks
-from vramkit.planning._meta import MetaAutocast
+from vramkit.planning._meta import MetaAutocast, meta_autocast_checks
 from vramkit.planning.analysis import FORMATS, ModelCost, default_step, meta_copy, to_meta
 from vramkit.planning.w8a8 import is_w8a8, storage_config, unavailable_on_device
 
@@ -200,6 +201,8 @@ def _signature(value: Any) -> Any:
 def _kind(module: nn.Module, args: Any, kwargs: Any) -> Any:
     params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
                    for n, p in module.named_parameters())
+    # adapters hooked in from outside the block (a kohya-style network) make a kind too
+    params += tuple((tuple(p.shape), p.dtype, p.requires_grad) for p in _outside_params(module))
     return (type(module).__qualname__, params, _signature(args), _signature(kwargs))
 
 
@@ -219,9 +222,10 @@ def _record_calls(meta: nn.Module, names: Sequence[str], inputs: Any,
         handles.append(meta.get_submodule(name).register_forward_pre_hook(record,
                                                                           with_kwargs=True))
     try:
-        with torch.set_grad_enabled(train):
-            if autocast is not None:
-                with MetaAutocast(autocast):
+        context = MetaAutocast(autocast) if autocast is not None else None
+        with torch.set_grad_enabled(train), meta_autocast_checks(context):
+            if context is not None:
+                with context:
                     step(meta, inputs)
             else:
                 step(meta, inputs)
@@ -402,7 +406,7 @@ def _time_block(block: nn.Module, args: Any, kwargs: Any, device: torch.device, 
                 started = backward_clock.start()
                 torch.autograd.backward(outputs, grads)
                 backward = backward_clock.stop(started)
-            for p in block.parameters():
+            for p in _call_params(block):
                 p.grad = None
         del out
         if round_ >= _WARMUP_ROUNDS:
@@ -415,6 +419,37 @@ def _time_block(block: nn.Module, args: Any, kwargs: Any, device: torch.device, 
         return CallTimes(fwd, bwd, fwd, bwd)
     return CallTimes(fwd, bwd, forward_clock.enqueue_s,
                      backward_clock.enqueue_s if train else 0.0)
+
+
+def _outside(block: nn.Module) -> list[nn.Module]:
+    """The modules outside ``block`` that its call reaches (adapters hooked into it)."""
+    return reached_modules(block)[sum(1 for _ in block.modules()):]
+
+
+def _outside_params(block: nn.Module) -> list[torch.Tensor]:
+    return list(dict.fromkeys(p for m in _outside(block) for p in m.parameters(recurse=False)))
+
+
+def _call_params(block: nn.Module) -> list[torch.Tensor]:
+    """The parameters ``block``'s call uses: its own and those of adapters hooked into it."""
+    return list(dict.fromkeys(p for m in reached_modules(block)
+                              for p in m.parameters(recurse=False)))
+
+
+def _call_tensors(block: nn.Module) -> list[torch.Tensor]:
+    return list(dict.fromkeys(t for m in reached_modules(block)
+                              for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))))
+
+
+def _on_device(meta_block: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of ``meta_block`` with empty tensors on ``device``, the adapters its layers call
+    from outside it (a kohya-style network's modules, copied with the block: a replaced
+    ``forward`` is bound to them) included: left on meta, their backward would hand meta
+    gradients to the device's graph."""
+    block = copy_reaching(meta_block).to_empty(device=device)
+    for module in _outside(block):
+        module.to_empty(device=device, recurse=False)
+    return block
 
 
 class _Call(nn.Module):
@@ -551,9 +586,9 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
         _warm_up_clocks(target)
     for members in kinds.values():
         first = members[0]
-        block = copy.deepcopy(meta.get_submodule(first)).to_empty(device=target)
+        block = _on_device(meta.get_submodule(first), target)
         with torch.no_grad():
-            for tensor in (*block.parameters(), *block.buffers()):
+            for tensor in _call_tensors(block):
                 if tensor.is_floating_point():
                     tensor.copy_(torch.randn(tensor.shape, generator=generator) * _STD)
                 else:

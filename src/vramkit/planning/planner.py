@@ -309,6 +309,11 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     resident = tuple(name for i, name in enumerate(names) if i not in chosen_set)
     ckpt_set = set(best.checkpointed)
     notes = list(refused.values())
+    pytorch_ckpt = [name for name in names if name in ckpt_set and name in cost.lean_refused]
+    if pytorch_ckpt:  # priced as calibrated (the fallback is what ran) or offline alike
+        notes.append(f"{len(pytorch_ckpt)} checkpointed block(s) keep PyTorch's checkpoint, "
+                     f"not the lean one: {pytorch_ckpt[0]} "
+                     f"{cost.lean_refused[pytorch_ckpt[0]].removeprefix('it ')}.")
     for fmt in dict.fromkeys((best.swapped_format if swapped else "bf16",
                               best.resident_format if resident else "bf16")):
         note = accuracy_note(fmt)

@@ -15,14 +15,17 @@ for calls made of plain tensors, and caches whether a block has trainable parame
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from vramkit.errors import OffloadError
 from vramkit.offload import _tree
-from vramkit.offload._structure import shape_key, structure_epoch
+from vramkit.offload._reach import reach_key, reached_modules
+from vramkit.offload._structure import structure_epoch
 from vramkit.offload.checkpointing import run_checkpointed
 from vramkit.offload.swap.function import BlockCall, SwapBlockFunction
 from vramkit.offload.swap.graph import (
@@ -32,7 +35,7 @@ from vramkit.offload.swap.graph import (
     exit_block,
     hook_outputs,
 )
-from vramkit.offload.swap.records import SwappedBlock
+from vramkit.offload.swap.records import SwappedBlock, WeightRef
 from vramkit.offload.swap.ring import SlotRing
 from vramkit.offload.swap.stepper import SwapStepper
 
@@ -60,6 +63,8 @@ class BlockCalls:
         self.stepper = stepper
         self.preserve_rng_state = preserve_rng_state
         self.trainable_cache: dict[int, bool] = {}
+        # Blocks whose call made a gradient no parameter showed (_untold_gradient).
+        self.untold: set[int] = set()
         # Output hooks of the swapped call just made (node sequence number, hook): the next
         # call chains to them when its inputs come from one of those nodes (_in_graph).
         self.last_hooks: list[tuple[int, OutputHook]] = []
@@ -119,10 +124,18 @@ class BlockCalls:
             ring.training_pass = False
             stream = ring.acquire(block, backward=False)
             try:
-                # Grad mode with nothing to differentiate: anything autograd still saves from
-                # the slot (a requires-grad tensor hidden from pytree) must fail loudly.
-                with ring.weight_hooks(block, forbid=True):
-                    return fn(*args, **kwargs)
+                # Grad mode with nothing to differentiate as far as the block's parameters and
+                # the adapters hooked into it tell. A trainable tensor they do not show (one a
+                # closure holds) still makes the output require grad: _untold_gradient then
+                # joins the call to the graph; a slot weight saved for an output the tree does
+                # not open fails loudly.
+                saved: list[bool] = []
+                with ring.weight_hooks(block), _noting_slot_saves(saved):
+                    out = fn(*args, **kwargs)
+                if saved or _requires_grad(out):
+                    ring.training_pass = True
+                    return self._untold_gradient(block, out, bool(saved))
+                return out
             finally:
                 ring.release(block, backward=False, stream=stream)
         ring.training_pass = True
@@ -192,6 +205,11 @@ class BlockCalls:
                     out = fn(*args, **kwargs)
         finally:
             ring.release(block, backward=False, stream=stream)
+        return self._join_outputs(call, out, entry)
+
+    def _join_outputs(self, call: BlockBackward, out: Any, entry: Any) -> Any:
+        """``out`` with the block's backward boundary on its differentiable tensors: pre-hooks
+        on their nodes (kept for the next call to chain to) or :class:`BlockExit`."""
         if type(out) is torch.Tensor:
             if not out.requires_grad:
                 return out
@@ -218,6 +236,22 @@ class BlockCalls:
             out_leaves[i] = t
         return tuple(out_leaves) if out_spec is None else _tree.unflatten(out_leaves, out_spec)
 
+    def _untold_gradient(self, block: SwappedBlock, out: Any, saved: bool) -> Any:
+        """A call that looked like it needed no gradient made one: a trainable tensor neither
+        its inputs, its parameters nor the adapters hooked into it show. Its output joins the
+        graph as a training call's would (the slot weights autograd saved are handles already),
+        and the block is taken as trainable from now on (until its structure changes), so its
+        next calls take the training path (checkpointed, where planned)."""
+        self.untold.add(id(block))
+        self.trainable_cache[id(block)] = True
+        joined = self._join_outputs(BlockBackward(self.ring, block), out, None)
+        if joined is out and not _requires_grad(out) and saved:
+            raise OffloadError(
+                f"autograd saved a weight of swapped block {block.name} although the call "
+                "looked like it needed no gradient, and no output of the call requires grad",
+                hint="Pass tensors that require grad as plain arguments (or in "
+                     "lists/tuples/dicts) of the block's forward, and return them so.")
+        return joined
 
     def has_trainable(self, block: SwappedBlock) -> bool:
         """Whether the block has a parameter that requires grad. Re-read at the start of every
@@ -233,14 +267,46 @@ class BlockCalls:
             epoch = structure_epoch()
             # Registrations anywhere bump the epoch; writes that skip PyTorch's registration
             # hooks (ModuleList.insert, del) still change a child or parameter count.
-            if block.params_epoch != epoch or block.shape_key != shape_key(block.submodules):
-                block.submodules = list(block.module.modules())
-                block.params = list(block.module.parameters())
+            if block.params_epoch != epoch or block.shape_key != reach_key(block.submodules):
+                # the block's modules and the adapters hooked into them (vramkit.offload._reach)
+                block.submodules = reached_modules(block.module)
+                block.params = list(dict.fromkeys(
+                    p for m in block.submodules for p in m._parameters.values()
+                    if p is not None))
                 block.params_epoch = epoch
-                block.shape_key = shape_key(block.submodules)
-            cached = any(p.requires_grad for p in block.params)
+                block.shape_key = reach_key(block.submodules)
+                self.untold.discard(id(block))
+            cached = (id(block) in self.untold
+                      or any(p.requires_grad for p in block.params))
             self.trainable_cache[id(block)] = cached
         return cached
 
-    # -- public API -------------------------------------------------------------------------
+
+def _requires_grad(out: Any) -> bool:
+    if type(out) is torch.Tensor:
+        return out.requires_grad
+    leaves, _ = _tree.flatten(out)
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+
+
+@contextlib.contextmanager
+def _noting_slot_saves(saved: list[bool]) -> Iterator[None]:
+    """Inside the ring's weight hooks: note (in ``saved``) each slot weight autograd saves, the
+    ring's hooks doing the saving. Nothing is saved -- the hook never runs -- in a call that
+    needs no gradient, the case this path exists for."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    if hooks is None:  # older PyTorch: the output's requires_grad alone tells
+        yield
+        return
+    pack, unpack = hooks
+
+    def noting(t: torch.Tensor) -> Any:
+        packed = pack(t)
+        if isinstance(packed, WeightRef):
+            saved.append(True)
+        return packed
+
+    with torch.autograd.graph.saved_tensors_hooks(noting, unpack):
+        yield
 

@@ -231,10 +231,6 @@ def make_plan(args: argparse.Namespace,
         if args.budget is None:
             raise ConfigError("--budget is missing",
                               hint="Pass the card's memory or a cap, e.g. --budget 12GiB.")
-        # the options the model takes, from its name or config.json: before any work
-        target_options(args.model).check(
-            {"resolution": args.resolution, "frames": args.frames, "seq_len": args.seq_len},
-            FLAG_NAMES)
         budget = check_size("--budget", args.budget, minimum=1)
         host_budget = check_size("--host-budget", args.host_budget, allow_none=True)
         disk_speed = _disk_speed(args.disk_speed)
@@ -243,6 +239,11 @@ def make_plan(args: argparse.Namespace,
         seq_len = _int_flag("--seq-len", args.seq_len, 1, 4096)
         frames = _int_flag("--frames", args.frames, 1, 81)
         allow = _formats(args.allow)
+        # the options the model takes, from its name or config.json: before any work (after
+        # each value's own form, as argparse checks a flag's type first)
+        target_options(args.model).check(
+            {"resolution": args.resolution, "frames": args.frames, "seq_len": args.seq_len},
+            FLAG_NAMES)
         if getattr(args, "save", None) is not None:
             from vramkit.cli._output import check_output_file
 

@@ -98,22 +98,21 @@ def decode_reference(c: Compressed, out: torch.Tensor) -> None:
     n = records[:, 1]
     index = torch.arange(GROUP, device=device)
     valid = index[None, :] < n[:, None]  # [groups, GROUP]
-    values = torch.zeros(h.n_groups, GROUP, dtype=torch.int64, device=device)
-    # sign+mantissa / raw bytes
-    has_plane = mode != 1
-    if bool(has_plane.any()):
-        where = (records[:, 4:5] + index[None, :]).clamp(0, max(plane.numel() - 1, 0))
-        got = plane.to(torch.int64)[where] if plane.numel() else torch.zeros_like(where)
-        values = torch.where(valid & has_plane[:, None], got, values)
+    # int32 values: a bf16 pattern times its checksum weight (< 2**24) still fits
+    values = torch.zeros(h.n_groups, GROUP, dtype=torch.int32, device=device)
+    rows = (mode != 1).nonzero().view(-1)  # sign+mantissa or raw bytes
+    if rows.numel() and plane.numel():
+        where = (records[rows, 4:5] + index[None, :]).clamp(0, plane.numel() - 1)
+        values[rows] = plane[where].to(torch.int32) * valid[rows]
     coded = (mode <= 1).nonzero().view(-1)
     if coded.numel():
-        symbols = _walk(records[coded], tables, lanes, words, h.max_bits)
+        symbols = _walk(records[coded], tables, lanes, words, h.max_bits).to(torch.int32)
         sm = values[coded]
         values[coded] = torch.where(
             (mode[coded] == 0)[:, None],
             ((sm & 0x80) << 8) | (symbols << 7) | (sm & 0x7F), symbols) * valid[coded]
-    weights = 1 + (index & 255)
-    if not torch.equal((values * weights).sum(1), records[:, 7]):
+    weights = (1 + (index & 255)).to(torch.int32)
+    if not torch.equal((values * weights).sum(1, dtype=torch.int64), records[:, 7]):
         raise CompressionError(
             "decoded values differ from their checksum: the compressed copy is corrupted")
     _scatter(records, values, valid, out)

@@ -42,8 +42,10 @@ __all__ = ["Allocator", "byte_kind", "encode", "encode_tensor", "fill_regions",
 #: Returns a uint8 CPU tensor of exactly the bytes asked for (a pinned pool's block, say).
 Allocator = Callable[[int], torch.Tensor]
 
-# Groups encoded at once: 64 groups = 2 Mi elements, ~100 MiB of int64 temporaries.
+# Groups encoded at once: 64 groups = 2 Mi elements, ~100 MiB of int64 temporaries (a GPU
+# takes 4x that: fewer, larger launches and host syncs).
 CHUNK_GROUPS = 64
+CUDA_CHUNK_GROUPS = 256
 TABLE_BYTES = (1 << MAX_CODE_BITS) * 2
 # A region is coded only when that saves at least this share of its bytes (the tables, lane
 # lengths and group records cost something, and a decode step is not free).
@@ -175,8 +177,9 @@ def encode(data: torch.Tensor, regions: Sequence[Region] | None = None, *,
             tables[table_i * (TABLE_BYTES // 2):(table_i + 1) * (TABLE_BYTES // 2)] = p.table
             table_off = table_i * (TABLE_BYTES // 2)
             table_i += 1
-        for first in range(0, p.groups, CHUNK_GROUPS):
-            count = min(CHUNK_GROUPS, p.groups - first)
+        step = CUDA_CHUNK_GROUPS if work.type == "cuda" else CHUNK_GROUPS
+        for first in range(0, p.groups, step):
+            count = min(step, p.groups - first)
             chunk = _encode_chunk(data, p, first, count, work)
             rec = records[group:group + count]
             rec[:, 0] = chunk.out_off
@@ -247,8 +250,9 @@ def _plan(data: torch.Tensor, region: Region, work: torch.device) -> list[_Plan]
                   else decode_table(lengths))
     # words per group, from the bits each group's symbols take (plus the word boundary)
     words = []
-    for first in range(0, groups, CHUNK_GROUPS):
-        count = min(CHUNK_GROUPS, groups - first)
+    step = CUDA_CHUNK_GROUPS if work.type == "cuda" else CHUNK_GROUPS
+    for first in range(0, groups, step):
+        count = min(step, groups - first)
         sym, valid = _group_symbols(part, kind, first, count)
         bits = (plan.lens[sym] * valid).view(count, -1).sum(1)
         words.append((bits + 31) // 32)
@@ -309,9 +313,8 @@ def _encode_chunk(data: torch.Tensor, p: _Plan, first: int, count: int, work: to
         sm = ((values >> 8) & 0x80) | (values & 0x7F)
         chunk.plane = sm.view(-1)[:raw.numel() // 2].to(torch.uint8).cpu()
     assert p.lens is not None and p.codes is not None and p.group_words is not None
-    sym, valid = _group_symbols(data[region.offset:region.offset + region.nbytes], p.kind,
-                                first, count)
-    sym, valid = sym.to(work), valid.to(work)
+    sym = torch.nn.functional.pad(_symbols(raw, p.kind), (0, pad))
+    valid = (torch.arange(count * GROUP, device=work) < raw.numel() // width).to(torch.int64)
     # element i of a group is step i // LANES of lane i % LANES; a lane's codes follow each
     # other, lane after lane: reorder [group, step, lane] -> [group, lane, step]
     lens = (p.lens[sym] * valid).view(count, STEPS, LANES).transpose(1, 2).reshape(count, -1)

@@ -26,6 +26,7 @@ __all__ = ["GradientHook", "SwapConfig", "SwapStats"]
 GradientHook = Callable[[str, list[torch.Tensor]], "Callable[[], None] | None"]
 
 _TRAINABLE = ("resident", "cpu", "swap")
+_COMPRESS = ("off", "on", "auto")  # vramkit.offload.swap.packed.COMPRESS_MODES
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,14 @@ class SwapConfig:
         disk_cache_dir: where the disk tier writes its cache file when blocks cannot be read
             from a checkpoint (default: ``$VRAMKIT_CACHE_DIR`` or ``~/.cache/vramkit``). Use a
             local disk, not tmpfs (that would be RAM again).
+        compress: keep frozen swapped blocks' masters losslessly compressed in host memory
+            (:mod:`vramkit.compress`: bf16 exponents and 8-bit weights entropy-coded, about
+            0.67-0.70x the bytes of trained bf16 weights) and decode them on the device after
+            each copy, bit for bit. ``"off"`` (default), ``"on"`` (every frozen block with a
+            master in RAM), ``"auto"`` (only blocks that shrink to 0.9x or less). The masters
+            are encoded once at attach (the fill then runs in the foreground); the device
+            holds one scratch buffer of the largest compressed block. Trainable masters are
+            never compressed: they change every step.
     """
 
     max_gpu_blocks: int | None = None
@@ -96,6 +105,7 @@ class SwapConfig:
     max_grad_norm: float | None = None
     host_budget: int | str | None = None
     disk_cache_dir: str | None = None
+    compress: str = "off"
 
     def __post_init__(self) -> None:
         check_int("SwapConfig.max_gpu_blocks", self.max_gpu_blocks, minimum=0, allow_none=True)
@@ -109,6 +119,7 @@ class SwapConfig:
         check_bool("SwapConfig.checkpointing", self.checkpointing, allow_none=True)
         check_int("SwapConfig.min_param_bytes", self.min_param_bytes, minimum=0)
         check_choice("SwapConfig.trainable", self.trainable, _TRAINABLE)
+        check_choice("SwapConfig.compress", self.compress, _COMPRESS)
         check_bool("SwapConfig.swap_buffers", self.swap_buffers)
         check_bool("SwapConfig.preserve_rng_state", self.preserve_rng_state)
         check_int("SwapConfig.accumulation_steps", self.accumulation_steps, minimum=1)
@@ -205,6 +216,10 @@ class SwapStats:
             before its read finished.
         shared_bytes: of ``pinned_bytes``, the masters in memory shared by the processes of
             one node (``vramkit.distributed``): one copy per node, not per process.
+        compressed_blocks / compressed_bytes / compressed_raw_bytes: blocks whose masters are
+            compressed (``SwapConfig.compress``), their payload bytes (in ``pinned_bytes``;
+            what their loads copy) and their bytes decoded; ``compress_scratch_bytes`` the
+            device scratch the payloads are copied into before decoding.
         checkpoint_bytes / load_seconds: bytes read from the checkpoint and the time from
             the start of the attach to the end of the load (``checkpoint=``); ``loading``:
             swapped blocks are still being read in the background (these two figures and
@@ -245,6 +260,10 @@ class SwapStats:
     shared_bytes: int = 0
     gathered_bytes: int = 0
     state_prefetched: int = 0
+    compressed_blocks: int = 0
+    compressed_bytes: int = 0
+    compressed_raw_bytes: int = 0
+    compress_scratch_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)

@@ -13,6 +13,8 @@
   on disk so that masters plus staging buffers fit the budget; what is left of the budget buys
   more staging buffers (a deeper read-ahead, a larger cache). See
   :mod:`vramkit.offload.swap.disk`.
+* **Compressed masters** (``SwapConfig.compress``): frozen blocks' masters encoded once the
+  fill is done, their raw masters given back (:mod:`vramkit.offload.swap.packed`).
 * **Masters in memory the swapper does not own** (:class:`MasterMemory`): frozen blocks' masters
   can live in memory shared by the processes of one node (``vramkit.distributed``), one copy
   per node instead of one per rank; one process writes them, the others only map them.
@@ -37,6 +39,7 @@ from vramkit.memory.transfer import Streams
 from vramkit.offload.blocks import spread_evenly
 from vramkit.offload.swap.disk import DISK_ALIGN, CacheFile, DiskRead, DiskTier, open_read
 from vramkit.offload.swap.fill import FillSpec, MasterFill
+from vramkit.offload.swap.packed import PackedMasters
 from vramkit.offload.swap.records import ALIGN, SwapEntry, SwappedBlock, typed_view
 from vramkit.units import format_size
 
@@ -173,6 +176,8 @@ class HostStore:
             ``None``: every master is pinned, no disk tier.
         disk_cache_dir: where the disk tier writes its cache file (``None``:
             ``$VRAMKIT_CACHE_DIR`` or ``~/.cache/vramkit``).
+        compress: ``SwapConfig.compress``: ``"off"``, or compress frozen masters once filled
+            (``"on"``, ``"auto"``).
         device: the compute device (pinned pools for CUDA, plain host pools for the CPU).
         streams: the device's copy streams.
         source: the checkpoint swapped tensors are read from, when the swapper was given one
@@ -184,7 +189,8 @@ class HostStore:
     def __init__(self, device: torch.device, streams: Streams,
                  source: CheckpointSource | None, shared: MasterMemory | None = None, *,
                  host_params: bool = False, park_grads: bool = False,
-                 host_budget: int | None = None, disk_cache_dir: str | None = None) -> None:
+                 host_budget: int | None = None, disk_cache_dir: str | None = None,
+                 compress: str = "off") -> None:
         self.host_params = host_params
         self.park_grads = park_grads
         self.host_budget = host_budget
@@ -206,6 +212,8 @@ class HostStore:
         self.disk_blocks: list[SwappedBlock] = []
         self.split: DiskSplit | None = None
         self.filler: MasterFill | None = None
+        self.packed = (PackedMasters(compress, device, streams, self.pool)
+                       if compress != "off" else None)
 
     def place(self, blocks: list[SwappedBlock]) -> None:
         """Decide where every block lives (a master, or disk), build the disk tier, and point
@@ -306,7 +314,7 @@ class HostStore:
             if on_done is not None:
                 on_done()
             return
-        if background and (self._reserved
+        if background and (self._reserved or self.packed is not None
                            or any(b.trainable_entries for b in filler.blocks)):
             background = False  # other processes wait for published(), after the whole fill
         if self.source is not None and background:
@@ -339,6 +347,28 @@ class HostStore:
             self._publish(False)
             raise
         self._publish(True)
+        self._pack()
+
+    def _pack(self) -> None:
+        """Compress the filled masters of frozen blocks (``SwapConfig.compress``) one at a
+        time, giving each raw master back as soon as its compressed copy exists (pinned memory
+        peaks at the raw masters, never at raw plus compressed)."""
+        packed = self.packed
+        if packed is None:
+            return
+        for block in self.blocks:
+            if (not packed.eligible(block) or id(block) in self.shared_masters
+                    or block.master is None or block.master_block is None):
+                continue
+            if packed.pack(block, block.master):
+                assert self.master_pool is not None
+                block.master_views = []
+                block.master = None
+                self.master_pool.free(block.master_block)
+                block.master_block = None
+        if self.master_pool is not None:
+            self.master_pool.trim()
+        packed.finish()
 
     def _publish(self, ok: bool) -> None:
         """Shared masters: tell the other processes they are written (collective, once; also
@@ -470,6 +500,9 @@ class HostStore:
             disk = self.disk
             return [typed_view(disk.read_tensor(block, e.offset, e.nbytes), 0, e)
                     for e in block.entries], None
+        if self.packed is not None and self.packed.holds(block):
+            raw = self.packed.read(block, 0, block.nbytes)
+            return [typed_view(raw, e.offset, e) for e in block.entries], None
         filler = self.filler
         if filler is not None and filler.covers(block):
             try:
@@ -486,8 +519,13 @@ class HostStore:
                         if p is not None and p.kind == "pinned"]
         disk = self.disk.counters if self.disk is not None else {}
         shared = sum(m.numel() for m in self.shared_masters.values())
+        packed: dict[str, Any] = {"pinned": 0}
+        if self.packed is not None:
+            self.packed.check()  # a failed decode (corrupted payload) is reported here
+            packed = self.packed.stats()
         return {
-            "pinned": sum(s.reserved for s in stats.values()) + shared,
+            "pinned": sum(s.reserved for s in stats.values()) + shared + packed.pop("pinned"),
+            **packed,
             "shared_bytes": shared,
             "pageable_bytes": sum(stats[id(p)].pageable_bytes for p in pinned_pools),
             "disk_blocks": len(self.disk_blocks),
@@ -511,6 +549,8 @@ class HostStore:
         if self.disk is not None:
             self.disk.close()
             self.disk = None
+        if self.packed is not None:
+            self.packed.close()
         if self.cache is not None:
             self.cache.close()
             self.cache = None

@@ -47,6 +47,7 @@ from vramkit.offload.swap.records import (
 
 if TYPE_CHECKING:
     from vramkit.offload.swap.disk import DiskTier
+    from vramkit.offload.swap.packed import PackedMasters
     from vramkit.offload.swap.stepper import SwapStepper
 
 __all__ = ["BlockLoader", "SlotRing"]
@@ -128,6 +129,8 @@ class SlotRing:
         self.gradient_hook: Any = None  # BlockSwapper.set_gradient_hook
         # host_budget: blocks without a master, read from disk into staging ahead of use.
         self.disk: DiskTier | None = None
+        # SwapConfig.compress: blocks whose masters are compressed, decoded after the copy.
+        self.packed: PackedMasters | None = None
         self._disk_cache: dict[tuple[int, bool, bool], list[SwappedBlock]] = {}
         if self.slot_bytes:
             self._allocate(num_slots)
@@ -334,7 +337,8 @@ class SlotRing:
             streams.wait(streams.h2d, slot.writeback_event)
         if block.writeback_event is not None:  # ... and arriving in this block's master
             streams.wait(streams.h2d, block.writeback_event)
-        if source is None:
+        packed = self.packed is not None and self.packed.holds(block)
+        if source is None and not packed:
             fill = block.fill
             if fill is not None:  # loading in the background: this block's bytes first
                 fill.wait(block)
@@ -343,7 +347,9 @@ class SlotRing:
                 raise OffloadError(f"swapped block {block.name} has no host master",
                                    hint="This is a vramkit bug; please report it with the "
                                         "model.")
-        if self.loader is not None and not block.on_disk and not self._local:
+        if packed:
+            copied = self.packed.load(block, block.slot_flat[slot.index])  # type: ignore[union-attr]
+        elif self.loader is not None and not block.on_disk and not self._local:
             copied = self.loader.load(slot.buffer[:self.loader.padded_bytes(block.nbytes)],
                                       source, streams, block.name)
             self.counters["gathered_bytes"] += block.nbytes - copied

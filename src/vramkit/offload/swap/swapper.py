@@ -265,7 +265,7 @@ class BlockSwapper:
             park_grads=parks_grads(config.trainable, config.accumulation_steps,
                                    config.max_grad_norm),
             host_budget=config.host_budget,  # type: ignore[arg-type]  # normalized to int
-            disk_cache_dir=config.disk_cache_dir)
+            disk_cache_dir=config.disk_cache_dir, compress=config.compress)
         if block_loader is not None and config.host_budget is not None:
             raise ConfigError(
                 "block_loader= with SwapConfig.host_budget: blocks read from disk become ready "
@@ -273,6 +273,11 @@ class BlockSwapper:
                 "order everywhere",
                 hint="Drop host_budget (keep every swapped block in RAM), or load whole blocks "
                      "(shared_swapper(..., uploads='whole')).")
+        if block_loader is not None and config.compress != "off":
+            raise ConfigError(
+                "block_loader= with SwapConfig.compress: a collective load moves raw master "
+                "bytes between the GPUs",
+                hint="Use compress='off' with sharded uploads.")
         self._loader = block_loader
         self._gradient_hook: GradientHook | None = None
         self._ddp_ignored: DDPIgnored | None = None
@@ -434,6 +439,7 @@ class BlockSwapper:
                               preserve_rng_state=self.config.preserve_rng_state,
                               loader=self._loader)
         self._ring.disk = self._host.disk
+        self._ring.packed = self._host.packed
         if self.config.trainable == "swap":
             assert self._factory is not None  # checked in __init__
             self._stepper = SwapStepper(
@@ -450,8 +456,7 @@ class BlockSwapper:
             self._wrap_forward(block)
             self._state_hooks += install_swap_hooks(
                 block, functools.partial(self._sync_masters, block),
-                reader=(self._host.disk.read_tensor if block.on_disk and self._host.disk
-                        else None))
+                reader=self._reader(block))
         self._ddp_ignored = ignore_in_ddp(self.model, self._blocks)
         watch_structure(True)
         # Released by detach(), or when the swapper is collected without one.
@@ -464,6 +469,15 @@ class BlockSwapper:
                     len(self._blocks), len(self.schedule),
                     format_size(sum(b.nbytes for b in self._blocks)), len(self._ring.slots),
                     format_size(self._ring.slot_bytes))
+
+    def _reader(self, block: SwappedBlock) -> Any:
+        """How ``state_dict`` reads a block without a master: from disk, or decoded."""
+        host = self._host
+        if block.on_disk and host.disk is not None:
+            return host.disk.read_tensor
+        if host.packed is not None and host.packed.holds(block):
+            return host.packed.read
+        return None
 
     def _sync_masters(self, block: SwappedBlock | None = None) -> None:
         """Before ``block``'s master (every master: ``None``) is read or written on the host:

@@ -1,0 +1,173 @@
+"""Compressed masters (``SwapConfig.compress``): fewer bytes over the host link, the same bits.
+
+A frozen swapped block's master is encoded once at attach (:mod:`vramkit.compress`: bf16
+exponents and 8-bit storage entropy-coded, everything else raw) into pinned host memory, and
+its raw master is given back, so the host holds the compressed bytes only. A load then copies
+the compressed payload into one device scratch buffer on the copy stream and decodes it into the
+block's slot on the same stream (the Triton kernel on a GPU, the torch reference on the CPU),
+so the slot's *loaded* event follows the decode exactly as it followed the plain copy: the
+ring's ordering is unchanged, and the next copy into the scratch waits for the decode by stream
+order.
+
+Only frozen blocks are compressed: a trainable master changes every step (an optimizer writes
+it), and encoding it again each step would cost more than the copy it saves. Blocks on the disk
+tier, in node-shared memory (``vramkit.distributed``) or loaded by a ``block_loader`` keep raw
+masters.
+
+``"on"`` compresses every eligible block; ``"auto"`` keeps a block compressed only where the
+encode shrank it to at most :data:`AUTO_MAX_RATIO` of its bytes (less would not repay the
+decode). A GPU decode whose checks fail (a corrupted payload) sets a device flag that
+:meth:`PackedMasters.check` turns into :class:`~vramkit.errors.CompressionError`: the swapper
+checks it whenever it reports its stats and before it gives the weights back at detach, never
+on the hot path (that would be a host sync per load).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vramkit.compress import Compressed, Region, byte_kind, check_flag, decode_into, encode
+from vramkit.memory.pool import MemoryPool
+from vramkit.memory.transfer import Streams
+from vramkit.offload.swap.records import SwappedBlock
+from vramkit.units import format_size
+
+__all__ = ["AUTO_MAX_RATIO", "COMPRESS_MODES", "PackedMasters"]
+
+logger = logging.getLogger(__name__)
+
+COMPRESS_MODES = ("off", "on", "auto")
+#: "auto" keeps a block compressed at this ratio or below: the copy saved must repay the decode
+#: (a decode at the GPU's rate costs a few percent of a copy at the host link's rate).
+AUTO_MAX_RATIO = 0.9
+
+
+class PackedMasters:
+    """The compressed masters of a swapper (see the module docstring).
+
+    Args:
+        mode: ``"on"`` or ``"auto"``.
+        device: the compute device (the encode runs there when it is a GPU).
+        streams: its copy streams.
+        pool: makes the pinned pool the payloads are allocated from (``HostStore.pool``).
+    """
+
+    def __init__(self, mode: str, device: torch.device, streams: Streams,
+                 pool: Callable[..., MemoryPool]) -> None:
+        self.mode = mode
+        self.device = device
+        self.streams = streams
+        self._make_pool = pool
+        self.pool: MemoryPool | None = None
+        self.packed: dict[int, Compressed] = {}  # id(block) -> its compressed master
+        self._handles: list[Any] = []
+        self.raw_bytes = 0  # decoded bytes of the packed blocks
+        self.scratch: torch.Tensor | None = None
+        self.flag: torch.Tensor | None = None
+        self.decoded_bytes = 0
+
+    @staticmethod
+    def eligible(block: SwappedBlock) -> bool:
+        """Frozen, with a master of its own in RAM."""
+        return not block.trainable_entries and not block.on_disk and block.nbytes > 0
+
+    def holds(self, block: SwappedBlock) -> bool:
+        return id(block) in self.packed
+
+    def pack(self, block: SwappedBlock, master: torch.Tensor) -> bool:
+        """Encode ``block``'s filled ``master``; returns whether the block is now compressed
+        (the caller then gives the raw master back)."""
+        if self.pool is None:
+            self.pool = self._make_pool(None, initial=0)
+        handles: list[Any] = []
+
+        def alloc(n: int) -> torch.Tensor:
+            handle = self.pool.allocate(max(n, 1))  # type: ignore[union-attr]
+            handles.append(handle)
+            return handle.view((max(n, 1),), torch.uint8)[:n]
+
+        regions = [Region(e.offset, e.nbytes, byte_kind(e.dtype)) for e in block.entries]
+        work = self.device if self.device.type == "cuda" else torch.device("cpu")
+        c = encode(master[:block.nbytes], regions, device=work, alloc=alloc, crc=True)
+        if self.mode == "auto" and c.ratio > AUTO_MAX_RATIO:
+            for h in handles:
+                self.pool.free(h)  # type: ignore[union-attr]
+            logger.info("BlockSwapper: %s stays raw (compressed to %.2f of its bytes)",
+                        block.name, c.ratio)
+            return False
+        self.packed[id(block)] = c
+        self._handles += handles
+        self.raw_bytes += block.nbytes
+        return True
+
+    def finish(self) -> None:
+        """After the last :meth:`pack`: the device scratch (the largest payload) and the flag."""
+        if not self.packed:
+            return
+        largest = max(c.compressed_nbytes for c in self.packed.values())
+        self.scratch = torch.empty(largest, dtype=torch.uint8, device=self.device)
+        self.flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+        logger.info("BlockSwapper: %d frozen masters compressed, %s -> %s (%.3f), scratch %s",
+                    len(self.packed), format_size(self.raw_bytes),
+                    format_size(self.compressed_bytes), self.ratio, format_size(largest))
+
+    @property
+    def compressed_bytes(self) -> int:
+        return sum(c.compressed_nbytes for c in self.packed.values())
+
+    @property
+    def ratio(self) -> float:
+        return self.compressed_bytes / self.raw_bytes if self.raw_bytes else 1.0
+
+    def load(self, block: SwappedBlock, dest: torch.Tensor) -> int:
+        """Fill ``dest`` (the block's bytes of a slot) from its compressed master, ordered on
+        the copy stream: the copy into the scratch, then the decode. Returns the bytes copied
+        from the host."""
+        c = self.packed[id(block)]
+        assert self.scratch is not None and self.flag is not None
+        streams = self.streams
+        n = c.compressed_nbytes
+        scratch = self.scratch[:n]
+        streams.copy(scratch, c.payload, streams.h2d, block.name)
+        with streams.on(streams.h2d):
+            decode_into(c.to(scratch), dest, self.flag)
+        self.decoded_bytes += c.nbytes
+        return n
+
+    def read(self, block: SwappedBlock, offset: int, nbytes: int) -> torch.Tensor:
+        """Bytes ``[offset, offset + nbytes)`` of a compressed block, decoded into a new CPU
+        tensor (``state_dict``, detach)."""
+        c = self.packed[id(block)]
+        out = torch.empty(c.nbytes, dtype=torch.uint8, device=self.device)
+        payload = c.payload.to(self.device)
+        flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+        decode_into(c.to(payload), out, flag)
+        check_flag(flag, f"compressed master of swapped block {block.name}")
+        return out[offset:offset + nbytes].cpu()
+
+    def check(self) -> None:
+        """Raise :class:`~vramkit.errors.CompressionError` when a load's decode failed its
+        checks (a host sync on a GPU)."""
+        if self.flag is not None:
+            check_flag(self.flag, "compressed swapped block")
+
+    def stats(self) -> dict[str, Any]:
+        pinned = self.pool.stats().reserved if self.pool is not None else 0
+        return {"compressed_blocks": len(self.packed),
+                "compressed_bytes": self.compressed_bytes,
+                "compressed_raw_bytes": self.raw_bytes,
+                "compress_scratch_bytes": (self.scratch.numel() if self.scratch is not None
+                                           else 0),
+                "pinned": pinned}
+
+    def close(self) -> None:
+        self.packed = {}
+        self._handles = []
+        if self.pool is not None:
+            self.pool.clear(force=True)
+            self.pool = None
+        self.scratch = self.flag = None

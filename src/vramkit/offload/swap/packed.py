@@ -3,11 +3,12 @@
 A frozen swapped block's master is encoded once at attach (:mod:`vramkit.compress`: bf16
 exponents and 8-bit storage entropy-coded, everything else raw) into pinned host memory, and
 its raw master is given back, so the host holds the compressed bytes only. A load then copies
-the compressed payload into one device scratch buffer on the copy stream and decodes it into the
-block's slot on the same stream (the Triton kernel on a GPU, the torch reference on the CPU),
-so the slot's *loaded* event follows the decode exactly as it followed the plain copy: the
-ring's ordering is unchanged, and the next copy into the scratch waits for the decode by stream
-order.
+the compressed payload into a device scratch buffer on the copy stream and decodes it into the
+block's slot on a decode stream that waits for the copy (the Triton kernel on a GPU, the torch
+reference on the CPU); the slot's *loaded* event is recorded after the decode, so the ring's
+ordering is unchanged. Two scratch buffers take turns: the copy of the next block runs while
+this one decodes (the copy engine never waits for a kernel), and a copy into a buffer waits
+for the decode that last read it.
 
 Only frozen blocks are compressed: a trainable master changes every step (an optimizer writes
 it), and encoding it again each step would cost more than the copy it saves. Blocks on the disk
@@ -41,6 +42,8 @@ __all__ = ["AUTO_MAX_RATIO", "COMPRESS_MODES", "PackedMasters"]
 logger = logging.getLogger(__name__)
 
 COMPRESS_MODES = ("off", "on", "auto")
+#: Device scratch buffers (each the largest payload) on a GPU: two let copy and decode overlap.
+SCRATCH_BUFFERS = 2
 #: "auto" keeps a block compressed at this ratio or below: the copy saved must repay the decode
 #: (a decode at the GPU's rate costs a few percent of a copy at the host link's rate).
 AUTO_MAX_RATIO = 0.9
@@ -66,7 +69,10 @@ class PackedMasters:
         self.packed: dict[int, Compressed] = {}  # id(block) -> its compressed master
         self._handles: list[Any] = []
         self.raw_bytes = 0  # decoded bytes of the packed blocks
-        self.scratch: torch.Tensor | None = None
+        self.scratch: list[torch.Tensor] = []
+        self._scratch_free: list[Any] = []  # the event after the decode that read each buffer
+        self._turn = 0
+        self.decode_stream: Any = None  # a GPU's decode stream (None: decode on the copy stream)
         self.flag: torch.Tensor | None = None
         self.decoded_bytes = 0
 
@@ -109,11 +115,17 @@ class PackedMasters:
         if not self.packed:
             return
         largest = max(c.compressed_nbytes for c in self.packed.values())
-        self.scratch = torch.empty(largest, dtype=torch.uint8, device=self.device)
+        count = SCRATCH_BUFFERS if self.device.type == "cuda" else 1
+        self.scratch = [torch.empty(largest, dtype=torch.uint8, device=self.device)
+                        for _ in range(count)]
+        self._scratch_free = [None] * count
+        if self.device.type == "cuda":
+            self.decode_stream = torch.cuda.Stream(self.device)
         self.flag = torch.zeros(1, dtype=torch.int32, device=self.device)
         logger.info("BlockSwapper: %d frozen masters compressed, %s -> %s (%.3f), scratch %s",
                     len(self.packed), format_size(self.raw_bytes),
-                    format_size(self.compressed_bytes), self.ratio, format_size(largest))
+                    format_size(self.compressed_bytes), self.ratio,
+                    f"{count} x {format_size(largest)}")
 
     @property
     def compressed_bytes(self) -> int:
@@ -123,20 +135,35 @@ class PackedMasters:
     def ratio(self) -> float:
         return self.compressed_bytes / self.raw_bytes if self.raw_bytes else 1.0
 
-    def load(self, block: SwappedBlock, dest: torch.Tensor) -> int:
-        """Fill ``dest`` (the block's bytes of a slot) from its compressed master, ordered on
-        the copy stream: the copy into the scratch, then the decode. Returns the bytes copied
-        from the host."""
+    def load(self, block: SwappedBlock, dest: torch.Tensor) -> tuple[int, Any]:
+        """Fill ``dest`` (the block's bytes of a slot) from its compressed master: the copy
+        into a scratch buffer on the copy stream (ordered as the ring ordered it), then the
+        decode. Returns the bytes copied from the host and the stream the decode runs on (the
+        slot's *loaded* event goes there)."""
         c = self.packed[id(block)]
-        assert self.scratch is not None and self.flag is not None
+        assert self.scratch and self.flag is not None
         streams = self.streams
+        turn = self._turn
+        self._turn = (turn + 1) % len(self.scratch)
         n = c.compressed_nbytes
-        scratch = self.scratch[:n]
+        scratch = self.scratch[turn][:n]
+        if self._scratch_free[turn] is not None:  # the decode that last read it is done
+            streams.wait(streams.h2d, self._scratch_free[turn])
         streams.copy(scratch, c.payload, streams.h2d, block.name)
-        with streams.on(streams.h2d):
+        stream = streams.h2d
+        if self.decode_stream is not None:
+            copied = streams.event()
+            streams.record(copied, streams.h2d)
+            streams.wait(self.decode_stream, copied)
+            stream = self.decode_stream
+        with streams.on(stream):
             decode_into(c.to(scratch), dest, self.flag)
+        if self.decode_stream is not None:
+            free = self._scratch_free[turn] or streams.event()
+            streams.record(free, stream)
+            self._scratch_free[turn] = free
         self.decoded_bytes += c.nbytes
-        return n
+        return n, stream
 
     def read(self, block: SwappedBlock, offset: int, nbytes: int) -> torch.Tensor:
         """Bytes ``[offset, offset + nbytes)`` of a compressed block, decoded into a new CPU
@@ -160,8 +187,7 @@ class PackedMasters:
         return {"compressed_blocks": len(self.packed),
                 "compressed_bytes": self.compressed_bytes,
                 "compressed_raw_bytes": self.raw_bytes,
-                "compress_scratch_bytes": (self.scratch.numel() if self.scratch is not None
-                                           else 0),
+                "compress_scratch_bytes": sum(s.numel() for s in self.scratch),
                 "pinned": pinned}
 
     def close(self) -> None:
@@ -170,4 +196,6 @@ class PackedMasters:
         if self.pool is not None:
             self.pool.clear(force=True)
             self.pool = None
-        self.scratch = self.flag = None
+        self.scratch = []
+        self._scratch_free = []
+        self.decode_stream = self.flag = None

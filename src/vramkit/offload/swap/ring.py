@@ -347,8 +347,10 @@ class SlotRing:
                 raise OffloadError(f"swapped block {block.name} has no host master",
                                    hint="This is a vramkit bug; please report it with the "
                                         "model.")
-        if packed:
-            copied = self.packed.load(block, block.slot_flat[slot.index])  # type: ignore[union-attr]
+        loaded_on = streams.h2d
+        if packed:  # SwapConfig.compress: the copy, then the decode on the stream returned
+            copied, loaded_on = self.packed.load(  # type: ignore[union-attr]
+                block, block.slot_flat[slot.index])
         elif self.loader is not None and not block.on_disk and not self._local:
             copied = self.loader.load(slot.buffer[:self.loader.padded_bytes(block.nbytes)],
                                       source, streams, block.name)
@@ -356,7 +358,7 @@ class SlotRing:
         else:
             streams.copy(block.slot_flat[slot.index], source, streams.h2d, block.name)
             copied = block.nbytes
-        streams.record(slot.loaded_event, streams.h2d)
+        streams.record(slot.loaded_event, loaded_on)
         if block.on_disk:
             self.disk.copied(block)  # type: ignore[union-attr]
         slot.block = block

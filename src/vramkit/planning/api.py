@@ -24,6 +24,7 @@ from vramkit._validate import (
 )
 from vramkit.errors import ConfigError, PlanError
 from vramkit.offload.blocks import find_blocks, module_bytes, split_blocks
+from vramkit.planning._compression import expected_ratio
 from vramkit.planning.analysis import FORMATS, ModelCost, analyze, check_model, meta_copy
 from vramkit.planning.calibration import BlockTimes, calibrate_blocks
 from vramkit.planning.hardware import HardwareProfile
@@ -249,7 +250,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         return search(cost, machine, budget_bytes, reserved, allow_formats=allow_formats,
                       num_slots=slots, activation_offload=activation_offload,
                       host_budget=host, budget_for=budget_for, times=block_times,
-                      disk_bytes_per_s=disk_rate, checkpointing=checkpointing)
+                      disk_bytes_per_s=disk_rate, checkpointing=checkpointing,
+                      compress_ratio=expected_ratio(on_meta()[1] if units is None else units))
 
     may_split = (mode == "infer" and isinstance(blocks, str) and blocks == "auto"
                  and cost is None and block_times is None)

@@ -219,7 +219,8 @@ class Fitted:
         if plan.swapped:
             self.swapper = BlockSwapper(model, blocks, config=SwapConfig(
                 swapped_blocks=plan.swapped, num_slots=max(1, plan.num_slots),
-                host_budget=plan.swap_host_budget),
+                host_budget=plan.swap_host_budget,
+                compress="on" if plan.compress_masters else "off"),
                 device=self.device, checkpoint=checkpoint, prefix=prefix, strict=strict,
                 master_memory=self._master_memory, block_loader=self._block_loader,
                 **({"checkpoint_skip": skip} if skip else {}))

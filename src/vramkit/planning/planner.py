@@ -46,6 +46,7 @@ from typing import Any
 
 from vramkit.errors import PlanError
 from vramkit.offload.blocks import spread_evenly
+from vramkit.planning._compression import decode_rate
 from vramkit.planning.analysis import ModelCost
 from vramkit.planning.calibration import BlockTimes
 from vramkit.planning.machine import COPY_SLOWDOWN, Machine
@@ -169,7 +170,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
            activation_offload: bool = True, host_budget: int | None = None,
            budget_for: Callable[[int], int] | None = None,
            times: BlockTimes | None = None, disk_bytes_per_s: float | None = None,
-           checkpointing: str = "auto") -> Plan:
+           checkpointing: str = "auto", compress_ratio: float | None = None) -> Plan:
     """The fastest plan that fits (see the module docstring).
 
     Args:
@@ -184,6 +185,10 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
             (``BlockSwapper.disk_split``), each such block's copy paced by the disk.
         checkpointing: ``"auto"`` (default), ``"all"`` or ``"none"`` (:data:`CHECKPOINTING`;
             training only): which blocks may be checkpointed.
+        compress_ratio: what a swapped master keeps of its bytes when compressed
+            (:func:`vramkit.planning._compression.expected_ratio`; ``None``: compression is not
+            weighed). A candidate is compressed where that prices faster and fits, at the
+            calibrated decode rate (a hardware profile's assumed one offline).
 
     Raises:
         PlanError: when nothing fits, naming the smallest budget that would, and what would
@@ -233,7 +238,9 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     offload_too = activation_offload and train and checkpointing != "none"
     pricer = StepPricer(cost=cost, machine=machine, prices=prices, order=order,
                         act_choices=act_choices, trainable=trainable, formats=formats,
-                        host_budget=host_budget, disk_bytes_per_s=disk_bw)
+                        host_budget=host_budget, disk_bytes_per_s=disk_bw,
+                        compress_ratio=compress_ratio,
+                        decode_bytes_per_s=decode_rate(machine, times), compress_budget=avail)
 
     candidates: list[Priced] = []
     smallest = math.inf  # the least memory any candidate needs (for the error)
@@ -375,7 +382,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         disk_blocks=tuple(names[i] for i in best.disk),
         swap_host_budget=best.swap_budget if best.disk else None,
         disk_bytes_per_s=disk_bw if best.disk else None,
-        dequantize_together=best.together, checkpointing=checkpointing)
+        dequantize_together=best.together, checkpointing=checkpointing,
+        compress_masters=best.compress)
 
 
 def _w8a8_refusal(fmt: str, machine: Machine, times: BlockTimes | None) -> str | None:

@@ -230,6 +230,11 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         return analyze(on_meta()[0], example_inputs, mode=mode, step=step, found=units,
                        formats=("bf16", *allow_formats), autocast=autocast)
 
+    def ratio_of(units: list[tuple[str, nn.Module]] | None) -> float | None:
+        """What compressed masters of these blocks would keep (``None``: the model's frozen
+        tensors, whose dtypes the blocks share, read without finding the blocks again)."""
+        return expected_ratio([("", model)] if units is None else units)
+
     def planned(units: list[tuple[str, nn.Module]] | None, cost: ModelCost,
                 block_times: BlockTimes | None) -> Plan:
         """The plan of ``cost``, calibrating ``units`` first where the machine is measured
@@ -251,7 +256,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
                       num_slots=slots, activation_offload=activation_offload,
                       host_budget=host, budget_for=budget_for, times=block_times,
                       disk_bytes_per_s=disk_rate, checkpointing=checkpointing,
-                      compress_ratio=expected_ratio(on_meta()[1] if units is None else units))
+                      compress_ratio=ratio_of(units))
 
     may_split = (mode == "infer" and isinstance(blocks, str) and blocks == "auto"
                  and cost is None and block_times is None)

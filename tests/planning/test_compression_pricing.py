@@ -120,3 +120,12 @@ def test_fit_applies_a_compressed_plan() -> None:
                      device="cpu", mode="infer") as fitted:
         assert fitted.swapper is not None
         assert fitted.swapper.config.compress == "on"
+
+
+@pytest.mark.gpu
+def test_the_decode_rate_is_measured_on_a_gpu() -> None:
+    from vramkit.planning.calibration import measure_decode_rate
+
+    rate = measure_decode_rate(torch.device("cuda"), nbytes=16 << 20)
+    assert rate is not None and rate > 1e10
+    assert measure_decode_rate(torch.device("cpu")) is None

@@ -31,7 +31,15 @@ from typing import Any
 
 import torch
 
-from vramkit.compress import Compressed, Region, byte_kind, check_flag, decode_into, encode
+from vramkit.compress import (
+    Compressed,
+    Region,
+    byte_kind,
+    check_flag,
+    decode_into,
+    encode,
+    triton_decoder_available,
+)
 from vramkit.memory.pool import MemoryPool
 from vramkit.memory.transfer import Streams
 from vramkit.offload.swap.records import SwappedBlock
@@ -75,6 +83,10 @@ class PackedMasters:
         self.decode_stream: Any = None  # a GPU's decode stream (None: decode on the copy stream)
         self.flag: torch.Tensor | None = None
         self.decoded_bytes = 0
+        if device.type == "cuda" and not triton_decoder_available(device):
+            logger.warning("BlockSwapper: SwapConfig.compress=%r without Triton: the torch "
+                           "reference decodes on the GPU (many small kernels and a host sync "
+                           "per load); install triton for the GPU decoder", mode)
 
     @staticmethod
     def eligible(block: SwappedBlock) -> bool:

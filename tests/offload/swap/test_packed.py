@@ -123,3 +123,26 @@ def test_compress_is_checked() -> None:
     with pytest.raises(ConfigError, match="compress"):
         SwapConfig(compress="yes")
     assert SwapConfig().compress == "off"
+
+
+def test_an_encode_out_of_device_memory_falls_back_to_the_cpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vramkit.offload.swap import packed as packed_module
+
+    real = packed_module.encode
+    calls: list[str] = []
+
+    def encode(*args: object, device: object = None, **kw: object) -> object:
+        calls.append(str(device))
+        if len(calls) == 1:
+            kw["alloc"](64)  # type: ignore[operator]  # a payload block taken, then given back
+            raise torch.OutOfMemoryError("no room")
+        return real(*args, device=device, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(packed_module, "encode", encode)
+    net = _net()
+    swapper = BlockSwapper(net, config=_config("on"), device="cpu")
+    assert swapper.stats().compressed_blocks == BLOCKS
+    assert calls[:2] == ["cpu", "cpu"] and len(calls) == BLOCKS + 1
+    assert _train(net) == _train(_net())
+    swapper.detach()

@@ -112,7 +112,15 @@ class PackedMasters:
         work = self.device if self.device.type == "cuda" else torch.device("cpu")
         # no crc32 here: in RAM every decode checks each group's checksum and stream ends,
         # and a crc of the payload would cost a pass over it per block at attach
-        c = encode(master[:block.nbytes], regions, device=work, alloc=alloc, crc=False)
+        try:
+            c = encode(master[:block.nbytes], regions, device=work, alloc=alloc, crc=False)
+        except torch.OutOfMemoryError:  # a card already full of resident weights: on the CPU
+            for h in handles:
+                self.pool.free(h)  # type: ignore[union-attr]
+            handles.clear()
+            logger.warning("BlockSwapper: no device memory to encode %s; encoding it on the "
+                           "CPU (slower attach)", block.name)
+            c = encode(master[:block.nbytes], regions, device="cpu", alloc=alloc, crc=False)
         if self.mode == "auto" and c.ratio > AUTO_MAX_RATIO:
             for h in handles:
                 self.pool.free(h)  # type: ignore[union-attr]

@@ -146,3 +146,28 @@ def test_an_encode_out_of_device_memory_falls_back_to_the_cpu(
     assert calls[:2] == ["cpu", "cpu"] and len(calls) == BLOCKS + 1
     assert _train(net) == _train(_net())
     swapper.detach()
+
+
+def test_disk_tier_blocks_are_stored_and_read_compressed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    def six() -> Stack:
+        return frozen_mlp_stack(16, 128, 512, 6, 4).bfloat16()
+
+    expected = _train(six())
+    block = BlockSwapper.footprint(six().blocks[0], _config("off")).swapped
+    results = {}
+    for mode in ("off", "on"):
+        net = six()
+        # 5.5 blocks of pinned memory: 4 blocks on disk, 3 staging buffers, 2 masters in RAM
+        swapper = BlockSwapper(net, config=_config(mode, host_budget=int(5.5 * block),
+                                                   disk_cache_dir=str(tmp_path / mode)),
+                               device="cpu")
+        assert _train(net) == expected
+        state = {k: v.clone() for k, v in net.state_dict().items()}
+        results[mode] = (swapper.stats(), state)
+        swapper.detach()
+    off, on = results["off"][0], results["on"][0]
+    assert on.disk_blocks == off.disk_blocks == 4
+    assert on.compressed_blocks == 6  # the ones in RAM and the ones on disk
+    assert on.disk_read_bytes < 0.8 * off.disk_read_bytes
+    for key, value in results["off"][1].items():
+        assert torch.equal(results["on"][1][key], value), key

@@ -84,8 +84,9 @@ class SwapConfig:
         compress: keep frozen swapped blocks' masters losslessly compressed in host memory
             (:mod:`vramkit.compress`: bf16 exponents and 8-bit weights entropy-coded, about
             0.67-0.70x the bytes of trained bf16 weights) and decode them on the device after
-            each copy, bit for bit. ``"off"`` (default), ``"on"`` (every frozen block with a
-            master in RAM), ``"auto"`` (only blocks that shrink to 0.9x or less). The masters
+            each copy, bit for bit. ``"off"`` (default), ``"on"`` (every frozen block, its
+            master in RAM or, with ``host_budget``, in the disk tier's cache file: fewer bytes
+            read too), ``"auto"`` (only blocks that shrink to 0.9x or less). The masters
             are encoded once at attach (the fill then runs in the foreground); the device
             holds one scratch buffer of the largest compressed block. Trainable masters are
             never compressed: they change every step.
@@ -217,8 +218,9 @@ class SwapStats:
         shared_bytes: of ``pinned_bytes``, the masters in memory shared by the processes of
             one node (``vramkit.distributed``): one copy per node, not per process.
         compressed_blocks / compressed_bytes / compressed_raw_bytes: blocks whose masters are
-            compressed (``SwapConfig.compress``), their payload bytes (in ``pinned_bytes``;
-            what their loads copy) and their bytes decoded; ``compress_scratch_bytes`` the
+            compressed (``SwapConfig.compress``), their payload bytes (what their loads copy;
+            in ``pinned_bytes`` for masters in RAM, in the cache file for disk-tier blocks)
+            and their bytes decoded; ``compress_scratch_bytes`` the
             device scratch the payloads are copied into before decoding.
         checkpoint_bytes / load_seconds: bytes read from the checkpoint and the time from
             the start of the attach to the end of the load (``checkpoint=``); ``loading``:

@@ -334,6 +334,7 @@ class HostStore:
         filler = self.filler
         if filler is None:
             self._publish(True)
+            self._pack()  # every block on disk: the scratch for their compressed reads
             return
         if filler.background:
             return
@@ -441,6 +442,9 @@ class HostStore:
         files: dict[Path, Any] = {}
         for block in blocks:
             block_specs = specs[id(block)]
+            if self.packed is not None and self._write_packed(block, block_specs, staging[0],
+                                                              reads):
+                continue
             # Read from the checkpoint itself where it holds the bytes as the module keeps them.
             if all(s.file is not None and s.file.dtype == s.entry.dtype for s in block_specs):
                 block_reads = []
@@ -463,11 +467,32 @@ class HostStore:
                 reads[block] = [DiskRead(self.cache.reader, offset, _disk_aligned(block.nbytes),
                                          0)]
         self.disk = DiskTier(reads, staging, self.streams, _fill_threads())
+        if self.packed is not None:
+            self.packed.disk_reader = self.disk.read_tensor
         for block in blocks:
             block.on_disk = True
         logger.info("BlockSwapper: %d swapped blocks (%s) stay on disk, read through %d pinned "
                     "staging buffers of %s", len(blocks),
                     format_size(sum(b.nbytes for b in blocks)), count, format_size(slot))
+
+    def _write_packed(self, block: SwappedBlock, specs: list[FillSpec], buf: torch.Tensor,
+                      reads: dict[SwappedBlock, list[DiskRead]]) -> bool:
+        """SwapConfig.compress: write a disk block compressed into the cache file (fewer bytes
+        read and copied); ``False`` where it would not shrink (then it is stored raw)."""
+        assert self.packed is not None
+        raw = buf[:block.nbytes]
+        raw.zero_()
+        for spec in specs:
+            self.fill(spec, typed_view(raw, spec.entry.offset, spec.entry))
+        packed = self.packed.pack_for_disk(block, raw)
+        if packed is None:
+            return False
+        if self.cache is None:
+            self.cache = CacheFile(self._cache_dir())
+        offset = self.cache.append(packed.payload)
+        reads[block] = [DiskRead(self.cache.reader, offset,
+                                 _disk_aligned(packed.compressed_nbytes), 0)]
+        return True
 
     def _cache_dir(self) -> Path:
         configured = self.disk_cache_dir or os.environ.get("VRAMKIT_CACHE_DIR")
@@ -496,13 +521,13 @@ class HostStore:
         """The current value of each of ``block``'s tensors, on the host (detach); for a block
         whose master was never filled, the model's own tensors where it had them (``None``
         where it did not) and the error that stopped the fill."""
+        if self.packed is not None and self.packed.holds(block):  # in RAM or on disk
+            raw = self.packed.read(block, 0, block.nbytes)
+            return [typed_view(raw, e.offset, e) for e in block.entries], None
         if block.on_disk and self.disk is not None:
             disk = self.disk
             return [typed_view(disk.read_tensor(block, e.offset, e.nbytes), 0, e)
                     for e in block.entries], None
-        if self.packed is not None and self.packed.holds(block):
-            raw = self.packed.read(block, 0, block.nbytes)
-            return [typed_view(raw, e.offset, e) for e in block.entries], None
         filler = self.filler
         if filler is not None and filler.covers(block):
             try:

@@ -11,9 +11,10 @@ this one decodes (the copy engine never waits for a kernel), and a copy into a b
 for the decode that last read it.
 
 Only frozen blocks are compressed: a trainable master changes every step (an optimizer writes
-it), and encoding it again each step would cost more than the copy it saves. Blocks on the disk
-tier, in node-shared memory (``vramkit.distributed``) or loaded by a ``block_loader`` keep raw
-masters.
+it), and encoding it again each step would cost more than the copy it saves. Blocks in
+node-shared memory (``vramkit.distributed``) or loaded by a ``block_loader`` keep raw masters.
+Blocks of the disk tier are written compressed into its cache file (:meth:`pack_for_disk`:
+only the header stays in memory), read compressed into staging and decoded from there.
 
 ``"on"`` compresses every eligible block; ``"auto"`` keeps a block compressed only where the
 encode shrank it to at most :data:`AUTO_MAX_RATIO` of its bytes (less would not repay the
@@ -83,6 +84,8 @@ class PackedMasters:
         self.decode_stream: Any = None  # a GPU's decode stream (None: decode on the copy stream)
         self.flag: torch.Tensor | None = None
         self.decoded_bytes = 0
+        self.on_disk: set[int] = set()  # blocks whose compressed bytes live in the disk tier
+        self.disk_reader: Callable[[SwappedBlock, int, int], torch.Tensor] | None = None
         if device.type == "cuda" and not triton_decoder_available(device):
             logger.warning("BlockSwapper: SwapConfig.compress=%r without Triton: the torch "
                            "reference decodes on the GPU (many small kernels and a host sync "
@@ -132,6 +135,25 @@ class PackedMasters:
         self.raw_bytes += block.nbytes
         return True
 
+    def pack_for_disk(self, block: SwappedBlock, raw: torch.Tensor) -> Compressed | None:
+        """Encode a disk-tier block's bytes (``raw``, host memory) for the disk tier's cache
+        file; ``None`` where it would not shrink (``"auto"`` above :data:`AUTO_MAX_RATIO`, or
+        larger than the raw bytes: its staging buffer holds the raw size)."""
+        regions = [Region(e.offset, e.nbytes, byte_kind(e.dtype)) for e in block.entries]
+        work = self.device if self.device.type == "cuda" else torch.device("cpu")
+        try:
+            c = encode(raw[:block.nbytes], regions, device=work, crc=False)
+        except torch.OutOfMemoryError:
+            c = encode(raw[:block.nbytes], regions, device="cpu", crc=False)
+        if c.compressed_nbytes > block.nbytes or (self.mode == "auto"
+                                                  and c.ratio > AUTO_MAX_RATIO):
+            return None
+        # only the header stays in memory: the payload is read from disk into staging
+        self.packed[id(block)] = Compressed(c.header, torch.empty(0, dtype=torch.uint8))
+        self.on_disk.add(id(block))
+        self.raw_bytes += block.nbytes
+        return c
+
     def finish(self) -> None:
         """After the last :meth:`pack`: the device scratch (the largest payload) and the flag."""
         if not self.packed:
@@ -157,12 +179,16 @@ class PackedMasters:
     def ratio(self) -> float:
         return self.compressed_bytes / self.raw_bytes if self.raw_bytes else 1.0
 
-    def load(self, block: SwappedBlock, dest: torch.Tensor) -> tuple[int, Any]:
-        """Fill ``dest`` (the block's bytes of a slot) from its compressed master: the copy
-        into a scratch buffer on the copy stream (ordered as the ring ordered it), then the
-        decode. Returns the bytes copied from the host and the stream the decode runs on (the
-        slot's *loaded* event goes there)."""
+    def load(self, block: SwappedBlock, dest: torch.Tensor,
+             source: torch.Tensor | None = None) -> tuple[int, Any]:
+        """Fill ``dest`` (the block's bytes of a slot) from its compressed master (or, for a
+        disk-tier block, the staging bytes ``source`` it was read into): the copy into a
+        scratch buffer on the copy stream (ordered as the ring ordered it), then the decode.
+        Returns the bytes copied from the host and the stream the decode runs on (the slot's
+        *loaded* event goes there)."""
         c = self.packed[id(block)]
+        if source is not None:
+            c = c.to(source[:c.compressed_nbytes])
         assert self.scratch and self.flag is not None
         streams = self.streams
         turn = self._turn
@@ -192,6 +218,9 @@ class PackedMasters:
         tensor (``state_dict``, detach)."""
         c = self.packed[id(block)]
         out = torch.empty(c.nbytes, dtype=torch.uint8, device=self.device)
+        if id(block) in self.on_disk:
+            assert self.disk_reader is not None
+            c = c.to(self.disk_reader(block, 0, c.compressed_nbytes))
         payload = c.payload.to(self.device)
         flag = torch.zeros(1, dtype=torch.int32, device=self.device)
         decode_into(c.to(payload), out, flag)
@@ -214,10 +243,10 @@ class PackedMasters:
 
     def close(self) -> None:
         self.packed = {}
-        self._handles = []
         if self.pool is not None:
-            self.pool.clear(force=True)
+            self.pool.clear(force=True)  # before the handles go: nothing left to return
             self.pool = None
+        self._handles = []
         self.scratch = []
         self._scratch_free = []
         self.decode_stream = self.flag = None

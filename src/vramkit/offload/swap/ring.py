@@ -350,7 +350,7 @@ class SlotRing:
         loaded_on = streams.h2d
         if packed:  # SwapConfig.compress: the copy, then the decode on the stream returned
             copied, loaded_on = self.packed.load(  # type: ignore[union-attr]
-                block, block.slot_flat[slot.index])
+                block, block.slot_flat[slot.index], source)
         elif self.loader is not None and not block.on_disk and not self._local:
             copied = self.loader.load(slot.buffer[:self.loader.padded_bytes(block.nbytes)],
                                       source, streams, block.name)

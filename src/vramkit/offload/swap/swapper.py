@@ -473,10 +473,10 @@ class BlockSwapper:
     def _reader(self, block: SwappedBlock) -> Any:
         """How ``state_dict`` reads a block without a master: from disk, or decoded."""
         host = self._host
+        if host.packed is not None and host.packed.holds(block):  # in RAM or on disk
+            return host.packed.read
         if block.on_disk and host.disk is not None:
             return host.disk.read_tensor
-        if host.packed is not None and host.packed.holds(block):
-            return host.packed.read
         return None
 
     def _sync_masters(self, block: SwappedBlock | None = None) -> None:

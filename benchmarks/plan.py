@@ -20,6 +20,12 @@ it is measured):
 * ``flux:bf16-all:<cap>`` / ``flux:fp8-all:<cap>`` -- the same with ``checkpointing="all"``: every
   block checkpointed, as hand-tuned trainer settings run it, the planner choosing the rest;
   the baseline is the resident model with every block checkpointed.
+* ``flux:fp8w8a8:<cap>`` / ``flux:int8w8a8:<cap>`` -- ``allow_formats=("fp8-w8a8",)`` (or int8):
+  frozen weights stored in 8 bits and multiplied in 8 bits (activations quantized per token);
+  the planner chooses per block where it predicts a faster step.
+* a ``+c`` suffix (``flux:bf16+c:23.5``, ``flux:fp8w8a8+c:11.5``) -- the same plan applied with
+  ``fit(..., compile=True)``: every block ``torch.compile``d beneath checkpointing and swapping;
+  the baseline stays the resident *eager* model; the frames compiled after warm-up are counted.
 * ``flux:offline:<cap>`` -- the plan made offline from this GPU's published profile
   (``hardware="h100-pcie"`` etc., picked from the device name), for the prediction error.
 * ``flux:infer:<cap>`` -- one 1024x1024 forward (no adapters, bf16, no_grad): ``fit(mode="infer")``
@@ -87,8 +93,9 @@ DEFAULT_ROWS = (
     "llama:bf16:11.5", "llama:bf16:7.5", "llama:offline:11.5",
     "demo:xl:4", "demo:xl:2.5",
 )
-KINDS = {"flux": ("bf16", "fp8", "bf16-all", "fp8-all", "offline", "infer"),
-         "llama": ("bf16", "offline"),
+KINDS = {"flux": ("bf16", "fp8", "bf16-all", "fp8-all", "offline", "infer", "fp8w8a8", "int8w8a8",
+                  "bf16+c", "fp8w8a8+c", "int8w8a8+c", "bf16-all+c", "fp8w8a8-all+c"),
+         "llama": ("bf16", "offline", "fp8w8a8", "fp8w8a8+c", "bf16+c"),
          "demo": None, "plan": ("flux",)}
 
 # Tiny stand-ins for --tiny (CPU): the same classes and code paths in seconds.
@@ -380,8 +387,11 @@ class Job:
 
     def plan_options(self, kind: str) -> dict[str, Any]:
         options: dict[str, Any] = {"step": self.step}
-        if kind.startswith("fp8"):
-            options["allow_formats"] = ("fp8",)
+        kind = kind.removesuffix("+c")  # compiling is fit's option, not the plan's
+        for prefix, fmt in (("fp8w8a8", "fp8-w8a8"), ("int8w8a8", "int8-w8a8"), ("fp8", "fp8")):
+            if kind.startswith(prefix):
+                options["allow_formats"] = (fmt,)
+                break
         if kind.endswith("-all"):
             options["checkpointing"] = "all"
         if kind == "offline" or self.device.type != "cuda":
@@ -469,12 +479,26 @@ class Job:
             t1 = time.perf_counter()
             with self._recording() as recorded:
                 warm(card, fitted_arm, lambda: holder.setdefault("fitted", vramkit.fit(
-                    self.host, self.inputs, budget, plan=plan, device=self.device)))
+                    self.host, self.inputs, budget, plan=plan, device=self.device,
+                    compile=kind.endswith("+c"))))
             row["attach_and_first_step_s"] = time.perf_counter() - t1
             if recorded is not None:
                 row["peak_snapshot"] = peak_report(recorded, self.device)
                 del recorded["snapshot"]
+            frames = None
+            if kind.endswith("+c"):
+                from torch._dynamo.utils import counters
+
+                # a second untimed step: compiling finishes in the recomputation and the
+                # optimizer's first turn; what compiles after this is a recompile
+                card.enter(fitted_arm.persistent, fitted_arm.capped)
+                fitted_arm.run()
+                sync(card.device)
+                card.release()
+                frames = counters["frames"]["ok"]
             alternate(card, tuple(arms), self.s)
+            if frames is not None:
+                row["frames_compiled_after_warmup"] = counters["frames"]["ok"] - frames
         finally:
             card.release()
             if "fitted" in holder:
@@ -757,7 +781,9 @@ def markdown_row(row: dict[str, Any]) -> dict[str, Any]:
               f"{'units (split) ' if plan.get('split') else ''}swapped, "
               f"{plan.get('checkpointed', '-')} ckpt, R={plan.get('slots', '-')}"
               + (", act offload" if plan.get("activation_offload") else "")
-              + (f", {'+'.join(plan['formats'])}" if plan.get("formats") else "")) if plan else "-"
+              + (f", {'+'.join(plan['formats'])}" if plan.get("formats") else "")
+              + (f", compiled ({row['frames_compiled_after_warmup']} recompiles)"
+                 if "frames_compiled_after_warmup" in row else "")) if plan else "-"
     first, dev = row.get("first_loss_rel_dev"), row.get("loss_max_rel_dev")
     loss = "-" if first is None else ("1st equal" if first == 0 else f"1st {first:.1e}")
     if row.get("loss_identical"):

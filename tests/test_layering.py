@@ -23,6 +23,7 @@ ROOT = "vramkit"
 #: Floors, bottom to top. A module may import from its own floor or any floor below.
 FLOORS: dict[str, int] = {
     "vramkit.errors": 0, "vramkit.units": 0, "vramkit._validate": 0, "vramkit._lazy": 0,
+    "vramkit._gguf_types": 0,  # GGUF's type table: quant decodes it, io reads headers with it
     "vramkit.devices": 1,
     "vramkit.memory": 2, "vramkit.kernels": 2, "vramkit.quant": 2, "vramkit.optim": 2,
     "vramkit.compress": 2,  # lossless weight coding; offload/swap stores masters in it

@@ -156,6 +156,22 @@ def test_info_shows_host_memory(monkeypatch: pytest.MonkeyPatch,
     assert "8.0 GiB  (cgroup memory.max)" in text
     assert "RLIMIT_MEMLOCK" in text
     assert "1.0 GiB free of 2.0 GiB" in text  # /dev/shm: room for node-shared weights
+    assert ("host memory mode here: pinned, because pinning is bounded by 8.0 GiB (cgroup "
+            "memory.max): masters up to 6.4 GiB are pinned, larger ones pageable") in text
+
+
+def test_info_says_masters_are_pageable_on_wsl(monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from vramkit.devices import host
+
+    install_missing_nvml(monkeypatch)
+    fake = host.HostMemory(total=32 * GiB, available=30 * GiB, wsl=True, pin_limit=16 * GiB,
+                           pin_limit_source="WSL (half of RAM)")
+    monkeypatch.setattr(host, "read_host_memory", lambda **kwargs: fake)
+    data = _run_json(capsys, "--no-torch")
+    assert data["host_memory"]["mode"] == "pageable" and "WSL" in data["host_memory"]["reason"]
+    assert main(["info", "--no-torch"]) == 0
+    assert "host memory mode here: pageable, because this is WSL 2" in capsys.readouterr().out
 
 
 def test_info_host_memory_of_this_machine(monkeypatch: pytest.MonkeyPatch,

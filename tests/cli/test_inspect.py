@@ -283,3 +283,64 @@ def test_inspect_imports_neither_torch_nor_vramkit_quant(tmp_path: Path) -> None
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120)
     assert "LOADED [] 0" in done.stdout, (done.stdout, done.stderr)
+
+
+def _gguf(tmp_path: Path) -> Path:
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    path = tmp_path / "flux1-dev-Q8_0.gguf"
+    writer = gguf.GGUFWriter(str(path), "flux")
+    weight = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType.Q8_0
+    writer.add_tensor("double_blocks.0.img_attn.qkv.weight", gguf.quants.quantize(weight, qtype),
+                      raw_dtype=qtype)
+    writer.add_tensor("double_blocks.0.img_attn.qkv.bias", np.zeros(64, dtype=np.float32))
+    writer.add_array("tokens", list(range(200)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_files_show_their_types_and_layout(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    report = read_json(capsys, str(_gguf(tmp_path)))
+    assert report["format"]["container"] == "gguf"
+    assert report["format"]["layout"] == "flux"
+    assert report["format"]["quant_types"] == {"Q8_0": 1, "F32": 1}
+    assert report["dtypes"]["Q8_0"] == {"tensors": 1, "elements": 64 * 64, "bytes": 64 * 2 * 34}
+    assert report["parameters"] == 64 * 64 + 64
+    assert report["metadata"]["tokens"] == "<array of 200 i32>"
+    assert run_cli([str(_gguf(tmp_path))]) == 0
+    assert "format: gguf (Q8_0 x 1, F32 x 1), single-file FLUX layout" in capsys.readouterr().out
+
+
+def test_single_file_layouts_and_fp8_scaled_are_named(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "flux1-dev-fp8.safetensors"
+    prefix = "model.diffusion_model."
+    save_file({f"{prefix}double_blocks.0.img_attn.qkv.weight":
+               torch.zeros(6, 4, dtype=torch.float8_e4m3fn),
+               f"{prefix}double_blocks.0.img_attn.qkv.scale_weight": torch.ones(()),
+               "scaled_fp8": torch.zeros(2, dtype=torch.float8_e4m3fn)}, path)
+    fmt = read_json(capsys, str(path))["format"]
+    assert (fmt["layout"], fmt["prefix"], fmt["fp8_scaled"]) == ("flux", prefix, True)
+
+
+def test_inspecting_a_gguf_file_imports_neither_torch_nor_vramkit_quant(tmp_path: Path) -> None:
+    import subprocess
+
+    path = _gguf(tmp_path)
+    script = ("import sys\n"
+              "from vramkit.cli.main import main\n"
+              f"code = main(['inspect', {str(path)!r}])\n"
+              "loaded = [m for m in ('torch', 'vramkit.quant', 'numpy') if m in sys.modules]\n"
+              "print('LOADED', loaded, code)\n")
+    src = Path(__file__).resolve().parents[2] / "src"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(src), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert "LOADED [] 0" in done.stdout, (done.stdout, done.stderr)

@@ -79,6 +79,15 @@ def test_a_tight_budget_swaps_and_the_table_explains_it(llama_dir: Path,
     placements = [line.split()[3] for line in out.splitlines()
                   if line.startswith("│ model.layers.")]
     assert len(placements) == 6 and "swapped" in placements
+    # Pageable masters: priced through the staging pool, and said so.
+    assert main(["plan", str(llama_dir), "--budget", str(minimum), "--headroom", "0",
+                 "--hardware", "l4", "--seq-len", "512", "--host-memory", "pageable",
+                 "--staging-pool", "256MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "pageable host memory, copied through a" in out and "pinned staging pool" in out
+    data = _json(capsys, str(llama_dir), "--budget", str(minimum), "--headroom", "0",
+                 "--hardware", "l4", "--seq-len", "512")
+    assert data["plan"]["host_memory"] == "pinned"  # auto, offline, not on Windows/WSL
     # Full fine-tuning: every parameter trains, so no block has frozen weights to swap.
     assert main(["plan", str(llama_dir), "--budget", "8GiB", "--hardware", "l4",
                  "--lora-rank", "0"]) == 0

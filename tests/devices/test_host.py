@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from vramkit.devices import host as host_module
-from vramkit.devices.host import HostMemory, read_host_memory
+from vramkit.devices.host import (
+    HostMemory,
+    HostMemoryChoice,
+    choose_host_memory,
+    read_host_memory,
+)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -246,3 +251,41 @@ def test_proportional_set_size_is_read_from_smaps_rollup(tmp_path: Path) -> None
     assert process_pss_bytes(pid=999999, root=str(tmp_path)) is None  # no such process
     pss = process_pss_bytes()  # this machine (Linux: a positive figure)
     assert pss is None or pss > 0
+
+
+# -- where a swapper's masters live (choose_host_memory) ---------------------------------------
+
+
+def _host(**kw: object) -> HostMemory:
+    kw.setdefault("total", 64 << 30)
+    kw.setdefault("available", 60 << 30)
+    return HostMemory(**kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("host", "platform", "nbytes", "mode", "words"), [
+    (_host(), "linux", 20 << 30, "pinned", "fit"),
+    (_host(), "linux", 60 << 30, "pageable", "RAM"),                 # most of RAM: not locked
+    (_host(wsl=True, pin_limit=32 << 30, pin_limit_source="WSL (half of RAM)"), "linux",
+     1 << 30, "pageable", "WSL"),
+    (_host(), "win32", 1 << 30, "pageable", "Windows"),
+    (_host(pin_limit=8 << 30, pin_limit_source="cgroup memory.max"), "linux", 7 << 30,
+     "pageable", "cgroup"),
+    (_host(pin_limit=8 << 30, pin_limit_source="cgroup memory.max"), "linux", 6 << 30,
+     "pinned", "cgroup"),
+    (_host(pin_limit=8 << 30, pin_limit_source="cgroup memory.max"), "linux", None,
+     "pinned", "larger ones pageable"),
+    (_host(total=None, available=None), "linux", 1 << 40, "pinned", "no cap"),
+])
+def test_auto_host_memory(host: HostMemory, platform: str, nbytes: int | None, mode: str,
+                          words: str) -> None:
+    choice = choose_host_memory("auto", pinned_bytes=nbytes, host=host, platform=platform)
+    assert choice.mode == mode and words in choice.reason
+    assert str(choice).startswith(f"{mode}, because ")
+
+
+def test_explicit_host_memory_is_kept() -> None:
+    wsl = _host(wsl=True)
+    assert choose_host_memory("pinned", host=wsl) == HostMemoryChoice(
+        "pinned", "host_memory='pinned' was asked for")
+    with pytest.raises(ValueError, match="host memory mode"):
+        choose_host_memory("locked", host=wsl)

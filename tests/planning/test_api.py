@@ -3,6 +3,7 @@ finds its blocks once, whatever it analyzes and calibrates."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from collections import Counter
@@ -11,8 +12,10 @@ from typing import Any
 
 import pytest
 
+import vramkit
 from tests.planning import test_split_plans as split
 from tests.planning._models import inputs, stack
+from vramkit.planning import api as api_module
 from vramkit.planning.api import plan
 
 MiB = 1 << 20
@@ -129,3 +132,55 @@ def test_without_a_gpu_plan_and_fit_plan_for_the_cli_s_gpu_and_say_so(monkeypatc
     assert made.machine == DEFAULT_OFFLINE_HARDWARE
     assert any("PyTorch sees no GPU" in note and DEFAULT_OFFLINE_HARDWARE in note
                for note in made.notes)
+
+
+def test_pageable_masters_are_priced_at_the_staged_rate_and_explained(monkeypatch) -> None:
+    from tests.planning._models import plan_stack, stack_cost
+    from vramkit.devices import host as host_module
+    from vramkit.planning import hardware
+
+    cost = stack_cost()
+    pinned = plan_stack(cost, 6 << 20, host_memory="pinned")
+    # a staged copy as slow as a tenth of the pinned one: the copies must cost more
+    monkeypatch.setattr(api_module, "PAGEABLE_MEMCPY_BYTES_PER_S",
+                        hardware.hardware_profile("rtx4090").h2d_bytes_per_s / 10)
+    pageable = plan_stack(cost, 6 << 20, host_memory="pageable", staging_pool="512MiB")
+    assert pinned.host_memory == "pinned" and pageable.host_memory == "pageable"
+    assert pageable.copy_bytes_per_s == pytest.approx(2.5e9)
+    assert pageable.forward.copy_seconds > pinned.forward.copy_seconds
+    text = pageable.explain()
+    # the pool the swapper will pin: the blocks its ring has in flight, within the 512 MiB
+    slot = pageable.peak_breakdown["swap_slots"] // pageable.num_slots
+    assert pageable.staging_pool_bytes == slot * (pageable.num_slots + 1)
+    assert (f"of pageable host memory, copied through a "
+            f"{vramkit.format_size(pageable.staging_pool_bytes)} pinned staging pool") in text
+    assert "Masters pageable, because host_memory='pageable' was asked for" in text
+    assert "assumed, not measured" in text  # the offline memcpy figure says where it is from
+    assert vramkit.Plan.from_dict(pageable.to_dict()) == pageable
+    # "auto" offline: this host's cap is not the planned machine's, but WSL is WSL
+    capped = host_module.HostMemory(total=64 << 30, available=60 << 30, pin_limit=1 << 20,
+                                    pin_limit_source="cgroup memory.max")
+    monkeypatch.setattr(host_module, "read_host_memory", lambda **kw: capped)
+    offline = plan_stack(cost, 6 << 20)
+    assert offline.host_memory == "pinned" and "offline" in offline.host_memory_reason
+    wsl = dataclasses.replace(capped, wsl=True)
+    monkeypatch.setattr(host_module, "read_host_memory", lambda **kw: wsl)
+    auto = plan_stack(cost, 6 << 20)
+    assert auto.host_memory == "pageable" and "WSL" in auto.host_memory_reason
+    assert auto.forward.copy_seconds == pytest.approx(pageable.forward.copy_seconds)
+
+
+def test_auto_on_a_measured_machine_weighs_the_masters_against_the_cap(monkeypatch) -> None:
+    from tests.planning._models import stack_cost
+    from vramkit.devices import host as host_module
+    from vramkit.planning.machine import machine_for
+
+    measured = dataclasses.replace(machine_for("rtx4090", None), measured=True)
+    monkeypatch.setattr(api_module, "measure_memcpy_bytes_per_s", lambda: 5e9)
+    monkeypatch.setattr(host_module, "read_host_memory", lambda **kw: host_module.HostMemory(
+        total=64 << 30, available=60 << 30, pin_limit=1 << 20,
+        pin_limit_source="cgroup memory.max"))
+    result = plan(stack(device="meta"), inputs(device="meta"), 6 << 20, cost=stack_cost(),
+                  hardware=measured, headroom=0)
+    assert result.host_memory == "pageable" and "cgroup" in result.host_memory_reason
+    assert result.copy_bytes_per_s == 5e9 and any("measured here" in n for n in result.notes)

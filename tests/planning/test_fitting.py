@@ -374,3 +374,15 @@ def test_fit_on_the_cpu_needs_no_arguments_the_cli_does_not(monkeypatch) -> None
     assert any("PyTorch sees no GPU" in note for note in fitted.plan.notes)
     assert _train(model) == _train(reference)
     fitted.detach()
+
+
+def test_fit_applies_pageable_masters_as_planned() -> None:
+    reference, model = stack(), stack()
+    fitted = vramkit.fit(model, inputs(), 6 * MiB, host_memory="pageable",
+                         staging_pool="1MiB", **OPTIONS)
+    assert fitted.plan.swapped and fitted.plan.host_memory == "pageable"
+    assert fitted.swapper is not None and fitted.swapper.host_memory.mode == "pageable"
+    assert _train(model) == _train(reference)  # the staged copies move the same bytes
+    stats = fitted.swapper.stats()
+    assert stats.staged_copies > 0 and stats.staging_pool_bytes <= 1 * MiB
+    fitted.detach()

@@ -4,7 +4,9 @@ GPU shows; ``--disk PATH`` adds the read bandwidth of a checkpoint's disk.
 Equivalent in spirit to ``nvidia-smi`` + ``python -c 'import torch; print(torch.cuda...)'``, but
 joined: each physical GPU (NVML) is shown with the CUDA ordinal this process would use for it.
 Host memory is this process's view (:func:`vramkit.devices.host.read_host_memory`): RAM, its
-cgroup's limit, ``RLIMIT_MEMLOCK`` and the cap on pinned memory in effect. ``--disk`` times a
+cgroup's limit, ``RLIMIT_MEMLOCK`` and the cap on pinned memory in effect, and where a block
+swapper keeps its masters here (``host memory mode here: pinned/pageable, because ...``:
+:func:`vramkit.devices.host.choose_host_memory`). ``--disk`` times a
 cold sequential read (:func:`vramkit.io.disk.measure_read_bandwidth`) before anything is
 printed, so a bad path ends as one error (exit code 1) and no partial report.
 """
@@ -12,6 +14,7 @@ printed, so a bad path ends as one error (exit code 1) and no partial report.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import os
 import platform
@@ -83,10 +86,11 @@ def collect_info(*, include_torch: bool = True, include_jax: bool = False) -> di
 
     from vramkit.devices import nvml
     from vramkit.devices.env import allocator_settings
-    from vramkit.devices.host import read_host_memory
+    from vramkit.devices.host import choose_host_memory, read_host_memory
     from vramkit.devices.info import detect_devices, resolve_visible_devices
 
     snapshot = nvml.query_nvml()
+    host = read_host_memory()
     problems: list[str] = []
     ordinal_of: dict[str, int] = {}
     try:
@@ -145,7 +149,9 @@ def collect_info(*, include_torch: bool = True, include_jax: bool = False) -> di
         "gpus": gpus,
         "gpu_count_visible": len(ordinal_of) if snapshot.available else len(torch_devices),
         "nvlink_all_pairs": nvlink,
-        "host": read_host_memory().to_dict(),
+        "host": host.to_dict(),
+        # where a BlockSwapper's masters go here with SwapConfig(host_memory="auto")
+        "host_memory": dataclasses.asdict(choose_host_memory("auto", host=host)),
         "allocator": allocator_settings(),
         "environment": {name: os.environ.get(name) for name, _ in RELEVANT_ENV_VARS},
         "problems": problems,
@@ -248,6 +254,10 @@ def render(info: dict[str, Any]) -> None:
 
     if "host" in info:
         _render_host(out, info["host"])
+    mode = info.get("host_memory")
+    if mode is not None:
+        out.print(f"host memory mode here: {mode['mode']}, because {mode['reason']}  "
+                  "(SwapConfig.host_memory='auto')")
     if info.get("disk") is not None:
         _render_disk(out, info["disk"])
 

@@ -28,6 +28,13 @@ of 64): fp8 ``cols + 4`` (one fp32 scale per row), int8 ``cols + 4 * ceil(cols /
 scale per block), int4 ``ceil(cols / 2) + 4 * ceil(cols / 64)`` (packed nibbles, fp16 scale and
 zero point per group).
 
+Formats. A ``.gguf`` file (llama.cpp, ComfyUI-GGUF) is read from its header: tensors by GGML
+type (``Q8_0``, ``Q4_K``, ``F32``...; the dtypes table), their bytes as stored, and its key-value
+metadata (long arrays summarized). Every report names the format (``format`` in JSON,
+:class:`vramkit.io.formats.CheckpointFormat`): the container, the single-file layout its names
+are in (the original FLUX keys, bare or under ComfyUI's ``model.diffusion_model.``; SDXL's LDM
+UNet) and whether it is ``fp8_scaled`` (float8 weights with per-tensor ``.scale_weight``).
+
 Start-up. The command reads headers only, so it imports neither torch nor vramkit.quant:
 ``python -X importtime -m vramkit inspect FILE`` shows what it loads.
 """
@@ -113,8 +120,11 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     Raises:
         SafetensorsFormatError: for a path that is not a checkpoint or a malformed single file.
     """
+    from vramkit.io.formats import detect_format, gguf_file
     from vramkit.io.lazy import LazySafetensors
 
+    if gguf_file(path):
+        return _inspect_gguf(path)
     with LazySafetensors.open(path, on_bad_shard="skip") as checkpoint:
         entries = checkpoint.entries()
         bad = checkpoint.bad_shards
@@ -123,6 +133,7 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         metadata = checkpoint.metadata
     if bad and len(files) == 1:
         raise bad[0].error  # a single file: nothing else to show
+    file_format = detect_format(path)
     ratios, source = _format_bytes_per_element()
     quantized_parts, parameters = _quantized_weights(metadata)
     dtypes: dict[str, dict[str, int]] = {}
@@ -154,6 +165,7 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
                 memory[fmt] += _quantized_bytes(fmt, entry.shape, ratios)
     return {
         "path": str(path),
+        "format": _format_record(file_format),
         "files": files,
         "num_tensors": len(entries),
         "parameters": parameters,
@@ -167,6 +179,57 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         "metadata": metadata,
         "errors": [{"file": str(b.path), "error": b.error.message, "hint": b.error.hint}
                    for b in bad],
+    }
+
+
+def _format_record(fmt: Any) -> dict[str, Any]:
+    return {"container": fmt.container, "layout": fmt.layout, "prefix": fmt.prefix,
+            "fp8_scaled": fmt.fp8_scaled, "quant_types": fmt.quant_types,
+            "description": fmt.describe()}
+
+
+def _inspect_gguf(path: str) -> dict[str, Any]:
+    """The report of a GGUF file: tensors by GGML type (quantized ones count their decoded
+    elements as parameters), the layout its names are in, and its key-value metadata."""
+    from vramkit.io._gguf_file import read_gguf_header
+    from vramkit.io.formats import detect_format
+
+    header = read_gguf_header(path)
+    fmt = detect_format(path)
+    ratios, source = _format_bytes_per_element()
+    dtypes: dict[str, dict[str, int]] = {}
+    memory = dict.fromkeys(FORMATS, 0)
+    tensors = []
+    parameters = 0
+    other = {"tensors": 0, "elements": 0, "bytes": 0}
+    for info in header.tensors:
+        record = dtypes.setdefault(info.type_name, {"tensors": 0, "elements": 0, "bytes": 0})
+        record["tensors"] += 1
+        record["elements"] += info.numel
+        record["bytes"] += info.nbytes
+        tensors.append({"name": info.name, "dtype": info.type_name, "shape": list(info.shape),
+                        "bytes": info.nbytes, "file": header.path.name})
+        if info.type_name.startswith("I"):  # integer tensors: not weights
+            other["tensors"] += 1
+            other["elements"] += info.numel
+            other["bytes"] += info.nbytes
+            for fmt_name in FORMATS:
+                memory[fmt_name] += info.nbytes
+            continue
+        parameters += info.numel
+        for fmt_name in FORMATS:
+            if fmt_name == "bf16" or len(info.shape) < 2 or info.numel == 0:
+                memory[fmt_name] += info.numel * 2
+            else:
+                memory[fmt_name] += _quantized_bytes(fmt_name, info.shape, ratios)
+    metadata = {key: value if isinstance(value, str) else json.dumps(value)
+                for key, value in header.metadata.items()}
+    return {
+        "path": str(path), "format": _format_record(fmt), "files": [str(header.path)],
+        "num_tensors": len(header.tensors), "parameters": parameters, "other": other,
+        "total_bytes": sum(t.nbytes for t in header.tensors), "dtypes": dtypes,
+        "tensors": tensors, "memory": memory, "ratio_source": source,
+        "bytes_per_element": ratios, "metadata": metadata, "errors": [],
     }
 
 
@@ -242,6 +305,7 @@ def _print_tables(report: dict[str, Any], largest: list[dict[str, Any]], list_al
     con.print(f"[bold]{escape(report['path'])}[/bold]: {report['num_tensors']} tensors in "
               f"{len(files)} file(s), {report['parameters']:,} parameters{escape(apart)}, "
               f"{format_size(report['total_bytes'])}")
+    con.print(f"format: {escape(report['format']['description'])}")
     if report["errors"]:
         con.print(_files_table(report))
     dtypes = Table(title="dtypes")
@@ -255,6 +319,7 @@ def _print_tables(report: dict[str, Any], largest: list[dict[str, Any]], list_al
         con.print(_tensor_table(f"largest {len(largest)} tensors", largest))
     memory = Table(title=f"weights memory by storage format ({report['ratio_source']} ratios; "
                          "1-D tensors in bf16)")
+    # "vs. stored": against the file's bytes (a GGUF file's quantized tensors as stored)
     memory.add_column("format")
     memory.add_column("bytes", justify="right")
     memory.add_column("vs. stored", justify="right")

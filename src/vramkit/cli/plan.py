@@ -39,7 +39,8 @@ FLAG_NAMES = {"budget": "--budget", "mode": "--mode", "lora_rank": "--lora-rank"
               "resolution": "--resolution", "batch": "--batch", "seq_len": "--seq-len",
               "frames": "--frames", "hardware": "--hardware", "allow_formats": "--allow",
               "host_budget": "--host-budget", "headroom": "--headroom",
-              "disk_bytes_per_s": "--disk-speed", "checkpointing": "--checkpointing"}
+              "disk_bytes_per_s": "--disk-speed", "checkpointing": "--checkpointing",
+              "host_memory": "--host-memory", "staging_pool": "--staging-pool"}
 
 
 def _disk_speed(text: str | None) -> float | None:
@@ -94,6 +95,14 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--host-budget", metavar="SIZE", default=None,
                         help="pinned host memory the plan may use (default: no limit); "
                              "swapped blocks that do not fit stay on disk")
+    parser.add_argument("--host-memory", choices=("auto", "pinned", "pageable"), default="auto",
+                        help="where the swapped masters live: pinned, pageable (copied "
+                             "through a pinned staging pool; for Windows/WSL and hosts that "
+                             "cannot pin the model), or auto (default: pageable on "
+                             "Windows/WSL, and on a measured machine where the masters would "
+                             "take most of the pinning cap)")
+    parser.add_argument("--staging-pool", metavar="SIZE", default="2GiB",
+                        help="pinned staging pool of pageable masters (default 2GiB)")
     parser.add_argument("--ddp", action="store_true",
                         help="plan one rank of a data-parallel job (torchrun + DDP): the "
                              "budget is each GPU's, DDP's gradient buckets are kept free")
@@ -264,7 +273,8 @@ def make_plan(args: argparse.Namespace,
         result = plan(target.model, target.inputs, budget, mode=args.mode, hardware=hardware,
                       allow_formats=allow, host_budget=host_budget, headroom=headroom,
                       step=target.step, autocast=None, disk_bytes_per_s=disk_speed,
-                      reserved_bytes=reserved, checkpointing=args.checkpointing)
+                      reserved_bytes=reserved, checkpointing=args.checkpointing,
+                      host_memory=args.host_memory, staging_pool=args.staging_pool)
     except PlanError as err:  # the hint's Python call, as this command's flag
         hint = re.sub(r"allow_formats=\(([^)]*)\)",
                       lambda m: "--allow " + ",".join(re.findall(r"'(\w+)'", m.group(1))),

@@ -37,12 +37,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from vramkit.units import format_size
 
-__all__ = ["HostMemory", "filesystem_room", "process_pss_bytes", "read_host_memory"]
+__all__ = ["HOST_MEMORY_MODES", "HostMemory", "HostMemoryChoice", "choose_host_memory",
+           "filesystem_room", "process_pss_bytes", "read_host_memory"]
+
+# Where a block swapper keeps its masters: page-locked ("pinned"), ordinary memory copied through
+# a small pinned pool ("pageable"), or chosen for this machine ("auto": choose_host_memory).
+HOST_MEMORY_MODES = ("pinned", "pageable", "auto")
+# "auto" pins the masters while they take at most this share of the pinning cap: the rest of the
+# process (and, under a cgroup, its page cache) needs room too, and pinned pages cannot be
+# reclaimed.
+PIN_SHARE = 0.8
 
 # cgroup v1 writes "no limit" as PAGE_COUNTER_MAX pages (9223372036854771712 on 4 KiB pages);
 # anything this large is no limit.
@@ -292,6 +302,74 @@ def read_host_memory(*, root: str = "/") -> HostMemory:
                       cgroup_limit=cgroup_limit, cgroup_usage=cgroup_usage,
                       memlock_limit=_memlock_limit(), wsl=wsl, pin_limit=pin_limit,
                       pin_limit_source=pin_source, shm_free=shm_free, shm_total=shm_total)
+
+
+@dataclass(frozen=True)
+class HostMemoryChoice:
+    """Where a swapper's masters live here, and why (:func:`choose_host_memory`).
+
+    Attributes:
+        mode: ``"pinned"`` (page-locked masters, the fastest copies) or ``"pageable"``
+            (ordinary memory, copied through a small pinned staging pool on a worker thread).
+        reason: why, in words (``"... because <reason>"``).
+    """
+
+    mode: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.mode}, because {self.reason}"
+
+
+def choose_host_memory(requested: str = "auto", *, pinned_bytes: int | None = None,
+                       host: HostMemory | None = None,
+                       platform: str | None = None) -> HostMemoryChoice:
+    """Resolve ``SwapConfig.host_memory`` for this machine.
+
+    ``"auto"`` chooses pageable masters on Windows and WSL 2 (the display driver model charges
+    page-locked memory as "shared GPU memory" and caps it near half of RAM; pinning a whole model
+    there made steps slower), and where the masters (``pinned_bytes``) would take more than
+    ``PIN_SHARE`` of the pinning cap in effect (a cgroup limit: pinned pages past it are an OOM
+    kill); pinned masters otherwise.
+
+    Args:
+        requested: ``"pinned"``, ``"pageable"`` or ``"auto"``.
+        pinned_bytes: the bytes that would be pinned (``None``: not known yet, e.g.
+            ``vramkit info``; then only the platform decides, and the cap is stated).
+        host: the host memory reading (default: :func:`read_host_memory` now).
+        platform: ``sys.platform`` stand-in (tests).
+    """
+    if requested not in HOST_MEMORY_MODES:
+        raise ValueError(f"host memory mode must be one of {HOST_MEMORY_MODES}, got "
+                         f"{requested!r}")
+    if requested != "auto":
+        return HostMemoryChoice(requested, f"host_memory={requested!r} was asked for")
+    if (platform or sys.platform) == "win32":
+        return HostMemoryChoice("pageable", "this is Windows: pinned memory counts as shared "
+                                            "GPU memory under its display driver model")
+    host = read_host_memory() if host is None else host
+    if host.wsl:
+        return HostMemoryChoice("pageable", "this is WSL 2: pinned memory counts as shared GPU "
+                                            "memory under Windows' display driver model and is "
+                                            "capped near half of RAM")
+    # Without a cap, RAM itself bounds pinning: locked pages cannot be swapped out, and the
+    # system needs the rest.
+    cap, source = ((host.pin_limit, host.pin_limit_source) if host.pin_limit is not None
+                   else (host.total, "RAM") if host.total is not None else (None, "none"))
+    if cap is None:
+        return HostMemoryChoice("pinned", "no cap on pinned memory is known here")
+    allowed = int(cap * PIN_SHARE)
+    if pinned_bytes is None:
+        return HostMemoryChoice(
+            "pinned", f"pinning is bounded by {format_size(cap)} ({source}): masters up to "
+                      f"{format_size(allowed)} are pinned, larger ones pageable")
+    if pinned_bytes > allowed:
+        return HostMemoryChoice(
+            "pageable", f"the masters ({format_size(pinned_bytes)}) exceed {PIN_SHARE:.0%} of "
+                        f"the {format_size(cap)} pinning can take ({source})")
+    return HostMemoryChoice(
+        "pinned", f"the masters ({format_size(pinned_bytes)}) fit {PIN_SHARE:.0%} of the "
+                  f"{format_size(cap)} pinning can take ({source})")
 
 
 def filesystem_room(path: str) -> tuple[int | None, int | None]:

@@ -15,12 +15,17 @@
 * :mod:`vramkit.io.adapters` -- peft LoRA added on the meta device: the renamed base weights
   (``q.base_layer.weight``) load from the base checkpoint's ``q.weight``, the adapters it lacks
   are initialized peft's way after loading.
+* :mod:`vramkit.io.formats` -- the one door for the files users bring: ``open_checkpoint``
+  detects single-file FLUX/SDXL layouts, ``fp8_scaled`` files and GGUF files from their bytes and
+  opens them with the diffusers model's names (fused tensors split into row ranges of the file);
+  ``prepare_module`` turns layers whose weights stay packed into ``GGUFLinear`` /
+  fp8 ``QuantizedLinear`` before loading; ``detect_format`` names a file's format without torch.
 * Paths are classified before anything is opened (:mod:`vramkit.io._paths`): a named pipe,
   socket or device, a symbolic-link loop, a Hugging Face repo id, a diffusers pipeline root or a
   pickle checkpoint is refused at once with an error saying what it is and what to pass.
 
 The public names of :mod:`~vramkit.io.lazy`, :mod:`~vramkit.io.loader`,
-:mod:`~vramkit.io.disk` and :mod:`~vramkit.io.adapters` are re-exported here lazily:
+:mod:`~vramkit.io.disk`, :mod:`~vramkit.io.adapters` and :mod:`~vramkit.io.formats` are re-exported here lazily:
 importing the package imports none of them. Nothing here touches CUDA at import time. See ``docs/loading.md``.
 """
 
@@ -36,10 +41,14 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
                 "stream_weights"),
     ".disk": ("DiskReadResult", "drop_page_cache", "measure_read_bandwidth"),
     ".adapters": ("adapter_keys", "init_meta_adapters", "peft_base_key"),
+    ".formats": ("CheckpointFormat", "MappedCheckpoint", "describe_names", "detect_format",
+                 "gguf_file", "model_prefix", "open_checkpoint", "prepare_module",
+                 "write_gguf"),
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.io.adapters import *  # noqa: F403
     from vramkit.io.disk import *  # noqa: F403
+    from vramkit.io.formats import *  # noqa: F403
     from vramkit.io.lazy import *  # noqa: F403
     from vramkit.io.loader import *  # noqa: F403

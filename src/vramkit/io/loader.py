@@ -39,6 +39,7 @@ from vramkit.errors import ConfigError
 from vramkit.io._buffers import meta_non_persistent_buffers, recompute_meta_buffers
 from vramkit.io._header import TensorEntry
 from vramkit.io.adapters import adapter_keys, init_meta_adapters, peft_base_key
+from vramkit.io.formats import describe_names, model_prefix, open_checkpoint, prepare_module
 from vramkit.io.lazy import LazySafetensors, ReadThreads
 
 if TYPE_CHECKING:  # imported on use (see ModuleFiller._plan_quantization)
@@ -277,6 +278,14 @@ class MemoryEfficientLoader:
             SafetensorsFormatError: for a malformed checkpoint.
         """
         with self._open(path) as checkpoint:
+            prefix = model_prefix(checkpoint, prefix)
+            # Layers whose weights the file keeps packed (GGUF, fp8_scaled kept in fp8) are
+            # replaced on meta first, so their packed buffers are what the file fills.
+            prepared = prepare_module(module, checkpoint, quantization, self.device,
+                                      prefix=prefix)
+            if prepared:
+                logger.info("%d layer(s) keep the file's packed weights: %s", len(prepared),
+                            _listed(prepared))
             filler = ModuleFiller(module, checkpoint, prefix=prefix, dtype=self.dtype,
                                   quantization=quantization, device=self.device, skip=skip)
             filler.check(strict)
@@ -308,7 +317,9 @@ class MemoryEfficientLoader:
 
     @contextlib.contextmanager
     def _open(self, path: str | os.PathLike[str]) -> Iterator[LazySafetensors]:
-        checkpoint = LazySafetensors.open(path, use_mmap=self.use_mmap)
+        # The one door: safetensors as they are, single-file layouts, fp8_scaled and GGUF files
+        # with the model's names (vramkit.io.formats).
+        checkpoint = open_checkpoint(path, use_mmap=self.use_mmap)
         try:
             yield checkpoint
         finally:
@@ -371,12 +382,24 @@ class MemoryEfficientLoader:
             count += 1
             deliver(name, tensor)
 
+        # Tensors that need work after reading (vramkit.io.formats: fp8 scales, swapped halves)
+        # are read through the checkpoint's load_tensor, then copied; the rest is staged.
+        fixed = getattr(checkpoint, "fixed_names", frozenset())
+        read_bytes = 0
+        if fixed:
+            for entry in [e for e in entries if e.name in fixed]:
+                value = checkpoint.load_tensor(entry.name, threads=threads)
+                counted(entry.name, value.to(device=device, dtype=dtype_for(entry)))
+                read_bytes += entry.nbytes
+                advance(entry.nbytes)
+            entries = [e for e in entries if e.name not in fixed]
         stager = DeviceStager(device, transfer_streams(device), self._staging_pool(),
                               chunk_bytes=self.chunk_bytes, num_buffers=self.num_buffers,
                               threads=threads)
         with torch.cuda.device(device):
             stager.load(checkpoint, entries, dtype_for, counted, advance)
-        return count, stager.file_bytes, stager.h2d_bytes, stager.chunks
+        return (count, stager.file_bytes + read_bytes, stager.h2d_bytes + read_bytes,
+                stager.chunks)
 
     def _staging_pool(self) -> Any:
         if self._pinned_pool is None:
@@ -501,15 +524,19 @@ class ModuleFiller:
                  dtype: torch.dtype | None, quantization: Any, device: torch.device,
                  skip: Sequence[str] = ()) -> None:
         self.module = module
+        self.checkpoint = checkpoint
+        prefix = model_prefix(checkpoint, prefix)
         self.dtype = dtype
         self.device = device
         # Submodules filled another way: their keys are neither read nor expected.
         skipped = tuple(f"{name}." for name in skip)
         state = module.state_dict(keep_vars=True)
+        # Tensors a checkpoint format filled itself (vramkit.io.formats.prepare_module).
+        prefilled = getattr(checkpoint, "prefilled", set())
         self.slots: dict[str, torch.Tensor] = {}
         for key, value in state.items():
             if (isinstance(value, torch.Tensor) and not key.endswith("_extra_state")
-                    and not key.startswith(skipped)):
+                    and not key.startswith(skipped) and key not in prefilled):
                 self.slots[key] = value
         # Tied tensors (one Parameter under several names) form one group, loaded once.
         by_id: dict[int, list[str]] = {}
@@ -611,6 +638,13 @@ class ModuleFiller:
                          f"{', '.join(self.unexpected[:8])}"
                          + (" ..." if len(self.unexpected) > 8 else ""))
         message = "the checkpoint does not match the module: " + "; ".join(parts)
+        if not self.file_key:  # nothing matched at all: say what the file holds
+            fmt = getattr(self.checkpoint, "format", None)
+            held = describe_names(self.checkpoint.tensor_names())
+            message += (f". No tensor matched: the file holds {held}"
+                        + (f" ({fmt.describe()})" if fmt is not None else "")
+                        + "; the layouts known are diffusers', the original FLUX (bare or under "
+                        "'model.diffusion_model.') and SDXL's LDM UNet")
         if strict:
             raise ConfigError(message, hint="Pass prefix= when the checkpoint nests the model "
                                             "under a name (e.g. 'model.'), or strict=False to "

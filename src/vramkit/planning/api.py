@@ -8,7 +8,7 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,14 +22,21 @@ from vramkit._validate import (
     check_number,
     check_size,
 )
+from vramkit.devices.host import HOST_MEMORY_MODES, HostMemoryChoice, choose_host_memory
 from vramkit.errors import ConfigError, PlanError
 from vramkit.offload.blocks import find_blocks, module_bytes, split_blocks
+from vramkit.offload.swap.staged import measure_memcpy_bytes_per_s, staging_layout
 from vramkit.planning._compression import expected_ratio
 from vramkit.planning.analysis import FORMATS, ModelCost, analyze, check_model, meta_copy
 from vramkit.planning.calibration import BlockTimes, calibrate_blocks
-from vramkit.planning.hardware import HardwareProfile
+from vramkit.planning.hardware import (
+    PAGEABLE_MEMCPY_BYTES_PER_S,
+    PAGEABLE_MEMCPY_SOURCE,
+    HardwareProfile,
+)
 from vramkit.planning.machine import Machine, machine_for
 from vramkit.planning.planner import search
+from vramkit.planning.pricing import staged_copy_rate
 from vramkit.planning.record import CHECKPOINTING, Plan
 from vramkit.units import format_size, format_sizes_apart
 
@@ -99,7 +106,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
          activation_offload: bool = True, autocast: torch.dtype | None = torch.bfloat16,
          cost: ModelCost | None = None, block_times: BlockTimes | None = None,
          device: str | torch.device | None = None, reserved_bytes: int | str = 0,
-         disk_bytes_per_s: float | None = None, checkpointing: str = "auto") -> Plan:
+         disk_bytes_per_s: float | None = None, checkpointing: str = "auto",
+         host_memory: str = "auto", staging_pool: int | str = "2GiB") -> Plan:
     """Plan a model's memory for a budget at the best predicted step time.
 
     Nothing is allocated or computed: the model runs on the meta device (a meta copy of a real
@@ -158,6 +166,14 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         checkpointing: ``"auto"`` (default: the planner checkpoints the fewest blocks that
             let the fastest candidate fit), ``"all"`` (every block, as trainers do at these
             sizes: the planner chooses the rest around it) or ``"none"`` (training only).
+        host_memory: where the swapped masters live, as ``SwapConfig.host_memory``:
+            ``"pinned"``, ``"pageable"`` (copied through a pinned staging pool of
+            ``staging_pool`` bytes, priced at the slower of the host's memcpy and the pinned
+            copy: :func:`~vramkit.planning.pricing.staged_copy_rate`) or ``"auto"`` (default:
+            :func:`vramkit.devices.host.choose_host_memory` for the plan's masters on this
+            host; offline, for a named GPU, only the platform decides: pageable on Windows and
+            WSL). The choice and its reason are in ``Plan.host_memory`` and ``explain()``.
+        staging_pool: the staging pool's pinned bytes with pageable masters (default 2 GiB).
 
     Returns:
         The :class:`~vramkit.planning.record.Plan`.
@@ -193,6 +209,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
                              allow_none=True,
                              hint="Give the disk's read bandwidth in bytes per second, e.g. "
                                   "2e9 for 2 GB/s (vramkit info --disk PATH measures it).")
+    check_choice("host_memory", host_memory, HOST_MEMORY_MODES)
+    pool_bytes = check_size("staging_pool", staging_pool, minimum=1024)
     kept = resolve_headroom(budget_bytes, headroom)
     reserved = kept + extra
     if kept >= budget_bytes and headroom is not None:  # the default: PlanError below
@@ -240,11 +258,14 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         """The plan of ``cost``, calibrating ``units`` first where the machine is measured
         (``None``: the blocks of ``blocks``)."""
         if block_times is None and hardware is None:
-            meta, whole = on_meta()
-            block_times = calibrate_blocks(meta, example_inputs, mode=mode, step=step,
-                                           found=whole if units is None else units,
-                                           autocast=autocast, device=target,
-                                           formats=allow_formats)
+            key = None if units is None else tuple(name for name, _ in units)
+            if key not in calibrated:  # planned again for pageable masters: timed once
+                meta, whole = on_meta()
+                calibrated[key] = calibrate_blocks(meta, example_inputs, mode=mode, step=step,
+                                                   found=whole if units is None else units,
+                                                   autocast=autocast, device=target,
+                                                   formats=allow_formats)
+            block_times = calibrated[key]
         if block_times is not None:
             missing = [b.name for b in cost.blocks if b.name not in block_times.forward]
             if missing:
@@ -256,7 +277,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
                       num_slots=slots, activation_offload=activation_offload,
                       host_budget=host, budget_for=budget_for, times=block_times,
                       disk_bytes_per_s=disk_rate, checkpointing=checkpointing,
-                      compress_ratio=ratio_of(units))
+                      copy_bytes_per_s=copy_rate[0], compress_ratio=ratio_of(units))
 
     may_split = (mode == "infer" and isinstance(blocks, str) and blocks == "auto"
                  and cost is None and block_times is None)
@@ -265,28 +286,81 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
     elif cost.mode != mode:
         raise ConfigError(f"cost= was analyzed for mode {cost.mode!r}, not {mode!r}",
                           hint="Analyze again with the same mode, or leave cost=None.")
-    result: Plan | None = None
-    refused: PlanError | None = None
-    try:
-        result = planned(None, cost, block_times)
-    except PlanError as exc:
-        refused = exc
-    # Inference that swaps: whole blocks go through slots as large as the largest block, their
-    # children (attention, feed-forward, norms) through smaller ones, which leaves room for
-    # more slots or resident units where the slots weigh (an H200's calibrated FLUX.1-dev plan
-    # at 2 GiB kept one block resident and one 648 MiB slot).
-    if may_split and (result is None or result.swapped):
-        meta, whole = on_meta()
-        result, refused = _finer(meta, whole, cost, result, refused, analyzed, planned)
-    if result is None:
-        assert refused is not None  # one of the two is always set
-        raise refused
+    calibrated: dict[tuple[str, ...] | None, BlockTimes] = {}
+    copy_rate: list[float | None] = [None]  # the swapped masters' rate: None = pinned
+
+    def searched() -> Plan:
+        result: Plan | None = None
+        refused: PlanError | None = None
+        try:
+            result = planned(None, cost, block_times)
+        except PlanError as exc:
+            refused = exc
+        # Inference that swaps: whole blocks go through slots as large as the largest block,
+        # their children (attention, feed-forward, norms) through smaller ones, which leaves
+        # room for more slots or resident units where the slots weigh (an H200's calibrated
+        # FLUX.1-dev plan at 2 GiB kept one block resident and one 648 MiB slot).
+        if may_split and (result is None or result.swapped):
+            meta, whole = on_meta()
+            result, refused = _finer(meta, whole, cost, result, refused, analyzed, planned)
+        if result is None:
+            assert refused is not None  # one of the two is always set
+            raise refused
+        return result
+
+    pageable = _PageableRate.of(machine) if host_memory == "pageable" else None
+    copy_rate[0] = pageable.rate if pageable is not None else None
+    result = searched()
+    # Offline, the host is another machine's: only the platform (Windows, WSL) decides "auto",
+    # not this host's RAM or cgroup.
+    choice = choose_host_memory(host_memory,
+                                pinned_bytes=result.host_bytes if machine.measured else None)
+    if host_memory == "auto" and not machine.measured and choice.mode == "pinned":
+        choice = HostMemoryChoice("pinned", f"planned offline for {machine.name}, whose host's "
+                                  "memory is not known (host_memory='pageable' plans for a "
+                                  "host that cannot pin the masters)")
+    if not result.swapped:
+        choice = HostMemoryChoice("pinned", "nothing is swapped")
+    elif choice.mode == "pageable" and pageable is None:  # "auto": price the copies again
+        pageable = _PageableRate.of(machine)
+        copy_rate[0] = pageable.rate
+        result = searched()
+    result = replace(result, host_memory=choice.mode, host_memory_reason=choice.reason)
+    if choice.mode == "pageable" and pageable is not None:
+        # the pool the swapper will pin: no more than the blocks its ring has in flight
+        largest = result.peak_breakdown.get("swap_slots", 0) // max(1, result.num_slots)
+        chunk, count = staging_layout(pool_bytes, largest, result.num_slots + 1)
+        result = replace(result, copy_bytes_per_s=pageable.rate,
+                         staging_pool_bytes=chunk * count,
+                         notes=(*result.notes, pageable.note(machine)))
     if offline_note is not None:
         result = replace(result, notes=(offline_note, *result.notes))
     logger.info("plan: %d of %d blocks swapped, %d checkpointed, predicted %.0f ms, peak %d",
                 len(result.swapped), len(result.block_order), len(result.checkpointed),
                 result.predicted_step_seconds * 1e3, result.predicted_peak_bytes)
     return result
+
+
+@dataclass(frozen=True)
+class _PageableRate:
+    """The rate pageable masters reach the device on ``machine`` and where its memcpy figure
+    comes from (timed here for a measured machine; the stated assumption offline)."""
+
+    rate: float
+    memcpy: float
+    measured: bool
+
+    @classmethod
+    def of(cls, machine: Machine) -> _PageableRate:
+        memcpy = (measure_memcpy_bytes_per_s() if machine.measured
+                  else PAGEABLE_MEMCPY_BYTES_PER_S)
+        return cls(staged_copy_rate(machine.h2d_bytes_per_s, memcpy), memcpy, machine.measured)
+
+    def note(self, machine: Machine) -> str:
+        source = "measured here" if self.measured else PAGEABLE_MEMCPY_SOURCE
+        return (f"Pageable masters copy at {self.rate / 1e9:.1f} GB/s, the slower of the host's "
+                f"memcpy into the pinned staging pool ({self.memcpy / 1e9:.1f} GB/s, {source}) "
+                f"and the pinned copy ({machine.h2d_bytes_per_s / 1e9:.1f} GB/s).")
 
 
 #: A plan of split blocks replaces the plan of whole blocks only when predicted this much

@@ -155,8 +155,8 @@ class Fitted:
                  blocks: str | Sequence[str] = "auto", observe_steps: int = 3,
                  checkpoint: str | os.PathLike[str] | None = None, prefix: str | None = None,
                  strict: bool = True, master_memory: MasterMemory | None = None,
-                 block_loader: BlockLoader | None = None, compile_mode: str | None = None
-                 ) -> None:
+                 block_loader: BlockLoader | None = None, compile_mode: str | None = None,
+                 host_memory: str = "auto") -> None:
         self.model = model
         self.plan = plan
         self.device = device
@@ -181,6 +181,7 @@ class Fitted:
         self._checkpoint = (checkpoint, prefix, strict)
         self._master_memory = master_memory
         self._block_loader = block_loader
+        self._host_memory_asked = host_memory  # fit's host_memory= (see _host_memory)
         # (original layer, its checkpoint prefix): layers quantized while read from checkpoint
         self._refill: list[tuple[nn.Module, str]] = []
         try:
@@ -220,7 +221,8 @@ class Fitted:
             self.swapper = BlockSwapper(model, blocks, config=SwapConfig(
                 swapped_blocks=plan.swapped, num_slots=max(1, plan.num_slots),
                 host_budget=plan.swap_host_budget,
-                compress="on" if plan.compress_masters else "off"),
+                compress="on" if plan.compress_masters else "off", **_host_memory(
+                    plan, self._host_memory_asked, self._master_memory, self._block_loader)),
                 device=self.device, checkpoint=checkpoint, prefix=prefix, strict=strict,
                 master_memory=self._master_memory, block_loader=self._block_loader,
                 **({"checkpoint_skip": skip} if skip else {}))
@@ -482,7 +484,22 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
     return Fitted(model, plan, target, blocks=blocks, observe_steps=observe_steps,
                   checkpoint=checkpoint, prefix=prefix, strict=strict,
                   master_memory=master_memory, block_loader=block_loader,
-                  compile_mode=compile_mode)
+                  compile_mode=compile_mode,
+                  host_memory=plan_options.get("host_memory", "auto"))
+
+
+def _host_memory(plan: Plan, asked: object, master_memory: object,
+                 block_loader: object) -> dict[str, Any]:
+    """The swapper's ``host_memory``: pageable where the plan priced pageable masters, pinned
+    where pinned was asked for, else ``"auto"`` (the swapper decides on the host it runs on,
+    which an offline or saved plan did not see). Masters in shared memory or filled by a
+    collective loader stay as the swapper decides (pinned)."""
+    if master_memory is not None or block_loader is not None:
+        return {}
+    if plan.host_memory == "pageable":
+        return {"host_memory": "pageable",
+                "staging_pool": plan.staging_pool_bytes or SwapConfig().staging_pool}
+    return {"host_memory": "pinned" if asked == "pinned" else "auto"}
 
 
 def _compile_mode(compile: object) -> str | None:

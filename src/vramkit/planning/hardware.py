@@ -89,11 +89,23 @@ from typing import Any, ClassVar
 from vramkit._validate import check_choice, check_int, check_number
 from vramkit.errors import ConfigError
 
-__all__ = ["PROFILES", "HardwareProfile", "hardware_profile"]
+__all__ = ["PAGEABLE_MEMCPY_BYTES_PER_S", "PAGEABLE_MEMCPY_SOURCE", "PROFILES", "HardwareProfile",
+           "hardware_profile"]
 
 _MIB = 1024**2
 _GB = 1e9  # bandwidths are quoted in decimal GB/s
 _T = 1e12  # throughputs are quoted in decimal TFLOP/s
+
+#: The host memcpy rate an offline plan assumes for pageable masters
+#: (``SwapConfig(host_memory="pageable")``: each block is copied into a pinned staging chunk
+#: before its pinned host->device copy, the two overlapped, so the slower paces it). A GPU
+#: profile says nothing of the host it sits in, and no published figure of a multi-threaded
+#: copy on a typical desktop was found, so it is derived (and said so in the plan's notes);
+#: a measured machine times its own memcpy.
+PAGEABLE_MEMCPY_BYTES_PER_S = 12 * _GB
+PAGEABLE_MEMCPY_SOURCE = (
+    "assumed, not measured: dual-channel DDR4-3200 moves 51.2 GB/s, a copy reads and writes "
+    "every byte (25.6 GB/s of copy) and streaming copies reach about half of that: 12 GB/s")
 
 
 def _pcie_raw(gt_per_s: float, lanes: int) -> float:

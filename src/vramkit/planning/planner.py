@@ -170,7 +170,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
            activation_offload: bool = True, host_budget: int | None = None,
            budget_for: Callable[[int], int] | None = None,
            times: BlockTimes | None = None, disk_bytes_per_s: float | None = None,
-           checkpointing: str = "auto", compress_ratio: float | None = None) -> Plan:
+           checkpointing: str = "auto", copy_bytes_per_s: float | None = None,
+           compress_ratio: float | None = None) -> Plan:
     """The fastest plan that fits (see the module docstring).
 
     Args:
@@ -185,6 +186,9 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
             (``BlockSwapper.disk_split``), each such block's copy paced by the disk.
         checkpointing: ``"auto"`` (default), ``"all"`` or ``"none"`` (:data:`CHECKPOINTING`;
             training only): which blocks may be checkpointed.
+        copy_bytes_per_s: the rate the swapped blocks' masters reach the device (default
+            the machine's pinned rate; pageable masters copy at
+            :func:`~vramkit.planning.pricing.staged_copy_rate`).
         compress_ratio: what a swapped master keeps of its bytes when compressed
             (:func:`vramkit.planning._compression.expected_ratio`; ``None``: compression is not
             weighed). A candidate is compressed where that prices faster and fits, at the
@@ -229,7 +233,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     full, measured = prices.full, prices.measured
     slow_fwd, slow_bwd = prices.slow_forward, prices.slow_backward
     ways, dequant_by, dense_of = prices.ways, prices.dequant, prices.dense
-    bw = machine.h2d_bytes_per_s
+    bw = copy_bytes_per_s or machine.h2d_bytes_per_s
     disk_bw = disk_bytes_per_s if disk_bytes_per_s is not None else DEFAULT_DISK_BYTES_PER_S
     # Activation offload is a candidate wherever it fits, not only where nothing else does:
     # the room it frees keeps more weights on the device, fewer copies in a transfer-bound
@@ -239,7 +243,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     pricer = StepPricer(cost=cost, machine=machine, prices=prices, order=order,
                         act_choices=act_choices, trainable=trainable, formats=formats,
                         host_budget=host_budget, disk_bytes_per_s=disk_bw,
-                        compress_ratio=compress_ratio,
+                        copy_bytes_per_s=copy_bytes_per_s, compress_ratio=compress_ratio,
                         decode_bytes_per_s=decode_rate(machine, times), compress_budget=avail)
 
     candidates: list[Priced] = []

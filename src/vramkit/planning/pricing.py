@@ -47,7 +47,7 @@ from vramkit.planning.w8a8 import (
 )
 from vramkit.quant.w8a8 import w8a8_fits
 
-__all__ = ["BlockPrices", "Candidate", "Priced", "StepPricer", "w8a8_change"]
+__all__ = ["BlockPrices", "Candidate", "Priced", "StepPricer", "staged_copy_rate", "w8a8_change"]
 
 #: Optimizer state bytes per trainable parameter (AdamW: two fp32 moments).
 ADAMW_STATE_BYTES = 8
@@ -272,6 +272,10 @@ class StepPricer:
             (:mod:`vramkit.planning._compression`): the bytes a master keeps, the device's
             decode rate and the device bytes a compressed candidate must fit in; any ``None``:
             not weighed.
+        copy_bytes_per_s: the rate a swapped block's master reaches the device (``None``:
+            the machine's pinned copy rate; pageable masters: :func:`staged_copy_rate`).
+            Offloaded activations are pinned whatever the masters are: they keep the pinned
+            rate.
     """
 
     cost: ModelCost
@@ -286,6 +290,7 @@ class StepPricer:
     compress_ratio: float | None = None
     decode_bytes_per_s: float | None = None
     compress_budget: int | None = None
+    copy_bytes_per_s: float | None = None
 
     def price(self, candidate: Candidate) -> Priced | None:
         """``candidate``'s predicted phases and memory (``None``: its masters cannot be split
@@ -310,7 +315,8 @@ class StepPricer:
         c, p, cost = candidate, self.prices, self.cost
         train = cost.mode == "train"
         estimate = cost.activations
-        bw, disk_bw = self.machine.h2d_bytes_per_s, self.disk_bytes_per_s
+        pinned_bw, disk_bw = self.machine.h2d_bytes_per_s, self.disk_bytes_per_s
+        bw = self.copy_bytes_per_s or pinned_bw  # the swapped blocks' masters
         k, r, m, offload, chosen, sizes = (len(c.chosen), c.num_slots, c.checkpoints,
                                            c.offload, c.chosen, c.sizes)
         ckpt = self.order[:m]
@@ -356,13 +362,13 @@ class StepPricer:
         fwd = PhaseTime(fwd_time, p.outside_forward + sum(sides[0]), copy_time,
                         copies, p.outside_forward + sum(sides[1]), fwd_lost)
         if train:
-            restores = ([_kept_bytes(estimate, b.name, ckpt_set) / bw
+            restores = ([_kept_bytes(estimate, b.name, ckpt_set) / pinned_bw
                          for b in cost.blocks] if offload else None)
             back, bwd_lost = _simulate(sides[2][::-1], phase_copy_s[::-1], c.flags[::-1], r,
                                        restores[::-1] if restores else None,
                                        sides[3][::-1], p.slow_backward[::-1])
             bwd = PhaseTime(p.outside_backward + back, p.outside_backward + sum(sides[2]),
-                            copy_time + offload_bytes / bw,
+                            copy_time + offload_bytes / pinned_bw,
                             copies + offload_bytes,
                             p.outside_backward + sum(sides[3]), bwd_lost)
         else:
@@ -380,6 +386,14 @@ class StepPricer:
             chosen=chosen, checkpointed=ckpt, breakdown=breakdown, forward=fwd, backward=bwd,
             host=host, swapped_format=c.swapped_format, resident_format=c.resident_format,
             disk=disk, swap_budget=swap_budget, together=c.together)
+
+
+def staged_copy_rate(pinned_bytes_per_s: float, memcpy_bytes_per_s: float) -> float:
+    """The rate pageable masters reach the device (``SwapConfig(host_memory="pageable")``):
+    each chunk is copied pageable->pinned by the host (``memcpy_bytes_per_s``) while the chunk
+    before it goes pinned->device (``pinned_bytes_per_s``); the two overlap through the staging
+    pool's chunks, so the slower of them paces the copy."""
+    return min(pinned_bytes_per_s, memcpy_bytes_per_s)
 
 
 def _block_sides(full: Sequence[CallTimes], as_checkpointed: Sequence[CallTimes],

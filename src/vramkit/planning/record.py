@@ -121,6 +121,10 @@ class Plan:
         compress_masters: the swapped masters are kept losslessly compressed and decoded on
             the device after each copy (``SwapConfig(compress="on")``; the decode scratch is
             ``peak_breakdown["compress_scratch"]``): fewer bytes over a transfer-bound link.
+        host_memory / host_memory_reason: where the swapped masters live, ``"pinned"`` or
+            ``"pageable"`` (``SwapConfig.host_memory``, resolved by :func:`vramkit.plan`), and
+            why; with pageable masters the copies were priced at ``copy_bytes_per_s``
+            through a pinned staging pool of ``staging_pool_bytes``.
     """
 
     mode: str
@@ -150,6 +154,10 @@ class Plan:
     checkpointing: str = "auto"
     split: bool = False
     compress_masters: bool = False
+    host_memory: str = "pinned"
+    host_memory_reason: str = ""
+    copy_bytes_per_s: float | None = None
+    staging_pool_bytes: int | None = None
 
     @property
     def predicted_step_seconds(self) -> float:
@@ -265,9 +273,16 @@ class Plan:
                      f"{parts}.")
         if self.swapped:
             what = "units (blocks split into their children)" if self.split else "blocks"
+            if self.host_memory == "pageable":
+                host = (f"{format_size(self.host_bytes)} of pageable host memory, copied "
+                        f"through a {format_size(self.staging_pool_bytes or 0)} pinned staging "
+                        "pool")
+            else:
+                host = f"{format_size(self.host_bytes)} of pinned host memory"
             lines.append(f"Swap {len(self.swapped)} of {n} {what} through {self.num_slots} "
-                         f"slot{'s' if self.num_slots > 1 else ''}; "
-                         f"{format_size(self.host_bytes)} of pinned host memory.")
+                         f"slot{'s' if self.num_slots > 1 else ''}; {host}.")
+            if self.host_memory_reason:
+                lines.append(f"Masters {self.host_memory}, because {self.host_memory_reason}.")
             stacks = _by_stack(self.block_order or (*self.swapped, *self.resident),
                                set(self.swapped))
             if len(stacks) > 1:

@@ -7,7 +7,8 @@
 a block's layers, ``vramkit.quant.model`` the config and the one
 layer-replacement walk (``quantize_model``), ``vramkit.quant.report`` per-layer quality and
 ``vramkit.quant.serialization`` safetensors files with the layout in their metadata;
-``vramkit.quant.w8a8`` W8A8 compute for frozen weights (both matmuls in 8 bits).
+``vramkit.quant.w8a8`` W8A8 compute for frozen weights (both matmuls in 8 bits);
+``vramkit.quant.gguf`` GGUF (llama.cpp) quantized weights kept packed (``GGUFLinear``).
 ``docs/quantization.md`` describes every layout byte for byte.
 
 Every public name of those modules is re-exported here lazily: importing the package imports none
@@ -25,6 +26,8 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".formats": ("FP8Config", "Int4Config", "Int8Config", "NF4Config", "QuantConfigT",
                  "QuantFormat", "QuantizedTensor", "dequantize_tensor", "expected_layout",
                  "format_config", "quantize_tensor", "apply_device_only"),
+    ".gguf": ("GGUF_QUANT_TYPES", "GGUFLinear", "GGUFQuantType", "GGUFWeight", "dequantize_gguf",
+              "gguf_quant_type"),
     ".kernels": ("FP8_GEMM_MULTIPLE", "FUSED_MAX_TOKENS", "dequantize", "fp8_gemm_fits",
                  "has_fp8_gemm", "quantized_matmul", "triton_available"),
     ".linear": ("QuantizedConv2d", "QuantizedLinear", "register_peft_lora"),
@@ -41,6 +44,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
 if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.quant.dense import *  # noqa: F403
     from vramkit.quant.formats import *  # noqa: F403
+    from vramkit.quant.gguf import *  # noqa: F403
     from vramkit.quant.kernels import *  # noqa: F403
     from vramkit.quant.linear import *  # noqa: F403
     from vramkit.quant.model import *  # noqa: F403

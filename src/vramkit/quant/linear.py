@@ -577,7 +577,8 @@ def _peft_layer_class() -> type[nn.Module]:
 
 
 def register_peft_lora(lora_config: Any) -> Any:
-    """Teach a peft ``LoraConfig`` to adapt :class:`QuantizedLinear` layers.
+    """Teach a peft ``LoraConfig`` to adapt :class:`QuantizedLinear` layers (and
+    :class:`~vramkit.quant.gguf.GGUFLinear` ones, whose packed GGUF bytes are the base).
 
     peft knows ``nn.Linear`` and a few quantization libraries; this registers a LoRA layer for
     :class:`QuantizedLinear` through peft's custom-module hook (its forward runs the quantized
@@ -594,10 +595,12 @@ def register_peft_lora(lora_config: Any) -> Any:
     Raises:
         QuantizationError: when peft is not installed.
     """
+    from vramkit.quant.gguf import GGUFLinear  # a packed base of the same kind
+
     layer_class = _peft_layer_class()
     register = getattr(lora_config, "_register_custom_module", None)
     if register is None:
         raise QuantizationError(f"{type(lora_config).__name__} has no _register_custom_module",
                                 hint="Pass a peft LoraConfig (peft >= 0.13).")
-    register({QuantizedLinear: layer_class})
+    register({QuantizedLinear: layer_class, GGUFLinear: layer_class})
     return lora_config

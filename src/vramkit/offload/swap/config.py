@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from vramkit._validate import check_bool, check_choice, check_int, check_number, check_size
+from vramkit.devices.host import HOST_MEMORY_MODES
 from vramkit.errors import ConfigError
 from vramkit.memory.layout import Random, Sequential, Strided
 
@@ -90,6 +91,20 @@ class SwapConfig:
             are encoded once at attach (the fill then runs in the foreground); the device
             holds one scratch buffer of the largest compressed block. Trainable masters are
             never compressed: they change every step.
+        host_memory: where the swapped blocks' masters live on the host. ``"pinned"``: page
+            locked (the fastest copies, one copy stream and no thread). ``"pageable"``:
+            ordinary memory, each block copied to the GPU through a bounded pinned staging pool
+            (``staging_pool``) on a worker thread (:mod:`vramkit.offload.swap.staged`): for
+            Windows / WSL 2, where pinned memory counts as shared GPU memory, and for hosts
+            that cannot lock the model. ``"auto"`` (default) chooses per machine at attach
+            (:func:`vramkit.devices.host.choose_host_memory`: pageable on Windows and WSL, and
+            where the masters would take most of the pinning cap; ``BlockSwapper.host_memory``
+            says which and why). With ``trainable="cpu"`` the gradients come back through
+            the same pool into pageable buffers. Not with ``trainable="swap"`` (its
+            write-backs need pinned masters) or a ``master_memory``/``block_loader``.
+        staging_pool: pinned bytes of the staging pool with ``host_memory="pageable"`` (an int
+            or a size string; default ``"2GiB"``, at least two chunks); a small model uses less
+            (no more than the blocks the ring has in flight).
     """
 
     max_gpu_blocks: int | None = None
@@ -107,6 +122,8 @@ class SwapConfig:
     host_budget: int | str | None = None
     disk_cache_dir: str | None = None
     compress: str = "off"
+    host_memory: str = "auto"
+    staging_pool: int | str = "2GiB"
 
     def __post_init__(self) -> None:
         check_int("SwapConfig.max_gpu_blocks", self.max_gpu_blocks, minimum=0, allow_none=True)
@@ -156,6 +173,21 @@ class SwapConfig:
                 "optimizers' state masters are pinned on their first step and not counted",
                 hint="Drop host_budget for full fine-tuning (pinned = weights + optimizer "
                      "state), or use it with frozen swapped weights (LoRA).")
+        check_choice("SwapConfig.host_memory", self.host_memory, HOST_MEMORY_MODES)
+        object.__setattr__(self, "staging_pool", check_size(
+            "SwapConfig.staging_pool", self.staging_pool, minimum=1024,
+            hint="Give at least two chunks of 512 bytes; the default is '2GiB'."))
+        if self.host_memory == "pinned" and self.staging_pool != 2 << 30:
+            raise ConfigError(
+                "SwapConfig.staging_pool sizes the staging of pageable masters; with "
+                "host_memory='pinned' there is none",
+                hint="Use host_memory='pageable' (or 'auto') with it, or drop staging_pool.")
+        if self.host_memory == "pageable" and self.trainable == "swap":
+            raise ConfigError(
+                "SwapConfig(host_memory='pageable') with trainable='swap': the block "
+                "optimizers write weights and state back into pinned masters",
+                hint="Use host_memory='pinned' (or 'auto', which pins for trainable='swap') "
+                     "for full fine-tuning.")
         if self.swapped_blocks is not None:
             names = self.swapped_blocks
             if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(
@@ -222,6 +254,11 @@ class SwapStats:
             in ``pinned_bytes`` for masters in RAM, in the cache file for disk-tier blocks)
             and their bytes decoded; ``compress_scratch_bytes`` the
             device scratch the payloads are copied into before decoding.
+        host_memory: where the masters live, ``"pinned"`` or ``"pageable"``
+            (``SwapConfig.host_memory`` resolved at attach); with pageable masters
+            ``staging_pool_bytes`` of pinned staging (included in ``pinned_bytes``) carried
+            ``staged_copies`` block copies (``staged_copy_bytes``), and a chunk was still in
+            flight when the worker needed it ``staged_chunk_waits`` times.
         checkpoint_bytes / load_seconds: bytes read from the checkpoint and the time from
             the start of the attach to the end of the load (``checkpoint=``); ``loading``:
             swapped blocks are still being read in the background (these two figures and
@@ -266,6 +303,11 @@ class SwapStats:
     compressed_bytes: int = 0
     compressed_raw_bytes: int = 0
     compress_scratch_bytes: int = 0
+    host_memory: str = "pinned"
+    staging_pool_bytes: int = 0
+    staged_copies: int = 0
+    staged_copy_bytes: int = 0
+    staged_chunk_waits: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)

@@ -41,6 +41,7 @@ from vramkit.offload.swap.disk import DISK_ALIGN, CacheFile, DiskRead, DiskTier,
 from vramkit.offload.swap.fill import FillSpec, MasterFill
 from vramkit.offload.swap.packed import PackedMasters
 from vramkit.offload.swap.records import ALIGN, SwapEntry, SwappedBlock, typed_view
+from vramkit.offload.swap.staged import StagedCopies, staging_layout
 from vramkit.units import format_size
 
 if TYPE_CHECKING:
@@ -214,6 +215,11 @@ class HostStore:
         self.filler: MasterFill | None = None
         self.packed = (PackedMasters(compress, device, streams, self.pool)
                        if compress != "off" else None)
+        # host_memory="pageable": masters in ordinary memory, copied to the GPU through a small
+        # pinned pool (staged.py); set by the swapper before place(): (pool bytes, blocks the
+        # ring may have in flight).
+        self.staging: tuple[int, int] | None = None
+        self.staged: StagedCopies | None = None
 
     def place(self, blocks: list[SwappedBlock]) -> None:
         """Decide where every block lives (a master, or disk), build the disk tier, and point
@@ -235,6 +241,11 @@ class HostStore:
             self._build_disk_tier(self.disk_blocks, specs)
         if in_ram:
             self._prepare_masters(in_ram, specs, readonly)
+            if self.staging is not None:
+                chunk, count = staging_layout(self.staging[0], max(b.nbytes for b in in_ram),
+                                              self.staging[1])
+                self.staged = StagedCopies(self.device, self.streams, chunk_bytes=chunk,
+                                           chunks=count)
         # Only now (every value has a way back: a master's fill, or the disk tier).
         placeholders: dict[torch.dtype, torch.Tensor] = {}
         for block in blocks:
@@ -272,9 +283,9 @@ class HostStore:
         # One segment per master (the pool grows by exactly each request, up to the total), so
         # the next block's memory is page-locked while this one is filled.
         if own:
-            self.master_pool = self.pool(own, initial=0)
-        if grads:
-            self.grad_pool = self.pool(grads)
+            self.master_pool = self.pool(own, initial=0, pinned=self.staging is None)
+        if grads:  # pageable masters: their gradients come back through the staging chunks
+            self.grad_pool = self.pool(grads, pinned=self.staging is None)
         for block in blocks:
             if id(block) in readonly:  # another process writes it: only the views here
                 self._give_master(block)
@@ -506,13 +517,13 @@ class HostStore:
         return directory
 
     def pool(self, nbytes: int | None = None, *, initial: int | None = None,
-                   alignment: int = ALIGN) -> MemoryPool:
+             alignment: int = ALIGN, pinned: bool = True) -> MemoryPool:
         # nbytes None: grows by exactly what each allocation needs (optimizer state masters,
         # adopted block by block on the first step).
         config = PoolConfig(initial_size=(nbytes or 0) if initial is None else initial,
                             max_size=nbytes, growth_factor=1.0, alignment=alignment,
                             max_cached_buffers=0)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and pinned:
             return MemoryPool.pinned(config)
         return MemoryPool("cpu", config)
 
@@ -544,13 +555,26 @@ class HostStore:
                         if p is not None and p.kind == "pinned"]
         disk = self.disk.counters if self.disk is not None else {}
         shared = sum(m.numel() for m in self.shared_masters.values())
+        staged = self.staged
+        staged_figures = staged.counters() if staged is not None else {}
+        # pageable masters are not pinned (on a CPU device nothing is: there every pool counts
+        # as the stand-in for pinned memory, as before)
+        pinned = sum(stats[id(p)].reserved for p in (
+            (self.staging_pool,) if staged is not None
+            else (self.master_pool, self.grad_pool, self.staging_pool)) if p is not None)
         packed: dict[str, Any] = {"pinned": 0}
         if self.packed is not None:
             self.packed.check()  # a failed decode (corrupted payload) is reported here
             packed = self.packed.stats()
         return {
-            "pinned": sum(s.reserved for s in stats.values()) + shared + packed.pop("pinned"),
+            "pinned": (pinned + shared + (staged.pinned_bytes if staged is not None else 0)
+                       + packed.pop("pinned")),
             **packed,
+            "host_memory": "pageable" if self.staging is not None else "pinned",
+            "staging_pool_bytes": staged.pinned_bytes if staged is not None else 0,
+            "staged_copies": int(staged_figures.get("staged_copies", 0)),
+            "staged_copy_bytes": int(staged_figures.get("staged_copy_bytes", 0)),
+            "staged_chunk_waits": int(staged_figures.get("staged_chunk_waits", 0)),
             "shared_bytes": shared,
             "pageable_bytes": sum(stats[id(p)].pageable_bytes for p in pinned_pools),
             "disk_blocks": len(self.disk_blocks),
@@ -568,6 +592,9 @@ class HostStore:
     def close(self) -> None:
         """Stop the fill and the disk reader and free every host buffer (the device is
         synchronized)."""
+        if self.staged is not None:  # its worker reads the masters: it stops first
+            self.staged.close()
+            self.staged = None
         if self.filler is not None:
             self.filler.cancel()
             self.filler = None

@@ -48,6 +48,7 @@ from vramkit.offload.swap.records import (
 if TYPE_CHECKING:
     from vramkit.offload.swap.disk import DiskTier
     from vramkit.offload.swap.packed import PackedMasters
+    from vramkit.offload.swap.staged import StagedCopies
     from vramkit.offload.swap.stepper import SwapStepper
 
 __all__ = ["BlockLoader", "SlotRing"]
@@ -131,6 +132,8 @@ class SlotRing:
         self.disk: DiskTier | None = None
         # SwapConfig.compress: blocks whose masters are compressed, decoded after the copy.
         self.packed: PackedMasters | None = None
+        # host_memory="pageable": masters copied through a pinned pool on a worker thread
+        self.staged: StagedCopies | None = None
         self._disk_cache: dict[tuple[int, bool, bool], list[SwappedBlock]] = {}
         if self.slot_bytes:
             self._allocate(num_slots)
@@ -264,6 +267,8 @@ class SlotRing:
                          "slots: raise SwapConfig.num_slots.")
         if stream is None:
             stream = self.streams.current()
+        if self.staged is not None:  # the worker must have recorded the loaded event
+            self.staged.settle(slot.loaded_event)
         self.streams.wait(stream, slot.loaded_event)
         slot.locked = True
         self._clock += 1
@@ -332,12 +337,18 @@ class SlotRing:
             for e in old.entries:  # eviction: a pointer repoint, nothing copied back
                 e.tensor.data = e.placeholder
         streams = self.streams
-        streams.wait(streams.h2d, slot.free_event)
+        # pageable masters: the staging worker enqueues the waits right before its copies
+        packed = self.packed is not None and self.packed.holds(block)
+        # (compressed masters copy from their pinned payload, never through the staging pool)
+        staged = self.staged if source is None and not packed else None
+        if staged is None:
+            if self.staged is not None:  # a disk block: a staged fill of this slot goes first
+                self.staged.settle(slot.loaded_event)
+            streams.wait(streams.h2d, slot.free_event)
         if slot.writeback_event is not None:  # trainable="swap": updated weights leaving it
             streams.wait(streams.h2d, slot.writeback_event)
         if block.writeback_event is not None:  # ... and arriving in this block's master
             streams.wait(streams.h2d, block.writeback_event)
-        packed = self.packed is not None and self.packed.holds(block)
         if source is None and not packed:
             fill = block.fill
             if fill is not None:  # loading in the background: this block's bytes first
@@ -351,6 +362,10 @@ class SlotRing:
         if packed:  # SwapConfig.compress: the copy, then the decode on the stream returned
             copied, loaded_on = self.packed.load(  # type: ignore[union-attr]
                 block, block.slot_flat[slot.index], source)
+        elif staged is not None:  # through the pinned staging pool, on its worker thread
+            staged.copy_in(block.slot_flat[slot.index], source, slot.loaded_event,
+                           waits=(slot.free_event,), what=block.name)
+            copied = block.nbytes
         elif self.loader is not None and not block.on_disk and not self._local:
             copied = self.loader.load(slot.buffer[:self.loader.padded_bytes(block.nbytes)],
                                       source, streams, block.name)
@@ -358,7 +373,8 @@ class SlotRing:
         else:
             streams.copy(block.slot_flat[slot.index], source, streams.h2d, block.name)
             copied = block.nbytes
-        streams.record(slot.loaded_event, loaded_on)
+        if staged is None:
+            streams.record(slot.loaded_event, loaded_on)
         if block.on_disk:
             self.disk.copied(block)  # type: ignore[union-attr]
         slot.block = block
@@ -441,6 +457,8 @@ class SlotRing:
                    if e.host_param is not None and e.host_param.grad is not None]
         if not pending:
             return
+        if self.staged is not None:  # pageable gradient buffers: the worker's copy lands first
+            self.staged.settle(block)
         if block.grad_event is not None:  # the previous device->host copy must land first
             self.streams.wait(self.streams.current(), block.grad_event)
         for e, grad in pending:
@@ -476,14 +494,18 @@ class SlotRing:
             if grad is None or hp is None:
                 continue  # no gradient this step: the host gradient keeps its state
             target = typed_view(block.grad_buffer, e.offset, e)
-            streams.copy(target, grad, streams.d2h, block.name)
+            if self.staged is not None:  # pageable buffers: through the staging chunks
+                self.staged.copy_out(_flat_bytes(target), _flat_bytes(grad.detach()), block,
+                                     waits=(ready,), what=block.name)
+            else:
+                streams.copy(target, grad, streams.d2h, block.name)
             hp.grad = target
-            if grad.device.type == "cuda":
+            if grad.device.type == "cuda" and self.staged is None:
                 grad.record_stream(streams.d2h)
             e.tensor.grad = None
             self.counters["d2h_bytes"] += e.nbytes
             copied = True
-        if copied:
+        if copied and self.staged is None:  # staged: settle(block) / drain() wait instead
             block.grad_event = streams.event()
             streams.record(block.grad_event, streams.d2h)
 
@@ -496,6 +518,8 @@ class SlotRing:
         if self.stepper is not None:
             self.stepper.synchronize()
             return
+        if self.staged is not None:  # the worker may still read a master the host will step
+            self.staged.drain()
         for block in self.blocks:
             if block.grad_event is not None:
                 self.streams.synchronize(block.grad_event)
@@ -509,6 +533,8 @@ class SlotRing:
     def forget_loaded(self) -> None:
         """The masters were written where no version counter sees it (a collective, a C++
         write): wait until no copy reads them, and reload every slot at its next use."""
+        if self.staged is not None:
+            self.staged.drain()
         for slot in self.slots:
             self.streams.synchronize(slot.loaded_event)
             slot.loaded_version = -1
@@ -605,7 +631,11 @@ class SlotRing:
             self.disk.reset_counters()
 
     def close(self) -> None:
-        """Free the slots (the caller has synchronized the device); stop the disk reader."""
+        """Free the slots (the caller has synchronized the device); stop the disk reader and
+        the staging worker (which writes into the slots)."""
+        if self.staged is not None:
+            self.staged.close()
+            self.staged = None
         if self.disk is not None:
             self.disk.close()
             self.disk = None
@@ -632,6 +662,11 @@ def _outer_saved_tensor_hooks() -> tuple[Callable[..., Any], Callable[..., Any]]
     if top is None:  # older PyTorch: outer hooks do not reach inside swapped blocks
         return None
     return top(False)  # type: ignore[no-any-return]
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as one flat uint8 view (a copy first when it is not contiguous)."""
+    return t.contiguous().view(-1).view(torch.uint8)
 
 
 def _version(block: SwappedBlock) -> int:

@@ -33,7 +33,8 @@ from vramkit.errors import ConfigError
 from vramkit.io._buffers import recompute_meta_buffers
 from vramkit.io._header import TensorEntry
 from vramkit.io.adapters import init_meta_adapters
-from vramkit.io.lazy import LazySafetensors, ReadThreads
+from vramkit.io.formats import open_checkpoint, prepare_module
+from vramkit.io.lazy import ReadThreads
 from vramkit.io.loader import MemoryEfficientLoader, ModuleFiller, progress_bar, show_progress
 
 __all__ = ["CheckpointSource"]
@@ -64,9 +65,12 @@ class CheckpointSource:
     def __init__(self, model: nn.Module, path: str | os.PathLike[str], *,
                  prefix: str | None = None, strict: bool = True,
                  progress: bool | None = None, skip: Sequence[str] = ()) -> None:
-        # Positional reads: bytes go from the file straight into the pinned masters.
-        self.checkpoint = LazySafetensors.open(path, use_mmap=False)
+        # Positional reads: bytes go from the file straight into the pinned masters. The io
+        # door opens single-file, fp8_scaled and GGUF files with the model's names, and
+        # prepare_module makes GGUF layers packed on meta before the swapper lays out blocks.
+        self.checkpoint = open_checkpoint(path, use_mmap=False)
         try:
+            prepare_module(model, self.checkpoint)
             self._filler = ModuleFiller(model, self.checkpoint, prefix=prefix, dtype=None,
                                         quantization=None, device=torch.device("cpu"),
                                         skip=skip)
@@ -115,8 +119,9 @@ class CheckpointSource:
         into place."""
         jobs: list[Callable[[], None]] = []
         direct: list[tuple[TensorEntry, torch.Tensor]] = []
+        fixed = getattr(self.checkpoint, "fixed_names", frozenset())  # read via load_tensor
         for entry, dst in targets:
-            if entry.dtype != dst.dtype:
+            if entry.dtype != dst.dtype or entry.name in fixed:
                 jobs.append(functools.partial(self._convert, entry, dst))
             elif entry.nbytes:
                 direct.append((entry, dst))

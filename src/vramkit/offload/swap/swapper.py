@@ -59,6 +59,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from vramkit._validate import check_bool, check_size
+from vramkit.devices.host import HostMemoryChoice
 from vramkit.devices.resolve import resolve_device
 from vramkit.errors import ConfigError, OffloadError, VramkitWarning
 from vramkit.memory.transfer import transfer_streams
@@ -106,6 +107,7 @@ from vramkit.offload.swap.records import (
 )
 from vramkit.offload.swap.ring import BlockLoader, SlotRing
 from vramkit.offload.swap.source import CheckpointSource
+from vramkit.offload.swap.staged import resolve_host_memory
 from vramkit.offload.swap.state_dict import install_swap_hooks
 from vramkit.offload.swap.stats import swap_stats
 from vramkit.offload.swap.stepper import OptimizerFactory, SwapStepper
@@ -279,6 +281,7 @@ class BlockSwapper:
                 "bytes between the GPUs",
                 hint="Use compress='off' with sharded uploads.")
         self._loader = block_loader
+        self._host_memory = HostMemoryChoice("pinned", "nothing was swapped yet")
         self._gradient_hook: GradientHook | None = None
         self._ddp_ignored: DDPIgnored | None = None
         self._model_type = type(model)
@@ -405,6 +408,12 @@ class BlockSwapper:
     def _attach(self, found: list[tuple[str, nn.Module]], *, background: bool = False) -> None:
         self._blocks, self._resident_block_bytes = collect_swapped(
             self.model, found, self.schedule, self.config)
+        self._host_memory = resolve_host_memory(self.config, self.device, self._blocks,
+                                                shared=self._host.shared is not None,
+                                                loader=self._loader is not None)
+        if self._host_memory.mode == "pageable":
+            self._host.staging = (self.config.staging_pool,  # type: ignore[assignment]
+                                  self.config.num_slots + 1)
         self._host.place(self._blocks)
         swapped_ids = {id(e.tensor) for b in self._blocks for e in b.entries}
         # Everything else goes to the device (placement recorded for detach); from the
@@ -440,6 +449,7 @@ class BlockSwapper:
                               loader=self._loader)
         self._ring.disk = self._host.disk
         self._ring.packed = self._host.packed
+        self._ring.staged = self._host.staged
         if self.config.trainable == "swap":
             assert self._factory is not None  # checked in __init__
             self._stepper = SwapStepper(
@@ -483,6 +493,8 @@ class BlockSwapper:
         """Before ``block``'s master (every master: ``None``) is read or written on the host:
         a background fill and pending write-backs land first."""
         self._host.wait(block)
+        if self._host.staged is not None:  # its worker may be reading the masters
+            self._host.staged.drain()
         if self._stepper is not None:
             self._stepper.synchronize()
 
@@ -784,6 +796,12 @@ class BlockSwapper:
                 f"detached, but the swapped blocks whose load failed are left on the meta "
                 f"device: {failed}", hint="Load the model again once the checkpoint reads "
                 "cleanly.") from failed
+
+    @property
+    def host_memory(self) -> HostMemoryChoice:
+        """Where the swapped masters live (``"pinned"`` or ``"pageable"``) and why:
+        ``SwapConfig.host_memory`` as resolved at attach."""
+        return self._host_memory
 
     @property
     def block_loader(self) -> BlockLoader | None:

@@ -171,3 +171,15 @@ def test_disk_tier_blocks_are_stored_and_read_compressed(tmp_path) -> None:  # t
     assert on.disk_read_bytes < 0.8 * off.disk_read_bytes
     for key, value in results["off"][1].items():
         assert torch.equal(results["on"][1][key], value), key
+
+
+def test_compressed_masters_beside_pageable_host_memory() -> None:
+    # compressed masters copy from their own pinned payload, never through the staging pool
+    expected = _train(_net())
+    net = _net()
+    swapper = BlockSwapper(net, config=_config("on", host_memory="pageable"), device="cpu")
+    assert _train(net) == expected
+    stats = swapper.stats()
+    assert stats.host_memory == "pageable" and stats.compressed_blocks == BLOCKS
+    assert stats.staged_copies == 0
+    swapper.detach()

@@ -135,8 +135,10 @@ def attach(model: Stack, mode: str, budget: int, device: torch.device, train: bo
         block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters()
                     if not p.requires_grad)
         budget -= int(2 * 0.72 * block)
+    # pinned masters in both arms (host_memory="auto" could pick pageable for one of them)
     swapper = BlockSwapper(model, "blocks", SwapConfig(max_gpu_bytes=budget, num_slots=2,
-                                                       compress=mode), device=device)
+                                                       compress=mode, host_memory="pinned"),
+                           device=device)
     return swapper
 
 

@@ -27,6 +27,7 @@ FLOORS: dict[str, int] = {
     "vramkit._files": 0,
     "vramkit.devices": 1,
     "vramkit.memory": 2, "vramkit.kernels": 2, "vramkit.quant": 2, "vramkit.optim": 2,
+    "vramkit.compress": 2,  # lossless weight coding; offload/swap stores masters in it
     # observe (profiling, reports, leaks, OOM recovery) stands on memory beside io and offload,
     # which may never import it (test_observation_stays_above_what_it_watches)
     "vramkit.io": 3, "vramkit.offload": 3, "vramkit.observe": 3,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "CompressionError",
     "ConfigError",
     "DeviceError",
     "DeviceMismatchError",
@@ -167,6 +168,14 @@ class OffloadError(VramkitError):
 
     default_hint = ("See the docstring of the offloading class or function named in the message "
                     "for what it supports.")
+
+
+class CompressionError(VramkitError):
+    """Losslessly compressed bytes cannot be decoded: a corrupted or truncated payload, a header
+    of another format version, or data the coder does not take."""
+
+    default_hint = ("The compressed copy no longer matches what was encoded; encode the original "
+                    "tensor again (a swapper: detach and attach again, or set compress='off').")
 
 
 class QuantizationError(VramkitError):

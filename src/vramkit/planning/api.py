@@ -26,6 +26,7 @@ from vramkit.devices.host import HOST_MEMORY_MODES, HostMemoryChoice, choose_hos
 from vramkit.errors import ConfigError, PlanError
 from vramkit.offload.blocks import find_blocks, module_bytes, split_blocks
 from vramkit.offload.swap.staged import measure_memcpy_bytes_per_s, staging_layout
+from vramkit.planning._compression import expected_ratio
 from vramkit.planning.analysis import FORMATS, ModelCost, analyze, check_model, meta_copy
 from vramkit.planning.calibration import BlockTimes, calibrate_blocks
 from vramkit.planning.hardware import (
@@ -258,6 +259,11 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         return analyze(on_meta()[0], example_inputs, mode=mode, step=step, found=units,
                        formats=("bf16", *allow_formats), autocast=autocast)
 
+    def ratio_of(units: list[tuple[str, nn.Module]] | None) -> float | None:
+        """What compressed masters of these blocks would keep (``None``: the model's frozen
+        tensors, whose dtypes the blocks share, read without finding the blocks again)."""
+        return expected_ratio([("", model)] if units is None else units)
+
     def planned(units: list[tuple[str, nn.Module]] | None, cost: ModelCost,
                 block_times: BlockTimes | None) -> Plan:
         """The plan of ``cost``, calibrating ``units`` first where the machine is measured
@@ -284,7 +290,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
                       num_slots=slots, activation_offload=activation_offload,
                       host_budget=host, budget_for=budget_for, times=block_times,
                       disk_bytes_per_s=disk_rate, checkpointing=checkpointing,
-                      copy_bytes_per_s=copy_rate[0])
+                      copy_bytes_per_s=copy_rate[0], compress_ratio=ratio_of(units))
 
     timed_compiled: list[str | None] = []  # the compile mode of the times each plan used
     may_split = (mode == "infer" and isinstance(blocks, str) and blocks == "auto"

@@ -113,6 +113,9 @@ class BlockTimes:
             whose 8-bit GEMM the GPU lacks): not timed, and a plan does not offer them.
         compiled: the ``torch.compile`` mode the blocks were timed compiled in (``None``:
             eager).
+        decode_bytes_per_s: the GPU decoder's rate of compressed masters, decoded bytes per
+            second (:func:`measure_decode_rate`); ``None`` where there is none (a CPU, no
+            Triton): the plan then never compresses.
     """
 
     calls: dict[str, dict[str, CallTimes]]
@@ -122,6 +125,7 @@ class BlockTimes:
     seconds: float = 0.0
     unavailable: dict[str, str] = field(default_factory=dict)
     compiled: str | None = None
+    decode_bytes_per_s: float | None = None
 
     def call(self, name: str, variant: str = FULL) -> CallTimes | None:
         """Block ``name``'s times in ``variant``, or ``None`` when that was not timed."""
@@ -633,7 +637,8 @@ def calibrate_blocks(model: nn.Module, inputs: Any, *, mode: str = "train",
     logger.info("calibrated %d block kind(s) on %s in %.1f s", len(kinds), target, seconds)
     return BlockTimes(calls=calls, kinds=len(kinds), device=str(target),
                       fallbacks=tuple(dict.fromkeys(fallbacks)), seconds=seconds,
-                      unavailable=unavailable, compiled=compile)
+                      unavailable=unavailable, compiled=compile,
+                      decode_bytes_per_s=measure_decode_rate(target))
 
 
 def _compile_block(block: nn.Module, mode: str) -> None:
@@ -645,6 +650,31 @@ def _compile_block(block: nn.Module, mode: str) -> None:
     holder = nn.Module()
     holder.block = block
     compile_blocks(holder, ["block"], mode=mode)
+
+
+def measure_decode_rate(device: torch.device, nbytes: int = 64 << 20) -> float | None:
+    """Decoded bytes per second of compressed masters on ``device`` (``SwapConfig.compress``):
+    ``nbytes`` of normal bf16 weights encoded there, the median of five timed decodes; ``None``
+    without a GPU decoder (a CPU, or no Triton)."""
+    from vramkit.compress import decode_into, encode_tensor, triton_decoder_available
+
+    if not triton_decoder_available(device):
+        return None
+    weights = (torch.randn(nbytes // 2, device=device) * 0.02).bfloat16()
+    packed = encode_tensor(weights, device=device, crc=False)
+    packed = packed.to(packed.payload.to(device))
+    out = torch.empty(packed.nbytes, dtype=torch.uint8, device=device)
+    decode_into(packed, out)  # compiles the kernel
+    times = []
+    for _ in range(5):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        decode_into(packed, out)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return packed.nbytes / sorted(times)[2]
 
 
 def _time_packed(block: nn.Module, fmt: str, args: Any, kwargs: Any, device: torch.device,

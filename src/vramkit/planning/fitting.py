@@ -256,7 +256,8 @@ class Fitted:
         if plan.swapped:
             self.swapper = BlockSwapper(model, blocks, config=SwapConfig(
                 swapped_blocks=plan.swapped, num_slots=max(1, plan.num_slots),
-                host_budget=plan.swap_host_budget, **_host_memory(
+                host_budget=plan.swap_host_budget,
+                compress="on" if plan.compress_masters else "off", **_host_memory(
                     plan, self._host_memory_asked, self._master_memory, self._block_loader)),
                 device=self.device, checkpoint=checkpoint, prefix=prefix, strict=strict,
                 master_memory=self._master_memory, block_loader=self._block_loader,

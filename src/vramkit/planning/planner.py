@@ -46,6 +46,7 @@ from typing import Any
 
 from vramkit.errors import PlanError
 from vramkit.offload.blocks import spread_evenly
+from vramkit.planning._compression import decode_rate
 from vramkit.planning.analysis import ModelCost
 from vramkit.planning.calibration import BlockTimes
 from vramkit.planning.machine import COPY_SLOWDOWN, Machine
@@ -169,7 +170,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
            activation_offload: bool = True, host_budget: int | None = None,
            budget_for: Callable[[int], int] | None = None,
            times: BlockTimes | None = None, disk_bytes_per_s: float | None = None,
-           checkpointing: str = "auto", copy_bytes_per_s: float | None = None) -> Plan:
+           checkpointing: str = "auto", copy_bytes_per_s: float | None = None,
+           compress_ratio: float | None = None) -> Plan:
     """The fastest plan that fits (see the module docstring).
 
     Args:
@@ -187,6 +189,10 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         copy_bytes_per_s: the rate the swapped blocks' masters reach the device (default
             the machine's pinned rate; pageable masters copy at
             :func:`~vramkit.planning.pricing.staged_copy_rate`).
+        compress_ratio: what a swapped master keeps of its bytes when compressed
+            (:func:`vramkit.planning._compression.expected_ratio`; ``None``: compression is not
+            weighed). A candidate is compressed where that prices faster and fits, at the
+            calibrated decode rate (a hardware profile's assumed one offline).
 
     Raises:
         PlanError: when nothing fits, naming the smallest budget that would, and what would
@@ -237,7 +243,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     pricer = StepPricer(cost=cost, machine=machine, prices=prices, order=order,
                         act_choices=act_choices, trainable=trainable, formats=formats,
                         host_budget=host_budget, disk_bytes_per_s=disk_bw,
-                        copy_bytes_per_s=copy_bytes_per_s)
+                        copy_bytes_per_s=copy_bytes_per_s, compress_ratio=compress_ratio,
+                        decode_bytes_per_s=decode_rate(machine, times), compress_budget=avail)
 
     candidates: list[Priced] = []
     smallest = math.inf  # the least memory any candidate needs (for the error)
@@ -384,7 +391,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         disk_blocks=tuple(names[i] for i in best.disk),
         swap_host_budget=best.swap_budget if best.disk else None,
         disk_bytes_per_s=disk_bw if best.disk else None,
-        dequantize_together=best.together, checkpointing=checkpointing)
+        dequantize_together=best.together, checkpointing=checkpointing,
+        compress_masters=best.compress)
 
 
 def _w8a8_refusal(fmt: str, machine: Machine, times: BlockTimes | None) -> str | None:

@@ -18,10 +18,11 @@ calls, and per candidate, its phases and its memory.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vramkit.offload._activation_settings import ActivationOffloadConfig
+from vramkit.planning._compression import MIN_GAIN, compressed
 from vramkit.planning.analysis import BlockCost, ModelCost
 from vramkit.planning.calibration import CHECKPOINTED, FULL, BlockTimes, CallTimes, packed_variant
 from vramkit.planning.machine import (
@@ -233,6 +234,7 @@ class Priced:
         host: pinned host bytes (masters on the host, offloaded activations).
         disk: the indices of the swapped blocks kept on disk; ``swap_budget`` the
             ``SwapConfig.host_budget`` that keeps them there (``None`` without a disk tier).
+        compress: the swapped masters are compressed (``SwapConfig.compress``).
     """
 
     seconds: float
@@ -252,6 +254,7 @@ class Priced:
     disk: tuple[int, ...]
     swap_budget: int | None
     together: bool
+    compress: bool = False
 
 
 @dataclass(frozen=True)
@@ -266,6 +269,10 @@ class StepPricer:
         formats: the formats weighed, the ones as built first.
         host_budget: pinned host memory the swapped blocks and offloaded activations may take.
         disk_bytes_per_s: the disk tier's read bandwidth.
+        compress_ratio / decode_bytes_per_s / compress_budget: compressed masters
+            (:mod:`vramkit.planning._compression`): the bytes a master keeps, the device's
+            decode rate and the device bytes a compressed candidate must fit in; any ``None``:
+            not weighed.
         copy_bytes_per_s: the rate a swapped block's master reaches the device (``None``:
             the machine's pinned copy rate; pageable masters: :func:`staged_copy_rate`).
             Offloaded activations are pinned whatever the masters are: they keep the pinned
@@ -281,11 +288,31 @@ class StepPricer:
     formats: list[str]
     host_budget: int | None
     disk_bytes_per_s: float
+    compress_ratio: float | None = None
+    decode_bytes_per_s: float | None = None
+    compress_budget: int | None = None
     copy_bytes_per_s: float | None = None
 
     def price(self, candidate: Candidate) -> Priced | None:
         """``candidate``'s predicted phases and memory (``None``: its masters cannot be split
-        between host and disk under ``host_budget``)."""
+        between host and disk under ``host_budget``), with compressed masters where that
+        prices at least ``MIN_GAIN`` faster and fits (frozen swapped blocks in RAM only: a
+        disk tier keeps raw masters)."""
+        plain = self._price(candidate)
+        ratio, rate, room = self.compress_ratio, self.decode_bytes_per_s, self.compress_budget
+        if (plain is None or plain.disk or not candidate.chosen or ratio is None
+                or rate is None or room is None or candidate.swapped_format != "bf16"):
+            return plain
+        variant, scratch = compressed(candidate, ratio, rate)
+        packed = self._price(variant)
+        if packed is None or packed.disk:
+            return plain
+        breakdown = {**packed.breakdown, "compress_scratch": scratch}
+        if sum(breakdown.values()) > room or packed.seconds > plain.seconds * (1 - MIN_GAIN):
+            return plain
+        return replace(packed, breakdown=breakdown, compress=True)
+
+    def _price(self, candidate: Candidate) -> Priced | None:
         c, p, cost = candidate, self.prices, self.cost
         train = cost.mode == "train"
         estimate = cost.activations

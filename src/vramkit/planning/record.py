@@ -118,6 +118,9 @@ class Plan:
             :func:`vramkit.offload.blocks.split_blocks`): ``swapped``, ``resident`` and
             ``block_order`` name those units, and the ring's slots are as large as the largest
             unit (inference at budgets where whole blocks leave no room).
+        compress_masters: the swapped masters are kept losslessly compressed and decoded on
+            the device after each copy (``SwapConfig(compress="on")``; the decode scratch is
+            ``peak_breakdown["compress_scratch"]``): fewer bytes over a transfer-bound link.
         host_memory / host_memory_reason: where the swapped masters live, ``"pinned"`` or
             ``"pageable"`` (``SwapConfig.host_memory``, resolved by :func:`vramkit.plan`), and
             why; with pageable masters the copies were priced at ``copy_bytes_per_s``
@@ -150,6 +153,7 @@ class Plan:
     dequantize_together: bool = False
     checkpointing: str = "auto"
     split: bool = False
+    compress_masters: bool = False
     host_memory: str = "pinned"
     host_memory_reason: str = ""
     copy_bytes_per_s: float | None = None
@@ -305,6 +309,11 @@ class Plan:
                 lines.append("Dequantize each packed block's layers together at its first "
                              f"call, into one buffer of {format_size(scratch)} (less host "
                              "time per layer).")
+        if self.compress_masters:
+            scratch = self.peak_breakdown.get("compress_scratch", 0)
+            lines.append("Keep the swapped masters compressed and decode them on the device "
+                         f"after each copy (fewer bytes copied; {format_size(scratch)} of "
+                         "decode scratch).")
         if self.activation_offload:
             lines.append("Offload saved activations to pinned host memory.")
         for label, phase in (("forward", self.forward), ("backward", self.backward)):

@@ -7,8 +7,9 @@ bottom to top (a module imports only modules above it in this list, never below)
 * :mod:`~vramkit.offload.swap.records`: the swapped blocks' records, their flat master layout
   and the swappable rule (:func:`~vramkit.offload.swap.records.is_swappable`).
 * :mod:`~vramkit.offload.swap.disk`, :mod:`~vramkit.offload.swap.source`,
-  :mod:`~vramkit.offload.swap.fill`, :mod:`~vramkit.offload.swap.host`: where the masters live
-  (pinned pool, shared memory, disk tier) and how they are filled from a checkpoint.
+  :mod:`~vramkit.offload.swap.fill`, :mod:`~vramkit.offload.swap.packed`,
+  :mod:`~vramkit.offload.swap.host`: where the masters live (pinned pool, shared memory, disk
+  tier, compressed) and how they are filled from a checkpoint.
 * :mod:`~vramkit.offload.swap.stepper`, :mod:`~vramkit.offload.swap.optimizer`: full
   fine-tuning, each swapped block's optimizer stepped on the GPU inside backward.
 * :mod:`~vramkit.offload.swap.ring`: the ring of GPU slots, acquisition, prefetch, slot reuse.

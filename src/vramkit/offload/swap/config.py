@@ -27,6 +27,7 @@ __all__ = ["GradientHook", "SwapConfig", "SwapStats"]
 GradientHook = Callable[[str, list[torch.Tensor]], "Callable[[], None] | None"]
 
 _TRAINABLE = ("resident", "cpu", "swap")
+_COMPRESS = ("off", "on", "auto")  # vramkit.offload.swap.packed.COMPRESS_MODES
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,17 @@ class SwapConfig:
         disk_cache_dir: where the disk tier writes its cache file when blocks cannot be read
             from a checkpoint (default: ``$VRAMKIT_CACHE_DIR`` or ``~/.cache/vramkit``). Use a
             local disk, not tmpfs (that would be RAM again).
+        compress: keep frozen swapped blocks' masters losslessly compressed in host memory
+            (:mod:`vramkit.compress`: bf16 exponents and 8-bit weights entropy-coded, about
+            0.67-0.70x the bytes of trained bf16 weights) and decode them on the device after
+            each copy, bit for bit. ``"off"`` (default), ``"on"`` (every frozen block, its
+            master in RAM or, with ``host_budget``, in the disk tier's cache file: fewer bytes
+            read too), ``"auto"`` (only blocks that shrink to 0.9x or less). The masters
+            are encoded once at attach (the fill then runs in the foreground); the device
+            holds two scratch buffers of the largest compressed block. Trainable masters are
+            never compressed: they change every step. Compressed masters are pinned, with
+            ``host_memory="pageable"`` too (they are copied from there, not through the
+            staging pool).
         host_memory: where the swapped blocks' masters live on the host. ``"pinned"``: page
             locked (the fastest copies, one copy stream and no thread). ``"pageable"``:
             ordinary memory, each block copied to the GPU through a bounded pinned staging pool
@@ -111,6 +123,7 @@ class SwapConfig:
     max_grad_norm: float | None = None
     host_budget: int | str | None = None
     disk_cache_dir: str | None = None
+    compress: str = "off"
     host_memory: str = "auto"
     staging_pool: int | str = "2GiB"
 
@@ -126,6 +139,7 @@ class SwapConfig:
         check_bool("SwapConfig.checkpointing", self.checkpointing, allow_none=True)
         check_int("SwapConfig.min_param_bytes", self.min_param_bytes, minimum=0)
         check_choice("SwapConfig.trainable", self.trainable, _TRAINABLE)
+        check_choice("SwapConfig.compress", self.compress, _COMPRESS)
         check_bool("SwapConfig.swap_buffers", self.swap_buffers)
         check_bool("SwapConfig.preserve_rng_state", self.preserve_rng_state)
         check_int("SwapConfig.accumulation_steps", self.accumulation_steps, minimum=1)
@@ -237,6 +251,11 @@ class SwapStats:
             before its read finished.
         shared_bytes: of ``pinned_bytes``, the masters in memory shared by the processes of
             one node (``vramkit.distributed``): one copy per node, not per process.
+        compressed_blocks / compressed_bytes / compressed_raw_bytes: blocks whose masters are
+            compressed (``SwapConfig.compress``), their payload bytes (what their loads copy;
+            in ``pinned_bytes`` for masters in RAM, in the cache file for disk-tier blocks)
+            and their bytes decoded; ``compress_scratch_bytes`` the
+            device scratch the payloads are copied into before decoding.
         host_memory: where the masters live, ``"pinned"`` or ``"pageable"``
             (``SwapConfig.host_memory`` resolved at attach); with pageable masters
             ``staging_pool_bytes`` of pinned staging (included in ``pinned_bytes``) carried
@@ -282,6 +301,10 @@ class SwapStats:
     shared_bytes: int = 0
     gathered_bytes: int = 0
     state_prefetched: int = 0
+    compressed_blocks: int = 0
+    compressed_bytes: int = 0
+    compressed_raw_bytes: int = 0
+    compress_scratch_bytes: int = 0
     host_memory: str = "pinned"
     staging_pool_bytes: int = 0
     staged_copies: int = 0

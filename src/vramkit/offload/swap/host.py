@@ -13,6 +13,8 @@
   on disk so that masters plus staging buffers fit the budget; what is left of the budget buys
   more staging buffers (a deeper read-ahead, a larger cache). See
   :mod:`vramkit.offload.swap.disk`.
+* **Compressed masters** (``SwapConfig.compress``): frozen blocks' masters encoded once the
+  fill is done, their raw masters given back (:mod:`vramkit.offload.swap.packed`).
 * **Masters in memory the swapper does not own** (:class:`MasterMemory`): frozen blocks' masters
   can live in memory shared by the processes of one node (``vramkit.distributed``), one copy
   per node instead of one per rank; one process writes them, the others only map them.
@@ -37,6 +39,7 @@ from vramkit.memory.transfer import Streams
 from vramkit.offload.blocks import spread_evenly
 from vramkit.offload.swap.disk import DISK_ALIGN, CacheFile, DiskRead, DiskTier, open_read
 from vramkit.offload.swap.fill import FillSpec, MasterFill
+from vramkit.offload.swap.packed import PackedMasters
 from vramkit.offload.swap.records import ALIGN, SwapEntry, SwappedBlock, typed_view
 from vramkit.offload.swap.staged import StagedCopies, staging_layout
 from vramkit.units import format_size
@@ -174,6 +177,8 @@ class HostStore:
             ``None``: every master is pinned, no disk tier.
         disk_cache_dir: where the disk tier writes its cache file (``None``:
             ``$VRAMKIT_CACHE_DIR`` or ``~/.cache/vramkit``).
+        compress: ``SwapConfig.compress``: ``"off"``, or compress frozen masters once filled
+            (``"on"``, ``"auto"``).
         device: the compute device (pinned pools for CUDA, plain host pools for the CPU).
         streams: the device's copy streams.
         source: the checkpoint swapped tensors are read from, when the swapper was given one
@@ -185,7 +190,8 @@ class HostStore:
     def __init__(self, device: torch.device, streams: Streams,
                  source: CheckpointSource | None, shared: MasterMemory | None = None, *,
                  host_params: bool = False, park_grads: bool = False,
-                 host_budget: int | None = None, disk_cache_dir: str | None = None) -> None:
+                 host_budget: int | None = None, disk_cache_dir: str | None = None,
+                 compress: str = "off") -> None:
         self.host_params = host_params
         self.park_grads = park_grads
         self.host_budget = host_budget
@@ -207,6 +213,8 @@ class HostStore:
         self.disk_blocks: list[SwappedBlock] = []
         self.split: DiskSplit | None = None
         self.filler: MasterFill | None = None
+        self.packed = (PackedMasters(compress, device, streams, self.pool)
+                       if compress != "off" else None)
         # host_memory="pageable": masters in ordinary memory, copied to the GPU through a small
         # pinned pool (staged.py); set by the swapper before place(): (pool bytes, blocks the
         # ring may have in flight).
@@ -317,7 +325,7 @@ class HostStore:
             if on_done is not None:
                 on_done()
             return
-        if background and (self._reserved
+        if background and (self._reserved or self.packed is not None
                            or any(b.trainable_entries for b in filler.blocks)):
             background = False  # other processes wait for published(), after the whole fill
         if self.source is not None and background:
@@ -337,6 +345,7 @@ class HostStore:
         filler = self.filler
         if filler is None:
             self._publish(True)
+            self._pack()  # every block on disk: the scratch for their compressed reads
             return
         if filler.background:
             return
@@ -350,6 +359,28 @@ class HostStore:
             self._publish(False)
             raise
         self._publish(True)
+        self._pack()
+
+    def _pack(self) -> None:
+        """Compress the filled masters of frozen blocks (``SwapConfig.compress``) one at a
+        time, giving each raw master back as soon as its compressed copy exists (pinned memory
+        peaks at the raw masters, never at raw plus compressed)."""
+        packed = self.packed
+        if packed is None:
+            return
+        for block in self.blocks:
+            if (not packed.eligible(block) or id(block) in self.shared_masters
+                    or block.master is None or block.master_block is None):
+                continue
+            if packed.pack(block, block.master):
+                assert self.master_pool is not None
+                block.master_views = []
+                block.master = None
+                self.master_pool.free(block.master_block)
+                block.master_block = None
+        if self.master_pool is not None:
+            self.master_pool.trim()
+        packed.finish()
 
     def _publish(self, ok: bool) -> None:
         """Shared masters: tell the other processes they are written (collective, once; also
@@ -422,6 +453,9 @@ class HostStore:
         files: dict[Path, Any] = {}
         for block in blocks:
             block_specs = specs[id(block)]
+            if self.packed is not None and self._write_packed(block, block_specs, staging[0],
+                                                              reads):
+                continue
             # Read from the checkpoint itself where it holds the bytes as the module keeps them.
             if all(s.file is not None and s.file.dtype == s.entry.dtype for s in block_specs):
                 block_reads = []
@@ -444,11 +478,32 @@ class HostStore:
                 reads[block] = [DiskRead(self.cache.reader, offset, _disk_aligned(block.nbytes),
                                          0)]
         self.disk = DiskTier(reads, staging, self.streams, _fill_threads())
+        if self.packed is not None:
+            self.packed.disk_reader = self.disk.read_tensor
         for block in blocks:
             block.on_disk = True
         logger.info("BlockSwapper: %d swapped blocks (%s) stay on disk, read through %d pinned "
                     "staging buffers of %s", len(blocks),
                     format_size(sum(b.nbytes for b in blocks)), count, format_size(slot))
+
+    def _write_packed(self, block: SwappedBlock, specs: list[FillSpec], buf: torch.Tensor,
+                      reads: dict[SwappedBlock, list[DiskRead]]) -> bool:
+        """SwapConfig.compress: write a disk block compressed into the cache file (fewer bytes
+        read and copied); ``False`` where it would not shrink (then it is stored raw)."""
+        assert self.packed is not None
+        raw = buf[:block.nbytes]
+        raw.zero_()
+        for spec in specs:
+            self.fill(spec, typed_view(raw, spec.entry.offset, spec.entry))
+        packed = self.packed.pack_for_disk(block, raw)
+        if packed is None:
+            return False
+        if self.cache is None:
+            self.cache = CacheFile(self._cache_dir())
+        offset = self.cache.append(packed.payload)
+        reads[block] = [DiskRead(self.cache.reader, offset,
+                                 _disk_aligned(packed.compressed_nbytes), 0)]
+        return True
 
     def _cache_dir(self) -> Path:
         configured = self.disk_cache_dir or os.environ.get("VRAMKIT_CACHE_DIR")
@@ -477,6 +532,9 @@ class HostStore:
         """The current value of each of ``block``'s tensors, on the host (detach); for a block
         whose master was never filled, the model's own tensors where it had them (``None``
         where it did not) and the error that stopped the fill."""
+        if self.packed is not None and self.packed.holds(block):  # in RAM or on disk
+            raw = self.packed.read(block, 0, block.nbytes)
+            return [typed_view(raw, e.offset, e) for e in block.entries], None
         if block.on_disk and self.disk is not None:
             disk = self.disk
             return [typed_view(disk.read_tensor(block, e.offset, e.nbytes), 0, e)
@@ -504,8 +562,14 @@ class HostStore:
         pinned = sum(stats[id(p)].reserved for p in (
             (self.staging_pool,) if staged is not None
             else (self.master_pool, self.grad_pool, self.staging_pool)) if p is not None)
+        packed: dict[str, Any] = {"pinned": 0}
+        if self.packed is not None:
+            self.packed.check()  # a failed decode (corrupted payload) is reported here
+            packed = self.packed.stats()
         return {
-            "pinned": pinned + shared + (staged.pinned_bytes if staged is not None else 0),
+            "pinned": (pinned + shared + (staged.pinned_bytes if staged is not None else 0)
+                       + packed.pop("pinned")),
+            **packed,
             "host_memory": "pageable" if self.staging is not None else "pinned",
             "staging_pool_bytes": staged.pinned_bytes if staged is not None else 0,
             "staged_copies": int(staged_figures.get("staged_copies", 0)),
@@ -537,6 +601,8 @@ class HostStore:
         if self.disk is not None:
             self.disk.close()
             self.disk = None
+        if self.packed is not None:
+            self.packed.close()
         if self.cache is not None:
             self.cache.close()
             self.cache = None

@@ -47,6 +47,7 @@ from vramkit.offload.swap.records import (
 
 if TYPE_CHECKING:
     from vramkit.offload.swap.disk import DiskTier
+    from vramkit.offload.swap.packed import PackedMasters
     from vramkit.offload.swap.staged import StagedCopies
     from vramkit.offload.swap.stepper import SwapStepper
 
@@ -129,6 +130,8 @@ class SlotRing:
         self.gradient_hook: Any = None  # BlockSwapper.set_gradient_hook
         # host_budget: blocks without a master, read from disk into staging ahead of use.
         self.disk: DiskTier | None = None
+        # SwapConfig.compress: blocks whose masters are compressed, decoded after the copy.
+        self.packed: PackedMasters | None = None
         # host_memory="pageable": masters copied through a pinned pool on a worker thread
         self.staged: StagedCopies | None = None
         self._disk_cache: dict[tuple[int, bool, bool], list[SwappedBlock]] = {}
@@ -335,7 +338,9 @@ class SlotRing:
                 e.tensor.data = e.placeholder
         streams = self.streams
         # pageable masters: the staging worker enqueues the waits right before its copies
-        staged = self.staged if source is None else None
+        packed = self.packed is not None and self.packed.holds(block)
+        # (compressed masters copy from their pinned payload, never through the staging pool)
+        staged = self.staged if source is None and not packed else None
         if staged is None:
             if self.staged is not None:  # a disk block: a staged fill of this slot goes first
                 self.staged.settle(slot.loaded_event)
@@ -344,7 +349,7 @@ class SlotRing:
             streams.wait(streams.h2d, slot.writeback_event)
         if block.writeback_event is not None:  # ... and arriving in this block's master
             streams.wait(streams.h2d, block.writeback_event)
-        if source is None:
+        if source is None and not packed:
             fill = block.fill
             if fill is not None:  # loading in the background: this block's bytes first
                 fill.wait(block)
@@ -353,7 +358,11 @@ class SlotRing:
                 raise OffloadError(f"swapped block {block.name} has no host master",
                                    hint="This is a vramkit bug; please report it with the "
                                         "model.")
-        if staged is not None:  # through the pinned staging pool, on its worker thread
+        loaded_on = streams.h2d
+        if packed:  # SwapConfig.compress: the copy, then the decode on the stream returned
+            copied, loaded_on = self.packed.load(  # type: ignore[union-attr]
+                block, block.slot_flat[slot.index], source)
+        elif staged is not None:  # through the pinned staging pool, on its worker thread
             staged.copy_in(block.slot_flat[slot.index], source, slot.loaded_event,
                            waits=(slot.free_event,), what=block.name)
             copied = block.nbytes
@@ -365,7 +374,7 @@ class SlotRing:
             streams.copy(block.slot_flat[slot.index], source, streams.h2d, block.name)
             copied = block.nbytes
         if staged is None:
-            streams.record(slot.loaded_event, streams.h2d)
+            streams.record(slot.loaded_event, loaded_on)
         if block.on_disk:
             self.disk.copied(block)  # type: ignore[union-attr]
         slot.block = block

@@ -49,7 +49,9 @@ def install_swap_hooks(block: SwappedBlock, sync: Callable[[], None] | None = No
 
         tensors.append(MasterTensor(keys, e.tensor, current, restore,
                                     read_only=None if reader is None else
-                                    "the block's weights are kept on disk (host_budget)"))
+                                    ("the block's weights are kept on disk (host_budget)"
+                                     if block.on_disk else "the block's weights are kept "
+                                     "compressed (SwapConfig.compress)")))
 
     def unbind() -> None:
         block.bound = None  # the next acquire points the tensors at their slot again

@@ -270,7 +270,7 @@ class BlockSwapper:
             park_grads=parks_grads(config.trainable, config.accumulation_steps,
                                    config.max_grad_norm),
             host_budget=config.host_budget,  # type: ignore[arg-type]  # normalized to int
-            disk_cache_dir=config.disk_cache_dir)
+            disk_cache_dir=config.disk_cache_dir, compress=config.compress)
         if block_loader is not None and config.host_budget is not None:
             raise ConfigError(
                 "block_loader= with SwapConfig.host_budget: blocks read from disk become ready "
@@ -278,6 +278,11 @@ class BlockSwapper:
                 "order everywhere",
                 hint="Drop host_budget (keep every swapped block in RAM), or load whole blocks "
                      "(shared_swapper(..., uploads='whole')).")
+        if block_loader is not None and config.compress != "off":
+            raise ConfigError(
+                "block_loader= with SwapConfig.compress: a collective load moves raw master "
+                "bytes between the GPUs",
+                hint="Use compress='off' with sharded uploads.")
         self._loader = block_loader
         self._host_memory = HostMemoryChoice("pinned", "nothing was swapped yet")
         self._gradient_hook: GradientHook | None = None
@@ -446,6 +451,7 @@ class BlockSwapper:
                               preserve_rng_state=self.config.preserve_rng_state,
                               loader=self._loader)
         self._ring.disk = self._host.disk
+        self._ring.packed = self._host.packed
         self._ring.staged = self._host.staged
         if self.config.trainable == "swap":
             assert self._factory is not None  # checked in __init__
@@ -463,8 +469,7 @@ class BlockSwapper:
             self._wrap_forward(block)
             self._state_hooks += install_swap_hooks(
                 block, functools.partial(self._sync_masters, block),
-                reader=(self._host.disk.read_tensor if block.on_disk and self._host.disk
-                        else None))
+                reader=self._reader(block))
         self._ddp_ignored = ignore_in_ddp(self.model, self._blocks)
         self._guards = guard_conversions(self.model, self._blocks, self.device)
         watch_structure(True)
@@ -478,6 +483,15 @@ class BlockSwapper:
                     len(self._blocks), len(self.schedule),
                     format_size(sum(b.nbytes for b in self._blocks)), len(self._ring.slots),
                     format_size(self._ring.slot_bytes))
+
+    def _reader(self, block: SwappedBlock) -> Any:
+        """How ``state_dict`` reads a block without a master: from disk, or decoded."""
+        host = self._host
+        if host.packed is not None and host.packed.holds(block):  # in RAM or on disk
+            return host.packed.read
+        if block.on_disk and host.disk is not None:
+            return host.disk.read_tensor
+        return None
 
     def _sync_masters(self, block: SwappedBlock | None = None) -> None:
         """Before ``block``'s master (every master: ``None``) is read or written on the host:

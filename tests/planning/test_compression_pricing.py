@@ -1,0 +1,131 @@
+"""The planner prices compressed masters (vramkit.planning._compression): on where a
+transfer-bound step predicts faster and the decode scratch fits, off where the step is compute
+bound, the weights would not shrink, or no decode rate is known."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._toys import Stack, mlp
+from tests.planning._models import inputs, stack
+from vramkit.planning._compression import (
+    DECODE_SHARE,
+    EXPECTED_RATIO,
+    SCRATCH_BUFFERS,
+    decode_rate,
+    expected_ratio,
+)
+from vramkit.planning.analysis import analyze
+from vramkit.planning.api import plan
+from vramkit.planning.calibration import BlockTimes
+from vramkit.planning.machine import machine_for
+from vramkit.planning.record import Plan
+
+MiB = 1 << 20
+
+
+def _bf16_stack() -> torch.nn.Module:
+    model = stack(device="meta").to(torch.bfloat16)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return model
+
+
+def test_expected_ratio_follows_the_dtypes() -> None:
+    blocks = list(_bf16_stack().blocks.named_children())
+    assert expected_ratio(blocks) == pytest.approx(EXPECTED_RATIO["bf16"])
+    fp32 = list(stack(device="meta").blocks.named_children())
+    assert expected_ratio(fp32) is None  # stored raw: nothing to gain
+
+
+def test_decode_rate_sources() -> None:
+    offline = machine_for("h100-sxm")
+    assert decode_rate(offline, None) == pytest.approx(
+        DECODE_SHARE * offline.memory_bandwidth_bytes_per_s)
+    times = BlockTimes(calls={}, kinds=0, device="cpu")
+    assert decode_rate(offline, times) is None  # measured without a GPU decoder
+    assert decode_rate(offline, BlockTimes(calls={}, kinds=0, device="cuda:0",
+                                           decode_bytes_per_s=5e11)) == 5e11
+
+
+def _plan(model: torch.nn.Module, budget: int, **kw: object) -> Plan:
+    xs = inputs(device="meta")
+    cost = analyze(model, xs, mode="infer", autocast=None)
+    return plan(model, xs, budget, mode="infer", headroom=0, cost=cost, autocast=None,
+                **kw)  # type: ignore[arg-type]
+
+
+def _wide(dtype: torch.dtype) -> torch.nn.Module:
+    """Six frozen 2048 -> 8192 -> 2048 MLP blocks (64 MiB each in bf16): at a few tokens a
+    block's copy takes far longer than its compute."""
+    with torch.device("meta"):
+        model = Stack(lambda: mlp(2048, 8192), 6, frozen=True).to(dtype)
+    return model
+
+
+def _plan_wide(model: torch.nn.Module, budget: int, **kw: object) -> Plan:
+    xs = (torch.empty(1, 4, 2048, device="meta", dtype=next(model.parameters()).dtype),)
+    return plan(model, xs, budget, mode="infer", headroom=0, autocast=None, blocks="blocks",
+                **kw)  # type: ignore[arg-type]
+
+
+def test_a_transfer_bound_plan_compresses() -> None:
+    # Inference with room for two blocks: raw, one stays resident and five are copied each
+    # call; compressed, all six are copied at 0.7x the bytes through one slot and the decode
+    # scratch (4.2 blocks' worth of copies): the faster step.
+    tight = _plan_wide(_wide(torch.bfloat16), 160 * MiB, hardware="rtx4090")
+    assert len(tight.swapped) == 6 and tight.compress_masters
+    scratch = tight.peak_breakdown["compress_scratch"]
+    assert scratch == SCRATCH_BUFFERS * int(64 * MiB * EXPECTED_RATIO["bf16"])
+    assert tight.predicted_peak_bytes <= 160 * MiB
+    assert "compressed" in tight.explain()
+    assert Plan.from_dict(tight.to_dict()).compress_masters
+    # fp32 weights are stored raw: nothing to gain
+    assert not _plan_wide(_wide(torch.float32), 400 * MiB, hardware="rtx4090").compress_masters
+
+
+def test_no_decode_rate_or_no_room_means_raw_masters() -> None:
+    model = _wide(torch.bfloat16)
+    # a measured machine without a GPU decoder
+    times = BlockTimes(calls={}, kinds=0, device="cpu")
+    from vramkit.planning.planner import search
+
+    xs = (torch.empty(1, 4, 2048, device="meta", dtype=torch.bfloat16),)
+    cost = analyze(model, xs, mode="infer", autocast=None)
+    ratio = expected_ratio(list(model.blocks.named_children()))
+    offline = search(cost, machine_for("rtx4090"), 160 * MiB, 0, compress_ratio=ratio)
+    assert offline.compress_masters
+    assert not search(cost, machine_for("rtx4090"), 160 * MiB, 0).compress_masters
+    assert not search(cost, machine_for("rtx4090"), 160 * MiB, 0, compress_ratio=ratio,
+                      times=times).compress_masters  # a CPU calibration: no decoder
+    # room for one slot, not for the scratch beside it
+    assert not search(cost, machine_for("rtx4090"), 100 * MiB, 0,
+                      compress_ratio=ratio).compress_masters
+
+
+def test_fit_applies_a_compressed_plan() -> None:
+    import dataclasses
+
+    import vramkit
+
+    model = stack().to(torch.bfloat16)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    xs = tuple(x.bfloat16() for x in inputs())
+    made = vramkit.plan(_bf16_stack(), xs, 3 * MiB, hardware="rtx4090", headroom=0,
+                        autocast=None, mode="infer")
+    assert made.swapped
+    with vramkit.fit(model, xs, 3 * MiB, plan=dataclasses.replace(made, compress_masters=True),
+                     device="cpu", mode="infer") as fitted:
+        assert fitted.swapper is not None
+        assert fitted.swapper.config.compress == "on"
+
+
+@pytest.mark.gpu
+def test_the_decode_rate_is_measured_on_a_gpu() -> None:
+    from vramkit.planning.calibration import measure_decode_rate
+
+    rate = measure_decode_rate(torch.device("cuda"), nbytes=16 << 20)
+    assert rate is not None and rate > 1e10
+    assert measure_decode_rate(torch.device("cpu")) is None

@@ -9,7 +9,7 @@ every token alone, so it can run over ``chunks`` slices of the token dimension a
 * in a forward without grad (a checkpointed block's forward, inference) each slice's
   temporaries die before the next slice starts, and the slices' outputs are written into one
   preallocated output;
-* with grad, each slice runs under a checkpoint (the block's own method: lean, or PyTorch's),
+* with grad, each slice runs under PyTorch's non-reentrant checkpoint,
   so autograd keeps only the slice's input -- a view of the layer's input, whose storage the
   caller holds anyway -- instead of the up-projection and activation of every token; backward
   rebuilds one slice at a time. One more forward of the MLP in backward is the price.
@@ -38,7 +38,6 @@ from torch import nn
 from vramkit._validate import check_bool, check_int
 from vramkit.errors import ConfigError
 from vramkit.offload import _patch
-from vramkit.offload._lean_checkpoint import LeanState
 from vramkit.offload._patch import MethodWrapper
 
 __all__ = ["FEED_FORWARD_NAMES", "chunk_feed_forwards", "chunk_tokens", "feed_forward_of",
@@ -52,7 +51,7 @@ FEED_FORWARD_NAMES: tuple[str, ...] = ("ffn", "ff", "mlp", "feed_forward")
 class _ChunkedForward(MethodWrapper):
     """A feed-forward layer's ``forward`` over slices of its first argument's token dimension."""
 
-    __slots__ = ("checkpoint", "chunks", "dim", "lean")
+    __slots__ = ("checkpoint", "chunks", "dim")
 
     kind = "chunk"
 
@@ -61,7 +60,6 @@ class _ChunkedForward(MethodWrapper):
         self.chunks = chunks
         self.dim = dim
         self.checkpoint = checkpoint
-        self.lean = LeanState()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.active or self.chunks < 2 or not args or not isinstance(
@@ -77,9 +75,11 @@ class _ChunkedForward(MethodWrapper):
         if self.checkpoint:
             from vramkit.offload.checkpointing import run_checkpointed
 
-            owner = _owner(self.inner)
-            outs = [run_checkpointed(self._slice, (piece, *rest), kwargs, True, module=owner,
-                                     lean=self.lean if owner is not None else None)
+            # PyTorch's checkpoint, not the lean one: the lean backward's own autograd.grad
+            # cannot run beneath the module tracker of torch's FLOP counter (the planner's
+            # meta pass), and a slice's forward runs with grad only in a recomputation, where
+            # the lean forward's host saving does not apply.
+            outs = [run_checkpointed(self._slice, (piece, *rest), kwargs, True)
                     for piece in pieces]
         else:
             outs = [self._slice(piece, *rest, **kwargs) for piece in pieces]
@@ -115,13 +115,6 @@ class _ChunkedForward(MethodWrapper):
 
     def __repr__(self) -> str:
         return f"<{self.chunks} token chunks of {self.inner!r}>"
-
-
-def _owner(inner: Any) -> nn.Module | None:
-    while isinstance(inner, MethodWrapper):
-        inner = inner.inner
-    owner = getattr(inner, "__self__", None)
-    return owner if isinstance(owner, nn.Module) else None
 
 
 def _state_of(module: nn.Module) -> _ChunkedForward | None:

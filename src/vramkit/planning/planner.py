@@ -42,6 +42,7 @@ import bisect
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from vramkit.errors import PlanError
@@ -62,7 +63,31 @@ from vramkit.planning.record import CHECKPOINTING, Plan
 from vramkit.planning.w8a8 import accuracy_note, is_w8a8, unavailable_on_machine
 from vramkit.units import format_size, format_sizes_apart
 
-__all__ = ["CHECKPOINTING", "search"]
+__all__ = ["CHECKPOINTING", "Choice", "search"]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One candidate named by its choices, for :func:`search` to price alone (``only=``).
+
+    Attributes:
+        chosen: the indices of the swapped blocks (in :attr:`ModelCost.blocks`).
+        num_slots: R, the ring's slots (0 with nothing swapped).
+        checkpoints: how many blocks of the checkpoint order are checkpointed (the order
+            :func:`search` checkpoints in: most activation bytes saved per recomputed FLOP
+            first).
+        offload: saved activations go to pinned host memory.
+        swapped_format / resident_format: storage formats.
+        together: packed blocks' layers dequantized together.
+    """
+
+    chosen: tuple[int, ...]
+    num_slots: int
+    checkpoints: int
+    offload: bool = False
+    swapped_format: str = "bf16"
+    resident_format: str = "bf16"
+    together: bool = False
 
 
 def _checkpoint_order(cost: ModelCost) -> list[str]:
@@ -169,7 +194,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
            activation_offload: bool = True, host_budget: int | None = None,
            budget_for: Callable[[int], int] | None = None,
            times: BlockTimes | None = None, disk_bytes_per_s: float | None = None,
-           checkpointing: str = "auto") -> Plan:
+           checkpointing: str = "auto", only: Choice | None = None) -> Plan:
     """The fastest plan that fits (see the module docstring).
 
     Args:
@@ -184,6 +209,9 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
             (``BlockSwapper.disk_split``), each such block's copy paced by the disk.
         checkpointing: ``"auto"`` (default), ``"all"`` or ``"none"`` (:data:`CHECKPOINTING`;
             training only): which blocks may be checkpointed.
+        only: price this one :class:`Choice` instead of searching (a hand plan, a plan's
+            neighbour: :func:`~vramkit.planning.neighbourhood.neighbours`), whether it fits the
+            budget or not; its :attr:`Plan.predicted_peak_bytes` says.
 
     Raises:
         PlanError: when nothing fits, naming the smallest budget that would, and what would
@@ -238,16 +266,25 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     candidates: list[Priced] = []
     smallest = math.inf  # the least memory any candidate needs (for the error)
     for together in ways:
+        if only is not None and together != only.together:
+            continue
         dequant_of = dequant_by[together]
         for fmt_s in formats:
+            if only is not None and fmt_s != only.swapped_format:
+                continue
             sizes = [b.swapped[fmt_s] for b in cost.blocks]
             # each block's forward in this format: the compute its copy can hide behind
             ranked = [max(c.forward + d.forward, c.host_forward + d.host_forward)
                       for c, d in zip(full, dequant_of[fmt_s], strict=True)]
-            swap_sets = [_swap_sets(sizes, ranked, k, bw) for k in range(n + 1)]
+            swap_sets = ([[] for _ in range(n + 1)] if only is not None else
+                         [_swap_sets(sizes, ranked, k, bw) for k in range(n + 1)])
+            if only is not None:
+                swap_sets[len(only.chosen)] = [sorted(only.chosen)]
             for fmt_r in formats:
-                if together and fmt_s == fmt_r == "bf16":
+                if together and fmt_s == fmt_r == "bf16" and only is None:
                     continue  # nothing packed: the same candidates as the other way
+                if only is not None and fmt_r != only.resident_format:
+                    continue
                 resident_all = [b.resident_bytes(fmt_r) for b in cost.blocks]
                 for k in range(n + 1):
                     for chosen in swap_sets[k]:
@@ -267,20 +304,24 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                         per_layer = ([dequant_by[False][f][i] for i, f in enumerate(block_fmt)]
                                      if together else dequant)
                         copy_s = [sizes[i] / bw if flags[i] else 0.0 for i in range(n)]
-                        for r in sorted(set(num_slots)):
+                        for r in sorted(set(num_slots) if only is None else {only.num_slots}):
                             if k and r > k:
                                 continue  # slots beyond the swapped blocks would hold nothing
                             slots = r * slot if chosen else 0
                             rest = weights + slots + trainable + scratch
                             smallest = min(smallest, rest + least_activations)
-                            if rest >= avail:
+                            if only is not None:
+                                fits = [(min(only.checkpoints, len(act_choices) - 1),
+                                         only.offload and train)]
+                            elif rest >= avail:
                                 continue
-                            m, offload = _fit_activations(act_choices, avail - rest, train, estimate,
-                                                          offload_too)
-                            if m is None:
-                                continue
-                            fits = [(m, offload)]
-                            if (offload_too and not offload
+                            else:
+                                m, offload = _fit_activations(act_choices, avail - rest, train,
+                                                              estimate, offload_too)
+                                if m is None:
+                                    continue
+                                fits = [(m, offload)]
+                            if (only is None and offload_too and not offload
                                     and _offloaded(estimate, train) <= avail - rest):
                                 # everything checkpointed, saved tensors on the host: more room for weights
                                 fits.append((len(act_choices) - 1, True))

@@ -392,18 +392,36 @@ def _offloaded(estimate: Any, train: bool) -> int:
       there put Llama-8B's 7.5 GiB plan 0.5 GiB above its measured peak, one slot short: R=1,
       2.0x the resident step);
     * the start of backward: those held tensors, the prefetched ones, and the last block
-      rebuilt by its recomputation with its temporaries (of the order of what it saves);
+      rebuilt by its recomputation with its temporaries (:func:`recompute_peak`);
     * later in backward: the held tensors are used up (the first blocks of backward take them),
-      so the prefetched ones, the block being recomputed and its temporaries. (Counting the
+      so the prefetched ones and the block being recomputed with its temporaries. (Counting the
       held tensors here too put every FLUX offload plan ~256 MiB above its measured peak; a
       snapshot of the 7.5 GiB row's peak held the prefetched tensors, 285 MB, and a double
       block's recomputation and temporaries, nothing of the forward's.)"""
     if not train:
         return max(estimate.largest_block, estimate.tail)
-    last = next(reversed(estimate.per_block.values()), 0)  # backward's first recomputation
-    backward = max(OFFLOAD_PREFETCH_BYTES + 2 * estimate.largest_block,
-                   OFFLOAD_WINDOW_BYTES + 2 * last)
+    names = list(estimate.per_block)
+    largest = max((recompute_peak(estimate, n) for n in names), default=0)
+    last = recompute_peak(estimate, names[-1]) if names else 0  # backward's first
+    backward = max(OFFLOAD_PREFETCH_BYTES + largest, OFFLOAD_WINDOW_BYTES + last)
     return estimate.outside + max(backward, OFFLOAD_INFLIGHT_BYTES + estimate.tail)
+
+
+def recompute_peak(estimate: Any, name: str) -> int:
+    """What block ``name`` holds at once while backward rebuilds and differentiates it, its
+    inputs brought back: the most of its recomputed forward (inputs + what it makes while it
+    runs, :attr:`~vramkit.planning.activations.ActivationEstimate.transient`) and of its
+    backward (:attr:`~vramkit.planning.activations.ActivationEstimate.backward_peak`), as the
+    meta step followed them; where the backward was not followed, twice what it saves (its
+    saved tensors and temporaries of their order).
+
+    At long sequences the followed figure is what a plan fits or not: Wan 2.1 14B at
+    480x832 x 81 frames saves 7.4 GiB a block and holds 10.9 GiB at once while it is
+    recomputed, where twice its saved bytes read 14.9 GiB."""
+    if name in estimate.backward_peak:
+        return int(max(estimate.inputs[name] + estimate.transient.get(name, 0),
+                       estimate.backward_peak[name]))
+    return 2 * int(estimate.per_block[name])
 
 
 def _offload_bytes(estimate: Any, checkpointed: Sequence[str]) -> int:

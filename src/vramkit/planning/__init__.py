@@ -31,10 +31,10 @@ from vramkit._lazy import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".api": ("plan", "DEFAULT_HEADROOM", "DEFAULT_OFFLINE_HARDWARE", "resolve_headroom",
-             "check_budget_fits"),
+             "check_budget_fits", "DEFAULT_SLOTS", "SWAP_TRAINABLE_SLOTS", "TRAINABLE_MODES"),
     ".fitting": ("fit", "Fitted", "FitReport"),
     ".record": ("Plan", "PhaseTime", "CHECKPOINTING"),
-    ".planner": ("search", "Choice"),
+    ".planner": ("search", "Choice", "SWAP_STATE_SLOWDOWN", "swap_state_factor"),
     ".neighbourhood": ("Neighbour", "choice_of", "fits", "neighbours", "price_choice"),
     ".pricing": ("BlockPrices", "Candidate", "Priced", "StepPricer", "w8a8_change"),
     ".simulation": ("simulate_phase",),

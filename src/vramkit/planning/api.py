@@ -24,6 +24,7 @@ from vramkit._validate import (
 )
 from vramkit.errors import ConfigError, PlanError
 from vramkit.offload.blocks import find_blocks, module_bytes, split_blocks
+from vramkit.offload.swap import SwapConfig
 from vramkit.planning.analysis import FORMATS, ModelCost, analyze, check_model, meta_copy
 from vramkit.planning.calibration import BlockTimes, calibrate_blocks
 from vramkit.planning.hardware import HardwareProfile
@@ -32,8 +33,17 @@ from vramkit.planning.planner import search
 from vramkit.planning.record import CHECKPOINTING, Plan
 from vramkit.units import format_size, format_sizes_apart
 
-__all__ = ["DEFAULT_HEADROOM", "DEFAULT_OFFLINE_HARDWARE", "check_budget_fits", "plan",
+__all__ = ["DEFAULT_HEADROOM", "DEFAULT_OFFLINE_HARDWARE", "DEFAULT_SLOTS",
+           "SWAP_TRAINABLE_SLOTS", "TRAINABLE_MODES", "check_budget_fits", "plan",
            "resolve_headroom"]
+
+#: Ring sizes a plan weighs by default.
+DEFAULT_SLOTS = (1, 2, 3)
+#: ... with ``trainable="swap"``: the optimizer-state slots overlap the write-backs only with
+#: several (1.60x the transfer bound with 2, 1.01x with 8: ``planner.SWAP_STATE_SLOWDOWN``).
+SWAP_TRAINABLE_SLOTS = (2, 3, 4, 6, 8)
+#: Where trainable parameters live (``plan(trainable=)``).
+TRAINABLE_MODES = ("resident", "swap")
 
 #: The GPU a plan is made for when no ``hardware=`` is given and PyTorch sees no GPU (the CLI's
 #: default too).
@@ -94,11 +104,12 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
          allow_formats: Sequence[str] = (), host_budget: int | str | None = None,
          headroom: int | str | float | None = None,
          step: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-         blocks: str | Sequence[str] = "auto", num_slots: Sequence[int] = (1, 2, 3),
+         blocks: str | Sequence[str] = "auto", num_slots: Sequence[int] | None = None,
          activation_offload: bool = True, autocast: torch.dtype | None = torch.bfloat16,
          cost: ModelCost | None = None, block_times: BlockTimes | None = None,
          device: str | torch.device | None = None, reserved_bytes: int | str = 0,
-         disk_bytes_per_s: float | None = None, checkpointing: str = "auto") -> Plan:
+         disk_bytes_per_s: float | None = None, checkpointing: str = "auto",
+         trainable: str = "resident") -> Plan:
     """Plan a model's memory for a budget at the best predicted step time.
 
     Nothing is allocated or computed: the model runs on the meta device (a meta copy of a real
@@ -139,7 +150,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
             ``"auto"`` an inference plan that swaps is also made with the blocks split into
             their children (smaller ring slots), and taken where whole blocks do not fit or
             it is :data:`SPLIT_GAIN` faster (``Plan.split``); named blocks are kept as named.
-        num_slots: ring sizes to consider (default 1, 2, 3).
+        num_slots: ring sizes to consider (default 1, 2, 3; with ``trainable="swap"``
+            2, 3, 4, 6, 8: the state slots overlap the write-backs, :data:`SWAP_TRAINABLE_SLOTS`).
         activation_offload: consider offloading saved activations (default ``True``).
         autocast: the dtype of autocast during the step (default bf16; ``None``: none).
         cost: a :class:`~vramkit.planning.analysis.ModelCost` from an earlier :func:`analyze` of
@@ -158,6 +170,13 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
             let the fastest candidate fit), ``"all"`` (every block, as trainers do at these
             sizes: the planner chooses the rest around it) or ``"none"`` (training only).
 
+        trainable: ``"resident"`` (default: trainable parameters, gradients and AdamW state
+            on the device) or ``"swap"`` (full fine-tuning of swapped blocks:
+            ``SwapConfig(trainable="swap")``, their AdamW state in pinned host memory, stepped
+            on the GPU in backward through ``num_slots`` state slots; training only; counted in
+            ``Plan.host_breakdown["optimizer_state"]``; :func:`vramkit.fit` then needs
+            ``optimizer=`` a factory).
+
     Returns:
         The :class:`~vramkit.planning.record.Plan`.
 
@@ -171,6 +190,12 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
     check_model(model)
     check_choice("mode", mode, ("train", "infer"))
     check_choice("checkpointing", checkpointing, CHECKPOINTING)
+    check_choice("trainable", trainable, TRAINABLE_MODES)
+    if trainable == "swap" and mode != "train":
+        raise ConfigError("trainable='swap' steps an optimizer in backward: training only",
+                          hint="Leave trainable='resident' with mode='infer'.")
+    if num_slots is None:
+        num_slots = SWAP_TRAINABLE_SLOTS if trainable == "swap" else DEFAULT_SLOTS
     if mode == "infer" and checkpointing != "auto":
         raise ConfigError(f"checkpointing={checkpointing!r} applies to training: inference "
                           "keeps no activations for a backward",
@@ -225,9 +250,11 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         meta = meta_copy(model)
         return meta, find_blocks(meta, blocks)
 
+    rule = SwapConfig(trainable="swap") if trainable == "swap" else None
+
     def analyzed(units: list[tuple[str, nn.Module]]) -> ModelCost:
         return analyze(on_meta()[0], example_inputs, mode=mode, step=step, found=units,
-                       formats=("bf16", *allow_formats), autocast=autocast)
+                       formats=("bf16", *allow_formats), autocast=autocast, swap_config=rule)
 
     def planned(units: list[tuple[str, nn.Module]] | None, cost: ModelCost,
                 block_times: BlockTimes | None) -> Plan:
@@ -249,7 +276,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         return search(cost, machine, budget_bytes, reserved, allow_formats=allow_formats,
                       num_slots=slots, activation_offload=activation_offload,
                       host_budget=host, budget_for=budget_for, times=block_times,
-                      disk_bytes_per_s=disk_rate, checkpointing=checkpointing)
+                      disk_bytes_per_s=disk_rate, checkpointing=checkpointing,
+                      trainable_mode=trainable)
 
     may_split = (mode == "infer" and isinstance(blocks, str) and blocks == "auto"
                  and cost is None and block_times is None)

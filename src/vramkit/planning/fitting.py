@@ -19,7 +19,7 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,9 +155,11 @@ class Fitted:
                  blocks: str | Sequence[str] = "auto", observe_steps: int = 3,
                  checkpoint: str | os.PathLike[str] | None = None, prefix: str | None = None,
                  strict: bool = True, master_memory: MasterMemory | None = None,
-                 block_loader: BlockLoader | None = None, compile_mode: str | None = None
+                 block_loader: BlockLoader | None = None, compile_mode: str | None = None,
+                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None
                  ) -> None:
         self.model = model
+        self._optimizer = optimizer
         self.plan = plan
         self.device = device
         self.swapper: BlockSwapper | None = None
@@ -217,12 +219,15 @@ class Fitted:
             if todo:
                 self._checkpointed = enable_gradient_checkpointing(model, todo)
         if plan.swapped:
+            swap_trainable = plan.trainable == "swap"
             self.swapper = BlockSwapper(model, blocks, config=SwapConfig(
                 swapped_blocks=plan.swapped, num_slots=max(1, plan.num_slots),
-                host_budget=plan.swap_host_budget),
+                host_budget=plan.swap_host_budget,
+                **({"trainable": "swap"} if swap_trainable else {})),
                 device=self.device, checkpoint=checkpoint, prefix=prefix, strict=strict,
                 master_memory=self._master_memory, block_loader=self._block_loader,
-                **({"checkpoint_skip": skip} if skip else {}))
+                **({"checkpoint_skip": skip} if skip else {}),
+                **({"optimizer": self._optimizer} if swap_trainable else {}))
         elif checkpoint is not None:
             from vramkit.io.loader import MemoryEfficientLoader
 
@@ -402,7 +407,9 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
         observe_steps: int = 3, checkpoint: str | os.PathLike[str] | None = None,
         prefix: str | None = None, strict: bool = True,
         master_memory: MasterMemory | None = None, block_loader: BlockLoader | None = None,
-        compile: bool | str = False, **plan_options: Any) -> Fitted:
+        compile: bool | str = False,
+        optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+        **plan_options: Any) -> Fitted:
     """Plan ``model`` for ``budget`` and apply the plan; train or run the model as usual.
 
     Args:
@@ -436,6 +443,11 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
             plan is not priced for compiled blocks: its step prediction is the eager one.
         **plan_options: the keyword arguments of :func:`vramkit.plan` (``mode``,
             ``hardware``, ``allow_formats``, ``host_budget``, ``headroom``, ``step``, ...).
+
+        optimizer: for a plan with ``trainable="swap"`` (full fine-tuning with swapped
+            optimizer state): the factory that makes each swapped block's optimizer over its
+            parameters (``BlockSwapper(optimizer=)``); the swapper then steps them in backward,
+            and ``fitted.swapper.optimizer_parameters()`` are the rest, for your optimizer.
 
     Returns:
         The :class:`Fitted` model; :meth:`Fitted.detach` restores it exactly.
@@ -476,12 +488,17 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
             plan = dataclasses.replace(plan, notes=(
                 *plan.notes, "Runs on the CPU: no headroom kept (the default headroom is for a "
                 "GPU's caching allocator and CUDA context)."))
+    if plan.trainable == "swap" and plan.swapped and optimizer is None:
+        raise ConfigError("the plan swaps trainable blocks with their optimizer state "
+                          "(trainable='swap'): fit needs the factory of their optimizers",
+                          hint="Pass optimizer=lambda params: torch.optim.AdamW(params, "
+                               "lr=...) (or vramkit.AdamW8bit).")
     # A plan of split blocks names its units: the swapper takes exactly those.
     blocks = list(plan.block_order) if plan.split else plan_options.get("blocks", "auto")
     return Fitted(model, plan, target, blocks=blocks, observe_steps=observe_steps,
                   checkpoint=checkpoint, prefix=prefix, strict=strict,
                   master_memory=master_memory, block_loader=block_loader,
-                  compile_mode=compile_mode)
+                  compile_mode=compile_mode, optimizer=optimizer)
 
 
 def _compile_mode(compile: object) -> str | None:

@@ -63,7 +63,7 @@ from vramkit.planning.record import CHECKPOINTING, Plan
 from vramkit.planning.w8a8 import accuracy_note, is_w8a8, unavailable_on_machine
 from vramkit.units import format_size, format_sizes_apart
 
-__all__ = ["CHECKPOINTING", "Choice", "search"]
+__all__ = ["CHECKPOINTING", "SWAP_STATE_SLOWDOWN", "Choice", "search", "swap_state_factor"]
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
            activation_offload: bool = True, host_budget: int | None = None,
            budget_for: Callable[[int], int] | None = None,
            times: BlockTimes | None = None, disk_bytes_per_s: float | None = None,
-           checkpointing: str = "auto", only: Choice | None = None) -> Plan:
+           checkpointing: str = "auto", only: Choice | None = None,
+           trainable_mode: str = "resident") -> Plan:
     """The fastest plan that fits (see the module docstring).
 
     Args:
@@ -209,6 +210,13 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
             (``BlockSwapper.disk_split``), each such block's copy paced by the disk.
         checkpointing: ``"auto"`` (default), ``"all"`` or ``"none"`` (:data:`CHECKPOINTING`;
             training only): which blocks may be checkpointed.
+        trainable_mode: ``"resident"`` (default: the trainable parameters, their gradients
+            and AdamW state stay on the device) or ``"swap"`` (full fine-tuning,
+            ``SwapConfig(trainable="swap")``: a swapped block's trainable weights travel in its
+            master, its AdamW state lives in pinned host memory and comes to one of ``R`` state
+            slots in backward, where the block's optimizer steps; ``cost`` analyzed with
+            ``swap_config=SwapConfig(trainable="swap")``). Slots below 2 are not offered then
+            (the stepper keeps one state slot free for an on-demand load).
         only: price this one :class:`Choice` instead of searching (a hand plan, a plan's
             neighbour: :func:`~vramkit.planning.neighbourhood.neighbours`), whether it fits the
             budget or not; its :attr:`Plan.predicted_peak_bytes` says.
@@ -232,6 +240,15 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     estimate = cost.activations
     trainable = (2 * cost.trainable_bytes + ADAMW_STATE_BYTES * cost.trainable_params
                  if train else cost.trainable_bytes)
+    swap_trainable = train and trainable_mode == "swap"
+    if swap_trainable:
+        num_slots = tuple(r for r in num_slots if r >= 2) or (2,)
+    # per block, the trainable bytes a swap moves and their AdamW state (trainable="swap")
+    per_param = (cost.trainable_bytes / cost.trainable_params
+                 if cost.trainable_params and cost.trainable_bytes else 4.0)
+    train_bytes = [min(b.adapters, b.swapped["bf16"]) if swap_trainable else 0
+                   for b in cost.blocks]
+    state_bytes = [int(ADAMW_STATE_BYTES * t / per_param) for t in train_bytes]
     if train:
         act_choices = [estimate.bytes_with(order[:m]) for m in range(len(order) + 1)]
         if checkpointing != "auto":  # only the asked set (its index in the order kept)
@@ -304,11 +321,29 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                         per_layer = ([dequant_by[False][f][i] for i, f in enumerate(block_fmt)]
                                      if together else dequant)
                         copy_s = [sizes[i] / bw if flags[i] else 0.0 for i in range(n)]
+                        moved = sum(train_bytes[i] for i in chosen)
+                        held = sum(state_bytes[i] for i in chosen)
+                        largest = max((train_bytes[i] + state_bytes[i] for i in chosen),
+                                      default=0)
                         for r in sorted(set(num_slots) if only is None else {only.num_slots}):
                             if k and r > k:
                                 continue  # slots beyond the swapped blocks would hold nothing
                             slots = r * slot if chosen else 0
+                            extra: dict[str, Any] = {}
                             rest = weights + slots + trainable + scratch
+                            if swap_trainable and chosen:
+                                # the swapped blocks' parameters, gradients and state leave the
+                                # device; R state slots and the gradients of up to R blocks
+                                # waiting for their step come instead
+                                on_device = (trainable - 2 * moved - held + r * largest)
+                                factor = swap_state_factor(r)
+                                extra = dict(
+                                    trainable=on_device, host_state=held,
+                                    backward_copy_seconds=[
+                                        factor * (sizes[i] + state_bytes[i]) / bw
+                                        if flags[i] else 0.0 for i in range(n)],
+                                    backward_copy_bytes=master_bytes + held)
+                                rest = weights + slots + on_device + scratch
                             smallest = min(smallest, rest + least_activations)
                             if only is not None:
                                 fits = [(min(only.checkpoints, len(act_choices) - 1),
@@ -332,7 +367,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                                     weights=weights, slot_bytes=slots, scratch=scratch,
                                     dequant=dequant, per_layer=per_layer, swapped_format=fmt_s,
                                     resident_format=fmt_r, together=together, checkpoints=m,
-                                    offload=offload))
+                                    offload=offload, **extra))
                                 if candidate is not None:
                                     candidates.append(candidate)
     best = _prefer_simple(candidates)
@@ -416,7 +451,9 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         disk_blocks=tuple(names[i] for i in best.disk),
         swap_host_budget=best.swap_budget if best.disk else None,
         disk_bytes_per_s=disk_bw if best.disk else None,
-        dequantize_together=best.together, checkpointing=checkpointing)
+        dequantize_together=best.together, checkpointing=checkpointing,
+        host_breakdown=dict(best.host_parts), host_budget_bytes=host_budget,
+        trainable="swap" if swap_trainable and swapped else "resident")
 
 
 def _w8a8_refusal(fmt: str, machine: Machine, times: BlockTimes | None) -> str | None:
@@ -431,6 +468,22 @@ def _w8a8_refusal(fmt: str, machine: Machine, times: BlockTimes | None) -> str |
         return (f"{fmt} is not offered: the calibration did not time it on this device "
                 f"(calibrate_blocks(..., formats=('{fmt}',)) times it)")
     return unavailable_on_machine(fmt, machine)
+
+
+#: How much longer a backward's copies take with ``trainable="swap"`` than the bytes over the
+#: copy bandwidth, by state slots R: each refill of a slot waits for the write-back of the block
+#: R places ahead, so with few slots the two copy directions take turns. Measured on the H200
+#: (``benchmarks/swap_full_ft.py``, Flux full fine-tune under a 24 GB cap): 1.60x the transfer
+#: bound with 2 slots, 1.01x with 8; between them ``1 + 0.6 / (R - 1) ** 2.1``, the curve
+#: through both points (not measured at 3-7 slots).
+SWAP_STATE_SLOWDOWN = (0.6, 2.1)
+
+
+def swap_state_factor(slots: int) -> float:
+    """The factor on a swapped trainable block's backward copies with ``slots`` state slots
+    (:data:`SWAP_STATE_SLOWDOWN`; 2 slots at least)."""
+    a, b = SWAP_STATE_SLOWDOWN
+    return 1.0 + a / max(slots - 1, 1) ** b
 
 
 #: Plans within this share of the fastest one count as equally fast: among them the one with

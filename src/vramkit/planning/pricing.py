@@ -18,7 +18,7 @@ calls, and per candidate, its phases and its memory.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vramkit.offload._activation_settings import ActivationOffloadConfig
@@ -198,6 +198,13 @@ class Candidate:
         together: the packed blocks' layers are dequantized together.
         checkpoints: how many blocks of the checkpoint order are checkpointed.
         offload: saved activations go to pinned host memory.
+        trainable: device bytes of the trainable parameters, their gradients and optimizer
+            state in this candidate (``None``: :attr:`StepPricer.trainable`, all resident);
+            swapped trainable blocks (``trainable="swap"``) keep theirs in host memory.
+        backward_copy_seconds / backward_copy_bytes: what each block's backward copies take
+            when they differ from its forward copies (a swapped trainable block's optimizer
+            state travels with its weights in backward and both are written back).
+        host_state: pinned host bytes of the swapped blocks' optimizer state.
     """
 
     chosen: list[int]
@@ -216,6 +223,10 @@ class Candidate:
     together: bool
     checkpoints: int
     offload: bool
+    trainable: int | None = None
+    backward_copy_seconds: list[float] | None = None
+    backward_copy_bytes: int | None = None
+    host_state: int = 0
 
 
 @dataclass(frozen=True)
@@ -232,6 +243,7 @@ class Priced:
         host: pinned host bytes (masters on the host, offloaded activations).
         disk: the indices of the swapped blocks kept on disk; ``swap_budget`` the
             ``SwapConfig.host_budget`` that keeps them there (``None`` without a disk tier).
+        host_parts: ``host`` by part (``"masters"``, ``"offloaded_activations"``).
     """
 
     seconds: float
@@ -251,6 +263,7 @@ class Priced:
     disk: tuple[int, ...]
     swap_budget: int | None
     together: bool
+    host_parts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -293,6 +306,9 @@ class StepPricer:
         disk: tuple[int, ...] = ()
         swap_budget = None
         phase_copy_s = c.copy_seconds
+        if c.host_state and self.host_budget is not None and (
+                host + c.host_state > self.host_budget):
+            return None  # trainable masters and their state never go to the disk tier
         if self.host_budget is not None and host > self.host_budget:
             swap_budget = self.host_budget - offload_bytes
             split = _disk_split([sizes[i] for i in chosen], swap_budget)
@@ -303,6 +319,7 @@ class StepPricer:
             phase_copy_s = list(c.copy_seconds)
             for i in disk:  # read from disk, then copied: the slower one paces it
                 phase_copy_s[i] = sizes[i] / min(bw, disk_bw)
+        host += c.host_state
         copies = int(c.master_bytes * max(0, k - r) / k) if k else 0
         ckpt_set = set(ckpt)
         sides = _block_sides(p.full, p.as_checkpointed, c.dequant, c.per_layer, c.flags,
@@ -331,19 +348,25 @@ class StepPricer:
         if train:
             restores = ([_kept_bytes(estimate, b.name, ckpt_set) / bw
                          for b in cost.blocks] if offload else None)
-            back, bwd_lost = _simulate(sides[2][::-1], phase_copy_s[::-1], c.flags[::-1], r,
+            back_copy_s, back_copy_time, back_copies = phase_copy_s, copy_time, copies
+            if c.backward_copy_seconds is not None:
+                back_copy_s = c.backward_copy_seconds
+                back_copy_time = share * sum(back_copy_s[i] for i in chosen)
+                back_copies = int(share * (c.backward_copy_bytes or 0))
+            back, bwd_lost = _simulate(sides[2][::-1], back_copy_s[::-1], c.flags[::-1], r,
                                        restores[::-1] if restores else None,
                                        sides[3][::-1], p.slow_backward[::-1])
             bwd = PhaseTime(p.outside_backward + back, p.outside_backward + sum(sides[2]),
-                            copy_time + offload_bytes / bw,
-                            copies + offload_bytes,
+                            back_copy_time + offload_bytes / bw,
+                            back_copies + offload_bytes,
                             p.outside_backward + sum(sides[3]), bwd_lost)
         else:
             bwd = PhaseTime(0.0, 0.0, 0.0, 0)
         # the swapper's host time: in the phases
         seconds = fwd.seconds + bwd.seconds + p.optimizer
+        trainable = self.trainable if c.trainable is None else c.trainable
         breakdown = {"resident_weights": c.weights, "swap_slots": c.slot_bytes,
-                     "trainable_and_optimizer": self.trainable, "activations": act}
+                     "trainable_and_optimizer": trainable, "activations": act}
         if c.scratch:
             breakdown["dequantized_weights"] = c.scratch
         return Priced(
@@ -352,7 +375,10 @@ class StepPricer:
                       self.formats.index(c.resident_format)),
             chosen=chosen, checkpointed=ckpt, breakdown=breakdown, forward=fwd, backward=bwd,
             host=host, swapped_format=c.swapped_format, resident_format=c.resident_format,
-            disk=disk, swap_budget=swap_budget, together=c.together)
+            disk=disk, swap_budget=swap_budget, together=c.together,
+            host_parts={k: v for k, v in (("masters", host - offload_bytes - c.host_state),
+                                          ("offloaded_activations", offload_bytes),
+                                          ("optimizer_state", c.host_state)) if v})
 
 
 def _block_sides(full: Sequence[CallTimes], as_checkpointed: Sequence[CallTimes],

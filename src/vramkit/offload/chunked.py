@@ -9,7 +9,7 @@ every token alone, so it can run over ``chunks`` slices of the token dimension a
 * in a forward without grad (a checkpointed block's forward, inference) each slice's
   temporaries die before the next slice starts, and the slices' outputs are written into one
   preallocated output;
-* with grad, each slice runs under PyTorch's non-reentrant checkpoint,
+* with grad, each slice runs under PyTorch's reentrant checkpoint (no reference cycles),
   so autograd keeps only the slice's input -- a view of the layer's input, whose storage the
   caller holds anyway -- instead of the up-projection and activation of every token; backward
   rebuilds one slice at a time. One more forward of the MLP in backward is the price.
@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from vramkit._validate import check_bool, check_int
 from vramkit.errors import ConfigError
@@ -72,15 +73,18 @@ class _ChunkedForward(MethodWrapper):
         pieces = x.tensor_split(min(self.chunks, x.shape[dim]), dim)
         if not torch.is_grad_enabled():
             return self._into_one_output(pieces, rest, kwargs, dim)
-        if self.checkpoint:
-            from vramkit.offload.checkpointing import run_checkpointed
-
-            # PyTorch's checkpoint, not the lean one: the lean backward's own autograd.grad
-            # cannot run beneath the module tracker of torch's FLOP counter (the planner's
-            # meta pass), and a slice's forward runs with grad only in a recomputation, where
-            # the lean forward's host saving does not apply.
-            outs = [run_checkpointed(self._slice, (piece, *rest), kwargs, True)
-                    for piece in pieces]
+        if self.checkpoint and x.requires_grad and not kwargs and all(
+                not isinstance(a, torch.Tensor) or not a.requires_grad for a in rest):
+            # PyTorch's reentrant checkpoint: an autograd Function that recomputes the slice
+            # and back-propagates it with torch.autograd.backward. The non-reentrant one keeps
+            # each slice's recomputed tensors in reference cycles (its frame and holders)
+            # until the garbage collector runs, so what a backward held depended on when it
+            # ran (the planner's meta estimate moved by 20 % from run to run); the lean one's
+            # autograd.grad cannot run beneath the module tracker of torch's FLOP counter.
+            # Reentrant needs an input that requires grad (else parameters get no gradient):
+            # without one, the slices run unchecked.
+            outs = [_torch_checkpoint(self._slice, piece, *rest, use_reentrant=True,
+                                      preserve_rng_state=True) for piece in pieces]
         else:
             outs = [self._slice(piece, *rest, **kwargs) for piece in pieces]
         return torch.cat(outs, dim)

@@ -169,6 +169,7 @@ class Fitted:
         self._checkpointed: list[str] = []
         self._compile_mode = compile_mode
         self._compiled: list[str] = []
+        self._chunked: list[str] = []
         self._moved: list[tuple[torch.Tensor, torch.device]] = []
         self._offload: _OffloadingForward | None = None
         # the dequantized weights of one packed block at a time (vramkit.quant.dense)
@@ -214,6 +215,11 @@ class Fitted:
         if self._compile_mode is not None:  # innermost: before checkpointing and swapping
             self._compiled = compile_blocks(model, list(plan.block_order) or blocks,
                                             mode=self._compile_mode)
+        if plan.ffn_chunks > 1:  # the layers' own forwards: beneath checkpointing, swapping
+            from vramkit.offload.chunked import chunk_feed_forwards
+
+            self._chunked = chunk_feed_forwards(model, list(plan.block_order),
+                                                plan.ffn_chunks)
         if plan.mode == "train" and plan.checkpointed:
             todo = [n for n in plan.checkpointed if not is_checkpointed(model.get_submodule(n))]
             if todo:
@@ -371,6 +377,11 @@ class Fitted:
         if self._compiled:
             uncompile_blocks(self.model)
             self._compiled = []
+        if self._chunked:
+            from vramkit.offload.chunked import unchunk_feed_forwards
+
+            unchunk_feed_forwards(self.model)
+            self._chunked = []
         ungroup_dense(self.model)
         self._dense.release()
         for owner, attr, module, tensors in reversed(self._originals):

@@ -122,6 +122,9 @@ class Plan:
             their optimizer state lives in pinned host memory (full fine-tuning,
             ``SwapConfig(trainable="swap")``; ``num_slots`` state slots beside the weight
             slots), else ``"resident"``.
+        ffn_chunks: each block's feed-forward layer runs over this many slices of its tokens,
+            recomputed slice by slice in backward (:mod:`vramkit.offload.chunked`); 1: as
+            built.
         split: the blocks were split into their children (attention, feed-forward, norms;
             :func:`vramkit.offload.blocks.split_blocks`): ``swapped``, ``resident`` and
             ``block_order`` name those units, and the ring's slots are as large as the largest
@@ -157,6 +160,7 @@ class Plan:
     host_breakdown: dict[str, int] = field(default_factory=dict)
     host_budget_bytes: int | None = None
     trainable: str = "resident"
+    ffn_chunks: int = 1
 
     @property
     def predicted_step_seconds(self) -> float:
@@ -332,6 +336,10 @@ class Plan:
                              "time per layer).")
         if self.activation_offload:
             lines.append("Offload saved activations to pinned host memory.")
+        if self.ffn_chunks > 1:
+            lines.append(f"Run each block's feed-forward layer over {self.ffn_chunks} slices "
+                         "of its tokens, each recomputed in backward: its wide temporaries "
+                         "exist for one slice at a time.")
         if self.trainable == "swap":
             state = self.host_breakdown.get("optimizer_state", 0)
             lines.append(f"Full fine-tuning with swapped optimizer state: each swapped block's "

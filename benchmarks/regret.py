@@ -172,9 +172,17 @@ def plan_with_neighbours(m: Model, budget: int, args: argparse.Namespace,
         options["autocast"] = None  # the DiT runs in bf16 as built
     if args.tiny:
         options["headroom"] = 0.05
+    if args.ffn_chunks > 1:
+        options["ffn_chunks"] = args.ffn_chunks
     cuda = device.type == "cuda"
     machine = machine_for(None if cuda else "rtx4090", device if cuda else None)
-    cost = analyze(meta_copy(m.host), m.inputs, mode="train", step=m.step,
+    meta = meta_copy(m.host)
+    if args.ffn_chunks > 1:  # as plan(ffn_chunks=) analyzes it
+        from vramkit.offload.blocks import find_blocks
+        from vramkit.offload.chunked import chunk_feed_forwards
+
+        chunk_feed_forwards(meta, [n for n, _ in find_blocks(meta)], args.ffn_chunks)
+    cost = analyze(meta, m.inputs, mode="train", step=m.step,
                    autocast=options.get("autocast", torch.bfloat16))
     times = (calibrate_blocks(m.host, m.inputs, step=m.step, device=device,
                               autocast=options.get("autocast", torch.bfloat16))
@@ -391,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
                             f"{k} {v}" for k, v in DEFAULT_STEPS.items()) + ")")
     parser.add_argument("--frames", type=int, default=0,
                         help="Wan's frames (default 41; 81 with --wan-row)")
+    parser.add_argument("--ffn-chunks", type=int, default=1,
+                        help="plan with each block's feed-forward over N token slices")
     parser.add_argument("--wan-row", action="store_true",
                         help="the Wan row: fitted vs resident with every block checkpointed")
     parser.add_argument("--device", default="cuda")

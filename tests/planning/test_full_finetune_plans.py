@@ -108,3 +108,18 @@ def test_fit_applies_a_swapped_full_finetuning_plan(cost) -> None:  # type: igno
         assert not torch.equal(model.state_dict()[key], before)  # stepped in backward
     finally:
         fitted.detach()
+
+
+def test_a_full_finetuning_plans_neighbours_are_priced_as_full_finetuning(cost) -> None:  # type: ignore[no-untyped-def]
+    from vramkit.planning.neighbourhood import fits, neighbours
+
+    p = _plan(cost, 24 * MiB)
+    found = neighbours(p, cost, machine_for("rtx4090"))
+    assert found
+    for n in found:
+        if n.plan.swapped:
+            assert n.plan.trainable == "swap" and n.plan.num_slots >= 2, n.label
+            assert n.plan.host_breakdown.get("optimizer_state", 0) > 0, n.label
+        if fits(n.plan):
+            assert n.plan.predicted_step_seconds >= p.predicted_step_seconds * (1 - 1e-9), \
+                n.label

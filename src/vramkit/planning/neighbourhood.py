@@ -79,8 +79,9 @@ def choice_of(plan: Plan, cost: ModelCost) -> Choice:
 def price_choice(choice: Choice, cost: ModelCost, machine: Machine, budget: int,
                  headroom: int, *, times: BlockTimes | None = None,
                  host_budget: int | None = None, disk_bytes_per_s: float | None = None,
-                 checkpointing: str = "auto") -> Plan:
-    """``choice`` priced as the search prices its candidates (fitting the budget or not).
+                 checkpointing: str = "auto", trainable: str = "resident") -> Plan:
+    """``choice`` priced as the search prices its candidates (fitting the budget or not;
+    ``trainable``: ``"swap"`` for full fine-tuning with swapped optimizer state).
 
     Raises:
         PlanError: when its masters cannot be split between host and disk under
@@ -90,7 +91,7 @@ def price_choice(choice: Choice, cost: ModelCost, machine: Machine, budget: int,
     return search(cost, machine, budget, headroom, allow_formats=formats,
                   num_slots=(max(choice.num_slots, 1),), activation_offload=choice.offload,
                   host_budget=host_budget, times=times, disk_bytes_per_s=disk_bytes_per_s,
-                  checkpointing=checkpointing, only=choice)
+                  checkpointing=checkpointing, only=choice, trainable_mode=trainable)
 
 
 def fits(plan: Plan) -> bool:
@@ -117,10 +118,12 @@ def neighbours(plan: Plan, cost: ModelCost, machine: Machine, *,
 
     def priced(choice: Choice) -> Plan | None:
         try:
-            return price_choice(choice, cost, machine, plan.budget_bytes, plan.headroom_bytes,
-                                times=times, host_budget=host_budget,
-                                disk_bytes_per_s=disk_bytes_per_s,
-                                checkpointing=plan.checkpointing)
+            found = price_choice(choice, cost, machine, plan.budget_bytes,
+                                 plan.headroom_bytes, times=times, host_budget=host_budget,
+                                 disk_bytes_per_s=disk_bytes_per_s,
+                                 checkpointing=plan.checkpointing, trainable=plan.trainable)
+            # what the search does not choose travels with the plan (cost was made with it)
+            return replace(found, ffn_chunks=plan.ffn_chunks)
         except PlanError:
             return None
 
@@ -149,9 +152,11 @@ def neighbours(plan: Plan, cost: ModelCost, machine: Machine, *,
                         num_slots=max(base.num_slots, 1)))
             for i in range(n) if i not in swapped and cost.blocks[i].swapped[base.swapped_format]]
     best_swap(more, "+")
+    least = 2 if plan.trainable == "swap" else 1
     fewer = [(i, replace(base, chosen=tuple(j for j in base.chosen if j != i),
                          num_slots=min(base.num_slots, len(base.chosen) - 1)))
-             for i in base.chosen]
+             for i in base.chosen
+             if len(base.chosen) == 1 or len(base.chosen) - 1 >= least]
     best_swap(fewer, "-")
     if train and not base.offload and plan.checkpointing == "auto":
         if base.checkpoints < order_len:
@@ -161,7 +166,7 @@ def neighbours(plan: Plan, cost: ModelCost, machine: Machine, *,
     if base.chosen:
         if base.num_slots < len(base.chosen):
             add("slots +1", replace(base, num_slots=base.num_slots + 1))
-        if base.num_slots > 1:
+        if base.num_slots > (2 if plan.trainable == "swap" else 1):  # swap: 2 state slots
             add("slots -1", replace(base, num_slots=base.num_slots - 1))
     if train and plan.checkpointing != "none":
         if base.offload:

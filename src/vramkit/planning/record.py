@@ -276,8 +276,7 @@ class Plan:
         budget = self.host_budget_bytes
         if budget is None:
             return (line + "; no host budget was given: it must fit this host's RAM beside "
-                    "the model's own copy (vramkit info shows RAM and the pinning cap; "
-                    "host_budget= bounds it).")
+                    "the model's own copy (vramkit info; host_budget= bounds it).")
         if self.host_bytes <= budget:
             return (line + f": within the host budget of {format_size(budget)} "
                     f"({format_size(budget - self.host_bytes)} to spare).")

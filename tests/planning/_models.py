@@ -58,3 +58,90 @@ def plan_stack(cost, budget: int, **kw):  # type: ignore[no-untyped-def]
     kw.setdefault("hardware", "rtx4090")
     kw.setdefault("headroom", 0)
     return plan(stack(device="meta"), inputs(device="meta"), budget, cost=cost, **kw)
+
+
+# -- a tiny Wan-shaped video transformer ------------------------------------------------------
+
+
+class VideoFeedForward(nn.Module):
+    """Wan's FFN shape: up to a wide hidden width, tanh GELU, down (frozen)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+class VideoBlock(nn.Module):
+    """A Wan-shaped block at tiny widths: self-attention over every video token (SDPA), a
+    cross-attention to text tokens, a wide FFN (``ffn``); LoRA-style adapters on the
+    self-attention's query and output."""
+
+    def __init__(self, dim: int = 32, heads: int = 2, hidden: int = 256, rank: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(dim) for _ in range(3))
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.cross_q = nn.Linear(dim, dim)
+        self.cross_kv = nn.Linear(dim, 2 * dim)
+        self.ffn = VideoFeedForward(dim, hidden)
+        self.lora_a = nn.Parameter(torch.randn(rank, dim) * 0.05)
+        self.lora_b = nn.Parameter(torch.randn(dim, rank) * 0.05)
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        return t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        q = q + h @ self.lora_a.t() @ self.lora_b.t()
+        a = F.scaled_dot_product_attention(self._heads(q), self._heads(k), self._heads(v))
+        x = x + self.out(a.transpose(1, 2).flatten(2))
+        h = self.norm2(x)
+        k, v = self.cross_kv(text).chunk(2, dim=-1)
+        a = F.scaled_dot_product_attention(self._heads(self.cross_q(h)), self._heads(k),
+                                           self._heads(v))
+        x = x + a.transpose(1, 2).flatten(2)
+        return x + self.ffn(self.norm3(x))
+
+
+class VideoModel(nn.Module):
+    """Patch embedding of a (batch, channels, frames, height, width) latent into tokens,
+    ``n`` :class:`VideoBlock`s, and the projection back; the base frozen, adapters trainable."""
+
+    def __init__(self, n: int = 4, dim: int = 32, channels: int = 4, hidden: int = 256) -> None:
+        super().__init__()
+        self.embed = nn.Conv3d(channels, dim, kernel_size=(1, 2, 2), stride=(1, 2, 2))
+        self.text = nn.Linear(16, dim)
+        self.blocks = nn.ModuleList(VideoBlock(dim, hidden=hidden) for _ in range(n))
+        self.proj = nn.Linear(dim, channels * 4)
+
+    def forward(self, latents: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        x = self.embed(latents).flatten(2).transpose(1, 2)
+        t = self.text(text)
+        for block in self.blocks:
+            x = block(x, t)
+        return self.proj(x)
+
+
+def video_model(seed: int = 0, n: int = 4, device: str = "cpu", hidden: int = 256
+                ) -> VideoModel:
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = VideoModel(n, hidden=hidden)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return model
+
+
+def video_inputs(frames: int = 5, height: int = 16, width: int = 24,
+                 device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """A latent of ``frames`` x ``height`` x ``width`` (tokens: frames * height/2 * width/2)
+    and 8 text tokens."""
+    g = torch.Generator().manual_seed(2)
+    return (torch.randn(1, 4, frames, height, width, generator=g).to(device),
+            torch.randn(1, 8, 16, generator=g).to(device))

@@ -47,6 +47,32 @@ def test_offloaded_activations_count_the_window_only_where_it_is_held() -> None:
     assert _offloaded(big_tail, False) == 3 << 30
 
 
+def test_offloaded_activations_take_the_followed_recomputation_where_there_is_one() -> None:
+    # A long-sequence block (Wan at 32k tokens: saves 7.4 GiB, holds 10.9 GiB while it is
+    # recomputed) is priced by what the meta step followed, not by twice its saved bytes.
+    from vramkit.planning.activations import ActivationEstimate
+    from vramkit.planning.pricing import (
+        OFFLOAD_INFLIGHT_BYTES,
+        OFFLOAD_PREFETCH_BYTES,
+        OFFLOAD_WINDOW_BYTES,
+        _offloaded,
+        recompute_peak,
+    )
+
+    MiB = 1 << 20
+    found = ActivationEstimate(
+        per_block={"a": 700 * MiB, "b": 700 * MiB, "c": 300 * MiB},
+        inputs={"a": 30 * MiB, "b": 30 * MiB, "c": 30 * MiB}, outside=5 * MiB, tail=0,
+        transient={"a": 1000 * MiB, "b": 800 * MiB, "c": 100 * MiB},
+        backward_peak={"a": 900 * MiB, "b": 950 * MiB})
+    assert recompute_peak(found, "a") == 1030 * MiB  # its recomputed forward: inputs + made
+    assert recompute_peak(found, "b") == 950 * MiB  # its backward
+    assert recompute_peak(found, "c") == 600 * MiB  # not followed: twice what it saves
+    assert _offloaded(found, True) == 5 * MiB + max(
+        OFFLOAD_PREFETCH_BYTES + 1030 * MiB, OFFLOAD_WINDOW_BYTES + 600 * MiB,
+        OFFLOAD_INFLIGHT_BYTES)
+
+
 @pytest.fixture(scope="module")
 def cost() -> ModelCost:
     return analyze(stack(device="meta"), inputs(device="meta"), mode="train", autocast=None)

@@ -151,3 +151,27 @@ def test_an_offline_plan_names_no_model_its_copy_slowdown_was_measured_on(cost) 
     made = _plan(cost, 7 * MiB, hardware=own)
     note = next(n for n in made.notes if n.startswith("Copies slow the compute"))
     assert "H200" not in note and "Machine.copy_slowdown" in note
+
+
+def test_the_host_memory_is_a_part_of_the_plan_with_a_verdict(cost) -> None:  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    p = _plan(cost, 6 * MiB, host_budget="64MiB")
+    assert p.swapped
+    masters = sum(b.swapped["bf16"] for b in cost.blocks if b.name in set(p.swapped))
+    assert p.host_breakdown.get("masters") == masters  # 2 x 256 x 1024 fp32 per block
+    assert p.host_bytes == sum(p.host_breakdown.values())
+    assert p.host_budget_bytes == 64 * MiB
+    spare = 64 * MiB - p.host_bytes
+    assert (f"within the host budget of 64.0 MiB ({vramkit.format_size(spare)} to spare)"
+            in p.explain())
+    over = replace(p, host_budget_bytes=p.host_bytes - MiB)
+    assert "OVER the host budget" in over.host_verdict() and "by 1.0 MiB" in over.host_verdict()
+    unbounded = _plan(cost, 6 * MiB)
+    assert "no host budget was given" in unbounded.explain()
+    offloaded = replace(p, host_breakdown={"masters": 3 * MiB, "offloaded_activations": MiB},
+                        host_bytes=4 * MiB)
+    assert "(masters 3.0 MiB, offloaded activations 1.0 MiB)" in offloaded.host_verdict()
+    assert Plan.from_dict(json.loads(offloaded.to_json())) == offloaded
+    resident = _plan(cost, 64 * MiB)
+    assert not resident.host_bytes and resident.host_verdict() == ""

@@ -27,7 +27,8 @@ from vramkit._lazy import lazy_exports
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".ddp": ("GradientAverager", "RankInfo", "broadcast_masters", "init_from_env",
              "shared_swapper", "shutdown", "wrap_ddp"),
-    ".planning": ("agree_on_plan", "ddp_bucket_bytes", "fit_rank", "plan_for_rank"),
+    ".planning": ("agree_on_plan", "ddp_bucket_bytes", "fit_rank", "plan_for_rank",
+                  "NODE_COPIES", "NodeCopies", "node_copies_for", "rank_copy_bytes_per_s"),
     ".shared": ("SHM_DIR", "NodeSharedMasters"),
     ".uploads": ("MIN_SHARDED_BYTES", "UPLOAD_MODES", "ShardedUploads", "node_uploads"),
     "vramkit.devices.host": ("process_pss_bytes",),

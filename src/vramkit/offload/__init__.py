@@ -8,6 +8,7 @@
 * :mod:`vramkit.offload.optimizer`: :class:`CPUOffloadOptimizer` (ZeRO-Offload style).
 * :mod:`vramkit.offload.compiled`: ``torch.compile`` of each block's own forward, beneath
   checkpointing and swapping.
+* :mod:`vramkit.offload.chunked`: a block's feed-forward layer over slices of its tokens.
 * :mod:`vramkit.offload.blocks`: finding a model's repeated blocks and scheduling them.
 
 They share one host->device and one device->host copy stream per GPU
@@ -39,12 +40,15 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".optimizer": ("CPUOffloadOptimizer", "OptimizerOffloadStats"),
     ".compiled": ("COMPILE_MODES", "CUDA_GRAPH_MODES", "compile_blocks", "is_compiled",
                   "uncompile_blocks"),
+    ".chunked": ("FEED_FORWARD_NAMES", "chunk_feed_forwards", "chunk_tokens", "feed_forward_of",
+                 "is_chunked", "token_chunks", "unchunk_feed_forwards"),
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.offload.activations import *  # noqa: F403
     from vramkit.offload.blocks import *  # noqa: F403
     from vramkit.offload.checkpointing import *  # noqa: F403
+    from vramkit.offload.chunked import *  # noqa: F403
     from vramkit.offload.compiled import *  # noqa: F403
     from vramkit.offload.cpu import *  # noqa: F403
     from vramkit.offload.optimizer import *  # noqa: F403

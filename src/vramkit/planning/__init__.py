@@ -11,6 +11,8 @@ a model, its inputs and a memory budget, before anything is allocated; apply the
 * :mod:`.planner`: the search; :mod:`.pricing`: what a candidate costs (per-block prices as
   built, checkpointed and packed, a candidate's phases and memory); :mod:`.simulation`: one
   phase simulated block by block over the host, the compute stream and the copy engine.
+* :mod:`.neighbourhood`: the hand plans one change away from a plan, priced alike (what
+  ``benchmarks/regret.py`` measures the plan against).
 * :mod:`.machine` / :mod:`.hardware`: the machine, measured or from sourced GPU profiles.
 * :mod:`.calibration`: the compute time of one block of each kind, measured on the device.
 * :mod:`.activations`: activation bytes of a step by block, with and without checkpointing.
@@ -28,10 +30,12 @@ from typing import TYPE_CHECKING
 from vramkit._lazy import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
-    ".api": ("plan", "DEFAULT_HEADROOM", "DEFAULT_OFFLINE_HARDWARE", "resolve_headroom"),
+    ".api": ("plan", "DEFAULT_HEADROOM", "DEFAULT_OFFLINE_HARDWARE", "resolve_headroom",
+             "DEFAULT_SLOTS", "SWAP_TRAINABLE_SLOTS", "TRAINABLE_MODES"),
     ".fitting": ("fit", "Fitted", "FitReport"),
     ".record": ("Plan", "PhaseTime", "CHECKPOINTING"),
-    ".planner": ("search",),
+    ".planner": ("search", "Choice", "SWAP_STATE_SLOWDOWN", "swap_state_factor"),
+    ".neighbourhood": ("Neighbour", "choice_of", "fits", "neighbours", "price_choice"),
     ".pricing": ("BlockPrices", "Candidate", "Priced", "StepPricer", "staged_copy_rate",
                  "w8a8_change"),
     ".simulation": ("simulate_phase",),
@@ -54,6 +58,7 @@ if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.planning.fitting import *  # noqa: F403
     from vramkit.planning.hardware import *  # noqa: F403
     from vramkit.planning.machine import *  # noqa: F403
+    from vramkit.planning.neighbourhood import *  # noqa: F403
     from vramkit.planning.planner import *  # noqa: F403
     from vramkit.planning.pricing import *  # noqa: F403
     from vramkit.planning.record import *  # noqa: F403

@@ -4,10 +4,13 @@ for a model, its inputs and a memory budget, at the best predicted speed, before
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
+import gc
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,6 +28,7 @@ from vramkit._validate import (
 from vramkit.devices.host import HOST_MEMORY_MODES, HostMemoryChoice, choose_host_memory
 from vramkit.errors import ConfigError, PlanError
 from vramkit.offload.blocks import find_blocks, module_bytes, split_blocks
+from vramkit.offload.swap import SwapConfig
 from vramkit.offload.swap.staged import measure_memcpy_bytes_per_s, staging_layout
 from vramkit.planning._compression import expected_ratio
 from vramkit.planning.analysis import FORMATS, ModelCost, analyze, check_model, meta_copy
@@ -40,7 +44,16 @@ from vramkit.planning.pricing import staged_copy_rate
 from vramkit.planning.record import CHECKPOINTING, Plan
 from vramkit.units import format_size, format_sizes_apart
 
-__all__ = ["DEFAULT_HEADROOM", "DEFAULT_OFFLINE_HARDWARE", "plan", "resolve_headroom"]
+__all__ = ["DEFAULT_HEADROOM", "DEFAULT_OFFLINE_HARDWARE", "DEFAULT_SLOTS",
+           "SWAP_TRAINABLE_SLOTS", "TRAINABLE_MODES", "plan", "resolve_headroom"]
+
+#: Ring sizes a plan weighs by default.
+DEFAULT_SLOTS = (1, 2, 3)
+#: ... with ``trainable="swap"``: the optimizer-state slots overlap the write-backs only with
+#: several (1.60x the transfer bound with 2, 1.01x with 8: ``planner.SWAP_STATE_SLOWDOWN``).
+SWAP_TRAINABLE_SLOTS = (2, 3, 4, 6, 8)
+#: Where trainable parameters live (``plan(trainable=)``).
+TRAINABLE_MODES = ("resident", "swap")
 
 #: The GPU a plan is made for when no ``hardware=`` is given and PyTorch sees no GPU (the CLI's
 #: default too).
@@ -103,13 +116,13 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
          allow_formats: Sequence[str] = (), host_budget: int | str | None = None,
          headroom: int | str | float | None = None,
          step: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-         blocks: str | Sequence[str] = "auto", num_slots: Sequence[int] = (1, 2, 3),
+         blocks: str | Sequence[str] = "auto", num_slots: Sequence[int] | None = None,
          activation_offload: bool = True, autocast: torch.dtype | None = torch.bfloat16,
          cost: ModelCost | None = None, block_times: BlockTimes | None = None,
          device: str | torch.device | None = None, reserved_bytes: int | str = 0,
          disk_bytes_per_s: float | None = None, checkpointing: str = "auto",
          host_memory: str = "auto", staging_pool: int | str = "2GiB",
-         compile: str | None = None) -> Plan:
+         compile: str | None = None, trainable: str = "resident", ffn_chunks: int = 1) -> Plan:
     """Plan a model's memory for a budget at the best predicted step time.
 
     Nothing is allocated or computed: the model runs on the meta device (a meta copy of a real
@@ -150,7 +163,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
             ``"auto"`` an inference plan that swaps is also made with the blocks split into
             their children (smaller ring slots), and taken where whole blocks do not fit or
             it is :data:`SPLIT_GAIN` faster (``Plan.split``); named blocks are kept as named.
-        num_slots: ring sizes to consider (default 1, 2, 3).
+        num_slots: ring sizes to consider (default 1, 2, 3; with ``trainable="swap"``
+            2, 3, 4, 6, 8: the state slots overlap the write-backs, :data:`SWAP_TRAINABLE_SLOTS`).
         activation_offload: consider offloading saved activations (default ``True``).
         autocast: the dtype of autocast during the step (default bf16; ``None``: none).
         cost: a :class:`~vramkit.planning.analysis.ModelCost` from an earlier :func:`analyze` of
@@ -182,6 +196,19 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
             offline plan prices them as eager (the profiles state no compiled speedup), and
             its notes say so. ``None`` (default): eager.
 
+        trainable: ``"resident"`` (default: trainable parameters, gradients and AdamW state
+            on the device) or ``"swap"`` (full fine-tuning of swapped blocks:
+            ``SwapConfig(trainable="swap")``, their AdamW state in pinned host memory, stepped
+            on the GPU in backward through ``num_slots`` state slots; training only; counted in
+            ``Plan.host_breakdown["optimizer_state"]``; :func:`vramkit.fit` then needs
+            ``optimizer=`` a factory).
+        ffn_chunks: run each block's feed-forward layer (``ffn``, ``ff``, ``mlp``) over this
+            many slices of its tokens, each recomputed in backward
+            (:func:`vramkit.offload.chunked.chunk_feed_forwards`): at long sequences (video)
+            the MLP's wide temporaries then exist for one slice at a time, for one more MLP
+            forward in backward. Analyzed (and calibrated) that way; :func:`vramkit.fit`
+            applies it. Default 1: as built.
+
     Returns:
         The :class:`~vramkit.planning.record.Plan`.
 
@@ -199,6 +226,13 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         from vramkit.offload.compiled import COMPILE_MODES
 
         check_choice("compile", compile, COMPILE_MODES)
+    check_choice("trainable", trainable, TRAINABLE_MODES)
+    ffn_chunks = check_int("ffn_chunks", ffn_chunks, minimum=1)
+    if trainable == "swap" and mode != "train":
+        raise ConfigError("trainable='swap' steps an optimizer in backward: training only",
+                          hint="Leave trainable='resident' with mode='infer'.")
+    if num_slots is None:
+        num_slots = SWAP_TRAINABLE_SLOTS if trainable == "swap" else DEFAULT_SLOTS
     if mode == "infer" and checkpointing != "auto":
         raise ConfigError(f"checkpointing={checkpointing!r} applies to training: inference "
                           "keeps no activations for a backward",
@@ -253,11 +287,22 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         """The model on the meta device and its blocks there: made once, on first need, for
         every analysis and calibration of this call (a copy of a large model takes seconds)."""
         meta = meta_copy(model)
-        return meta, find_blocks(meta, blocks)
+        if ffn_chunks > 1 and meta is model:  # a meta model is its own copy: chunk another
+            meta = copy.deepcopy(model)
+        found = find_blocks(meta, blocks)
+        if ffn_chunks > 1:
+            from vramkit.offload.chunked import chunk_feed_forwards
+
+            chunk_feed_forwards(meta, [name for name, _ in found], ffn_chunks)
+        return meta, found
+
+    rule = SwapConfig(trainable="swap") if trainable == "swap" else None
 
     def analyzed(units: list[tuple[str, nn.Module]]) -> ModelCost:
-        return analyze(on_meta()[0], example_inputs, mode=mode, step=step, found=units,
-                       formats=("bf16", *allow_formats), autocast=autocast)
+        with _no_collection(ffn_chunks > 1):
+            return analyze(on_meta()[0], example_inputs, mode=mode, step=step, found=units,
+                           formats=("bf16", *allow_formats), autocast=autocast,
+                           swap_config=rule)
 
     def ratio_of(units: list[tuple[str, nn.Module]] | None) -> float | None:
         """What compressed masters of these blocks would keep (``None``: the model's frozen
@@ -290,7 +335,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
                       num_slots=slots, activation_offload=activation_offload,
                       host_budget=host, budget_for=budget_for, times=block_times,
                       disk_bytes_per_s=disk_rate, checkpointing=checkpointing,
-                      copy_bytes_per_s=copy_rate[0], compress_ratio=ratio_of(units))
+                      copy_bytes_per_s=copy_rate[0], compress_ratio=ratio_of(units),
+                      trainable_mode=trainable)
 
     timed_compiled: list[str | None] = []  # the compile mode of the times each plan used
     may_split = (mode == "infer" and isinstance(blocks, str) and blocks == "auto"
@@ -351,6 +397,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         result = replace(result, notes=(offline_note, *result.notes))
     if compile is not None:
         result = replace(result, notes=(*result.notes, _compile_note(compile, timed_compiled)))
+    if ffn_chunks > 1:
+        result = replace(result, ffn_chunks=ffn_chunks)
     logger.info("plan: %d of %d blocks swapped, %d checkpointed, predicted %.0f ms, peak %d",
                 len(result.swapped), len(result.block_order), len(result.checkpointed),
                 result.predicted_step_seconds * 1e3, result.predicted_peak_bytes)
@@ -392,6 +440,23 @@ def _compile_note(mode: str, timed: list[str | None]) -> str:
         why = "the block times given were measured compiled in another mode"
     return (f"Blocks run compiled (torch.compile mode={mode!r}), priced as eager: {why}; "
             "the step may be faster than predicted.")
+
+
+@contextlib.contextmanager
+def _no_collection(active: bool) -> Iterator[None]:
+    """The garbage collector paused while the meta step runs (``active``): with chunked
+    feed-forward layers, tensors a first call leaves in reference cycles died whenever the
+    collector happened to run, and the estimate moved from run to run (the tiny video model's
+    least budget by up to 8 %); paused, they live to the end of the step: the same estimate
+    each time, the highest of those seen."""
+    if not active or not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 #: A plan of split blocks replaces the plan of whole blocks only when predicted this much

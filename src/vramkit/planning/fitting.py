@@ -19,7 +19,7 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,8 +192,11 @@ class Fitted:
                  checkpoint: str | os.PathLike[str] | None = None, prefix: str | None = None,
                  strict: bool = True, master_memory: MasterMemory | None = None,
                  block_loader: BlockLoader | None = None, compile_mode: str | None = None,
-                 host_memory: str = "auto") -> None:
+                 host_memory: str = "auto",
+                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None
+                 ) -> None:
         self.model = model
+        self._optimizer = optimizer
         self.plan = plan
         self.device = device
         self.swapper: BlockSwapper | None = None
@@ -203,6 +206,7 @@ class Fitted:
         self._checkpointed: list[str] = []
         self._compile_mode = compile_mode
         self._compiled: list[str] = []
+        self._chunked: list[str] = []
         self._moved: list[tuple[torch.Tensor, torch.device]] = []
         self._offload: _OffloadingForward | None = None
         # the dequantized weights of one packed block at a time (vramkit.quant.dense)
@@ -249,19 +253,27 @@ class Fitted:
         if self._compile_mode is not None:  # innermost: before checkpointing and swapping
             self._compiled = compile_blocks(model, list(plan.block_order) or blocks,
                                             mode=self._compile_mode)
+        if plan.ffn_chunks > 1:  # the layers' own forwards: beneath checkpointing, swapping
+            from vramkit.offload.chunked import chunk_feed_forwards
+
+            self._chunked = chunk_feed_forwards(model, list(plan.block_order),
+                                                plan.ffn_chunks)
         if plan.mode == "train" and plan.checkpointed:
             todo = [n for n in plan.checkpointed if not is_checkpointed(model.get_submodule(n))]
             if todo:
                 self._checkpointed = enable_gradient_checkpointing(model, todo)
         if plan.swapped:
+            swap_trainable = plan.trainable == "swap"
             self.swapper = BlockSwapper(model, blocks, config=SwapConfig(
                 swapped_blocks=plan.swapped, num_slots=max(1, plan.num_slots),
                 host_budget=plan.swap_host_budget,
                 compress="on" if plan.compress_masters else "off", **_host_memory(
-                    plan, self._host_memory_asked, self._master_memory, self._block_loader)),
+                    plan, self._host_memory_asked, self._master_memory, self._block_loader),
+                **({"trainable": "swap"} if swap_trainable else {})),
                 device=self.device, checkpoint=checkpoint, prefix=prefix, strict=strict,
                 master_memory=self._master_memory, block_loader=self._block_loader,
-                **({"checkpoint_skip": skip} if skip else {}))
+                **({"checkpoint_skip": skip} if skip else {}),
+                **({"optimizer": self._optimizer} if swap_trainable else {}))
         elif checkpoint is not None:
             from vramkit.io.loader import MemoryEfficientLoader
 
@@ -408,6 +420,11 @@ class Fitted:
         if self._compiled:
             uncompile_blocks(self.model)
             self._compiled = []
+        if self._chunked:
+            from vramkit.offload.chunked import unchunk_feed_forwards
+
+            unchunk_feed_forwards(self.model)
+            self._chunked = []
         ungroup_dense(self.model)
         self._dense.release()
         for owner, attr, module, tensors in reversed(self._originals):
@@ -444,7 +461,9 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
         observe_steps: int = 3, checkpoint: str | os.PathLike[str] | None = None,
         prefix: str | None = None, strict: bool = True,
         master_memory: MasterMemory | None = None, block_loader: BlockLoader | None = None,
-        compile: bool | str = False, **plan_options: Any) -> Fitted:
+        compile: bool | str = False,
+        optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+        **plan_options: Any) -> Fitted:
     """Plan ``model`` for ``budget`` and apply the plan; train or run the model as usual.
 
     Args:
@@ -479,6 +498,11 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
             compile=)``); offline, it prices them as eager and says so in its notes.
         **plan_options: the keyword arguments of :func:`vramkit.plan` (``mode``,
             ``hardware``, ``allow_formats``, ``host_budget``, ``headroom``, ``step``, ...).
+
+        optimizer: for a plan with ``trainable="swap"`` (full fine-tuning with swapped
+            optimizer state): the factory that makes each swapped block's optimizer over its
+            parameters (``BlockSwapper(optimizer=)``); the swapper then steps them in backward,
+            and ``fitted.swapper.optimizer_parameters()`` are the rest, for your optimizer.
 
     Returns:
         The :class:`Fitted` model; :meth:`Fitted.detach` restores it exactly.
@@ -521,13 +545,18 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
             plan = dataclasses.replace(plan, notes=(
                 *plan.notes, "Runs on the CPU: no headroom kept (the default headroom is for a "
                 "GPU's caching allocator and CUDA context)."))
+    if plan.trainable == "swap" and plan.swapped and optimizer is None:
+        raise ConfigError("the plan swaps trainable blocks with their optimizer state "
+                          "(trainable='swap'): fit needs the factory of their optimizers",
+                          hint="Pass optimizer=lambda params: torch.optim.AdamW(params, "
+                               "lr=...) (or vramkit.AdamW8bit).")
     # A plan of split blocks names its units: the swapper takes exactly those.
     blocks = list(plan.block_order) if plan.split else plan_options.get("blocks", "auto")
     return Fitted(model, plan, target, blocks=blocks, observe_steps=observe_steps,
                   checkpoint=checkpoint, prefix=prefix, strict=strict,
                   master_memory=master_memory, block_loader=block_loader,
                   compile_mode=compile_mode,
-                  host_memory=plan_options.get("host_memory", "auto"))
+                  host_memory=plan_options.get("host_memory", "auto"), optimizer=optimizer)
 
 
 def _host_memory(plan: Plan, asked: object, master_memory: object,

@@ -42,6 +42,7 @@ import bisect
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from vramkit.errors import PlanError
@@ -63,7 +64,31 @@ from vramkit.planning.record import CHECKPOINTING, Plan
 from vramkit.planning.w8a8 import accuracy_note, is_w8a8, unavailable_on_machine
 from vramkit.units import format_size, format_sizes_apart
 
-__all__ = ["CHECKPOINTING", "search"]
+__all__ = ["CHECKPOINTING", "SWAP_STATE_SLOWDOWN", "Choice", "search", "swap_state_factor"]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One candidate named by its choices, for :func:`search` to price alone (``only=``).
+
+    Attributes:
+        chosen: the indices of the swapped blocks (in :attr:`ModelCost.blocks`).
+        num_slots: R, the ring's slots (0 with nothing swapped).
+        checkpoints: how many blocks of the checkpoint order are checkpointed (the order
+            :func:`search` checkpoints in: most activation bytes saved per recomputed FLOP
+            first).
+        offload: saved activations go to pinned host memory.
+        swapped_format / resident_format: storage formats.
+        together: packed blocks' layers dequantized together.
+    """
+
+    chosen: tuple[int, ...]
+    num_slots: int
+    checkpoints: int
+    offload: bool = False
+    swapped_format: str = "bf16"
+    resident_format: str = "bf16"
+    together: bool = False
 
 
 def _checkpoint_order(cost: ModelCost) -> list[str]:
@@ -171,7 +196,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
            budget_for: Callable[[int], int] | None = None,
            times: BlockTimes | None = None, disk_bytes_per_s: float | None = None,
            checkpointing: str = "auto", copy_bytes_per_s: float | None = None,
-           compress_ratio: float | None = None) -> Plan:
+           compress_ratio: float | None = None, only: Choice | None = None,
+           trainable_mode: str = "resident") -> Plan:
     """The fastest plan that fits (see the module docstring).
 
     Args:
@@ -193,6 +219,16 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
             (:func:`vramkit.planning._compression.expected_ratio`; ``None``: compression is not
             weighed). A candidate is compressed where that prices faster and fits, at the
             calibrated decode rate (a hardware profile's assumed one offline).
+        trainable_mode: ``"resident"`` (default: the trainable parameters, their gradients
+            and AdamW state stay on the device) or ``"swap"`` (full fine-tuning,
+            ``SwapConfig(trainable="swap")``: a swapped block's trainable weights travel in its
+            master, its AdamW state lives in pinned host memory and comes to one of ``R`` state
+            slots in backward, where the block's optimizer steps; ``cost`` analyzed with
+            ``swap_config=SwapConfig(trainable="swap")``). Slots below 2 are not offered then
+            (the stepper keeps one state slot free for an on-demand load).
+        only: price this one :class:`Choice` instead of searching (a hand plan, a plan's
+            neighbour: :func:`~vramkit.planning.neighbourhood.neighbours`), whether it fits the
+            budget or not; its :attr:`Plan.predicted_peak_bytes` says.
 
     Raises:
         PlanError: when nothing fits, naming the smallest budget that would, and what would
@@ -213,6 +249,15 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     estimate = cost.activations
     trainable = (2 * cost.trainable_bytes + ADAMW_STATE_BYTES * cost.trainable_params
                  if train else cost.trainable_bytes)
+    swap_trainable = train and trainable_mode == "swap"
+    if swap_trainable:
+        num_slots = tuple(r for r in num_slots if r >= 2) or (2,)
+    # per block, the trainable bytes a swap moves and their AdamW state (trainable="swap")
+    per_param = (cost.trainable_bytes / cost.trainable_params
+                 if cost.trainable_params and cost.trainable_bytes else 4.0)
+    train_bytes = [min(b.adapters, b.swapped["bf16"]) if swap_trainable else 0
+                   for b in cost.blocks]
+    state_bytes = [int(ADAMW_STATE_BYTES * t / per_param) for t in train_bytes]
     if train:
         act_choices = [estimate.bytes_with(order[:m]) for m in range(len(order) + 1)]
         if checkpointing != "auto":  # only the asked set (its index in the order kept)
@@ -249,16 +294,25 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     candidates: list[Priced] = []
     smallest = math.inf  # the least memory any candidate needs (for the error)
     for together in ways:
+        if only is not None and together != only.together:
+            continue
         dequant_of = dequant_by[together]
         for fmt_s in formats:
+            if only is not None and fmt_s != only.swapped_format:
+                continue
             sizes = [b.swapped[fmt_s] for b in cost.blocks]
             # each block's forward in this format: the compute its copy can hide behind
             ranked = [max(c.forward + d.forward, c.host_forward + d.host_forward)
                       for c, d in zip(full, dequant_of[fmt_s], strict=True)]
-            swap_sets = [_swap_sets(sizes, ranked, k, bw) for k in range(n + 1)]
+            swap_sets = ([[] for _ in range(n + 1)] if only is not None else
+                         [_swap_sets(sizes, ranked, k, bw) for k in range(n + 1)])
+            if only is not None:
+                swap_sets[len(only.chosen)] = [sorted(only.chosen)]
             for fmt_r in formats:
-                if together and fmt_s == fmt_r == "bf16":
+                if together and fmt_s == fmt_r == "bf16" and only is None:
                     continue  # nothing packed: the same candidates as the other way
+                if only is not None and fmt_r != only.resident_format:
+                    continue
                 resident_all = [b.resident_bytes(fmt_r) for b in cost.blocks]
                 for k in range(n + 1):
                     for chosen in swap_sets[k]:
@@ -278,20 +332,42 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                         per_layer = ([dequant_by[False][f][i] for i, f in enumerate(block_fmt)]
                                      if together else dequant)
                         copy_s = [sizes[i] / bw if flags[i] else 0.0 for i in range(n)]
-                        for r in sorted(set(num_slots)):
+                        moved = sum(train_bytes[i] for i in chosen)
+                        held = sum(state_bytes[i] for i in chosen)
+                        largest = max((train_bytes[i] + state_bytes[i] for i in chosen),
+                                      default=0)
+                        for r in sorted(set(num_slots) if only is None else {only.num_slots}):
                             if k and r > k:
                                 continue  # slots beyond the swapped blocks would hold nothing
                             slots = r * slot if chosen else 0
+                            extra: dict[str, Any] = {}
                             rest = weights + slots + trainable + scratch
+                            if swap_trainable and chosen:
+                                # the swapped blocks' parameters, gradients and state leave the
+                                # device; R state slots and the gradients of up to R blocks
+                                # waiting for their step come instead
+                                on_device = (trainable - 2 * moved - held + r * largest)
+                                factor = swap_state_factor(r)
+                                extra = dict(
+                                    trainable=on_device, host_state=held,
+                                    backward_copy_seconds=[
+                                        factor * (sizes[i] + state_bytes[i]) / bw
+                                        if flags[i] else 0.0 for i in range(n)],
+                                    backward_copy_bytes=master_bytes + held)
+                                rest = weights + slots + on_device + scratch
                             smallest = min(smallest, rest + least_activations)
-                            if rest >= avail:
+                            if only is not None:
+                                fits = [(min(only.checkpoints, len(act_choices) - 1),
+                                         only.offload and train)]
+                            elif rest >= avail:
                                 continue
-                            m, offload = _fit_activations(act_choices, avail - rest, train, estimate,
-                                                          offload_too)
-                            if m is None:
-                                continue
-                            fits = [(m, offload)]
-                            if (offload_too and not offload
+                            else:
+                                m, offload = _fit_activations(act_choices, avail - rest, train,
+                                                              estimate, offload_too)
+                                if m is None:
+                                    continue
+                                fits = [(m, offload)]
+                            if (only is None and offload_too and not offload
                                     and _offloaded(estimate, train) <= avail - rest):
                                 # everything checkpointed, saved tensors on the host: more room for weights
                                 fits.append((len(act_choices) - 1, True))
@@ -302,7 +378,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                                     weights=weights, slot_bytes=slots, scratch=scratch,
                                     dequant=dequant, per_layer=per_layer, swapped_format=fmt_s,
                                     resident_format=fmt_r, together=together, checkpoints=m,
-                                    offload=offload))
+                                    offload=offload, **extra))
                                 if candidate is not None:
                                     candidates.append(candidate)
     best = _prefer_simple(candidates)
@@ -392,7 +468,9 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         swap_host_budget=best.swap_budget if best.disk else None,
         disk_bytes_per_s=disk_bw if best.disk else None,
         dequantize_together=best.together, checkpointing=checkpointing,
-        compress_masters=best.compress)
+        compress_masters=best.compress,
+        host_breakdown=dict(best.host_parts), host_budget_bytes=host_budget,
+        trainable="swap" if swap_trainable and swapped else "resident")
 
 
 def _w8a8_refusal(fmt: str, machine: Machine, times: BlockTimes | None) -> str | None:
@@ -407,6 +485,22 @@ def _w8a8_refusal(fmt: str, machine: Machine, times: BlockTimes | None) -> str |
         return (f"{fmt} is not offered: the calibration did not time it on this device "
                 f"(calibrate_blocks(..., formats=('{fmt}',)) times it)")
     return unavailable_on_machine(fmt, machine)
+
+
+#: How much longer a backward's copies take with ``trainable="swap"`` than the bytes over the
+#: copy bandwidth, by state slots R: each refill of a slot waits for the write-back of the block
+#: R places ahead, so with few slots the two copy directions take turns. Measured on the H200
+#: (``benchmarks/swap_full_ft.py``, Flux full fine-tune under a 24 GB cap): 1.60x the transfer
+#: bound with 2 slots, 1.01x with 8; between them ``1 + 0.6 / (R - 1) ** 2.1``, the curve
+#: through both points (not measured at 3-7 slots).
+SWAP_STATE_SLOWDOWN = (0.6, 2.1)
+
+
+def swap_state_factor(slots: int) -> float:
+    """The factor on a swapped trainable block's backward copies with ``slots`` state slots
+    (:data:`SWAP_STATE_SLOWDOWN`; 2 slots at least)."""
+    a, b = SWAP_STATE_SLOWDOWN
+    return 1.0 + a / max(slots - 1, 1) ** b
 
 
 #: Plans within this share of the fastest one count as equally fast: among them the one with

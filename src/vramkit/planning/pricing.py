@@ -18,7 +18,7 @@ calls, and per candidate, its phases and its memory.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vramkit.offload._activation_settings import ActivationOffloadConfig
@@ -200,6 +200,13 @@ class Candidate:
         together: the packed blocks' layers are dequantized together.
         checkpoints: how many blocks of the checkpoint order are checkpointed.
         offload: saved activations go to pinned host memory.
+        trainable: device bytes of the trainable parameters, their gradients and optimizer
+            state in this candidate (``None``: :attr:`StepPricer.trainable`, all resident);
+            swapped trainable blocks (``trainable="swap"``) keep theirs in host memory.
+        backward_copy_seconds / backward_copy_bytes: what each block's backward copies take
+            when they differ from its forward copies (a swapped trainable block's optimizer
+            state travels with its weights in backward and both are written back).
+        host_state: pinned host bytes of the swapped blocks' optimizer state.
     """
 
     chosen: list[int]
@@ -218,6 +225,10 @@ class Candidate:
     together: bool
     checkpoints: int
     offload: bool
+    trainable: int | None = None
+    backward_copy_seconds: list[float] | None = None
+    backward_copy_bytes: int | None = None
+    host_state: int = 0
 
 
 @dataclass(frozen=True)
@@ -235,6 +246,7 @@ class Priced:
         disk: the indices of the swapped blocks kept on disk; ``swap_budget`` the
             ``SwapConfig.host_budget`` that keeps them there (``None`` without a disk tier).
         compress: the swapped masters are compressed (``SwapConfig.compress``).
+        host_parts: ``host`` by part (``"masters"``, ``"offloaded_activations"``).
     """
 
     seconds: float
@@ -255,6 +267,7 @@ class Priced:
     swap_budget: int | None
     together: bool
     compress: bool = False
+    host_parts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -327,6 +340,9 @@ class StepPricer:
         disk: tuple[int, ...] = ()
         swap_budget = None
         phase_copy_s = c.copy_seconds
+        if c.host_state and self.host_budget is not None and (
+                host + c.host_state > self.host_budget):
+            return None  # trainable masters and their state never go to the disk tier
         if self.host_budget is not None and host > self.host_budget:
             swap_budget = self.host_budget - offload_bytes
             split = _disk_split([sizes[i] for i in chosen], swap_budget)
@@ -337,6 +353,7 @@ class StepPricer:
             phase_copy_s = list(c.copy_seconds)
             for i in disk:  # read from disk, then copied: the slower one paces it
                 phase_copy_s[i] = sizes[i] / min(bw, disk_bw)
+        host += c.host_state
         copies = int(c.master_bytes * max(0, k - r) / k) if k else 0
         ckpt_set = set(ckpt)
         sides = _block_sides(p.full, p.as_checkpointed, c.dequant, c.per_layer, c.flags,
@@ -365,19 +382,25 @@ class StepPricer:
         if train:
             restores = ([_kept_bytes(estimate, b.name, ckpt_set) / pinned_bw
                          for b in cost.blocks] if offload else None)
-            back, bwd_lost = _simulate(sides[2][::-1], phase_copy_s[::-1], c.flags[::-1], r,
+            back_copy_s, back_copy_time, back_copies = phase_copy_s, copy_time, copies
+            if c.backward_copy_seconds is not None:
+                back_copy_s = c.backward_copy_seconds
+                back_copy_time = share * sum(back_copy_s[i] for i in chosen)
+                back_copies = int(share * (c.backward_copy_bytes or 0))
+            back, bwd_lost = _simulate(sides[2][::-1], back_copy_s[::-1], c.flags[::-1], r,
                                        restores[::-1] if restores else None,
                                        sides[3][::-1], p.slow_backward[::-1])
             bwd = PhaseTime(p.outside_backward + back, p.outside_backward + sum(sides[2]),
-                            copy_time + offload_bytes / pinned_bw,
-                            copies + offload_bytes,
+                            back_copy_time + offload_bytes / pinned_bw,
+                            back_copies + offload_bytes,
                             p.outside_backward + sum(sides[3]), bwd_lost)
         else:
             bwd = PhaseTime(0.0, 0.0, 0.0, 0)
         # the swapper's host time: in the phases
         seconds = fwd.seconds + bwd.seconds + p.optimizer
+        trainable = self.trainable if c.trainable is None else c.trainable
         breakdown = {"resident_weights": c.weights, "swap_slots": c.slot_bytes,
-                     "trainable_and_optimizer": self.trainable, "activations": act}
+                     "trainable_and_optimizer": trainable, "activations": act}
         if c.scratch:
             breakdown["dequantized_weights"] = c.scratch
         if train and (is_w8a8(c.swapped_format) or is_w8a8(c.resident_format)):
@@ -393,7 +416,10 @@ class StepPricer:
                       self.formats.index(c.resident_format)),
             chosen=chosen, checkpointed=ckpt, breakdown=breakdown, forward=fwd, backward=bwd,
             host=host, swapped_format=c.swapped_format, resident_format=c.resident_format,
-            disk=disk, swap_budget=swap_budget, together=c.together)
+            disk=disk, swap_budget=swap_budget, together=c.together,
+            host_parts={k: v for k, v in (("masters", host - offload_bytes - c.host_state),
+                                          ("offloaded_activations", offload_bytes),
+                                          ("optimizer_state", c.host_state)) if v})
 
 
 def staged_copy_rate(pinned_bytes_per_s: float, memcpy_bytes_per_s: float) -> float:
@@ -441,18 +467,36 @@ def _offloaded(estimate: Any, train: bool) -> int:
       there put Llama-8B's 7.5 GiB plan 0.5 GiB above its measured peak, one slot short: R=1,
       2.0x the resident step);
     * the start of backward: those held tensors, the prefetched ones, and the last block
-      rebuilt by its recomputation with its temporaries (of the order of what it saves);
+      rebuilt by its recomputation with its temporaries (:func:`recompute_peak`);
     * later in backward: the held tensors are used up (the first blocks of backward take them),
-      so the prefetched ones, the block being recomputed and its temporaries. (Counting the
+      so the prefetched ones and the block being recomputed with its temporaries. (Counting the
       held tensors here too put every FLUX offload plan ~256 MiB above its measured peak; a
       snapshot of the 7.5 GiB row's peak held the prefetched tensors, 285 MB, and a double
       block's recomputation and temporaries, nothing of the forward's.)"""
     if not train:
         return max(estimate.largest_block, estimate.tail)
-    last = next(reversed(estimate.per_block.values()), 0)  # backward's first recomputation
-    backward = max(OFFLOAD_PREFETCH_BYTES + 2 * estimate.largest_block,
-                   OFFLOAD_WINDOW_BYTES + 2 * last)
+    names = list(estimate.per_block)
+    largest = max((recompute_peak(estimate, n) for n in names), default=0)
+    last = recompute_peak(estimate, names[-1]) if names else 0  # backward's first
+    backward = max(OFFLOAD_PREFETCH_BYTES + largest, OFFLOAD_WINDOW_BYTES + last)
     return estimate.outside + max(backward, OFFLOAD_INFLIGHT_BYTES + estimate.tail)
+
+
+def recompute_peak(estimate: Any, name: str) -> int:
+    """What block ``name`` holds at once while backward rebuilds and differentiates it, its
+    inputs brought back: the most of its recomputed forward (inputs + what it makes while it
+    runs, :attr:`~vramkit.planning.activations.ActivationEstimate.transient`) and of its
+    backward (:attr:`~vramkit.planning.activations.ActivationEstimate.backward_peak`), as the
+    meta step followed them; where the backward was not followed, twice what it saves (its
+    saved tensors and temporaries of their order).
+
+    At long sequences the followed figure is what a plan fits or not: Wan 2.1 14B at
+    480x832 x 81 frames saves 7.4 GiB a block and holds 10.9 GiB at once while it is
+    recomputed, where twice its saved bytes read 14.9 GiB."""
+    if name in estimate.backward_peak:
+        return int(max(estimate.inputs[name] + estimate.transient.get(name, 0),
+                       estimate.backward_peak[name]))
+    return 2 * int(estimate.per_block[name])
 
 
 def _offload_bytes(estimate: Any, checkpointed: Sequence[str]) -> int:

@@ -114,6 +114,17 @@ class Plan:
             ``peak_breakdown["dequantized_weights"]``) instead of each layer at its own call.
         checkpointing: what the plan was asked to checkpoint: ``"auto"`` (the planner's
             choice), ``"all"`` or ``"none"`` (:data:`CHECKPOINTING`).
+        host_breakdown: ``host_bytes`` by part: ``"masters"`` (the swapped blocks' pinned
+            weights), ``"offloaded_activations"`` (what activation offload keeps on the host).
+        host_budget_bytes: the host budget the plan was made under (``None``: none given);
+            :meth:`explain` says whether ``host_bytes`` fits it.
+        trainable: ``"swap"`` when the swapped blocks' trainable weights swap with them and
+            their optimizer state lives in pinned host memory (full fine-tuning,
+            ``SwapConfig(trainable="swap")``; ``num_slots`` state slots beside the weight
+            slots), else ``"resident"``.
+        ffn_chunks: each block's feed-forward layer runs over this many slices of its tokens,
+            recomputed slice by slice in backward (:mod:`vramkit.offload.chunked`); 1: as
+            built.
         split: the blocks were split into their children (attention, feed-forward, norms;
             :func:`vramkit.offload.blocks.split_blocks`): ``swapped``, ``resident`` and
             ``block_order`` name those units, and the ring's slots are as large as the largest
@@ -158,6 +169,10 @@ class Plan:
     host_memory_reason: str = ""
     copy_bytes_per_s: float | None = None
     staging_pool_bytes: int | None = None
+    host_breakdown: dict[str, int] = field(default_factory=dict)
+    host_budget_bytes: int | None = None
+    trainable: str = "resident"
+    ffn_chunks: int = 1
 
     @property
     def predicted_step_seconds(self) -> float:
@@ -219,7 +234,7 @@ class Plan:
             if name in ("forward", "backward"):
                 value = PhaseTime(**{f.name: value[f.name] for f in fields(PhaseTime)
                                      if f.name in value})
-            elif name == "peak_breakdown":
+            elif name in ("peak_breakdown", "host_breakdown"):
                 value = {str(k): int(v) for k, v in value.items()}
             elif name in _NAME_TUPLES:
                 value = tuple(value)
@@ -251,6 +266,25 @@ class Plan:
             raise ConfigError(f"{path} is not a saved plan: {err}",
                               hint="Write plans with Plan.save(path).") from err
         return cls.from_dict(data)
+
+    def host_verdict(self) -> str:
+        """The host memory the plan pins, by part, against its host budget, in words (empty
+        when it pins nothing)."""
+        if not self.host_bytes:
+            return ""
+        parts = ", ".join(f"{k.replace('_', ' ')} {format_size(v)}"
+                          for k, v in self.host_breakdown.items() if v)
+        line = f"Host memory: {format_size(self.host_bytes)} pinned" + (
+            f" ({parts})" if parts else "")
+        budget = self.host_budget_bytes
+        if budget is None:
+            return (line + "; no host budget was given: it must fit this host's RAM beside "
+                    "the model's own copy (vramkit info; host_budget= bounds it).")
+        if self.host_bytes <= budget:
+            return (line + f": within the host budget of {format_size(budget)} "
+                    f"({format_size(budget - self.host_bytes)} to spare).")
+        return (line + f": OVER the host budget of {format_size(budget)} by "
+                f"{format_size(self.host_bytes - budget)}.")
 
     def explain(self) -> str:
         """The plan and its reasons, in plain words."""
@@ -316,6 +350,20 @@ class Plan:
                          "decode scratch).")
         if self.activation_offload:
             lines.append("Offload saved activations to pinned host memory.")
+        if self.ffn_chunks > 1:
+            lines.append(f"Run each block's feed-forward layer over {self.ffn_chunks} slices "
+                         "of its tokens, each recomputed in backward: its wide temporaries "
+                         "exist for one slice at a time.")
+        if self.trainable == "swap":
+            state = self.host_breakdown.get("optimizer_state", 0)
+            lines.append(f"Full fine-tuning with swapped optimizer state: each swapped block's "
+                         f"AdamW state ({format_size(state)} in all, in pinned host memory) "
+                         f"comes to one of {self.num_slots} state slots in backward, where "
+                         "the block's optimizer steps, and goes back with its weights "
+                         "(SwapConfig(trainable='swap'), optimizer=a factory).")
+        host = self.host_verdict()
+        if host:
+            lines.append(host)
         for label, phase in (("forward", self.forward), ("backward", self.backward)):
             if self.mode != "train" and label == "backward":
                 continue

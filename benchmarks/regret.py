@@ -1,0 +1,431 @@
+"""The planner's regret: its plan against the hand plans one change away, all measured in one
+process, turn by turn.
+
+For one model and budget, ``vramkit.plan`` (calibrated on this GPU) makes a plan and
+:func:`vramkit.planning.neighbours` the plans one change away from it -- one block more or fewer
+swapped (the best such block by the planner's own prediction), one more or fewer checkpointed,
+a slot more or fewer, activation offload on or off -- each priced by the same simulation. Each
+plan is applied with ``vramkit.fit(plan=...)`` in turn (the order reversed every other round:
+ABBA), runs one untimed step (the allocator's refill after the previous plan) and ``--steps``
+timed ones under the card's cap, and is detached again. Printed per plan: predicted vs measured
+step and peak; and the regret = the planner's measured step / the best measured step among the
+plans that ran under the budget (1.00: no neighbour beat it), with its spread over rounds.
+
+Models (``--model``): ``flux`` (FLUX.1-dev, LoRA r16 on the attention, 1024 px), ``llama8b``
+(Llama-3.1-8B, LoRA r16, 4096 tokens), ``demo`` (the demo's DiT xl, LoRA), ``wan`` (Wan 2.1
+T2V 14B, LoRA r16 on the attention projections, 480x832 at ``--frames`` frames, default 41 here
+so that a round stays within the time; ``--frames 81`` is the published default). Weights are
+random (bf16), built from the published configs (``vramkit.recipes.targets``).
+
+``--wan-row``: the Wan row instead, at 480x832 x ``--frames`` (default 81 with this flag): the
+fitted step under ``--budget`` against the same weights resident on the GPU with every block
+checkpointed and no cap, alternating; the measured peak against the prediction (target: within
+3 %) and the host memory the plan pins (masters + offloaded activations) against this
+process's RSS growth. When no plan fits the budget, the row says so with the planner's minimum
+and runs at that minimum rounded up to 0.5 GiB.
+
+cuDNN's SDPA backend is disabled (it crashed on Hopper with torch 2.11, docs/architecture.md).
+
+Run (H200, each well under 4 min; the figures printed at the end):
+    PYTHONPATH=src python3 benchmarks/regret.py --model flux --budget 11.5
+    PYTHONPATH=src python3 benchmarks/regret.py --model llama8b --budget 11.5
+    PYTHONPATH=src python3 benchmarks/regret.py --model demo --budget 4
+    PYTHONPATH=src python3 benchmarks/regret.py --model wan --budget 11.5 --rounds 1
+    PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-row --budget 11.5
+Run (CPU, code paths only, seconds):
+    PYTHONPATH=src python3 benchmarks/regret.py --model demo --tiny --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_common_args, write_result
+from _timing import log
+from plan import Card, copy_to, fill_random, real_inputs, sync, tiny_folder, train_arm
+
+GIB = 1 << 30
+MODELS = ("flux", "llama8b", "demo", "wan")
+#: Rounds and timed steps per turn by model: each model's run stays under ~4 min on an H200
+#: (a turn is an attach, one untimed step, the timed ones and a detach).
+DEFAULT_ROUNDS = {"flux": 2, "llama8b": 2, "demo": 3, "wan": 1}
+DEFAULT_STEPS = {"flux": 2, "llama8b": 2, "demo": 3, "wan": 1}
+TINY_WAN = {
+    "_class_name": "WanTransformer3DModel", "patch_size": [1, 2, 2], "num_attention_heads": 2,
+    "attention_head_dim": 16, "in_channels": 4, "out_channels": 4, "text_dim": 32,
+    "freq_dim": 32, "ffn_dim": 128, "num_layers": 4, "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 64,
+}
+
+
+@dataclass
+class Model:
+    """One model built for the run: its host copy (what ``fit`` places), real inputs, the
+    planner's step, and (``--wan-row``) a resident twin on the device."""
+
+    name: str
+    host: nn.Module
+    inputs: Any
+    step: Any
+    family: str
+    shapes: str
+    twin: nn.Module | None = None
+
+
+@dataclass
+class Measured:
+    """One plan's turns."""
+
+    label: str
+    plan: Any
+    seconds: list[float] = field(default_factory=list)
+    by_round: list[float] = field(default_factory=list)  # the median of each round's steps
+    peak: int = 0
+    error: str | None = None
+
+
+# -- the models ----------------------------------------------------------------------------------
+
+
+def _target(model: str, args: argparse.Namespace) -> Any:
+    from vramkit.recipes.targets import build_target
+
+    if model == "flux":
+        name = tiny_folder("flux") if args.tiny else "flux-dev"
+        options: dict[str, Any] = {"lora_targets": ("to_q", "to_k", "to_v", "to_out.0")}
+        if args.tiny:
+            options.update(resolution=64, seq_len=8)
+        return build_target(name, **options)
+    if model == "llama8b":
+        name = tiny_folder("llama") if args.tiny else "llama-3.1-8b"
+        return build_target(name, seq_len=64 if args.tiny else 4096)
+    # wan
+    if args.tiny:
+        folder = Path(tempfile.mkdtemp(prefix="vramkit-regret-wan-"))
+        (folder / "config.json").write_text(json.dumps(TINY_WAN), encoding="utf-8")
+        return build_target(str(folder), frames=5, resolution=(32, 48), seq_len=8)
+    return build_target("wan2.1-14b", frames=args.frames)
+
+
+def build(model: str, args: argparse.Namespace, device: torch.device) -> Model:
+    """The model with random weights: made on the device (fast), copied to the host; the
+    device copy kept only as the Wan row's resident baseline."""
+    if model == "demo":
+        return _demo(args, device)
+    target = _target(model, args)
+    target.model.to_empty(device=device)
+    torch.manual_seed(args.seed)
+    fill_random(target.model)
+    twin = target.model
+    host = copy_to(twin, _target(model, args).model, torch.device("cpu"))
+    vocab = getattr(getattr(host, "config", None), "vocab_size", None)
+    inputs = real_inputs(target.inputs, device, vocab, args.seed + 1)
+    if not args.wan_row:
+        twin = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return Model(model, host, inputs, target.step, target.family, target.shapes, twin)
+
+
+def _demo(args: argparse.Namespace, device: torch.device) -> Model:
+    from vramkit.recipes.dit import DiT, DiTConfig, flow_matching_loss, synthetic_batch
+    from vramkit.recipes.lora import add_lora_adapters
+
+    config = DiTConfig.preset("tiny" if args.tiny else "xl")
+    blocks = [f"double_blocks.{i}" for i in range(config.num_double_blocks)] + [
+        f"single_blocks.{i}" for i in range(config.num_single_blocks)]
+    torch.manual_seed(args.seed)
+    host = DiT(config)  # in the preset's dtype (xl: bf16)
+    add_lora_adapters(host, blocks, rank=16)
+    batch = synthetic_batch(config, 1 if not args.tiny else 2, device=device)
+    return Model("demo", host, batch, flow_matching_loss, "demo", f"DiT {config}")
+
+
+# -- planning --------------------------------------------------------------------------------
+
+
+def plan_with_neighbours(m: Model, budget: int, args: argparse.Namespace,
+                         device: torch.device) -> tuple[Any, list[Any], dict[str, Any]]:
+    """The planner's plan (this GPU measured and its blocks timed; offline on the CPU) and
+    its neighbours, all priced on the same machine and block times."""
+    import vramkit
+    from vramkit.planning import analyze, calibrate_blocks, machine_for, meta_copy, neighbours
+
+    t0 = time.perf_counter()
+    options: dict[str, Any] = {"step": m.step}
+    if m.family == "demo":
+        options["autocast"] = None  # the DiT runs in bf16 as built
+    if args.tiny:
+        options["headroom"] = 0.05
+    if args.ffn_chunks > 1:
+        options["ffn_chunks"] = args.ffn_chunks
+    cuda = device.type == "cuda"
+    machine = machine_for(None if cuda else "rtx4090", device if cuda else None)
+    meta = meta_copy(m.host)
+    if args.ffn_chunks > 1:  # as plan(ffn_chunks=) analyzes it
+        from vramkit.offload.blocks import find_blocks
+        from vramkit.offload.chunked import chunk_feed_forwards
+
+        chunk_feed_forwards(meta, [n for n, _ in find_blocks(meta)], args.ffn_chunks)
+    cost = analyze(meta, m.inputs, mode="train", step=m.step,
+                   autocast=options.get("autocast", torch.bfloat16))
+    times = (calibrate_blocks(m.host, m.inputs, step=m.step, device=device,
+                              autocast=options.get("autocast", torch.bfloat16))
+             if cuda else None)
+    if args.tiny:
+        budget = _tiny_budget(m, cost, machine, options)
+    try:
+        plan = vramkit.plan(m.host, m.inputs, budget, hardware=machine, cost=cost,
+                            block_times=times, **options)
+        refused = None
+    except vramkit.PlanError as exc:
+        if not args.wan_row or exc.minimum_budget is None:
+            raise
+        refused = {"budget_bytes": budget, "minimum_budget_bytes": exc.minimum_budget,
+                   "error": str(exc)}
+        budget = math.ceil(exc.minimum_budget / (GIB // 2)) * (GIB // 2)
+        log(f"no plan fits: {exc}; running at {budget / GIB:.1f} GiB instead")
+        plan = vramkit.plan(m.host, m.inputs, budget, hardware=machine, cost=cost,
+                            block_times=times, **options)
+    found = [] if args.wan_row else neighbours(plan, cost, machine, times=times)
+    info = {"plan_s": time.perf_counter() - t0, "machine": machine.name,
+            "budget_bytes": budget, "refused": refused}
+    return plan, found, info
+
+
+def _tiny_budget(m: Model, cost: Any, machine: Any, options: dict[str, Any]) -> int:
+    """--tiny: halfway between the planner's minimum and the whole model's bytes."""
+    import vramkit
+
+    weights = sum(t.numel() * t.element_size() for t in m.host.parameters())
+    try:
+        vramkit.plan(m.host, m.inputs, 1, hardware=machine, cost=cost, **options)
+        low = 0
+    except vramkit.PlanError as exc:
+        low = int(exc.minimum_budget or 0)
+    return int(low + max(weights * 1.5 - low, 0) / 2)
+
+
+# -- measuring --------------------------------------------------------------------------------
+
+
+def turn(m: Model, entry: Measured, budget: int, card: Card, steps: int,
+         device: torch.device) -> None:
+    """Apply ``entry``'s plan, one untimed step, ``steps`` timed, detach."""
+    import vramkit
+    from vramkit.observe.oom import is_oom_error
+
+    arm, reset = train_arm(entry.label, m.host, m.inputs,
+                           "causal-lm" if m.family == "causal-lm" else "diffusers", device,
+                           capped=True)
+    if m.family == "demo":
+        arm.run = _demo_step(m, arm)
+    others = card.enter(0, True)
+    fitted = None
+    times: list[float] = []
+    try:
+        fitted = vramkit.fit(m.host, m.inputs, budget, plan=entry.plan, device=device)
+        arm.run()
+        for _ in range(steps):
+            sync(device)
+            start = time.perf_counter()
+            arm.run()
+            sync(device)
+            times.append(time.perf_counter() - start)
+        entry.peak = max(entry.peak, card.peak_since(others))
+    except Exception as exc:  # an OOM is a result: the plan does not fit this card
+        if not is_oom_error(exc):
+            raise
+        entry.error = "out of memory"
+        log(f"{entry.label}: out of memory")
+    finally:
+        card.release()
+        if fitted is not None:
+            fitted.detach()
+        reset()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if times:
+        entry.seconds += times
+        entry.by_round.append(statistics.median(times))
+
+
+def _demo_step(m: Model, arm: Any) -> Any:
+    state: dict[str, Any] = {}
+
+    def run() -> float:
+        if "opt" not in state:
+            state["opt"] = torch.optim.AdamW(
+                [p for p in m.host.parameters() if p.requires_grad], lr=1e-4)
+        loss = m.step(m.host, m.inputs)
+        loss.backward()
+        state["opt"].step()
+        state["opt"].zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return run
+
+
+def regret_run(m: Model, args: argparse.Namespace, device: torch.device
+               ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    from vramkit.planning import fits
+
+    budget = int(args.budget * GIB)
+    plan, found, info = plan_with_neighbours(m, budget, args, device)
+    budget = info["budget_bytes"]
+    entries = [Measured("planner", plan)] + [Measured(n.label, n.plan) for n in found]
+    log(f"{m.name}: planned in {info['plan_s']:.1f} s; {len(found)} neighbours: "
+        + ", ".join(n.label for n in found))
+    card = Card(device, budget)
+    rounds = args.rounds or (1 if args.tiny else DEFAULT_ROUNDS[m.name])
+    steps = args.steps or (1 if args.tiny else DEFAULT_STEPS[m.name])
+    for r in range(rounds):
+        for entry in entries if r % 2 == 0 else entries[::-1]:
+            if entry.error is None:
+                turn(m, entry, budget, card, steps, device)
+    ran = [e for e in entries if e.seconds and (device.type != "cuda" or e.peak <= budget)]
+    mine = entries[0]
+    rows, detail = [], []
+    best = min((statistics.median(e.seconds) for e in ran), default=math.nan)
+    for e in entries:
+        measured = statistics.median(e.seconds) if e.seconds else math.nan
+        row = {"plan": e.label,
+               "swapped/ckpt/R/offload": f"{len(e.plan.swapped)}/{len(e.plan.checkpointed)}/"
+                                         f"{e.plan.num_slots}/{'y' if e.plan.activation_offload else 'n'}",
+               "predicted ms": e.plan.predicted_step_seconds * 1e3,
+               "measured ms": measured * 1e3,
+               "err %": 100 * (measured / e.plan.predicted_step_seconds - 1),
+               "vs best": measured / best,
+               "predicted GiB": e.plan.predicted_peak_bytes / GIB,
+               "peak GiB": e.peak / GIB if device.type == "cuda" else math.nan,
+               "fits (pred)": fits(e.plan),
+               "note": e.error or ("" if e in ran else "over budget")}
+        rows.append(row)
+        detail.append({**row, "seconds": e.seconds, "by_round": e.by_round,
+                       "explain": e.plan.explain()})
+    regret = (statistics.median(mine.seconds) / best) if mine.seconds else math.nan
+    # the regret's spread: per round, the planner's step over that round's best
+    per_round = []
+    for r in range(len(mine.by_round)):
+        bests = [e.by_round[r] for e in ran if len(e.by_round) > r]
+        if bests:
+            per_round.append(mine.by_round[r] / min(bests))
+    print(f"\n{m.name} ({m.shapes}) under {budget / GIB:.1f} GiB on {info['machine']}: "
+          f"regret {regret:.3f} (per round {', '.join(f'{x:.3f}' for x in per_round)}); "
+          f"{len(ran)} of {len(entries)} plans ran under the budget")
+    return {"model": m.name, "shapes": m.shapes, "budget_bytes": budget, "regret": regret,
+            "regret_by_round": per_round, "plans": detail, **info}, rows
+
+
+def wan_row(m: Model, args: argparse.Namespace, device: torch.device
+            ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Fitted under the budget vs the resident model with every block checkpointed, no cap."""
+    import vramkit
+    from plan import alternate, warm
+    from vramkit.devices.host import read_host_memory
+    from vramkit.offload.checkpointing import enable_gradient_checkpointing
+
+    budget = int(args.budget * GIB)
+    plan, _, info = plan_with_neighbours(m, budget, args, device)
+    budget = info["budget_bytes"]
+    log(plan.explain())
+    assert m.twin is not None
+    enable_gradient_checkpointing(m.twin)
+    card = Card(device, budget)
+    resident, reset_r = train_arm("resident-all-ckpt", m.twin, m.inputs, "diffusers", device,
+                                  capped=False)
+    fitted_arm, reset_f = train_arm("fitted", m.host, m.inputs, "diffusers", device,
+                                    capped=True)
+    holder: dict[str, Any] = {}
+    rss_before = read_host_memory().process_rss
+    try:
+        warm(card, resident)
+        warm(card, fitted_arm, lambda: holder.setdefault("fitted", vramkit.fit(
+            m.host, m.inputs, budget, plan=plan, device=device)))
+        rss_fitted = read_host_memory().process_rss
+        settings = argparse.Namespace(rounds=args.rounds or 2, steps_per_arm=args.steps or 2)
+        alternate(card, (fitted_arm, resident), settings)
+    finally:
+        card.release()
+        if "fitted" in holder:
+            holder["fitted"].detach()
+        reset_r()
+        reset_f()
+    mine, theirs = (statistics.median(a.seconds) for a in (fitted_arm, resident))
+    row = {"row": f"Wan 2.1 14B LoRA {m.shapes}", "budget GiB": budget / GIB,
+           "plan": f"{len(plan.swapped)}/{len(plan.block_order)} swapped, "
+                   f"{len(plan.checkpointed)} ckpt, R={plan.num_slots}, "
+                   f"offload {'on' if plan.activation_offload else 'off'}",
+           "step s": mine, "resident all-ckpt s": theirs, "ratio": mine / theirs,
+           "predicted s": plan.predicted_step_seconds,
+           "peak GiB": fitted_arm.peak / GIB, "predicted GiB": plan.predicted_peak_bytes / GIB,
+           "peak err %": 100 * (fitted_arm.peak / plan.predicted_peak_bytes - 1),
+           "host GiB (plan)": plan.host_bytes / GIB,
+           "host RSS growth GiB": (rss_fitted - rss_before) / GIB
+           if rss_fitted is not None and rss_before is not None else math.nan}
+    print(f"\nWan row: {row}")
+    result = {**row, **info, "explain": plan.explain(), "fitted_s": fitted_arm.seconds,
+              "resident_s": resident.seconds,
+              "peak_within_3pct": abs(row["peak err %"]) <= 3,
+              "resident_peak_gib": resident.peak / GIB}
+    return result, [row]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=MODELS, default="flux")
+    parser.add_argument("--budget", type=float, default=11.5, help="GiB (default 11.5)")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="rounds over the plans (default by model: " + ", ".join(
+                            f"{k} {v}" for k, v in DEFAULT_ROUNDS.items()) + ")")
+    parser.add_argument("--steps", type=int, default=0,
+                        help="timed steps per turn (default by model: " + ", ".join(
+                            f"{k} {v}" for k, v in DEFAULT_STEPS.items()) + ")")
+    parser.add_argument("--frames", type=int, default=0,
+                        help="Wan's frames (default 41; 81 with --wan-row)")
+    parser.add_argument("--ffn-chunks", type=int, default=1,
+                        help="plan with each block's feed-forward over N token slices")
+    parser.add_argument("--wan-row", action="store_true",
+                        help="the Wan row: fitted vs resident with every block checkpointed")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny models: code paths only")
+    parser.add_argument("--seed", type=int, default=0)
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    if args.wan_row and args.model != "wan":
+        parser.error("--wan-row is a row of --model wan")
+    args.frames = args.frames or (81 if args.wan_row else 41)
+    from vramkit.devices.resolve import resolve_device
+
+    device = resolve_device(args.device, owner="benchmarks/regret.py")
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)  # crashes on Hopper (architecture.md)
+    started = time.perf_counter()
+    m = build(args.model, args, device)
+    log(f"built {m.name} ({m.shapes}) in {time.perf_counter() - started:.1f} s")
+    result, rows = (wan_row if args.wan_row else regret_run)(m, args, device)
+    result["total_s"] = time.perf_counter() - started
+    name = "regret_wan_row" if args.wan_row else f"regret_{args.model}"
+    write_result(name + ("_tiny" if args.tiny else ""), result, rows, args.out)
+    print(f"total {result['total_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

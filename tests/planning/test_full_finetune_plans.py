@@ -1,0 +1,125 @@
+"""Full fine-tuning planned with ``trainable="swap"``: swapped blocks' weights train in their
+masters, their AdamW state lives in pinned host memory and comes to R state slots in backward;
+the plan counts both, weighs the slots against the write-backs, and fit applies it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.planning._models import inputs, stack
+from vramkit.errors import ConfigError, PlanError
+from vramkit.offload.swap import SwapConfig
+from vramkit.planning.analysis import analyze
+from vramkit.planning.api import SWAP_TRAINABLE_SLOTS, plan
+from vramkit.planning.machine import machine_for
+from vramkit.planning.planner import swap_state_factor
+
+MiB = 1 << 20
+
+
+def full_stack(device: str = "meta"):  # type: ignore[no-untyped-def]
+    model = stack(device=device)
+    model.requires_grad_(True)  # every weight trains
+    return model
+
+
+@pytest.fixture(scope="module")
+def cost():  # type: ignore[no-untyped-def]
+    return analyze(full_stack(), inputs(device="meta"), mode="train", autocast=None,
+                   swap_config=SwapConfig(trainable="swap"))
+
+
+def _plan(cost, budget: int, **kw):  # type: ignore[no-untyped-def]
+    kw.setdefault("hardware", "rtx4090")
+    return plan(full_stack(), inputs(device="meta"), budget, cost=cost, headroom=0,
+                trainable="swap", autocast=None, **kw)
+
+
+def test_the_slot_factor_goes_through_the_measured_points() -> None:
+    assert swap_state_factor(2) == pytest.approx(1.60)
+    assert swap_state_factor(8) == pytest.approx(1.01, abs=2e-4)
+    assert swap_state_factor(2) > swap_state_factor(3) > swap_state_factor(4) > 1
+    assert 8 in SWAP_TRAINABLE_SLOTS and min(SWAP_TRAINABLE_SLOTS) == 2
+
+
+def test_swapped_blocks_take_their_state_to_the_host_and_bring_slots(cost) -> None:  # type: ignore[no-untyped-def]
+    p = _plan(cost, 24 * MiB)
+    assert p.trainable == "swap" and p.swapped and p.num_slots >= 2
+    blocks = {b.name: b for b in cost.blocks}
+    # fp32 weights: 4 bytes a parameter, AdamW's two fp32 moments 8: the state is twice the
+    # trainable bytes each swapped block moves (its up and down matrices, 2 MiB)
+    moved = [min(blocks[n].adapters, blocks[n].swapped["bf16"]) for n in p.swapped]
+    assert all(m == 2 * 256 * 1024 * 4 for m in moved)
+    assert p.host_breakdown["optimizer_state"] == 2 * sum(moved)
+    assert p.host_breakdown["masters"] == sum(blocks[n].swapped["bf16"] for n in p.swapped)
+    # on the device: every trainable byte (weights, gradients, AdamW) but the swapped ones,
+    # plus R slots of (weights + state) for the blocks waiting for their step
+    everything = 2 * cost.trainable_bytes + 8 * cost.trainable_params
+    on_device = everything - 2 * sum(moved) - 2 * sum(moved) + p.num_slots * 3 * moved[0]
+    assert p.peak_breakdown["trainable_and_optimizer"] == on_device
+    # backward copies: weights + state of the (k - R) blocks reloaded, paced by the slots
+    k, r = len(p.swapped), p.num_slots
+    bw = machine_for("rtx4090").h2d_bytes_per_s
+    per_block = swap_state_factor(r) * (blocks[p.swapped[0]].swapped["bf16"] + 2 * moved[0]) / bw
+    assert p.backward.copy_seconds == pytest.approx((k - r) / k * k * per_block)
+    assert p.forward.copy_seconds == pytest.approx(
+        (k - r) / k * sum(blocks[n].swapped["bf16"] for n in p.swapped) / bw)
+    assert "Full fine-tuning with swapped optimizer state" in p.explain()
+    assert "optimizer state" in p.host_verdict()
+
+
+def test_full_finetuning_fits_budgets_only_swapping_the_state_reaches(cost) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(PlanError):  # everything resident: trainable weights cannot swap
+        plan(full_stack(), inputs(device="meta"), 24 * MiB, hardware="rtx4090", headroom=0,
+             autocast=None)
+    assert _plan(cost, 24 * MiB).swapped
+
+
+def test_more_slots_cost_memory_and_buy_back_the_write_backs(cost) -> None:  # type: ignore[no-untyped-def]
+    two = _plan(cost, 24 * MiB, num_slots=(2,))
+    more = _plan(cost, 36 * MiB, num_slots=(2, 3, 4))
+    assert two.num_slots == 2
+    if more.swapped and more.num_slots > 2:
+        assert (more.peak_breakdown["swap_slots"] // more.num_slots
+                == two.peak_breakdown["swap_slots"] // 2)
+    with pytest.raises(ConfigError, match="training only"):
+        plan(full_stack(), inputs(device="meta"), 24 * MiB, hardware="rtx4090",
+             mode="infer", trainable="swap")
+
+
+def test_fit_applies_a_swapped_full_finetuning_plan(cost) -> None:  # type: ignore[no-untyped-def]
+    import vramkit
+
+    p = _plan(cost, 24 * MiB)
+    model, xs = full_stack("cpu"), inputs()
+    with pytest.raises(ConfigError, match="optimizer"):
+        vramkit.fit(model, xs, 24 * MiB, plan=p, device="cpu")
+    fitted = vramkit.fit(model, xs, 24 * MiB, plan=p, device="cpu",
+                         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
+    try:
+        assert fitted.swapper is not None
+        assert fitted.swapper.config.trainable == "swap"
+        assert list(fitted.swapper.swapped_names) == list(p.swapped)
+        key = f"{p.swapped[0]}.up.weight"
+        before = model.state_dict()[key].clone()  # from the host master
+        model(*xs).square().mean().backward()
+        assert fitted.swapper.stats().optimizer_steps == len(p.swapped)
+        assert not torch.equal(model.state_dict()[key], before)  # stepped in backward
+    finally:
+        fitted.detach()
+
+
+def test_a_full_finetuning_plans_neighbours_are_priced_as_full_finetuning(cost) -> None:  # type: ignore[no-untyped-def]
+    from vramkit.planning.neighbourhood import fits, neighbours
+
+    p = _plan(cost, 24 * MiB)
+    found = neighbours(p, cost, machine_for("rtx4090"))
+    assert found
+    for n in found:
+        if n.plan.swapped:
+            assert n.plan.trainable == "swap" and n.plan.num_slots >= 2, n.label
+            assert n.plan.host_breakdown.get("optimizer_state", 0) > 0, n.label
+        if fits(n.plan):
+            assert n.plan.predicted_step_seconds >= p.predicted_step_seconds * (1 - 1e-9), \
+                n.label

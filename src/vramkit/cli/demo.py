@@ -59,6 +59,10 @@ def register(subparsers: Any) -> None:
                              "vramkit-demo-report.html; '' writes none)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="do not time the model fully resident")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each block beneath checkpointing and swapping "
+                             "(planned with the blocks timed compiled); the resident baseline "
+                             "stays eager")
     parser.set_defaults(func=run, flag_names=FLAG_NAMES)
 
 
@@ -126,7 +130,8 @@ def config_from_args(args: argparse.Namespace, *, distributed: bool = False) -> 
         steps=_whole_number("--steps", args.steps),
         batch_size=_whole_number("--batch-size", args.batch_size),
         device=args.device, baseline=not args.no_baseline and not distributed,
-        report="" if distributed else _report_path(args))
+        report="" if distributed else _report_path(args),
+        compile=getattr(args, "compile", False))
 
 
 def _report_path(args: argparse.Namespace) -> str:
@@ -241,6 +246,7 @@ def _print_plan(con: Any, plan: Any) -> None:
               f"budget). Plan (vramkit.plan): swap {plan.planned_swapped_blocks} of "
               f"{plan.num_blocks} blocks through {plan.num_slots} slots; checkpointing "
               f"{'on' if plan.checkpointing else 'off'}: {plan.checkpointing_reason}; "
+              f"{'blocks compiled; ' if plan.compile else ''}"
               f"predicted peak {format_size(plan.predicted_peak_bytes)}{predicted}.")
 
 

@@ -16,7 +16,7 @@ from vramkit.recipes.demo import DemoConfig
     ("model_size", "0MiB"), ("steps", 0), ("steps", 1.5), ("steps", True), ("batch_size", 0),
     ("device", "tpu"), ("device", "banana"), ("baseline", "yes"), ("report", "out.txt"),
     ("report", 3), ("lora_rank", 0), ("learning_rate", 0.0), ("learning_rate", math.nan),
-    ("num_slots", 0), ("seed", -1),
+    ("num_slots", 0), ("seed", -1), ("compile", "yes"), ("compile", 1),
 ])
 def test_config_rejects_bad_values(field: str, value: object) -> None:
     with pytest.raises(ConfigError):

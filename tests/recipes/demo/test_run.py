@@ -100,3 +100,17 @@ def test_demo_without_baseline_runs_the_swapped_model_only() -> None:
     assert result.baseline_step_seconds == []
 
 
+
+
+def test_run_demo_compiles_the_swapped_blocks_and_trains_like_the_resident_model() -> None:
+    # compile=True: fit compiles each block beneath the checkpointing it applies (checkpointing
+    # the blocks first would make dynamo trace the checkpoint); the resident twin stays eager.
+    from torch._dynamo.utils import counters
+
+    frames = counters["frames"]["ok"]
+    result = run_demo(_tiny(steps=2, compile=True))
+    assert result.plan.compile and "compiled" in result.plan.planned.explain()
+    assert counters["frames"]["ok"] > frames  # the blocks ran compiled
+    assert result.checkpointed_blocks == result.plan.checkpointed_block_names
+    assert math.isclose(result.losses[0], result.baseline_losses[0], rel_tol=1e-5)
+    assert result.plan.to_dict()["compile"] is True

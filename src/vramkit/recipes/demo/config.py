@@ -53,6 +53,9 @@ class DemoConfig:
         learning_rate: AdamW learning rate of the adapters (default 3e-3).
         num_slots: the swapper's GPU slot ring (default 2).
         seed: seed of the weights, adapters and data (default 0).
+        compile: ``torch.compile`` each block beneath checkpointing and swapping, planned with
+            its blocks timed compiled (``vramkit.fit(..., compile=True)``); the resident
+            baseline stays eager (default ``False``).
 
     Raises:
         ConfigError: for any value out of range.
@@ -69,6 +72,7 @@ class DemoConfig:
     learning_rate: float = 3e-3
     num_slots: int = 2
     seed: int = 0
+    compile: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", check_size(
@@ -81,6 +85,7 @@ class DemoConfig:
         object.__setattr__(self, "device", check_device("DemoConfig.device", self.device,
                                                         allow_none=True))
         check_bool("DemoConfig.baseline", self.baseline)
+        check_bool("DemoConfig.compile", self.compile)
         if self.report is not None:
             if not isinstance(self.report, (str, Path)):
                 raise ConfigError(f"report must be a path or None, got {self.report!r}",

@@ -65,6 +65,7 @@ class DemoPlan:
         model_config: the :class:`DiTConfig` as a dict.
         steps / batch_size / lora_rank / learning_rate / num_slots / seed: training settings
             (``num_slots``: the swapper's ring, which the planner is held to).
+        compile: the blocks run ``torch.compile``d (planned with their times compiled).
         planned: the planner's :class:`~vramkit.planning.Plan` (on the CPU, laid out as for
             :data:`~vramkit.recipes.demo.config.CPU_PLAN_HARDWARE`).
         minimum_budget_bytes: the smallest budget a plan fits (:class:`~vramkit.errors.
@@ -93,6 +94,7 @@ class DemoPlan:
     largest_block_bytes: int
     outside_block_bytes: int
     activation_bytes_full: int
+    compile: bool = False
 
     @property
     def dit_config(self) -> DiTConfig:
@@ -325,11 +327,12 @@ def plan_demo(config: DemoConfig | None = None, *, data_parallel: bool = False) 
     options: dict[str, Any] = dict(
         step=flow_matching_loss, blocks=names, headroom=HEADROOM[kind],
         num_slots=(config.num_slots,), activation_offload=False, autocast=None, cost=cost,
-        reserved_bytes=buckets)
+        reserved_bytes=buckets, compile="default" if config.compile else None)
     if kind == "cuda":  # measured once, for the probe of the minimum and for the plan
         options["hardware"] = measure_machine(device)
         options["block_times"] = calibrate_blocks(meta, batch, step=flow_matching_loss,
-                                                  blocks=names, autocast=None, device=device)
+                                                  blocks=names, autocast=None, device=device,
+                                                  compile=options["compile"])
     else:
         options["hardware"] = CPU_PLAN_HARDWARE
     try:
@@ -365,7 +368,7 @@ def plan_demo(config: DemoConfig | None = None, *, data_parallel: bool = False) 
         trainable_params=sum(p.numel() for p in adapters),
         trainable_bytes=sum(p.numel() * p.element_size() for p in adapters),
         largest_block_bytes=largest, outside_block_bytes=cost.outside_bytes,
-        activation_bytes_full=cost.activations.full)
+        activation_bytes_full=cost.activations.full, compile=config.compile)
     logger.debug("demo plan: %s model, %s budget, %s for blocks, %d checkpointed (%s)",
                  format_size(result.model_bytes), format_size(budget),
                  format_size(result.max_gpu_bytes), len(result.checkpointed_block_names),

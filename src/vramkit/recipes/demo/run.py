@@ -271,8 +271,13 @@ def run_demo(config: DemoConfig | None = None, *, plan: DemoPlan | None = None,
     # Both runs checkpoint the planned blocks: the demo turns it on for the model and its twin,
     # and fit leaves blocks already checkpointed as they are (detach keeps them so, for the
     # baseline that follows on CUDA).
+    # Compiled blocks are checkpointed by fit, above the compiled forward (checkpointing a block
+    # first would have dynamo trace the checkpoint's own machinery).
     chosen = plan.checkpointed_block_names
-    checkpointed = enable_gradient_checkpointing(model, blocks=chosen) if chosen else []
+    if plan.compile:
+        checkpointed = list(chosen)
+    else:
+        checkpointed = enable_gradient_checkpointing(model, blocks=chosen) if chosen else []
     if twin is not None and chosen:
         enable_gradient_checkpointing(twin, blocks=chosen)
     profiler, report_skipped = make_profiler(plan.device, config.report)
@@ -297,7 +302,7 @@ def run_demo(config: DemoConfig | None = None, *, plan: DemoPlan | None = None,
                 # The plan is made: fit reads no example inputs. It observes every step of the
                 # swapped run, so its report's peak is the whole run's.
                 with fit(model, (), plan.budget_bytes, device=device, plan=plan.planned,
-                         observe_steps=plan.steps) as fitted:
+                         observe_steps=plan.steps, compile=plan.compile) as fitted:
                     swapper = fitted.swapper
                     swapped = _training_run(
                         "train", model, adapters, plan, device, profiler, progress,
@@ -324,6 +329,8 @@ def run_demo(config: DemoConfig | None = None, *, plan: DemoPlan | None = None,
                     hint="Raise --budget, lower --batch-size, or report the plan (vramkit "
                          "demo --json) if the budget should have been enough.") from None
         if config.baseline and twin is None:
+            if plan.compile and chosen:  # fit's checkpointing left with its detach
+                enable_gradient_checkpointing(model, blocks=chosen)
             resident, skipped = _baseline(model, adapters, initial_adapters, plan, device,
                                           profiler, progress)
     finally:

@@ -377,3 +377,13 @@ def test_fit_plans_and_trains_a_model_prepared_for_a_gguf_file(tmp_path: Path) -
         (x,) = inputs()
         model(x).square().mean().backward()
         assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+        prepared_host = fitted.plan.host_bytes
+    # fit prepares the packed layers itself: the same plan without the manual step
+    unprepared = stack(device="meta")
+    with vramkit.fit(unprepared, inputs(), 6 << 20, checkpoint=path, hardware="rtx4090",
+                     headroom=0, autocast=None, device="cpu") as fitted:
+        assert isinstance(unprepared.blocks[0].up, GGUFLinear)
+        assert fitted.plan.host_bytes == prepared_host
+        (x,) = inputs()
+        unprepared(x).square().mean().backward()
+        assert all(p.grad is not None for p in unprepared.parameters() if p.requires_grad)

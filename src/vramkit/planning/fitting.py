@@ -523,6 +523,8 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
                                "them first (vramkit.load_into(model, path)), or call "
                                "vramkit.plan for a plan without weights.")
     target = resolve_device(device, owner="vramkit.fit")
+    if checkpoint is not None:
+        _prepare_packed_layers(model, checkpoint, prefix)
     if isinstance(plan, (str, os.PathLike)):
         plan = Plan.load(plan)
     if plan is None:
@@ -557,6 +559,17 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
                   master_memory=master_memory, block_loader=block_loader,
                   compile_mode=compile_mode,
                   host_memory=plan_options.get("host_memory", "auto"), optimizer=optimizer)
+
+
+def _prepare_packed_layers(model: nn.Module, checkpoint: str | os.PathLike[str],
+                           prefix: str | None) -> None:
+    """A GGUF checkpoint's quantized linears become :class:`~vramkit.quant.gguf.GGUFLinear`
+    layers before the plan, so the planner prices (and the swapper moves) the file's packed
+    bytes, not a bf16 copy of them; other formats load into the layers as they are."""
+    from vramkit.io.formats import detect_format, prepare_module
+
+    if detect_format(checkpoint).container == "gguf":
+        prepare_module(model, checkpoint, prefix=prefix)
 
 
 def _host_memory(plan: Plan, asked: object, master_memory: object,

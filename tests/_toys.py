@@ -168,6 +168,19 @@ def grad_step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[tor
 
 # -- adapters kept outside the model ----------------------------------------------------------
 
+class ProjectionBlock(nn.Module):
+    """``x + o(tanh(q(x)))``: a block whose two Linears (``q``, ``o``) adapters target, as an
+    attention block's projections are."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.q = nn.Linear(dim, dim)
+        self.o = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.o(torch.tanh(self.q(x)))
+
+
 class KohyaLoRAModule(nn.Module):
     """A kohya/musubi-tuner style LoRA module: ``apply_to`` replaces the target layer's
     ``forward`` by this module's (an instance attribute) and keeps the original one to call.

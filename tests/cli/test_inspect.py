@@ -268,13 +268,13 @@ def test_quantized_ratios_are_what_vramkit_quant_stores() -> None:
     assert inspect_cli.QUANTIZED_BYTES_PER_ELEMENT == measured
 
 
-def test_inspect_imports_neither_torch_nor_vramkit_quant(tmp_path: Path) -> None:
+def _assert_inspect_imports_neither_torch_nor_vramkit_quant(path: Path) -> None:
+    """``vramkit inspect path`` in a fresh interpreter loads no torch, vramkit.quant or numpy."""
     import subprocess
 
-    save_file({"w": torch.zeros(8, 8), "ids": torch.arange(4)}, tmp_path / "m.safetensors")
     script = ("import sys\n"
               "from vramkit.cli.main import main\n"
-              f"code = main(['inspect', {str(tmp_path / 'm.safetensors')!r}])\n"
+              f"code = main(['inspect', {str(path)!r}])\n"
               "loaded = [m for m in ('torch', 'vramkit.quant', 'numpy') if m in sys.modules]\n"
               "print('LOADED', loaded, code)\n")
     src = Path(__file__).resolve().parents[2] / "src"
@@ -283,6 +283,11 @@ def test_inspect_imports_neither_torch_nor_vramkit_quant(tmp_path: Path) -> None
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120)
     assert "LOADED [] 0" in done.stdout, (done.stdout, done.stderr)
+
+
+def test_inspect_imports_neither_torch_nor_vramkit_quant(tmp_path: Path) -> None:
+    save_file({"w": torch.zeros(8, 8), "ids": torch.arange(4)}, tmp_path / "m.safetensors")
+    _assert_inspect_imports_neither_torch_nor_vramkit_quant(tmp_path / "m.safetensors")
 
 
 def _gguf(tmp_path: Path) -> Path:
@@ -330,17 +335,4 @@ def test_single_file_layouts_and_fp8_scaled_are_named(tmp_path: Path,
 
 
 def test_inspecting_a_gguf_file_imports_neither_torch_nor_vramkit_quant(tmp_path: Path) -> None:
-    import subprocess
-
-    path = _gguf(tmp_path)
-    script = ("import sys\n"
-              "from vramkit.cli.main import main\n"
-              f"code = main(['inspect', {str(path)!r}])\n"
-              "loaded = [m for m in ('torch', 'vramkit.quant', 'numpy') if m in sys.modules]\n"
-              "print('LOADED', loaded, code)\n")
-    src = Path(__file__).resolve().parents[2] / "src"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(src), os.environ.get("PYTHONPATH")) if p)}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert "LOADED [] 0" in done.stdout, (done.stdout, done.stderr)
+    _assert_inspect_imports_neither_torch_nor_vramkit_quant(_gguf(tmp_path))

@@ -193,16 +193,9 @@ def test_a_truncated_gguf_file_names_the_tensor(tmp_path: Path) -> None:
 
 
 def test_an_unknown_gguf_tensor_type_is_named(tmp_path: Path) -> None:
-    import gguf
-    import numpy as np
-
+    pytest.importorskip("gguf")
     path = tmp_path / "odd.gguf"
-    writer = gguf.GGUFWriter(str(path), "flux")
-    writer.add_tensor("w", np.zeros((2, 32), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(str(path), {"w": torch.zeros(2, 32)}, {})
     data = bytearray(path.read_bytes())
     at = data.index(b"w") + 1 + 4 + 16  # name, dimension count, two dimensions: the type
     data[at:at + 4] = (77).to_bytes(4, "little")
@@ -348,27 +341,16 @@ def test_gguf_sdxl_with_flattened_convolutions_decodes_them_as_they_load(tmp_pat
 
 
 def test_fit_plans_and_trains_a_model_prepared_for_a_gguf_file(tmp_path: Path) -> None:
-    import gguf
-    import numpy as np
-
+    pytest.importorskip("gguf")
     import vramkit
     from tests.planning._models import inputs, stack
     from vramkit.io.formats import prepare_module
     from vramkit.quant.gguf import GGUFLinear
 
     path = tmp_path / "stack-Q8_0.gguf"
-    writer = gguf.GGUFWriter(str(path), "stack")
-    q8 = gguf.GGMLQuantizationType.Q8_0
-    for name, value in stack().state_dict().items():
-        array = value.float().numpy()
-        if value.dim() == 2 and "lora_" not in name:
-            writer.add_tensor(name, gguf.quants.quantize(array, q8), raw_dtype=q8)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(array))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    state = stack().state_dict()
+    write_gguf(str(path), state, {name: "Q8_0" for name, value in state.items()
+                                  if value.dim() == 2 and "lora_" not in name})
     model = stack(device="meta")
     assert prepare_module(model, path)  # the planner then prices the packed layers
     with vramkit.fit(model, inputs(), 6 << 20, checkpoint=path, hardware="rtx4090", headroom=0,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests._toys import KohyaLoRANetwork, Stack, hook_adapters
+from tests._toys import KohyaLoRANetwork, ProjectionBlock, Stack, hook_adapters
 from vramkit.planning import analyze, calibrate_blocks
 from vramkit.planning._meta import MetaAutocast, meta_autocast_checks, trainable_module_names
 from vramkit.planning.analysis import meta_copy
@@ -20,18 +20,12 @@ from vramkit.planning.analysis import meta_copy
 D = 64
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.q = nn.Linear(D, D)
-        self.o = nn.Linear(D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.o(torch.tanh(self.q(x)))
+def _block() -> nn.Module:
+    return ProjectionBlock(D)
 
 
 def _base() -> Stack:
-    base = Stack(Block, 3, out=(D, 1), seed=0)
+    base = Stack(_block, 3, out=(D, 1), seed=0)
     return base.requires_grad_(False)
 
 

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from vramkit.compress.format import LANES, STEPS, Compressed
 
-__all__ = ["KERNEL", "decode"]
+__all__ = ["decode"]
 
 
 @triton.jit
@@ -82,14 +82,12 @@ def _decode_kernel(records_ptr, tables_ptr, lanes_ptr, plane_ptr, words_ptr, out
         tl.atomic_max(flag_ptr, 1)
 
 
-#: The kernel :func:`decode` runs. A 32-bit-arithmetic variant was measured beside it on an
-#: H200 (276-282 against 274-296 GB/s decoded, benchmarks/compress.py): no faster, and it
-#: missed a corrupted payload the 64-bit kernel flags, so it was dropped.
-KERNEL = "int64"
+# One kernel, in 64-bit integer arithmetic: a 32-bit variant was measured beside it on an H200
+# (276-282 against 274-296 GB/s decoded, benchmarks/compress.py): no faster, and it missed a
+# corrupted payload this kernel flags.
 
 
-def decode(c: Compressed, out: torch.Tensor, flag: torch.Tensor | None,
-           kernel: str | None = None) -> None:
+def decode(c: Compressed, out: torch.Tensor, flag: torch.Tensor | None) -> None:
     """Launch the kernel on the current stream: ``c``'s payload (on the GPU) into ``out``."""
     h = c.header
     if flag is None:
@@ -100,8 +98,6 @@ def decode(c: Compressed, out: torch.Tensor, flag: torch.Tensor | None,
     plane = c.section("plane", torch.uint8)
     words = c.section("words", torch.int32)
     out16 = out[:out.numel() // 2 * 2].view(torch.int16)
-    if (kernel or KERNEL) != "int64":
-        raise ValueError(f"unknown decode kernel {kernel!r}: the one kernel is 'int64'")
     _decode_kernel[(h.n_groups,)](
         records, tables, lanes, plane, words, out, out16, flag, c.nbytes, tables.numel(),
         lanes.numel(), plane.numel(), words.numel(), LANES_=LANES, STEPS_=STEPS,

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests._toys import KohyaLoRANetwork, Stack, hook_adapters
+from tests._toys import KohyaLoRANetwork, ProjectionBlock, Stack, hook_adapters
 from vramkit.offload._reach import reached_modules
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 
@@ -26,14 +26,8 @@ D = 128
 STYLES = ["peft", "kohya", "kohya-registered", "hook", "hook-closure", "loha", "lokr"]
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.q = nn.Linear(D, D)
-        self.o = nn.Linear(D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.o(torch.tanh(self.q(x)))
+def _block() -> nn.Module:
+    return ProjectionBlock(D)
 
 
 class Adapted:
@@ -54,7 +48,7 @@ def _randomize(params: list[nn.Parameter]) -> None:
 
 
 def build(style: str) -> Adapted:
-    base = Stack(Block, 4, out=(D, 1), seed=0)
+    base = Stack(_block, 4, out=(D, 1), seed=0)
     base.requires_grad_(False)
     if style == "peft":
         peft = pytest.importorskip("peft")
@@ -186,7 +180,7 @@ class BareParameterHook:
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_a_gradient_nothing_showed_is_kept(checkpointing: bool) -> None:
     def build_bare() -> Adapted:
-        base = Stack(Block, 4, out=(D, 1), seed=0)
+        base = Stack(_block, 4, out=(D, 1), seed=0)
         base.requires_grad_(False)
         hooks = [BareParameterHook(b.q) for b in base.blocks]
         return Adapted(base, [h.weight for h in hooks], hooks)

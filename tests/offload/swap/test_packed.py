@@ -174,7 +174,8 @@ def test_disk_tier_blocks_are_stored_and_read_compressed(tmp_path) -> None:  # t
 
 
 def test_compressed_masters_beside_pageable_host_memory() -> None:
-    # compressed masters copy from their own pinned payload, never through the staging pool
+    # on a CPU the payloads are read where they are, never through the staging pool (a GPU
+    # copies them through it: tests/offload/swap/test_staged_gpu.py)
     expected = _train(_net())
     net = _net()
     swapper = BlockSwapper(net, config=_config("on", host_memory="pageable"), device="cpu")

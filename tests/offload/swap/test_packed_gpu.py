@@ -57,6 +57,7 @@ def test_slots_hold_the_masters_bytes() -> None:
     packed = BlockSwapper(_net(), config=SwapConfig(compress="on"), device="cuda")
     for raw, block in zip(plain._blocks, packed._blocks, strict=True):
         slot = torch.full((block.nbytes,), 0xEE, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()  # the fill (default stream) before the decode stream writes
         with torch.cuda.stream(packed.streams.h2d):
             packed._host.packed.load(block, slot)
         torch.cuda.synchronize()
@@ -74,7 +75,18 @@ def test_a_corrupted_payload_is_reported() -> None:
     block = swapper._blocks[3]
     plane = swapper._host.packed.packed[id(block)].section("plane", torch.uint8)
     plane[plane.numel() // 2] ^= 0x20
-    with torch.no_grad():
-        net(torch.randn(4, 64, device="cuda").bfloat16())
-    with pytest.raises(CompressionError, match="corrupted"):
+    with pytest.raises(CompressionError, match="corrupted"):  # a later load's poll, or stats
+        with torch.no_grad():
+            net(torch.randn(4, 64, device="cuda").bfloat16())
         swapper.stats()
+
+
+def test_training_on_a_corrupted_payload_stops_within_a_few_steps() -> None:
+    """No stats() call: the loads' non-blocking poll of the decode flag stops the run."""
+    net = _net()
+    swapper = BlockSwapper(net, config=SwapConfig(compress="on", num_slots=2), device="cuda")
+    block = swapper._blocks[2]
+    plane = swapper._host.packed.packed[id(block)].section("plane", torch.uint8)
+    plane[plane.numel() // 3] ^= 0x11
+    with pytest.raises(CompressionError, match="corrupted"):
+        _train(net, steps=6)

@@ -81,3 +81,26 @@ def test_pageable_with_a_cpu_optimizer_equals_pinned() -> None:
         assert torch.equal(ref(x), model(x))
     for s in swappers:
         s.detach()
+
+
+def test_pageable_compressed_masters_stay_pageable_and_train_like_pinned() -> None:
+    """With compress="on" the payloads are pageable too: the worker copies each one through
+    the staging pool, then launches its decode; the slots get the same bytes."""
+    pinned_model, pageable_model = _lora_net(), _lora_net()
+    pinned = BlockSwapper(pinned_model, device="cuda", config=SwapConfig(
+        num_slots=2, host_memory="pinned", compress="on"))
+    pageable = BlockSwapper(pageable_model, device="cuda", config=SwapConfig(
+        num_slots=2, host_memory="pageable", staging_pool="4MiB", compress="on"))
+    a, b = _train(pinned_model, pinned), _train(pageable_model, pageable)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+    stats = pageable.stats()
+    assert stats.compressed_blocks > 0 and stats.staged_copies == stats.loads > 0
+    assert stats.pinned_bytes == stats.staging_pool_bytes <= 4 << 20
+    assert pinned.stats().pinned_bytes > stats.pinned_bytes
+    assert not any(c.payload.is_pinned() for c in pageable._host.packed.packed.values())
+    for s in (pinned, pageable):
+        s.detach()
+    for (name, x), y in zip(pinned_model.state_dict().items(),
+                            pageable_model.state_dict().values(), strict=True):
+        assert torch.equal(x, y), name

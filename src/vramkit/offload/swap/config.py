@@ -90,9 +90,9 @@ class SwapConfig:
             read too), ``"auto"`` (only blocks that shrink to 0.9x or less). The masters
             are encoded once at attach (the fill then runs in the foreground); the device
             holds two scratch buffers of the largest compressed block. Trainable masters are
-            never compressed: they change every step. Compressed masters are pinned, with
-            ``host_memory="pageable"`` too (they are copied from there, not through the
-            staging pool).
+            never compressed: they change every step. With ``host_memory="pageable"`` the
+            compressed masters are pageable too: the staging pool's worker copies each one
+            into the device scratch and then launches its decode.
         host_memory: where the swapped blocks' masters live on the host. ``"pinned"``: page
             locked (the fastest copies, one copy stream and no thread). ``"pageable"``:
             ordinary memory, each block copied to the GPU through a bounded pinned staging pool

@@ -240,12 +240,16 @@ class HostStore:
         if self.disk_blocks:
             self._build_disk_tier(self.disk_blocks, specs)
         if in_ram:
+            if self.packed is not None:  # pageable masters: pageable payloads, staged too
+                self.packed.pageable = self.staging is not None
             self._prepare_masters(in_ram, specs, readonly)
             if self.staging is not None:
                 chunk, count = staging_layout(self.staging[0], max(b.nbytes for b in in_ram),
                                               self.staging[1])
                 self.staged = StagedCopies(self.device, self.streams, chunk_bytes=chunk,
                                            chunks=count)
+                if self.packed is not None:
+                    self.packed.staged = self.staged
         # Only now (every value has a way back: a master's fill, or the disk tier).
         placeholders: dict[torch.dtype, torch.Tensor] = {}
         for block in blocks:

@@ -1,8 +1,9 @@
 """Compressed masters (``SwapConfig.compress``): fewer bytes over the host link, the same bits.
 
 A frozen swapped block's master is encoded once at attach (:mod:`vramkit.compress`: bf16
-exponents and 8-bit storage entropy-coded, everything else raw) into pinned host memory, and
-its raw master is given back, so the host holds the compressed bytes only. A load then copies
+exponents and 8-bit storage entropy-coded, everything else raw) into pinned host memory
+(ordinary memory with ``host_memory="pageable"``: the staging pool's worker copies the payload,
+then launches its decode), and its raw master is given back, so the host holds the compressed bytes only. A load then copies
 the compressed payload into a device scratch buffer on the copy stream and decodes it into the
 block's slot on a decode stream that waits for the copy (the Triton kernel on a GPU, the torch
 reference on the CPU); the slot's *loaded* event is recorded after the decode, so the ring's
@@ -20,15 +21,18 @@ only the header stays in memory), read compressed into staging and decoded from 
 encode shrank it to at most :data:`AUTO_MAX_RATIO` of its bytes (less would not repay the
 decode). A GPU decode whose checks fail (a corrupted payload) sets a device flag that
 :meth:`PackedMasters.check` turns into :class:`~vramkit.errors.CompressionError`: the swapper
-checks it whenever it reports its stats and before it gives the weights back at detach, never
-on the hot path (that would be a host sync per load).
+checks it whenever it reports its stats and before it gives the weights back at detach. On the
+hot path a host sync per load would stall the pipeline, so each load *polls* instead
+(:meth:`PackedMasters.poll`): the flag is copied to pinned host memory behind the decodes,
+and a later load reads that copy once its event has completed -- the error stops the run
+within a few loads of the failed decode (a pass or two), without ever waiting.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +49,9 @@ from vramkit.memory.pool import MemoryPool
 from vramkit.memory.transfer import Streams
 from vramkit.offload.swap.records import SwappedBlock
 from vramkit.units import format_size
+
+if TYPE_CHECKING:
+    from vramkit.offload.swap.staged import StagedCopies
 
 __all__ = ["AUTO_MAX_RATIO", "COMPRESS_MODES", "PackedMasters"]
 
@@ -86,6 +93,13 @@ class PackedMasters:
         self.decoded_bytes = 0
         self.on_disk: set[int] = set()  # blocks whose compressed bytes live in the disk tier
         self.disk_reader: Callable[[SwappedBlock, int, int], torch.Tensor] | None = None
+        # host_memory="pageable": the payloads in ordinary memory, copied through the staging
+        # pool's worker, which then launches the decode (set by the host store).
+        self.pageable = False
+        self.staged: StagedCopies | None = None
+        self._copied: list[Any] = []  # per scratch buffer: its payload's copies are done
+        self._flag_host: torch.Tensor | None = None  # the flag as last copied (poll)
+        self._flag_event: Any = None
         if device.type == "cuda" and not triton_decoder_available(device):
             logger.warning("BlockSwapper: SwapConfig.compress=%r without Triton: the torch "
                            "reference decodes on the GPU (many small kernels and a host sync "
@@ -103,7 +117,7 @@ class PackedMasters:
         """Encode ``block``'s filled ``master``; returns whether the block is now compressed
         (the caller then gives the raw master back)."""
         if self.pool is None:
-            self.pool = self._make_pool(None, initial=0)
+            self.pool = self._make_pool(None, initial=0, pinned=not self.pageable)
         handles: list[Any] = []
 
         def alloc(n: int) -> torch.Tensor:
@@ -165,6 +179,9 @@ class PackedMasters:
         self._scratch_free = [None] * count
         if self.device.type == "cuda":
             self.decode_stream = torch.cuda.Stream(self.device)
+            # created up front: a staged load's waits name them before the worker records them
+            self._scratch_free = [self.streams.event() for _ in range(count)]
+            self._copied = [self.streams.event() for _ in range(count)]
         self.flag = torch.zeros(1, dtype=torch.int32, device=self.device)
         logger.info("BlockSwapper: %d frozen masters compressed, %s -> %s (%.3f), scratch %s",
                     len(self.packed), format_size(self.raw_bytes),
@@ -179,13 +196,16 @@ class PackedMasters:
     def ratio(self) -> float:
         return self.compressed_bytes / self.raw_bytes if self.raw_bytes else 1.0
 
-    def load(self, block: SwappedBlock, dest: torch.Tensor,
-             source: torch.Tensor | None = None) -> tuple[int, Any]:
+    def load(self, block: SwappedBlock, dest: torch.Tensor, source: torch.Tensor | None = None,
+             loaded_event: Any = None) -> tuple[int, Any]:
         """Fill ``dest`` (the block's bytes of a slot) from its compressed master (or, for a
         disk-tier block, the staging bytes ``source`` it was read into): the copy into a
         scratch buffer on the copy stream (ordered as the ring ordered it), then the decode.
         Returns the bytes copied from the host and the stream the decode runs on (the slot's
-        *loaded* event goes there)."""
+        *loaded* event goes there) -- or ``None`` with pageable payloads: the staging worker
+        copies them, launches the decode and records ``loaded_event`` itself (the ring's
+        ``settle(loaded_event)`` waits for that)."""
+        self.poll()
         c = self.packed[id(block)]
         if source is not None:
             c = c.to(source[:c.compressed_nbytes])
@@ -195,6 +215,13 @@ class PackedMasters:
         self._turn = (turn + 1) % len(self.scratch)
         n = c.compressed_nbytes
         scratch = self.scratch[turn][:n]
+        # (on a CPU nothing is pinned: the payload is read where it is)
+        staged = self.staged if self.decode_stream is not None else None
+        if staged is not None and source is None:
+            self._load_staged(c, scratch, dest, turn, loaded_event, block.name)
+            return n, None
+        if staged is not None:  # a disk block beside staged ones: their scratch events first
+            staged.drain()
         if self._scratch_free[turn] is not None:  # the decode that last read it is done
             streams.wait(streams.h2d, self._scratch_free[turn])
         streams.copy(scratch, c.payload, streams.h2d, block.name)
@@ -213,6 +240,26 @@ class PackedMasters:
         self.decoded_bytes += c.nbytes
         return n, stream
 
+    def _load_staged(self, c: Compressed, scratch: torch.Tensor, dest: torch.Tensor, turn: int,
+                     loaded_event: Any, what: str) -> None:
+        """A pageable payload: the worker copies it through the pinned chunks into ``scratch``
+        and then, in FIFO order with every other staged copy, enqueues the decode (so each
+        scratch buffer's *free* event is recorded before the next job that waits for it runs)."""
+        assert self.staged is not None and self.decode_stream is not None
+        streams, stream, flag = self.streams, self.decode_stream, self.flag
+        copied, free = self._copied[turn], self._scratch_free[turn]
+
+        def decode() -> None:  # on the worker, right after the payload's copies
+            streams.wait(stream, copied)
+            with streams.on(stream):
+                decode_into(c.to(scratch), dest, flag)
+            streams.record(free, stream)
+            streams.record(loaded_event, stream)
+
+        self.staged.copy_in(scratch, c.payload, copied, waits=(free,), what=what, then=decode,
+                            key=loaded_event)
+        self.decoded_bytes += c.nbytes
+
     def read(self, block: SwappedBlock, offset: int, nbytes: int) -> torch.Tensor:
         """Bytes ``[offset, offset + nbytes)`` of a compressed block, decoded into a new CPU
         tensor (``state_dict``, detach)."""
@@ -227,6 +274,25 @@ class PackedMasters:
         check_flag(flag, f"compressed master of swapped block {block.name}")
         return out[offset:offset + nbytes].cpu()
 
+    def poll(self) -> None:
+        """Without waiting: raise :class:`~vramkit.errors.CompressionError` once the flag's
+        last copy to the host shows a failed decode, and queue the next copy when that one has
+        landed (a GPU only: the CPU's reference decoder raises at once)."""
+        flag, stream = self.flag, self.decode_stream
+        if flag is None or stream is None:
+            return
+        streams = self.streams
+        if self._flag_event is None:
+            self._flag_host = torch.zeros(1, dtype=flag.dtype).pin_memory()
+            self._flag_event = streams.event()
+        elif not streams.done(self._flag_event):
+            return
+        elif int(self._flag_host[0]):  # type: ignore[index]
+            check_flag(flag, "compressed swapped block")
+        with streams.on(stream):
+            self._flag_host.copy_(flag, non_blocking=True)  # type: ignore[union-attr]
+        streams.record(self._flag_event, stream)
+
     def check(self) -> None:
         """Raise :class:`~vramkit.errors.CompressionError` when a load's decode failed its
         checks (a host sync on a GPU)."""
@@ -234,7 +300,8 @@ class PackedMasters:
             check_flag(self.flag, "compressed swapped block")
 
     def stats(self) -> dict[str, Any]:
-        pinned = self.pool.stats().reserved if self.pool is not None else 0
+        pinned = (self.pool.stats().reserved if self.pool is not None and not self.pageable
+                  else 0)
         return {"compressed_blocks": len(self.packed),
                 "compressed_bytes": self.compressed_bytes,
                 "compressed_raw_bytes": self.raw_bytes,
@@ -249,4 +316,7 @@ class PackedMasters:
         self._handles = []
         self.scratch = []
         self._scratch_free = []
+        self._copied = []
+        self._flag_host = self._flag_event = None
+        self.staged = None
         self.decode_stream = self.flag = None

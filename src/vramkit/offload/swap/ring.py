@@ -339,7 +339,8 @@ class SlotRing:
         streams = self.streams
         # pageable masters: the staging worker enqueues the waits right before its copies
         packed = self.packed is not None and self.packed.holds(block)
-        # (compressed masters copy from their pinned payload, never through the staging pool)
+        # (compressed masters: PackedMasters.load copies them, through the staging pool's
+        # worker where the payloads are pageable, and says where the loaded event goes)
         staged = self.staged if source is None and not packed else None
         if staged is None:
             if self.staged is not None:  # a disk block: a staged fill of this slot goes first
@@ -361,7 +362,7 @@ class SlotRing:
         loaded_on = streams.h2d
         if packed:  # SwapConfig.compress: the copy, then the decode on the stream returned
             copied, loaded_on = self.packed.load(  # type: ignore[union-attr]
-                block, block.slot_flat[slot.index], source)
+                block, block.slot_flat[slot.index], source, slot.loaded_event)
         elif staged is not None:  # through the pinned staging pool, on its worker thread
             staged.copy_in(block.slot_flat[slot.index], source, slot.loaded_event,
                            waits=(slot.free_event,), what=block.name)
@@ -373,7 +374,7 @@ class SlotRing:
         else:
             streams.copy(block.slot_flat[slot.index], source, streams.h2d, block.name)
             copied = block.nbytes
-        if staged is None:
+        if staged is None and loaded_on is not None:  # None: the staging worker records it
             streams.record(slot.loaded_event, loaded_on)
         if block.on_disk:
             self.disk.copied(block)  # type: ignore[union-attr]

@@ -36,6 +36,7 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -133,6 +134,7 @@ class _Job:
     done_event: Any
     what: str
     out: bool = False
+    then: Callable[[], None] | None = None  # run by the worker right after the copies
     enqueued: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -200,6 +202,8 @@ def _run(state: _State, job: _Job) -> None:
         streams.record(events[i], streams.h2d)
         offset += size
     streams.record(job.done_event, streams.h2d)
+    if job.then is not None:  # e.g. a compressed master's decode, behind its copies
+        job.then()
     state.counters["staged_copies"] += 1
     state.counters["staged_copy_bytes"] += nbytes
 
@@ -296,10 +300,13 @@ class StagedCopies:
         return self.pool.stats().reserved
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor, done_event: Any, *,
-                waits: tuple[Any, ...] = (), what: str = "") -> None:
+                waits: tuple[Any, ...] = (), what: str = "",
+                then: Callable[[], None] | None = None, key: object = None) -> None:
         """Have the worker copy ``src`` (flat uint8 host bytes, pageable) into ``dst`` (flat
         uint8 device bytes) on the copy stream, after ``waits``, recording ``done_event``
-        behind the copies. Returns at once; :meth:`settle` waits for the enqueueing."""
+        behind the copies, then call ``then`` (on the worker: work that must be enqueued after
+        the copies, such as a compressed master's decode). Returns at once; :meth:`settle`
+        with ``key`` (default ``done_event``) waits for the enqueueing, ``then`` included."""
         self._raise_error()
         if self.closed:
             raise OffloadError("the staged copier is closed",
@@ -309,8 +316,8 @@ class StagedCopies:
                                hint="A block's master and its slot disagree in size: a vramkit "
                                     "bug; please report it with the model and "
                                     "host_memory='pageable'.")
-        job = _Job(dst, src, tuple(waits), done_event, what)
-        self._pending[id(done_event)] = job
+        job = _Job(dst, src, tuple(waits), done_event, what, then=then)
+        self._pending[id(done_event if key is None else key)] = job
         self._state.jobs.put(job)
 
     def copy_out(self, dst: torch.Tensor, src: torch.Tensor, key: object, *,

@@ -274,8 +274,15 @@ class Plan:
             return ""
         parts = ", ".join(f"{k.replace('_', ' ')} {format_size(v)}"
                           for k, v in self.host_breakdown.items() if v)
-        line = f"Host memory: {format_size(self.host_bytes)} pinned" + (
+        # pageable masters are held, not pinned: only the staging pool and the rest are
+        held = "held" if self.host_memory == "pageable" else "pinned"
+        line = f"Host memory: {format_size(self.host_bytes)} {held}" + (
             f" ({parts})" if parts else "")
+        if self.host_memory == "pageable" and self.staging_pool_bytes:
+            line += (f", the masters in pageable memory; pinned: the "
+                     f"{format_size(self.staging_pool_bytes)} staging pool"
+                     + (" and the offloaded activations"
+                        if self.host_breakdown.get("offloaded_activations") else ""))
         budget = self.host_budget_bytes
         if budget is None:
             return (line + "; no host budget was given: it must fit this host's RAM beside "

@@ -173,5 +173,11 @@ def test_the_host_memory_is_a_part_of_the_plan_with_a_verdict(cost) -> None:  # 
                         host_bytes=4 * MiB)
     assert "(masters 3.0 MiB, offloaded activations 1.0 MiB)" in offloaded.host_verdict()
     assert Plan.from_dict(json.loads(offloaded.to_json())) == offloaded
+    assert "4.0 MiB pinned" in offloaded.host_verdict()
+    pageable = replace(offloaded, host_memory="pageable", staging_pool_bytes=2 * MiB)
+    said = pageable.host_verdict()
+    assert "pinned (" not in said and "4.0 MiB held" in said  # the masters are not pinned
+    assert ("masters in pageable memory; pinned: the 2.0 MiB staging pool and the offloaded "
+            "activations") in said
     resident = _plan(cost, 64 * MiB)
     assert not resident.host_bytes and resident.host_verdict() == ""

@@ -54,6 +54,20 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                         help="directory for the JSON and markdown outputs (default ./out)")
 
 
+def deterministic_kernels(enabled: bool = True) -> None:
+    """PyTorch's deterministic algorithms, for benchmarks that compare losses bit for bit: the
+    attention backward accumulates with atomics by default, and a swapped and a resident run
+    of one FLUX-sized stack then differed by up to 2e-4 in the loss over 1,000 steps (equal bit
+    for bit with deterministic kernels; benchmarks/soak.py on an H200), which would hide, or
+    fake, a difference the code under test makes. cuBLAS needs
+    its workspace fixed before its first call for deterministic results: call this (with
+    ``enabled=False`` where only a later check is deterministic) before CUDA starts."""
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(enabled)
+
+
 def environment() -> dict[str, Any]:
     """Hardware and software versions of this run (GPU fields only when CUDA is usable).
 

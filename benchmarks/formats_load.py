@@ -373,6 +373,82 @@ def run_child(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     return result
 
 
+#: FLUX.1-dev's VAE (its published config; random weights: only its shapes and time matter).
+FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16,
+                block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+                down_block_types=("DownEncoderBlock2D",) * 4,
+                up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=32,
+                shift_factor=0.1159, scaling_factor=0.3611,
+                use_quant_conv=False, use_post_quant_conv=False)
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_flux_lora.py"
+
+
+def example_folder(args: argparse.Namespace) -> Path:
+    """What ``examples/train_flux_lora.py`` reads beside the single file: the transformer's
+    ``config.json``, a VAE folder and one captioned image (written once)."""
+    folder = Path(args.workdir) / "example"
+    ready = json.dumps(config_for(args), sort_keys=True)
+    if (folder / "ready").is_file() and (folder / "ready").read_text() == ready:
+        return folder
+    from diffusers import AutoencoderKL
+
+    sys.path.insert(0, str(EXAMPLE.parent))
+    from tiny_models import write_images
+
+    (folder / "transformer").mkdir(parents=True, exist_ok=True)
+    (folder / "transformer" / "config.json").write_text(json.dumps(
+        {"_class_name": "FluxTransformer2DModel", **config_for(args)}))
+    vae = AutoencoderKL(**FLUX_VAE) if not args.quick else None
+    if vae is None:  # the CPU smoke: the tiny models' VAE
+        from tiny_models import FLUX_VAE as TINY_VAE
+        vae = AutoencoderKL(**TINY_VAE)
+    vae.save_pretrained(folder / "vae")
+    write_images(folder / "images", count=1, size=32 if args.quick else 1024)
+    (folder / "ready").write_text(ready)
+    (folder / "plan.json").unlink(missing_ok=True)  # planned for another model
+    return folder
+
+
+def run_example(args: argparse.Namespace) -> dict[str, Any]:
+    """The row "time from the examples/ command to the first step, FLUX from a single-file
+    checkpoint": the bf16 file read cold, then the example run as a user would (its own
+    process), its printed time against the cold read. Its ``--plan_file``: the first run
+    plans (calibrating this GPU) and saves the plan, later runs load it, as a user's second
+    run would."""
+    import re
+
+    folder = example_folder(args)
+    plan_file = folder / "plan.json"
+    planned = not plan_file.is_file()
+    file = Path(args.workdir) / FILES["bf16"]
+    resolution = 32 if args.quick else 1024
+    budget = f"{args.cap_gib}GiB" if not args.quick else "64MiB"
+    cmd = [sys.executable, str(EXAMPLE), "--pretrained_model_name_or_path", str(folder),
+           "--transformer_file", str(file), "--instance_data_dir", str(folder / "images"),
+           "--random_embeddings", "--output_dir", str(Path(args.workdir) / "example-out"),
+           "--resolution", str(resolution), "--max_train_steps", "1",
+           "--vram_budget", budget, "--checkpointing_steps", "1000000",
+           "--plan_file", str(plan_file)]
+    if args.device == "cpu":
+        cmd += ["--cpu", "--mixed_precision", "no", "--hardware", "rtx4090"]
+    read = cold_read(file)
+    drop_page_cache(file)
+    log(f"example: cold read {read['bytes'] / 1e9:.2f} GB in {read['seconds']:.1f} s; "
+        f"{' '.join(cmd[1:3])} ...")
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, timeout=args.child_timeout, check=False, text=True,
+                              capture_output=True)
+        output, rc = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as exc:
+        output, rc = str(exc.stdout or ""), None
+    found = re.search(r"time from command to first step: ([0-9.]+) s", output)
+    seconds = float(found.group(1)) if found else None
+    return {"variant": "example", "status": "ok" if found and rc == 0 else "failed",
+            "returncode": rc, "planned_in_the_run": planned, "first_step_from_start_s": seconds, "cold_read": read,
+            "child_wall_s": time.perf_counter() - t0, "output_tail": output[-2000:]}
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -384,6 +460,8 @@ def measure_part(args: argparse.Namespace) -> dict[str, Any]:
     rounds = []
     for i in range(args.rounds):
         children = {variant: run_child(args, variant) for variant in args.formats}
+        if args.example:
+            children["example"] = run_example(args)
         bf16 = children.get("bf16", {})
         for variant, r in children.items():
             r["rss_ratio"] = _ratio(r.get("peak_rss"), r.get("file_bytes", 0) + RSS_MARGIN)
@@ -398,7 +476,7 @@ def measure_part(args: argparse.Namespace) -> dict[str, Any]:
                 f"(/ bf16 {r['step_over_bf16'] or 0:.3f})")
         rounds.append(children)
     summary = {}
-    for variant in args.formats:
+    for variant in (*args.formats, *(("example",) if args.example else ())):
         def values(key: str, variant: str = variant) -> list[float]:
             return [r[variant][key] for r in rounds if r[variant].get(key) is not None]
 
@@ -429,6 +507,9 @@ def main() -> None:
     parser.add_argument("--max-gpu-bytes", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--child-timeout", type=float, default=540)
+    parser.add_argument("--example", action="store_true",
+                        help="also time examples/train_flux_lora.py from the bf16 single file "
+                             "to its first step (the row 'time from the examples/ command')")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -453,7 +534,7 @@ def main() -> None:
                 v = s.get(key)
                 return "-" if v is None else f"{v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f})"
 
-            rows.append({"format": variant, "file": FILES[variant],
+            rows.append({"format": variant, "file": FILES.get(variant, FILES["bf16"]),
                          "peak RSS / (file + 3 GiB)": cell("rss_ratio"),
                          "first step / cold read": cell("first_step_over_cold_read"),
                          "(from the load's start)": cell(

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_args, write_result
+from _common import add_common_args, deterministic_kernels, write_result
 from _swap_models import TransformerStack
 from vramkit._files import atomic_path
 from vramkit.observe.leaks import assess_growth
@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "checkpointed)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="a small fp32 stack (CPU code paths)")
+    parser.add_argument("--nondeterministic", dest="deterministic", action="store_false",
+                        help="leave PyTorch's nondeterministic kernels on (default: deterministic "
+                             "algorithms, so that equal losses test the swapping alone)")
     add_common_args(parser)
     args = parser.parse_args(argv)
     args.blocks = args.blocks or (4 if args.tiny else 8)
@@ -172,6 +175,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.steps < 4:
         parser.error("--steps must be 4 or more (steps 1, N/2 and N are compared)")
     device = torch.device(args.device)
+    if args.deterministic:
+        deterministic_kernels()
     if args.tiny:
         torch.set_num_threads(1)  # tiny shapes: threads only add contention
     if device.type == "cuda":
@@ -192,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": {"steps": n, "blocks": args.blocks, "hidden": args.hidden,
                    "tokens": args.tokens, "rank": args.rank, "checkpointing": args.checkpointing,
                    "checkpoint_every": args.checkpoint_every, "device": str(device),
+                   "deterministic": args.deterministic,
                    "swapped_blocks": swapped["swapped_blocks"], "warmup_steps": warmup},
         "slopes": slopes, "losses": compared, "losses_equal": equal,
         "max_loss_difference": diff, "checkpoint_saves": swapped["saves"],

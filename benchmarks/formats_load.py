@@ -472,9 +472,14 @@ def measure_part(args: argparse.Namespace) -> dict[str, Any]:
             r["step_over_bf16"] = _ratio(r.get("step_s"), bf16.get("step_s"))
             log(f"round {i + 1} {variant}: {r['status']}, peak RSS {r.get('peak_rss') or 0:,} "
                 f"(/ file + 3 GiB = {r['rss_ratio'] or 0:.3f}), first step / cold read "
-                f"{r['first_step_over_cold_read'] or 0:.3f}, step {r.get('step_s') or 0:.3f} s "
-                f"(/ bf16 {r['step_over_bf16'] or 0:.3f})")
+                f"{r['first_step_over_cold_read'] or 0:.3f} (from the load's start "
+                f"{r['first_step_from_load_over_cold_read'] or 0:.3f}), step "
+                f"{r.get('step_s') or 0:.3f} s (/ bf16 {r['step_over_bf16'] or 0:.3f})")
         rounds.append(children)
+        # kept round by round: a run cut short by its time box keeps the rounds it finished
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "formats_load.rounds.json").write_text(
+            json.dumps(rounds, indent=1, default=str), encoding="utf-8")
     summary = {}
     for variant in (*args.formats, *(("example",) if args.example else ())):
         def values(key: str, variant: str = variant) -> list[float]:

@@ -85,6 +85,8 @@ def gguf_quant_type(kind: int | str | GGUFQuantType) -> GGUFQuantType:
         found = _BY_NAME.get(kind.upper())
     else:
         found = GGUF_QUANT_TYPES.get(int(kind))
+    if found is not None and found.supported:
+        return found
     supported = ", ".join(t.name for t in GGUF_QUANT_TYPES.values() if t.supported)
     if found is None:
         raise QuantizationError(f"unknown GGUF quantization type {kind!r}",

@@ -55,8 +55,12 @@ def _shifts(values: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
 
 
 def _half(raw: torch.Tensor) -> torch.Tensor:
-    """Little-endian fp16 fields ``[n, 2k]`` -> float32 ``[n, k]``."""
-    return raw.contiguous().view(torch.float16).to(torch.float32)
+    """Little-endian fp16 fields ``[n, 2k]`` -> float32 ``[n, k]``. A column slice of the
+    blocks is viewed in place where its strides allow (every block's size is even): one
+    kernel, the conversion, instead of a copy and a conversion."""
+    if raw.stride(-1) != 1 or any(st % 2 for st in raw.stride()[:-1]):
+        raw = raw.contiguous()
+    return raw.view(torch.float16).to(torch.float32)
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -84,7 +88,8 @@ def _out(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _mul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``a * b`` computed in float32 (one of them is), written as ``dtype``."""
-    shape = torch.broadcast_shapes(a.shape, b.shape)
+    shape = (a.shape[0], max(a.shape[1], b.shape[1])) if a.dim() == b.dim() == 2 else (
+        torch.broadcast_shapes(a.shape, b.shape))
     return torch.mul(a, b, out=torch.empty(shape, dtype=dtype, device=a.device))
 
 
@@ -232,6 +237,15 @@ def dequantize_gguf(raw: torch.Tensor, kind: int | str | GGUFQuantType,
         raise QuantizationError(f"{qtype.name} shape {list(shape)} needs {blocks * qtype.type_size}"
                                 f" bytes, got {raw.numel()}",
                                 hint="The bytes are truncated or belong to another tensor.")
+    return _decode(raw, qtype, shape, dtype)
+
+
+def _decode(raw: torch.Tensor, qtype: GGUFQuantType, shape: torch.Size | tuple[int, ...],
+            dtype: torch.dtype) -> torch.Tensor:
+    """:func:`dequantize_gguf` without its checks: for callers whose bytes were checked once
+    (:class:`GGUFLinear` at construction: a swapper repoints the buffer, never reshapes it),
+    so a layer's call costs the decoder's few launches and little Python around them."""
+    blocks = raw.numel() // qtype.type_size
     return _DECODERS[qtype.name](raw.reshape(blocks, qtype.type_size), dtype).reshape(shape)
 
 
@@ -265,7 +279,7 @@ class _GGUFLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, qtype: GGUFQuantType,
                 shape: torch.Size, packed: torch.Tensor) -> torch.Tensor:
-        weight = dequantize_gguf(packed, qtype, shape, x.dtype)
+        weight = _decode(packed, qtype, shape, x.dtype)
         ctx.qtype, ctx.shape = qtype, shape
         if ctx.needs_input_grad[0]:
             # The packed bytes, never the decoded weight: inside a BlockSwapper they lie in a
@@ -278,7 +292,7 @@ class _GGUFLinearFunction(torch.autograd.Function):
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
             (packed,) = ctx.saved_tensors
-            grad_x = grad_out @ dequantize_gguf(packed, ctx.qtype, ctx.shape, grad_out.dtype)
+            grad_x = grad_out @ _decode(packed, ctx.qtype, ctx.shape, grad_out.dtype)
         if ctx.needs_input_grad[1]:
             grad_bias = grad_out.reshape(-1, ctx.shape[0]).sum(0)
         return grad_x, grad_bias, None, None, None

@@ -180,6 +180,7 @@ def test_auto_on_a_measured_machine_weighs_the_masters_against_the_cap(monkeypat
 
     measured = dataclasses.replace(machine_for("rtx4090", None), measured=True)
     monkeypatch.setattr(api_module, "measure_memcpy_bytes_per_s", lambda: 5e9)
+    monkeypatch.setattr(api_module, "measure_staged_bytes_per_s", lambda device: 5e9)
     monkeypatch.setattr(host_module, "read_host_memory", lambda **kw: host_module.HostMemory(
         total=64 << 30, available=60 << 30, pin_limit=1 << 20,
         pin_limit_source="cgroup memory.max"))
@@ -187,3 +188,22 @@ def test_auto_on_a_measured_machine_weighs_the_masters_against_the_cap(monkeypat
                   hardware=measured, headroom=0)
     assert result.host_memory == "pageable" and "cgroup" in result.host_memory_reason
     assert result.copy_bytes_per_s == 5e9 and any("measured here" in n for n in result.notes)
+
+
+def test_a_measured_gpu_prices_pageable_masters_at_a_timed_staged_copy(monkeypatch) -> None:
+    """On the GPU it plans for, the pageable rate is a staged copy timed there (memcpy and DMA
+    together), not the memcpy timed alone: the two share the host's memory bandwidth."""
+    import torch
+
+    from vramkit.planning.machine import machine_for
+
+    measured = dataclasses.replace(machine_for("rtx4090", None), measured=True)
+    asked: list[object] = []
+    monkeypatch.setattr(api_module, "measure_memcpy_bytes_per_s", lambda: 40e9)
+    monkeypatch.setattr(api_module, "measure_staged_bytes_per_s",
+                        lambda device: asked.append(device) or 9e9)
+    rate = api_module._PageableRate.of(measured, torch.device("cuda", 0))
+    assert asked == [torch.device("cuda", 0)] and rate.rate == 9e9 and rate.staged
+    assert "timed here" in rate.note(measured)
+    offline = api_module._PageableRate.of(machine_for("rtx4090", None), None)
+    assert not offline.staged and not offline.measured

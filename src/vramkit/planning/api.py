@@ -29,7 +29,11 @@ from vramkit.devices.host import HOST_MEMORY_MODES, HostMemoryChoice, choose_hos
 from vramkit.errors import ConfigError, PlanError
 from vramkit.offload.blocks import find_blocks, module_bytes, split_blocks
 from vramkit.offload.swap import SwapConfig
-from vramkit.offload.swap.staged import measure_memcpy_bytes_per_s, staging_layout
+from vramkit.offload.swap.staged import (
+    measure_memcpy_bytes_per_s,
+    measure_staged_bytes_per_s,
+    staging_layout,
+)
 from vramkit.planning._compression import expected_ratio
 from vramkit.planning.analysis import FORMATS, ModelCost, analyze, check_model, meta_copy
 from vramkit.planning.calibration import BlockTimes, calibrate_blocks
@@ -368,7 +372,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
             raise refused
         return result
 
-    pageable = _PageableRate.of(machine) if host_memory == "pageable" else None
+    pageable = _PageableRate.of(machine, target) if host_memory == "pageable" else None
     copy_rate[0] = pageable.rate if pageable is not None else None
     result = searched()
     # Offline, the host is another machine's: only the platform (Windows, WSL) decides "auto",
@@ -382,7 +386,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
     if not result.swapped:
         choice = HostMemoryChoice("pinned", "nothing is swapped")
     elif choice.mode == "pageable" and pageable is None:  # "auto": price the copies again
-        pageable = _PageableRate.of(machine)
+        pageable = _PageableRate.of(machine, target)
         copy_rate[0] = pageable.rate
         result = searched()
     result = replace(result, host_memory=choice.mode, host_memory_reason=choice.reason)
@@ -413,14 +417,25 @@ class _PageableRate:
     rate: float
     memcpy: float
     measured: bool
+    staged: bool = False  # the rate is a staged copy timed on this machine's GPU
 
     @classmethod
-    def of(cls, machine: Machine) -> _PageableRate:
+    def of(cls, machine: Machine, device: torch.device | None) -> _PageableRate:
+        if device is None and machine.measured and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())  # the one measured
+        if machine.measured and device is not None and device.type == "cuda":
+            # the pipeline itself: memcpy and DMA share the host's memory bandwidth
+            staged = measure_staged_bytes_per_s(device)
+            return cls(min(staged, machine.h2d_bytes_per_s), staged, True, staged=True)
         memcpy = (measure_memcpy_bytes_per_s() if machine.measured
                   else PAGEABLE_MEMCPY_BYTES_PER_S)
         return cls(staged_copy_rate(machine.h2d_bytes_per_s, memcpy), memcpy, machine.measured)
 
     def note(self, machine: Machine) -> str:
+        if self.staged:
+            return (f"Pageable masters copy at {self.rate / 1e9:.1f} GB/s: a copy through a "
+                    f"pinned staging pool timed here (the host's memcpy and the DMA at once; "
+                    f"pinned copies {machine.h2d_bytes_per_s / 1e9:.1f} GB/s).")
         source = "measured here" if self.measured else PAGEABLE_MEMCPY_SOURCE
         return (f"Pageable masters copy at {self.rate / 1e9:.1f} GB/s, the slower of the host's "
                 f"memcpy into the pinned staging pool ({self.memcpy / 1e9:.1f} GB/s, {source}) "

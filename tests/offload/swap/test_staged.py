@@ -307,3 +307,10 @@ class _SlowCopies:
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._streams, name)
+
+
+def test_the_staged_copy_probe_on_a_cpu_is_the_memcpy(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from vramkit.offload.swap import staged
+
+    monkeypatch.setattr(staged, "measure_memcpy_bytes_per_s", lambda: 7e9)
+    assert staged.measure_staged_bytes_per_s(torch.device("cpu")) == 7e9

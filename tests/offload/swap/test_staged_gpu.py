@@ -104,3 +104,11 @@ def test_pageable_compressed_masters_stay_pageable_and_train_like_pinned() -> No
     for (name, x), y in zip(pinned_model.state_dict().items(),
                             pageable_model.state_dict().values(), strict=True):
         assert torch.equal(x, y), name
+
+
+def test_the_staged_copy_probe_times_a_real_copy() -> None:
+    from vramkit.offload.swap.staged import measure_staged_bytes_per_s
+
+    rate = measure_staged_bytes_per_s(torch.device("cuda"), nbytes=64 << 20, chunks=2)
+    assert 1e8 < rate < 1e12  # bytes per second through the pool
+    assert not [t for t in threading.enumerate() if t.name == "vramkit-staged-copies"]

@@ -51,7 +51,8 @@ class MasterTensor:
     tensor: torch.Tensor
     master: Callable[[], torch.Tensor | None]
     restore: Callable[[], None]
-    read_only: str | None = None  # why a load into it is refused (weights kept on disk)
+    # why a load into it is refused (weights kept on disk), or what says it at the load
+    read_only: str | Callable[[], str | None] | None = None
 
 
 def _register(module: nn.Module, public: str, private: str, hook: Any,
@@ -97,9 +98,12 @@ def install_master_hooks(module: nn.Module, tensors: list[MasterTensor], owner: 
                 f"load_state_dict(assign=True) would replace the offloaded tensors of {owner}",
                 hint="Load with assign=False, or restore the model (detach()/restore()) first.")
         for t in tensors:
-            if t.read_only is not None and any(prefix + key in state_dict for key in t.keys):
+            if t.read_only is None or not any(prefix + key in state_dict for key in t.keys):
+                continue
+            reason = t.read_only() if callable(t.read_only) else t.read_only
+            if reason is not None:
                 raise OffloadError(f"load_state_dict cannot write {prefix + t.keys[0]} of "
-                                   f"{owner}: {t.read_only}",
+                                   f"{owner}: {reason}",
                                    hint="Load the weights before attaching (checkpoint=), or "
                                         "attach without a host_budget that leaves them on "
                                         "disk.")

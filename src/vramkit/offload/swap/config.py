@@ -88,8 +88,11 @@ class SwapConfig:
             each copy, bit for bit. ``"off"`` (default), ``"on"`` (every frozen block, its
             master in RAM or, with ``host_budget``, in the disk tier's cache file: fewer bytes
             read too), ``"auto"`` (only blocks that shrink to 0.9x or less). The masters
-            are encoded once at attach (the fill then runs in the foreground); the device
-            holds two scratch buffers of the largest compressed block. Trainable masters are
+            are encoded once at attach, each as soon as it is filled: with a background fill
+            (``checkpoint=``) the encode runs beside it on one thread (on the GPU, falling back
+            to the CPU when out of memory), a block loaded before its encode is done copies
+            its raw master, and ``wait_loaded()`` waits for the encode too; the device holds
+            two scratch buffers of the largest compressed block. Trainable masters are
             never compressed: they change every step. With ``host_memory="pageable"`` the
             compressed masters are pageable too: the staging pool's worker copies each one
             into the device scratch and then launches its decode.

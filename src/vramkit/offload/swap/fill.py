@@ -274,6 +274,16 @@ class MasterFill:
         if pending.error is not None:
             raise self._wrapped(block, pending.error)
 
+    def settled(self, block: SwappedBlock, timeout: float | None = None) -> bool:
+        """Whether ``block``'s fill is over (filled or failed), waiting up to ``timeout``
+        seconds for it (a background encode polls this, so that a cancel stops its wait)."""
+        return self._pending[id(block)].event.wait(timeout)
+
+    def failed(self, block: SwappedBlock) -> bool:
+        """Whether ``block``'s fill is over without its values (:meth:`wait` raises why)."""
+        pending = self._pending[id(block)]
+        return pending.event.is_set() and pending.error is not None
+
     def wait_all(self, advance: Callable[[int], Any] | None = None) -> None:
         """Wait for every block in fill order (``advance(bytes)`` after each)."""
         for block in self.blocks:

@@ -13,8 +13,10 @@
   on disk so that masters plus staging buffers fit the budget; what is left of the budget buys
   more staging buffers (a deeper read-ahead, a larger cache). See
   :mod:`vramkit.offload.swap.disk`.
-* **Compressed masters** (``SwapConfig.compress``): frozen blocks' masters encoded once the
-  fill is done, their raw masters given back (:mod:`vramkit.offload.swap.packed`).
+* **Compressed masters** (``SwapConfig.compress``): frozen blocks' masters encoded once
+  filled, each raw master given back as its compressed copy exists -- after the fill in the
+  foreground, or block by block beside a background fill
+  (:mod:`vramkit.offload.swap.packed`).
 * **Masters in memory the swapper does not own** (:class:`MasterMemory`): frozen blocks' masters
   can live in memory shared by the processes of one node (``vramkit.distributed``), one copy
   per node instead of one per rank; one process writes them, the others only map them.
@@ -329,7 +331,7 @@ class HostStore:
             if on_done is not None:
                 on_done()
             return
-        if background and (self._reserved or self.packed is not None
+        if background and (self._reserved
                            or any(b.trainable_entries for b in filler.blocks)):
             background = False  # other processes wait for published(), after the whole fill
         if self.source is not None and background:
@@ -337,6 +339,16 @@ class HostStore:
             # in place: they go first; a foreground attach waits for everything anyway
             filler.limit(RESIDENT_LOAD_FILL_JOBS)  # until resident_loaded()
         filler.start(background=background, on_done=on_done)
+        if background and self.packed is not None:
+            # Compressed masters beside the background fill: each block encoded as soon as it
+            # is filled (a foreground fill encodes after it: _pack). Node-shared masters and
+            # trainable blocks never get here: the fill is in the foreground for them (and
+            # neither is compressed anyway).
+            packed = self.packed
+            eligible = [b for b in filler.blocks
+                        if packed.eligible(b) and id(b) not in self.shared_masters]
+            packed.encode_in_background(eligible, filler, self._unlink_master,
+                                        self._raw_reads_done, self._encoded)
 
     def resident_loaded(self) -> None:
         """The attach's own load of the resident tensors is over: the fill gets every thread."""
@@ -377,14 +389,44 @@ class HostStore:
                     or block.master is None or block.master_block is None):
                 continue
             if packed.pack(block, block.master):
-                assert self.master_pool is not None
-                block.master_views = []
-                block.master = None
-                self.master_pool.free(block.master_block)
-                block.master_block = None
+                self._unlink_master(block)()  # nothing has copied from it yet
         if self.master_pool is not None:
             self.master_pool.trim()
         packed.finish()
+
+    def _unlink_master(self, block: SwappedBlock) -> Callable[[], None]:
+        """``block`` is compressed now: drop its raw master from it; returns what gives the
+        master's memory back (a background encode calls it once the copies from it are
+        done)."""
+        pool, handle = self.master_pool, block.master_block
+        assert pool is not None and handle is not None
+        block.master_views = []
+        block.master = None
+        block.master_block = None
+        return lambda: pool.free(handle)
+
+    def _raw_reads_done(self) -> None:
+        """Return once every copy from a raw master enqueued before this call has read it (a
+        background encode, before it gives a raw master back): the staging worker's memcpys
+        (pageable masters), then the copy stream's DMAs (a GPU; on a CPU copies are done when
+        enqueued)."""
+        if self.staged is not None:
+            self.staged.barrier()
+        if self.device.type == "cuda":
+            streams = self.streams
+            event = streams.event()
+            streams.record(event, streams.h2d)
+            streams.synchronize(event)
+
+    def _encoded(self) -> None:
+        """The background encode is over: the pinned pool lets go of the raw masters' memory."""
+        pool = self.master_pool
+        if pool is not None:
+            try:
+                pool.trim()
+            except Exception:  # only memory kept longer; never an error of the encode
+                logger.warning("BlockSwapper: trimming the master pool after the encode failed",
+                               exc_info=True)
 
     def _publish(self, ok: bool) -> None:
         """Shared masters: tell the other processes they are written (collective, once; also
@@ -394,20 +436,33 @@ class HostStore:
             self.shared.published(ok)
 
     def wait(self, block: SwappedBlock | None = None) -> None:
-        """Wait until ``block``'s master (every master: ``None``) is filled."""
+        """Wait until ``block``'s master (every master: ``None``) is filled, and encoded where
+        it is compressed in the background."""
         filler = self.filler
-        if filler is None:
-            return
-        if block is None:
-            filler.wait_all()
-        elif block.fill is not None:
-            filler.wait(block)
+        if filler is not None:
+            if block is None:
+                filler.wait_all()
+            elif block.fill is not None:
+                filler.wait(block)
+        if self.packed is not None:
+            self.packed.wait_encoded(block)
+
+    @property
+    def encoding(self) -> bool:
+        """Whether masters are still being compressed in the background."""
+        return self.packed is not None and self.packed.encoding
 
     def stop_fill(self) -> None:
-        """Stop a fill still running (a failed attach): nothing writes into the masters once
-        this returns."""
+        """Stop a fill still running (a failed attach) and a background encode: nothing writes
+        into the masters, and no block switches to its compressed master, once this returns."""
+        self.stop_encode()
         if self.filler is not None:
             self.filler.cancel()
+
+    def stop_encode(self) -> None:
+        """Stop a background encode (detach): the blocks not encoded keep their raw masters."""
+        if self.packed is not None:
+            self.packed.cancel_encode()
 
     def fill(self, spec: FillSpec, view: torch.Tensor) -> None:
         """Write a swapped tensor's value into ``view`` (its place in staging), now."""
@@ -535,7 +590,9 @@ class HostStore:
                        ) -> tuple[list[torch.Tensor | None], OffloadError | None]:
         """The current value of each of ``block``'s tensors, on the host (detach); for a block
         whose master was never filled, the model's own tensors where it had them (``None``
-        where it did not) and the error that stopped the fill."""
+        where it did not) and the error that stopped the fill (a block whose background encode
+        failed has its raw master: :meth:`encode_error`)."""
+        self.stop_encode()  # no block switches while the weights go back
         if self.packed is not None and self.packed.holds(block):  # in RAM or on disk
             raw = self.packed.read(block, 0, block.nbytes)
             return [typed_view(raw, e.offset, e) for e in block.entries], None
@@ -550,6 +607,16 @@ class HostStore:
             except OffloadError as exc:
                 return filler.originals(block), exc
         return list(block.master_views), None
+
+    def encode_error(self) -> OffloadError | None:
+        """The first block whose background encode failed (it kept its raw master), if any."""
+        if self.packed is None:
+            return None
+        for block in self.blocks:
+            error = self.packed.encode_error(block)
+            if error is not None:
+                return error
+        return None
 
     def stats(self) -> dict[str, Any]:
         """Pinned, pageable and staging bytes, and the disk tier's counters."""
@@ -598,6 +665,7 @@ class HostStore:
     def close(self) -> None:
         """Stop the fill and the disk reader and free every host buffer (the device is
         synchronized)."""
+        self.stop_encode()  # it frees raw masters and waits for the staging worker
         if self.staged is not None:  # its worker reads the masters: it stops first
             self.staged.close()
             self.staged = None

@@ -30,8 +30,11 @@ within a few loads of the failed decode (a pass or two), without ever waiting.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,12 +48,14 @@ from vramkit.compress import (
     encode,
     triton_decoder_available,
 )
+from vramkit.errors import OffloadError
 from vramkit.memory.pool import MemoryPool
 from vramkit.memory.transfer import Streams
 from vramkit.offload.swap.records import SwappedBlock
 from vramkit.units import format_size
 
 if TYPE_CHECKING:
+    from vramkit.offload.swap.fill import MasterFill
     from vramkit.offload.swap.staged import StagedCopies
 
 __all__ = ["AUTO_MAX_RATIO", "COMPRESS_MODES", "PackedMasters"]
@@ -63,6 +68,8 @@ SCRATCH_BUFFERS = 2
 #: "auto" keeps a block compressed at this ratio or below: the copy saved must repay the decode
 #: (a decode at the GPU's rate costs a few percent of a copy at the host link's rate).
 AUTO_MAX_RATIO = 0.9
+_POLL_SECONDS = 0.05  # how often a background encode waiting for a fill checks for a cancel
+_UNGUARDED = contextlib.nullcontext()
 
 
 class PackedMasters:
@@ -100,6 +107,13 @@ class PackedMasters:
         self._copied: list[Any] = []  # per scratch buffer: its payload's copies are done
         self._flag_host: torch.Tensor | None = None  # the flag as last copied (poll)
         self._flag_event: Any = None
+        self._largest = 0  # the largest payload (the scratch buffers' size)
+        # A background encode (encode_in_background) switches a block from its raw master to
+        # its compressed one under this lock; a load that may still read the raw master
+        # chooses and enqueues its copy under it too (guard), so a block is never half
+        # switched and a raw master is given back only after the copies that read it.
+        self.lock = threading.RLock()
+        self._encoder: _BackgroundEncode | None = None
         if device.type == "cuda" and not triton_decoder_available(device):
             logger.warning("BlockSwapper: SwapConfig.compress=%r without Triton: the torch "
                            "reference decodes on the GPU (many small kernels and a host sync "
@@ -116,6 +130,17 @@ class PackedMasters:
     def pack(self, block: SwappedBlock, master: torch.Tensor) -> bool:
         """Encode ``block``'s filled ``master``; returns whether the block is now compressed
         (the caller then gives the raw master back)."""
+        encoded = self._encode(block, master)
+        if encoded is None:
+            return False
+        with self.lock:
+            self._adopt(block, *encoded)
+        return True
+
+    def _encode(self, block: SwappedBlock, master: torch.Tensor
+                ) -> tuple[Compressed, list[Any]] | None:
+        """``block``'s compressed master and its payload's pool blocks, or ``None`` where it
+        stays raw (``"auto"``); the block is not switched yet (:meth:`_adopt`)."""
         if self.pool is None:
             self.pool = self._make_pool(None, initial=0, pinned=not self.pageable)
         handles: list[Any] = []
@@ -143,11 +168,15 @@ class PackedMasters:
                 self.pool.free(h)  # type: ignore[union-attr]
             logger.info("BlockSwapper: %s stays raw (compressed to %.2f of its bytes)",
                         block.name, c.ratio)
-            return False
+            return None
+        return c, handles
+
+    def _adopt(self, block: SwappedBlock, c: Compressed, handles: list[Any]) -> None:
+        # under self.lock: loads of the block decode from now on
         self.packed[id(block)] = c
         self._handles += handles
         self.raw_bytes += block.nbytes
-        return True
+        self._largest = max(self._largest, c.compressed_nbytes)
 
     def pack_for_disk(self, block: SwappedBlock, raw: torch.Tensor) -> Compressed | None:
         """Encode a disk-tier block's bytes (``raw``, host memory) for the disk tier's cache
@@ -166,31 +195,125 @@ class PackedMasters:
         self.packed[id(block)] = Compressed(c.header, torch.empty(0, dtype=torch.uint8))
         self.on_disk.add(id(block))
         self.raw_bytes += block.nbytes
+        self._largest = max(self._largest, c.compressed_nbytes)
         return c
 
+    # -- encoding in the background -----------------------------------------------------
+
+    def encode_in_background(self, blocks: Sequence[SwappedBlock], fill: MasterFill,
+                             give_back: Callable[[SwappedBlock], Callable[[], None]],
+                             fence: Callable[[], None],
+                             on_done: Callable[[], None] | None = None) -> None:
+        """Encode ``blocks`` (eligible, in fill order) on one thread as ``fill`` fills them.
+
+        Each block is encoded once its master is filled and switched to its compressed master
+        under :attr:`lock`: ``give_back(block)`` (called under the lock) unlinks its raw
+        master from the block and returns what frees it; ``fence()`` (outside the lock) returns
+        once every copy enqueued from a raw master before it has read its bytes; then the raw
+        master is freed. Pinned memory holds raw and compressed bytes of at most one block at
+        once. ``on_done`` runs on the thread once every block is done (or the encode was
+        cancelled)."""
+        self._encoder = _BackgroundEncode(self, blocks, fill, give_back, fence, on_done)
+
+    @property
+    def encoding(self) -> bool:
+        """Whether a background encode is still under way."""
+        return self._encoder is not None and not self._encoder.done
+
+    def guard(self, block: SwappedBlock) -> contextlib.AbstractContextManager[Any]:
+        """Hold this around a load's choice between the compressed and the raw master and the
+        enqueueing of its copy: while ``block``'s background encode is under way the switch
+        cannot happen in between (nothing to hold before or after it).
+
+        Raises:
+            OffloadError: the block's encode failed.
+        """
+        encoder = self._encoder
+        if encoder is None:
+            return _UNGUARDED
+        done = encoder.events.get(id(block))
+        if done is None:
+            return _UNGUARDED
+        if done.is_set():  # switched (or kept raw) for good
+            encoder.check(block)
+            return _UNGUARDED
+        return self.lock
+
+    def wait_encoded(self, block: SwappedBlock | None = None) -> None:
+        """Wait until ``block`` (every block: ``None``) is encoded or kept raw.
+
+        Raises:
+            OffloadError: its encode (the first failed one) failed.
+        """
+        if self._encoder is not None:
+            self._encoder.wait(block)
+
+    def encode_error(self, block: SwappedBlock) -> OffloadError | None:
+        """Why ``block``'s background encode failed (it kept its raw master), if it did."""
+        if self._encoder is None:
+            return None
+        try:
+            self._encoder.check(block)
+        except OffloadError as exc:
+            return exc
+        return None
+
+    def cancel_encode(self) -> None:
+        """Stop a background encode (detach, a failed attach): returns once nothing switches
+        any more; the blocks not encoded by then keep their raw masters."""
+        if self._encoder is not None:
+            self._encoder.cancel()
+
     def finish(self) -> None:
-        """After the last :meth:`pack`: the device scratch (the largest payload) and the flag."""
+        """After the last :meth:`pack` of a foreground encode: the device scratch (the largest
+        payload) and the flag, before the first load."""
         if not self.packed:
             return
-        largest = max(c.compressed_nbytes for c in self.packed.values())
-        count = SCRATCH_BUFFERS if self.device.type == "cuda" else 1
-        self.scratch = [torch.empty(largest, dtype=torch.uint8, device=self.device)
-                        for _ in range(count)]
-        self._scratch_free = [None] * count
-        if self.device.type == "cuda":
-            self.decode_stream = torch.cuda.Stream(self.device)
-            # created up front: a staged load's waits name them before the worker records them
-            self._scratch_free = [self.streams.event() for _ in range(count)]
-            self._copied = [self.streams.event() for _ in range(count)]
-        self.flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._scratch_for(self._largest)
         logger.info("BlockSwapper: %d frozen masters compressed, %s -> %s (%.3f), scratch %s",
                     len(self.packed), format_size(self.raw_bytes),
                     format_size(self.compressed_bytes), self.ratio,
-                    f"{count} x {format_size(largest)}")
+                    f"{len(self.scratch)} x {format_size(self.scratch[0].numel())}")
+
+    def _scratch_for(self, nbytes: int) -> None:
+        """Scratch buffers of at least ``nbytes`` (main thread, at a load).
+
+        A background encode (:meth:`encode_in_background`) learns the largest payload only at
+        its end, after the first loads. The buffers are allocated here, at the first
+        compressed load, and grown when a larger payload comes, to the largest one known then,
+        rather than sized up front from a bound (the raw size of the largest block, or the
+        codec's worst case): a bound would hold about 1/ratio (~1.45x) of the scratch the
+        planner prices (``planning/_compression.py``: two buffers of the largest *compressed*
+        block) for the whole first pass; grown, the device holds what was planned. Growing
+        happens on the thread that issues the loads, so no load is using a buffer as it is
+        replaced; the old buffers are handed to the caching allocator recorded on the copy and
+        decode streams (their memory is reused only after the copies and decodes already
+        queued on them), and a staged load's worker keeps a reference until it has enqueued
+        its work."""
+        if self.scratch and self.scratch[0].numel() >= nbytes:
+            return
+        count = SCRATCH_BUFFERS if self.device.type == "cuda" else 1
+        if not self.scratch:  # the first compressed load (or a foreground finish)
+            self._scratch_free = [None] * count
+            if self.device.type == "cuda":
+                self.decode_stream = torch.cuda.Stream(self.device)
+                # created up front: a staged load's waits name them before the worker
+                # records them
+                self._scratch_free = [self.streams.event() for _ in range(count)]
+                self._copied = [self.streams.event() for _ in range(count)]
+            self.flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+        elif self.device.type == "cuda":
+            for old in self.scratch:
+                old.record_stream(self.streams.h2d)
+                old.record_stream(self.decode_stream)
+        size = max(nbytes, self._largest)
+        self.scratch = [torch.empty(size, dtype=torch.uint8, device=self.device)
+                        for _ in range(count)]
 
     @property
     def compressed_bytes(self) -> int:
-        return sum(c.compressed_nbytes for c in self.packed.values())
+        with self.lock:  # a background encode adds blocks
+            return sum(c.compressed_nbytes for c in self.packed.values())
 
     @property
     def ratio(self) -> float:
@@ -209,6 +332,7 @@ class PackedMasters:
         c = self.packed[id(block)]
         if source is not None:
             c = c.to(source[:c.compressed_nbytes])
+        self._scratch_for(c.compressed_nbytes)
         assert self.scratch and self.flag is not None
         streams = self.streams
         turn = self._turn
@@ -300,15 +424,17 @@ class PackedMasters:
             check_flag(self.flag, "compressed swapped block")
 
     def stats(self) -> dict[str, Any]:
-        pinned = (self.pool.stats().reserved if self.pool is not None and not self.pageable
-                  else 0)
-        return {"compressed_blocks": len(self.packed),
-                "compressed_bytes": self.compressed_bytes,
-                "compressed_raw_bytes": self.raw_bytes,
-                "compress_scratch_bytes": sum(s.numel() for s in self.scratch),
-                "pinned": pinned}
+        with self.lock:  # one consistent view while a background encode switches blocks
+            pinned = (self.pool.stats().reserved if self.pool is not None and not self.pageable
+                      else 0)
+            return {"compressed_blocks": len(self.packed),
+                    "compressed_bytes": self.compressed_bytes,
+                    "compressed_raw_bytes": self.raw_bytes,
+                    "compress_scratch_bytes": sum(s.numel() for s in self.scratch),
+                    "pinned": pinned}
 
     def close(self) -> None:
+        self.cancel_encode()
         self.packed = {}
         if self.pool is not None:
             self.pool.clear(force=True)  # before the handles go: nothing left to return
@@ -320,3 +446,115 @@ class PackedMasters:
         self._flag_host = self._flag_event = None
         self.staged = None
         self.decode_stream = self.flag = None
+
+
+class _BackgroundEncode:
+    """The thread of :meth:`PackedMasters.encode_in_background` and its per-block outcome."""
+
+    def __init__(self, packed: PackedMasters, blocks: Sequence[SwappedBlock], fill: MasterFill,
+                 give_back: Callable[[SwappedBlock], Callable[[], None]],
+                 fence: Callable[[], None], on_done: Callable[[], None] | None) -> None:
+        self.packed = packed
+        self.blocks = list(blocks)
+        self.events = {id(b): threading.Event() for b in self.blocks}  # set once switched
+        # (or kept raw, or failed: then the error is here)
+        self.errors: dict[int, BaseException] = {}
+        self.done = False
+        self._fill = fill
+        self._give_back = give_back
+        self._fence = fence
+        self._on_done = on_done
+        self._cancelled = False
+        self._started = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="vramkit-fill-encode",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        packed = self.packed
+        try:
+            stream: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+            if packed.device.type == "cuda":
+                torch.cuda.set_device(packed.device)  # the current device is per thread
+                # its own stream: the encode's kernels run beside the first steps' kernels,
+                # not queued behind them on the default stream
+                stream = torch.cuda.stream(torch.cuda.Stream(packed.device))
+            with stream:
+                for block in self.blocks:
+                    try:
+                        if self._filled(block):
+                            self._encode(block)
+                    except BaseException as exc:  # kept for the main thread (guard, wait)
+                        self.errors[id(block)] = exc
+                        logger.warning("BlockSwapper: encoding %s failed (its raw master is "
+                                       "kept): %s: %s", block.name, type(exc).__name__, exc)
+                    finally:
+                        self.events[id(block)].set()
+        except BaseException as exc:  # no stream for the encode: every block not done fails
+            for block in self.blocks:
+                if not self.events[id(block)].is_set():
+                    self.errors[id(block)] = exc
+        finally:
+            self.done = True
+            for event in self.events.values():
+                event.set()
+            if not self._cancelled:
+                logger.info("BlockSwapper: %d of %d frozen masters compressed in the "
+                            "background in %.1f s, %s -> %s (%.3f)", len(packed.packed),
+                            len(self.blocks), time.perf_counter() - self._started,
+                            format_size(packed.raw_bytes), format_size(packed.compressed_bytes),
+                            packed.ratio)
+            if self._on_done is not None:
+                self._on_done()
+
+    def _filled(self, block: SwappedBlock) -> bool:
+        """Wait for ``block``'s fill; ``False`` when it failed (its loads raise the read error)
+        or the encode was cancelled meanwhile."""
+        while not self._fill.settled(block, _POLL_SECONDS):
+            if self._cancelled:
+                return False
+        return not self._cancelled and not self._fill.failed(block)
+
+    def _encode(self, block: SwappedBlock) -> None:
+        packed = self.packed
+        master = block.master
+        assert master is not None  # filled
+        encoded = packed._encode(block, master)
+        if encoded is None:  # "auto": it stays raw
+            return
+        with packed.lock:  # no load is between its choice and its copy's enqueueing
+            packed._adopt(block, *encoded)
+            free = self._give_back(block)
+        self._fence()  # the raw copies enqueued before the switch have read the master
+        free()
+
+    def check(self, block: SwappedBlock) -> None:
+        exc = self.errors.get(id(block))
+        if exc is None:
+            return
+        error = OffloadError(
+            f"encoding the master of swapped block {block.name} "
+            f"(SwapConfig.compress={self.packed.mode!r}) failed: {type(exc).__name__}: {exc}",
+            hint="Its raw master was kept, so detach() still gives every weight back; "
+                 "compress='off' skips the encode.")
+        error.__cause__ = exc
+        raise error
+
+    def wait(self, block: SwappedBlock | None) -> None:
+        blocks = self.blocks if block is None else [block]
+        for b in blocks:
+            event = self.events.get(id(b))
+            if event is not None:
+                event.wait()
+        if block is None:
+            self._join()
+        for b in blocks:
+            self.check(b)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._join()
+
+    def _join(self) -> None:
+        if self._thread is not threading.current_thread():
+            self._thread.join()

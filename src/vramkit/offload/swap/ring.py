@@ -55,6 +55,7 @@ __all__ = ["BlockLoader", "SlotRing"]
 
 COUNTERS = ("loads", "prefetched", "on_demand", "hits", "h2d_bytes", "d2h_bytes", "acquisitions",
             "gathered_bytes", "state_prefetched")
+_UNGUARDED = contextlib.nullcontext()  # a load of a block no background encode may switch
 
 
 class BlockLoader(Protocol):
@@ -336,6 +337,19 @@ class SlotRing:
             old.bound = None
             for e in old.entries:  # eviction: a pointer repoint, nothing copied back
                 e.tensor.data = e.placeholder
+        fill = block.fill
+        if source is None and fill is not None:  # loading in the background: its bytes first
+            fill.wait(block)
+        # Compressed in the background (SwapConfig.compress): the block cannot switch from its
+        # raw master to its compressed one between the choice below and the copy's enqueueing
+        with self.packed.guard(block) if self.packed is not None else _UNGUARDED:
+            self._copy_in(block, slot, source, on_demand=on_demand)
+        return slot
+
+    def _copy_in(self, block: SwappedBlock, slot: Slot, source: torch.Tensor | None, *,
+                 on_demand: bool) -> None:
+        """Enqueue ``block``'s copy into ``slot`` (its disk staging ``source``, its compressed
+        master, or its raw master) and take the slot."""
         streams = self.streams
         # pageable masters: the staging worker enqueues the waits right before its copies
         packed = self.packed is not None and self.packed.holds(block)
@@ -351,9 +365,6 @@ class SlotRing:
         if block.writeback_event is not None:  # ... and arriving in this block's master
             streams.wait(streams.h2d, block.writeback_event)
         if source is None and not packed:
-            fill = block.fill
-            if fill is not None:  # loading in the background: this block's bytes first
-                fill.wait(block)
             source = block.master
             if source is None:
                 raise OffloadError(f"swapped block {block.name} has no host master",
@@ -386,7 +397,6 @@ class SlotRing:
         self.counters["loads"] += 1
         self.counters["on_demand" if on_demand else "prefetched"] += 1
         self.counters["h2d_bytes"] += copied
-        return slot
 
     # -- saved tensors ------------------------------------------------------------------------
 
@@ -614,12 +624,15 @@ class SlotRing:
                 continue
             slot.block = block
             block.slot = slot
-            if version < 0 or block.master is None:
-                continue  # stale on every rank alike: its next use reloads it
-            streams.wait(streams.h2d, slot.free_event)
-            streams.copy(block.slot_flat[slot.index], block.master, streams.h2d, block.name)
-            streams.record(slot.loaded_event, streams.h2d)
-            self.counters["h2d_bytes"] += block.nbytes
+            # (a background encode cannot give the raw master back before its copy is queued)
+            with self.packed.guard(block) if self.packed is not None else _UNGUARDED:
+                if version < 0 or block.master is None:
+                    continue  # stale on every rank alike: its next use reloads it
+                streams.wait(streams.h2d, slot.free_event)
+                streams.copy(block.slot_flat[slot.index], block.master, streams.h2d,
+                             block.name)
+                streams.record(slot.loaded_event, streams.h2d)
+                self.counters["h2d_bytes"] += block.nbytes
 
     # -- bookkeeping --------------------------------------------------------------------------
 

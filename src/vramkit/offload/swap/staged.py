@@ -168,6 +168,7 @@ class _Job:
     what: str
     out: bool = False
     then: Callable[[], None] | None = None  # run by the worker right after the copies
+    barrier: bool = False  # no copy: ``enqueued`` tells that every job before it is done
     enqueued: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -200,6 +201,9 @@ def _worker(state: _State) -> None:
         job = state.jobs.get()
         if job is None:
             return
+        if job.barrier:  # the jobs are taken in order: every one before it is done
+            job.enqueued.set()
+            continue
         if state.stopping or state.error is not None:
             job.error = state.error or OffloadError("the staged copier was closed",
                                                     hint="Detach the swapper last.")
@@ -382,6 +386,17 @@ class StagedCopies:
         for job in jobs:
             self._wait(job)
         self._raise_error()
+
+    def barrier(self) -> None:
+        """Return once the worker is done with every job submitted before this call: it no
+        longer reads their sources. Unlike :meth:`drain`, callable from any thread (a
+        background encode calls it before it gives a raw master back); returns at once when
+        the worker has stopped."""
+        job = _Job(_NOTHING, _NOTHING, (), None, "a barrier", barrier=True)
+        self._state.jobs.put(job)
+        while not job.enqueued.wait(_POLL_SECONDS):
+            if not self._thread.is_alive():  # stopped: nothing reads the sources any more
+                return
 
     def _wait(self, job: _Job) -> None:
         while not job.enqueued.wait(_POLL_SECONDS):

@@ -19,19 +19,31 @@ from vramkit.offload.swap.records import SwappedBlock
 
 __all__ = ["install_swap_hooks"]
 
+#: ``reader(block, offset, nbytes)``: bytes of a block that has no master to view.
+Reader = Callable[[SwappedBlock, int, int], torch.Tensor]
+
 
 def install_swap_hooks(block: SwappedBlock, sync: Callable[[], None] | None = None, *,
-                       reader: Callable[[SwappedBlock, int, int], torch.Tensor] | None = None
+                       reader: Callable[[], Reader | None] | None = None
                        ) -> list[RemovableHandle]:
     """The hooks of one swapped block: its masters are always the truth (a slot copy is at
     best equal, and stale after a host optimizer step); after a load the block's slot copy is
     marked stale, so the next use reloads it. ``sync`` is called before a master is read or
     written (device->host write-backs of ``trainable="swap"`` land first). A block kept on
-    disk has no master: ``reader(block, offset, nbytes)`` reads its bytes for ``state_dict``,
-    and loads into it are refused (its weights are frozen on disk)."""
+    disk or compressed has no master: ``reader()`` returns what reads its bytes for
+    ``state_dict`` (a :data:`Reader`), and loads into it are refused (its weights are frozen
+    there); ``reader()`` returns ``None`` for a block with a master. It is asked at each use:
+    a block compressed in the background has its raw master until it is encoded (``reader``
+    waits for that)."""
     names: dict[int, list[str]] = {}
     for name, module in block.module.named_modules(remove_duplicate=False):
         names.setdefault(id(module), []).append(name)
+    def read_only() -> str | None:
+        if reader is None or reader() is None:
+            return None
+        return ("the block's weights are kept on disk (host_budget)" if block.on_disk
+                else "the block's weights are kept compressed (SwapConfig.compress)")
+
     tensors = []
     for i, e in enumerate(block.entries):
         keys = [f"{n}.{e.attr}" if n else e.attr for n in names[id(e.owner)]]
@@ -40,18 +52,16 @@ def install_swap_hooks(block: SwappedBlock, sync: Callable[[], None] | None = No
             e.tensor.data = e.placeholder
 
         def current(i: int = i, e: Any = e) -> torch.Tensor:
-            if reader is not None:
-                raw = reader(block, e.offset, e.nbytes)
+            read = reader() if reader is not None else None
+            if read is not None:
+                raw = read(block, e.offset, e.nbytes)
                 return raw.view(e.dtype).view(e.shape)
             if sync is not None:
                 sync()
             return block.master_views[i]  # looked up late: a master may still be filling
 
         tensors.append(MasterTensor(keys, e.tensor, current, restore,
-                                    read_only=None if reader is None else
-                                    ("the block's weights are kept on disk (host_budget)"
-                                     if block.on_disk else "the block's weights are kept "
-                                     "compressed (SwapConfig.compress)")))
+                                    read_only=None if reader is None else read_only))
 
     def unbind() -> None:
         block.bound = None  # the next acquire points the tensors at their slot again

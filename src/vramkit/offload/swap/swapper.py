@@ -469,7 +469,7 @@ class BlockSwapper:
             self._wrap_forward(block)
             self._state_hooks += install_swap_hooks(
                 block, functools.partial(self._sync_masters, block),
-                reader=self._reader(block))
+                reader=functools.partial(self._reader, block))
         self._ddp_ignored = ignore_in_ddp(self.model, self._blocks)
         self._guards = guard_conversions(self.model, self._blocks, self.device)
         watch_structure(True)
@@ -485,10 +485,13 @@ class BlockSwapper:
                     format_size(self._ring.slot_bytes))
 
     def _reader(self, block: SwappedBlock) -> Any:
-        """How ``state_dict`` reads a block without a master: from disk, or decoded."""
+        """How ``state_dict`` reads a block without a master: from disk, or decoded (``None``:
+        it has a master). A block compressed in the background is encoded first."""
         host = self._host
-        if host.packed is not None and host.packed.holds(block):  # in RAM or on disk
-            return host.packed.read
+        if host.packed is not None:
+            host.packed.wait_encoded(block)  # (its encode failed: raised here)
+            if host.packed.holds(block):  # in RAM or on disk
+                return host.packed.read
         if block.on_disk and host.disk is not None:
             return host.disk.read_tensor
         return None
@@ -714,8 +717,9 @@ class BlockSwapper:
     def _load_figures(self) -> dict[str, Any]:
         source = self._source  # still open: the masters are filling in the background
         if source is None:
+            # (the checkpoint is read; compressed masters may still be encoding)
             return {"checkpoint_bytes": self._load_stats[0],
-                    "load_seconds": self._load_stats[1], "loading": False}
+                    "load_seconds": self._load_stats[1], "loading": self._host.encoding}
         return {"checkpoint_bytes": source.bytes_read,
                 "load_seconds": time.perf_counter() - self._load_began, "loading": True}
 
@@ -737,10 +741,11 @@ class BlockSwapper:
 
     def wait_loaded(self) -> None:
         """Wait until every swapped block loaded from ``checkpoint=`` is in its master (the
-        load continues in the background after the constructor; see ``load_in_background``).
+        load continues in the background after the constructor; see ``load_in_background``),
+        and compressed where ``SwapConfig.compress`` compresses it.
 
         Raises:
-            OffloadError: reading the checkpoint failed.
+            OffloadError: reading the checkpoint (or encoding a master) failed.
         """
         self._host.wait()
 
@@ -794,6 +799,7 @@ class BlockSwapper:
         if self._ring is not None:
             self._ring.disk = None  # the host store stops the reader
             self._ring.close()
+        encode_failed = self._host.encode_error() if detaching else None
         self._host.close()
         self._blocks = []
         self._calls = None
@@ -802,6 +808,9 @@ class BlockSwapper:
                 f"detached, but the swapped blocks whose load failed are left on the meta "
                 f"device: {failed}", hint="Load the model again once the checkpoint reads "
                 "cleanly.") from failed
+        if encode_failed is not None:  # the weights are back (from the raw master): said once
+            raise OffloadError(f"detached with every weight restored, but {encode_failed.message}",
+                               hint=encode_failed.hint) from encode_failed
 
     @property
     def host_memory(self) -> HostMemoryChoice:

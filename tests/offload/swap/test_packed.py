@@ -1,17 +1,25 @@
 """Compressed masters (SwapConfig.compress): frozen blocks' masters are kept compressed on the
 host and decoded into their slots after each copy, bit for bit; training is identical to the
 uncompressed swapper. On the CPU the decode is the torch reference (the GPU runs the Triton
-kernel: tests/offload/swap/test_packed_gpu.py)."""
+kernel: tests/offload/swap/test_packed_gpu.py). Beside a background fill (checkpoint=) each
+block is encoded on one thread as soon as it is filled, and used raw until then."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tests._toys import Stack, frozen_mlp_stack
-from tests.offload.swap.test_source import _reference
+from tests.offload.swap.test_source import CONFIG, _assert_same, _meta, _reference
 from vramkit.errors import CompressionError, ConfigError, OffloadError
 from vramkit.offload.swap import BlockSwapper, SwapConfig
+from vramkit.offload.swap import packed as packed_module
 
 BLOCKS = 4
 
@@ -21,11 +29,19 @@ def _net() -> Stack:
     return frozen_mlp_stack(16, 128, 512, BLOCKS, 4).bfloat16()
 
 
-def _train(net: Stack, steps: int = 2) -> list[float]:
+def _meta_net() -> Stack:
+    with torch.device("meta"):
+        return _net()
+
+
+def _train(net: Stack, steps: int = 2, between: Callable[[], None] | None = None
+           ) -> list[float]:
     gen = torch.Generator().manual_seed(1)
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
+        if step and between is not None:
+            between()
         x = torch.randn(3, 16, generator=gen).bfloat16()
         loss = net(x).float().square().mean()
         loss.backward()
@@ -33,6 +49,14 @@ def _train(net: Stack, steps: int = 2) -> list[float]:
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def _assert_state(net: torch.nn.Module, reference: torch.nn.Module) -> None:
+    want = reference.state_dict()
+    got = net.state_dict()
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
 
 
 def _config(compress: str, **kw: object) -> SwapConfig:
@@ -183,4 +207,210 @@ def test_compressed_masters_beside_pageable_host_memory() -> None:
     stats = swapper.stats()
     assert stats.host_memory == "pageable" and stats.compressed_blocks == BLOCKS
     assert stats.staged_copies == 0
+    swapper.detach()
+
+
+# -- encoding beside a background fill ------------------------------------------------------
+
+
+@pytest.fixture()
+def checkpoint(tmp_path: Path) -> Path:
+    path = tmp_path / "net.safetensors"
+    save_file(_net().state_dict(), str(path))
+    return path
+
+
+class _Encodes:
+    """The swapper's calls of the codec's encode, patched: each must run off the attaching
+    thread; call number ``hold`` (from 0) waits for ``release`` (``held`` says it started,
+    ``returned`` that it has its result), call ``fail`` raises."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, hold: int | None = None,
+                 fail: int | None = None) -> None:
+        self.release, self.held, self.returned = (threading.Event() for _ in range(3))
+        self.calls = 0
+        real = packed_module.encode
+
+        def encode(*args: Any, **kw: Any) -> Any:
+            if threading.current_thread() is threading.main_thread():
+                raise AssertionError("a master was encoded on the attaching thread")
+            n, self.calls = self.calls, self.calls + 1
+            if n == fail:
+                raise RuntimeError("the encoder broke")
+            if n == hold:
+                self.held.set()
+                assert self.release.wait(30)
+            result = real(*args, **kw)
+            if n == hold:
+                self.returned.set()
+            return result
+
+        monkeypatch.setattr(packed_module, "encode", encode)
+
+
+@pytest.fixture()
+def encodes(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., _Encodes]]:
+    made: list[_Encodes] = []
+
+    def make(**kw: Any) -> _Encodes:
+        made.append(_Encodes(monkeypatch, **kw))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.release.set()  # a failed test never leaves the encode thread waiting
+    assert not [t for t in threading.enumerate() if t.name == "vramkit-fill-encode"], \
+        "an encode thread outlived its swapper"
+
+
+@pytest.mark.parametrize("host_memory", ["pinned", "pageable"])
+def test_a_background_fill_encodes_beside_it_and_trains_identically(
+        checkpoint: Path, encodes: Callable[..., _Encodes], host_memory: str) -> None:
+    resident = _net()
+    expected = _train(resident)
+    stats = {}
+    for mode in ("off", "on"):
+        if mode == "on":
+            encodes()  # off the attaching thread
+        net = _meta_net()
+        swapper = BlockSwapper(net, config=_config(mode, host_memory=host_memory),
+                               device="cpu", checkpoint=checkpoint)
+        assert swapper._host.filler.background  # compressed or not
+        assert _train(net) == expected
+        swapper.wait_loaded()
+        x = torch.randn(3, 16).bfloat16()
+        with torch.no_grad():  # every block decoded now (the steps may have run on raw ones)
+            assert torch.equal(net(x), resident(x))
+        stats[mode] = swapper.stats()
+        if mode == "on":
+            assert all(b.master is None for b in swapper._blocks)  # the raw masters went back
+        swapper.detach()
+        _assert_state(net, resident)  # the trained end layers, the frozen blocks exactly
+    on, off = stats["on"], stats["off"]
+    assert not on.loading and on.compressed_blocks == BLOCKS and off.compressed_blocks == 0
+    assert on.compressed_raw_bytes == off.swapped_bytes
+    assert on.compress_scratch_bytes > 0
+    if host_memory == "pinned":
+        assert on.pinned_bytes < off.pinned_bytes
+
+
+def test_attach_returns_before_the_blocks_are_encoded_and_uses_them_raw_until_then(
+        checkpoint: Path, encodes: Callable[..., _Encodes]) -> None:
+    expected = _train(_net())
+    calls = encodes(hold=2)  # blocks 0 and 1 are encoded, block 2's encode waits
+    net = _meta_net()
+    swapper = BlockSwapper(net, config=_config("on"), device="cpu", checkpoint=checkpoint)
+    assert calls.held.wait(30)
+    stats = swapper.stats()
+    assert stats.loading and stats.compressed_blocks == 2
+    assert [b.master is None for b in swapper._blocks] == [True, True, False, False]
+
+    def release() -> None:  # after a step on two compressed and two raw blocks
+        assert swapper.stats().compressed_blocks == 2
+        calls.release.set()
+        swapper.wait_loaded()
+        assert swapper.stats().compressed_blocks == BLOCKS
+
+    assert _train(net, between=release) == expected  # the second step: every block decoded
+    assert not swapper.stats().loading and calls.calls == BLOCKS
+    swapper.detach()
+
+
+def test_a_load_never_sees_a_block_half_switched(
+        checkpoint: Path, encodes: Callable[..., _Encodes]) -> None:
+    calls = encodes(hold=0)
+    net = _meta_net()
+    swapper = BlockSwapper(net, config=_config("on"), device="cpu", checkpoint=checkpoint)
+    packed, block = swapper._host.packed, swapper._blocks[0]
+    assert calls.held.wait(30)
+    with packed.guard(block):  # as a load holds it from its choice to its copy's enqueueing
+        master = block.master
+        calls.release.set()
+        assert calls.returned.wait(30)  # encoded: the switch waits for the guard
+        assert not packed.holds(block) and block.master is master
+        assert torch.equal(master, master.clone())  # still the pool's memory, not given back
+    packed.wait_encoded(block)
+    assert packed.holds(block) and block.master is None and not block.master_views
+    swapper.wait_loaded()
+    _assert_same_as_resident(net)
+    swapper.detach()
+
+
+def _assert_same_as_resident(net: Stack) -> None:
+    x = torch.randn(3, 16).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(net(x), _net()(x))
+
+
+def test_state_dict_during_the_background_encode_waits_for_it(
+        checkpoint: Path, encodes: Callable[..., _Encodes]) -> None:
+    calls = encodes(hold=1)
+    net = _meta_net()
+    swapper = BlockSwapper(net, config=_config("on"), device="cpu", checkpoint=checkpoint)
+    assert calls.held.wait(30)
+    timer = threading.Timer(0.05, calls.release.set)  # while state_dict waits for block 1
+    timer.start()
+    state = net.state_dict()
+    timer.join()
+    assert swapper.stats().compressed_blocks == BLOCKS  # it waited for each block's encode
+    for name, value in _net().state_dict().items():
+        assert torch.equal(state[name], value), name
+    with pytest.raises(OffloadError, match="compressed"):
+        net.load_state_dict(_net().state_dict())
+    swapper.detach()
+
+
+def test_an_encode_error_surfaces_and_detach_restores_the_exact_weights(
+        checkpoint: Path, encodes: Callable[..., _Encodes]) -> None:
+    encodes(fail=2)
+    net = _meta_net()
+    swapper = BlockSwapper(net, config=_config("on"), device="cpu", checkpoint=checkpoint)
+    with pytest.raises(OffloadError, match=r"encoding .*blocks\.2.*the encoder broke"):
+        swapper.wait_loaded()
+    assert swapper.stats().compressed_blocks == BLOCKS - 1  # the others were encoded
+    with pytest.raises(OffloadError, match=r"blocks\.2.*the encoder broke") as info:
+        net(torch.randn(3, 16).bfloat16())  # where the block is used
+    assert "detach" in info.value.hint
+    with pytest.raises(OffloadError, match=r"every weight restored.*blocks\.2"):
+        swapper.detach()
+    _assert_state(net, _net())  # block 2 from its raw master, the rest decoded
+
+
+def test_auto_keeps_incompressible_blocks_raw_beside_a_background_fill(
+        tmp_path: Path, encodes: Callable[..., _Encodes]) -> None:
+    reference = _reference()  # float32: stored raw, nothing to gain
+    path = tmp_path / "f32.safetensors"
+    save_file(reference.state_dict(), str(path))
+    calls = encodes()
+    net = _meta()
+    swapper = BlockSwapper(net, config=SwapConfig(min_param_bytes=CONFIG.min_param_bytes,
+                                                  compress="auto"),
+                           device="cpu", checkpoint=path)
+    assert swapper._host.filler.background
+    swapper.wait_loaded()
+    assert calls.calls == len(swapper._blocks) > 0  # each was encoded, and kept raw
+    assert swapper.stats().compressed_blocks == 0
+    assert all(b.master is not None for b in swapper._blocks)
+    _assert_same(net, reference)
+    swapper.detach()
+
+
+def test_disk_tier_blocks_beside_a_background_encode(tmp_path: Path) -> None:
+    def six() -> Stack:
+        return frozen_mlp_stack(16, 128, 512, 6, 4).bfloat16()
+
+    path = tmp_path / "six.safetensors"
+    save_file(six().state_dict(), str(path))
+    expected = _train(six())
+    block = BlockSwapper.footprint(six().blocks[0], _config("off")).swapped
+    with torch.device("meta"):
+        net = six()
+    swapper = BlockSwapper(net, config=_config("on", host_budget=int(5.5 * block),
+                                               disk_cache_dir=str(tmp_path / "cache")),
+                           device="cpu", checkpoint=path)
+    assert swapper._host.filler.background  # the two blocks in RAM
+    assert _train(net) == expected
+    swapper.wait_loaded()
+    stats = swapper.stats()
+    assert stats.disk_blocks == 4 and stats.compressed_blocks == 6
     swapper.detach()

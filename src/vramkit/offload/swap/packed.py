@@ -473,24 +473,24 @@ class _BackgroundEncode:
     def _run(self) -> None:
         packed = self.packed
         try:
-            stream: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
             if packed.device.type == "cuda":
-                torch.cuda.set_device(packed.device)  # the current device is per thread
-                # its own stream: the encode's kernels run beside the first steps' kernels,
-                # not queued behind them on the default stream
-                stream = torch.cuda.stream(torch.cuda.Stream(packed.device))
-            with stream:
-                for block in self.blocks:
-                    try:
-                        if self._filled(block):
-                            self._encode(block)
-                    except BaseException as exc:  # kept for the main thread (guard, wait)
-                        self.errors[id(block)] = exc
-                        logger.warning("BlockSwapper: encoding %s failed (its raw master is "
-                                       "kept): %s: %s", block.name, type(exc).__name__, exc)
-                    finally:
-                        self.events[id(block)].set()
-        except BaseException as exc:  # no stream for the encode: every block not done fails
+                # The current device is per thread. The encode runs on the default stream, as
+                # a foreground encode does: its temporaries go back to the caching allocator's
+                # pool the steps allocate from (on a stream of its own they would stay cached
+                # for that stream only, lost to the steps until empty_cache); its host syncs
+                # then wait for the steps' queued kernels, which slows this thread only.
+                torch.cuda.set_device(packed.device)
+            for block in self.blocks:
+                try:
+                    if self._filled(block):
+                        self._encode(block)
+                except BaseException as exc:  # kept for the main thread (guard, wait)
+                    self.errors[id(block)] = exc
+                    logger.warning("BlockSwapper: encoding %s failed (its raw master is "
+                                   "kept): %s: %s", block.name, type(exc).__name__, exc)
+                finally:
+                    self.events[id(block)].set()
+        except BaseException as exc:  # no device for the encode: every block not done fails
             for block in self.blocks:
                 if not self.events[id(block)].is_set():
                     self.errors[id(block)] = exc

@@ -1,15 +1,23 @@
 """Compressed masters on a CUDA GPU: the Triton decode on the copy stream gives bit-identical
 training (losses and gradients) to the uncompressed swapper, the slots hold the masters' bytes,
-and a corrupted payload is reported by stats()."""
+a corrupted payload is reported by stats(), and masters encoded on the GPU beside a background
+fill from a checkpoint train bit-identically too."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tests._toys import Stack, frozen_mlp_stack
 from vramkit.errors import CompressionError
 from vramkit.offload.swap import BlockSwapper, SwapConfig
+from vramkit.offload.swap import packed as packed_module
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("deterministic_cuda")]
 
@@ -18,11 +26,14 @@ def _net() -> Stack:
     return frozen_mlp_stack(64, 1024, 4096, 6, 8).bfloat16().cuda()
 
 
-def _train(net: Stack, steps: int = 4) -> tuple[list[float], list[torch.Tensor]]:
+def _train(net: Stack, steps: int = 4, between: Callable[[], None] | None = None
+           ) -> tuple[list[float], list[torch.Tensor]]:
     gen = torch.Generator(device="cuda").manual_seed(1)
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-3)
     losses, grads = [], []
-    for _ in range(steps):
+    for step in range(steps):
+        if step == 1 and between is not None:
+            between()
         x = torch.randn(32, 64, generator=gen, device="cuda").bfloat16()
         loss = net(x).float().square().mean()
         loss.backward()
@@ -90,3 +101,62 @@ def test_training_on_a_corrupted_payload_stops_within_a_few_steps() -> None:
     plane[plane.numel() // 3] ^= 0x11
     with pytest.raises(CompressionError, match="corrupted"):
         _train(net, steps=6)
+
+
+def test_masters_encoded_beside_a_background_fill_train_bit_identically(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "net.safetensors"
+    reference = _net()
+    save_file({k: v.cpu() for k, v in reference.state_dict().items()}, str(path))
+    expected, expected_grads = _train(reference)
+    # block 3's encode waits until the first step is done: that step runs on three decoded and
+    # three raw blocks, the later ones on six decoded blocks
+    release, held = threading.Event(), threading.Event()
+    devices: list[str] = []
+    real = packed_module.encode
+
+    def encode(*args: Any, device: Any = None, **kw: Any) -> Any:
+        devices.append(str(device))
+        if len(devices) == 4:
+            held.set()
+            assert release.wait(60)
+        return real(*args, device=device, **kw)
+
+    monkeypatch.setattr(packed_module, "encode", encode)
+    results = {}
+    try:
+        for mode in ("off", "on"):
+            with torch.device("meta"):
+                net = frozen_mlp_stack(64, 1024, 4096, 6, 8).bfloat16()
+            swapper = BlockSwapper(net, config=SwapConfig(compress=mode, num_slots=2),
+                                   device="cuda", checkpoint=path)
+            assert swapper._host.filler.background
+            between = None
+            if mode == "on":
+                assert held.wait(60)  # attach returned; blocks 0-2 encoded, 3 waits
+
+                def between(swapper: BlockSwapper = swapper) -> None:
+                    assert swapper.stats().compressed_blocks == 3
+                    release.set()
+                    swapper.wait_loaded()
+
+            losses, grads = _train(net, between=between)
+            swapper.wait_loaded()
+            results[mode] = (losses, grads, swapper.stats())
+            swapper.detach()
+            for name, value in net.state_dict().items():  # the frozen blocks exactly
+                if name.startswith("blocks."):
+                    assert torch.equal(value.cuda(), reference.state_dict()[name]), name
+    finally:
+        release.set()
+    for mode in ("off", "on"):
+        losses, grads, _ = results[mode]
+        assert losses == expected, mode
+        for got, want in zip(grads, expected_grads, strict=True):
+            assert torch.equal(got, want), mode
+    stats = results["on"][2]
+    assert not stats.loading and stats.compressed_blocks == 6
+    assert stats.compressed_bytes < 0.72 * stats.compressed_raw_bytes
+    assert stats.pinned_bytes < 0.8 * results["off"][2].pinned_bytes
+    # encoded on the GPU, none falling back to the CPU
+    assert len(devices) == 6 and all(d.startswith("cuda") for d in devices)

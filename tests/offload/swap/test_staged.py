@@ -106,6 +106,34 @@ def test_close_with_pending_copies_does_not_hang(monkeypatch: pytest.MonkeyPatch
                        events[0])
 
 
+def test_a_barrier_from_another_thread_returns_after_the_copies_before_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a background encode gives a raw master back only once the worker no longer reads it
+    copier = _copier()
+    gate = threading.Event()
+    original = copier.streams.copy
+    copied: list[int] = []
+
+    def slow(*args: object, **kwargs: object) -> None:
+        assert gate.wait(20)
+        original(*args, **kwargs)  # type: ignore[arg-type]
+        copied.append(1)
+
+    monkeypatch.setattr(copier.streams, "copy", slow)
+    src = torch.ones(10, dtype=torch.uint8)
+    copier.copy_in(torch.zeros(10, dtype=torch.uint8), src, copier.streams.event())
+    seen: list[int] = []
+    waiter = threading.Thread(target=lambda: (copier.barrier(), seen.append(len(copied))))
+    waiter.start()
+    waiter.join(0.1)  # (a barrier that did not wait would have returned by now)
+    gate.set()
+    waiter.join(20)
+    assert seen == [1]  # the copy queued before the barrier was done when it returned
+    copier.close()
+    copier.barrier()  # a stopped worker reads nothing: at once
+    assert not _workers()
+
+
 def test_a_dropped_copier_stops_its_worker() -> None:
     copier = _copier()
     thread = _workers()[0]

@@ -3,7 +3,10 @@
 A frozen swapped block's master is encoded once at attach (:mod:`vramkit.compress`: bf16
 exponents and 8-bit storage entropy-coded, everything else raw) into pinned host memory
 (ordinary memory with ``host_memory="pageable"``: the staging pool's worker copies the payload,
-then launches its decode), and its raw master is given back, so the host holds the compressed bytes only. A load then copies
+then launches its decode), and its raw master is given back, so the host holds the compressed
+bytes only. Beside a background fill (``checkpoint=``) one thread encodes each block as soon as
+it is filled (:meth:`PackedMasters.encode_in_background`): until then the block loads from its
+raw master, and :attr:`PackedMasters.lock` makes the switch atomic for the loads. A load then copies
 the compressed payload into a device scratch buffer on the copy stream and decodes it into the
 block's slot on a decode stream that waits for the copy (the Triton kernel on a GPU, the torch
 reference on the CPU); the slot's *loaded* event is recorded after the decode, so the ring's

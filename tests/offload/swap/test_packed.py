@@ -303,7 +303,12 @@ def test_attach_returns_before_the_blocks_are_encoded_and_uses_them_raw_until_th
     assert calls.held.wait(30)
     stats = swapper.stats()
     assert stats.loading and stats.compressed_blocks == 2
-    assert [b.master is None for b in swapper._blocks] == [True, True, False, False]
+    blocks = swapper._blocks
+    assert [b.master is None for b in blocks] == [True, True, False, False]
+    # the raw masters of blocks 0 and 1 went back to the system as soon as they were encoded
+    assert swapper._host.master_pool is not None
+    raw = swapper._host.master_pool.stats().reserved
+    assert sum(b.nbytes for b in blocks[2:]) <= raw < sum(b.nbytes for b in blocks[1:])
 
     def release() -> None:  # after a step on two compressed and two raw blocks
         assert swapper.stats().compressed_blocks == 2

@@ -222,6 +222,7 @@ class HostStore:
         # ring may have in flight).
         self.staging: tuple[int, int] | None = None
         self.staged: StagedCopies | None = None
+        self._free_stream: Any = None  # where raw masters are freed (_free_master)
 
     def place(self, blocks: list[SwappedBlock]) -> None:
         """Decide where every block lives (a master, or disk), build the disk tier, and point
@@ -390,8 +391,6 @@ class HostStore:
                 continue
             if packed.pack(block, block.master):
                 self._unlink_master(block)()  # nothing has copied from it yet
-        if self.master_pool is not None:
-            self.master_pool.trim()
         packed.finish()
 
     def _unlink_master(self, block: SwappedBlock) -> Callable[[], None]:
@@ -403,7 +402,26 @@ class HostStore:
         block.master_views = []
         block.master = None
         block.master_block = None
-        return lambda: pool.free(handle)
+        return lambda: self._free_master(pool, handle)
+
+    def _free_master(self, pool: MemoryPool, handle: Any) -> None:
+        """Give a compressed block's raw master back to the system now (each master is a
+        segment of its own), so pinned memory holds raw and compressed bytes of this block only,
+        not of every block until the encode ends."""
+        if self.device.type == "cuda":
+            # A pinned pool keeps a freed block until an event on the current stream has
+            # passed (a copy from it may still run there). None does: a background encode has
+            # fenced the copies, a foreground one runs before any. On the default stream, behind
+            # the first steps' kernels, that event would keep the segment past the trim below:
+            # the free goes on a stream of its own, which is idle.
+            if self._free_stream is None:
+                self._free_stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(self._free_stream):
+                pool.free(handle)
+            self._free_stream.synchronize()
+        else:
+            pool.free(handle)
+        pool.trim()
 
     def _raw_reads_done(self) -> None:
         """Return once every copy from a raw master enqueued before this call has read it (a
@@ -419,7 +437,7 @@ class HostStore:
             streams.synchronize(event)
 
     def _encoded(self) -> None:
-        """The background encode is over: the pinned pool lets go of the raw masters' memory."""
+        """The background encode is over: anything the pool still holds goes back."""
         pool = self.master_pool
         if pool is not None:
             try:

@@ -301,6 +301,7 @@ def test_attach_returns_before_the_blocks_are_encoded_and_uses_them_raw_until_th
     net = _meta_net()
     swapper = BlockSwapper(net, config=_config("on"), device="cpu", checkpoint=checkpoint)
     assert calls.held.wait(30)
+    swapper._host.filler.wait_all()  # (the fill does not wait for the encode)
     stats = swapper.stats()
     assert stats.loading and stats.compressed_blocks == 2
     blocks = swapper._blocks
@@ -328,14 +329,18 @@ def test_a_load_never_sees_a_block_half_switched(
     swapper = BlockSwapper(net, config=_config("on"), device="cpu", checkpoint=checkpoint)
     packed, block = swapper._host.packed, swapper._blocks[0]
     assert calls.held.wait(30)
+    swapper._host.filler.wait_all()  # (the fill does not wait for the encode)
     with packed.guard(block):  # as a load holds it from its choice to its copy's enqueueing
         master = block.master
         calls.release.set()
         assert calls.returned.wait(30)  # encoded: the switch waits for the guard
         assert not packed.holds(block) and block.master is master
-        assert torch.equal(master, master.clone())  # still the pool's memory, not given back
+        pool = swapper._host.master_pool
+        assert pool is not None  # every raw master still there: block 0's is not given back
+        assert pool.stats().reserved >= sum(b.nbytes for b in swapper._blocks)
     packed.wait_encoded(block)
     assert packed.holds(block) and block.master is None and not block.master_views
+    assert pool.stats().reserved < sum(b.nbytes for b in swapper._blocks)  # now it is
     swapper.wait_loaded()
     _assert_same_as_resident(net)
     swapper.detach()

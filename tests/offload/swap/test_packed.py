@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests._toys import Stack, frozen_mlp_stack
+from tests._toys import Stack, frozen_mlp_stack, mlp
 from tests.offload.swap.test_source import CONFIG, _assert_same, _meta, _reference
 from vramkit.errors import CompressionError, ConfigError, OffloadError
 from vramkit.offload.swap import BlockSwapper, SwapConfig
@@ -423,4 +423,35 @@ def test_disk_tier_blocks_beside_a_background_encode(tmp_path: Path) -> None:
     swapper.wait_loaded()
     stats = swapper.stats()
     assert stats.disk_blocks == 4 and stats.compressed_blocks == 6
+    swapper.detach()
+
+
+def test_the_scratch_grows_when_a_larger_block_is_encoded_after_the_first_loads(
+        tmp_path: Path, encodes: Callable[..., _Encodes]) -> None:
+    def growing() -> Stack:  # each block larger than the one before
+        hidden = iter((256, 512, 1024))
+        return Stack(lambda: mlp(128, next(hidden)), 3, inp=(16, 128), out=(128, 4), seed=0,
+                     frozen=True).bfloat16()
+
+    path = tmp_path / "growing.safetensors"
+    save_file(growing().state_dict(), str(path))
+    expected = _train(growing(), steps=3)
+    calls = encodes(hold=1)  # block 0 encoded, the larger ones later
+    with torch.device("meta"):
+        net = growing()
+    swapper = BlockSwapper(net, config=_config("on"), device="cpu", checkpoint=path)
+    assert calls.held.wait(30)
+    packed = swapper._host.packed
+    scratch: list[int] = []
+
+    def between() -> None:
+        scratch.append(swapper.stats().compress_scratch_bytes)
+        calls.release.set()
+        swapper.wait_loaded()
+
+    assert _train(net, steps=3, between=between) == expected
+    scratch.append(swapper.stats().compress_scratch_bytes)
+    largest = max(c.compressed_nbytes for c in packed.packed.values())
+    # sized at the first load by block 0's payload, grown to the largest at a later load
+    assert 0 < scratch[0] < scratch[-1] == largest
     swapper.detach()

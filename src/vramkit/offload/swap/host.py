@@ -348,8 +348,9 @@ class HostStore:
             packed = self.packed
             eligible = [b for b in filler.blocks
                         if packed.eligible(b) and id(b) not in self.shared_masters]
-            packed.encode_in_background(eligible, filler, self._unlink_master,
-                                        self._raw_reads_done, self._encoded)
+            if eligible:
+                packed.encode_in_background(eligible, filler, self._unlink_master,
+                                            self._raw_reads_done, self._encoded)
 
     def resident_loaded(self) -> None:
         """The attach's own load of the resident tensors is over: the fill gets every thread."""

@@ -463,6 +463,7 @@ class _BackgroundEncode:
         # (or kept raw, or failed: then the error is here)
         self.errors: dict[int, BaseException] = {}
         self.done = False
+        self.switched = 0  # blocks now compressed
         self._fill = fill
         self._give_back = give_back
         self._fence = fence
@@ -502,8 +503,8 @@ class _BackgroundEncode:
             for event in self.events.values():
                 event.set()
             if not self._cancelled:
-                logger.info("BlockSwapper: %d of %d frozen masters compressed in the "
-                            "background in %.1f s, %s -> %s (%.3f)", len(packed.packed),
+                logger.info("BlockSwapper: %d of %d frozen masters compressed beside the fill "
+                            "in %.1f s; all compressed: %s -> %s (%.3f)", self.switched,
                             len(self.blocks), time.perf_counter() - self._started,
                             format_size(packed.raw_bytes), format_size(packed.compressed_bytes),
                             packed.ratio)
@@ -528,6 +529,7 @@ class _BackgroundEncode:
         with packed.lock:  # no load is between its choice and its copy's enqueueing
             packed._adopt(block, *encoded)
             free = self._give_back(block)
+            self.switched += 1
         self._fence()  # the raw copies enqueued before the switch have read the master
         free()
 

@@ -455,3 +455,27 @@ def test_the_scratch_grows_when_a_larger_block_is_encoded_after_the_first_loads(
     # sized at the first load by block 0's payload, grown to the largest at a later load
     assert 0 < scratch[0] < scratch[-1] == largest
     swapper.detach()
+
+
+def test_a_slot_loaded_from_a_raw_master_stays_current_after_its_switch(
+        tmp_path: Path, encodes: Callable[..., _Encodes]) -> None:
+    path = tmp_path / "f32.safetensors"  # read with a conversion: the masters' versions move
+    save_file({k: v.float() for k, v in _net().state_dict().items()}, str(path))
+    calls = encodes(hold=2)
+    net = _meta_net()
+    swapper = BlockSwapper(net, config=_config("on", num_slots=BLOCKS), device="cpu",
+                           checkpoint=path)
+    assert calls.held.wait(30)
+    raw = swapper._blocks[2:]
+    assert all(b.master is not None and b.master._version > 0 for b in raw)
+    x = torch.randn(3, 16).bfloat16()
+    with torch.no_grad():
+        first = net(x)  # blocks 2 and 3 copied from their raw masters into their slots
+    calls.release.set()
+    swapper.wait_loaded()
+    assert all(b.master is None for b in raw)
+    loads = swapper.stats().loads
+    with torch.no_grad():
+        assert torch.equal(net(x), first)
+    assert swapper.stats().loads == loads  # every block kept its slot: nothing copied again
+    swapper.detach()

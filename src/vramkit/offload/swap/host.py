@@ -399,7 +399,8 @@ class HostStore:
         master's memory back (a background encode calls it once the copies from it are
         done)."""
         pool, handle = self.master_pool, block.master_block
-        assert pool is not None and handle is not None
+        assert pool is not None and handle is not None and block.master is not None
+        block.frozen_version = block.master._version  # slots loaded from it stay current
         block.master_views = []
         block.master = None
         block.master_block = None

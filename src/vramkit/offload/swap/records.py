@@ -223,6 +223,10 @@ class SwappedBlock:
         self.shape_key = -1  # their child and parameter counts then
         self.on_disk = False  # no master: read from disk into staging (SwapConfig.host_budget)
         self.fill: Any = None  # the MasterFill still writing its master (wait before reading)
+        # the version of the bytes a slot copy of a block without a master was made from (a
+        # master compressed after a slot was loaded from it keeps its last version: the same
+        # bytes, no reload)
+        self.frozen_version = 0
         self.module_type: type = type(module)  # FSDP re-classes a module it shards: seen here
 
     def __repr__(self) -> str:

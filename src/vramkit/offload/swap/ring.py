@@ -685,6 +685,6 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _version(block: SwappedBlock) -> int:
     """The version of the bytes a slot copy of ``block`` was made from: its master's counter
-    (bumped by host optimizer steps); disk blocks are frozen and never change."""
+    (bumped by host optimizer steps); blocks on disk or compressed are frozen and never change."""
     master = block.master
-    return master._version if master is not None else 0
+    return master._version if master is not None else block.frozen_version

@@ -266,12 +266,16 @@ def check_fits(what: str, setting: Setting, vram: int, hint: Callable[[], str]) 
 
 
 def for_vram(cls: Any, vram: int | str, what: str) -> Any:
-    """The largest tier preset of ``cls`` whose planned peak fits a card of ``vram``."""
+    """The largest tier preset of ``cls`` whose planned peak fits a card of ``vram``; where
+    smaller tiers have the same settings, the largest of them that the card's size reaches
+    (a 16 GB card gets ``preset_16gb`` when it plans as ``preset_24gb`` does)."""
     nbytes = check_size("vram", vram)
     model = "sdxl" if what == "SDXL" else "flux"
     for gigabytes in TIERS_GB:
         if tier(model, gigabytes).predicted_peak_bytes <= room(nbytes):
-            return getattr(cls, f"preset_{gigabytes}gb")()
+            same = [g for g in TIERS_GB if g <= gigabytes and tier_vram(g) <= nbytes
+                    and tier(model, g).setting == tier(model, gigabytes).setting]
+            return getattr(cls, f"preset_{max(same, default=gigabytes)}gb")()
     smallest = minimum_vram(tier(model, TIERS_GB[-1]).predicted_peak_bytes)
     raise ConfigError(
         f"no {what} preset fits a card of {card_text(nbytes)}: the smallest (preset_8gb) is "

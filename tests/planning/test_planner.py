@@ -269,3 +269,20 @@ def test_spread_swap_sets_are_the_swappers_own_schedule(cost) -> None:  # type: 
     assert len(counts - {0}) >= 2  # several counts, each the swapper's own set
     with pytest.raises(ConfigError):
         search(cost, machine, 8 * MiB, 0, swap_sets="cheapest")
+
+
+def test_spread_swap_sets_ignore_the_searchs_other_candidates(
+        cost, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from vramkit.planning import planner
+    from vramkit.planning.machine import machine_for
+
+    # The search's candidates for every count: the last blocks only (never the spread set).
+    monkeypatch.setattr(planner, "_swap_sets",
+                        lambda sizes, compute, k, bw=None: [list(range(len(sizes) - k,
+                                                                       len(sizes)))])
+    machine = machine_for("rtx4090")
+    searched = planner.search(cost, machine, 12 * MiB, 0, num_slots=(2,))
+    spread = planner.search(cost, machine, 12 * MiB, 0, num_slots=(2,), swap_sets="spread")
+    assert len(searched.swapped) == len(spread.swapped) == 5
+    assert searched.swapped == tuple(f"blocks.{i}" for i in range(1, 6))
+    assert spread.swapped == ("blocks.0", "blocks.1", "blocks.2", "blocks.4", "blocks.5")

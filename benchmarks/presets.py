@@ -19,7 +19,8 @@ For each model (``--models sdxl,flux``) and card tier (``--tiers 24,16,12,8``) a
    second step on) at 1024x1024, batch 1 (SDXL: 128x128 latents, 77 text tokens; Flux: 4096
    image + 512 text tokens), bf16 autocast, AdamW (SDXL) or the preset's optimizer (Flux);
 5. reports the peak of ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the
-   steps next to the card, the cap, the preset's estimate (``config.estimate()``), the peak
+   steps next to the card, the cap, the tier plan's predicted peak (the planner's, which chose
+   the preset), the preset's estimate (``config.estimate()``), the peak
    reserved while building and applying (also under the cap) and the last step's time.
 
 cuDNN's SDPA backend is disabled (``torch.backends.cuda.enable_cudnn_sdp(False)``): it crashed
@@ -59,6 +60,7 @@ from vramkit.devices.resolve import resolve_device
 from vramkit.observe.oom import is_oom_error
 from vramkit.offload.blocks import find_blocks
 from vramkit.recipes._preset_memory import IMAGE_SIZE, _meta_model
+from vramkit.recipes._preset_plans import tier as tier_plan
 from vramkit.recipes.presets import (
     FLUX_DEV_TRANSFORMER_CONFIG,
     SDXL_UNET_CONFIG,
@@ -281,6 +283,7 @@ def run_row(model: str, tier: int, s: Settings) -> dict[str, Any]:
     shape = shapes(s.tiny)
     full = preset(model, tier)
     row["estimate_gib"] = full.estimate().needed / GIB
+    row["planned_gib"] = tier_plan(model, tier).predicted_peak_bytes / GIB
     t0 = time.perf_counter()
     module = meta_model(model, shape)
     names = block_names(module, model)
@@ -413,7 +416,8 @@ def markdown_row(row: dict[str, Any]) -> dict[str, Any]:
     return {
         "model": {"sdxl": "SDXL UNet (2.6 B)", "flux": "FLUX.1-dev (11.9 B)"}[row["model"]],
         "card": f"{row['tier_gb']} GB", "cap GiB": gib("cap_gib"),
-        "preset": row.get("preset", "-"), "estimate GiB": gib("estimate_gib"),
+        "preset": row.get("preset", "-"), "planned GiB": gib("planned_gib"),
+        "estimate GiB": gib("estimate_gib"),
         "peak allocated GiB": gib("peak_allocated_gib"),
         "peak reserved GiB": gib("peak_reserved_gib"),
         "peak / estimate": (f"{row['peak_allocated_gib'] / row['estimate_gib']:.2f}"

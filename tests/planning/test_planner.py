@@ -233,3 +233,56 @@ def test_a_headroom_float_of_one_or_more_is_ambiguous(headroom: float) -> None:
              headroom=headroom)
     assert resolve_headroom(10 << 30, int(headroom)) == int(headroom)  # an int is bytes
 
+
+
+def test_optimizer_state_bytes_price_the_optimizers_state(cost) -> None:  # type: ignore[no-untyped-def]
+    from vramkit.planning.machine import machine_for
+    from vramkit.planning.planner import search
+
+    machine = machine_for("rtx4090")
+    adamw = search(cost, machine, 1 << 30, 0)
+    eight_bit = search(cost, machine, 1 << 30, 0, optimizer_state_bytes=2 + 8 / 256)
+    host = search(cost, machine, 1 << 30, 0, optimizer_state_bytes=0)
+    params = cost.trainable_params
+    part = "trainable_and_optimizer"
+    assert adamw.peak_breakdown[part] == 2 * cost.trainable_bytes + 8 * params
+    assert eight_bit.peak_breakdown[part] == 2 * cost.trainable_bytes + -(-params * 520 // 256)
+    assert host.peak_breakdown[part] == 2 * cost.trainable_bytes
+    with pytest.raises(ConfigError):
+        search(cost, machine, 1 << 30, 0, optimizer_state_bytes=-1)
+
+
+def test_spread_swap_sets_are_the_swappers_own_schedule(cost) -> None:  # type: ignore[no-untyped-def]
+    from vramkit.offload.blocks import spread_evenly
+    from vramkit.planning.machine import machine_for
+    from vramkit.planning.planner import search
+
+    machine = machine_for("rtx4090")
+    sizes = [b.swapped["bf16"] for b in cost.blocks]
+    names = [b.name for b in cost.blocks]
+    counts = set()
+    for budget in (10 * MiB, 12 * MiB, 14 * MiB):
+        p = search(cost, machine, int(budget), 0, swap_sets="spread", num_slots=(2,))
+        k = len(p.swapped)
+        counts.add(k)
+        assert p.swapped == tuple(names[i] for i in spread_evenly(sizes, k))
+    assert len(counts - {0}) >= 2  # several counts, each the swapper's own set
+    with pytest.raises(ConfigError):
+        search(cost, machine, 8 * MiB, 0, swap_sets="cheapest")
+
+
+def test_spread_swap_sets_ignore_the_searchs_other_candidates(
+        cost, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from vramkit.planning import planner
+    from vramkit.planning.machine import machine_for
+
+    # The search's candidates for every count: the last blocks only (never the spread set).
+    monkeypatch.setattr(planner, "_swap_sets",
+                        lambda sizes, compute, k, bw=None: [list(range(len(sizes) - k,
+                                                                       len(sizes)))])
+    machine = machine_for("rtx4090")
+    searched = planner.search(cost, machine, 12 * MiB, 0, num_slots=(2,))
+    spread = planner.search(cost, machine, 12 * MiB, 0, num_slots=(2,), swap_sets="spread")
+    assert len(searched.swapped) == len(spread.swapped) == 5
+    assert searched.swapped == tuple(f"blocks.{i}" for i in range(1, 6))
+    assert spread.swapped == ("blocks.0", "blocks.1", "blocks.2", "blocks.4", "blocks.5")

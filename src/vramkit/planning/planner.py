@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vramkit._validate import check_choice, check_number
 from vramkit.errors import PlanError
 from vramkit.offload.blocks import spread_evenly
 from vramkit.planning._compression import decode_rate
@@ -64,7 +65,11 @@ from vramkit.planning.record import CHECKPOINTING, Plan
 from vramkit.planning.w8a8 import accuracy_note, is_w8a8, unavailable_on_machine
 from vramkit.units import format_size, format_sizes_apart
 
-__all__ = ["CHECKPOINTING", "SWAP_STATE_SLOWDOWN", "Choice", "search", "swap_state_factor"]
+__all__ = ["CHECKPOINTING", "SWAP_SETS", "SWAP_STATE_SLOWDOWN", "Choice", "search",
+           "swap_state_factor"]
+
+#: What :func:`search` may swap: its candidate sets, or only the swapper's own schedule.
+SWAP_SETS = ("search", "spread")
 
 
 @dataclass(frozen=True)
@@ -197,7 +202,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
            times: BlockTimes | None = None, disk_bytes_per_s: float | None = None,
            checkpointing: str = "auto", copy_bytes_per_s: float | None = None,
            compress_ratio: float | None = None, only: Choice | None = None,
-           trainable_mode: str = "resident") -> Plan:
+           trainable_mode: str = "resident", optimizer_state_bytes: float = ADAMW_STATE_BYTES,
+           swap_sets: str = "search") -> Plan:
     """The fastest plan that fits (see the module docstring).
 
     Args:
@@ -226,6 +232,15 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
             slots in backward, where the block's optimizer steps; ``cost`` analyzed with
             ``swap_config=SwapConfig(trainable="swap")``). Slots below 2 are not offered then
             (the stepper keeps one state slot free for an on-demand load).
+        optimizer_state_bytes: device bytes of optimizer state per trainable parameter
+            (default :data:`~vramkit.planning.pricing.ADAMW_STATE_BYTES`, AdamW's two fp32
+            moments; an 8-bit AdamW keeps ``2 + 8 / 256``, an optimizer stepped on the host 0).
+            Training with ``trainable_mode="resident"`` only.
+        swap_sets: ``"search"`` (default: the candidate sets of :func:`_swap_sets`) or
+            ``"spread"``: only the set the swapper's own schedule takes for a count of resident
+            blocks (:func:`~vramkit.offload.blocks.spread_evenly`, what
+            ``SwapConfig(max_gpu_blocks=n - k)`` swaps), for callers that apply a count of
+            swapped blocks rather than a set (the SDXL / Flux memory presets).
         only: price this one :class:`Choice` instead of searching (a hand plan, a plan's
             neighbour: :func:`~vramkit.planning.neighbourhood.neighbours`), whether it fits the
             budget or not; its :attr:`Plan.predicted_peak_bytes` says.
@@ -247,7 +262,10 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     if train and checkpointing == "all":  # every block, the ones left out of the order last
         order += [name for name in names if name not in set(order)]
     estimate = cost.activations
-    trainable = (2 * cost.trainable_bytes + ADAMW_STATE_BYTES * cost.trainable_params
+    check_choice("swap_sets", swap_sets, SWAP_SETS)
+    check_number("optimizer_state_bytes", optimizer_state_bytes, minimum=0)
+    trainable = (2 * cost.trainable_bytes
+                 + math.ceil(optimizer_state_bytes * cost.trainable_params)
                  if train else cost.trainable_bytes)
     swap_trainable = train and trainable_mode == "swap"
     if swap_trainable:
@@ -305,7 +323,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
             ranked = [max(c.forward + d.forward, c.host_forward + d.host_forward)
                       for c, d in zip(full, dequant_of[fmt_s], strict=True)]
             swap_sets = ([[] for _ in range(n + 1)] if only is not None else
-                         [_swap_sets(sizes, ranked, k, bw) for k in range(n + 1)])
+                         [_swap_sets(sizes, ranked, k, bw) if swap_sets == "search"
+                          else [spread_evenly(sizes, k)] for k in range(n + 1)])
             if only is not None:
                 swap_sets[len(only.chosen)] = [sorted(only.chosen)]
             for fmt_r in formats:

@@ -3,17 +3,16 @@ presets of :mod:`vramkit.recipes.presets`.
 
 The published model configs, the profiles measured from them on the meta device (block
 footprints by the swapper's own rule, activations by :func:`vramkit.planning.activations.
-estimate_activations`), the estimate of a preset's peak, and the choice of the fastest settings
-that fit a card.
+estimate_activations`), the breakdown of a preset's peak by them (``config.estimate()``). Which
+settings a card gets is the planner's choice: :mod:`vramkit.recipes._preset_plans`.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +71,6 @@ CONTEXT_BYTES = 512 << 20
 MARGIN = 0.10
 _STATE_BYTES = {"adamw": 8.0, "adamw8bit": 2 + 8 / 256, "host": 0.0}  # per trainable parameter
 _FORMATS = ("bf16", *QUANT_FORMATS)
-_TIERS_GB = (24, 16, 12, 8)
 _MODELS = ("sdxl", "flux")
 
 
@@ -228,80 +226,8 @@ def estimate_step(model: str, *, weight_format: str = "bf16", max_gpu_blocks: in
         weight_format=weight_format)
 
 
-def check_fits(what: str, estimate: MemoryEstimate, vram: int, hint: Callable[[], str]
-                ) -> None:
-    """Raise when ``estimate`` does not fit a card of ``vram`` bytes (``hint()`` says what
-    would)."""
-    if estimate.needed <= MemoryEstimate.usable(vram):
-        return
-    raise ConfigError(
-        f"{what} LoRA training at {IMAGE_SIZE}x{IMAGE_SIZE} with these settings needs "
-        f"~{format_size(estimate.needed)} on the GPU ({estimate.describe()}), more than the "
-        f"{format_size(MemoryEstimate.usable(vram))} a card of {card_text(vram)} leaves "
-        f"({format_size(CONTEXT_BYTES)} CUDA context, {MARGIN:.0%} margin); it needs "
-        f"{format_size(estimate.minimum_vram)} or more", hint=hint())
-
-
 def card_text(vram: int) -> str:
     return f"{format_size(vram, binary=False)} ({format_size(vram)})"
-
-
-def for_vram(cls: Any, vram: int | str, what: str) -> Any:
-    nbytes = check_size("vram", vram)
-    presets = [getattr(cls, f"preset_{gigabytes}gb") for gigabytes in _TIERS_GB]
-    for make in presets:
-        preset = make()
-        if preset.estimate().fits(nbytes):
-            return preset
-    smallest = presets[-1]().estimate()
-    raise ConfigError(
-        f"no {what} preset fits a card of {card_text(nbytes)}: the smallest (preset_8gb) needs "
-        f"{format_size(smallest.minimum_vram)} or more ({smallest.describe()}, plus "
-        f"{format_size(CONTEXT_BYTES)} CUDA context and a {MARGIN:.0%} margin)",
-        hint=f"Use a card of {format_size(smallest.minimum_vram)} or more, or train below "
-             f"{IMAGE_SIZE}x{IMAGE_SIZE} (the presets are sized for {IMAGE_SIZE}x{IMAGE_SIZE}, "
-             "batch 1).")
-
-
-def tier_vram(gigabytes: int) -> int:
-    # The decimal reading ("8GB" = 8e9 bytes, 7.45 GiB) is the smaller one: a preset that fits
-    # it fits an "8 GiB" card too.
-    return gigabytes * 10**9
-
-
-@functools.cache
-def _choose(model: str, vram: int) -> tuple[tuple[str, Any], ...]:
-    """The fastest settings whose estimate fits ``vram`` (see docs/recovery_and_presets.md):
-    no recomputation before recomputation, fewer swapped blocks before more (swapped weights
-    stream while resident blocks compute; recomputation never overlaps), and for Flux int8
-    before nf4 (a quantized base halves what a swapped block moves; nf4 costs precision)."""
-    usable = MemoryEstimate.usable(vram)
-    blocks = len(PROFILES[model].block_rows())
-    if model == "sdxl":
-        for checkpointing in (False, True):
-            for swapped in range(blocks + 1):
-                resident = None if swapped == 0 else blocks - swapped
-                if estimate_step("sdxl", max_gpu_blocks=resident,
-                             checkpointing=checkpointing).needed <= usable:
-                    return (("enable_gradient_checkpointing", checkpointing),
-                            ("enable_cpu_offload", swapped > 0),
-                            ("offload_resident_blocks", resident or 0))
-        return ()
-    for fmt, optimizer in (("int8", "adamw8bit"), ("nf4", "adamw8bit"), ("nf4", "host")):
-        for swapped in range(blocks + 1):
-            if estimate_step("flux", weight_format=fmt, max_gpu_blocks=blocks - swapped,
-                         optimizer=optimizer).needed <= usable:
-                return (("base_model_format", fmt), ("blocks_to_swap", swapped),
-                        ("cpu_offload_optimizer", optimizer == "host"))
-    return ()
-
-
-def tier_settings(model: str, gigabytes: int) -> dict[str, Any]:
-    chosen = _choose(model, tier_vram(gigabytes))
-    if not chosen:  # the stored profiles make every tier fit; a new profile might not
-        raise ConfigError(f"no {model} settings fit a {gigabytes} GB card",
-                          hint="Regenerate the profile (measure_model_profile) and the presets.")
-    return dict(chosen)
 
 
 # -- measuring the profiles (diffusers + peft, meta device) ----------------------------------

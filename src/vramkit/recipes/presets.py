@@ -19,24 +19,25 @@ Two frozen configs and one verb each:
 Both verbs return a :class:`MemoryOptimization` handle that says what was applied and undoes
 what can be undone (:meth:`MemoryOptimization.undo`).
 
-Presets (``preset_8gb()`` ... ``preset_24gb()``, ``for_vram``) are chosen from estimates, not
-guessed: :meth:`SDXLMemoryConfig.estimate` / :meth:`FluxTrainingConfig.estimate` add up the
-resident weights, swap slots, adapters, optimizer states and activations of one LoRA training
-step at 1024x1024, from model profiles measured on the meta device
-(:func:`measure_model_profile`: the swapper's :meth:`~vramkit.offload.swap.BlockSwapper.footprint`
-and :func:`vramkit.planning.activations.estimate_activations` over the published SDXL and FLUX.1-dev
-configs) and stored here. A config given a ``vram`` whose estimate does not fit it raises when it
-is made. The reasoning and the arithmetic are in docs/recovery_and_presets.md; the measured
-peaks come from benchmarks/presets.py.
+Presets (``preset_8gb()`` ... ``preset_24gb()``, ``for_vram``) are plans: each tier's memory
+settings (swapped blocks, checkpointing) are what :func:`vramkit.planning.planner.search` chooses
+for one LoRA training step at 1024x1024 of the published SDXL / FLUX.1-dev model, built and
+analyzed on the meta device as ``vramkit plan`` does, for the tier's card on an offline
+RTX 4090 profile, with the preset's own choices applied (Flux's int8 base, 8-bit AdamW);
+:mod:`vramkit.recipes._preset_plans` holds the rule and the stored table a test recomputes.
+A config given a ``vram`` whose plan does not fit it raises when it is made; ``config.plan()``
+is the planner's plan of its settings. :meth:`SDXLMemoryConfig.estimate` /
+:meth:`FluxTrainingConfig.estimate` remain a breakdown by the stored block profiles
+(:func:`measure_model_profile`), shown beside the measured peaks of benchmarks/presets.py; no
+preset or check is decided by it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ from vramkit._validate import (
 from vramkit.errors import ConfigError
 from vramkit.offload.swap import SwapConfig
 from vramkit.planning._meta import trainable_module_names
+from vramkit.recipes._preset_handle import MemoryOptimization
 from vramkit.recipes._preset_memory import (
     FLUX_DEV_TRANSFORMER_CONFIG,
     IMAGE_SIZE,
@@ -64,13 +66,18 @@ from vramkit.recipes._preset_memory import (
     MemoryEstimate,
     ModelProfile,
     card_text,
-    check_fits,
     estimate_step,
-    for_vram,
     measure_model_profile,
-    tier_settings,
-    tier_vram,
     unet_blocks,
+)
+from vramkit.recipes._preset_plans import (
+    Setting,
+    check_fits,
+    for_vram,
+    price,
+    room,
+    tier,
+    tier_vram,
 )
 from vramkit.units import format_size
 
@@ -89,103 +96,10 @@ __all__ = [
     "unet_blocks",
 ]
 
-logger = logging.getLogger(__name__)
-
 _SLICE_NAMES = ("auto", "max")
 _MIXED_PRECISION = ("bf16", "no")
 # Compute devices the verbs take: those MemoryRecovery runs training steps on.
 _DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
-
-
-# ------------------------------------------------------------------------------------------
-# The handle
-# ------------------------------------------------------------------------------------------
-
-
-class MemoryOptimization:
-    """What :func:`optimize_sdxl_memory` / :func:`optimize_flux_memory` applied.
-
-    Attributes:
-        applied: option name -> what was done, in application order.
-        swapper: the :class:`~vramkit.offload.swap.BlockSwapper`, when blocks are offloaded.
-        vae_tiling: the VAE tiling handle (``.detach()``), when tiling is on.
-        optimizer: the optimizer built for the trainable parameters (Flux), else ``None``.
-        recovery: the :class:`~vramkit.observe.recovery.MemoryRecovery` that runs training steps
-            at the configured micro-batch size (Flux), else ``None``.
-        autocast_dtype: the autocast dtype of :meth:`autocast` (``None``: autocast off).
-        device: the compute device.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.applied: dict[str, str] = {}
-        self.swapper: Any = None
-        self.vae_tiling: Any = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.recovery: Any = None
-        self.autocast_dtype: torch.dtype | None = None
-        self._undo: list[tuple[str, Callable[[], None]]] = []
-
-    def _record(self, option: str, what: str, undo: Callable[[], None] | None = None) -> None:
-        self.applied[option] = what
-        if undo is not None:
-            self._undo.append((option, undo))
-        logger.info("%s: %s", option, what)
-
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """A ``torch.autocast`` context for the forward pass (a no-op without mixed precision)."""
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
-
-    def train_step(self, step_fn: Callable[..., Any], batch: Any) -> Any:
-        """One optimizer step: micro-batched forward/backward under autocast, then ``step()``.
-
-        Args:
-            step_fn: ``step_fn(micro_batch) -> mean loss`` (see
-                :class:`~vramkit.observe.recovery.MemoryRecovery`).
-            batch: the batch; split into ``batch_size``-row micro-batches, smaller on OOM.
-
-        Returns:
-            The :class:`~vramkit.observe.recovery.RecoveryResult`.
-
-        Raises:
-            ConfigError: when nothing is trainable (no optimizer was built).
-        """
-        if self.optimizer is None or self.recovery is None:
-            raise ConfigError("train_step needs trainable parameters: the model had none",
-                              hint="Add LoRA adapters (model.add_adapter) or unfreeze weights "
-                                   "before optimize_flux_memory.")
-        with self.autocast():
-            result = self.recovery.step(step_fn, batch)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return result
-
-    def undo(self) -> list[str]:
-        """Undo what can be undone, newest first: swapping, VAE tiling, attention slicing,
-        checkpointing, the optimizer's host resources. Dtype casts and quantization stay (the
-        original weights are gone; reload them to start over).
-
-        Returns:
-            The options undone.
-        """
-        done = []
-        while self._undo:
-            option, undo = self._undo.pop()
-            undo()
-            self.applied.pop(option, None)
-            done.append(option)
-        return done
-
-    def __enter__(self) -> MemoryOptimization:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.undo()
-
-    def __repr__(self) -> str:
-        return f"MemoryOptimization({', '.join(self.applied) or 'nothing'})"
 
 
 # ------------------------------------------------------------------------------------------
@@ -216,11 +130,11 @@ class SDXLMemoryConfig:
             size (default 64).
         offload_resident_blocks: with CPU offload, UNet blocks kept on the GPU (default 0).
         vram: the card these settings are for (bytes or ``"12GB"``; default ``None``: no
-            check). When set, :meth:`estimate` must fit it (after ``CONTEXT_BYTES`` for the
-            CUDA context and a ``MARGIN`` share), or construction raises with the numbers. The
-            estimate is of one LoRA training step of SDXL's UNet (bf16 weights, rank-16 fp32
-            adapters on the attention projections, AdamW, bf16 autocast) at 1024x1024,
-            batch 1; attention slicing is not modelled.
+            check). When set, the planner's peak for these settings (:meth:`plan`) must fit
+            the card less its CUDA context and the planner's headroom, or construction raises
+            with the numbers. The plan is of one LoRA training step of SDXL's UNet (bf16
+            weights, rank-16 fp32 adapters on the attention projections, AdamW, bf16
+            autocast) at 1024x1024, batch 1; attention slicing is not modelled.
 
     Raises:
         ConfigError: for invalid values or combinations, or settings that do not fit ``vram``.
@@ -266,7 +180,20 @@ class SDXLMemoryConfig:
         object.__setattr__(self, "vram", check_size(f"{owner}.vram", self.vram,
                                                     allow_none=True))
         if self.vram is not None:
-            check_fits("SDXL", self.estimate(), self.vram, lambda: _sdxl_hint(self.vram))
+            check_fits("SDXL", self._setting(), self.vram, lambda: _sdxl_hint(self.vram))
+
+    def _setting(self) -> Setting:
+        blocks = len(PROFILES["sdxl"].block_rows())
+        swapped = (blocks - min(self.offload_resident_blocks, blocks)
+                   if self.enable_cpu_offload else 0)
+        return Setting("sdxl", checkpointing=self.enable_gradient_checkpointing,
+                       swapped=swapped)
+
+    def plan(self, vram: int | str | None = None) -> Any:
+        """The planner's :class:`~vramkit.planning.record.Plan` of these settings on a card of
+        ``vram`` (default: this config's ``vram``): predicted peak and step, ``explain()``.
+        Builds and analyzes the UNet on the meta device the first time (diffusers, peft)."""
+        return price(self._setting(), _card(vram if vram is not None else self.vram))
 
     def estimate(self) -> MemoryEstimate:
         """GPU bytes of one SDXL LoRA training step at 1024x1024 with these settings (see
@@ -275,8 +202,8 @@ class SDXLMemoryConfig:
                          max_gpu_blocks=(self.offload_resident_blocks
                                          if self.enable_cpu_offload else None))
 
-    # The tiers' settings are chosen from the estimates (_choose): the fastest that fit the
-    # card's decimal size; docs/recovery_and_presets.md shows the arithmetic.
+    # The tiers' settings are the planner's (vramkit.recipes._preset_plans): the fastest plan
+    # for the card's decimal size.
 
     @classmethod
     def preset_24gb(cls) -> SDXLMemoryConfig:
@@ -285,28 +212,32 @@ class SDXLMemoryConfig:
 
     @classmethod
     def preset_16gb(cls) -> SDXLMemoryConfig:
-        """SDXL LoRA on a 16 GB card: no checkpointing, 5 of the UNet's 28 blocks swapped."""
+        """SDXL LoRA on a 16 GB card: the UNet resident, no checkpointing."""
         return cls._tier(16)
 
     @classmethod
     def preset_12gb(cls) -> SDXLMemoryConfig:
-        """SDXL LoRA on a 12 GB card: the UNet resident, gradient checkpointing."""
+        """SDXL LoRA on a 12 GB card: no checkpointing, 13 of the UNet's 28 blocks swapped."""
         return cls._tier(12)
 
     @classmethod
     def preset_8gb(cls) -> SDXLMemoryConfig:
-        """SDXL LoRA on an 8 GB card: gradient checkpointing, 6 of 28 blocks swapped."""
+        """SDXL LoRA on an 8 GB card: the UNet resident, gradient checkpointing."""
         return cls._tier(8)
 
     @classmethod
     def _tier(cls, gigabytes: int) -> SDXLMemoryConfig:
-        return cls(**tier_settings("sdxl", gigabytes), vae_tiling=True, vae_tile_size=512,
-                   vram=tier_vram(gigabytes))
+        s = tier("sdxl", gigabytes).setting
+        blocks = len(PROFILES["sdxl"].block_rows())
+        return cls(enable_gradient_checkpointing=s.checkpointing,
+                   enable_cpu_offload=s.swapped > 0,
+                   offload_resident_blocks=blocks - s.swapped if s.swapped else 0,
+                   vae_tiling=True, vae_tile_size=512, vram=tier_vram(gigabytes))
 
     @classmethod
     def for_vram(cls, vram: int | str) -> SDXLMemoryConfig:
-        """The largest preset whose estimate fits a card of ``vram`` (``"12GB"``, ``"16GiB"``,
-        bytes).
+        """The largest preset whose planned peak fits a card of ``vram`` (``"12GB"``,
+        ``"16GiB"``, bytes).
 
         Raises:
             ConfigError: when even :meth:`preset_8gb` does not fit (the message gives the
@@ -317,6 +248,13 @@ class SDXLMemoryConfig:
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
         return dataclasses.asdict(self)
+
+
+def _card(vram: int | str | None) -> int:
+    if vram is None:
+        raise ConfigError("plan() needs a card: this config has no vram",
+                          hint="Pass plan(vram='12GB'), or set the config's vram.")
+    return check_size("vram", vram)
 
 
 def _sdxl_hint(vram: int) -> str:
@@ -454,12 +392,12 @@ class FluxTrainingConfig:
         learning_rate: the optimizer's learning rate (default 1e-4).
         weight_decay: the optimizer's weight decay (default 1e-2).
         vram: the card these settings are for (bytes or ``"12GB"``; default ``None``: no
-            check). When set, :meth:`estimate` must fit it (after ``CONTEXT_BYTES`` for the
-            CUDA context and a ``MARGIN`` share), or construction raises with the numbers. The
-            estimate is of one LoRA training step of FLUX.1-dev's transformer (rank-16 fp32
-            adapters on the attention projections, bf16 autocast) at 1024x1024, ``batch_size``
-            rows, with the default ``swap_min_tensor_bytes``; it needs
-            ``mixed_precision="bf16"``.
+            check). When set, the planner's peak for these settings (:meth:`plan`) must fit
+            the card less its CUDA context and the planner's headroom, or construction raises
+            with the numbers. The plan is of one LoRA training step of FLUX.1-dev's
+            transformer (rank-16 fp32 adapters on the attention projections, bf16 autocast,
+            the base in its stored format) at 1024x1024, ``batch_size`` rows, with this
+            ``swap_min_tensor_bytes``; it needs ``mixed_precision="bf16"``.
 
     Raises:
         ConfigError: for invalid values, or settings that do not fit ``vram``.
@@ -501,7 +439,23 @@ class FluxTrainingConfig:
                     "FluxTrainingConfig.vram checks the bf16 estimate, but mixed_precision is "
                     f"{self.mixed_precision!r}",
                     hint="Train in bf16, or leave vram at None (no check).")
-            check_fits("Flux", self.estimate(), self.vram, lambda: _flux_hint(self))
+            check_fits("Flux", self._setting(), self.vram, lambda: _flux_hint(self))
+
+    def _setting(self) -> Setting:
+        return Setting(
+            "flux", base_format=self.base_model_format if self.quantize_base_model else "bf16",
+            optimizer=("host" if self.cpu_offload_optimizer
+                       else "adamw8bit" if self.use_8bit_adam else "adamw"),
+            checkpointing=self.gradient_checkpointing,
+            swapped=min(self.blocks_to_swap, len(PROFILES["flux"].block_rows())),
+            batch=self.batch_size, min_param_bytes=self.swap_min_tensor_bytes)
+
+    def plan(self, vram: int | str | None = None) -> Any:
+        """The planner's :class:`~vramkit.planning.record.Plan` of these settings on a card of
+        ``vram`` (default: this config's ``vram``): predicted peak and step, ``explain()``.
+        Builds and analyzes the transformer on the meta device the first time (diffusers,
+        peft; seconds)."""
+        return price(self._setting(), _card(vram if vram is not None else self.vram))
 
     def estimate(self) -> MemoryEstimate:
         """GPU bytes of one FLUX.1-dev LoRA training step at 1024x1024 with these settings
@@ -515,8 +469,8 @@ class FluxTrainingConfig:
             optimizer=("host" if self.cpu_offload_optimizer
                        else "adamw8bit" if self.use_8bit_adam else "adamw"))
 
-    # The tiers' settings are chosen from the estimates (_choose): the fastest that fit the
-    # card's decimal size; docs/recovery_and_presets.md shows the arithmetic.
+    # The tiers' settings are the planner's (vramkit.recipes._preset_plans): the fastest plan
+    # for the card's decimal size with the int8 base and 8-bit AdamW.
 
     @classmethod
     def preset_24gb(cls) -> FluxTrainingConfig:
@@ -526,29 +480,31 @@ class FluxTrainingConfig:
 
     @classmethod
     def preset_16gb(cls) -> FluxTrainingConfig:
-        """Flux LoRA on a 16 GB card: the 24 GB preset with 7 of 57 blocks swapped."""
+        """Flux LoRA on a 16 GB card: the 24 GB preset with 9 of 57 blocks swapped."""
         return cls._tier(16)
 
     @classmethod
     def preset_12gb(cls) -> FluxTrainingConfig:
-        """Flux LoRA on a 12 GB card: the 24 GB preset with 22 of 57 blocks swapped."""
+        """Flux LoRA on a 12 GB card: the 24 GB preset with 23 of 57 blocks swapped."""
         return cls._tier(12)
 
     @classmethod
     def preset_8gb(cls) -> FluxTrainingConfig:
-        """Flux LoRA on an 8 GB card: the 24 GB preset with 36 of 57 blocks swapped."""
+        """Flux LoRA on an 8 GB card: the 24 GB preset with 39 of 57 blocks swapped."""
         return cls._tier(8)
 
     @classmethod
     def _tier(cls, gigabytes: int) -> FluxTrainingConfig:
-        return cls(batch_size=1, gradient_checkpointing=True, mixed_precision="bf16",
-                   quantize_base_model=True, use_8bit_adam=True,
-                   **tier_settings("flux", gigabytes), vram=tier_vram(gigabytes))
+        s = tier("flux", gigabytes).setting
+        return cls(batch_size=1, gradient_checkpointing=s.checkpointing, mixed_precision="bf16",
+                   quantize_base_model=s.base_format != "bf16", base_model_format=s.base_format,
+                   use_8bit_adam=True, cpu_offload_optimizer=s.optimizer == "host",
+                   blocks_to_swap=s.swapped, vram=tier_vram(gigabytes))
 
     @classmethod
     def for_vram(cls, vram: int | str) -> FluxTrainingConfig:
-        """The largest preset whose estimate fits a card of ``vram`` (``"12GB"``, ``"16GiB"``,
-        bytes).
+        """The largest preset whose planned peak fits a card of ``vram`` (``"12GB"``,
+        ``"16GiB"``, bytes).
 
         Raises:
             ConfigError: when even :meth:`preset_8gb` does not fit (the message gives the
@@ -563,11 +519,11 @@ class FluxTrainingConfig:
 
 def _flux_hint(config: FluxTrainingConfig) -> str:
     blocks = len(PROFILES["flux"].block_rows())
-    usable = MemoryEstimate.usable(config.vram)  # type: ignore[arg-type]
+    usable = room(config.vram)  # type: ignore[arg-type]
     fmt = config.base_model_format if config.quantize_base_model else "bf16"
     for swapped in range(config.blocks_to_swap, blocks + 1):
         trial = dataclasses.replace(config, blocks_to_swap=swapped, vram=None)
-        if trial.estimate().needed <= usable:
+        if trial.plan(config.vram).predicted_peak_bytes <= usable:
             return (f"Swap more blocks: blocks_to_swap={swapped} fits (with the {fmt} base), "
                     "or use FluxTrainingConfig.for_vram("
                     f"{format_size(config.vram, binary=False)!r}).")  # type: ignore[arg-type]

@@ -25,7 +25,10 @@ _SCRIPT = textwrap.dedent(
 
     class Wide(nn.Module):
         def forward(self, x):
-            return torch.ones(8 * 2**20) + x.sum()   # a 32 MiB activation
+            # 64 MiB: above glibc's largest mmap threshold (32 MiB), so always fresh pages
+            # that the RSS sees (a 32 MiB one could reuse a heap chunk freed by an earlier
+            # test in the process, and the module's growth read 0)
+            return torch.ones(16 * 2**20) + x.sum()
 
     model = nn.Sequential(nn.Linear(4, 4), Wide())
     out = model(torch.randn(2, 4))

@@ -53,7 +53,13 @@ def test_the_stored_table_is_what_the_planner_chooses_now(model: str) -> None:
     pytest.importorskip("peft")
     for gigabytes in TIERS:
         fresh, plan = plans.plan_tier(model, gigabytes)
-        assert fresh == plans.tier(model, gigabytes), plans.table_source()
+        stored = plans.tier(model, gigabytes)
+        # the decisions and the peak exactly; the step to 0.1 % (after other tests in one
+        # process it moved in the fourth decimal: 4.9402 against 4.9404 s alone)
+        assert (fresh.setting, fresh.predicted_peak_bytes) == (
+            stored.setting, stored.predicted_peak_bytes), plans.table_source()
+        assert fresh.predicted_step_seconds == pytest.approx(
+            stored.predicted_step_seconds, rel=1e-3), plans.table_source()
         # The plan is the spread schedule the verbs' swapper applies, all-or-none checkpointing.
         assert len(plan.checkpointed) in (0, len(plan.block_order))
         assert plan.num_slots in (0, 2) and not plan.activation_offload

@@ -33,10 +33,34 @@ import time
 STARTED = time.perf_counter()  # "time from command to first step" counts from here
 
 import argparse  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from vramkit.io.prefetch import prefetch_checkpoint  # noqa: E402  (stdlib only: no torch yet)
+
+
+def _prefetch_from_argv(argv: list[str]) -> None:
+    """Start reading the transformer's weights into the page cache now, while torch,
+    diffusers and accelerate import (seconds the disk would otherwise idle)."""
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    early.add_argument("--transformer_file")
+    early.add_argument("--pretrained_model_name_or_path")
+    try:
+        known, _ = early.parse_known_args(argv)
+    except (argparse.ArgumentError, SystemExit):  # malformed: the full parser says so below
+        return
+    if known.transformer_file:
+        prefetch_checkpoint(known.transformer_file)
+    elif known.pretrained_model_name_or_path:
+        prefetch_checkpoint(Path(known.pretrained_model_name_or_path) / "transformer")
+
+
+if __name__ == "__main__":
+    _prefetch_from_argv(sys.argv[1:])
+
 import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402

@@ -56,3 +56,18 @@ def test_a_missing_file_or_embeddings_is_a_clear_exit(tiny: Path, tmp_path: Path
             "--pretrained_model_name_or_path", str(tiny / "flux"),
             "--instance_data_dir", str(tiny / "images"), "--output_dir", str(tmp_path),
             "--resolution", "32", "--mixed_precision", "no", "--cpu"])
+
+
+def test_the_weights_start_streaming_before_the_heavy_imports(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """Run as a script, it starts the transformer's prefetch from its arguments alone (the
+    single file, else the folder's transformer/); a malformed command prefetches nothing."""
+    module = example("train_flux_lora")
+    asked: list[object] = []
+    monkeypatch.setattr(module, "prefetch_checkpoint", asked.append)
+    module._prefetch_from_argv(["--pretrained_model_name_or_path", "/m", "--transformer_file",
+                                str(tmp_path / "t.safetensors"), "--rank", "4"])
+    module._prefetch_from_argv(["--pretrained_model_name_or_path=/m", "--cpu"])
+    module._prefetch_from_argv(["--transformer_file"])
+    assert asked == [str(tmp_path / "t.safetensors"), Path("/m") / "transformer"]

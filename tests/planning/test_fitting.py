@@ -161,6 +161,32 @@ def test_nothing_to_swap_moves_the_model_and_back() -> None:
     fitted.detach()
 
 
+def test_fit_reads_its_checkpoint_ahead_only_while_it_plans(tmp_path, monkeypatch) -> None:
+    """fit(checkpoint=) starts the page-cache prefetch before planning (the disk reads while
+    the plan is made); with a plan given there is nothing to overlap, and a disk tier's plan
+    times the cold disk: no prefetch."""
+    from safetensors.torch import save_file
+
+    from vramkit.io import prefetch
+
+    started: list[object] = []
+    real = prefetch.prefetch_checkpoint
+    monkeypatch.setattr(prefetch, "prefetch_checkpoint",
+                        lambda path, **kw: started.append(path) or real(path, **kw))
+    reference = stack()
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
+    model = stack(device="meta")
+    fitted = vramkit.fit(model, inputs(), 6 * MiB, checkpoint=path, **OPTIONS)
+    assert started == [path]
+    assert _train(model) == _train(reference)  # the same weights, read after the prefetch
+    made = fitted.plan
+    fitted.detach()
+    vramkit.fit(stack(device="meta"), inputs(), 6 * MiB, plan=made, device="cpu",
+                checkpoint=path).detach()
+    assert started == [path]  # a plan was given: no prefetch
+
+
 def test_fit_loads_a_meta_model_from_a_checkpoint_as_it_applies_the_plan(tmp_path) -> None:
     from safetensors.torch import save_file
 

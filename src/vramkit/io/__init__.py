@@ -23,13 +23,16 @@
   opens them with the diffusers model's names (fused tensors split into row ranges of the file);
   ``prepare_module`` turns layers whose weights stay packed into ``GGUFLinear`` /
   fp8 ``QuantizedLinear`` before loading; ``detect_format`` names a file's format without torch.
+* :mod:`vramkit.io.prefetch` -- ``prefetch_checkpoint``: a checkpoint read into the page cache
+  on background threads while the process imports and plans (stdlib only; ``vramkit.fit``
+  starts it for its ``checkpoint=``).
 * Paths are classified before anything is opened (:mod:`vramkit.io._paths`): a named pipe,
   socket or device, a symbolic-link loop, a Hugging Face repo id, a diffusers pipeline root or a
   pickle checkpoint is refused at once with an error saying what it is and what to pass.
 
 The public names of :mod:`~vramkit.io.lazy`, :mod:`~vramkit.io.loader`,
-:mod:`~vramkit.io.disk`, :mod:`~vramkit.io.adapters`, :mod:`~vramkit.io.adapter_files` and
-:mod:`~vramkit.io.formats` are re-exported here lazily:
+:mod:`~vramkit.io.disk`, :mod:`~vramkit.io.adapters`, :mod:`~vramkit.io.adapter_files`,
+:mod:`~vramkit.io.prefetch` and :mod:`~vramkit.io.formats` are re-exported here lazily:
 importing the package imports none of them. Nothing here touches CUDA at import time. See ``docs/loading.md``.
 """
 
@@ -47,6 +50,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".adapters": ("adapter_keys", "init_meta_adapters", "peft_base_key"),
     ".adapter_files": ("LORA_LAYOUTS", "LoRAFactors", "adapter_state_dict", "load_adapters",
                        "lora_factors", "save_adapters"),
+    ".prefetch": ("PAGE_CACHE_SHARE", "Prefetch", "checkpoint_files", "prefetch_checkpoint"),
     ".formats": ("CheckpointFormat", "MappedCheckpoint", "describe_names", "detect_format",
                  "gguf_file", "model_prefix", "open_checkpoint", "prepare_module",
                  "write_gguf"),
@@ -59,3 +63,4 @@ if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.io.formats import *  # noqa: F403
     from vramkit.io.lazy import *  # noqa: F403
     from vramkit.io.loader import *  # noqa: F403
+    from vramkit.io.prefetch import *  # noqa: F403

@@ -483,7 +483,9 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
             layer at a time, each quantized as its weight arrives (a block never exists in
             full precision; ``detach()`` refills the original layers from the file). With a
             ``host_budget`` plan option, its disk's read speed is measured first (up to 256 MiB)
-            for the disk tier's prediction (``disk_bytes_per_s``).
+            for the disk tier's prediction (``disk_bytes_per_s``); without one, the file is
+            read into the page cache on background threads while the plan is made, where it
+            fits there (:func:`vramkit.io.prefetch.prefetch_checkpoint`).
         prefix: with ``checkpoint``, the prefix its names carry.
         strict: with ``checkpoint``, refuse missing or unexpected keys (default ``True``).
         master_memory: where the swapper keeps frozen masters
@@ -528,6 +530,11 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
     if isinstance(plan, (str, os.PathLike)):
         plan = Plan.load(plan)
     if plan is None:
+        if checkpoint is not None and plan_options.get("host_budget") is None:
+            # the disk reads while the plan is made (a disk tier's plan times the cold disk)
+            from vramkit.io.prefetch import prefetch_checkpoint
+
+            prefetch_checkpoint(checkpoint)
         if target.type == "cuda" and plan_options.get("hardware") is None:
             plan_options.setdefault("device", target)  # measure the GPU it will run on
         if (checkpoint is not None and plan_options.get("host_budget") is not None

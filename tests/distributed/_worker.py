@@ -236,6 +236,36 @@ def scenario_sharded(info: Any, out: dict[str, Any]) -> None:
         out["mismatch_refused"] = str(exc)
 
 
+def scenario_sharded_compressed(info: Any, out: dict[str, Any]) -> None:
+    """Sharded uploads of compressed masters (``SwapConfig(compress="on")`` with a collective
+    loader, per-rank masters): each rank copies its piece of a block's compressed payload, the
+    ranks all-gather the rest and each decodes it; LoRA training equals one process."""
+    from vramkit.distributed import uploads
+
+    uploads.MIN_SHARDED_BYTES = 0  # the test's blocks are a few KiB
+
+    def adamw(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-2)
+
+    ref_state = train_reference(Net(lora=True), 3, adamw)
+    model = Net(lora=True)
+    # the node's own group (as shared_swapper makes it): DDP's all-reduces in backward run on
+    # the default group, and collectives of two callers on one group could interleave
+    loader = uploads.node_uploads(info.device, "sharded")
+    swapper = BlockSwapper(model, "blocks.*", SwapConfig(min_param_bytes=0, compress="on"),
+                           device=info.device, block_loader=loader)
+    ddp = wrap_ddp(model, swapper)
+    opt = adamw(swapper.optimizer_parameters())
+    train_steps(info, ddp, swapper, opt, "lora")
+    stats = swapper.stats()
+    out["loader_loads"] = swapper.block_loader.loads  # type: ignore[union-attr]
+    swapper.detach()
+    out["param_diff"] = max_diff(trainable_state(model), ref_state)
+    out.update(compressed_blocks=stats.compressed_blocks, blocks=stats.swapped_blocks,
+               loads=stats.loads, h2d_bytes=stats.h2d_bytes,
+               gathered_bytes=stats.gathered_bytes, compressed_bytes=stats.compressed_bytes)
+
+
 def scenario_plain_ddp(info: Any, out: dict[str, Any]) -> None:
     """A plain DistributedDataParallel(model) around a swapped model works (frozen blocks)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -557,6 +587,8 @@ def main() -> int:
                 scenario_lora(info, result)
             elif name == "sharded":
                 scenario_sharded(info, result)
+            elif name == "sharded_compressed":
+                scenario_sharded_compressed(info, result)
             elif name == "plain_ddp":
                 scenario_plain_ddp(info, result)
             elif name in ("full_cpu", "full_swap"):

@@ -20,7 +20,7 @@ require_gloo()
 pytestmark = pytest.mark.slow  # torchrun jobs: ~10 s each
 
 SCENARIOS = ("lora", "plain_ddp", "full_cpu", "full_swap", "pss", "fsdp", "shm_fallback",
-             "fit_rank", "accumulate_cpu", "accumulate_swap", "sharded")
+             "fit_rank", "accumulate_cpu", "accumulate_swap", "sharded", "sharded_compressed")
 TOLERANCE = 1e-6
 #: Four ranks' all-reduced gradients against one process's whole batch: the summation order
 #: differs, and three AdamW steps at lr 1e-2 carry it further where a gradient is near zero.
@@ -103,7 +103,8 @@ _PER_PROCESS = {"rank", "local_rank", "shared_pss_delta", "per_rank_pss_delta",
                 "warnings",  # rank 0 alone warns
                 # sharded uploads: each rank copies its own piece; rank 0 also previews alone
                 *(f"{kind}_{key}" for kind in ("lora", "cpu", "swap")
-                  for key in ("h2d_bytes", "gathered_bytes", "loads"))}
+                  for key in ("h2d_bytes", "gathered_bytes", "loads")),
+                "h2d_bytes", "gathered_bytes"}  # (sharded_compressed: each rank's own piece)
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
@@ -316,6 +317,21 @@ def test_sharded_uploads_split_each_block_between_the_ranks_and_train_exactly(
     half; LoRA over a shared base and trainable='cpu' equal one process; rank 0's preview in
     local_calls() between steps leaves the ranks' loads matched (no hang)."""
     check_sharded(scenario(results, "sharded"), NPROC, TOLERANCE)
+
+
+def test_sharded_uploads_gather_compressed_masters_and_train_exactly(
+        results: dict[str, Ranks]) -> None:
+    """compress="on" beside sharded uploads: every block compressed alike on each rank, each
+    rank copies about half of a payload and gathers the rest, each decodes; training equals
+    one process; every rank made the same collective loads."""
+    ranks = scenario(results, "sharded_compressed")
+    for r in ranks:
+        assert r["param_diff"] <= TOLERANCE, r
+        assert r["compressed_blocks"] == r["blocks"] > 0, r
+        assert r["gathered_bytes"] > 0 and r["h2d_bytes"] > 0, r
+        # each rank read its half of the compressed bytes it loaded (the other half gathered)
+        assert r["h2d_bytes"] <= r["gathered_bytes"] + r["loads"] * 256 * NPROC, r
+    assert len({r["loader_loads"] for r in ranks}) == 1
 
 
 def test_sharded_uploads_gather_within_each_node(four_ranks: dict[str, Ranks]) -> None:

@@ -479,3 +479,33 @@ def test_a_slot_loaded_from_a_raw_master_stays_current_after_its_switch(
         assert torch.equal(net(x), first)
     assert swapper.stats().loads == loads  # every block kept its slot: nothing copied again
     swapper.detach()
+
+
+def test_a_masters_alignment_gaps_are_zeroed_before_it_is_encoded() -> None:
+    """The codec keeps every byte of a master: gaps between its tensors left as the pool found
+    them made the same weights encode differently in two processes (sharded uploads gather one
+    payload from pieces of each process's own)."""
+    from vramkit.offload.swap.packed import _regions
+
+    class Odd(torch.nn.Module):  # 100-wide layers: their tensors end off the alignment
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(
+                torch.nn.Sequential(torch.nn.Linear(16, 100), torch.nn.Linear(100, 16))
+                for _ in range(3))
+
+    model = Odd().bfloat16().requires_grad_(False)
+    swapper = BlockSwapper(model, "blocks.*", SwapConfig(min_param_bytes=0), device="cpu")
+    block = swapper._blocks[0]
+    master = block.master
+    covered = torch.zeros(block.nbytes, dtype=torch.bool)
+    for e in block.entries:
+        covered[e.offset:e.offset + e.nbytes] = True
+    assert not covered.all()  # the entries are aligned: there are gaps
+    before = master[:block.nbytes].clone()
+    master[:block.nbytes][~covered] = 0xEE
+    regions = _regions(block, master)
+    assert len(regions) == len(block.entries)
+    assert not master[:block.nbytes][~covered].any()  # gaps zeroed
+    assert torch.equal(master[:block.nbytes][covered], before[covered])  # values untouched
+    swapper.detach()

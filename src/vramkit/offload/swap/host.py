@@ -205,6 +205,9 @@ class HostStore:
         self.shared_masters: dict[int, torch.Tensor] = {}  # id(block) -> its shared master
         self._reserved = False  # reserve() was called: published() must be called too
         self._published = False
+        # the slots are filled by a collective loader (sharded uploads): every process must
+        # hold each block compressed or raw alike at every load, so no background encode
+        self.collective = False
         self.blocks: list[SwappedBlock] = []
         self.master_pool: MemoryPool | None = None
         self.grad_pool: MemoryPool | None = None
@@ -332,9 +335,11 @@ class HostStore:
             if on_done is not None:
                 on_done()
             return
-        if background and (self._reserved
+        if background and (self._reserved or (self.packed is not None and self.collective)
                            or any(b.trainable_entries for b in filler.blocks)):
-            background = False  # other processes wait for published(), after the whole fill
+            # other processes wait for published(), after the whole fill; a collective loader
+            # needs every block compressed (or raw) alike in every process from the first load
+            background = False
         if self.source is not None and background:
             # the attach returns (and the first forward starts) once the resident tensors are
             # in place: they go first; a foreground attach waits for everything anyway

@@ -16,7 +16,11 @@ for the decode that last read it.
 
 Only frozen blocks are compressed: a trainable master changes every step (an optimizer writes
 it), and encoding it again each step would cost more than the copy it saves. Blocks in
-node-shared memory (``vramkit.distributed``) or loaded by a ``block_loader`` keep raw masters.
+node-shared memory (``vramkit.distributed``) keep raw masters. With a collective
+``block_loader`` (sharded uploads) the masters are encoded before the attach returns, alike in
+every process (alignment gaps zeroed: the bytes must be equal), and each load gathers the
+compressed payload: a process copies its piece, the others' arrive over the GPU links, each
+process decodes the whole.
 Blocks of the disk tier are written compressed into its cache file (:meth:`pack_for_disk`:
 only the header stays in memory), read compressed into staging and decoded from there.
 
@@ -59,6 +63,7 @@ from vramkit.units import format_size
 
 if TYPE_CHECKING:
     from vramkit.offload.swap.fill import MasterFill
+    from vramkit.offload.swap.ring import BlockLoader
     from vramkit.offload.swap.staged import StagedCopies
 
 __all__ = ["AUTO_MAX_RATIO", "COMPRESS_MODES", "PackedMasters"]
@@ -153,7 +158,7 @@ class PackedMasters:
             handles.append(handle)
             return handle.view((max(n, 1),), torch.uint8)[:n]
 
-        regions = [Region(e.offset, e.nbytes, byte_kind(e.dtype)) for e in block.entries]
+        regions = _regions(block, master)
         work = self.device if self.device.type == "cuda" else torch.device("cpu")
         # no crc32 here: in RAM every decode checks each group's checksum and stream ends,
         # and a crc of the payload would cost a pass over it per block at attach
@@ -185,7 +190,7 @@ class PackedMasters:
         """Encode a disk-tier block's bytes (``raw``, host memory) for the disk tier's cache
         file; ``None`` where it would not shrink (``"auto"`` above :data:`AUTO_MAX_RATIO`, or
         larger than the raw bytes: its staging buffer holds the raw size)."""
-        regions = [Region(e.offset, e.nbytes, byte_kind(e.dtype)) for e in block.entries]
+        regions = _regions(block, raw)
         work = self.device if self.device.type == "cuda" else torch.device("cpu")
         try:
             c = encode(raw[:block.nbytes], regions, device=work, crc=False)
@@ -323,10 +328,14 @@ class PackedMasters:
         return self.compressed_bytes / self.raw_bytes if self.raw_bytes else 1.0
 
     def load(self, block: SwappedBlock, dest: torch.Tensor, source: torch.Tensor | None = None,
-             loaded_event: Any = None) -> tuple[int, Any]:
+             loaded_event: Any = None, *, loader: BlockLoader | None = None
+             ) -> tuple[int, Any]:
         """Fill ``dest`` (the block's bytes of a slot) from its compressed master (or, for a
         disk-tier block, the staging bytes ``source`` it was read into): the copy into a
         scratch buffer on the copy stream (ordered as the ring ordered it), then the decode.
+        With a collective ``loader`` (sharded uploads) this process copies its piece of the
+        payload and the processes all-gather the rest into the scratch buffer (every process
+        loads the same compressed block here: the swapper encodes before its attach returns).
         Returns the bytes copied from the host and the stream the decode runs on (the slot's
         *loaded* event goes there) -- or ``None`` with pageable payloads: the staging worker
         copies them, launches the decode and records ``loaded_event`` itself (the ring's
@@ -335,12 +344,14 @@ class PackedMasters:
         c = self.packed[id(block)]
         if source is not None:
             c = c.to(source[:c.compressed_nbytes])
-        self._scratch_for(c.compressed_nbytes)
+        n = c.compressed_nbytes
+        # a collective loader (sharded uploads) gathers the payload in equal padded pieces
+        padded = loader.padded_bytes(n) if loader is not None else n
+        self._scratch_for(padded)
         assert self.scratch and self.flag is not None
         streams = self.streams
         turn = self._turn
         self._turn = (turn + 1) % len(self.scratch)
-        n = c.compressed_nbytes
         scratch = self.scratch[turn][:n]
         # (on a CPU nothing is pinned: the payload is read where it is)
         staged = self.staged if self.decode_stream is not None else None
@@ -351,7 +362,10 @@ class PackedMasters:
             staged.drain()
         if self._scratch_free[turn] is not None:  # the decode that last read it is done
             streams.wait(streams.h2d, self._scratch_free[turn])
-        streams.copy(scratch, c.payload, streams.h2d, block.name)
+        if loader is not None:  # this process's piece from the host, the rest gathered
+            n = loader.load(self.scratch[turn][:padded], c.payload, streams, block.name)
+        else:
+            streams.copy(scratch, c.payload, streams.h2d, block.name)
         stream = streams.h2d
         if self.decode_stream is not None:
             copied = streams.event()
@@ -449,6 +463,21 @@ class PackedMasters:
         self._flag_host = self._flag_event = None
         self.staged = None
         self.decode_stream = self.flag = None
+
+
+def _regions(block: SwappedBlock, master: torch.Tensor) -> list[Region]:
+    """The codec's regions of ``block``'s master, its alignment gaps zeroed first: the codec
+    keeps every byte of the buffer, and a gap left as the pool found it made the same weights
+    encode differently in two processes (sharded uploads gather one payload from pieces of
+    each process's own: their bytes must be equal)."""
+    end = 0
+    for e in sorted(block.entries, key=lambda e: e.offset):
+        if e.offset > end:
+            master[end:e.offset].zero_()
+        end = max(end, e.offset + e.nbytes)
+    if block.nbytes > end:
+        master[end:block.nbytes].zero_()
+    return [Region(e.offset, e.nbytes, byte_kind(e.dtype)) for e in block.entries]
 
 
 class _BackgroundEncode:

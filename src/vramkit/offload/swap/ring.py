@@ -372,8 +372,13 @@ class SlotRing:
                                         "model.")
         loaded_on = streams.h2d
         if packed:  # SwapConfig.compress: the copy, then the decode on the stream returned
+            # sharded uploads gather the compressed payload (the processes' loads match)
+            loader = self.loader if source is None and not self._local else None
             copied, loaded_on = self.packed.load(  # type: ignore[union-attr]
-                block, block.slot_flat[slot.index], source, slot.loaded_event)
+                block, block.slot_flat[slot.index], source, slot.loaded_event, loader=loader)
+            if loader is not None:
+                self.counters["gathered_bytes"] += (
+                    self.packed.packed[id(block)].compressed_nbytes - copied)  # type: ignore[union-attr]
         elif staged is not None:  # through the pinned staging pool, on its worker thread
             staged.copy_in(block.slot_flat[slot.index], source, slot.loaded_event,
                            waits=(slot.free_event,), what=block.name)

@@ -278,12 +278,10 @@ class BlockSwapper:
                 "order everywhere",
                 hint="Drop host_budget (keep every swapped block in RAM), or load whole blocks "
                      "(shared_swapper(..., uploads='whole')).")
-        if block_loader is not None and config.compress != "off":
-            raise ConfigError(
-                "block_loader= with SwapConfig.compress: a collective load moves raw master "
-                "bytes between the GPUs",
-                hint="Use compress='off' with sharded uploads.")
         self._loader = block_loader
+        # compressed masters with a collective loader: encoded before attach returns, alike in
+        # every process (the loads gather compressed payloads: docs/architecture.md)
+        self._host.collective = block_loader is not None
         self._host_memory = HostMemoryChoice("pinned", "nothing was swapped yet")
         self._gradient_hook: GradientHook | None = None
         self._ddp_ignored: DDPIgnored | None = None
@@ -445,7 +443,12 @@ class BlockSwapper:
                 close.release()
         self._host.finish_fill()
         if self._loader is not None:  # collective: the processes must swap the same blocks
-            self._loader.prepare([b.name for b in self._blocks], [b.nbytes for b in self._blocks])
+            # ... and load the same bytes: a compressed block's payload (equal where the
+            # weights are: the encoder is deterministic)
+            packed = self._host.packed
+            self._loader.prepare([b.name for b in self._blocks], [
+                packed.packed[id(b)].compressed_nbytes if packed is not None and packed.holds(b)
+                else b.nbytes for b in self._blocks])
         self._ring = SlotRing(self._blocks, self.device, self.streams,
                               num_slots=self.config.num_slots, lookahead=self.config.lookahead,
                               preserve_rng_state=self.config.preserve_rng_state,

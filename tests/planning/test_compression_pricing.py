@@ -9,6 +9,7 @@ import torch
 
 from tests._toys import Stack, mlp
 from tests.planning._models import inputs, stack
+from vramkit.errors import ConfigError
 from vramkit.planning._compression import (
     DECODE_SHARE,
     EXPECTED_RATIO,
@@ -83,6 +84,11 @@ def test_a_transfer_bound_plan_compresses() -> None:
     assert Plan.from_dict(tight.to_dict()).compress_masters
     # fp32 weights are stored raw: nothing to gain
     assert not _plan_wide(_wide(torch.float32), 400 * MiB, hardware="rtx4090").compress_masters
+    # compress="off" (what fit_rank asks for node-shared masters, which stay raw): never
+    off = _plan_wide(_wide(torch.bfloat16), 160 * MiB, hardware="rtx4090", compress="off")
+    assert not off.compress_masters and "compress_scratch" not in off.peak_breakdown
+    with pytest.raises(ConfigError, match="compress"):
+        _plan_wide(_wide(torch.bfloat16), 160 * MiB, hardware="rtx4090", compress="on")
 
 
 def test_no_decode_rate_or_no_room_means_raw_masters() -> None:

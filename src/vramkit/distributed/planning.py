@@ -264,6 +264,8 @@ def fit_rank(model: nn.Module, example_inputs: Any, budget: int | str, *,
         planned_uploads = "whole"  # a disk tier loads whole blocks (node_uploads)
     if planned_uploads == "sharded" and node_copies_for(_machine_name(options, device)) is None:
         planned_uploads = "whole"  # no measured gather rate: planned as whole copies
+    if shared:  # node-shared masters stay raw: a plan must not price them compressed
+        options.setdefault("compress", "off")
     own = plan_for_rank(model, example_inputs, budget, local_ranks=local,
                         uploads=planned_uploads,
                         gradient_as_bucket_view=gradient_as_bucket_view, **options)

@@ -126,7 +126,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
          device: str | torch.device | None = None, reserved_bytes: int | str = 0,
          disk_bytes_per_s: float | None = None, checkpointing: str = "auto",
          host_memory: str = "auto", staging_pool: int | str = "2GiB",
-         compile: str | None = None, trainable: str = "resident", ffn_chunks: int = 1) -> Plan:
+         compile: str | None = None, trainable: str = "resident", ffn_chunks: int = 1,
+         compress: str = "auto") -> Plan:
     """Plan a model's memory for a budget at the best predicted step time.
 
     Nothing is allocated or computed: the model runs on the meta device (a meta copy of a real
@@ -194,6 +195,10 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
             host; offline, for a named GPU, only the platform decides: pageable on Windows and
             WSL). The choice and its reason are in ``Plan.host_memory`` and ``explain()``.
         staging_pool: the staging pool's pinned bytes with pageable masters (default 2 GiB).
+        compress: ``"auto"`` (default): weigh losslessly compressed masters
+            (``SwapConfig.compress``) where a decode rate is known; ``"off"``: never (masters
+            in node-shared memory, which :func:`vramkit.distributed.fit_rank` plans for, are
+            never compressed).
         compile: the ``torch.compile`` mode the blocks will run compiled in
             (:data:`~vramkit.offload.compiled.COMPILE_MODES`; ``vramkit.fit(...,
             compile=...)`` passes its own): a measured machine times its blocks compiled. An
@@ -259,6 +264,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
                              hint="Give the disk's read bandwidth in bytes per second, e.g. "
                                   "2e9 for 2 GB/s (vramkit info --disk PATH measures it).")
     check_choice("host_memory", host_memory, HOST_MEMORY_MODES)
+    check_choice("compress", compress, ("auto", "off"))
     pool_bytes = check_size("staging_pool", staging_pool, minimum=1024)
     kept = resolve_headroom(budget_bytes, headroom)
     reserved = kept + extra
@@ -339,7 +345,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
                       num_slots=slots, activation_offload=activation_offload,
                       host_budget=host, budget_for=budget_for, times=block_times,
                       disk_bytes_per_s=disk_rate, checkpointing=checkpointing,
-                      copy_bytes_per_s=copy_rate[0], compress_ratio=ratio_of(units),
+                      copy_bytes_per_s=copy_rate[0],
+                      compress_ratio=ratio_of(units) if compress == "auto" else None,
                       trainable_mode=trainable)
 
     timed_compiled: list[str | None] = []  # the compile mode of the times each plan used

@@ -509,3 +509,11 @@ def test_a_masters_alignment_gaps_are_zeroed_before_it_is_encoded() -> None:
     assert not master[:block.nbytes][~covered].any()  # gaps zeroed
     assert torch.equal(master[:block.nbytes][covered], before[covered])  # values untouched
     swapper.detach()
+
+
+def test_compressing_node_shared_masters_is_refused() -> None:
+    """Masters in node-shared memory stay raw (written once per node): compress="on" beside
+    master_memory= would be a knob without effect."""
+    with pytest.raises(ConfigError, match="node-shared") as err:
+        BlockSwapper(_net(), config=_config("on"), device="cpu", master_memory=object())
+    assert "compress='off'" in (err.value.hint or "")

@@ -95,7 +95,10 @@ class SwapConfig:
             two scratch buffers of the largest compressed block. Trainable masters are
             never compressed: they change every step. With ``host_memory="pageable"`` the
             compressed masters are pageable too: the staging pool's worker copies each one
-            into the device scratch and then launches its decode.
+            into the device scratch and then launches its decode. With a collective
+            ``block_loader`` (sharded uploads) the masters are encoded before the attach
+            returns and each load gathers the compressed payload. Masters in node-shared
+            memory (``master_memory=``) stay raw (``"on"`` is refused there).
         host_memory: where the swapped blocks' masters live on the host. ``"pinned"``: page
             locked (the fastest copies, one copy stream and no thread). ``"pageable"``:
             ordinary memory, each block copied to the GPU through a bounded pinned staging pool

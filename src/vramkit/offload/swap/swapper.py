@@ -278,6 +278,13 @@ class BlockSwapper:
                 "order everywhere",
                 hint="Drop host_budget (keep every swapped block in RAM), or load whole blocks "
                      "(shared_swapper(..., uploads='whole')).")
+        if master_memory is not None and config.compress == "on":
+            raise ConfigError(
+                "SwapConfig(compress='on') with master_memory=: masters in node-shared memory "
+                "are written once per node and stay raw; compressed masters are per process",
+                hint="Use compress='off' (or 'auto') with shared masters, or give each process "
+                     "its own masters (no master_memory; sharded uploads then gather the "
+                     "compressed payloads).")
         self._loader = block_loader
         # compressed masters with a collective loader: encoded before attach returns, alike in
         # every process (the loads gather compressed payloads: docs/architecture.md)

@@ -355,3 +355,20 @@ def test_options_the_model_does_not_take_are_usage_errors_before_it_is_built(
         if not as_json:
             assert len([li for li in captured.err.splitlines() if ": error: " in li]) == 1
             assert text.splitlines()[0].count("error") == 1
+
+
+def test_compress_off_reaches_the_planner(llama_dir: Path, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """--compress (default auto, as vramkit.plan's) is passed on; a bad value is a flag error."""
+    from vramkit.planning import api
+
+    seen: list[object] = []
+    real = api.plan
+    monkeypatch.setattr(api, "plan", lambda *a, **kw: seen.append(kw.get("compress"))
+                        or real(*a, **kw))
+    for extra in ([], ["--compress", "off"]):
+        _json(capsys, str(llama_dir), "--budget", "8GiB", "--hardware", "rtx4090",
+              "--seq-len", "512", *extra)
+    assert seen == ["auto", "off"]
+    assert main(["plan", str(llama_dir), "--budget", "8GiB", "--compress", "on"]) == 2
+    assert "--compress" in capsys.readouterr().err

@@ -40,7 +40,8 @@ FLAG_NAMES = {"budget": "--budget", "mode": "--mode", "lora_rank": "--lora-rank"
               "frames": "--frames", "hardware": "--hardware", "allow_formats": "--allow",
               "host_budget": "--host-budget", "headroom": "--headroom",
               "disk_bytes_per_s": "--disk-speed", "checkpointing": "--checkpointing",
-              "host_memory": "--host-memory", "staging_pool": "--staging-pool"}
+              "host_memory": "--host-memory", "staging_pool": "--staging-pool",
+              "compress": "--compress"}
 
 
 def _disk_speed(text: str | None) -> float | None:
@@ -103,6 +104,9 @@ def register(subparsers: Any) -> None:
                              "take most of the pinning cap)")
     parser.add_argument("--staging-pool", metavar="SIZE", default="2GiB",
                         help="pinned staging pool of pageable masters (default 2GiB)")
+    parser.add_argument("--compress", choices=("auto", "off"), default="auto",
+                        help="losslessly compressed swapped masters: auto (default: where the "
+                             "plan predicts a faster step) or off")
     parser.add_argument("--ddp", action="store_true",
                         help="plan one rank of a data-parallel job (torchrun + DDP): the "
                              "budget is each GPU's, DDP's gradient buckets are kept free")
@@ -282,7 +286,8 @@ def make_plan(args: argparse.Namespace,
                       allow_formats=allow, host_budget=host_budget, headroom=headroom,
                       step=target.step, autocast=None, disk_bytes_per_s=disk_speed,
                       reserved_bytes=reserved, checkpointing=args.checkpointing,
-                      host_memory=args.host_memory, staging_pool=args.staging_pool)
+                      host_memory=args.host_memory, staging_pool=args.staging_pool,
+                      compress=args.compress)
     except PlanError as err:  # the hint's Python call, as this command's flag
         hint = re.sub(r"allow_formats=\(([^)]*)\)",
                       lambda m: "--allow " + ",".join(re.findall(r"'(\w+)'", m.group(1))),

@@ -113,7 +113,7 @@ class _Plan:
 
 def encode(data: torch.Tensor, regions: Sequence[Region] | None = None, *,
            device: torch.device | str | None = None, alloc: Allocator | None = None,
-           crc: bool = True) -> Compressed:
+           crc: bool = True, chunk_groups: int | None = None) -> Compressed:
     """Encode the bytes of ``data`` (uint8, 1-D) coded as ``regions`` say (the rest raw).
 
     Args:
@@ -125,6 +125,9 @@ def encode(data: torch.Tensor, regions: Sequence[Region] | None = None, *,
         alloc: allocates the payload (a uint8 CPU tensor of exactly the bytes asked); default
             ``torch.empty``.
         crc: compute the payload's crc32 (the header keeps 0 otherwise).
+        chunk_groups: groups encoded at once (default :data:`CUDA_CHUNK_GROUPS` on a GPU,
+            :data:`CHUNK_GROUPS` on the CPU): fewer bound the temporaries (~1.6 MiB of them a
+            group), e.g. beside a training step; the payload is the same.
 
     Returns:
         The :class:`Compressed` buffer, its payload on the CPU.
@@ -136,8 +139,9 @@ def encode(data: torch.Tensor, regions: Sequence[Region] | None = None, *,
     work = torch.device(device) if device is not None else data.device
     nbytes = data.numel()
     plans = []
+    step = chunk_groups or (CUDA_CHUNK_GROUPS if work.type == "cuda" else CHUNK_GROUPS)
     for region in fill_regions(nbytes, regions or ()):
-        plans.extend(_plan(data, region, work))
+        plans.extend(_plan(data, region, work, step))
     n_groups = sum(p.groups for p in plans)
     coded = [p for p in plans if p.kind != "raw"]
     # section sizes (bytes)
@@ -177,7 +181,6 @@ def encode(data: torch.Tensor, regions: Sequence[Region] | None = None, *,
             tables[table_i * (TABLE_BYTES // 2):(table_i + 1) * (TABLE_BYTES // 2)] = p.table
             table_off = table_i * (TABLE_BYTES // 2)
             table_i += 1
-        step = CUDA_CHUNK_GROUPS if work.type == "cuda" else CHUNK_GROUPS
         for first in range(0, p.groups, step):
             count = min(step, p.groups - first)
             chunk = _encode_chunk(data, p, first, count, work)
@@ -226,8 +229,9 @@ def _align(n: int) -> int:
     return -(-n // SECTION_ALIGN) * SECTION_ALIGN
 
 
-def _plan(data: torch.Tensor, region: Region, work: torch.device) -> list[_Plan]:
-    """How one region is coded: its code (or raw when coding would not pay)."""
+def _plan(data: torch.Tensor, region: Region, work: torch.device, step: int) -> list[_Plan]:
+    """How one region is coded: its code (or raw when coding would not pay); ``step`` groups
+    are counted at once."""
     kind = region.kind
     width = 2 if kind == "bf16" else 1
     n = region.nbytes // width
@@ -250,7 +254,6 @@ def _plan(data: torch.Tensor, region: Region, work: torch.device) -> list[_Plan]
                   else decode_table(lengths))
     # words per group, from the bits each group's symbols take (plus the word boundary)
     words = []
-    step = CUDA_CHUNK_GROUPS if work.type == "cuda" else CHUNK_GROUPS
     for first in range(0, groups, step):
         count = min(step, groups - first)
         sym, valid = _group_symbols(part, kind, first, count)

@@ -77,6 +77,7 @@ SCRATCH_BUFFERS = 2
 #: (a decode at the GPU's rate costs a few percent of a copy at the host link's rate).
 AUTO_MAX_RATIO = 0.9
 _POLL_SECONDS = 0.05  # how often a background encode waiting for a fill checks for a cancel
+_BACKGROUND_CHUNK_GROUPS = 64  # a background encode's chunk: ~100 MiB of device temporaries
 _UNGUARDED = contextlib.nullcontext()
 
 
@@ -145,8 +146,8 @@ class PackedMasters:
             self._adopt(block, *encoded)
         return True
 
-    def _encode(self, block: SwappedBlock, master: torch.Tensor
-                ) -> tuple[Compressed, list[Any]] | None:
+    def _encode(self, block: SwappedBlock, master: torch.Tensor, *,
+                chunk_groups: int | None = None) -> tuple[Compressed, list[Any]] | None:
         """``block``'s compressed master and its payload's pool blocks, or ``None`` where it
         stays raw (``"auto"``); the block is not switched yet (:meth:`_adopt`)."""
         if self.pool is None:
@@ -163,7 +164,8 @@ class PackedMasters:
         # no crc32 here: in RAM every decode checks each group's checksum and stream ends,
         # and a crc of the payload would cost a pass over it per block at attach
         try:
-            c = encode(master[:block.nbytes], regions, device=work, alloc=alloc, crc=False)
+            c = encode(master[:block.nbytes], regions, device=work, alloc=alloc, crc=False,
+                       chunk_groups=chunk_groups)
         except torch.OutOfMemoryError:  # a card already full of resident weights: on the CPU
             for h in handles:
                 self.pool.free(h)  # type: ignore[union-attr]
@@ -552,7 +554,9 @@ class _BackgroundEncode:
         packed = self.packed
         master = block.master
         assert master is not None  # filled
-        encoded = packed._encode(block, master)
+        # beside the training steps: smaller chunks (~100 MiB of temporaries on the device,
+        # not the ~400 of a foreground encode), which the plan's headroom absorbs
+        encoded = packed._encode(block, master, chunk_groups=_BACKGROUND_CHUNK_GROUPS)
         if encoded is None:  # "auto": it stays raw
             return
         with packed.lock:  # no load is between its choice and its copy's enqueueing

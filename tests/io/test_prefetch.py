@@ -22,15 +22,10 @@ def _file(path: Path, nbytes: int) -> Path:
 def test_a_prefetch_reads_every_byte_of_every_file(tmp_path: Path) -> None:
     files = [_file(tmp_path / "a.safetensors", 1_000_003), _file(tmp_path / "b.gguf", 70_000)]
     p = Prefetch(files, threads=3, chunk=65_536)
-    p.stop(wait=False)  # stop() after the start is a request: wait for the threads below
     for t in p._threads:
         t.join()
-    p2 = Prefetch(files, threads=3, chunk=65_536)
-    for t in p2._threads:
-        t.join()
-    assert p2.done and p2.error is None
-    assert p2.bytes_read == p2.nbytes == 1_070_003
-    assert p.bytes_read <= p.nbytes
+    assert p.done and p.error is None
+    assert p.bytes_read == p.nbytes == 1_070_003
 
 
 def test_stop_ends_the_reads_early(tmp_path: Path) -> None:
@@ -56,21 +51,30 @@ def test_the_files_of_a_checkpoint(tmp_path: Path) -> None:
 
 def test_one_prefetch_per_checkpoint_and_none_that_would_not_stay_cached(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
     from vramkit.devices import host
 
+    class Running:  # a prefetch that has not finished
+        def __init__(self, files: list[Path]) -> None:
+            self.files, self.done, self._stop = files, False, threading.Event()
+            made.append(self)
+
+    made: list[Running] = []
+    monkeypatch.setattr(prefetch_module, "Prefetch", Running)
     f = _file(tmp_path / "m.safetensors", 1 << 20)
     real = host.read_host_memory()
     monkeypatch.setattr(host, "read_host_memory",
                         lambda **kw: host.HostMemory(**{**real.__dict__, "available": 1 << 20}))
-    assert prefetch_checkpoint(f) is None  # 1 MiB > 0.6 x 1 MiB: evicted before its use
+    assert prefetch_checkpoint(f) is None and not made  # 1 MiB > 0.6 x 1 MiB: evicted
     monkeypatch.setattr(host, "read_host_memory",
                         lambda **kw: host.HostMemory(**{**real.__dict__, "available": 1 << 40}))
-    monkeypatch.setattr(prefetch_module, "_CHUNK", 4096)
     first = prefetch_checkpoint(f)
-    assert first is not None
-    assert prefetch_checkpoint(f) is first or first.done  # the running one is shared
-    first.stop()
-    assert prefetch_checkpoint(tmp_path / "nothing") is None
+    assert first is made[0] and first.files == [f]
+    assert prefetch_checkpoint(f) is first  # still reading: shared
+    first.done = True
+    assert prefetch_checkpoint(f) is made[1]  # finished (maybe evicted since): read again
+    assert prefetch_checkpoint(tmp_path / "nothing") is None and len(made) == 2
 
 
 def test_the_module_imports_without_torch() -> None:

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 #: A checkpoint is prefetched only when its bytes fit in this share of ``MemAvailable``.
 PAGE_CACHE_SHARE = 0.6
-_CHUNK = 64 << 20  # one pread: large enough to stream, small enough to stop promptly
+_CHUNK = 16 << 20  # one pread: large enough to stream; each thread holds one such buffer
 _THREADS = 4
 _SUFFIXES = (".safetensors", ".gguf")
 
@@ -77,7 +77,7 @@ class Prefetch:
     Args:
         files: the files, read in order, each by ``threads`` threads in ``chunk``-byte preads.
         threads: concurrent reads (the disk's queue depth; default 4).
-        chunk: bytes per read (default 64 MiB).
+        chunk: bytes per read (default 16 MiB: the threads hold 64 MiB of buffers).
 
     Attributes:
         nbytes: the files' total size.

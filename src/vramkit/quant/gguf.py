@@ -88,8 +88,7 @@ def _out(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _mul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``a * b`` computed in float32 (one of them is), written as ``dtype``."""
-    shape = (a.shape[0], max(a.shape[1], b.shape[1])) if a.dim() == b.dim() == 2 else (
-        torch.broadcast_shapes(a.shape, b.shape))
+    shape = torch.broadcast_shapes(a.shape, b.shape)
     return torch.mul(a, b, out=torch.empty(shape, dtype=dtype, device=a.device))
 
 

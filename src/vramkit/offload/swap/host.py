@@ -652,8 +652,6 @@ class HostStore:
         disk = self.disk.counters if self.disk is not None else {}
         shared = sum(m.numel() for m in self.shared_masters.values())
         staged = self.staged
-        if staged is not None:  # the copies handed over so far counted (a prefetch may not be)
-            staged.drain()
         staged_figures = staged.counters() if staged is not None else {}
         # pageable masters are not pinned (on a CPU device nothing is: there every pool counts
         # as the stand-in for pinned memory, as before)

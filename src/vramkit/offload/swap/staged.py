@@ -241,8 +241,6 @@ def _run(state: _State, job: _Job) -> None:
     streams.record(job.done_event, streams.h2d)
     if job.then is not None:  # e.g. a compressed master's decode, behind its copies
         job.then()
-    state.counters["staged_copies"] += 1
-    state.counters["staged_copy_bytes"] += nbytes
 
 
 def _take_chunk(state: _State) -> int:
@@ -355,6 +353,9 @@ class StagedCopies:
                                     "host_memory='pageable'.")
         job = _Job(dst, src, tuple(waits), done_event, what, then=then)
         self._pending[id(done_event if key is None else key)] = job
+        # counted as handed over (this thread), so stats never wait for the worker
+        self._state.counters["staged_copies"] += 1
+        self._state.counters["staged_copy_bytes"] += src.numel()
         self._state.jobs.put(job)
 
     def copy_out(self, dst: torch.Tensor, src: torch.Tensor, key: object, *,
@@ -421,7 +422,8 @@ class StagedCopies:
                                 "use host_memory='pinned'.") from error
 
     def counters(self) -> dict[str, Any]:
-        """Copies and bytes moved, times a chunk was still in flight, seconds of memcpy."""
+        """Copies and bytes handed to the worker, times a chunk was still in flight, seconds of
+        memcpy."""
         return dict(self._state.counters)
 
     def close(self, timeout: float = 60.0) -> None:

@@ -19,8 +19,10 @@ Rows (``--rows``, comma-separated):
   copies queue and overlap compute exactly as on a slower link.
 
 Each row alternates the arms (``--rounds`` rounds of ``--steps`` steps each, the first of every
-turn untimed) and prints the median ratio on/off with its spread; the first row also checks
-that the losses of the two arms are bit-identical and prints the pinned bytes of each arm.
+turn untimed, PyTorch's default kernels) and prints the median ratio on/off with its spread;
+before the timed rounds each row runs ``--check-steps`` steps per arm from their identical
+starting weights with deterministic kernels and checks that the losses are bit-identical; it
+prints the pinned bytes of each arm.
 
 Run (H200, ~3-4 min a row): PYTHONPATH=src python3 benchmarks/compress_swap.py \\
     --rows train:7.5,infer:2,train-x8:11.5 --out out/compress_swap
@@ -42,7 +44,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_args, write_result
+from _common import add_common_args, deterministic_kernels, write_result
 from _swap_models import StackBlock
 from vramkit.offload.checkpointing import enable_gradient_checkpointing
 from vramkit.offload.swap import BlockSwapper, SwapConfig
@@ -182,7 +184,16 @@ def run_row(row: str, args: argparse.Namespace, device: torch.device,
     if kind == "train-x8" and pacer is not None:  # every copy stream the arms use
         streams = {id(s.streams): s.streams for s, _ in arms.values()}
         removers = [pacer.install(s) for s in streams.values()]
+    # The loss check first, from the arms' identical starting weights, with deterministic
+    # kernels (the attention backward's atomics would make two runs of one model differ in the
+    # last bits); the timed rounds after it run PyTorch's default kernels.
     losses: dict[str, list[float]] = {"off": [], "on": []}
+    deterministic_kernels(True)
+    try:
+        for mode in ("off", "on"):
+            losses[mode] = [arms[mode][1]() for _ in range(args.check_steps)]
+    finally:
+        deterministic_kernels(False)
     times: dict[str, list[float]] = {"off": [], "on": []}
     ratios = []
     for _ in range(args.rounds):
@@ -194,7 +205,7 @@ def run_row(row: str, args: argparse.Namespace, device: torch.device,
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 t = time.perf_counter()
-                losses[mode].append(step())
+                step()
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 if i:
@@ -236,6 +247,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="per turn, the first untimed")
     parser.add_argument("--headroom-gib", type=float, default=1.5)
     parser.add_argument("--x8-gbps", type=float, default=12.5)
+    parser.add_argument("--check-steps", type=int, default=2,
+                        help="deterministic steps per arm whose losses must be equal (default 2)")
     parser.add_argument("--tiny", action="store_true", help="a small stack on the CPU")
     add_common_args(parser)
     args = parser.parse_args()
@@ -243,6 +256,7 @@ def main() -> None:
     args.tokens = args.tokens or (32 if args.tiny else 4096)
     args.hidden, args.heads, args.rank = (128, 4, 4) if args.tiny else (3072, 24, 16)
     device = torch.device("cpu" if args.tiny else "cuda")
+    deterministic_kernels(False)  # cuBLAS's workspace fixed before CUDA starts, for the check
     pacer = None
     if device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)  # torch 2.11 + Hopper: crashed on FLUX shapes

@@ -21,8 +21,9 @@ Rows (one per run, chosen by flags):
   Printed: the median ratio fitted / resident and its spread over rounds (< 1: faster than
   resident), predicted vs measured step and peak, and whether the peak stayed under the cap.
 * ``--infer``: one FLUX forward (no adapters, bf16, no_grad) at an 8 GiB cap (``--budget``),
-  fp8 W8A8 blocks + compiled blocks (``fit(mode="infer", compile=True)``)
-  against diffusers' block-level group offloading (``enable_group_offload(onload_device,
+  fitted as ``--mode`` says (default fp8 W8A8 blocks + compiled blocks:
+  ``fit(mode="infer", compile=True)``; ``--mode bf16``: bf16 eager, the planner choosing whether
+  to compress the swapped masters) against diffusers' block-level group offloading (``enable_group_offload(onload_device,
   offload_device="cpu", offload_type="block_level", num_blocks_per_group=1, use_stream=True)``),
   paired rounds; printed: ratio, both peaks (ours capped, theirs measured: ours must be at most
   theirs).
@@ -34,6 +35,7 @@ cuDNN's SDPA is disabled on CUDA (torch 2.11 + Hopper crashed on FLUX shapes).
 Run (H200, each row ~2-4 min; one row per process):
   PYTHONPATH=src python3 benchmarks/faster_than_resident.py --budget 23.5 --mode fp8-compile
   PYTHONPATH=src python3 benchmarks/faster_than_resident.py --infer --budget 8
+  PYTHONPATH=src python3 benchmarks/faster_than_resident.py --infer --budget 2 --mode bf16
   PYTHONPATH=src python3 benchmarks/faster_than_resident.py --accuracy
 Run (CPU, code paths only): PYTHONPATH=src python3 benchmarks/faster_than_resident.py --tiny
   --device cpu --mode fp8 --rounds 1 --warmup 1
@@ -58,7 +60,7 @@ import plan as plan_bench
 from _common import add_common_args, write_result
 from _timing import log
 
-MODES = ("bf16-compile", "fp8", "fp8-compile", "int8", "int8-compile")
+MODES = ("bf16", "bf16-compile", "fp8", "fp8-compile", "int8", "int8-compile")
 GIB = 1 << 30
 
 
@@ -198,7 +200,9 @@ def infer_row(job: plan_bench.Job, args: argparse.Namespace) -> dict[str, Any]:
     budget = job.budget(args.budget)
     card = plan_bench.Card(job.device, budget)
     cuda = job.device.type == "cuda"
-    row: dict[str, Any] = {"mode": "infer fp8-w8a8+compile vs diffusers group offload",
+    kind = _kind(args.mode)
+    compile_mode = "default" if args.mode.endswith("compile") else None
+    row: dict[str, Any] = {"mode": f"infer {args.mode} vs diffusers group offload",
                            "cap_gib": args.budget, "budget_bytes": budget}
     for model in (job.host, job.twin):
         if hasattr(model, "peft_config"):
@@ -215,8 +219,9 @@ def infer_row(job: plan_bench.Job, args: argparse.Namespace) -> dict[str, Any]:
                 model(**inputs, return_dict=False)
         return run
 
-    row["w8a8_layers"] = _quantize_blocks(job, "fp8")
-    options: dict[str, Any] = {"compile": "default"}
+    if kind is not None:
+        row["w8a8_layers"] = _quantize_blocks(job, kind)
+    options: dict[str, Any] = {"compile": compile_mode}
     if not cuda:
         options["hardware"] = job.profile
     if args.tiny:
@@ -228,6 +233,7 @@ def infer_row(job: plan_bench.Job, args: argparse.Namespace) -> dict[str, Any]:
     row["plan"] = {"swapped": len(planned.swapped),
                    "blocks": len(planned.swapped) + len(planned.resident),
                    "slots": planned.num_slots, "split": planned.split,
+                   "compressed": bool(planned.compress_masters),
                    "formats": sorted(set(planned.formats.values()))}
     row["explain"] = planned.explain()
     mine = plan_bench.Arm("fitted", infer(job.host), capped=True)
@@ -235,7 +241,8 @@ def infer_row(job: plan_bench.Job, args: argparse.Namespace) -> dict[str, Any]:
     holder: dict[str, Any] = {}
     try:
         plan_bench.warm(card, mine, lambda: holder.setdefault("fitted", vramkit.fit(
-            job.host, inputs, budget, plan=planned, device=job.device, compile=True)))
+            job.host, inputs, budget, plan=planned, device=job.device,
+            compile=compile_mode or False)))
         _warm_more(card, mine, args.warmup - 1)
         plan_bench.warm(card, theirs, lambda: job.twin.enable_group_offload(
             onload_device=job.device, offload_device=torch.device("cpu"),

@@ -85,6 +85,25 @@ def test_worker_error_is_raised_on_the_main_thread(monkeypatch: pytest.MonkeyPat
     assert not _workers()
 
 
+def test_a_worker_that_cannot_select_its_device_fails_each_job_with_why(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the worker's device setup ran outside its error handling: the thread died, and the main
+    # thread could only say it "stopped without an error" (seen with torch.device("cuda"))
+    def refuse(device: object) -> None:
+        raise ValueError("no device with that index")
+
+    monkeypatch.setattr(torch.cuda, "set_device", refuse)
+    chunks = [torch.empty(8, dtype=torch.uint8) for _ in range(2)]
+    state = staged_module._State(HostStreams(), chunks, torch.device("cuda", 0))
+    job = staged_module._Job(torch.zeros(4, dtype=torch.uint8), torch.ones(4, dtype=torch.uint8),
+                             (), None, "b0")
+    state.jobs.put(job)
+    state.jobs.put(None)
+    staged_module._worker(state)
+    assert job.enqueued.is_set()
+    assert isinstance(job.error, ValueError) and "no device with that index" in str(job.error)
+
+
 def test_close_with_pending_copies_does_not_hang(monkeypatch: pytest.MonkeyPatch) -> None:
     copier = _copier()
     gate = threading.Event()

@@ -195,8 +195,11 @@ _NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
 def _worker(state: _State) -> None:
-    if state.device.type == "cuda":
-        torch.cuda.set_device(state.device)  # the CUDA runtime's current device is per thread
+    try:
+        if state.device.type == "cuda":
+            torch.cuda.set_device(state.device)  # the CUDA runtime's current device is per thread
+    except BaseException as exc:  # kept for the main thread: every job then fails with it
+        state.error = exc
     while True:
         job = state.jobs.get()
         if job is None:
@@ -312,6 +315,8 @@ class StagedCopies:
         if chunks < 2:
             raise OffloadError(f"a staged copier needs at least two chunks, got {chunks}",
                                hint="Raise SwapConfig.staging_pool.")
+        if device.type == "cuda" and device.index is None:  # the worker sets it by index
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.streams = streams
         self.chunk_bytes = chunk_bytes

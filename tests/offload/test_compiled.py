@@ -78,6 +78,43 @@ def test_blocks_of_one_class_share_their_graphs() -> None:
     assert _frames() == 1
 
 
+class _Indexed(torch.nn.Module):
+    """A block whose forward reads a per-instance constant, as a decoder layer's ``layer_idx``:
+    dynamo guards on it, so each block compiles its own entry of the shared code object."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * (self.index + 1)
+
+
+def test_blocks_that_compile_one_entry_each_all_stay_compiled(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Past dynamo's default of 8 entries per code object the 9th and 10th blocks would run
+    # eagerly without a word; compile_blocks raises the limits to the blocks' count.
+    config = dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        if hasattr(config, name):
+            monkeypatch.setattr(config, name, getattr(config, name))  # restored after
+    config.recompile_limit = 8
+    model = torch.nn.Sequential(*[_Indexed(i) for i in range(10)])
+    model.blocks = torch.nn.ModuleList(list(model))  # the repeated blocks the swapper finds
+    names = compile_blocks(model, "blocks")
+    assert len(names) == 10
+    for name in names:  # trace only (the eager backend): what is counted is dynamo's frames
+        _patch.find(model.get_submodule(name), "compile").options["backend"] = "eager"
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        for block in model.blocks:
+            x = block(x)
+    assert _frames() == 10, "a block ran eagerly past dynamo's recompile limit"
+    assert config.recompile_limit >= 10
+
+
 def test_uncompile_restores_the_forward_exactly() -> None:
     model = _lora_stack()
     before = {name: m.__dict__.get("forward") for name, m in model.named_modules()}

@@ -28,7 +28,9 @@ Rows (one per run, chosen by flags):
   paired rounds; printed: ratio, both peaks (ours capped, theirs measured: ours must be at most
   theirs).
 * ``--accuracy``: the first step's loss and the adapters' gradient of fp8 and int8 W8A8 against
-  bf16 (resident, same weights and inputs): relative loss deviation and gradient cosine.
+  bf16 (resident, same weights and inputs): relative loss deviation and gradient cosine. The
+  blocks' frozen Linears are converted (what a plan's 8-bit format converts); the model's
+  edges (embedders, final norm and projection) stay bf16.
 
 cuDNN's SDPA is disabled on CUDA (torch 2.11 + Hopper crashed on FLUX shapes).
 
@@ -73,16 +75,25 @@ def _quantize_blocks(job: plan_bench.Job, kind: str) -> int:
     """The host copy's blocks' frozen Linears as W8A8 ``kind`` layers (LoRA kept), each block
     quantized on the device and brought back: every block runs W8A8, whatever the planner would
     choose. Returns the layers replaced."""
+    return _quantize_block_linears(job.host, kind, job.device, home=torch.device("cpu"))
+
+
+def _quantize_block_linears(model: nn.Module, kind: str, device: torch.device,
+                            home: torch.device | None = None) -> int:
+    """``model``'s blocks' frozen Linears as W8A8 ``kind`` layers, quantized on ``device``
+    (and moved back to ``home`` if given): what a plan's 8-bit format converts. The model's
+    edges (embedders, final norm and projection) stay bf16, as in a fitted model."""
     from vramkit.offload.blocks import find_blocks
     from vramkit.quant.model import QuantizationConfig, quantize_model
     from vramkit.quant.w8a8 import W8A8Linear
 
     config = QuantizationConfig(kind, w8a8=True)
-    for _, block in find_blocks(job.host):
-        block.to(job.device)
+    for _, block in find_blocks(model):
+        block.to(device)
         quantize_model(block, config)
-        block.to("cpu")
-    return sum(isinstance(m, W8A8Linear) for m in job.host.modules())
+        if home is not None:
+            block.to(home)
+    return sum(isinstance(m, W8A8Linear) for m in model.modules())
 
 
 def _spread(mine: Sequence[float], theirs: Sequence[float]) -> dict[str, float]:
@@ -272,8 +283,6 @@ def _adapter_grads(model: nn.Module) -> torch.Tensor:
 def accuracy_row(job: plan_bench.Job, args: argparse.Namespace) -> dict[str, Any]:
     import copy
 
-    from vramkit.quant.model import QuantizationConfig, quantize_model
-
     def first_step(model: nn.Module) -> tuple[float, torch.Tensor]:
         model.zero_grad(set_to_none=True)
         with torch.autocast(job.device.type, dtype=torch.bfloat16):
@@ -295,7 +304,7 @@ def accuracy_row(job: plan_bench.Job, args: argparse.Namespace) -> dict[str, Any
     row["loss_bf16"] = loss_bf16
     for kind in ("fp8", "int8"):
         quantized = copy.deepcopy(job.twin)
-        quantize_model(quantized, QuantizationConfig(kind, w8a8=True))
+        row[f"w8a8_layers_{kind}"] = _quantize_block_linears(quantized, kind, job.device)
         loss, grads = first_step(quantized)
         row[f"loss_{kind}"] = loss
         row[f"loss_rel_dev_{kind}"] = abs(loss - loss_bf16) / max(abs(loss_bf16), 1e-12)

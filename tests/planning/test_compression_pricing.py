@@ -72,20 +72,29 @@ def _plan_wide(model: torch.nn.Module, budget: int, **kw: object) -> Plan:
 
 
 def test_a_transfer_bound_plan_compresses() -> None:
-    # Inference with room for two blocks: raw, one stays resident and five are copied each
-    # call; compressed, all six are copied at 0.7x the bytes through one slot and the decode
-    # scratch (4.2 blocks' worth of copies): the faster step.
-    tight = _plan_wide(_wide(torch.bfloat16), 160 * MiB, hardware="rtx4090")
-    assert len(tight.swapped) == 6 and tight.compress_masters
+    # Inference through two slots with room for one more block: raw, one stays resident and
+    # five are copied each call; compressed, all six are copied at 0.7x the bytes (the decode
+    # scratch takes the resident block's room), each decoded while the next one copies: the
+    # faster step.
+    tight = _plan_wide(_wide(torch.bfloat16), 230 * MiB, hardware="rtx4090", num_slots=(2,))
+    raw = _plan_wide(_wide(torch.bfloat16), 230 * MiB, hardware="rtx4090", num_slots=(2,),
+                     compress="off")
+    assert len(tight.swapped) == 6 and tight.compress_masters and len(raw.swapped) == 5
+    assert tight.predicted_step_seconds < raw.predicted_step_seconds
     scratch = tight.peak_breakdown["compress_scratch"]
     assert scratch == SCRATCH_BUFFERS * int(64 * MiB * EXPECTED_RATIO["bf16"])
-    assert tight.predicted_peak_bytes <= 160 * MiB
+    assert tight.predicted_peak_bytes <= 230 * MiB
+    # Through one slot the next copy waits for the slot, so each block's decode adds to its
+    # copy instead of hiding behind the next one: raw masters are the faster step there.
+    assert not _plan_wide(_wide(torch.bfloat16), 230 * MiB, hardware="rtx4090",
+                          num_slots=(1,)).compress_masters
     assert "compressed" in tight.explain()
     assert Plan.from_dict(tight.to_dict()).compress_masters
     # fp32 weights are stored raw: nothing to gain
     assert not _plan_wide(_wide(torch.float32), 400 * MiB, hardware="rtx4090").compress_masters
     # compress="off" (what fit_rank asks for node-shared masters, which stay raw): never
-    off = _plan_wide(_wide(torch.bfloat16), 160 * MiB, hardware="rtx4090", compress="off")
+    off = _plan_wide(_wide(torch.bfloat16), 230 * MiB, hardware="rtx4090", num_slots=(2,),
+                     compress="off")
     assert not off.compress_masters and "compress_scratch" not in off.peak_breakdown
     with pytest.raises(ConfigError, match="compress"):
         _plan_wide(_wide(torch.bfloat16), 160 * MiB, hardware="rtx4090", compress="on")
@@ -100,14 +109,16 @@ def test_no_decode_rate_or_no_room_means_raw_masters() -> None:
     xs = (torch.empty(1, 4, 2048, device="meta", dtype=torch.bfloat16),)
     cost = analyze(model, xs, mode="infer", autocast=None)
     ratio = expected_ratio(list(model.blocks.named_children()))
-    offline = search(cost, machine_for("rtx4090"), 160 * MiB, 0, compress_ratio=ratio)
+    offline = search(cost, machine_for("rtx4090"), 230 * MiB, 0, compress_ratio=ratio,
+                     num_slots=(2,))
     assert offline.compress_masters
-    assert not search(cost, machine_for("rtx4090"), 160 * MiB, 0).compress_masters
-    assert not search(cost, machine_for("rtx4090"), 160 * MiB, 0, compress_ratio=ratio,
-                      times=times).compress_masters  # a CPU calibration: no decoder
-    # room for one slot, not for the scratch beside it
-    assert not search(cost, machine_for("rtx4090"), 100 * MiB, 0,
-                      compress_ratio=ratio).compress_masters
+    assert not search(cost, machine_for("rtx4090"), 230 * MiB, 0,
+                      num_slots=(2,)).compress_masters
+    assert not search(cost, machine_for("rtx4090"), 230 * MiB, 0, compress_ratio=ratio,
+                      times=times, num_slots=(2,)).compress_masters  # a CPU calibration
+    # room for two slots, not for the scratch beside them
+    assert not search(cost, machine_for("rtx4090"), 140 * MiB, 0, compress_ratio=ratio,
+                      num_slots=(2,)).compress_masters
 
 
 def test_fit_applies_a_compressed_plan() -> None:

@@ -59,6 +59,27 @@ def test_compute_beside_the_copy_engine_runs_slower() -> None:
                           slowdown=0.5) == pytest.approx(6.0)
 
 
+def test_a_compressed_block_decodes_beside_the_compute_or_before_it_starts() -> None:
+    # Three swapped blocks, 2 ms compute, 1 ms (compressed) copy, 0.5 ms decode, two slots:
+    # blocks 0 and 1 are in their slots; block 0's end (2) queues block 2's copy, which lands
+    # at 3, during block 1 (2-4): its decode takes the SMs block 1 runs on -> block 1 ends at
+    # 4.5, block 2 runs 4.5-6.5.
+    args = ([2.0] * 3, [1.0] * 3, [True] * 3)
+    decodes = [0.5] * 3
+    assert simulate_phase(*args, slots=2, decodes=decodes) == pytest.approx(6.5)
+    # One slot: block 1's copy starts when block 0 ends (2), lands at 3 with nothing running:
+    # decoded before block 1 starts (3.5-5.5); likewise block 2 (5.5-6.5 copy, 7-9): 9.
+    assert simulate_phase(*args, slots=1, decodes=decodes) == pytest.approx(9.0)
+    assert simulate_phase(*args, slots=1) == pytest.approx(8.0)  # raw: no decodes
+    # blocks in their slots at the start were decoded before the phase: nothing to charge
+    assert simulate_phase([2.0] * 2, [1.0] * 2, [True] * 2, slots=2,
+                          decodes=[0.5] * 2) == pytest.approx(4.0)
+    # back-to-back inference calls decode every copied block once a call
+    once, _ = _simulate_calls([2.0] * 3, [1.0] * 3, [True] * 3, 2, None, 0.0, decodes)
+    raw, _ = _simulate_calls([2.0] * 3, [1.0] * 3, [True] * 3, 2, None, 0.0)
+    assert once == pytest.approx(raw + 3 * 0.5)
+
+
 def test_the_host_runs_ahead_of_the_device() -> None:
     # Blocks alternately heavier on the host (3 ms to enqueue 1 ms of kernels) and on the
     # device (1 ms to enqueue 3 ms): the host runs ahead, so the phase takes less than each

@@ -207,6 +207,10 @@ class Candidate:
             when they differ from its forward copies (a swapped trainable block's optimizer
             state travels with its weights in backward and both are written back).
         host_state: pinned host bytes of the swapped blocks' optimizer state.
+        decode_seconds: per block, the device seconds of decoding its compressed master after
+            each copy (``None``: masters raw; ``copy_seconds`` are then the compressed
+            bytes'): the phase simulation charges each decode to the compute it runs beside
+            (:func:`~vramkit.planning.simulation.simulate_phase`).
     """
 
     chosen: list[int]
@@ -229,6 +233,7 @@ class Candidate:
     backward_copy_seconds: list[float] | None = None
     backward_copy_bytes: int | None = None
     host_state: int = 0
+    decode_seconds: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -356,14 +361,15 @@ class StepPricer:
         host += c.host_state
         copies = int(c.master_bytes * max(0, k - r) / k) if k else 0
         ckpt_set = set(ckpt)
+        decodes = c.decode_seconds
         sides = _block_sides(p.full, p.as_checkpointed, c.dequant, c.per_layer, c.flags,
                              [b.name in ckpt_set for b in cost.blocks], c.together)
         if train:
             fwd_time, fwd_lost = _simulate(sides[0], phase_copy_s, c.flags, r, None, sides[1],
-                                           p.slow_forward)
+                                           p.slow_forward, decodes)
         else:  # back-to-back calls: the ring wraps around to the next call's first blocks
             fwd_time, fwd_lost = _simulate_calls(sides[0], phase_copy_s, c.flags, r, sides[1],
-                                                 p.slow_forward)
+                                                 p.slow_forward, decodes)
         fwd_time += p.outside_forward
         if offload:  # device->host copies run on the other engine
             fwd_time = max(fwd_time, offload_bytes / self.machine.d2h_bytes_per_s)
@@ -389,7 +395,8 @@ class StepPricer:
                 back_copies = int(share * (c.backward_copy_bytes or 0))
             back, bwd_lost = _simulate(sides[2][::-1], back_copy_s[::-1], c.flags[::-1], r,
                                        restores[::-1] if restores else None,
-                                       sides[3][::-1], p.slow_backward[::-1])
+                                       sides[3][::-1], p.slow_backward[::-1],
+                                       decodes[::-1] if decodes is not None else None)
             bwd = PhaseTime(p.outside_backward + back, p.outside_backward + sum(sides[2]),
                             back_copy_time + offload_bytes / pinned_bw,
                             back_copies + offload_bytes,

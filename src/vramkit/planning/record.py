@@ -354,7 +354,8 @@ class Plan:
             scratch = self.peak_breakdown.get("compress_scratch", 0)
             lines.append("Keep the swapped masters compressed and decode them on the device "
                          f"after each copy (fewer bytes copied; {format_size(scratch)} of "
-                         "decode scratch).")
+                         "decode scratch; each decode is priced in the time of the compute "
+                         "it runs beside, or waited for by its block).")
         if self.activation_offload:
             lines.append("Offload saved activations to pinned host memory.")
         if self.ffn_chunks > 1:

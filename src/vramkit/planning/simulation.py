@@ -17,7 +17,8 @@ def simulate_phase(compute: Sequence[float], copies: Sequence[float],
                    swapped: Sequence[bool], slots: int,
                    restores: Sequence[float] | None = None,
                    host: Sequence[float] | None = None,
-                   slowdown: float | Sequence[float] = 0.0) -> float:
+                   slowdown: float | Sequence[float] = 0.0,
+                   decodes: Sequence[float] | None = None) -> float:
     """The time of one phase over blocks in their order of execution.
 
     The compute stream runs the blocks one after another. A swapped block waits for its copy;
@@ -34,13 +35,19 @@ def simulate_phase(compute: Sequence[float], copies: Sequence[float],
     began enqueueing it and end no earlier than it finished. ``slowdown``: the share by which a
     block's compute is slower while the copy engine runs beside it (one figure, or one per
     block; :meth:`~vramkit.planning.calibration.BlockTimes.copy_slowdown`).
+    ``decodes``: per block, the device seconds of decoding its compressed master once its
+    copy has landed (``SwapConfig.compress``; ``copies`` are then the compressed bytes'). A
+    decode takes the SMs the step's kernels use: one that lands while a block computes makes
+    that block's compute longer by the decode; a block waiting for its own copy starts once
+    its decode has run after the copy.
     """
-    return _simulate(compute, copies, swapped, slots, restores, host, slowdown)[0]
+    return _simulate(compute, copies, swapped, slots, restores, host, slowdown, decodes)[0]
 
 
 def _simulate(compute: Sequence[float], copies: Sequence[float], swapped: Sequence[bool],
               slots: int, restores: Sequence[float] | None, host: Sequence[float] | None,
-              slowdown: float | Sequence[float]) -> tuple[float, float]:
+              slowdown: float | Sequence[float],
+              decodes: Sequence[float] | None = None) -> tuple[float, float]:
     """:func:`simulate_phase`'s time, and the seconds its compute lost to copies beside it."""
     n = len(compute)
     slow = ([float(slowdown)] * n if isinstance(slowdown, (int, float))
@@ -53,6 +60,7 @@ def _simulate(compute: Sequence[float], copies: Sequence[float], swapped: Sequen
     done = 0  # swapped blocks whose compute has ended
     lost = 0.0
     restored = [0.0] * n  # when each block's offloaded activations are back
+    pending: list[int] = []  # blocks whose copy is queued and whose decode has not run yet
     if restores is not None and n and restores[0]:
         engine = restored[0] = restores[0]
     for i, (c, s) in enumerate(zip(compute, swapped, strict=True)):
@@ -62,6 +70,9 @@ def _simulate(compute: Sequence[float], copies: Sequence[float], swapped: Sequen
             enqueued += host[i]
         if s:
             ready = max(ready, arrives[i])
+            if i in pending:  # landed while nothing ran: decoded before it starts
+                pending.remove(i)
+                ready += decodes[i] if decodes is not None else 0.0
         if restores is not None and i + 1 < n and restores[i + 1]:
             # the next block's activations, queued as this block starts
             engine = max(engine, ready) + restores[i + 1]
@@ -69,19 +80,25 @@ def _simulate(compute: Sequence[float], copies: Sequence[float], swapped: Sequen
         # the copies enqueued so far run beside this block until the engine is done
         beside = min(max(0.0, engine - ready), c)
         lost += slow[i] * beside
-        t = max(ready + c + slow[i] * beside, enqueued)
+        t = ready + c + slow[i] * beside
+        while decodes is not None and pending and arrives[pending[0]] < t:
+            t += decodes[pending.pop(0)]  # landed during this compute: decoded beside it
+        t = max(t, enqueued)
         if s:
             nxt = done + slots
             done += 1
             if nxt < len(order):  # its slot takes the swapped block ``slots`` places later
                 engine = max(engine, t) + copies[order[nxt]]
                 arrives[order[nxt]] = engine
+                if decodes is not None:
+                    pending.append(order[nxt])
     return t, lost
 
 
 def _simulate_calls(compute: Sequence[float], copies: Sequence[float],
                     swapped: Sequence[bool], slots: int, host: Sequence[float] | None,
-                    slowdown: float | Sequence[float]) -> tuple[float, float]:
+                    slowdown: float | Sequence[float],
+                    decodes: Sequence[float] | None = None) -> tuple[float, float]:
     """:func:`_simulate` of one inference call in a run of back-to-back calls: the time and
     the compute lost to copies of the second of two calls simulated in a row.
 
@@ -93,10 +110,11 @@ def _simulate_calls(compute: Sequence[float], copies: Sequence[float],
     swapped, 3 slots, transfer-bound) was predicted 247 ms and ran 284 ms
     (``benchmarks/plan.py``). When every swapped block has a slot nothing
     is copied after the first call: the call alone."""
-    once = _simulate(compute, copies, swapped, slots, None, host, slowdown)
+    once = _simulate(compute, copies, swapped, slots, None, host, slowdown, decodes)
     if sum(1 for s in swapped if s) <= slots:
         return once
     slow = slowdown if isinstance(slowdown, (int, float)) else [*slowdown, *slowdown]
     twice = _simulate([*compute, *compute], [*copies, *copies], [*swapped, *swapped], slots,
-                      None, None if host is None else [*host, *host], slow)
+                      None, None if host is None else [*host, *host], slow,
+                      None if decodes is None else [*decodes, *decodes])
     return twice[0] - once[0], twice[1] - once[1]

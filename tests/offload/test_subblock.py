@@ -117,13 +117,15 @@ def test_a_chunked_feed_forward_is_left_to_its_slices_and_grads_still_match() ->
         assert torch.equal(a, b)
 
 
-def test_parts_compose_with_the_swapper_on_the_cpu() -> None:
+@pytest.mark.parametrize("blocks_checkpointed", [True, False])
+def test_parts_compose_with_the_swapper_on_the_cpu(blocks_checkpointed: bool) -> None:
     # against the same swapped model without parts: the swapper's own graph sums a gradient
     # read inside and outside a block in its own order (equal to rounding to the plain model)
     xs = video_inputs(4, 8, 12)
     ref, model = video_model(), video_model()
-    enable_gradient_checkpointing(ref, BLOCKS)
-    enable_gradient_checkpointing(model, BLOCKS)
+    if blocks_checkpointed:  # else the parts are recomputed in the swapped blocks' backward
+        enable_gradient_checkpointing(ref, BLOCKS)
+        enable_gradient_checkpointing(model, BLOCKS)
     checkpoint_block_parts(model, BLOCKS)
     swappers = [BlockSwapper(m, config=SwapConfig(max_gpu_blocks=1, min_param_bytes=0),
                              device="cpu") for m in (model, ref)]

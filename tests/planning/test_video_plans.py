@@ -74,6 +74,8 @@ def test_subblock_checkpointing_lowers_the_least_budget_and_auto_takes_it_only_t
     plain, parts = least(subblock_checkpoint=False), least(subblock_checkpoint=True)
     assert parts < plain
     assert least() == parts  # "auto": the least budget reached either way
+    with pytest.raises(PlanError, match="sub-block checkpointing"):  # and says how
+        _plan(1, model=video_parts_model())
     model = video_parts_model()
     p = _plan(parts, model=model)  # fits only with the parts checkpointed
     assert p.subblock_checkpoint and "sub-block checkpointing" in p.explain()

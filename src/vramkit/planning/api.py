@@ -422,8 +422,12 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
             result = searched()
         except PlanError as finer:
             use_parts[0] = False
-            low = [e for e in (refused, finer) if e.minimum_budget is not None]
-            raise (min(low, key=lambda e: e.minimum_budget) if low else refused) from None
+            if finer.minimum_budget is None or (refused.minimum_budget is not None
+                                                and refused.minimum_budget <= finer.minimum_budget):
+                raise refused from None
+            raise PlanError(f"{finer.message} (each block's parts checkpointed on their own: "
+                            "sub-block checkpointing)", hint=finer.hint,
+                            minimum_budget=finer.minimum_budget) from None
     # Offline, the host is another machine's: only the platform (Windows, WSL) decides "auto",
     # not this host's RAM or cgroup.
     choice = choose_host_memory(host_memory,

@@ -222,9 +222,10 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
             checkpointed block's backward rebuilds one part at a time (at long sequences the
             whole block's recomputation sets the peak: Wan 2.1 14B at 81 frames, 10.9 -> 6.3
             GiB a block), for one more forward of each part in backward. ``True``: analyzed
-            that way; ``False``: never; ``"auto"`` (default): training plans that fit nowhere
-            as built are planned again with it, taken where they fit (``Plan.
-            subblock_checkpoint``); other plans are unchanged. :func:`vramkit.fit` applies it.
+            that way (a ``cost=`` given must come from the model with its parts checkpointed);
+            ``False``: never; ``"auto"`` (default): training plans that fit nowhere as built
+            are planned again with it, taken where they fit (``Plan.subblock_checkpoint``;
+            not with ``cost=``); other plans are unchanged. :func:`vramkit.fit` applies it.
 
     Returns:
         The :class:`~vramkit.planning.record.Plan`.

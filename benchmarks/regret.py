@@ -32,6 +32,7 @@ Run (H200, each well under 4 min; the figures printed at the end):
     PYTHONPATH=src python3 benchmarks/regret.py --model demo --budget 4
     PYTHONPATH=src python3 benchmarks/regret.py --model wan --budget 11.5 --rounds 1
     PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-row --budget 11.5
+    PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-row --budget 11.5 --subblock
 Run (CPU, code paths only, seconds):
     PYTHONPATH=src python3 benchmarks/regret.py --model demo --tiny --device cpu
 """
@@ -174,6 +175,8 @@ def plan_with_neighbours(m: Model, budget: int, args: argparse.Namespace,
         options["headroom"] = 0.05
     if args.ffn_chunks > 1:
         options["ffn_chunks"] = args.ffn_chunks
+    if args.subblock:
+        options["subblock_checkpoint"] = True
     cuda = device.type == "cuda"
     machine = machine_for(None if cuda else "rtx4090", device if cuda else None)
     meta = meta_copy(m.host)
@@ -182,11 +185,21 @@ def plan_with_neighbours(m: Model, budget: int, args: argparse.Namespace,
         from vramkit.offload.chunked import chunk_feed_forwards
 
         chunk_feed_forwards(meta, [n for n, _ in find_blocks(meta)], args.ffn_chunks)
+    if args.subblock:  # as plan(subblock_checkpoint=True) analyzes and calibrates it
+        from vramkit.offload.blocks import find_blocks
+        from vramkit.offload.subblock import checkpoint_block_parts, uncheckpoint_parts
+
+        checkpoint_block_parts(meta, [n for n, _ in find_blocks(meta)])
+        checkpoint_block_parts(m.host, [n for n, _ in find_blocks(m.host)])
     cost = analyze(meta, m.inputs, mode="train", step=m.step,
                    autocast=options.get("autocast", torch.bfloat16))
-    times = (calibrate_blocks(m.host, m.inputs, step=m.step, device=device,
-                              autocast=options.get("autocast", torch.bfloat16))
-             if cuda else None)
+    try:
+        times = (calibrate_blocks(m.host, m.inputs, step=m.step, device=device,
+                                  autocast=options.get("autocast", torch.bfloat16))
+                 if cuda else None)
+    finally:
+        if args.subblock:  # fit applies them as the plan says
+            uncheckpoint_parts(m.host)
     if args.tiny:
         budget = _tiny_budget(m, cost, machine, options)
     try:
@@ -401,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="Wan's frames (default 41; 81 with --wan-row)")
     parser.add_argument("--ffn-chunks", type=int, default=1,
                         help="plan with each block's feed-forward over N token slices")
+    parser.add_argument("--subblock", action="store_true",
+                        help="plan with each block's parts (attentions, feed-forward) "
+                             "checkpointed on their own (plan(subblock_checkpoint=True))")
     parser.add_argument("--wan-row", action="store_true",
                         help="the Wan row: fitted vs resident with every block checkpointed")
     parser.add_argument("--device", default="cuda")

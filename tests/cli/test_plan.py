@@ -372,3 +372,30 @@ def test_compress_off_reaches_the_planner(llama_dir: Path, capsys: pytest.Captur
     assert seen == ["auto", "off"]
     assert main(["plan", str(llama_dir), "--budget", "8GiB", "--compress", "on"]) == 2
     assert "--compress" in capsys.readouterr().err
+
+
+def test_subblock_reaches_the_planner_and_the_fit_call(
+        llama_dir: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--subblock auto|on|off (default auto, as vramkit.plan's subblock_checkpoint) is passed
+    on, said by the fit call and the table; on with --mode infer is a flag error."""
+    from vramkit.planning import api
+
+    seen: list[object] = []
+    real = api.plan
+    monkeypatch.setattr(api, "plan", lambda *a, **kw: seen.append(
+        kw.get("subblock_checkpoint")) or real(*a, **kw))
+    calls = []
+    for extra in ([], ["--subblock", "on"], ["--subblock", "off"]):
+        data = _json(capsys, str(llama_dir), "--budget", "8GiB", "--hardware", "rtx4090",
+                     "--seq-len", "512", *extra)
+        calls.append(data["fit_call"])
+        assert data["plan"]["subblock_checkpoint"] is (extra[1:] == ["on"])
+    assert seen == ["auto", True, False]
+    assert "subblock" not in calls[0]
+    assert calls[1].endswith("subblock_checkpoint=True)")
+    assert calls[2].endswith("subblock_checkpoint=False)")
+    assert main(["plan", str(llama_dir), "--budget", "8GiB", "--subblock", "yes"]) == 2
+    assert main(["plan", str(llama_dir), "--budget", "8GiB", "--mode", "infer",
+                 "--subblock", "on"]) == 2
+    assert "--subblock on applies to training" in capsys.readouterr().err

@@ -145,3 +145,55 @@ def video_inputs(frames: int = 5, height: int = 16, width: int = 24,
     g = torch.Generator().manual_seed(2)
     return (torch.randn(1, 4, frames, height, width, generator=g).to(device),
             torch.randn(1, 8, 16, generator=g).to(device))
+
+
+class VideoSelfAttention(nn.Module):
+    """:class:`VideoBlock`'s self-attention as a child module (``attn1``, as Wan names it),
+    its LoRA-style adapter on the query included."""
+
+    def __init__(self, dim: int, heads: int = 2, rank: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.lora_a = nn.Parameter(torch.randn(rank, dim) * 0.05)
+        self.lora_b = nn.Parameter(torch.randn(dim, rank) * 0.05)
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        return t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        q = q + h @ self.lora_a.t() @ self.lora_b.t()
+        a = F.scaled_dot_product_attention(self._heads(q), self._heads(k), self._heads(v))
+        return self.out(a.transpose(1, 2).flatten(2))
+
+
+class VideoPartsBlock(VideoBlock):
+    """:class:`VideoBlock` with its self-attention a child (``attn1``) beside ``ffn``: the
+    parts sub-block checkpointing finds by name."""
+
+    def __init__(self, dim: int = 32, heads: int = 2, hidden: int = 256, rank: int = 4) -> None:
+        super().__init__(dim, heads, hidden, rank)
+        del self.qkv, self.out, self.lora_a, self.lora_b
+        self.attn1 = VideoSelfAttention(dim, heads, rank)
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn1(self.norm1(x))
+        h = self.norm2(x)
+        k, v = self.cross_kv(text).chunk(2, dim=-1)
+        a = F.scaled_dot_product_attention(self._heads(self.cross_q(h)), self._heads(k),
+                                           self._heads(v))
+        x = x + a.transpose(1, 2).flatten(2)
+        return x + self.ffn(self.norm3(x))
+
+
+def video_parts_model(seed: int = 0, n: int = 4, device: str = "meta") -> VideoModel:
+    """:func:`video_model` with :class:`VideoPartsBlock` blocks."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = VideoModel(n)
+        model.blocks = nn.ModuleList(VideoPartsBlock() for _ in range(n))
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return model

@@ -66,3 +66,21 @@ def test_a_plan_of_another_model_is_refused(cost) -> None:  # type: ignore[no-un
     plan = replace(plan_stack(cost, 7 * MiB), swapped=("blocks.99",))
     with pytest.raises(ConfigError):
         choice_of(plan, cost)
+
+
+def test_neighbours_keep_what_the_search_does_not_choose() -> None:
+    # sub-block checkpointing (and FFN chunks) shaped the cost: every neighbour keeps them
+    import vramkit
+    from tests.planning._models import video_inputs, video_parts_model
+    from vramkit.offload.subblock import checkpoint_block_parts
+    from vramkit.planning import analyze
+
+    meta = video_parts_model()
+    checkpoint_block_parts(meta, [f"blocks.{i}" for i in range(4)])
+    xs = video_inputs(6, 24, 40, device="meta")
+    parts_cost = analyze(meta, xs, autocast=None)
+    plan = vramkit.plan(video_parts_model(), xs, 64 * MiB, hardware="rtx4090", headroom=0,
+                        autocast=None, cost=parts_cost, subblock_checkpoint=True)
+    found = neighbours(plan, parts_cost, machine_for("rtx4090"))
+    assert plan.subblock_checkpoint and found
+    assert all(n.plan.subblock_checkpoint for n in found)

@@ -9,9 +9,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import vramkit
-from tests.planning._models import video_inputs, video_model
+from tests.planning._models import video_inputs, video_model, video_parts_model
 from vramkit.errors import PlanError
 from vramkit.offload.chunked import is_chunked
+from vramkit.offload.subblock import is_part_checkpointed
 
 FRAMES, HEIGHT, WIDTH = 6, 24, 40  # 6 x 12 x 20 = 1440 video tokens
 
@@ -61,6 +62,47 @@ def test_a_fitted_chunked_plan_trains_exactly_as_built() -> None:
         finally:
             fitted.detach()
     assert not any(is_chunked(m) for m in model.modules())
+    for (name, a), b in zip(model.named_parameters(), ref.parameters(), strict=True):
+        if a.requires_grad:
+            assert torch.equal(a.grad, b.grad), name
+
+
+def test_subblock_checkpointing_lowers_the_least_budget_and_auto_takes_it_only_there() -> None:
+    def least(**kw):  # type: ignore[no-untyped-def]
+        return _minimum(model=video_parts_model(), **kw)
+
+    plain, parts = least(subblock_checkpoint=False), least(subblock_checkpoint=True)
+    assert parts < plain
+    assert least() == parts  # "auto": the least budget reached either way
+    with pytest.raises(PlanError, match="sub-block checkpointing"):  # and says how
+        _plan(1, model=video_parts_model())
+    model = video_parts_model()
+    p = _plan(parts, model=model)  # fits only with the parts checkpointed
+    assert p.subblock_checkpoint and "sub-block checkpointing" in p.explain()
+    assert not any(is_part_checkpointed(m) for m in model.modules())  # the model given: as is
+    roomy = _plan(plain, model=video_parts_model())
+    off = _plan(plain, model=video_parts_model(), subblock_checkpoint=False)
+    assert not roomy.subblock_checkpoint
+    assert roomy.to_dict() == off.to_dict()  # where it fits as built: the same plan
+
+
+def test_a_fitted_subblock_plan_trains_as_the_block_checkpoint_does() -> None:
+    xs = video_inputs(FRAMES, HEIGHT, WIDTH)
+    p = _plan(10 * _minimum(model=video_parts_model()), model=video_parts_model(),
+              subblock_checkpoint=True, checkpointing="all")
+    assert p.subblock_checkpoint
+    ref, model = video_parts_model(device="cpu"), video_parts_model(device="cpu")
+    vramkit.offload.enable_gradient_checkpointing(ref, list(p.checkpointed))
+    with sdpa_kernel(SDPBackend.MATH):
+        ref(*xs).square().mean().backward()
+        fitted = vramkit.fit(model, xs, p.budget_bytes, plan=p, device="cpu")
+        try:
+            assert all(is_part_checkpointed(model.get_submodule(f"{n}.{part}"))
+                       for n in p.block_order for part in ("attn1", "ffn"))
+            model(*xs).square().mean().backward()
+        finally:
+            fitted.detach()
+    assert not any(is_part_checkpointed(m) for m in model.modules())
     for (name, a), b in zip(model.named_parameters(), ref.parameters(), strict=True):
         if a.requires_grad:
             assert torch.equal(a.grad, b.grad), name

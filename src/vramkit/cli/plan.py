@@ -41,7 +41,10 @@ FLAG_NAMES = {"budget": "--budget", "mode": "--mode", "lora_rank": "--lora-rank"
               "host_budget": "--host-budget", "headroom": "--headroom",
               "disk_bytes_per_s": "--disk-speed", "checkpointing": "--checkpointing",
               "host_memory": "--host-memory", "staging_pool": "--staging-pool",
-              "compress": "--compress"}
+              "compress": "--compress", "subblock_checkpoint": "--subblock"}
+
+#: ``--subblock`` -> ``plan(subblock_checkpoint=)``.
+_SUBBLOCK = {"auto": "auto", "on": True, "off": False}
 
 
 def _disk_speed(text: str | None) -> float | None:
@@ -116,6 +119,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--checkpointing", choices=("auto", "all", "none"), default="auto",
                         help="blocks to checkpoint when training: the planner's choice "
                              "(default auto), every block, or none")
+    parser.add_argument("--subblock", choices=tuple(_SUBBLOCK), default="auto",
+                        help="checkpoint each block's attentions and feed-forward on their "
+                             "own as well, so a block's backward rebuilds one part at a time "
+                             "(long sequences: video): auto (default: only where nothing "
+                             "fits otherwise), on, off")
     parser.add_argument("--headroom", metavar="SIZE|FRACTION", default=None,
                         help="part of the budget kept free (default 8%% + 256 MiB)")
     parser.add_argument("--save", metavar="PATH", default=None,
@@ -262,6 +270,10 @@ def make_plan(args: argparse.Namespace,
             from vramkit.planning.machine import machine_for
 
             check_budget_fits(budget, machine_for(hardware))
+        if args.mode == "infer" and getattr(args, "subblock", "auto") == "on":
+            raise ConfigError("--subblock on applies to training",
+                              hint="Drop --subblock with --mode infer (inference keeps no "
+                                   "activations for a backward).")
         if args.mode == "infer" and args.checkpointing != "auto":
             raise ConfigError(f"--checkpointing {args.checkpointing} applies to training",
                               hint="Drop --checkpointing with --mode infer (inference keeps no "
@@ -286,6 +298,7 @@ def make_plan(args: argparse.Namespace,
                       allow_formats=allow, host_budget=host_budget, headroom=headroom,
                       step=target.step, autocast=None, disk_bytes_per_s=disk_speed,
                       reserved_bytes=reserved, checkpointing=args.checkpointing,
+                      subblock_checkpoint=_SUBBLOCK[getattr(args, "subblock", "auto")],
                       host_memory=args.host_memory, staging_pool=args.staging_pool,
                       compress=args.compress)
     except PlanError as err:  # the hint's Python call, as this command's flag
@@ -332,6 +345,9 @@ def fit_call(args: argparse.Namespace, saved: str | None) -> str:
             arguments.append(f"disk_bytes_per_s={disk_speed:.4g}")
         if args.checkpointing != "auto":
             arguments.append(f"checkpointing={json.dumps(args.checkpointing)}")
+        subblock = getattr(args, "subblock", "auto")
+        if subblock != "auto":
+            arguments.append(f"subblock_checkpoint={_SUBBLOCK[subblock]}")
     function = "vramkit.distributed.fit_rank" if args.ddp else "vramkit.fit"
     return f"{function}({', '.join(arguments)})"
 
@@ -425,7 +441,8 @@ def _print_plan(target: Any, plan: Any, note: str | None, list_blocks: bool) -> 
     table.add_row("resident", f"{len(plan.resident)} {'units' if plan.split else 'blocks'}, "
                               f"stored {plan.resident_format}")
     if plan.mode == "train":
-        table.add_row("checkpointed", f"{len(plan.checkpointed)} of {n} blocks")
+        parts = ", their parts on their own too" if plan.subblock_checkpoint else ""
+        table.add_row("checkpointed", f"{len(plan.checkpointed)} of {n} blocks{parts}")
         table.add_row("activation offload", "on" if plan.activation_offload else "off")
     table.add_row("predicted peak", f"{format_size(plan.predicted_peak_bytes)} "
                                     f"(+ {format_size(plan.headroom_bytes)} kept free)")

@@ -9,6 +9,8 @@
 * :mod:`vramkit.offload.compiled`: ``torch.compile`` of each block's own forward, beneath
   checkpointing and swapping.
 * :mod:`vramkit.offload.chunked`: a block's feed-forward layer over slices of its tokens.
+* :mod:`vramkit.offload.subblock`: a block's parts (attentions, feed-forward) each checkpointed
+  on their own, inside the block's checkpoint.
 * :mod:`vramkit.offload.blocks`: finding a model's repeated blocks and scheduling them.
 
 They share one host->device and one device->host copy stream per GPU
@@ -42,6 +44,8 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
                   "uncompile_blocks"),
     ".chunked": ("FEED_FORWARD_NAMES", "chunk_feed_forwards", "chunk_tokens", "feed_forward_of",
                  "is_chunked", "token_chunks", "unchunk_feed_forwards"),
+    ".subblock": ("PART_NAMES", "REPLAY_ATTRIBUTE", "checkpoint_block_parts", "checkpoint_parts",
+                  "is_part_checkpointed", "parts_of", "uncheckpoint_parts"),
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions
@@ -52,4 +56,5 @@ if TYPE_CHECKING:  # static analysers see the real definitions
     from vramkit.offload.compiled import *  # noqa: F403
     from vramkit.offload.cpu import *  # noqa: F403
     from vramkit.offload.optimizer import *  # noqa: F403
+    from vramkit.offload.subblock import *  # noqa: F403
     from vramkit.offload.swap import *  # noqa: F403

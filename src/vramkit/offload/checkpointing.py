@@ -69,7 +69,8 @@ SDXL_CHECKPOINT_BLOCKS: tuple[str, ...] = ("down_blocks.*", "mid_block", "up_blo
 
 def run_checkpointed(fn: Callable[..., Any], inputs: Sequence[Any], kwargs: dict[str, Any],
                      preserve_rng_state: bool, *, module: nn.Module | None = None,
-                     lean: LeanState | None = None) -> Any:
+                     lean: LeanState | None = None,
+                     context_fn: Callable[[], tuple[Any, Any]] | None = None) -> Any:
     """``fn(*inputs, **kwargs)`` checkpointed: the lean way when ``module`` (whose forward
     ``fn`` runs) and its ``lean`` state are given, else under PyTorch's non-reentrant
     checkpoint, every tensor of the call passed to it positionally.
@@ -83,14 +84,16 @@ def run_checkpointed(fn: Callable[..., Any], inputs: Sequence[Any], kwargs: dict
     ``benchmarks/plan.py --snapshot``). The call is
     flattened instead: each tensor leaf goes positionally, the rest is rebuilt inside (which
     also keeps a function's own ``use_reentrant`` or ``preserve_rng_state`` parameter apart
-    from the checkpoint's options).
+    from the checkpoint's options). ``context_fn`` is PyTorch's (the contexts of the forward
+    and of the recomputation; PyTorch's checkpoint only).
     """
+    options: dict[str, Any] = {} if context_fn is None else {"context_fn": context_fn}
     if module is not None and lean is not None:
         return run_lean(module, lean, fn, inputs, kwargs, preserve_rng_state,
                         lambda: run_checkpointed(fn, inputs, kwargs, preserve_rng_state))
     if not kwargs and all(isinstance(x, torch.Tensor) for x in inputs):
         return _torch_checkpoint(fn, *inputs, use_reentrant=False,
-                                 preserve_rng_state=preserve_rng_state)
+                                 preserve_rng_state=preserve_rng_state, **options)
     leaves, spec = _tree.flatten((tuple(inputs), kwargs))
     is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
     others = [None if t else x for x, t in zip(leaves, is_tensor, strict=True)]
@@ -104,7 +107,7 @@ def run_checkpointed(fn: Callable[..., Any], inputs: Sequence[Any], kwargs: dict
         return fn(*args, **named)
 
     return _torch_checkpoint(run, *tensors, use_reentrant=False,
-                             preserve_rng_state=preserve_rng_state)
+                             preserve_rng_state=preserve_rng_state, **options)
 
 
 # --------------------------------------------------------------------------------------------

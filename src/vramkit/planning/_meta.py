@@ -49,6 +49,11 @@ class MetaAutocast(TorchFunctionMode):
         dtype: the low-precision dtype (default ``torch.bfloat16``).
     """
 
+    #: entered again around a checkpointed part's recomputation in the backward
+    #: (:data:`vramkit.offload.subblock.REPLAY_ATTRIBUTE`), as torch's checkpoint replays
+    #: ``torch.autocast``
+    replay_in_recompute = True
+
     def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         self.dtype = dtype

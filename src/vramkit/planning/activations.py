@@ -163,6 +163,9 @@ class _SavedBytes:
         # Forward FLOPs of attention by block (None: outside), counted here because the fused
         # stand-in below replaces the matmuls a FLOP counter would see.
         self.attention_flops: dict[str | None, int] = {}
+        # Forward FLOPs of attention recomputed in the backward (a part checkpointed inside a
+        # block, :mod:`vramkit.offload.subblock`), by the block whose backward runs.
+        self.recomputed_attention: dict[str | None, int] = {}
         # Held until the forward is done: a freed storage's address could be reused by a new
         # one, which would then be taken for a tensor already counted. (Meta: costs nothing.)
         # The blocks' inputs, and the saved tensors with the block that saved them (None:
@@ -375,6 +378,12 @@ class _FusedKernelsOnMeta(TorchFunctionMode):
     tensors as the fused kernel saves it (where torch has one); and note what each op outside
     the blocks returns (the step's tail)."""
 
+    #: entered again around a checkpointed part's recomputation in the backward
+    #: (:data:`vramkit.offload.subblock.REPLAY_ATTRIBUTE`: torch's checkpoint runs it without
+    #: the function modes of its forward): fused attention there, not the math path's
+    #: L x L matrices
+    replay_in_recompute = True
+
     def __init__(self, saved: _SavedBytes) -> None:
         super().__init__()
         self.saved = saved
@@ -391,26 +400,34 @@ class _FusedKernelsOnMeta(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        self.saved.read(args, kwargs)
+        # a recomputation in the backward: the stand-ins only (the follower follows what is
+        # made there), attention's FLOPs counted as recomputed by the block whose backward runs
+        backward = self.saved._follower is not None
+        if not backward:
+            self.saved.read(args, kwargs)
         if func in _RMS_NORMS and _FUSED_RMS_NORM and _needs_grad_on_meta(args, kwargs):
             out = self._rms_norm(args, kwargs)
-            self.saved.made(out)
+            if not backward:
+                self.saved.made(out)
             return out
         if func is not F.scaled_dot_product_attention:
             out = func(*args, **kwargs)
-            self.saved.made(out)
+            if not backward:
+                self.saved.made(out)
             return out
         names = ("query", "key", "value")
         q, k, v = (args[i] if i < len(args) else kwargs[names[i]] for i in range(3))
         out = _AttentionOnMeta.apply(q, k, v)
-        self.saved.made(out)
+        if not backward:
+            self.saved.made(out)
         # q @ k^T and p @ v: 2 FLOPs per multiply-add, over every query-key pair (half of
         # them with a causal mask: fused kernels skip the masked tiles).
         pairs = math.prod(q.shape[:-1]) * k.shape[-2]
         causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
         flops = (2 * pairs * q.shape[-1] + 2 * pairs * v.shape[-1]) // (2 if causal else 1)
-        key = self.saved.current
-        self.saved.attention_flops[key] = self.saved.attention_flops.get(key, 0) + flops
+        counts = self.saved.recomputed_attention if backward else self.saved.attention_flops
+        key = self.saved.backward_block if backward else self.saved.current
+        counts[key] = counts.get(key, 0) + flops
         return out
 
 

@@ -15,6 +15,7 @@ an offline plan times beside the FLOPs (:meth:`vramkit.planning.machine.Machine.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -445,7 +446,18 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
                         "the training step's loss does not require grad: nothing is trainable",
                         hint="Add LoRA adapters (peft) or unfreeze the parameters to train, or "
                              "plan with mode='infer'.")
-                with saved.following_backward(meta):
+                # The counter's module tracker puts hooks on every module call: in the
+                # backward a checkpointed part (offload.subblock) runs its forward again, and
+                # the hooks' closures kept each recomputed part alive in reference cycles
+                # until the step's end (Wan's blocks read 4 GiB more a block, as many as had
+                # gone before). Its per-module backward figures are not read (the backward
+                # total is shared by the forward's, below): the hooks go before the backward.
+                tracker = getattr(counter, "mod_tracker", None)
+                if tracker is not None:
+                    tracker.__exit__()
+                # under the forward's autocast: a checkpointed part runs its forward again
+                with (saved.following_backward(meta), meta_autocast_checks(context),
+                      context if context is not None else contextlib.nullcontext()):
                     loss.backward()
             total = _flop_counts(counter)
     except (RuntimeError, NotImplementedError, TypeError) as exc:
@@ -475,7 +487,8 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
         module = modules[name]
         attn = attention.get(name, 0)
         share = matmul[name] / matmul_total if matmul_total else 0.0
-        bwd = share * backward_matmul + ATTENTION_BACKWARD_FACTOR * attn
+        bwd = (share * backward_matmul + ATTENTION_BACKWARD_FACTOR * attn
+               + saved.recomputed_attention.get(name, 0))
         swapped, kept, dense = footprints[name]
         adapters = sum(_nbytes(p) for p in dict.fromkeys(
             p for m in reached_modules(module) for p in m.parameters(recurse=False))
@@ -490,7 +503,8 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
     block_fwd = sum(c.forward_flops for c in costs)
     block_bwd = sum(c.backward_flops for c in costs)
     total_fwd = matmul_total + sum(attention.values())
-    total_bwd = backward_matmul + ATTENTION_BACKWARD_FACTOR * sum(attention.values())
+    total_bwd = (backward_matmul + ATTENTION_BACKWARD_FACTOR * sum(attention.values())
+                 + sum(saved.recomputed_attention.values()))
     # with the adapters of a network kept beside the model (their gradients and optimizer state
     # take the same memory)
     trainable = [p for p in dict.fromkeys(
@@ -535,6 +549,8 @@ def _count_linear_calls(found: Sequence[tuple[str, nn.Module]], train: bool
                 x = args[0] if args else None
                 if not isinstance(x, torch.Tensor) or not x.dim():
                     return
+                if torch._C._current_graph_task_id() != -1:
+                    return  # a checkpointed part recomputed in the backward: counted once
                 k = int(x.shape[-1])
                 tally.append(LinearCall(x.numel() // max(k, 1), k, module.out_features,
                                         train and torch.is_grad_enabled() and x.requires_grad))

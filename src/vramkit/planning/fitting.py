@@ -207,6 +207,7 @@ class Fitted:
         self._compile_mode = compile_mode
         self._compiled: list[str] = []
         self._chunked: list[str] = []
+        self._parts: list[str] = []
         self._moved: list[tuple[torch.Tensor, torch.device]] = []
         self._offload: _OffloadingForward | None = None
         # the dequantized weights of one packed block at a time (vramkit.quant.dense)
@@ -258,6 +259,10 @@ class Fitted:
 
             self._chunked = chunk_feed_forwards(model, list(plan.block_order),
                                                 plan.ffn_chunks)
+        if plan.subblock_checkpoint:  # the parts' forwards: beneath the blocks' checkpoints
+            from vramkit.offload.subblock import checkpoint_block_parts
+
+            self._parts = checkpoint_block_parts(model, list(plan.block_order))
         if plan.mode == "train" and plan.checkpointed:
             todo = [n for n in plan.checkpointed if not is_checkpointed(model.get_submodule(n))]
             if todo:
@@ -420,6 +425,11 @@ class Fitted:
         if self._compiled:
             uncompile_blocks(self.model)
             self._compiled = []
+        if self._parts:
+            from vramkit.offload.subblock import uncheckpoint_parts
+
+            uncheckpoint_parts(self.model)
+            self._parts = []
         if self._chunked:
             from vramkit.offload.chunked import unchunk_feed_forwards
 

@@ -123,7 +123,8 @@ def neighbours(plan: Plan, cost: ModelCost, machine: Machine, *,
                                  disk_bytes_per_s=disk_bytes_per_s,
                                  checkpointing=plan.checkpointing, trainable=plan.trainable)
             # what the search does not choose travels with the plan (cost was made with it)
-            return replace(found, ffn_chunks=plan.ffn_chunks)
+            return replace(found, ffn_chunks=plan.ffn_chunks,
+                           subblock_checkpoint=plan.subblock_checkpoint)
         except PlanError:
             return None
 

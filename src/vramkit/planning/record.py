@@ -125,6 +125,9 @@ class Plan:
         ffn_chunks: each block's feed-forward layer runs over this many slices of its tokens,
             recomputed slice by slice in backward (:mod:`vramkit.offload.chunked`); 1: as
             built.
+        subblock_checkpoint: each block's parts (attentions, feed-forward) run under their own
+            checkpoint (:mod:`vramkit.offload.subblock`), so a checkpointed block's backward
+            rebuilds one part at a time.
         split: the blocks were split into their children (attention, feed-forward, norms;
             :func:`vramkit.offload.blocks.split_blocks`): ``swapped``, ``resident`` and
             ``block_order`` name those units, and the ring's slots are as large as the largest
@@ -173,6 +176,7 @@ class Plan:
     host_budget_bytes: int | None = None
     trainable: str = "resident"
     ffn_chunks: int = 1
+    subblock_checkpoint: bool = False
 
     @property
     def predicted_step_seconds(self) -> float:
@@ -362,6 +366,10 @@ class Plan:
             lines.append(f"Run each block's feed-forward layer over {self.ffn_chunks} slices "
                          "of its tokens, each recomputed in backward: its wide temporaries "
                          "exist for one slice at a time.")
+        if self.subblock_checkpoint:
+            lines.append("Checkpoint each block's parts (attention, feed-forward) on their own "
+                         "as well (sub-block checkpointing): a block's backward rebuilds one "
+                         "part at a time, for one more forward of each part in backward.")
         if self.trainable == "swap":
             state = self.host_breakdown.get("optimizer_state", 0)
             lines.append(f"Full fine-tuning with swapped optimizer state: each swapped block's "

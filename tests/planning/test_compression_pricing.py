@@ -40,6 +40,17 @@ def test_expected_ratio_follows_the_dtypes() -> None:
     assert expected_ratio(fp32) is None  # stored raw: nothing to gain
 
 
+def test_full_fine_tuning_is_never_priced_compressed() -> None:
+    # every swapped weight trains: nothing frozen to compress, so nothing is weighed
+    model = stack(device="meta").to(torch.bfloat16)
+    model.requires_grad_(True)
+    assert expected_ratio(list(model.blocks.named_children())) is None
+    xs = inputs(device="meta")
+    full = plan(model, xs, 24 * MiB, hardware="rtx4090", headroom=0, autocast=None,
+                trainable="swap")
+    assert full.swapped and not full.compress_masters
+
+
 def test_decode_rate_sources() -> None:
     offline = machine_for("h100-sxm")
     assert decode_rate(offline, None) == pytest.approx(

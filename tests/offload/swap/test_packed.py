@@ -124,10 +124,14 @@ def test_auto_keeps_blocks_that_do_not_shrink_raw() -> None:
     swapper.detach()
 
 
-def test_trainable_masters_are_never_compressed() -> None:
+@pytest.mark.parametrize("trainable", ["cpu", "swap"])
+def test_trainable_masters_are_never_compressed(trainable: str) -> None:
+    # full fine-tuning (trainable="swap"): masters the optimizer writes every step stay raw
     net = _net()
     net.blocks.requires_grad_(True)
-    swapper = BlockSwapper(net, config=_config("on", trainable="cpu"), device="cpu")
+    swapper = BlockSwapper(net, config=_config("on", trainable=trainable), device="cpu",
+                           optimizer=(lambda ps: torch.optim.SGD(ps, lr=0.1))
+                           if trainable == "swap" else None)
     assert swapper.stats().compressed_blocks == 0
     swapper.detach()
 

@@ -7,8 +7,9 @@ decode (its bytes at the decode rate) after its copy lands. The decode kernels t
 and memory bandwidth the step's own kernels use: the phase simulation charges each decode to
 the compute it runs beside (:func:`vramkit.planning.simulation.simulate_phase`). Priced as a
 pure copy-side cost instead, an H200 FLUX LoRA plan at 11.5 GiB predicted 763 ms and stepped
-in 884 ms, slower than that budget's raw plan (848 ms): compression pays where the copies it
-saves are on the step's critical path (small budgets, slow links), not where they hide. Pinned host
+in 884 ms, slower than that budget's raw plan (848 ms); priced so, it comes to ~840 ms (the
+`h200` profile): compression pays where the copies it saves are on the step's critical path
+(small budgets, slow links), not where they hide. Pinned host
 memory shrinks to ``ratio`` of the masters, and the device holds :data:`SCRATCH_BUFFERS`
 scratch buffers of the largest compressed block. The step is compressed only where that prices
 at least :data:`MIN_GAIN` faster and fits.

@@ -26,6 +26,7 @@ __all__ = [
     "BlockScheduleEntry",
     "BlockSpec",
     "as_block_specs",
+    "block_named",
     "choose_swapped",
     "find_blocks",
     "module_bytes",
@@ -38,6 +39,20 @@ __all__ = [
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 _MIN_SHARE = 0.01  # a container holding less than 1% of the model's bytes is not a block stack
+
+
+def block_named(model: nn.Module, name: str) -> nn.Module:
+    """The module ``name`` of ``model``, for functions that take block names.
+
+    Raises:
+        ConfigError: when ``model`` has no module of that name.
+    """
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        raise ConfigError(f"the model has no block {name!r}",
+                          hint="Pass names from vramkit.offload.blocks.find_blocks(model)."
+                          ) from None
 
 
 def natural_key(name: str) -> tuple[object, ...]:

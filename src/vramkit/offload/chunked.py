@@ -40,6 +40,7 @@ from vramkit._validate import check_bool, check_int
 from vramkit.errors import ConfigError
 from vramkit.offload import _patch
 from vramkit.offload._patch import MethodWrapper
+from vramkit.offload.blocks import block_named
 
 __all__ = ["FEED_FORWARD_NAMES", "chunk_feed_forwards", "chunk_tokens", "feed_forward_of",
            "is_chunked", "token_chunks", "unchunk_feed_forwards"]
@@ -188,12 +189,7 @@ def chunk_feed_forwards(model: nn.Module, blocks: Sequence[str], chunks: int, *,
     """
     done: list[str] = []
     for name in blocks:
-        try:
-            block = model.get_submodule(name)
-        except AttributeError:
-            raise ConfigError(f"the model has no block {name!r}",
-                              hint="Pass block names (vramkit.offload.blocks.find_blocks)."
-                              ) from None
+        block = block_named(model, name)
         found = feed_forward_of(block)
         if found is None:
             continue

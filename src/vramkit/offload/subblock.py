@@ -52,6 +52,7 @@ from vramkit._validate import check_bool
 from vramkit.errors import ConfigError
 from vramkit.offload import _patch
 from vramkit.offload._patch import MethodWrapper
+from vramkit.offload.blocks import block_named
 from vramkit.offload.checkpointing import run_checkpointed
 from vramkit.offload.chunked import is_chunked
 
@@ -181,12 +182,7 @@ def checkpoint_block_parts(model: nn.Module, blocks: Sequence[str],
     """
     done: list[str] = []
     for name in blocks:
-        try:
-            block = model.get_submodule(name)
-        except AttributeError:
-            raise ConfigError(f"the model has no block {name!r}",
-                              hint="Pass block names (vramkit.offload.blocks.find_blocks)."
-                              ) from None
+        block = block_named(model, name)
         done += [f"{name}.{part}" if name else part for part in checkpoint_parts(block, names)]
     return done
 

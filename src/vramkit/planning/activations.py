@@ -36,6 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from vramkit.errors import ConfigError
+from vramkit.offload.blocks import block_named
 from vramkit.planning._following import (
     BackwardFollower,
     LiveStorages,
@@ -455,12 +456,7 @@ def activation_accounting(model: nn.Module, block_names: Iterable[str]) -> Itera
     handles = []
     try:
         for name in names:
-            try:
-                block = model.get_submodule(name)
-            except AttributeError:
-                raise ConfigError(f"the model has no block {name!r}",
-                                  hint="Pass names from vramkit.offload.blocks.find_blocks("
-                                       "model).") from None
+            block = block_named(model, name)
             for t in (*block.parameters(), *block.buffers()):
                 saved.owner[storage_key(t)] = name
 

@@ -88,7 +88,7 @@ def register(subparsers: Any) -> None:
                         help="a language model's tokens per row (default 4096); a diffusion "
                              "model's text tokens (default: the model's own)")
     parser.add_argument("--frames", metavar="N", default=None,
-                        help="a video model's frames (Wan: 4k+1, default 81)")
+                        help="a video model's frames, 4k+1 (default: Wan 81, HunyuanVideo 129)")
     parser.add_argument("--hardware", metavar="GPU", default=None,
                         help="plan offline for a named GPU (see --list); default: measure "
                              f"this machine's GPU, or {DEFAULT_OFFLINE_HARDWARE} without one")

@@ -152,6 +152,20 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         source="Wan-AI/Wan2.1-T2V-14B-Diffusers, transformer/config.json",
         parameters=14_288_491_584, published="14.3 B",
         aliases=("wan2.1-t2v-14b", "Wan-AI/Wan2.1-T2V-14B-Diffusers")),
+    # 12,821,012,544 parameters (published: 13 B).
+    "hunyuanvideo": ModelPreset(
+        name="hunyuanvideo", library="diffusers", class_name="HunyuanVideoTransformer3DModel",
+        config={
+            "attention_head_dim": 128, "guidance_embeds": True, "in_channels": 16,
+            "mlp_ratio": 4.0, "num_attention_heads": 24, "num_layers": 20,
+            "num_refiner_layers": 2, "num_single_layers": 40, "out_channels": 16,
+            "patch_size": 2, "patch_size_t": 1, "pooled_projection_dim": 768,
+            "qk_norm": "rms_norm", "rope_axes_dim": (16, 56, 56), "rope_theta": 256.0,
+            "text_embed_dim": 4096,
+        },
+        source="hunyuanvideo-community/HunyuanVideo, transformer/config.json",
+        parameters=12_821_012_544, published="13 B",
+        aliases=("hunyuan-video", "hunyuanvideo-community/HunyuanVideo", "tencent/HunyuanVideo")),
     # 8,030,261,248 parameters (published: 8.03 B). transformers 5 reads rope_theta and
     # rope_scaling into rope_parameters; "torch_dtype" is the published spelling of "dtype".
     "llama-3.1-8b": ModelPreset(
@@ -193,6 +207,7 @@ LORA_TARGETS_BY_FAMILY: dict[str, tuple[str, ...]] = {
                    "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
     "unet": ("to_q", "to_k", "to_v", "to_out.0"),
     "wan": ("to_q", "to_k", "to_v", "to_out.0"),
+    "hunyuan-video": ("to_q", "to_k", "to_v", "to_out.0"),
     "causal-lm": ("q_proj", "k_proj", "v_proj", "o_proj"),
 }
 
@@ -204,6 +219,7 @@ TARGET_KINDS: dict[str, TargetKind] = {
     "sd3": TargetKind("an image model", ("resolution", "seq_len")),
     "qwen-image": TargetKind("an image model", ("resolution", "seq_len")),
     "wan": TargetKind("a video model", ("resolution", "frames", "seq_len")),
+    "hunyuan-video": TargetKind("a video model", ("resolution", "frames", "seq_len")),
     "causal-lm": TargetKind("a language model", ("seq_len",)),
 }
 
@@ -214,10 +230,13 @@ _DIFFUSERS_FAMILIES = {
     "SD3Transformer2DModel": "sd3",
     "QwenImageTransformer2DModel": "qwen-image",
     "WanTransformer3DModel": "wan",
+    "HunyuanVideoTransformer3DModel": "hunyuan-video",
 }
 _VAE_SCALE = 8  # spatial down-scaling of every VAE here (SD, SDXL, SD3, Flux, Qwen-Image, Wan 2.1)
-_WAN_TEMPORAL_SCALE = 4  # Wan 2.1's VAE: 4 frames per latent frame, after the first
+_WAN_TEMPORAL_SCALE = 4  # Wan 2.1's and HunyuanVideo's VAEs: 4 frames per latent frame, after
+                         # the first
 _WAN_DEFAULT = (81, (480, 832))  # frames, (height, width): Wan 2.1 T2V's 480p default
+_HUNYUAN_DEFAULT = (129, (720, 1280))  # HunyuanVideo's pipeline defaults
 _IMAGE_DEFAULT = 1024
 _LM_DEFAULT_TOKENS = 4096
 _CLIP_IMAGE_TOKENS = 257  # Wan I2V's CLIP ViT-H/14 image tokens
@@ -240,8 +259,8 @@ class PlanTarget:
         mode: ``"train"`` or ``"infer"``.
         trainable: what trains, in words (``"LoRA r16 (alpha 16, fp32) on to_q, ...: 26,148,864
             parameters"``).
-        family: ``"flux"``, ``"unet"``, ``"sd3"``, ``"qwen-image"``, ``"wan"`` or
-            ``"causal-lm"``.
+        family: ``"flux"``, ``"unet"``, ``"sd3"``, ``"qwen-image"``, ``"wan"``,
+            ``"hunyuan-video"`` or ``"causal-lm"``.
         shapes: the inputs in words (``"batch 1, 1024x1024 px: 4096 image tokens + 512 text
             tokens"``).
     """
@@ -648,12 +667,35 @@ def _inputs(family: str, config: Mapping[str, Any], *, resolution: object, frame
             inputs["guidance"] = _meta(b, dtype=dtype)
         return inputs, (f"batch {b}, {size[0]}x{size[1]} px: {tokens} image tokens + {text} "
                         "text tokens")
+    if family == "hunyuan-video":
+        frames = _video_frames(frames, _HUNYUAN_DEFAULT[0], name)
+        spatial, temporal = _config_int(config, "patch_size", 2), _config_int(
+            config, "patch_size_t", 1)
+        size = _resolution(resolution, _HUNYUAN_DEFAULT[1])
+        _check_multiple(size, spatial * _VAE_SCALE, name)
+        latent = ((frames - 1) // _WAN_TEMPORAL_SCALE + 1, size[0] // _VAE_SCALE,
+                  size[1] // _VAE_SCALE)
+        text = seq_len or 256  # Llama prompt tokens: the pipeline's max_sequence_length
+        inputs = {
+            "hidden_states": _meta(b, _config_int(config, "in_channels", 16), *latent,
+                                   dtype=dtype),
+            "timestep": _meta(b, dtype=dtype),
+            "encoder_hidden_states": _meta(b, text, _config_int(config, "text_embed_dim", 4096),
+                                           dtype=dtype),
+            # every prompt token counts (the mask only shortens the text; a plan is for the
+            # longest prompt)
+            "encoder_attention_mask": torch.empty(b, text, dtype=torch.long, device="meta"),
+            "pooled_projections": _meta(b, _config_int(config, "pooled_projection_dim", 768),
+                                        dtype=dtype),
+        }
+        if config.get("guidance_embeds"):
+            inputs["guidance"] = _meta(b, dtype=dtype)
+        tokens = (latent[0] // temporal) * (latent[1] // spatial) * (latent[2] // spatial)
+        return inputs, (f"batch {b}, {frames} frames at {size[0]}x{size[1]} px: latents "
+                        f"{latent[0]}x{latent[1]}x{latent[2]}, {tokens} video tokens + {text} "
+                        "text tokens")
     # wan
-    frames = _WAN_DEFAULT[0] if frames is None else check_int("frames", frames, minimum=1)
-    if (frames - 1) % _WAN_TEMPORAL_SCALE:
-        lower = (frames - 1) // _WAN_TEMPORAL_SCALE * _WAN_TEMPORAL_SCALE + 1
-        raise ConfigError(f"{name} takes 4k+1 frames (its VAE packs 4 frames per latent frame "
-                          f"after the first), got {frames}", hint=f"Use {lower} frames.")
+    frames = _video_frames(frames, _WAN_DEFAULT[0], name)
     patch = config.get("patch_size") or (1, 2, 2)
     size = _resolution(resolution, _WAN_DEFAULT[1])
     _check_multiple(size, patch[1] * _VAE_SCALE, name)
@@ -674,6 +716,17 @@ def _inputs(family: str, config: Mapping[str, Any], *, resolution: object, frame
     return inputs, (f"batch {b}, {frames} frames at {size[0]}x{size[1]} px: latents "
                     f"{latent[0]}x{latent[1]}x{latent[2]}, {tokens} video tokens + {text} text "
                     "tokens")
+
+
+def _video_frames(frames: int | None, default: int, name: str) -> int:
+    """``frames`` (or ``default``), which a video VAE packing 4 frames per latent frame after
+    the first takes only as 4k+1."""
+    frames = default if frames is None else check_int("frames", frames, minimum=1)
+    if (frames - 1) % _WAN_TEMPORAL_SCALE:
+        lower = (frames - 1) // _WAN_TEMPORAL_SCALE * _WAN_TEMPORAL_SCALE + 1
+        raise ConfigError(f"{name} takes 4k+1 frames (its VAE packs 4 frames per latent frame "
+                          f"after the first), got {frames}", hint=f"Use {lower} frames.")
+    return frames
 
 
 # -- the step ---------------------------------------------------------------------------------
@@ -798,7 +851,8 @@ def build_target(model: str | Path, *, mode: str = "train", lora_rank: int = 16,
         batch: rows per step.
         seq_len: a language model's tokens per row (default 4096); for a diffusion model, the
             text tokens (default: Flux-dev 512, SDXL 77, SD3.5 333, Qwen-Image 512, Wan 512).
-        frames: a video model's frames (Wan: 4k+1, default 81). Not for image models.
+        frames: a video model's frames, 4k+1 (default: Wan 81, HunyuanVideo 129). Not for
+            image models.
         dtype: the frozen weights' dtype (default bf16; LoRA adapters are fp32).
         lora_targets: module names for the adapters, instead of :data:`LORA_TARGETS_BY_FAMILY`.
 

@@ -16,8 +16,8 @@ fp32 from the same codes), so the CPU measures the same quality, slowly.
 
 Run (GPU, ~2-3 min on an H200, eager 8-bit layers are host-bound on a model this small):
     PYTHONPATH=src python3 benchmarks/w8a8_quality.py --out out/w8a8q
-Run (CPU, ~5 min on 2 cores): PYTHONPATH=src python3 benchmarks/w8a8_quality.py --device cpu
-    --out out/w8a8q
+Run (CPU, ~19 min on 2 busy cores): PYTHONPATH=src python3 benchmarks/w8a8_quality.py
+    --device cpu --out out/w8a8q
 """
 
 from __future__ import annotations

@@ -117,6 +117,18 @@ def test_find_and_unwrap() -> None:
     assert bound.__func__ is nn.Linear.forward  # type: ignore[attr-defined]
 
 
+def test_restore_all_takes_one_kind_out_of_every_module() -> None:
+    model = nn.Sequential(_linear(), _linear(), _linear())
+    for layer in model[:2]:
+        _patch.install(layer, Scale(2.0))
+    shift = _patch.install(model[1], Shift())
+    assert _patch.restore_all(model, "scale") == ["0", "1"]
+    assert all(_patch.find(layer, "scale") is None for layer in model)
+    assert _patch.find(model[1], "shift") is shift  # other kinds stay
+    assert _patch.restore_all(model, "scale") == []
+    assert "forward" not in model[0].__dict__  # the class method is back
+
+
 def test_other_method_names() -> None:
     class Codec(nn.Module):
         def decode(self, z: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, TypeVar
 
 from torch import nn
 
-__all__ = ["MethodWrapper", "find", "install", "restore", "unwrap", "wrappers"]
+__all__ = ["MethodWrapper", "find", "install", "restore", "restore_all", "unwrap", "wrappers"]
 
 _REGISTRY = "_vramkit_wrappers"
 _W = TypeVar("_W", bound="MethodWrapper")
@@ -135,6 +135,21 @@ def restore(module: nn.Module, wrapper: MethodWrapper) -> bool:
     if not registry:
         module.__dict__.pop(_REGISTRY, None)
     return unlinked
+
+
+def restore_all(model: nn.Module, kind: str, name: str = "forward") -> list[str]:
+    """:func:`restore` the wrapper of ``kind`` on every module of ``model`` that has one.
+
+    Returns:
+        The qualified names of the modules restored.
+    """
+    restored: list[str] = []
+    for qualified, module in model.named_modules():
+        wrapper = find(module, kind, name)
+        if wrapper is not None:
+            restore(module, wrapper)
+            restored.append(qualified)
+    return restored
 
 
 def find(module: nn.Module, kind: str, name: str = "forward") -> MethodWrapper | None:

@@ -204,10 +204,4 @@ def unchunk_feed_forwards(model: nn.Module) -> list[str]:
     Returns:
         The qualified names of the layers restored.
     """
-    restored = []
-    for name, module in model.named_modules():
-        state = _state_of(module)
-        if state is not None:
-            _patch.restore(module, state)
-            restored.append(name)
-    return restored
+    return _patch.restore_all(model, _ChunkedForward.kind)

@@ -204,10 +204,4 @@ def uncompile_blocks(model: nn.Module) -> list[str]:
     Returns:
         Qualified names of the modules whose forward was restored.
     """
-    restored: list[str] = []
-    for name, module in model.named_modules():
-        wrapper = _patch.find(module, _CompiledForward.kind)
-        if wrapper is not None:
-            _patch.restore(module, wrapper)
-            restored.append(name)
-    return restored
+    return _patch.restore_all(model, _CompiledForward.kind)

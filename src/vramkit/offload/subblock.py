@@ -194,10 +194,4 @@ def uncheckpoint_parts(model: nn.Module) -> list[str]:
     Returns:
         The qualified names of the modules restored.
     """
-    restored = []
-    for name, module in model.named_modules():
-        state = _state_of(module)
-        if state is not None:
-            _patch.restore(module, state)
-            restored.append(name)
-    return restored
+    return _patch.restore_all(model, _PartCheckpoint.kind)

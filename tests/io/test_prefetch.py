@@ -28,11 +28,27 @@ def test_a_prefetch_reads_every_byte_of_every_file(tmp_path: Path) -> None:
     assert p.bytes_read == p.nbytes == 1_070_003
 
 
-def test_stop_ends_the_reads_early(tmp_path: Path) -> None:
+def test_stop_ends_the_reads_early(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import threading
+
     f = _file(tmp_path / "big.safetensors", 4 << 20)
+    first, release = threading.Event(), threading.Event()
+    real = os.preadv
+
+    def held(fd: int, buffers: list[bytearray], offset: int) -> int:
+        got = real(fd, buffers, offset)
+        first.set()
+        release.wait(10)  # the first read stays in flight until the stop is asked
+        return got
+
+    monkeypatch.setattr(os, "preadv", held)
     p = Prefetch([f], threads=1, chunk=4096)
+    assert first.wait(10)
+    p.stop(wait=False)
+    release.set()
     p.stop()
-    assert p.done and p.bytes_read < p.nbytes
+    assert p.done and p.bytes_read == 4096 < p.nbytes
 
 
 def test_the_files_of_a_checkpoint(tmp_path: Path) -> None:

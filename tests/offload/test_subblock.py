@@ -183,3 +183,29 @@ def test_wan_with_lora_grads_equal_the_block_checkpointed_whole(dtype: torch.dty
         assert grads and all(g is not None for g in grads)
         for a, b in zip(grads, expected, strict=True):
             assert torch.equal(a, b), step
+
+
+def test_parts_under_compiled_blocks_trace_and_give_the_same_gradients() -> None:
+    # fit(compile=...) compiles each block's forward beneath its checkpoint; the parts'
+    # checkpoints then run inside the traced forward. Traced with dynamo's eager backend (what
+    # is checked is the tracing and the gradients, not inductor's code).
+    from vramkit.offload import _patch
+    from vramkit.offload.compiled import compile_blocks, uncompile_blocks
+
+    dynamo = pytest.importorskip("torch._dynamo")
+    dynamo.reset()
+    xs = video_inputs(4, 8, 12)
+    ref, model = video_model(), video_model()
+    for m in (ref, model):
+        compile_blocks(m, BLOCKS)
+        for name in BLOCKS:
+            _patch.find(m.get_submodule(name), "compile").options["backend"] = "eager"
+        enable_gradient_checkpointing(m, BLOCKS)
+    assert checkpoint_block_parts(model, BLOCKS)
+    for step in range(2):
+        for p in (*model.parameters(), *ref.parameters()):
+            p.grad = None
+        for a, b in zip(_grads(model, xs), _grads(ref, xs), strict=True):
+            assert torch.equal(a, b), step
+    assert uncheckpoint_parts(model) and uncompile_blocks(model) == BLOCKS
+    dynamo.reset()

@@ -17,6 +17,12 @@ T2V 14B, LoRA r16 on the attention projections, 480x832 at ``--frames`` frames, 
 so that a round stays within the time; ``--frames 81`` is the published default). Weights are
 random (bf16), built from the published configs (``vramkit.recipes.targets``).
 
+``--wan-infer``: Wan inference instead: one forward (no adapters, bf16, no grad) at 480x832 x
+``--frames`` (default 81) under ``--budget`` (default 8 GiB with this flag), ``vramkit.fit(mode=
+"infer")`` against diffusers' block-level group offloading (``enable_group_offload(
+offload_type="block_level", num_blocks_per_group=1, use_stream=True)``) of the same weights,
+alternating; both peaks printed (ours capped, theirs measured: ours must be at most theirs).
+
 ``--wan-row``: the Wan row instead, at 480x832 x ``--frames`` (default 81 with this flag): the
 fitted step under ``--budget`` against the same weights resident on the GPU with every block
 checkpointed and no cap, alternating; the measured peak against the prediction (target: within
@@ -33,6 +39,7 @@ Run (H200, each well under 4 min; the figures printed at the end):
     PYTHONPATH=src python3 benchmarks/regret.py --model wan --budget 11.5 --rounds 1
     PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-row --budget 11.5
     PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-row --budget 11.5 --subblock
+    PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-infer --budget 8
 Run (CPU, code paths only, seconds):
     PYTHONPATH=src python3 benchmarks/regret.py --model demo --tiny --device cpu
 """
@@ -118,8 +125,13 @@ def _target(model: str, args: argparse.Namespace) -> Any:
     if args.tiny:
         folder = Path(tempfile.mkdtemp(prefix="vramkit-regret-wan-"))
         (folder / "config.json").write_text(json.dumps(TINY_WAN), encoding="utf-8")
-        return build_target(str(folder), frames=5, resolution=(32, 48), seq_len=8)
-    return build_target("wan2.1-14b", frames=args.frames)
+        return build_target(str(folder), frames=5, resolution=(32, 48), seq_len=8,
+                            mode=_mode(args))
+    return build_target("wan2.1-14b", frames=args.frames, mode=_mode(args))
+
+
+def _mode(args: argparse.Namespace) -> str:
+    return "infer" if getattr(args, "wan_infer", False) else "train"
 
 
 def build(model: str, args: argparse.Namespace, device: torch.device) -> Model:
@@ -135,7 +147,7 @@ def build(model: str, args: argparse.Namespace, device: torch.device) -> Model:
     host = copy_to(twin, _target(model, args).model, torch.device("cpu"))
     vocab = getattr(getattr(host, "config", None), "vocab_size", None)
     inputs = real_inputs(target.inputs, device, vocab, args.seed + 1)
-    if not args.wan_row:
+    if not (args.wan_row or args.wan_infer):
         twin = None
         gc.collect()
         if device.type == "cuda":
@@ -400,10 +412,81 @@ def wan_row(m: Model, args: argparse.Namespace, device: torch.device
     return result, [row]
 
 
+def wan_infer_row(m: Model, args: argparse.Namespace, device: torch.device
+                  ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One Wan forward fitted under the budget vs diffusers' block-level group offloading."""
+    import vramkit
+    from plan import Arm, Settings, alternate, warm
+
+    assert m.twin is not None
+    budget = int(args.budget * GIB)
+    cuda = device.type == "cuda"
+    m.twin.to("cpu")  # diffusers' arm offloads from the host
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    options: dict[str, Any] = {} if cuda else {"hardware": "rtx4090", "headroom": 0.05}
+    if args.tiny:
+        budget = _tiny_infer_budget(m, budget)
+    started = time.perf_counter()
+    planned = vramkit.plan(m.host, m.inputs, budget, mode="infer", autocast=None,
+                           device=device if cuda else None, **options)
+    plan_s = time.perf_counter() - started
+    log(planned.explain())
+
+    def forward(model: nn.Module) -> Any:
+        def run() -> None:
+            with torch.no_grad():
+                model(**m.inputs, return_dict=False)
+        return run
+
+    card = Card(device, budget)
+    mine = Arm("fitted", forward(m.host), capped=True)
+    theirs = Arm("diffusers", forward(m.twin), capped=False)
+    holder: dict[str, Any] = {}
+    try:
+        warm(card, mine, lambda: holder.setdefault("fitted", vramkit.fit(
+            m.host, m.inputs, budget, plan=planned, device=device, mode="infer")))
+        warm(card, theirs, lambda: m.twin.enable_group_offload(
+            onload_device=device, offload_device=torch.device("cpu"),
+            offload_type="block_level", num_blocks_per_group=1, use_stream=cuda))
+        settings = Settings(device=device.type, tiny=args.tiny, rounds=args.rounds or 2,
+                            steps_per_arm=args.steps or 2)
+        alternate(card, (mine, theirs), settings)
+    finally:
+        card.release()
+        if "fitted" in holder:
+            holder["fitted"].detach()
+    ratios = [a / b for a, b in zip(mine.seconds, theirs.seconds, strict=False)]
+    ours, diffusers = statistics.median(mine.seconds), statistics.median(theirs.seconds)
+    row = {"row": f"Wan 2.1 14B inference {m.shapes}", "budget GiB": budget / GIB,
+           "plan": f"{len(planned.swapped)}/{len(planned.block_order)} swapped, "
+                   f"R={planned.num_slots}"
+                   + (", compressed" if planned.compress_masters else ""),
+           "ours s": ours, "diffusers s": diffusers,
+           "speed-up": diffusers / ours,
+           "speed-up spread": f"{1 / max(ratios):.3f}-{1 / min(ratios):.3f}",
+           "predicted s": planned.predicted_step_seconds,
+           "peak GiB": mine.peak / GIB, "predicted GiB": planned.predicted_peak_bytes / GIB,
+           "diffusers peak GiB": theirs.peak / GIB,
+           "peak at most diffusers'": mine.peak <= theirs.peak if cuda else None}
+    print(f"\nWan inference row: {row}")
+    result = {**row, "plan_s": plan_s, "explain": planned.explain(),
+              "fitted_s": mine.seconds, "diffusers_s": theirs.seconds}
+    return result, [row]
+
+
+def _tiny_infer_budget(m: Model, budget: int) -> int:
+    """A tiny model's budget: about half its weights (the CPU run only exercises the code)."""
+    del budget
+    return max(1 << 20, sum(p.numel() * p.element_size() for p in m.host.parameters()) // 2)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default="flux")
-    parser.add_argument("--budget", type=float, default=11.5, help="GiB (default 11.5)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="GiB (default 11.5; 8 with --wan-infer)")
     parser.add_argument("--rounds", type=int, default=0,
                         help="rounds over the plans (default by model: " + ", ".join(
                             f"{k} {v}" for k, v in DEFAULT_ROUNDS.items()) + ")")
@@ -419,14 +502,20 @@ def main(argv: list[str] | None = None) -> int:
                              "checkpointed on their own (plan(subblock_checkpoint=True))")
     parser.add_argument("--wan-row", action="store_true",
                         help="the Wan row: fitted vs resident with every block checkpointed")
+    parser.add_argument("--wan-infer", action="store_true",
+                        help="Wan inference: fitted vs diffusers' block-level group offloading")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny models: code paths only")
     parser.add_argument("--seed", type=int, default=0)
     add_common_args(parser)
     args = parser.parse_args(argv)
-    if args.wan_row and args.model != "wan":
-        parser.error("--wan-row is a row of --model wan")
-    args.frames = args.frames or (81 if args.wan_row else 41)
+    if (args.wan_row or args.wan_infer) and args.model != "wan":
+        parser.error("--wan-row and --wan-infer are rows of --model wan")
+    if args.wan_row and args.wan_infer:
+        parser.error("--wan-row and --wan-infer are separate rows: run one per process")
+    args.frames = args.frames or (81 if args.wan_row or args.wan_infer else 41)
+    if args.budget is None:
+        args.budget = 8.0 if args.wan_infer else 11.5
     from vramkit.devices.resolve import resolve_device
 
     device = resolve_device(args.device, owner="benchmarks/regret.py")
@@ -435,9 +524,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     m = build(args.model, args, device)
     log(f"built {m.name} ({m.shapes}) in {time.perf_counter() - started:.1f} s")
-    result, rows = (wan_row if args.wan_row else regret_run)(m, args, device)
+    run = wan_row if args.wan_row else wan_infer_row if args.wan_infer else regret_run
+    result, rows = run(m, args, device)
     result["total_s"] = time.perf_counter() - started
-    name = "regret_wan_row" if args.wan_row else f"regret_{args.model}"
+    name = ("regret_wan_row" if args.wan_row else "regret_wan_infer" if args.wan_infer
+            else f"regret_{args.model}")
     write_result(name + ("_tiny" if args.tiny else ""), result, rows, args.out)
     print(f"total {result['total_s']:.0f} s")
     return 0

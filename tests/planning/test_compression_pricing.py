@@ -51,6 +51,34 @@ def test_full_fine_tuning_is_never_priced_compressed() -> None:
     assert full.swapped and not full.compress_masters
 
 
+def test_a_share_of_the_swapped_blocks_is_priced_compressed_too() -> None:
+    import dataclasses
+
+    from vramkit.planning._compression import SUBSET_SHARES, compressed, compressed_subsets
+    from vramkit.planning.pricing import Candidate
+
+    sizes = [100, 100, 200, 100, 100, 100, 100, 100]
+    chosen = [1, 2, 3, 5, 6, 7]  # blocks 0 and 4 resident
+    c = Candidate(chosen=chosen, flags=[i in chosen for i in range(8)], num_slots=2,
+                  sizes=sizes, copy_seconds=[s / 100 if i in chosen else 0.0
+                                             for i, s in enumerate(sizes)],
+                  master_bytes=sum(sizes[i] for i in chosen), weights=0, slot_bytes=0,
+                  scratch=0, dequant=[], per_layer=[], swapped_format="bf16",
+                  resident_format="bf16", together=False, checkpoints=0, offload=False)
+    subsets = compressed_subsets(c)
+    assert subsets[0] is None  # all of them first
+    counts = [len(s) for s in subsets[1:] if s is not None]
+    assert counts == sorted({round(len(chosen) * f) for f in SUBSET_SHARES} - {len(chosen)})
+    assert all(set(s) <= set(chosen) for s in subsets[1:] if s is not None)
+    variant, scratch = compressed(c, 0.5, 1000.0, which=[2, 5])
+    assert variant.copy_seconds[2] == 1.0 and variant.copy_seconds[5] == 0.5
+    assert variant.copy_seconds[1] == 1.0 and variant.copy_seconds[3] == 1.0  # raw ones
+    assert variant.decode_seconds == [0.0, 0.0, 0.2, 0.0, 0.0, 0.1, 0.0, 0.0]
+    assert variant.master_bytes == c.master_bytes - 150
+    assert scratch == SCRATCH_BUFFERS * 100  # the largest compressed block's payload
+    assert dataclasses.replace(c).decode_seconds is None
+
+
 def test_decode_rate_sources() -> None:
     offline = machine_for("h100-sxm")
     assert decode_rate(offline, None) == pytest.approx(

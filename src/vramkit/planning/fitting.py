@@ -272,7 +272,9 @@ class Fitted:
             self.swapper = BlockSwapper(model, blocks, config=SwapConfig(
                 swapped_blocks=plan.swapped, num_slots=max(1, plan.num_slots),
                 host_budget=plan.swap_host_budget,
-                compress="on" if plan.compress_masters else "off", **_host_memory(
+                compress="on" if plan.compress_masters else "off",
+                compressed_blocks=(plan.compressed_blocks or None) if plan.compress_masters
+                else None, **_host_memory(
                     plan, self._host_memory_asked, self._master_memory, self._block_loader),
                 **({"trainable": "swap"} if swap_trainable else {})),
                 device=self.device, checkpoint=checkpoint, prefix=prefix, strict=strict,

@@ -48,7 +48,7 @@ from typing import Any
 from vramkit._validate import check_choice, check_number
 from vramkit.errors import PlanError
 from vramkit.offload.blocks import spread_evenly
-from vramkit.planning._compression import decode_rate
+from vramkit.planning._compression import MIN_GAIN, decode_rate
 from vramkit.planning.analysis import ModelCost
 from vramkit.planning.calibration import BlockTimes
 from vramkit.planning.machine import COPY_SLOWDOWN, Machine
@@ -488,6 +488,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         disk_bytes_per_s=disk_bw if best.disk else None,
         dequantize_together=best.together, checkpointing=checkpointing,
         compress_masters=best.compress,
+        compressed_blocks=tuple(names[i] for i in best.compressed),
         host_breakdown=dict(best.host_parts), host_budget_bytes=host_budget,
         trainable="swap" if swap_trainable and swapped else "resident")
 
@@ -531,6 +532,11 @@ EQUAL_TIME_SHARE = 1e-6
 def _prefer_simple(candidates: list[Priced]) -> Priced | None:
     if not candidates:
         return None
+    raw = [c.seconds for c in candidates if not c.compress]
+    if raw:  # compressed masters must beat the fastest raw plan by the margin, not only
+        # their own candidate's raw price (a raw plan with more room to spare may be faster)
+        candidates = [c for c in candidates
+                      if not c.compress or c.seconds <= min(raw) * (1 - MIN_GAIN)]
     fastest = min(c.seconds for c in candidates)
     near = [c for c in candidates if c.seconds <= fastest * (1 + EQUAL_TIME_SHARE)]
     return min(near, key=lambda c: (len(c.disk), c.k, c.m, c.offload, c.r, c.fmt_rank,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vramkit.offload._activation_settings import ActivationOffloadConfig
-from vramkit.planning._compression import MIN_GAIN, compressed
+from vramkit.planning._compression import MIN_GAIN, compressed, compressed_subsets
 from vramkit.planning.analysis import BlockCost, ModelCost
 from vramkit.planning.calibration import CHECKPOINTED, FULL, BlockTimes, CallTimes, packed_variant
 from vramkit.planning.machine import (
@@ -250,7 +250,8 @@ class Priced:
         host: pinned host bytes (masters on the host, offloaded activations).
         disk: the indices of the swapped blocks kept on disk; ``swap_budget`` the
             ``SwapConfig.host_budget`` that keeps them there (``None`` without a disk tier).
-        compress: the swapped masters are compressed (``SwapConfig.compress``).
+        compress: the swapped masters are compressed (``SwapConfig.compress``);
+            ``compressed``: the indices of those compressed when only some are (empty: all).
         host_parts: ``host`` by part (``"masters"``, ``"offloaded_activations"``).
     """
 
@@ -272,6 +273,7 @@ class Priced:
     swap_budget: int | None
     together: bool
     compress: bool = False
+    compressed: tuple[int, ...] = ()
     host_parts: dict[str, int] = field(default_factory=dict)
 
 
@@ -313,7 +315,8 @@ class StepPricer:
 
     def price(self, candidate: Candidate) -> Priced | None:
         """``candidate``'s predicted phases and memory (``None``: its masters cannot be split
-        between host and disk under ``host_budget``), with compressed masters where that
+        between host and disk under ``host_budget``), with compressed masters -- all of the
+        swapped blocks' or an even share of them, whichever prices fastest -- where that
         prices at least ``MIN_GAIN`` faster and fits (frozen swapped blocks in RAM only: a
         disk tier keeps raw masters)."""
         plain = self._price(candidate)
@@ -321,14 +324,20 @@ class StepPricer:
         if (plain is None or plain.disk or not candidate.chosen or ratio is None
                 or rate is None or room is None or candidate.swapped_format != "bf16"):
             return plain
-        variant, scratch = compressed(candidate, ratio, rate)
-        packed = self._price(variant)
-        if packed is None or packed.disk:
-            return plain
-        breakdown = {**packed.breakdown, "compress_scratch": scratch}
-        if sum(breakdown.values()) > room or packed.seconds > plain.seconds * (1 - MIN_GAIN):
-            return plain
-        return replace(packed, breakdown=breakdown, compress=True)
+        best = plain
+        for which in compressed_subsets(candidate):
+            variant, scratch = compressed(candidate, ratio, rate, which)
+            packed = self._price(variant)
+            if packed is None or packed.disk:
+                continue
+            breakdown = {**packed.breakdown, "compress_scratch": scratch}
+            if (sum(breakdown.values()) > room
+                    or packed.seconds > plain.seconds * (1 - MIN_GAIN)
+                    or packed.seconds >= best.seconds):
+                continue
+            best = replace(packed, breakdown=breakdown, compress=True,
+                           compressed=() if which is None else tuple(which))
+        return best
 
     def _price(self, candidate: Candidate) -> Priced | None:
         c, p, cost = candidate, self.prices, self.cost

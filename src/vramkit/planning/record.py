@@ -135,6 +135,8 @@ class Plan:
         compress_masters: the swapped masters are kept losslessly compressed and decoded on
             the device after each copy (``SwapConfig(compress="on")``; the decode scratch is
             ``peak_breakdown["compress_scratch"]``): fewer bytes over a transfer-bound link.
+            ``compressed_blocks``: the swapped blocks compressed where only some are (the
+            others' copies hide anyway, and each decode costs compute); empty: all of them.
         host_memory / host_memory_reason: where the swapped masters live, ``"pinned"`` or
             ``"pageable"`` (``SwapConfig.host_memory``, resolved by :func:`vramkit.plan`), and
             why; with pageable masters the copies were priced at ``copy_bytes_per_s``
@@ -168,6 +170,7 @@ class Plan:
     checkpointing: str = "auto"
     split: bool = False
     compress_masters: bool = False
+    compressed_blocks: tuple[str, ...] = ()
     host_memory: str = "pinned"
     host_memory_reason: str = ""
     copy_bytes_per_s: float | None = None
@@ -356,7 +359,9 @@ class Plan:
                              "time per layer).")
         if self.compress_masters:
             scratch = self.peak_breakdown.get("compress_scratch", 0)
-            lines.append("Keep the swapped masters compressed and decode them on the device "
+            which = (f"{len(self.compressed_blocks)} of the {len(self.swapped)} swapped "
+                     "masters" if self.compressed_blocks else "the swapped masters")
+            lines.append(f"Keep {which} compressed and decode them on the device "
                          f"after each copy (fewer bytes copied; {format_size(scratch)} of "
                          "decode scratch; each decode is priced in the time of the compute "
                          "it runs beside, or waited for by its block).")
@@ -432,4 +437,4 @@ def _by_stack(names: Sequence[str], swapped: set[str]) -> dict[str, tuple[int, i
 _DERIVED = frozenset({"predicted_step_seconds"})
 #: The fields of names (and notes) that JSON turns into lists.
 _NAME_TUPLES = frozenset({"swapped", "resident", "checkpointed", "notes", "block_order",
-                          "disk_blocks"})
+                          "disk_blocks", "compressed_blocks"})

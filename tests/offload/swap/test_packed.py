@@ -85,6 +85,44 @@ def test_training_with_compressed_masters_is_identical() -> None:
         assert torch.equal(a, b), name
 
 
+def test_only_the_named_blocks_are_compressed_and_training_is_identical() -> None:
+    # a plan compresses the blocks whose saved copies repay their decode (compressed_blocks)
+    expected = _train(_net())
+    net = _net()
+    names = ("blocks.1", "blocks.3")
+    swapper = BlockSwapper(net, config=_config("on", compressed_blocks=names), device="cpu")
+    assert _train(net) == expected
+    assert swapper.stats().compressed_blocks == 2
+    held = {b.name: swapper._host.packed.holds(b) for b in swapper._blocks}
+    assert held == {f"blocks.{i}": f"blocks.{i}" in names for i in range(BLOCKS)}
+    swapper.detach()
+
+
+def test_compressed_blocks_are_checked_before_anything_moves() -> None:
+    with pytest.raises(ConfigError, match="compress='off'"):
+        SwapConfig(compressed_blocks=("blocks.0",))
+    with pytest.raises(ConfigError, match="list of block names"):
+        SwapConfig(compress="on", compressed_blocks="blocks.0")  # type: ignore[arg-type]
+    net = _net()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(ConfigError, match="not blocks of this swapper"):
+        BlockSwapper(net, config=_config("on", compressed_blocks=("blocks.9",)), device="cpu")
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in before.items())
+    assert not any("forward" in m.__dict__ for m in net.modules())  # no hook left behind
+
+
+def test_disk_tier_blocks_outside_compressed_blocks_stay_raw(tmp_path: Path) -> None:
+    nets = [frozen_mlp_stack(16, 128, 512, 6, 4).bfloat16() for _ in range(2)]
+    expected = _train(nets[0])
+    block = BlockSwapper.footprint(nets[1].blocks[0], _config("off")).swapped
+    swapper = BlockSwapper(nets[1], config=_config(
+        "on", host_budget=int(5.5 * block), disk_cache_dir=str(tmp_path),
+        compressed_blocks=("blocks.0", "blocks.5")), device="cpu")
+    assert _train(nets[1]) == expected
+    assert swapper.stats().compressed_blocks == 2
+    swapper.detach()
+
+
 def test_a_decoded_slot_equals_the_raw_master_byte_for_byte() -> None:
     plain = BlockSwapper(_net(), config=_config("off"), device="cpu")
     packed = BlockSwapper(_net(), config=_config("on"), device="cpu")

@@ -63,6 +63,21 @@ def test_compressed_swapping_trains_bit_identically() -> None:
     assert stats.h2d_bytes < 0.75 * off[2].h2d_bytes
 
 
+def test_a_share_of_the_blocks_compressed_trains_bit_identically() -> None:
+    # the planner's compressed_blocks: compressed and raw blocks through the same slots
+    expected, expected_grads = _train(_net())
+    net = _net()
+    names = ("blocks.0", "blocks.2", "blocks.5")
+    swapper = BlockSwapper(net, config=SwapConfig(compress="on", num_slots=2,
+                                                  compressed_blocks=names), device="cuda")
+    losses, grads = _train(net)
+    assert swapper.stats().compressed_blocks == 3
+    swapper.detach()
+    assert losses == expected
+    for got, want in zip(grads, expected_grads, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_slots_hold_the_masters_bytes() -> None:
     plain = BlockSwapper(_net(), config=SwapConfig(), device="cuda")
     packed = BlockSwapper(_net(), config=SwapConfig(compress="on"), device="cuda")

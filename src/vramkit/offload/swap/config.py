@@ -30,6 +30,16 @@ _TRAINABLE = ("resident", "cpu", "swap")
 _COMPRESS = ("off", "on", "auto")  # vramkit.offload.swap.packed.COMPRESS_MODES
 
 
+def _block_names(field: str, names: object) -> tuple[str, ...]:
+    """``names`` as a tuple of block names, or a ConfigError naming ``SwapConfig.<field>``."""
+    if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(
+            isinstance(n, str) and n for n in names):
+        raise ConfigError(f"SwapConfig.{field} must be a list of block names, got {names!r}",
+                          hint="Name blocks as find_blocks(model) does, e.g. ['blocks.0', "
+                               "'blocks.3'].")
+    return tuple(names)
+
+
 @dataclass(frozen=True)
 class SwapConfig:
     """How a :class:`BlockSwapper` chooses and moves blocks.
@@ -99,6 +109,10 @@ class SwapConfig:
             ``block_loader`` (sharded uploads) the masters are encoded before the attach
             returns and each load gathers the compressed payload. Masters in node-shared
             memory (``master_memory=``) stay raw (``"on"`` is refused there).
+        compressed_blocks: with ``compress`` on, only these swapped blocks' masters are
+            compressed (names as :func:`~vramkit.offload.blocks.find_blocks` gives them; what a
+            plan chooses where compressing every block would cost more decode time than the
+            copies it saves). Default ``None``: every eligible block.
         host_memory: where the swapped blocks' masters live on the host. ``"pinned"``: page
             locked (the fastest copies, one copy stream and no thread). ``"pageable"``:
             ordinary memory, each block copied to the GPU through a bounded pinned staging pool
@@ -130,6 +144,7 @@ class SwapConfig:
     host_budget: int | str | None = None
     disk_cache_dir: str | None = None
     compress: str = "off"
+    compressed_blocks: tuple[str, ...] | None = None
     host_memory: str = "auto"
     staging_pool: int | str = "2GiB"
 
@@ -197,18 +212,21 @@ class SwapConfig:
                 hint="Use host_memory='pinned' (or 'auto', which pins for trainable='swap') "
                      "for full fine-tuning.")
         if self.swapped_blocks is not None:
-            names = self.swapped_blocks
-            if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(
-                    isinstance(n, str) and n for n in names):
-                raise ConfigError(
-                    f"SwapConfig.swapped_blocks must be a list of block names, got {names!r}",
-                    hint="Name blocks as find_blocks(model) does, e.g. ['blocks.0', 'blocks.3'].")
+            names = _block_names("swapped_blocks", self.swapped_blocks)
             if self.max_gpu_blocks is not None or self.max_gpu_bytes is not None:
                 raise ConfigError(
                     "SwapConfig.swapped_blocks names the blocks to swap; max_gpu_blocks and "
                     "max_gpu_bytes would choose them again",
                     hint="Give either swapped_blocks or the limits, not both.")
-            object.__setattr__(self, "swapped_blocks", tuple(names))
+            object.__setattr__(self, "swapped_blocks", names)
+        if self.compressed_blocks is not None:
+            names = _block_names("compressed_blocks", self.compressed_blocks)
+            if self.compress == "off":
+                raise ConfigError(
+                    "SwapConfig.compressed_blocks names the blocks whose masters are "
+                    "compressed, but compress='off'",
+                    hint="Set compress='on' (or 'auto') with compressed_blocks, or drop them.")
+            object.__setattr__(self, "compressed_blocks", names)
 
     @property
     def lookahead(self) -> int:

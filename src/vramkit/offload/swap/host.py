@@ -193,7 +193,8 @@ class HostStore:
                  source: CheckpointSource | None, shared: MasterMemory | None = None, *,
                  host_params: bool = False, park_grads: bool = False,
                  host_budget: int | None = None, disk_cache_dir: str | None = None,
-                 compress: str = "off") -> None:
+                 compress: str = "off", compressed_blocks: tuple[str, ...] | None = None
+                 ) -> None:
         self.host_params = host_params
         self.park_grads = park_grads
         self.host_budget = host_budget
@@ -218,7 +219,8 @@ class HostStore:
         self.disk_blocks: list[SwappedBlock] = []
         self.split: DiskSplit | None = None
         self.filler: MasterFill | None = None
-        self.packed = (PackedMasters(compress, device, streams, self.pool)
+        self.packed = (PackedMasters(compress, device, streams, self.pool,
+                                     only=compressed_blocks)
                        if compress != "off" else None)
         # host_memory="pageable": masters in ordinary memory, copied to the GPU through a small
         # pinned pool (staged.py); set by the swapper before place(): (pool bytes, blocks the

@@ -89,11 +89,13 @@ class PackedMasters:
         device: the compute device (the encode runs there when it is a GPU).
         streams: its copy streams.
         pool: makes the pinned pool the payloads are allocated from (``HostStore.pool``).
+        only: the blocks to compress (``SwapConfig.compressed_blocks``; ``None``: all).
     """
 
     def __init__(self, mode: str, device: torch.device, streams: Streams,
-                 pool: Callable[..., MemoryPool]) -> None:
+                 pool: Callable[..., MemoryPool], only: Sequence[str] | None = None) -> None:
         self.mode = mode
+        self.only = None if only is None else frozenset(only)  # SwapConfig.compressed_blocks
         self.device = device
         self.streams = streams
         self._make_pool = pool
@@ -128,10 +130,10 @@ class PackedMasters:
                            "reference decodes on the GPU (many small kernels and a host sync "
                            "per load); install triton for the GPU decoder", mode)
 
-    @staticmethod
-    def eligible(block: SwappedBlock) -> bool:
-        """Frozen, with a master of its own in RAM."""
-        return not block.trainable_entries and not block.on_disk and block.nbytes > 0
+    def eligible(self, block: SwappedBlock) -> bool:
+        """Frozen, with a master of its own in RAM, and among ``compressed_blocks`` if given."""
+        return (not block.trainable_entries and not block.on_disk and block.nbytes > 0
+                and (self.only is None or block.name in self.only))
 
     def holds(self, block: SwappedBlock) -> bool:
         return id(block) in self.packed
@@ -191,7 +193,10 @@ class PackedMasters:
     def pack_for_disk(self, block: SwappedBlock, raw: torch.Tensor) -> Compressed | None:
         """Encode a disk-tier block's bytes (``raw``, host memory) for the disk tier's cache
         file; ``None`` where it would not shrink (``"auto"`` above :data:`AUTO_MAX_RATIO`, or
-        larger than the raw bytes: its staging buffer holds the raw size)."""
+        larger than the raw bytes: its staging buffer holds the raw size; or not among
+        ``compressed_blocks``)."""
+        if self.only is not None and block.name not in self.only:
+            return None
         regions = _regions(block, raw)
         work = self.device if self.device.type == "cuda" else torch.device("cpu")
         try:

@@ -270,7 +270,8 @@ class BlockSwapper:
             park_grads=parks_grads(config.trainable, config.accumulation_steps,
                                    config.max_grad_norm),
             host_budget=config.host_budget,  # type: ignore[arg-type]  # normalized to int
-            disk_cache_dir=config.disk_cache_dir, compress=config.compress)
+            disk_cache_dir=config.disk_cache_dir, compress=config.compress,
+            compressed_blocks=config.compressed_blocks)
         if block_loader is not None and config.host_budget is not None:
             raise ConfigError(
                 "block_loader= with SwapConfig.host_budget: blocks read from disk become ready "
@@ -414,6 +415,13 @@ class BlockSwapper:
     # -- attaching --------------------------------------------------------------------------
 
     def _attach(self, found: list[tuple[str, nn.Module]], *, background: bool = False) -> None:
+        if self.config.compressed_blocks is not None:  # before anything is moved
+            unknown = sorted(set(self.config.compressed_blocks) - {name for name, _ in found})
+            if unknown:
+                raise ConfigError(
+                    f"SwapConfig.compressed_blocks names modules that are not blocks of this "
+                    f"swapper: {unknown[:4]}",
+                    hint="Name blocks as find_blocks(model) does (a plan's swapped blocks).")
         self._blocks, self._resident_block_bytes = collect_swapped(
             self.model, found, self.schedule, self.config)
         self._host_memory = resolve_host_memory(self.config, self.device, self._blocks,

@@ -18,6 +18,9 @@ Rows (``--rows``, comma-separated):
   (``torch.cuda._sleep``, calibrated here) that stretches the copy to ``bytes / rate``, so the
   copies queue and overlap compute exactly as on a slower link.
 
+``--share F`` compresses only an even share ``F`` of the blocks in the compressed arm
+(``SwapConfig.compressed_blocks``, what a plan chooses where only some copies bound the step).
+
 Each row alternates the arms (``--rounds`` rounds of ``--steps`` steps each, the first of every
 turn untimed, PyTorch's default kernels) and prints the median ratio on/off with its spread;
 before the timed rounds each row runs ``--check-steps`` steps per arm from their identical
@@ -46,6 +49,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_args, deterministic_kernels, write_result
 from _swap_models import StackBlock
+from vramkit.offload.blocks import spread_evenly
 from vramkit.offload.checkpointing import enable_gradient_checkpointing
 from vramkit.offload.swap import BlockSwapper, SwapConfig
 
@@ -129,8 +133,8 @@ class Pacer:
         return remove
 
 
-def attach(model: Stack, mode: str, budget: int, device: torch.device, train: bool
-           ) -> BlockSwapper:
+def attach(model: Stack, mode: str, budget: int, device: torch.device, train: bool,
+           share: float = 1.0) -> BlockSwapper:
     if train:
         enable_gradient_checkpointing(model, "blocks")
     if mode == "on":  # the decode scratch comes out of the same card
@@ -138,8 +142,13 @@ def attach(model: Stack, mode: str, budget: int, device: torch.device, train: bo
                     if not p.requires_grad)
         budget -= int(2 * 0.72 * block)
     # pinned masters in both arms (host_memory="auto" could pick pageable for one of them)
+    names = None
+    if mode == "on" and share < 1.0:  # an even share of the blocks, as a plan may choose
+        n = len(model.blocks)
+        names = tuple(f"blocks.{i}" for i in spread_evenly([1] * n, round(n * share)))
     swapper = BlockSwapper(model, "blocks", SwapConfig(max_gpu_bytes=budget, num_slots=2,
-                                                       compress=mode, host_memory="pinned"),
+                                                       compress=mode, host_memory="pinned",
+                                                       compressed_blocks=names),
                            device=device)
     return swapper
 
@@ -175,7 +184,7 @@ def run_row(row: str, args: argparse.Namespace, device: torch.device,
     for mode in ("off", "on"):
         model = build(args, device)
         start = time.perf_counter()
-        swapper = attach(model, mode, budget, device, train)
+        swapper = attach(model, mode, budget, device, train, args.share)
         attach_s = time.perf_counter() - start
         arms[mode] = (swapper, step_fn(model, x, train))
         print(f"{row} {mode}: attached in {attach_s:.1f}s, {swapper.stats().swapped_blocks} "
@@ -247,6 +256,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="per turn, the first untimed")
     parser.add_argument("--headroom-gib", type=float, default=1.5)
     parser.add_argument("--x8-gbps", type=float, default=12.5)
+    parser.add_argument("--share", type=float, default=1.0,
+                        help="compress an even share of the blocks (default 1: all), as a "
+                             "plan's compressed_blocks may")
     parser.add_argument("--check-steps", type=int, default=2,
                         help="deterministic steps per arm whose losses must be equal (default 2)")
     parser.add_argument("--tiny", action="store_true", help="a small stack on the CPU")

@@ -47,8 +47,9 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".hardware": ("HardwareProfile", "PAGEABLE_MEMCPY_BYTES_PER_S", "PAGEABLE_MEMCPY_SOURCE",
                   "PROFILES", "hardware_profile"),
     ".activations": ("ActivationEstimate", "estimate_activations", "activation_accounting"),
-    ".w8a8": ("W8A8_FORMATS", "W8A8_OUTPUT_ERROR", "LinearCall", "accuracy_note", "is_w8a8",
-              "storage_config", "unavailable_on_device", "unavailable_on_machine"),
+    ".w8a8": ("W8A8_FORMATS", "W8A8_OUTPUT_ERROR", "W8A8_TRAINING_DEVIATION", "LinearCall",
+              "accuracy_note", "is_w8a8", "storage_config", "unavailable_on_device",
+              "unavailable_on_machine"),
 })
 
 if TYPE_CHECKING:  # static analysers see the real definitions

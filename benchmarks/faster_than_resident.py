@@ -50,7 +50,7 @@ import gc
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,16 +100,6 @@ def _spread(mine: Sequence[float], theirs: Sequence[float]) -> dict[str, float]:
     ratios = [a / b for a, b in zip(mine, theirs, strict=False)]
     return {"ratio": statistics.median(ratios), "ratio_min": min(ratios),
             "ratio_max": max(ratios), "rounds": len(ratios)}
-
-
-def _warm_more(card: plan_bench.Card, arm: plan_bench.Arm, steps: int) -> None:
-    """Untimed steps after the first (the compiled blocks' other calling contexts)."""
-    for _ in range(steps):
-        others = card.enter(arm.persistent, arm.capped)
-        arm.run()
-        plan_bench.sync(card.device)
-        arm.peak = max(arm.peak, card.peak_since(others))
-        card.release()
 
 
 def _job(args: argparse.Namespace) -> plan_bench.Job:
@@ -178,12 +168,12 @@ def train_row(job: plan_bench.Job, args: argparse.Namespace) -> dict[str, Any]:
     holder: dict[str, Any] = {}
     try:
         plan_bench.warm(card, resident)
-        _warm_more(card, resident, args.warmup - 1)
+        plan_bench.warm_more(card, resident, args.warmup - 1)
         t1 = time.perf_counter()
         plan_bench.warm(card, fitted, lambda: holder.setdefault("fitted", vramkit.fit(
             job.host, job.inputs, budget, plan=planned, device=job.device,
             compile=compile_mode or False)))
-        _warm_more(card, fitted, args.warmup - 1)
+        plan_bench.warm_more(card, fitted, args.warmup - 1)
         row["attach_and_warmup_s"] = time.perf_counter() - t1
         plan_bench.alternate(card, (fitted, resident), job.s)
     finally:
@@ -223,13 +213,6 @@ def infer_row(job: plan_bench.Job, args: argparse.Namespace) -> dict[str, Any]:
     if cuda:
         torch.cuda.empty_cache()
     inputs = job.inputs
-
-    def infer(model: nn.Module) -> Callable[[], None]:
-        def run() -> None:
-            with torch.no_grad():
-                model(**inputs, return_dict=False)
-        return run
-
     if kind is not None:
         row["w8a8_layers"] = _quantize_blocks(job, kind)
     options: dict[str, Any] = {"compile": compile_mode}
@@ -247,21 +230,13 @@ def infer_row(job: plan_bench.Job, args: argparse.Namespace) -> dict[str, Any]:
                    "compressed": bool(planned.compress_masters),
                    "formats": sorted(set(planned.formats.values()))}
     row["explain"] = planned.explain()
-    mine = plan_bench.Arm("fitted", infer(job.host), capped=True)
-    theirs = plan_bench.Arm("diffusers", infer(job.twin), capped=False)
     holder: dict[str, Any] = {}
     try:
-        plan_bench.warm(card, mine, lambda: holder.setdefault("fitted", vramkit.fit(
-            job.host, inputs, budget, plan=planned, device=job.device,
-            compile=compile_mode or False)))
-        _warm_more(card, mine, args.warmup - 1)
-        plan_bench.warm(card, theirs, lambda: job.twin.enable_group_offload(
-            onload_device=job.device, offload_device=torch.device("cpu"),
-            offload_type="block_level", num_blocks_per_group=1, use_stream=cuda))
-        _warm_more(card, theirs, args.warmup - 1)
-        plan_bench.alternate(card, (mine, theirs), job.s)
+        mine, theirs = plan_bench.against_group_offload(
+            card, job.host, job.twin, inputs, lambda: holder.setdefault("fitted", vramkit.fit(
+                job.host, inputs, budget, plan=planned, device=job.device,
+                compile=compile_mode or False)), job.s, warmup=args.warmup)
     finally:
-        card.release()
         if "fitted" in holder:
             holder["fitted"].detach()
     row.update(_spread(mine.seconds, theirs.seconds))

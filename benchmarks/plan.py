@@ -319,6 +319,44 @@ def alternate(card: Card, arms: tuple[Arm, ...], s: Settings) -> None:
             card.release()
 
 
+def warm_more(card: Card, arm: Arm, steps: int) -> None:
+    """Untimed steps after :func:`warm`'s (compiled blocks' other calling contexts)."""
+    for _ in range(steps):
+        others = card.enter(arm.persistent, arm.capped)
+        arm.run()
+        sync(card.device)
+        arm.peak = max(arm.peak, card.peak_since(others))
+        card.release()
+
+
+def against_group_offload(card: Card, fitted: nn.Module, twin: nn.Module,
+                          inputs: dict[str, Any], attach: Callable[[], None], s: Settings,
+                          warmup: int = 1) -> tuple[Arm, Arm]:
+    """One no-grad forward of ``fitted`` (applied by ``attach``, under the card's cap) against
+    diffusers' block-level group offloading of ``twin`` (its weights on the host; one block a
+    group, its copies on a stream), ``warmup`` untimed calls each, then ABBA rounds. Returns
+    the two arms (seconds, peaks); the caller detaches what ``attach`` made."""
+    def forward(model: nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            with torch.no_grad():
+                model(**inputs, return_dict=False)
+        return run
+
+    mine = Arm("fitted", forward(fitted), capped=True)
+    theirs = Arm("diffusers", forward(twin), capped=False)
+    try:
+        warm(card, mine, attach)
+        warm_more(card, mine, warmup - 1)
+        warm(card, theirs, lambda: twin.enable_group_offload(
+            onload_device=card.device, offload_device=torch.device("cpu"),
+            offload_type="block_level", num_blocks_per_group=1, use_stream=card.cuda))
+        warm_more(card, theirs, warmup - 1)
+        alternate(card, (mine, theirs), s)
+    finally:
+        card.release()
+    return mine, theirs
+
+
 def train_arm(name: str, model: nn.Module, inputs: dict[str, Any], family: str,
               device: torch.device, capped: bool) -> tuple[Arm, Callable[[], None]]:
     """A LoRA training step (bf16 autocast, AdamW on the trainable parameters); the optimizer is

@@ -416,7 +416,7 @@ def wan_infer_row(m: Model, args: argparse.Namespace, device: torch.device
                   ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One Wan forward fitted under the budget vs diffusers' block-level group offloading."""
     import vramkit
-    from plan import Arm, Settings, alternate, warm
+    from plan import Settings, against_group_offload
 
     assert m.twin is not None
     budget = int(args.budget * GIB)
@@ -427,34 +427,22 @@ def wan_infer_row(m: Model, args: argparse.Namespace, device: torch.device
         torch.cuda.empty_cache()
     options: dict[str, Any] = {} if cuda else {"hardware": "rtx4090", "headroom": 0.05}
     if args.tiny:
-        budget = _tiny_infer_budget(m, budget)
+        budget = _tiny_infer_budget(m)
     started = time.perf_counter()
     planned = vramkit.plan(m.host, m.inputs, budget, mode="infer", autocast=None,
                            device=device if cuda else None, **options)
     plan_s = time.perf_counter() - started
     log(planned.explain())
 
-    def forward(model: nn.Module) -> Any:
-        def run() -> None:
-            with torch.no_grad():
-                model(**m.inputs, return_dict=False)
-        return run
-
     card = Card(device, budget)
-    mine = Arm("fitted", forward(m.host), capped=True)
-    theirs = Arm("diffusers", forward(m.twin), capped=False)
     holder: dict[str, Any] = {}
     try:
-        warm(card, mine, lambda: holder.setdefault("fitted", vramkit.fit(
-            m.host, m.inputs, budget, plan=planned, device=device, mode="infer")))
-        warm(card, theirs, lambda: m.twin.enable_group_offload(
-            onload_device=device, offload_device=torch.device("cpu"),
-            offload_type="block_level", num_blocks_per_group=1, use_stream=cuda))
-        settings = Settings(device=device.type, tiny=args.tiny, rounds=args.rounds or 2,
-                            steps_per_arm=args.steps or 2)
-        alternate(card, (mine, theirs), settings)
+        mine, theirs = against_group_offload(
+            card, m.host, m.twin, m.inputs, lambda: holder.setdefault("fitted", vramkit.fit(
+                m.host, m.inputs, budget, plan=planned, device=device, mode="infer")),
+            Settings(device=device.type, tiny=args.tiny, rounds=args.rounds or 2,
+                     steps_per_arm=args.steps or 2))
     finally:
-        card.release()
         if "fitted" in holder:
             holder["fitted"].detach()
     ratios = [a / b for a, b in zip(mine.seconds, theirs.seconds, strict=False)]
@@ -476,9 +464,8 @@ def wan_infer_row(m: Model, args: argparse.Namespace, device: torch.device
     return result, [row]
 
 
-def _tiny_infer_budget(m: Model, budget: int) -> int:
+def _tiny_infer_budget(m: Model) -> int:
     """A tiny model's budget: about half its weights (the CPU run only exercises the code)."""
-    del budget
     return max(1 << 20, sum(p.numel() * p.element_size() for p in m.host.parameters()) // 2)
 
 

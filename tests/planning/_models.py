@@ -92,21 +92,30 @@ class VideoBlock(nn.Module):
         self.lora_a = nn.Parameter(torch.randn(rank, dim) * 0.05)
         self.lora_b = nn.Parameter(torch.randn(dim, rank) * 0.05)
 
-    def _heads(self, t: torch.Tensor) -> torch.Tensor:
-        return t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
-
     def forward(self, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-        h = self.norm1(x)
-        q, k, v = self.qkv(h).chunk(3, dim=-1)
-        q = q + h @ self.lora_a.t() @ self.lora_b.t()
-        a = F.scaled_dot_product_attention(self._heads(q), self._heads(k), self._heads(v))
-        x = x + self.out(a.transpose(1, 2).flatten(2))
+        x = x + self._self_attention(self.norm1(x))
         h = self.norm2(x)
         k, v = self.cross_kv(text).chunk(2, dim=-1)
-        a = F.scaled_dot_product_attention(self._heads(self.cross_q(h)), self._heads(k),
-                                           self._heads(v))
+        a = F.scaled_dot_product_attention(_heads(self.cross_q(h), self.heads),
+                                           _heads(k, self.heads), _heads(v, self.heads))
         x = x + a.transpose(1, 2).flatten(2)
         return x + self.ffn(self.norm3(x))
+
+    def _self_attention(self, h: torch.Tensor) -> torch.Tensor:
+        return _self_attention(h, self.qkv, self.out, self.lora_a, self.lora_b, self.heads)
+
+
+def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+
+def _self_attention(h: torch.Tensor, qkv: nn.Linear, out: nn.Linear, lora_a: torch.Tensor,
+                    lora_b: torch.Tensor, heads: int) -> torch.Tensor:
+    """Self-attention with a LoRA-style adapter on the query (a :class:`VideoBlock`'s)."""
+    q, k, v = qkv(h).chunk(3, dim=-1)
+    q = q + h @ lora_a.t() @ lora_b.t()
+    a = F.scaled_dot_product_attention(_heads(q, heads), _heads(k, heads), _heads(v, heads))
+    return out(a.transpose(1, 2).flatten(2))
 
 
 class VideoModel(nn.Module):
@@ -159,14 +168,8 @@ class VideoSelfAttention(nn.Module):
         self.lora_a = nn.Parameter(torch.randn(rank, dim) * 0.05)
         self.lora_b = nn.Parameter(torch.randn(dim, rank) * 0.05)
 
-    def _heads(self, t: torch.Tensor) -> torch.Tensor:
-        return t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
-
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(h).chunk(3, dim=-1)
-        q = q + h @ self.lora_a.t() @ self.lora_b.t()
-        a = F.scaled_dot_product_attention(self._heads(q), self._heads(k), self._heads(v))
-        return self.out(a.transpose(1, 2).flatten(2))
+        return _self_attention(h, self.qkv, self.out, self.lora_a, self.lora_b, self.heads)
 
 
 class VideoPartsBlock(VideoBlock):
@@ -178,14 +181,8 @@ class VideoPartsBlock(VideoBlock):
         del self.qkv, self.out, self.lora_a, self.lora_b
         self.attn1 = VideoSelfAttention(dim, heads, rank)
 
-    def forward(self, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn1(self.norm1(x))
-        h = self.norm2(x)
-        k, v = self.cross_kv(text).chunk(2, dim=-1)
-        a = F.scaled_dot_product_attention(self._heads(self.cross_q(h)), self._heads(k),
-                                           self._heads(v))
-        x = x + a.transpose(1, 2).flatten(2)
-        return x + self.ffn(self.norm3(x))
+    def _self_attention(self, h: torch.Tensor) -> torch.Tensor:
+        return self.attn1(h)
 
 
 def video_parts_model(seed: int = 0, n: int = 4, device: str = "meta") -> VideoModel:

@@ -84,8 +84,9 @@ def measure_staged_bytes_per_s(device: torch.device, nbytes: int = DEFAULT_CHUNK
     :class:`StagedCopies` of ``chunks`` pinned chunks into device memory, the best of
     ``repeats`` (after one that faults the pages in and starts the worker). The host's memcpy
     and the DMA out of the chunks run at once and share the host's memory bandwidth, which a
-    memcpy timed alone does not see (on an H200 host: 37 GB/s alone, ~25 GB/s in a FLUX run's
-    staged copies). On a CPU device: :func:`measure_memcpy_bytes_per_s`."""
+    memcpy timed alone does not see (on an H200 host, ``benchmarks/pageable.py``: 40.4 GB/s
+    alone, 31.0 GB/s staged, 55.5 GB/s pinned). On a CPU device:
+    :func:`measure_memcpy_bytes_per_s`."""
     if device.type != "cuda":
         return measure_memcpy_bytes_per_s()
     from vramkit.memory.transfer import transfer_streams

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vramkit._validate import check_choice, check_number
-from vramkit.errors import PlanError
+from vramkit.errors import ConfigError, PlanError
 from vramkit.offload.blocks import spread_evenly
 from vramkit.planning._compression import MIN_GAIN, decode_rate
 from vramkit.planning.analysis import ModelCost
@@ -235,7 +235,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         optimizer_state_bytes: device bytes of optimizer state per trainable parameter
             (default :data:`~vramkit.planning.pricing.ADAMW_STATE_BYTES`, AdamW's two fp32
             moments; an 8-bit AdamW keeps ``2 + 8 / 256``, an optimizer stepped on the host 0).
-            Training with ``trainable_mode="resident"`` only.
+            Training with ``trainable_mode="resident"`` only (refused beside ``"swap"``).
         swap_sets: ``"search"`` (default: the candidate sets of :func:`_swap_sets`) or
             ``"spread"``: only the set the swapper's own schedule takes for a count of resident
             blocks (:func:`~vramkit.offload.blocks.spread_evenly`, what
@@ -264,6 +264,11 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     estimate = cost.activations
     check_choice("swap_sets", swap_sets, SWAP_SETS)
     check_number("optimizer_state_bytes", optimizer_state_bytes, minimum=0)
+    if trainable_mode == "swap" and optimizer_state_bytes != ADAMW_STATE_BYTES:
+        raise ConfigError(
+            "search(optimizer_state_bytes=) prices resident trainable parameters; with "
+            "trainable_mode='swap' the swapped blocks' AdamW state is priced as such",
+            hint="Drop optimizer_state_bytes for full fine-tuning with swapped state.")
     trainable = (2 * cost.trainable_bytes
                  + math.ceil(optimizer_state_bytes * cost.trainable_params)
                  if train else cost.trainable_bytes)

@@ -253,7 +253,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         raise ConfigError("subblock_checkpoint=True applies to training: inference keeps no "
                           "activations for a backward",
                           hint="Leave subblock_checkpoint='auto' with mode='infer'.")
-    use_parts = [subblock_checkpoint is True]
+    use_parts = subblock_checkpoint is True  # read by the closures below at each call
     if trainable == "swap" and mode != "train":
         raise ConfigError("trainable='swap' steps an optimizer in backward: training only",
                           hint="Leave trainable='resident' with mode='infer'.")
@@ -329,12 +329,12 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         return meta, found
 
     def on_meta() -> tuple[nn.Module, list[tuple[str, nn.Module]]]:
-        return on_meta_with(use_parts[0])
+        return on_meta_with(use_parts)
 
     rule = SwapConfig(trainable="swap") if trainable == "swap" else None
 
     def analyzed(units: list[tuple[str, nn.Module]]) -> ModelCost:
-        with _no_collection(ffn_chunks > 1 or use_parts[0]):
+        with _no_collection(ffn_chunks > 1 or use_parts):
             return analyze(on_meta()[0], example_inputs, mode=mode, step=step, found=units,
                            formats=("bf16", *allow_formats), autocast=autocast,
                            swap_config=rule)
@@ -416,13 +416,13 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         if not (subblock_checkpoint == "auto" and mode == "train" and given_cost is None
                 and _has_parts(on_meta()[1])):
             raise
-        use_parts[0] = True
+        use_parts = True
         cost = analyzed(on_meta()[1])
         calibrated.clear()
         try:
             result = searched()
         except PlanError as finer:
-            use_parts[0] = False
+            use_parts = False
             if finer.minimum_budget is None or (refused.minimum_budget is not None
                                                 and refused.minimum_budget <= finer.minimum_budget):
                 raise refused from None
@@ -457,7 +457,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
         result = replace(result, notes=(*result.notes, _compile_note(compile, timed_compiled)))
     if ffn_chunks > 1:
         result = replace(result, ffn_chunks=ffn_chunks)
-    if use_parts[0]:
+    if use_parts:
         result = replace(result, subblock_checkpoint=True)
     logger.info("plan: %d of %d blocks swapped, %d checkpointed, predicted %.0f ms, peak %d",
                 len(result.swapped), len(result.block_order), len(result.checkpointed),

@@ -26,3 +26,17 @@ def check_sharded(ranks: list[dict[str, Any]], node_size: int, tolerance: float)
         assert "swap different blocks" in (r["mismatch_refused"] or ""), r
     # every rank of a node made the same collective loads
     assert len({r["lora_loader_loads"] for r in ranks}) == 1
+
+
+def check_sharded_compressed(ranks: list[dict[str, Any]], node_size: int,
+                             tolerance: float) -> None:
+    """compress="on" beside sharded uploads: every block compressed alike on each rank, each
+    rank copies about 1/node_size of a payload and gathers the rest, each decodes; training
+    equals one process; every rank made the same collective loads."""
+    for r in ranks:
+        assert r["param_diff"] <= tolerance, r
+        assert r["compressed_blocks"] == r["blocks"] > 0, r
+        assert r["gathered_bytes"] > 0 and r["h2d_bytes"] > 0, r
+        # each rank read its piece of the compressed bytes it loaded (the rest gathered)
+        assert r["h2d_bytes"] <= r["gathered_bytes"] + r["loads"] * 256 * node_size, r
+    assert len({r["loader_loads"] for r in ranks}) == 1

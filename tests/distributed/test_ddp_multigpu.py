@@ -16,7 +16,7 @@ pytestmark = pytest.mark.multigpu
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ("lora", "plain_ddp", "full_cpu", "full_swap", "pss", "accumulate_cpu",
-             "accumulate_swap", "sharded")
+             "accumulate_swap", "sharded", "sharded_compressed")
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +77,12 @@ def test_sharded_uploads_all_gather_over_nccl_and_train_exactly(
     from tests.distributed._checks import check_sharded
 
     check_sharded(results["sharded"], 2, 1e-5)  # AdamW on NCCL-reduced grads, as above
+
+
+def test_sharded_uploads_of_compressed_masters_decode_on_each_gpu_and_train_exactly(
+        results: dict[str, list[dict[str, Any]]]) -> None:
+    """compress="on" beside uploads='sharded' on two GPUs: each rank copies its piece of a
+    compressed payload, NCCL gathers the rest, each GPU decodes; training equals one process."""
+    from tests.distributed._checks import check_sharded_compressed
+
+    check_sharded_compressed(results["sharded_compressed"], 2, 1e-5)

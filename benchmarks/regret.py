@@ -289,6 +289,7 @@ def turn(m: Model, entry: Measured, budget: int, card: Card, steps: int,
     if times:
         entry.seconds += times
         entry.by_round.append(statistics.median(times))
+        log(f"{entry.label}: {1e3 * statistics.median(times):.0f} ms")
 
 
 def _demo_step(m: Model, arm: Any) -> Any:

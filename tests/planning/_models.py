@@ -185,12 +185,13 @@ class VideoPartsBlock(VideoBlock):
         return self.attn1(h)
 
 
-def video_parts_model(seed: int = 0, n: int = 4, device: str = "meta") -> VideoModel:
-    """:func:`video_model` with :class:`VideoPartsBlock` blocks."""
+def video_parts_model(seed: int = 0, n: int = 4, device: str = "meta", hidden: int = 256
+                      ) -> VideoModel:
+    """:func:`video_model` with :class:`VideoPartsBlock` blocks (FFN width ``hidden``)."""
     torch.manual_seed(seed)
     with torch.device(device):
-        model = VideoModel(n)
-        model.blocks = nn.ModuleList(VideoPartsBlock() for _ in range(n))
+        model = VideoModel(n, hidden=hidden)
+        model.blocks = nn.ModuleList(VideoPartsBlock(hidden=hidden) for _ in range(n))
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
     return model

@@ -128,22 +128,32 @@ def test_flux_on_a_12gb_card_explains_its_bounds(target_and_cost) -> None:  # ty
 
 
 def test_flux_compresses_the_masters_whose_copies_bound_the_step(target_and_cost) -> None:  # type: ignore[no-untyped-def]
+    import dataclasses
+
+    from vramkit.planning.machine import machine_for
     from vramkit.planning.record import Plan
 
     target, cost, _ = target_and_cost
     if not target.name.lower().startswith("flux"):
         pytest.skip("the Flux figures")
-    # On an H200's 55 GB/s at 11.5 GiB the backward hides its copies and each decode would
-    # cost compute: raw masters. At 7.5 GiB the forward waits for its copies: some of the
-    # swapped masters compressed, not all (each decode costs compute in both passes).
-    assert not _plan(target, cost, 11.5, hardware="h200").compress_masters
-    tight = _plan(target, cost, 7.5, hardware="h200")
-    assert tight.compress_masters and 0 < len(tight.compressed_blocks) < len(tight.swapped)
-    assert set(tight.compressed_blocks) <= set(tight.swapped)
-    assert f"{len(tight.compressed_blocks)} of the {len(tight.swapped)}" in tight.explain()
-    assert Plan.from_dict(json.loads(tight.to_json())) == tight  # names come back as a tuple
-    raw = _plan(target, cost, 7.5, hardware="h200", compress="off")
-    assert tight.predicted_step_seconds <= raw.predicted_step_seconds * 0.95
+    # On an H200's 55 GB/s the backward hides its copies and each decode costs compute: raw
+    # masters at 11.5 and 7.5 GiB (measured there: compressing half / all of a FLUX-sized
+    # stack's swapped masters at 7.5 GiB stepped 1.003x / 1.045x raw).
+    h200 = machine_for("h200")
+    for budget in (11.5, 7.5):
+        plan = _plan(target, cost, budget, hardware=h200)
+        assert not plan.compress_masters and not plan.compressed_blocks
+    # The same GPU behind a PCIe x8 link (12.5 GB/s, as benchmarks/compress_swap.py paces it;
+    # measured there 0.715x raw at 11.5 GiB): the copies are the step, so they are compressed.
+    x8 = dataclasses.replace(h200, name="h200 at PCIe x8", h2d_bytes_per_s=12.5e9,
+                             d2h_bytes_per_s=12.5e9)
+    for budget in (11.5, 7.5):
+        slow = _plan(target, cost, budget, hardware=x8)
+        raw = _plan(target, cost, budget, hardware=x8, compress="off")
+        assert slow.compress_masters
+        assert set(slow.compressed_blocks) <= set(slow.swapped)
+        assert slow.predicted_step_seconds <= raw.predicted_step_seconds * 0.9
+        assert Plan.from_dict(json.loads(slow.to_json())) == slow
 
 
 def test_checkpointing_as_asked(target_and_cost) -> None:  # type: ignore[no-untyped-def]

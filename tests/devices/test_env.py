@@ -28,6 +28,7 @@ from vramkit.devices.env import (
     clear_cuda_cache,
     get_gpu_memory_info,
     log_memory_usage,
+    prefer_expandable_segments,
     setup_cuda_memory_management,
 )
 from vramkit.errors import ConfigError, DeviceError, TooLateError
@@ -187,6 +188,41 @@ def test_without_setter_before_cuda_init_the_variable_suffices(
     result = setup_allocator()
     assert os.environ[ALLOC_CONF_VAR] == "expandable_segments:True"
     assert result["applied_at_runtime"] is False
+
+
+# -- what fit asks for ----------------------------------------------------------------------------
+
+def test_expandable_segments_are_turned_on_where_nobody_chose(setter: list[str]) -> None:
+    note = prefer_expandable_segments()
+    assert setter == ["expandable_segments:True"]
+    assert os.environ[ALLOC_CONF_VAR] == "expandable_segments:True"
+    assert note is not None and "expandable_segments:False" in note  # says how to opt out
+    assert prefer_expandable_segments() is None  # chosen now: nothing more to do
+
+
+@pytest.mark.parametrize("value", ["expandable_segments:False", "max_split_size_mb:512",
+                                   "backend:cudaMallocAsync",
+                                   "garbage_collection_threshold:0.6,expandable_segments:True"])
+def test_a_segment_policy_already_chosen_is_left_alone(monkeypatch: pytest.MonkeyPatch,
+                                                       setter: list[str], value: str) -> None:
+    monkeypatch.setenv(ALLOC_CONF_VAR, value)
+    assert prefer_expandable_segments() is None
+    assert setter == [] and os.environ[ALLOC_CONF_VAR] == value
+
+
+def test_other_options_are_kept_beside_expandable_segments(monkeypatch: pytest.MonkeyPatch,
+                                                           setter: list[str]) -> None:
+    monkeypatch.setenv(ALLOC_CONF_VAR, "garbage_collection_threshold:0.6")
+    assert prefer_expandable_segments() is not None
+    assert setter == ["garbage_collection_threshold:0.6,expandable_segments:True"]
+
+
+def test_a_torch_that_cannot_change_it_now_is_left_as_it_is(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(env, "_runtime_setter", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert prefer_expandable_segments() is None
+    assert ALLOC_CONF_VAR not in os.environ
 
 
 def test_backend_is_too_late_after_torch_import(monkeypatch: pytest.MonkeyPatch) -> None:

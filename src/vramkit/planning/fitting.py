@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from vramkit._validate import check_choice, check_int
+from vramkit.devices.env import prefer_expandable_segments
 from vramkit.devices.resolve import resolve_device
 from vramkit.errors import ConfigError, OffloadError
 from vramkit.offload import _patch
@@ -518,6 +519,12 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
             parameters (``BlockSwapper(optimizer=)``); the swapper then steps them in backward,
             and ``fitted.swapper.optimizer_parameters()`` are the rest, for your optimizer.
 
+    On a GPU, fit lets PyTorch's caching allocator grow expandable segments unless its
+    segment policy was chosen already (:func:`vramkit.devices.env.prefer_expandable_segments`;
+    ``PYTORCH_ALLOC_CONF=expandable_segments:False`` keeps the default): the plan's headroom
+    does not cover the default allocator's fragmentation around large activations. The plan's
+    notes say when it did.
+
     Returns:
         The :class:`Fitted` model; :meth:`Fitted.detach` restores it exactly.
 
@@ -571,6 +578,11 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
                           "(trainable='swap'): fit needs the factory of their optimizers",
                           hint="Pass optimizer=lambda params: torch.optim.AdamW(params, "
                                "lr=...) (or vramkit.AdamW8bit).")
+    if target.type == "cuda":  # before the slots and activations are allocated
+        allocator = prefer_expandable_segments()
+        if allocator is not None:
+            logger.info("vramkit.fit: %s", allocator)
+            plan = dataclasses.replace(plan, notes=(*plan.notes, allocator))
     # A plan of split blocks names its units: the swapper takes exactly those.
     blocks = list(plan.block_order) if plan.split else plan_options.get("blocks", "auto")
     return Fitted(model, plan, target, blocks=blocks, observe_steps=observe_steps,

@@ -24,7 +24,12 @@ Two models:
   - **swap8**: ``trainable="swap"`` with AdamW8bit (and the non-block parameters by AdamW8bit on
     the GPU), the default 2 slots; **swap8-rN**: the same with ``num_slots=N`` (N weight slots
     and N state slots, so states are prefetched behind their weights in backward);
-  - **cpu8**: ``trainable="cpu"`` with AdamW8bit on the CPU over the pinned masters.
+  - **cpu8**: ``trainable="cpu"`` with AdamW8bit on the CPU over the pinned masters;
+  - **planned**: ``vramkit.fit(..., trainable="swap", optimizer=AdamW8bit)`` under the cap: the
+    planner chooses the swapped blocks, the slots and the checkpointing (measured on this GPU);
+    printed beside the sweep, with its step against the fastest swap variant of the same run
+    ("vs best") and its prediction. Run it with the sweep:
+    ``--flux-variants planned,swap8-r6,swap8-r8,swap8-r10``.
 
 Printed per variant: step time (median), GPU peak, host pinned bytes vs weights + state, and for
 the swap variants the transfer bound of the step: forward ``W / BW_h2d``, backward
@@ -35,7 +40,10 @@ even without vramkit).
 
 Run (GPU): PYTHONPATH=src python benchmarks/swap_full_ft.py --out out
            PYTHONPATH=src python benchmarks/swap_full_ft.py --model flux --out out
+Run (GPU, the planned row): PYTHONPATH=src python benchmarks/swap_full_ft.py --model flux
+           --flux-variants planned,swap8-r6,swap8-r8,swap8-r10 --steps 4 --warmup 2 --out out/ftp
 Run (CPU smoke test): PYTHONPATH=src python benchmarks/swap_full_ft.py --device cpu --quick
+                      ... --model flux --device cpu --flux-variants planned,swap8 --cap-gib 0.07
 """
 
 from __future__ import annotations
@@ -301,17 +309,47 @@ def flux_child(kind: str, args: argparse.Namespace, device: torch.device) -> dic
         torch.cuda.empty_cache()
     model.requires_grad_(True)
     build_s = time.perf_counter() - t0
-    enable_gradient_checkpointing(model)
+    if kind != "planned":  # the plan chooses its own checkpointing
+        enable_gradient_checkpointing(model)
     inputs = real_inputs(target.inputs, device, None, 0)
     params = sum(p.numel() for p in model.parameters())
     rss0 = host_rss()
+
+    def loss(m: nn.Module, batch: dict[str, Any] | None = None) -> torch.Tensor:
+        batch = inputs if batch is None else batch
+        kind_of = next(iter(batch.values())).device.type  # the planner traces on meta
+        with torch.autocast(kind_of, dtype=torch.bfloat16, enabled=kind_of == "cuda"):
+            out = m(**batch, return_dict=False)[0]
+        return out.float().square().mean()
+
     t0 = time.perf_counter()
-    if kind.startswith("swap8"):  # "swap8" (R=2, the default) or "swap8-rN": N slots
+    planned: dict[str, Any] = {}
+    if kind == "planned":
+        import vramkit
+
+        options: dict[str, Any] = {} if device.type == "cuda" else {"hardware": "rtx4090"}
+        fitted = vramkit.fit(model, inputs, int(args.cap_gib * GIB), device=device,
+                             trainable="swap", optimizer=adamw8bit, autocast=None,
+                             step=loss, **options)
+        plan = fitted.plan
+        planned = {"plan_swapped": len(plan.swapped), "plan_blocks": len(plan.block_order),
+                   "plan_checkpointed": len(plan.checkpointed),
+                   "predicted_step_ms": plan.predicted_step_seconds * 1e3,
+                   "predicted_peak_gib": plan.predicted_peak_bytes / GIB,
+                   "explain": plan.explain()}
+        log(plan.explain())
+        if fitted.swapper is None:
+            raise SystemExit(f"the plan swaps nothing under {args.cap_gib} GiB: a smaller "
+                             "--cap-gib")
+        swapper = fitted.swapper
+        optimizers: list[Any] = [adamw8bit(swapper.optimizer_parameters()), swapper.optimizer]
+        sync_host = False
+    elif kind.startswith("swap8"):  # "swap8" (R=2, the default) or "swap8-rN": N slots
         slots = int(kind.split("-r")[1]) if "-r" in kind else 2
         swapper = BlockSwapper(model, config=SwapConfig(max_gpu_blocks=0, trainable="swap",
                                                         num_slots=slots),
                                device=device, optimizer=adamw8bit)
-        optimizers: list[Any] = [adamw8bit(swapper.optimizer_parameters()), swapper.optimizer]
+        optimizers = [adamw8bit(swapper.optimizer_parameters()), swapper.optimizer]
         sync_host = False
     else:
         swapper = BlockSwapper(model, config=SwapConfig(max_gpu_blocks=0, trainable="cpu"),
@@ -321,12 +359,6 @@ def flux_child(kind: str, args: argparse.Namespace, device: torch.device) -> dic
         optimizers = [adamw8bit(resident), AdamW8bit(swapper.host_parameters(), lr=LR)]
         sync_host = True
     attach_s = time.perf_counter() - t0
-
-    def loss(m: nn.Module) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            out = m(**inputs, return_dict=False)[0]
-        return out.float().square().mean()
-
     variant = Variant(kind, model, loss, device, swapper, optimizers, sync_host)
     steps = args.cpu_steps if kind == "cpu8" else args.steps
     for i in range(args.warmup + steps):
@@ -342,7 +374,7 @@ def flux_child(kind: str, args: argparse.Namespace, device: torch.device) -> dic
                   host_rss_gib=host_rss() / GIB, host_rss_before_attach_gib=rss0 / GIB,
                   host_state_and_weights_gib=(s.swapped_bytes + s.state_bytes) / GIB,
                   num_slots=swapper.config.num_slots, state_prefetched=s.state_prefetched,
-                  slot_gib=(s.slot_bytes + s.state_slot_bytes) / GIB)
+                  slot_gib=(s.slot_bytes + s.state_slot_bytes) / GIB, **planned)
     return result
 
 
@@ -382,7 +414,7 @@ def main() -> None:
     parser.add_argument("--cpu-steps", type=int, default=1,
                         help="Flux: timed steps of the (slow) trainable='cpu' variant")
     parser.add_argument("--flux-variants", default="swap8,cpu8",
-                        help="swap8 (2 slots), swap8-rN (N slots), cpu8")
+                        help="swap8 (2 slots), swap8-rN (N slots), cpu8, planned (vramkit.fit)")
     parser.add_argument("--child-timeout", type=float, default=1800)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -405,6 +437,8 @@ def main() -> None:
         results, extra = run_flux(args, device)
         base = None
     rows = []
+    swap_steps = [r["step_ms_p50"] for r in results
+                  if r["variant"].startswith("swap8") and "step_ms_p50" in r]
     cpu_by_n = {r["variant"].split("_")[-1]: r["step_ms_p50"] for r in results
                 if r["variant"].startswith("cpu") and "step_ms_p50" in r}
     for r in results:
@@ -427,6 +461,13 @@ def main() -> None:
                "pinned / (W+S)": (r["pinned_gib"] / (r["swapped_gib"] + r["state_gib"])
                                   if r.get("swapped_gib") else None),
                "loss first->last": f"{r['first_loss']:.5f}->{r['last_loss']:.5f}"}
+        if r["variant"] == "planned":
+            row.update({"plan": f"{r['plan_swapped']}/{r['plan_blocks']} swapped, "
+                                f"{r['plan_checkpointed']} ckpt",
+                        "predicted ms": r["predicted_step_ms"],
+                        "step err": ms / r["predicted_step_ms"] - 1,
+                        "predicted peak GiB": r["predicted_peak_gib"],
+                        "vs best": ms / min(swap_steps) if swap_steps else None})
         rows.append(row)
         print(json.dumps(row), flush=True)
     document = {"config": {**vars(args), "out": str(args.out), "device": str(device), **extra},

@@ -22,6 +22,9 @@ random (bf16), built from the published configs (``vramkit.recipes.targets``).
 "infer")`` against diffusers' block-level group offloading (``enable_group_offload(
 offload_type="block_level", num_blocks_per_group=1, use_stream=True)``) of the same weights,
 alternating; both peaks printed (ours capped, theirs measured: ours must be at most theirs).
+``--compile`` runs our blocks ``torch.compile``d (planned with their times compiled) and
+``--allow fp8-w8a8`` lets the plan multiply frozen weights in 8 bits; diffusers' arm stays bf16
+eager, as its offloading runs.
 
 ``--wan-row``: the Wan row instead, at 480x832 x ``--frames`` (default 81 with this flag): the
 fitted step under ``--budget`` against the same weights resident on the GPU with every block
@@ -40,6 +43,7 @@ Run (H200, each well under 4 min; the figures printed at the end):
     PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-row --budget 11.5
     PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-row --budget 11.5 --subblock
     PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-infer --budget 8
+    PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-infer --budget 8 --compile
 Run (CPU, code paths only, seconds):
     PYTHONPATH=src python3 benchmarks/regret.py --model demo --tiny --device cpu
 """
@@ -430,6 +434,10 @@ def wan_infer_row(m: Model, args: argparse.Namespace, device: torch.device
     if args.tiny:
         budget = _tiny_infer_budget(m)
     started = time.perf_counter()
+    if args.compile:  # its blocks timed compiled, as fit will run them
+        options["compile"] = "default"
+    if args.allow:
+        options["allow_formats"] = tuple(args.allow.split(","))
     planned = vramkit.plan(m.host, m.inputs, budget, mode="infer", autocast=None,
                            device=device if cuda else None, **options)
     plan_s = time.perf_counter() - started
@@ -440,7 +448,8 @@ def wan_infer_row(m: Model, args: argparse.Namespace, device: torch.device
     try:
         mine, theirs = against_group_offload(
             card, m.host, m.twin, m.inputs, lambda: holder.setdefault("fitted", vramkit.fit(
-                m.host, m.inputs, budget, plan=planned, device=device, mode="infer")),
+                m.host, m.inputs, budget, plan=planned, device=device, mode="infer",
+                compile=args.compile)),
             Settings(device=device.type, tiny=args.tiny, rounds=args.rounds or 2,
                      steps_per_arm=args.steps or 2))
     finally:
@@ -451,7 +460,10 @@ def wan_infer_row(m: Model, args: argparse.Namespace, device: torch.device
     row = {"row": f"Wan 2.1 14B inference {m.shapes}", "budget GiB": budget / GIB,
            "plan": f"{len(planned.swapped)}/{len(planned.block_order)} swapped, "
                    f"R={planned.num_slots}"
-                   + (", compressed" if planned.compress_masters else ""),
+                   + (", compressed" if planned.compress_masters else "")
+                   + (", compiled" if args.compile else "")
+                   + "".join(f", {f}" for f in sorted(set(planned.formats.values()))
+                             if f != "bf16"),
            "ours s": ours, "diffusers s": diffusers,
            "speed-up": diffusers / ours,
            "speed-up spread": f"{1 / max(ratios):.3f}-{1 / min(ratios):.3f}",
@@ -492,6 +504,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the Wan row: fitted vs resident with every block checkpointed")
     parser.add_argument("--wan-infer", action="store_true",
                         help="Wan inference: fitted vs diffusers' block-level group offloading")
+    parser.add_argument("--compile", action="store_true",
+                        help="--wan-infer: blocks torch.compiled (planned timed compiled)")
+    parser.add_argument("--allow", default="",
+                        help="--wan-infer: 8-bit formats the plan may use, e.g. fp8-w8a8")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny models: code paths only")
     parser.add_argument("--seed", type=int, default=0)
@@ -499,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.wan_row or args.wan_infer) and args.model != "wan":
         parser.error("--wan-row and --wan-infer are rows of --model wan")
+    if (args.compile or args.allow) and not args.wan_infer:
+        parser.error("--compile and --allow are options of --wan-infer")
     if args.wan_row and args.wan_infer:
         parser.error("--wan-row and --wan-infer are separate rows: run one per process")
     args.frames = args.frames or (81 if args.wan_row or args.wan_infer else 41)

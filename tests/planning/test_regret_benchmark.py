@@ -8,6 +8,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from tests._benchmarks import load_benchmark
 
 
@@ -25,13 +27,15 @@ def test_the_plan_and_its_neighbours_each_run_and_the_regret_is_their_ratio(
     assert math.isclose(result["regret"], measured[0] / min(measured), rel_tol=1e-9)
 
 
-def test_the_wan_inference_row_runs_both_arms(tmp_path: Path) -> None:
-    import pytest
-
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_wan_inference_row_runs_both_arms(tmp_path: Path, compiled: bool) -> None:
     pytest.importorskip("diffusers")
     bench = load_benchmark("regret")
     assert bench.main(["--model", "wan", "--wan-infer", "--tiny", "--device", "cpu",
-                       "--rounds", "1", "--steps", "1", "--out", str(tmp_path)]) == 0
+                       "--rounds", "1", "--steps", "1", "--out", str(tmp_path)]
+                      + (["--compile"] if compiled else [])) == 0
     result = json.loads((tmp_path / "regret_wan_infer_tiny.json").read_text())
     assert len(result["fitted_s"]) == len(result["diffusers_s"]) == 1
     assert math.isclose(result["speed-up"], result["diffusers s"] / result["ours s"])
+    assert ("compiled" in result["plan"]) == compiled
+    assert ("Blocks run compiled" in result["explain"]) == compiled

@@ -158,6 +158,25 @@ def test_host_rss_holds_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(made) == 1
 
 
+def test_an_exited_child_not_yet_reaped_gives_no_reading() -> None:
+    """A zombie's /proc reads 0 resident bytes; that is no measurement (the profiler would
+    print a peak host RSS of 0 B for a child sampled only after it exited)."""
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while stats_mod.psutil.Process(child.pid).status() != stats_mod.psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert stats_mod.HostRssReader(child.pid).read() is None
+        assert stats_mod.HostRssReader(child.pid, include_children=True).read() is None
+    finally:
+        child.wait()
+
+
 def test_read_cuda_figures_fast_path_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     nested = {name: {"all": {"current": cur, "peak": peak}}
               for name, cur, peak in (("allocated_bytes", 600, 900),

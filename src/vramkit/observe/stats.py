@@ -235,10 +235,13 @@ class HostRssReader:
         return self._process
 
     def read(self) -> int | None:
-        """Bytes resident now, or ``None`` when the process is gone or not readable."""
+        """Bytes resident now, or ``None`` when the process is gone or not readable (a process
+        that exited and was not reaped yet reads 0 bytes: that is no reading either)."""
         try:
             process = self._proc()
             rss = int(process.memory_info().rss)
+            if rss == 0:  # a zombie: a live process always has resident pages
+                return None
             if self.include_children:
                 for child in process.children(recursive=True):
                     with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):

@@ -391,6 +391,54 @@ def test_a_report_before_any_step_says_none_was_measured() -> None:
     fitted.detach()
 
 
+def test_two_fitted_models_in_the_same_steps_say_their_figures_are_shared(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A fitted text encoder beside a fitted transformer, or two arms of a benchmark: each
+    model's first steps contain the other's work, so neither report tests its plan -- and
+    says so instead of warning about a peak that is not its own."""
+    (x,) = inputs()
+    first, second = stack(), stack()
+    a = vramkit.fit(first, inputs(), 6 * MiB, observe_steps=2, **OPTIONS)
+    b = vramkit.fit(second, inputs(), 6 * MiB, observe_steps=2, **OPTIONS)  # a still observes
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="vramkit.planning.fitting"):
+        for _ in range(3):
+            first(x)
+            second(x)
+    for fitted in (a, b):
+        report = fitted.report()
+        assert report.steps == 2 and report.shared
+        assert "another fitted model on this device ran in the same steps" in report.describe()
+    assert not caplog.records
+    a.detach()
+    b.detach()
+
+    # one at a time: the first's window closed before the second was fitted
+    alone = vramkit.fit(first, inputs(), 6 * MiB, observe_steps=1, **OPTIONS)
+    with torch.no_grad():
+        for _ in range(2):
+            first(x)
+    later = vramkit.fit(second, inputs(), 6 * MiB, observe_steps=1, **OPTIONS)
+    with torch.no_grad():
+        for _ in range(2):
+            second(x)
+    assert not alone.report().shared and not later.report().shared
+    assert "another fitted model" not in later.report().describe()
+    alone.detach()
+    later.detach()
+
+
+def test_a_detached_model_no_longer_shares_the_next_ones_steps() -> None:
+    (x,) = inputs()
+    first, second = stack(), stack()
+    vramkit.fit(first, inputs(), 6 * MiB, observe_steps=3, **OPTIONS).detach()  # never ran
+    fitted = vramkit.fit(second, inputs(), 6 * MiB, observe_steps=1, **OPTIONS)
+    with torch.no_grad():
+        for _ in range(2):
+            second(x)
+    assert not fitted.report().shared
+    fitted.detach()
+
+
 def test_fit_on_the_cpu_needs_no_arguments_the_cli_does_not(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     reference, model = stack(), stack()

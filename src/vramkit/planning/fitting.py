@@ -19,6 +19,7 @@ import logging
 import os
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,9 @@ __all__ = ["FitReport", "Fitted", "fit"]
 
 logger = logging.getLogger(__name__)
 
+#: Fitted models still observing their first steps (their report not made yet).
+_OBSERVING: weakref.WeakSet[Fitted] = weakref.WeakSet()
+
 #: How far a measured step may be from its prediction before a report explains a host-bound
 #: plan's part in it (the planner's target: within 10 %).
 STEP_TOLERANCE = 0.10
@@ -77,6 +81,10 @@ class FitReport:
         same_machine: whether the steps ran on the machine the plan predicted them for. When not
             (a plan for an RTX 4090 run on the CPU), the measured step time is reported alone:
             it is no test of the prediction (:attr:`step_error` is ``None``).
+        shared: another fitted model on the same device was attached or ran while these steps
+            were observed (a fitted text encoder beside a fitted transformer, two arms of a
+            benchmark): the device's peak and the time between this model's calls include its
+            work, so neither is a test of this plan.
     """
 
     steps: int
@@ -89,6 +97,7 @@ class FitReport:
     planned_for: str = ""
     runs_on: str = ""
     same_machine: bool = True
+    shared: bool = False
 
     @property
     def peak_error(self) -> float | None:
@@ -128,6 +137,9 @@ class FitReport:
             remark = host_bound_remark(self.host_bound, self.step_error)
             if remark:
                 parts.append(f"-- the plan's {remark}")
+        if self.shared:
+            parts.append("-- another fitted model on this device ran in the same steps: the "
+                         "figures include its work")
         return " ".join(parts)
 
 
@@ -215,6 +227,7 @@ class Fitted:
         self._dense = DenseScratch()
         self._marks: list[float] = []
         self._report: FitReport | None = None
+        self._shared = False  # another fitted model ran within the observed steps
         # What other tensors hold on the device when fit attaches (a VAE, a text encoder,
         # another model): not part of the step the plan predicts, so not of its measured peak.
         self._others_bytes = 0
@@ -305,8 +318,16 @@ class Fitted:
         if plan.activation_offload:
             self._offload = _patch.install(model, _OffloadingForward(ActivationOffloader(
                 device=self.device)))
-        if self.device.type == "cuda":
+        others = [f for f in _OBSERVING if f is not self and f.device == self.device]
+        if others:
+            # another fitted model is still observing its first steps here: resetting the
+            # device's peak would cut its window short, and what each does lands in the other's
+            self._shared = True
+            for other in others:
+                other._shared = True
+        elif self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        _OBSERVING.add(self)
         self._hook = model.register_forward_pre_hook(self._on_forward)
         model.__dict__[FITTED_MARK] = True
 
@@ -346,6 +367,9 @@ class Fitted:
             self._originals.append((owner, attr, module, held[id(module)]))
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
+        for other in _OBSERVING:
+            if other is not self and other.device == self.device:
+                other._shared = True  # this model's call lands in the other's window
         if self._report is not None and len(self._marks) > self._observe_steps:
             return
         if self.device.type == "cuda":
@@ -353,8 +377,9 @@ class Fitted:
         self._marks.append(time.perf_counter())
         if len(self._marks) == self._observe_steps + 1:
             self._report = self._measure()
+            _OBSERVING.discard(self)
             logger.info("vramkit.fit %s", self._report.describe())
-            if (self._report.measured_peak_bytes is not None
+            if (self._report.measured_peak_bytes is not None and not self._report.shared
                     and self._report.measured_peak_bytes > self.plan.budget_bytes):
                 logger.warning("vramkit.fit: the measured peak %s is above the budget %s",
                                format_size(self._report.measured_peak_bytes),
@@ -374,7 +399,7 @@ class Fitted:
                          measured_step_seconds=measured,
                          host_bound=self.plan.host_bound_phases,
                          planned_for=self.plan.machine, runs_on=runs_on,
-                         same_machine=same)
+                         same_machine=same, shared=self._shared)
 
     # -- public -----------------------------------------------------------------------------
 
@@ -409,6 +434,7 @@ class Fitted:
         self._undo()
 
     def _undo(self) -> None:
+        _OBSERVING.discard(self)
         self.model.__dict__.pop(FITTED_MARK, None)
         if self._hook is not None:
             self._hook.remove()

@@ -25,6 +25,9 @@ def test_the_plan_and_its_neighbours_each_run_and_the_regret_is_their_ratio(
     measured = [p["measured ms"] for p in plans]
     assert all(m > 0 for m in measured)
     assert math.isclose(result["regret"], measured[0] / min(measured), rel_tol=1e-9)
+    kept = [p["measured ms"] for p in plans if p["fits (pred)"]]
+    assert plans[0]["fits (pred)"]  # the planner's own plan keeps its headroom
+    assert math.isclose(result["regret_within_headroom"], measured[0] / min(kept), rel_tol=1e-9)
 
 
 @pytest.mark.parametrize("compiled", [False, True])

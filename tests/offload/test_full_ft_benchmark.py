@@ -29,6 +29,7 @@ def test_the_planned_full_fine_tune_runs_beside_the_sweep(tmp_path: Path) -> Non
     assert "error" not in planned and "error" not in swept, results
     assert planned["plan_swapped"] > 0 and planned["predicted_step_ms"] > 0
     assert "Full fine-tuning with swapped optimizer state" in planned["explain"]
-    # the same training, planned or set by hand (both all swapped; the plan checkpoints none)
-    assert planned["first_loss"] == swept["first_loss"]
-    assert planned["optimizer_steps"] == swept["optimizer_steps"]
+    # the same training, planned or set by hand (both all swapped; the plan checkpoints none,
+    # which recomputes the same ops): the loss after the optimizer steps matches bit for bit
+    assert planned["optimizer_steps"] == swept["optimizer_steps"] > 0
+    assert planned["last_loss"] == swept["last_loss"] != planned["first_loss"]

@@ -391,16 +391,15 @@ def test_a_report_before_any_step_says_none_was_measured() -> None:
     fitted.detach()
 
 
-def test_two_fitted_models_in_the_same_steps_say_their_figures_are_shared(
-        caplog: pytest.LogCaptureFixture) -> None:
+def test_two_fitted_models_in_the_same_steps_say_their_figures_are_shared() -> None:
     """A fitted text encoder beside a fitted transformer, or two arms of a benchmark: each
-    model's first steps contain the other's work, so neither report tests its plan -- and
-    says so instead of warning about a peak that is not its own."""
+    model's first steps contain the other's work, so neither report tests its plan, and says
+    so (the CPU measures no peak: the over-budget warning a shared report skips is CUDA's)."""
     (x,) = inputs()
     first, second = stack(), stack()
     a = vramkit.fit(first, inputs(), 6 * MiB, observe_steps=2, **OPTIONS)
     b = vramkit.fit(second, inputs(), 6 * MiB, observe_steps=2, **OPTIONS)  # a still observes
-    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="vramkit.planning.fitting"):
+    with torch.no_grad():
         for _ in range(3):
             first(x)
             second(x)
@@ -408,7 +407,6 @@ def test_two_fitted_models_in_the_same_steps_say_their_figures_are_shared(
         report = fitted.report()
         assert report.steps == 2 and report.shared
         assert "another fitted model on this device ran in the same steps" in report.describe()
-    assert not caplog.records
     a.detach()
     b.detach()
 

@@ -42,3 +42,12 @@ def test_the_wan_inference_row_runs_both_arms(tmp_path: Path, compiled: bool) ->
     assert math.isclose(result["speed-up"], result["diffusers s"] / result["ours s"])
     assert ("compiled" in result["plan"]) == compiled
     assert ("Blocks run compiled" in result["explain"]) == compiled
+
+
+def test_our_inference_budget_cannot_exceed_the_cards_cap() -> None:
+    bench = load_benchmark("regret")
+    with pytest.raises(SystemExit):
+        bench.main(["--model", "wan", "--wan-infer", "--budget", "8", "--fit-budget", "9",
+                    "--tiny", "--device", "cpu"])
+    with pytest.raises(SystemExit):  # an option of the inference row only
+        bench.main(["--model", "demo", "--fit-budget", "3", "--tiny", "--device", "cpu"])

@@ -35,7 +35,9 @@ fitted step under ``--budget`` against the same weights resident on the GPU with
 checkpointed and no cap, alternating; the measured peak against the prediction (target: within
 3 %) and the host memory the plan pins (masters + offloaded activations) against this
 process's RSS growth. When no plan fits the budget, the row says so with the planner's minimum
-and runs at that minimum rounded up to 0.5 GiB.
+and runs at that minimum rounded up to 0.5 GiB. ``--compile`` / ``--allow fp8-w8a8`` as for
+``--wan-infer`` (ours compiled / multiplying frozen weights in 8 bits, calibrated so; the
+resident arm stays bf16 eager).
 
 cuDNN's SDPA backend is disabled (it crashed on Hopper with torch 2.11, docs/architecture.md).
 
@@ -46,6 +48,8 @@ Run (H200, each well under 4 min; the figures printed at the end):
     PYTHONPATH=src python3 benchmarks/regret.py --model wan --budget 11.5 --rounds 1
     PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-row --budget 11.5
     PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-row --budget 11.5 --subblock
+    PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-row --budget 11.5 --subblock \
+        --allow fp8-w8a8
     PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-infer --budget 8
     PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-infer --budget 8 --compile
     PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-infer --budget 8 --compile \
@@ -199,6 +203,11 @@ def plan_with_neighbours(m: Model, budget: int, args: argparse.Namespace,
         options["ffn_chunks"] = args.ffn_chunks
     if args.subblock:
         options["subblock_checkpoint"] = True
+    formats = tuple(f for f in args.allow.split(",") if f)
+    if formats:  # --wan-row: the plan may multiply frozen weights in 8 bits
+        options["allow_formats"] = formats
+    if args.compile:  # --wan-row: its blocks timed compiled, as fit will run them
+        options["compile"] = "default"
     cuda = device.type == "cuda"
     machine = machine_for(None if cuda else "rtx4090", device if cuda else None)
     meta = meta_copy(m.host)
@@ -217,7 +226,8 @@ def plan_with_neighbours(m: Model, budget: int, args: argparse.Namespace,
                    autocast=options.get("autocast", torch.bfloat16))
     try:
         times = (calibrate_blocks(m.host, m.inputs, step=m.step, device=device,
-                                  autocast=options.get("autocast", torch.bfloat16))
+                                  autocast=options.get("autocast", torch.bfloat16),
+                                  formats=formats, compile=options.get("compile"))
                  if cuda else None)
     finally:
         if args.subblock:  # fit applies them as the plan says
@@ -399,7 +409,7 @@ def wan_row(m: Model, args: argparse.Namespace, device: torch.device
     try:
         warm(card, resident)
         warm(card, fitted_arm, lambda: holder.setdefault("fitted", vramkit.fit(
-            m.host, m.inputs, budget, plan=plan, device=device)))
+            m.host, m.inputs, budget, plan=plan, device=device, compile=args.compile)))
         rss_fitted = read_host_memory().process_rss
         settings = argparse.Namespace(rounds=args.rounds or 2, steps_per_arm=args.steps or 2)
         alternate(card, (fitted_arm, resident), settings)
@@ -413,7 +423,10 @@ def wan_row(m: Model, args: argparse.Namespace, device: torch.device
     row = {"row": f"Wan 2.1 14B LoRA {m.shapes}", "budget GiB": budget / GIB,
            "plan": f"{len(plan.swapped)}/{len(plan.block_order)} swapped, "
                    f"{len(plan.checkpointed)} ckpt, R={plan.num_slots}, "
-                   f"offload {'on' if plan.activation_offload else 'off'}",
+                   f"offload {'on' if plan.activation_offload else 'off'}"
+                   + (", compiled" if args.compile else "")
+                   + "".join(f", {f}" for f in sorted(set(plan.formats.values()))
+                             if f != "bf16"),
            "step s": mine, "resident all-ckpt s": theirs, "ratio": mine / theirs,
            "predicted s": plan.predicted_step_seconds,
            "peak GiB": fitted_arm.peak / GIB, "predicted GiB": plan.predicted_peak_bytes / GIB,
@@ -519,9 +532,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wan-infer", action="store_true",
                         help="Wan inference: fitted vs diffusers' block-level group offloading")
     parser.add_argument("--compile", action="store_true",
-                        help="--wan-infer: blocks torch.compiled (planned timed compiled)")
+                        help="--wan-infer/--wan-row: blocks torch.compiled (planned timed "
+                             "compiled)")
     parser.add_argument("--allow", default="",
-                        help="--wan-infer: 8-bit formats the plan may use, e.g. fp8-w8a8")
+                        help="--wan-infer/--wan-row: 8-bit formats the plan may use, e.g. "
+                             "fp8-w8a8")
     parser.add_argument("--fit-budget", type=float, default=0.0,
                         help="--wan-infer: GiB ours is planned for (default: --budget, the "
                              "card's cap for both arms)")
@@ -532,8 +547,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.wan_row or args.wan_infer) and args.model != "wan":
         parser.error("--wan-row and --wan-infer are rows of --model wan")
-    if (args.compile or args.allow or args.fit_budget) and not args.wan_infer:
-        parser.error("--compile, --allow and --fit-budget are options of --wan-infer")
+    if (args.compile or args.allow) and not (args.wan_infer or args.wan_row):
+        parser.error("--compile and --allow are options of --wan-infer and --wan-row")
+    if args.fit_budget and not args.wan_infer:
+        parser.error("--fit-budget is an option of --wan-infer")
     if args.wan_row and args.wan_infer:
         parser.error("--wan-row and --wan-infer are separate rows: run one per process")
     if args.fit_budget and args.budget is not None and args.fit_budget > args.budget:

@@ -51,3 +51,13 @@ def test_our_inference_budget_cannot_exceed_the_cards_cap() -> None:
                     "--tiny", "--device", "cpu"])
     with pytest.raises(SystemExit):  # an option of the inference row only
         bench.main(["--model", "demo", "--fit-budget", "3", "--tiny", "--device", "cpu"])
+
+
+def test_the_wan_training_row_runs_with_8bit_formats_allowed(tmp_path: Path) -> None:
+    pytest.importorskip("diffusers")
+    bench = load_benchmark("regret")
+    assert bench.main(["--model", "wan", "--wan-row", "--tiny", "--device", "cpu", "--rounds",
+                       "1", "--steps", "1", "--allow", "int8-w8a8", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "regret_wan_row_tiny.json").read_text())
+    assert len(result["fitted_s"]) == len(result["resident_s"]) == 1
+    assert math.isclose(result["ratio"], result["step s"] / result["resident all-ckpt s"])

@@ -305,6 +305,7 @@ def child(args: argparse.Namespace) -> None:
         path = Path(args.workdir) / FILES[args.variant]
         r["file_bytes"] = path.stat().st_size
         t0 = time.perf_counter()
+        r["load_from_start_s"] = process_age()  # the interpreter, imports, CUDA context
         model = meta_model(ctx.config)
         enable_gradient_checkpointing(model)
         if args.variant == "fp8":
@@ -312,6 +313,7 @@ def child(args: argparse.Namespace) -> None:
         max_gpu = args.max_gpu_bytes or (MAX_GPU_BYTES if not args.quick else "64MiB")
         swapper = BlockSwapper(model, config=SwapConfig(max_gpu_bytes=max_gpu),
                                device=ctx.device, checkpoint=path, progress=False)
+        r["attach_s"] = time.perf_counter() - t0  # the swapper built (the fill may go on)
         params = add_lora(model, args.seed)
         opt = adamw(params, ctx.device)
         r["steps"], r["losses"] = [], []
@@ -474,7 +476,10 @@ def measure_part(args: argparse.Namespace) -> dict[str, Any]:
                 f"(/ file + 3 GiB = {r['rss_ratio'] or 0:.3f}), first step / cold read "
                 f"{r['first_step_over_cold_read'] or 0:.3f} (from the load's start "
                 f"{r['first_step_from_load_over_cold_read'] or 0:.3f}), step "
-                f"{r.get('step_s') or 0:.3f} s (/ bf16 {r['step_over_bf16'] or 0:.3f})")
+                f"{r.get('step_s') or 0:.3f} s (/ bf16 {r['step_over_bf16'] or 0:.3f}); "
+                f"load began {r.get('load_from_start_s') or 0:.1f} s after the start, swapper "
+                f"built {r.get('attach_s') or 0:.1f} s later, first step "
+                f"{r.get('first_step_from_load_s') or 0:.1f} s after the load began")
         rounds.append(children)
         # kept round by round: a run cut short by its time box keeps the rounds it finished
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,9 @@ eager, as its offloading runs. ``--fit-budget GiB`` plans ours for less than the
 (both arms still run under ``--budget``): ours at diffusers' peak or below, for the row's
 "at equal or lower peak".
 
-``--wan-row``: the Wan row instead, at 480x832 x ``--frames`` (default 81 with this flag): the
+``--video-row`` (or ``--wan-row``): the video row instead, for ``--model wan`` at 480x832 x
+``--frames`` (default 81 with this flag) or ``--model hunyuan`` (HunyuanVideo 13B from its
+published config, LoRA r16 on the attention projections, 544x960 x ``--frames``, default 33): the
 fitted step under ``--budget`` against the same weights resident on the GPU with every block
 checkpointed and no cap, alternating; the measured peak against the prediction (target: within
 3 %) and the host memory the plan pins (masters + offloaded activations) against this
@@ -50,6 +52,7 @@ Run (H200, each well under 4 min; the figures printed at the end):
     PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-row --budget 11.5 --subblock
     PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-row --budget 11.5 --subblock \
         --allow fp8-w8a8
+    PYTHONPATH=src python3 benchmarks/regret.py --model hunyuan --video-row --budget 15.5
     PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-infer --budget 8
     PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-infer --budget 8 --compile
     PYTHONPATH=src python3 benchmarks/regret.py --model wan --wan-infer --budget 8 --compile \
@@ -81,16 +84,27 @@ from _timing import log
 from plan import Card, copy_to, fill_random, real_inputs, sync, tiny_folder, train_arm
 
 GIB = 1 << 30
-MODELS = ("flux", "llama8b", "demo", "wan")
+MODELS = ("flux", "llama8b", "demo", "wan", "hunyuan")
+VIDEO = ("wan", "hunyuan")  # the models of the video row (--video-row)
 #: Rounds and timed steps per turn by model: each model's run stays under ~4 min on an H200
 #: (a turn is an attach, one untimed step, the timed ones and a detach).
-DEFAULT_ROUNDS = {"flux": 2, "llama8b": 2, "demo": 3, "wan": 1}
-DEFAULT_STEPS = {"flux": 2, "llama8b": 2, "demo": 3, "wan": 1}
+DEFAULT_ROUNDS = {"flux": 2, "llama8b": 2, "demo": 3, "wan": 1, "hunyuan": 1}
+DEFAULT_STEPS = {"flux": 2, "llama8b": 2, "demo": 3, "wan": 1, "hunyuan": 1}
+#: HunyuanVideo's row: 33 frames at 544x960 (18,360 video tokens), a LoRA clip length people
+#: train at on 16 GB cards (its pipeline's own 129 frames at 720x1280 need a 30 GiB budget).
+HUNYUAN_FRAMES, HUNYUAN_RESOLUTION = 33, (544, 960)
 TINY_WAN = {
     "_class_name": "WanTransformer3DModel", "patch_size": [1, 2, 2], "num_attention_heads": 2,
     "attention_head_dim": 16, "in_channels": 4, "out_channels": 4, "text_dim": 32,
     "freq_dim": 32, "ffn_dim": 128, "num_layers": 4, "cross_attn_norm": True,
     "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 64,
+}
+TINY_HUNYUAN = {
+    "_class_name": "HunyuanVideoTransformer3DModel", "in_channels": 4, "out_channels": 4,
+    "num_attention_heads": 2, "attention_head_dim": 16, "num_layers": 2, "num_single_layers": 2,
+    "num_refiner_layers": 1, "mlp_ratio": 2.0, "patch_size": 2, "patch_size_t": 1,
+    "qk_norm": "rms_norm", "guidance_embeds": True, "text_embed_dim": 32,
+    "pooled_projection_dim": 16, "rope_theta": 256.0, "rope_axes_dim": [4, 6, 6],
 }
 
 
@@ -135,11 +149,15 @@ def _target(model: str, args: argparse.Namespace) -> Any:
     if model == "llama8b":
         name = tiny_folder("llama") if args.tiny else "llama-3.1-8b"
         return build_target(name, seq_len=64 if args.tiny else 4096)
-    # wan
+    # the video models
     if args.tiny:
-        folder = Path(tempfile.mkdtemp(prefix="vramkit-regret-wan-"))
-        (folder / "config.json").write_text(json.dumps(TINY_WAN), encoding="utf-8")
+        folder = Path(tempfile.mkdtemp(prefix=f"vramkit-regret-{model}-"))
+        config = TINY_WAN if model == "wan" else TINY_HUNYUAN
+        (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
         return build_target(str(folder), frames=5, resolution=(32, 48), seq_len=8,
+                            mode=_mode(args))
+    if model == "hunyuan":
+        return build_target("hunyuanvideo", frames=args.frames, resolution=HUNYUAN_RESOLUTION,
                             mode=_mode(args))
     return build_target("wan2.1-14b", frames=args.frames, mode=_mode(args))
 
@@ -150,7 +168,7 @@ def _mode(args: argparse.Namespace) -> str:
 
 def build(model: str, args: argparse.Namespace, device: torch.device) -> Model:
     """The model with random weights: made on the device (fast), copied to the host; the
-    device copy kept only as the Wan row's resident baseline."""
+    device copy kept only as the video row's resident baseline."""
     if model == "demo":
         return _demo(args, device)
     target = _target(model, args)
@@ -420,7 +438,8 @@ def wan_row(m: Model, args: argparse.Namespace, device: torch.device
         reset_r()
         reset_f()
     mine, theirs = (statistics.median(a.seconds) for a in (fitted_arm, resident))
-    row = {"row": f"Wan 2.1 14B LoRA {m.shapes}", "budget GiB": budget / GIB,
+    title = "Wan 2.1 14B" if m.name == "wan" else "HunyuanVideo 13B"
+    row = {"row": f"{title} LoRA {m.shapes}", "budget GiB": budget / GIB,
            "plan": f"{len(plan.swapped)}/{len(plan.block_order)} swapped, "
                    f"{len(plan.checkpointed)} ckpt, R={plan.num_slots}, "
                    f"offload {'on' if plan.activation_offload else 'off'}"
@@ -434,7 +453,7 @@ def wan_row(m: Model, args: argparse.Namespace, device: torch.device
            "host GiB (plan)": plan.host_bytes / GIB,
            "host RSS growth GiB": (rss_fitted - rss_before) / GIB
            if rss_fitted is not None and rss_before is not None else math.nan}
-    print(f"\nWan row: {row}")
+    print(f"\nvideo row: {row}")
     result = {**row, **info, "explain": plan.explain(), "fitted_s": fitted_arm.seconds,
               "resident_s": resident.seconds,
               "peak_within_3pct": abs(row["peak err %"]) <= 3,
@@ -527,8 +546,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--subblock", action="store_true",
                         help="plan with each block's parts (attentions, feed-forward) "
                              "checkpointed on their own (plan(subblock_checkpoint=True))")
-    parser.add_argument("--wan-row", action="store_true",
-                        help="the Wan row: fitted vs resident with every block checkpointed")
+    parser.add_argument("--video-row", "--wan-row", dest="wan_row", action="store_true",
+                        help="the video row (wan, hunyuan): fitted vs resident with every "
+                             "block checkpointed")
     parser.add_argument("--wan-infer", action="store_true",
                         help="Wan inference: fitted vs diffusers' block-level group offloading")
     parser.add_argument("--compile", action="store_true",
@@ -545,8 +565,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     add_common_args(parser)
     args = parser.parse_args(argv)
-    if (args.wan_row or args.wan_infer) and args.model != "wan":
-        parser.error("--wan-row and --wan-infer are rows of --model wan")
+    if args.wan_infer and args.model != "wan":
+        parser.error("--wan-infer is a row of --model wan")
+    if args.wan_row and args.model not in VIDEO:
+        parser.error(f"--video-row is a row of the video models: {', '.join(VIDEO)}")
+    if args.model == "hunyuan" and not args.wan_row:
+        parser.error("--model hunyuan runs the video row only: add --video-row")
     if (args.compile or args.allow) and not (args.wan_infer or args.wan_row):
         parser.error("--compile and --allow are options of --wan-infer and --wan-row")
     if args.fit_budget and not args.wan_infer:
@@ -555,7 +579,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--wan-row and --wan-infer are separate rows: run one per process")
     if args.fit_budget and args.budget is not None and args.fit_budget > args.budget:
         parser.error("--fit-budget is at most --budget (the card's cap)")
-    args.frames = args.frames or (81 if args.wan_row or args.wan_infer else 41)
+    args.frames = args.frames or (HUNYUAN_FRAMES if args.model == "hunyuan" else
+                                  81 if args.wan_row or args.wan_infer else 41)
     if args.budget is None:
         args.budget = 8.0 if args.wan_infer else 11.5
     from vramkit.devices.resolve import resolve_device
@@ -569,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     run = wan_row if args.wan_row else wan_infer_row if args.wan_infer else regret_run
     result, rows = run(m, args, device)
     result["total_s"] = time.perf_counter() - started
-    name = ("regret_wan_row" if args.wan_row else "regret_wan_infer" if args.wan_infer
+    name = (f"regret_{args.model}_row" if args.wan_row else "regret_wan_infer" if args.wan_infer
             else f"regret_{args.model}")
     write_result(name + ("_tiny" if args.tiny else ""), result, rows, args.out)
     print(f"total {result['total_s']:.0f} s")

@@ -53,6 +53,18 @@ def test_our_inference_budget_cannot_exceed_the_cards_cap() -> None:
         bench.main(["--model", "demo", "--fit-budget", "3", "--tiny", "--device", "cpu"])
 
 
+def test_the_hunyuan_video_row_runs_both_arms(tmp_path: Path) -> None:
+    pytest.importorskip("diffusers")
+    bench = load_benchmark("regret")
+    assert bench.main(["--model", "hunyuan", "--video-row", "--tiny", "--device", "cpu",
+                       "--rounds", "1", "--steps", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "regret_hunyuan_row_tiny.json").read_text())
+    assert result["row"].startswith("HunyuanVideo 13B LoRA")
+    assert len(result["fitted_s"]) == len(result["resident_s"]) == 1
+    with pytest.raises(SystemExit):  # HunyuanVideo has the video row only
+        bench.main(["--model", "hunyuan", "--tiny", "--device", "cpu"])
+
+
 def test_the_wan_training_row_runs_with_8bit_formats_allowed(tmp_path: Path) -> None:
     pytest.importorskip("diffusers")
     bench = load_benchmark("regret")

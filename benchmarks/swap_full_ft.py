@@ -43,7 +43,7 @@ Run (GPU): PYTHONPATH=src python benchmarks/swap_full_ft.py --out out
 Run (GPU, the planned row): PYTHONPATH=src python benchmarks/swap_full_ft.py --model flux
            --flux-variants planned,swap8-r6,swap8-r8,swap8-r10 --steps 4 --warmup 2 --out out/ftp
 Run (CPU smoke test): PYTHONPATH=src python benchmarks/swap_full_ft.py --device cpu --quick
-                      ... --model flux --device cpu --flux-variants planned,swap8 --cap-gib 0.07
+                      ... --model flux --device cpu --flux-variants planned,swap8 --cap-gib 0.03
 """
 
 from __future__ import annotations

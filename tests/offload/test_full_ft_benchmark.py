@@ -19,7 +19,7 @@ pytest.importorskip("diffusers")
 def test_the_planned_full_fine_tune_runs_beside_the_sweep(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "swap_full_ft.py"), "--model", "flux", "--device",
-         "cpu", "--flux-variants", "planned,swap8", "--cap-gib", "0.07", "--steps", "1",
+         "cpu", "--flux-variants", "planned,swap8", "--cap-gib", "0.03", "--steps", "1",
          "--warmup", "1", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -54,9 +54,10 @@ def test_swapped_blocks_take_their_state_to_the_host_and_bring_slots(cost) -> No
     assert p.host_breakdown["optimizer_state"] == 2 * sum(moved)
     assert p.host_breakdown["masters"] == sum(blocks[n].swapped["bf16"] for n in p.swapped)
     # on the device: every trainable byte (weights, gradients, AdamW) but the swapped ones,
-    # plus R slots of (weights + state) for the blocks waiting for their step
+    # plus R state slots and the gradients of the one block stepping
     everything = 2 * cost.trainable_bytes + 8 * cost.trainable_params
-    on_device = everything - 2 * sum(moved) - 2 * sum(moved) + p.num_slots * 3 * moved[0]
+    on_device = (everything - 2 * sum(moved) - 2 * sum(moved) + p.num_slots * 2 * moved[0]
+                 + moved[0])
     assert p.peak_breakdown["trainable_and_optimizer"] == on_device
     # backward copies: weights + state of the (k - R) blocks reloaded, paced by the slots
     k, r = len(p.swapped), p.num_slots
@@ -123,3 +124,64 @@ def test_a_full_finetuning_plans_neighbours_are_priced_as_full_finetuning(cost) 
         if fits(n.plan):
             assert n.plan.predicted_step_seconds >= p.predicted_step_seconds * (1 - 1e-9), \
                 n.label
+
+
+def test_the_swapped_state_is_priced_at_the_optimizers_bytes(cost) -> None:  # type: ignore[no-untyped-def]
+    adamw = _plan(cost, 24 * MiB)
+    eight_bit = _plan(cost, 24 * MiB, optimizer_state_bytes=2)
+    assert adamw.optimizer_state_bytes == 8 and eight_bit.optimizer_state_bytes == 2
+    per_block = 2 * 256 * 1024  # parameters of a block's fp32 up and down matrices
+    assert adamw.host_breakdown["optimizer_state"] == 8 * per_block * len(adamw.swapped)
+    assert eight_bit.host_breakdown["optimizer_state"] == 2 * per_block * len(eight_bit.swapped)
+    # a quarter of the bytes to move back and forth: never slower at the same budget
+    assert eight_bit.predicted_step_seconds <= adamw.predicted_step_seconds * (1 + 1e-9)
+    with pytest.raises(ConfigError, match="optimizer_state_bytes"):
+        _plan(cost, 24 * MiB, optimizer_state_bytes=-1)
+
+
+def test_a_plans_neighbours_keep_its_optimizers_state_bytes(cost) -> None:  # type: ignore[no-untyped-def]
+    from vramkit.planning.neighbourhood import neighbours
+
+    p = _plan(cost, 24 * MiB, optimizer_state_bytes=2)
+    for n in neighbours(p, cost, machine_for("rtx4090")):
+        if n.plan.swapped:
+            assert n.plan.optimizer_state_bytes == 2, n.label
+            assert n.plan.host_breakdown["optimizer_state"] == \
+                2 * 2 * 256 * 1024 * len(n.plan.swapped), n.label
+
+
+@pytest.mark.parametrize(("dtype", "expected"), [(torch.float32, 8.0), (torch.bfloat16, 4.0)])
+def test_fit_measures_the_state_its_optimizer_keeps(dtype: torch.dtype, expected: float) -> None:
+    from vramkit.planning.fitting import STATE_PROBE_ELEMENTS, optimizer_state_bytes
+
+    model = full_stack("cpu").to(dtype)
+    per_param = optimizer_state_bytes(lambda ps: torch.optim.AdamW(ps, lr=1e-3), model,
+                                      torch.device("cpu"))
+    # exp_avg and exp_avg_sq in the parameter's dtype, plus AdamW's step counter
+    assert per_param == pytest.approx(expected + 4 / STATE_PROBE_ELEMENTS)
+    assert optimizer_state_bytes(lambda ps: torch.optim.SGD(ps, lr=1e-3), model,
+                                 torch.device("cpu")) == 0
+
+    def broken(params):  # type: ignore[no-untyped-def]
+        raise TypeError("wants more than parameters")
+
+    assert optimizer_state_bytes(broken, model, torch.device("cpu")) is None
+
+
+def test_fit_plans_full_finetuning_at_its_optimizers_state(cost) -> None:  # type: ignore[no-untyped-def]
+    import vramkit
+    from vramkit.optim import AdamW8bit
+
+    model, xs = full_stack("cpu"), inputs()
+    fitted = vramkit.fit(model, xs, 24 * MiB, device="cpu", hardware="rtx4090",
+                         trainable="swap", autocast=None,
+                         optimizer=lambda params: AdamW8bit(params, lr=1e-3))
+    try:
+        p = fitted.plan
+        assert p.trainable == "swap" and p.swapped
+        assert 2.0 <= p.optimizer_state_bytes < 2.2  # 8-bit moments and their scales
+        moved = 2 * 256 * 1024 * len(p.swapped)
+        assert p.host_breakdown["optimizer_state"] == pytest.approx(
+            p.optimizer_state_bytes * moved, rel=1e-6)
+    finally:
+        fitted.detach()

@@ -44,7 +44,7 @@ from vramkit.planning.hardware import (
 )
 from vramkit.planning.machine import Machine, machine_for
 from vramkit.planning.planner import search
-from vramkit.planning.pricing import staged_copy_rate
+from vramkit.planning.pricing import ADAMW_STATE_BYTES, staged_copy_rate
 from vramkit.planning.record import CHECKPOINTING, Plan
 from vramkit.units import format_size, format_sizes_apart
 
@@ -54,8 +54,10 @@ __all__ = ["DEFAULT_HEADROOM", "DEFAULT_OFFLINE_HARDWARE", "DEFAULT_SLOTS",
 #: Ring sizes a plan weighs by default.
 DEFAULT_SLOTS = (1, 2, 3)
 #: ... with ``trainable="swap"``: the optimizer-state slots overlap the write-backs only with
-#: several (1.60x the transfer bound with 2, 1.01x with 8: ``planner.SWAP_STATE_SLOWDOWN``).
-SWAP_TRAINABLE_SLOTS = (2, 3, 4, 6, 8)
+#: several (1.60x the transfer bound with 2, 1.01x with 8: ``planner.SWAP_STATE_SLOWDOWN``),
+#: and a FLUX.1-dev step measured 15 % faster with 10 than with 8 (H200, 8-bit AdamW):
+#: up to 12 are weighed where they fit.
+SWAP_TRAINABLE_SLOTS = (2, 3, 4, 6, 8, 10, 12)
 #: Where trainable parameters live (``plan(trainable=)``).
 TRAINABLE_MODES = ("resident", "swap")
 
@@ -127,7 +129,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
          disk_bytes_per_s: float | None = None, checkpointing: str = "auto",
          host_memory: str = "auto", staging_pool: int | str = "2GiB",
          compile: str | None = None, trainable: str = "resident", ffn_chunks: int = 1,
-         compress: str = "auto", subblock_checkpoint: bool | str = "auto") -> Plan:
+         compress: str = "auto", subblock_checkpoint: bool | str = "auto",
+         optimizer_state_bytes: float | None = None) -> Plan:
     """Plan a model's memory for a budget at the best predicted step time.
 
     Nothing is allocated or computed: the model runs on the meta device (a meta copy of a real
@@ -169,7 +172,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
             their children (smaller ring slots), and taken where whole blocks do not fit or
             it is :data:`SPLIT_GAIN` faster (``Plan.split``); named blocks are kept as named.
         num_slots: ring sizes to consider (default 1, 2, 3; with ``trainable="swap"``
-            2, 3, 4, 6, 8: the state slots overlap the write-backs, :data:`SWAP_TRAINABLE_SLOTS`).
+            2, 3, 4, 6, 8, 10, 12: the state slots overlap the write-backs,
+            :data:`SWAP_TRAINABLE_SLOTS`).
         activation_offload: consider offloading saved activations (default ``True``).
         autocast: the dtype of autocast during the step (default bf16; ``None``: none).
         cost: a :class:`~vramkit.planning.analysis.ModelCost` from an earlier :func:`analyze` of
@@ -211,6 +215,11 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
             on the GPU in backward through ``num_slots`` state slots; training only; counted in
             ``Plan.host_breakdown["optimizer_state"]``; :func:`vramkit.fit` then needs
             ``optimizer=`` a factory).
+        optimizer_state_bytes: bytes of optimizer state per trainable parameter: on the device
+            for ``trainable="resident"``, moved and held in host memory per swapped block for
+            ``"swap"``. Default (``None``): AdamW's two fp32 moments (8); an 8-bit AdamW keeps
+            about 2, AdamW over bf16 parameters 4. :func:`vramkit.fit` measures it from its
+            ``optimizer=`` factory for ``trainable="swap"``.
         ffn_chunks: run each block's feed-forward layer (``ffn``, ``ff``, ``mlp``) over this
             many slices of its tokens, each recomputed in backward
             (:func:`vramkit.offload.chunked.chunk_feed_forwards`): at long sequences (video)
@@ -245,6 +254,8 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
 
         check_choice("compile", compile, COMPILE_MODES)
     check_choice("trainable", trainable, TRAINABLE_MODES)
+    state_per_param = (ADAMW_STATE_BYTES if optimizer_state_bytes is None else
+                       check_number("optimizer_state_bytes", optimizer_state_bytes, minimum=0))
     ffn_chunks = check_int("ffn_chunks", ffn_chunks, minimum=1)
     if subblock_checkpoint != "auto":
         check_bool("subblock_checkpoint", subblock_checkpoint,
@@ -372,7 +383,7 @@ def plan(model: nn.Module, example_inputs: Any, budget: int | str, *, mode: str 
                       disk_bytes_per_s=disk_rate, checkpointing=checkpointing,
                       copy_bytes_per_s=copy_rate[0],
                       compress_ratio=ratio_of(units) if compress == "auto" else None,
-                      trainable_mode=trainable)
+                      trainable_mode=trainable, optimizer_state_bytes=state_per_param)
 
     timed_compiled: list[str | None] = []  # the compile mode of the times each plan used
     may_split = (mode == "infer" and isinstance(blocks, str) and blocks == "auto"

@@ -594,6 +594,12 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
             plan_options["headroom"] = 0
         if compile_mode is not None:  # timed (or noted) as the blocks will run
             plan_options.setdefault("compile", compile_mode)
+        if (plan_options.get("trainable") == "swap" and optimizer is not None
+                and plan_options.get("optimizer_state_bytes") is None):
+            # the swapped blocks' state moves every step: priced at what this optimizer keeps
+            per_param = optimizer_state_bytes(optimizer, model, target)
+            if per_param is not None:
+                plan_options["optimizer_state_bytes"] = per_param
         plan = make_plan(model, example_inputs, budget, **plan_options)
         if cpu_headroom:
             plan = dataclasses.replace(plan, notes=(
@@ -616,6 +622,34 @@ def fit(model: nn.Module, example_inputs: Any, budget: int | str, *,
                   master_memory=master_memory, block_loader=block_loader,
                   compile_mode=compile_mode,
                   host_memory=plan_options.get("host_memory", "auto"), optimizer=optimizer)
+
+
+#: Elements of the probe parameter :func:`optimizer_state_bytes` steps (large enough that a
+#: block-quantized state's per-block scales count as they do on a real layer).
+STATE_PROBE_ELEMENTS = 1 << 16
+
+
+def optimizer_state_bytes(factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                          model: nn.Module, device: torch.device) -> float | None:
+    """Bytes of state ``factory``'s optimizer keeps per parameter, measured: one step over a
+    probe parameter of the model's trainable dtype on ``device`` (an 8-bit AdamW about 2,
+    AdamW over bf16 parameters 4, over fp32 parameters 8). ``None`` where the probe fails (an
+    optimizer that needs more than a parameter and its gradient): the planner then prices
+    AdamW's fp32 moments, and the log says why."""
+    dtype = next((p.dtype for p in model.parameters() if p.requires_grad), torch.float32)
+    try:
+        probe = nn.Parameter(torch.zeros(STATE_PROBE_ELEMENTS, dtype=dtype, device=device))
+        probe.grad = torch.zeros_like(probe)
+        opt = factory([probe])
+        opt.step()
+        state = opt.state.get(probe, {})
+        held = sum(t.numel() * t.element_size() for t in state.values()
+                   if isinstance(t, torch.Tensor))
+    except Exception as exc:  # an arbitrary user factory: any failure means "not measured"
+        logger.info("vramkit.fit: could not measure the optimizer's state per parameter (%s); "
+                    "the plan prices AdamW's fp32 moments", exc)
+        return None
+    return held / STATE_PROBE_ELEMENTS
 
 
 def _prepare_packed_layers(model: nn.Module, checkpoint: str | os.PathLike[str],

@@ -24,6 +24,7 @@ from vramkit.planning.analysis import ModelCost
 from vramkit.planning.calibration import BlockTimes
 from vramkit.planning.machine import Machine
 from vramkit.planning.planner import Choice, _checkpoint_order, search
+from vramkit.planning.pricing import ADAMW_STATE_BYTES
 from vramkit.planning.record import Plan
 
 __all__ = ["Neighbour", "choice_of", "fits", "neighbours", "price_choice"]
@@ -79,9 +80,11 @@ def choice_of(plan: Plan, cost: ModelCost) -> Choice:
 def price_choice(choice: Choice, cost: ModelCost, machine: Machine, budget: int,
                  headroom: int, *, times: BlockTimes | None = None,
                  host_budget: int | None = None, disk_bytes_per_s: float | None = None,
-                 checkpointing: str = "auto", trainable: str = "resident") -> Plan:
+                 checkpointing: str = "auto", trainable: str = "resident",
+                 optimizer_state_bytes: float = ADAMW_STATE_BYTES) -> Plan:
     """``choice`` priced as the search prices its candidates (fitting the budget or not;
-    ``trainable``: ``"swap"`` for full fine-tuning with swapped optimizer state).
+    ``trainable``: ``"swap"`` for full fine-tuning with swapped optimizer state, of
+    ``optimizer_state_bytes`` per parameter).
 
     Raises:
         PlanError: when its masters cannot be split between host and disk under
@@ -91,7 +94,8 @@ def price_choice(choice: Choice, cost: ModelCost, machine: Machine, budget: int,
     return search(cost, machine, budget, headroom, allow_formats=formats,
                   num_slots=(max(choice.num_slots, 1),), activation_offload=choice.offload,
                   host_budget=host_budget, times=times, disk_bytes_per_s=disk_bytes_per_s,
-                  checkpointing=checkpointing, only=choice, trainable_mode=trainable)
+                  checkpointing=checkpointing, only=choice, trainable_mode=trainable,
+                  optimizer_state_bytes=optimizer_state_bytes)
 
 
 def fits(plan: Plan) -> bool:
@@ -121,7 +125,8 @@ def neighbours(plan: Plan, cost: ModelCost, machine: Machine, *,
             found = price_choice(choice, cost, machine, plan.budget_bytes,
                                  plan.headroom_bytes, times=times, host_budget=host_budget,
                                  disk_bytes_per_s=disk_bytes_per_s,
-                                 checkpointing=plan.checkpointing, trainable=plan.trainable)
+                                 checkpointing=plan.checkpointing, trainable=plan.trainable,
+                                 optimizer_state_bytes=plan.optimizer_state_bytes)
             # what the search does not choose travels with the plan (cost was made with it)
             return replace(found, ffn_chunks=plan.ffn_chunks,
                            subblock_checkpoint=plan.subblock_checkpoint)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vramkit._validate import check_choice, check_number
-from vramkit.errors import ConfigError, PlanError
+from vramkit.errors import PlanError
 from vramkit.offload.blocks import spread_evenly
 from vramkit.planning._compression import MIN_GAIN, decode_rate
 from vramkit.planning.analysis import ModelCost
@@ -232,10 +232,12 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
             slots in backward, where the block's optimizer steps; ``cost`` analyzed with
             ``swap_config=SwapConfig(trainable="swap")``). Slots below 2 are not offered then
             (the stepper keeps one state slot free for an on-demand load).
-        optimizer_state_bytes: device bytes of optimizer state per trainable parameter
-            (default :data:`~vramkit.planning.pricing.ADAMW_STATE_BYTES`, AdamW's two fp32
-            moments; an 8-bit AdamW keeps ``2 + 8 / 256``, an optimizer stepped on the host 0).
-            Training with ``trainable_mode="resident"`` only (refused beside ``"swap"``).
+        optimizer_state_bytes: bytes of optimizer state per trainable parameter (default
+            :data:`~vramkit.planning.pricing.ADAMW_STATE_BYTES`, AdamW's two fp32 moments; an
+            8-bit AdamW keeps ``2 + 8 / 256``, AdamW over bf16 parameters 4, an optimizer
+            stepped on the host 0): on the device with ``trainable_mode="resident"``; with
+            ``"swap"`` what each swapped block's state moves and holds in host memory
+            (:func:`vramkit.fit` measures it from its ``optimizer=`` factory).
         swap_sets: ``"search"`` (default: the candidate sets of :func:`_swap_sets`) or
             ``"spread"``: only the set the swapper's own schedule takes for a count of resident
             blocks (:func:`~vramkit.offload.blocks.spread_evenly`, what
@@ -264,23 +266,18 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
     estimate = cost.activations
     check_choice("swap_sets", swap_sets, SWAP_SETS)
     check_number("optimizer_state_bytes", optimizer_state_bytes, minimum=0)
-    if trainable_mode == "swap" and optimizer_state_bytes != ADAMW_STATE_BYTES:
-        raise ConfigError(
-            "search(optimizer_state_bytes=) prices resident trainable parameters; with "
-            "trainable_mode='swap' the swapped blocks' AdamW state is priced as such",
-            hint="Drop optimizer_state_bytes for full fine-tuning with swapped state.")
     trainable = (2 * cost.trainable_bytes
                  + math.ceil(optimizer_state_bytes * cost.trainable_params)
                  if train else cost.trainable_bytes)
     swap_trainable = train and trainable_mode == "swap"
     if swap_trainable:
         num_slots = tuple(r for r in num_slots if r >= 2) or (2,)
-    # per block, the trainable bytes a swap moves and their AdamW state (trainable="swap")
+    # per block, the trainable bytes a swap moves and their optimizer state (trainable="swap")
     per_param = (cost.trainable_bytes / cost.trainable_params
                  if cost.trainable_params and cost.trainable_bytes else 4.0)
     train_bytes = [min(b.adapters, b.swapped["bf16"]) if swap_trainable else 0
                    for b in cost.blocks]
-    state_bytes = [int(ADAMW_STATE_BYTES * t / per_param) for t in train_bytes]
+    state_bytes = [int(optimizer_state_bytes * t / per_param) for t in train_bytes]
     if train:
         act_choices = [estimate.bytes_with(order[:m]) for m in range(len(order) + 1)]
         if checkpointing != "auto":  # only the asked set (its index in the order kept)
@@ -358,8 +355,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                         copy_s = [sizes[i] / bw if flags[i] else 0.0 for i in range(n)]
                         moved = sum(train_bytes[i] for i in chosen)
                         held = sum(state_bytes[i] for i in chosen)
-                        largest = max((train_bytes[i] + state_bytes[i] for i in chosen),
-                                      default=0)
+                        state_slot = max((state_bytes[i] for i in chosen), default=0)
+                        grads = max((train_bytes[i] for i in chosen), default=0)
                         for r in sorted(set(num_slots) if only is None else {only.num_slots}):
                             if k and r > k:
                                 continue  # slots beyond the swapped blocks would hold nothing
@@ -368,9 +365,11 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                             rest = weights + slots + trainable + scratch
                             if swap_trainable and chosen:
                                 # the swapped blocks' parameters, gradients and state leave the
-                                # device; R state slots and the gradients of up to R blocks
-                                # waiting for their step come instead
-                                on_device = (trainable - 2 * moved - held + r * largest)
+                                # device; R state slots come instead, and one block's gradients
+                                # (each block steps as soon as its backward is done and drops
+                                # them: the stepper never holds two blocks' at once)
+                                on_device = (trainable - 2 * moved - held + r * state_slot
+                                             + grads)
                                 factor = swap_state_factor(r)
                                 extra = dict(
                                     trainable=on_device, host_state=held,
@@ -495,7 +494,8 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
         compress_masters=best.compress,
         compressed_blocks=tuple(names[i] for i in best.compressed),
         host_breakdown=dict(best.host_parts), host_budget_bytes=host_budget,
-        trainable="swap" if swap_trainable and swapped else "resident")
+        trainable="swap" if swap_trainable and swapped else "resident",
+        optimizer_state_bytes=float(optimizer_state_bytes))
 
 
 def _w8a8_refusal(fmt: str, machine: Machine, times: BlockTimes | None) -> str | None:

@@ -122,6 +122,9 @@ class Plan:
             their optimizer state lives in pinned host memory (full fine-tuning,
             ``SwapConfig(trainable="swap")``; ``num_slots`` state slots beside the weight
             slots), else ``"resident"``.
+        optimizer_state_bytes: the optimizer's state per trainable parameter the plan priced
+            (8: AdamW's two fp32 moments; :func:`vramkit.fit` measures its ``optimizer=``
+            factory's for ``trainable="swap"``).
         ffn_chunks: each block's feed-forward layer runs over this many slices of its tokens,
             recomputed slice by slice in backward (:mod:`vramkit.offload.chunked`); 1: as
             built.
@@ -178,6 +181,7 @@ class Plan:
     host_breakdown: dict[str, int] = field(default_factory=dict)
     host_budget_bytes: int | None = None
     trainable: str = "resident"
+    optimizer_state_bytes: float = 8.0
     ffn_chunks: int = 1
     subblock_checkpoint: bool = False
 
@@ -378,7 +382,7 @@ class Plan:
         if self.trainable == "swap":
             state = self.host_breakdown.get("optimizer_state", 0)
             lines.append(f"Full fine-tuning with swapped optimizer state: each swapped block's "
-                         f"AdamW state ({format_size(state)} in all, in pinned host memory) "
+                         f"optimizer state ({format_size(state)} in all, in pinned host memory) "
                          f"comes to one of {self.num_slots} state slots in backward, where "
                          "the block's optimizer steps, and goes back with its weights "
                          "(SwapConfig(trainable='swap'), optimizer=a factory).")

@@ -327,7 +327,11 @@ def turn(m: Model, entry: Measured, budget: int, card: Card, steps: int,
     if times:
         entry.seconds += times
         entry.by_round.append(statistics.median(times))
-        log(f"{entry.label}: {1e3 * statistics.median(times):.0f} ms")
+        p = entry.plan  # the whole row in the log too: a run cut by its time box keeps it
+        log(f"{entry.label}: {1e3 * statistics.median(times):.0f} ms (predicted "
+            f"{1e3 * p.predicted_step_seconds:.0f}; {len(p.swapped)}/{len(p.checkpointed)}/"
+            f"{p.num_slots}/{'y' if p.activation_offload else 'n'}; peak "
+            f"{entry.peak / GIB:.2f} GiB, predicted {p.predicted_peak_bytes / GIB:.2f})")
 
 
 def _demo_step(m: Model, arm: Any) -> Any:

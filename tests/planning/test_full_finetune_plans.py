@@ -4,6 +4,8 @@ the plan counts both, weighs the slots against the write-backs, and fit applies 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -38,7 +40,11 @@ def _plan(cost, budget: int, **kw):  # type: ignore[no-untyped-def]
 
 def test_the_slot_factor_goes_through_the_measured_points() -> None:
     assert swap_state_factor(2) == pytest.approx(1.60)
-    assert swap_state_factor(8) == pytest.approx(1.01, abs=2e-4)
+    assert swap_state_factor(6) == pytest.approx(1.22)
+    assert swap_state_factor(8) == pytest.approx(1.035)
+    assert swap_state_factor(4) == pytest.approx((1.60 + 1.22) / 2)  # linear between points
+    assert swap_state_factor(10) == swap_state_factor(12) == 1.0
+    assert swap_state_factor(1) == swap_state_factor(2)
     assert swap_state_factor(2) > swap_state_factor(3) > swap_state_factor(4) > 1
     assert 8 in SWAP_TRAINABLE_SLOTS and min(SWAP_TRAINABLE_SLOTS) == 2
 
@@ -64,6 +70,15 @@ def test_swapped_blocks_take_their_state_to_the_host_and_bring_slots(cost) -> No
     bw = machine_for("rtx4090").h2d_bytes_per_s
     per_block = swap_state_factor(r) * (blocks[p.swapped[0]].swapped["bf16"] + 2 * moved[0]) / bw
     assert p.backward.copy_seconds == pytest.approx((k - r) / k * k * per_block)
+    # the updated weights and state of every swapped block go back each step on the other
+    # engine: the backward takes at least their time (here the host's pace sets it)
+    d2h = machine_for("rtx4090").d2h_bytes_per_s
+    assert p.backward.seconds >= swap_state_factor(r) * k * 3 * moved[0] / d2h
+    slow = dataclasses.replace(machine_for("rtx4090"), d2h_bytes_per_s=1e8)  # 100 MB/s back
+    paced = _plan(cost, 24 * MiB, hardware=slow, num_slots=(p.num_slots,))
+    writeback = swap_state_factor(paced.num_slots) * len(paced.swapped) * 3 * moved[0] / 1e8
+    assert paced.backward.seconds == pytest.approx(writeback, rel=1e-3)  # + outside blocks
+    assert paced.backward.seconds > 10 * p.backward.seconds
     assert p.forward.copy_seconds == pytest.approx(
         (k - r) / k * sum(blocks[n].swapped["bf16"] for n in p.swapped) / bw)
     assert "Full fine-tuning with swapped optimizer state" in p.explain()

@@ -54,9 +54,8 @@ __all__ = ["DEFAULT_HEADROOM", "DEFAULT_OFFLINE_HARDWARE", "DEFAULT_SLOTS",
 #: Ring sizes a plan weighs by default.
 DEFAULT_SLOTS = (1, 2, 3)
 #: ... with ``trainable="swap"``: the optimizer-state slots overlap the write-backs only with
-#: several (1.60x the transfer bound with 2, 1.01x with 8: ``planner.SWAP_STATE_SLOWDOWN``),
-#: and a FLUX.1-dev step measured 15 % faster with 10 than with 8 (H200, 8-bit AdamW):
-#: up to 12 are weighed where they fit.
+#: several (1.60x the transfer bound with 2, 1.22x with 6, 1.0x from 10:
+#: ``planner.SWAP_STATE_SLOWDOWN``): up to 12 are weighed where they fit.
 SWAP_TRAINABLE_SLOTS = (2, 3, 4, 6, 8, 10, 12)
 #: Where trainable parameters live (``plan(trainable=)``).
 TRAINABLE_MODES = ("resident", "swap")

@@ -376,7 +376,9 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                                     backward_copy_seconds=[
                                         factor * (sizes[i] + state_bytes[i]) / bw
                                         if flags[i] else 0.0 for i in range(n)],
-                                    backward_copy_bytes=master_bytes + held)
+                                    backward_copy_bytes=master_bytes + held,
+                                    backward_writeback_seconds=factor * (moved + held)
+                                    / machine.d2h_bytes_per_s)
                                 rest = weights + slots + on_device + scratch
                             smallest = min(smallest, rest + least_activations)
                             if only is not None:
@@ -514,18 +516,24 @@ def _w8a8_refusal(fmt: str, machine: Machine, times: BlockTimes | None) -> str |
 
 #: How much longer a backward's copies take with ``trainable="swap"`` than the bytes over the
 #: copy bandwidth, by state slots R: each refill of a slot waits for the write-back of the block
-#: R places ahead, so with few slots the two copy directions take turns. Measured on the H200
-#: (``benchmarks/swap_full_ft.py``, Flux full fine-tune under a 24 GB cap): 1.60x the transfer
-#: bound with 2 slots, 1.01x with 8; between them ``1 + 0.6 / (R - 1) ** 2.1``, the curve
-#: through both points (not measured at 3-7 slots).
-SWAP_STATE_SLOWDOWN = (0.6, 2.1)
+#: R places ahead, so with few slots the two copy directions take turns. Measured
+#: (``benchmarks/swap_full_ft.py``, FLUX.1-dev full fine-tune under a 24 GB cap, 8-bit AdamW;
+#: the step over its transfer bound): 1.60x with 2 slots, 1.22x with 6, 1.01x with 8 and 1.00x
+#: with 10 on an H100; 1.06x with 8 and 1.01x with 10 on an H200 (8: the mean of the two).
+#: ``(slots, factor)`` points, linear between them, 1 from the last on.
+SWAP_STATE_SLOWDOWN = ((2, 1.60), (6, 1.22), (8, 1.035), (10, 1.0))
 
 
 def swap_state_factor(slots: int) -> float:
     """The factor on a swapped trainable block's backward copies with ``slots`` state slots
-    (:data:`SWAP_STATE_SLOWDOWN`; 2 slots at least)."""
-    a, b = SWAP_STATE_SLOWDOWN
-    return 1.0 + a / max(slots - 1, 1) ** b
+    (:data:`SWAP_STATE_SLOWDOWN`, interpolated; 2 slots at least)."""
+    points = SWAP_STATE_SLOWDOWN
+    if slots <= points[0][0]:
+        return points[0][1]
+    for (r0, f0), (r1, f1) in itertools.pairwise(points):
+        if slots <= r1:
+            return f0 + (f1 - f0) * (slots - r0) / (r1 - r0)
+    return points[-1][1]
 
 
 #: Plans within this share of the fastest one count as equally fast: among them the one with

@@ -206,6 +206,10 @@ class Candidate:
         backward_copy_seconds / backward_copy_bytes: what each block's backward copies take
             when they differ from its forward copies (a swapped trainable block's optimizer
             state travels with its weights in backward and both are written back).
+        backward_writeback_seconds: how long the backward's device->host writes take on the
+            other copy engine (a swapped trainable block's updated weights and optimizer
+            state, every step, at the device->host rate and the slots' slowdown): the backward
+            takes at least that.
         host_state: pinned host bytes of the swapped blocks' optimizer state.
         decode_seconds: per block, the device seconds of decoding its compressed master after
             each copy (``None``: masters raw; ``copy_seconds`` are then the compressed
@@ -232,6 +236,7 @@ class Candidate:
     trainable: int | None = None
     backward_copy_seconds: list[float] | None = None
     backward_copy_bytes: int | None = None
+    backward_writeback_seconds: float = 0.0
     host_state: int = 0
     decode_seconds: list[float] | None = None
 
@@ -406,6 +411,8 @@ class StepPricer:
                                        restores[::-1] if restores else None,
                                        sides[3][::-1], p.slow_backward[::-1],
                                        decodes[::-1] if decodes is not None else None)
+            # the write-backs pace a backward that would outrun them
+            back = max(back, c.backward_writeback_seconds)
             bwd = PhaseTime(p.outside_backward + back, p.outside_backward + sum(sides[2]),
                             back_copy_time + offload_bytes / pinned_bw,
                             back_copies + offload_bytes,

@@ -558,10 +558,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wan-infer", action="store_true",
                         help="Wan inference: fitted vs diffusers' block-level group offloading")
     parser.add_argument("--compile", action="store_true",
-                        help="--wan-infer/--wan-row: blocks torch.compiled (planned timed "
+                        help="--wan-infer/--video-row: blocks torch.compiled (planned timed "
                              "compiled)")
     parser.add_argument("--allow", default="",
-                        help="--wan-infer/--wan-row: 8-bit formats the plan may use, e.g. "
+                        help="--wan-infer/--video-row: 8-bit formats the plan may use, e.g. "
                              "fp8-w8a8")
     parser.add_argument("--fit-budget", type=float, default=0.0,
                         help="--wan-infer: GiB ours is planned for (default: --budget, the "
@@ -578,11 +578,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.model == "hunyuan" and not args.wan_row:
         parser.error("--model hunyuan runs the video row only: add --video-row")
     if (args.compile or args.allow) and not (args.wan_infer or args.wan_row):
-        parser.error("--compile and --allow are options of --wan-infer and --wan-row")
+        parser.error("--compile and --allow are options of --wan-infer and --video-row")
     if args.fit_budget and not args.wan_infer:
         parser.error("--fit-budget is an option of --wan-infer")
     if args.wan_row and args.wan_infer:
-        parser.error("--wan-row and --wan-infer are separate rows: run one per process")
+        parser.error("--video-row and --wan-infer are separate rows: run one per process")
     if args.fit_budget and args.budget is not None and args.fit_budget > args.budget:
         parser.error("--fit-budget is at most --budget (the card's cap)")
     args.frames = args.frames or (HUNYUAN_FRAMES if args.model == "hunyuan" else

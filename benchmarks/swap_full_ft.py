@@ -28,8 +28,8 @@ Two models:
   - **planned**: ``vramkit.fit(..., trainable="swap", optimizer=AdamW8bit)`` under the cap: the
     planner chooses the swapped blocks, the slots and the checkpointing (measured on this GPU);
     printed beside the sweep, with its step against the fastest swap variant of the same run
-    ("vs best") and its prediction. Run it with the sweep:
-    ``--flux-variants planned,swap8-r6,swap8-r8,swap8-r10``.
+    ("vs best") and its prediction. Run it with the sweep of the slots it weighs most:
+    ``--flux-variants planned,swap8-r8,swap8-r10,swap8-r12``.
 
 Printed per variant: step time (median), GPU peak, host pinned bytes vs weights + state, and for
 the swap variants the transfer bound of the step: forward ``W / BW_h2d``, backward
@@ -41,7 +41,7 @@ even without vramkit).
 Run (GPU): PYTHONPATH=src python benchmarks/swap_full_ft.py --out out
            PYTHONPATH=src python benchmarks/swap_full_ft.py --model flux --out out
 Run (GPU, the planned row): PYTHONPATH=src python benchmarks/swap_full_ft.py --model flux
-           --flux-variants planned,swap8-r6,swap8-r8,swap8-r10 --steps 4 --warmup 2 --out out/ftp
+           --flux-variants planned,swap8-r8,swap8-r10,swap8-r12 --steps 4 --warmup 2 --out out/ftp
 Run (CPU smoke test): PYTHONPATH=src python benchmarks/swap_full_ft.py --device cpu --quick
                       ... --model flux --device cpu --flux-variants planned,swap8 --cap-gib 0.03
 """

@@ -44,8 +44,8 @@ from vramkit.planning.hardware import (
 )
 from vramkit.planning.machine import Machine, machine_for
 from vramkit.planning.planner import search
-from vramkit.planning.pricing import ADAMW_STATE_BYTES, staged_copy_rate
-from vramkit.planning.record import CHECKPOINTING, Plan
+from vramkit.planning.pricing import staged_copy_rate
+from vramkit.planning.record import ADAMW_STATE_BYTES, CHECKPOINTING, Plan
 from vramkit.units import format_size, format_sizes_apart
 
 __all__ = ["DEFAULT_HEADROOM", "DEFAULT_OFFLINE_HARDWARE", "DEFAULT_SLOTS",

@@ -24,8 +24,7 @@ from vramkit.planning.analysis import ModelCost
 from vramkit.planning.calibration import BlockTimes
 from vramkit.planning.machine import Machine
 from vramkit.planning.planner import Choice, _checkpoint_order, search
-from vramkit.planning.pricing import ADAMW_STATE_BYTES
-from vramkit.planning.record import Plan
+from vramkit.planning.record import ADAMW_STATE_BYTES, Plan
 
 __all__ = ["Neighbour", "choice_of", "fits", "neighbours", "price_choice"]
 

@@ -53,7 +53,6 @@ from vramkit.planning.analysis import ModelCost
 from vramkit.planning.calibration import BlockTimes
 from vramkit.planning.machine import COPY_SLOWDOWN, Machine
 from vramkit.planning.pricing import (
-    ADAMW_STATE_BYTES,
     DEFAULT_DISK_BYTES_PER_S,
     BlockPrices,
     Candidate,
@@ -61,7 +60,7 @@ from vramkit.planning.pricing import (
     StepPricer,
     _offloaded,
 )
-from vramkit.planning.record import CHECKPOINTING, Plan
+from vramkit.planning.record import ADAMW_STATE_BYTES, CHECKPOINTING, Plan
 from vramkit.planning.w8a8 import accuracy_note, is_w8a8, unavailable_on_machine
 from vramkit.units import format_size, format_sizes_apart
 
@@ -233,7 +232,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
             ``swap_config=SwapConfig(trainable="swap")``). Slots below 2 are not offered then
             (the stepper keeps one state slot free for an on-demand load).
         optimizer_state_bytes: bytes of optimizer state per trainable parameter (default
-            :data:`~vramkit.planning.pricing.ADAMW_STATE_BYTES`, AdamW's two fp32 moments; an
+            :data:`~vramkit.planning.record.ADAMW_STATE_BYTES`, AdamW's two fp32 moments; an
             8-bit AdamW keeps ``2 + 8 / 256``, AdamW over bf16 parameters 4, an optimizer
             stepped on the host 0): on the device with ``trainable_mode="resident"``; with
             ``"swap"`` what each swapped block's state moves and holds in host memory

@@ -50,8 +50,6 @@ from vramkit.quant.w8a8 import w8a8_fits
 
 __all__ = ["BlockPrices", "Candidate", "Priced", "StepPricer", "staged_copy_rate", "w8a8_change"]
 
-#: Optimizer state bytes per trainable parameter (AdamW: two fp32 moments).
-ADAMW_STATE_BYTES = 8
 _OFFLOAD_DEFAULTS = ActivationOffloadConfig()  # what fit's offloader runs with
 #: Activations an offloader holds on the device beyond the blocks' own: the forward's last
 #: tensors still held while their copies run (``max_inflight_bytes``) and what backward has

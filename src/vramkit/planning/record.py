@@ -22,6 +22,10 @@ from vramkit.units import format_size
 
 __all__ = ["CHECKPOINTING", "PhaseTime", "Plan"]
 
+#: Optimizer state bytes per trainable parameter (AdamW: two fp32 moments): what a plan prices
+#: unless it is told its optimizer's (``plan(optimizer_state_bytes=)``).
+ADAMW_STATE_BYTES = 8
+
 #: What a plan may be asked to checkpoint: ``"auto"`` (the fewest blocks that fit, chosen per
 #: candidate), ``"all"`` (every block: what trainers run at these sizes, the planner choosing
 #: everything else) or ``"none"``.
@@ -181,7 +185,7 @@ class Plan:
     host_breakdown: dict[str, int] = field(default_factory=dict)
     host_budget_bytes: int | None = None
     trainable: str = "resident"
-    optimizer_state_bytes: float = 8.0
+    optimizer_state_bytes: float = ADAMW_STATE_BYTES
     ffn_chunks: int = 1
     subblock_checkpoint: bool = False
 

@@ -172,6 +172,45 @@ def test_gpu_decoding_equals_the_cpu_reference(name: str) -> None:
     torch.testing.assert_close(layer(x), F.linear(x, cpu.cuda().bfloat16()))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("blocks", [1, 17, 64 * 3 + 5])
+def test_the_triton_q8_0_decoder_gives_the_torch_decoders_bits(dtype: torch.dtype,
+                                                              blocks: int) -> None:
+    from vramkit.quant import gguf as gguf_module
+    from vramkit.quant._gguf_triton import decode_q8_0
+
+    raw = torch.from_numpy(random_blocks("Q8_0", blocks, seed=blocks)).cuda()
+    triton_out = decode_q8_0(raw, dtype)
+    assert triton_out is not None  # contiguous, even address: the Triton path
+    torch_out = gguf_module._q8_0(raw.reshape(blocks, 34), dtype)
+    assert torch.equal(triton_out, torch_out)
+    # Row slices as a fused qkv is split: an even offset decodes in place, an odd one falls
+    # back to torch; both through dequantize_gguf give the reference's values.
+    two = torch.from_numpy(random_blocks("Q8_0", 2 * blocks, seed=7)).cuda().reshape(2, -1)
+    assert decode_q8_0(two[1], dtype) is not None
+    odd = torch.cat([torch.zeros(1, dtype=torch.uint8, device="cuda"), two.reshape(-1)])[1:]
+    assert decode_q8_0(odd, dtype) is None
+    want = dequantize_gguf(two.cpu(), "Q8_0", (2, 32 * blocks), dtype)
+    assert torch.equal(dequantize_gguf(two, "Q8_0", (2, 32 * blocks), dtype).cpu(), want)
+    assert torch.equal(dequantize_gguf(odd, "Q8_0", (2, 32 * blocks), dtype).cpu(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_compiled_q8_0_layer_matches_the_eager_one() -> None:
+    raw = torch.from_numpy(random_blocks("Q8_0", 64 * 4, seed=5)).reshape(64, -1)
+    layer = GGUFLinear(raw, "Q8_0", 128, 64, dtype=torch.bfloat16).cuda()
+    x = torch.randn(8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    eager = layer(x)
+    (grad_eager,) = torch.autograd.grad(eager.sum(), x)
+    compiled = torch.compile(layer)(x)
+    (grad_compiled,) = torch.autograd.grad(compiled.sum(), x)
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(grad_compiled, grad_eager)
+
+
 def test_peft_lora_adapts_a_gguf_layer() -> None:
     peft = pytest.importorskip("peft")
 

@@ -33,6 +33,7 @@ from torch import nn
 from vramkit._gguf_types import GGUF_QUANT_TYPES, GGUFQuantType, gguf_quant_type
 from vramkit.errors import QuantizationError
 from vramkit.quant.formats import apply_device_only
+from vramkit.quant.kernels import triton_available
 
 __all__ = ["GGUF_QUANT_TYPES", "GGUFLinear", "GGUFQuantType", "GGUFWeight", "dequantize_gguf",
            "gguf_quant_type"]
@@ -245,7 +246,19 @@ def _decode(raw: torch.Tensor, qtype: GGUFQuantType, shape: torch.Size | tuple[i
     (:class:`GGUFLinear` at construction: a swapper repoints the buffer, never reshapes it),
     so a layer's call costs the decoder's few launches and little Python around them."""
     blocks = raw.numel() // qtype.type_size
+    if qtype.name == "Q8_0" and raw.is_cuda and _triton_decodes(raw.device):
+        from vramkit.quant._gguf_triton import decode_q8_0  # imports triton: CUDA only
+
+        decoded = decode_q8_0(raw, dtype)
+        if decoded is not None:
+            return decoded.reshape(shape)
     return _DECODERS[qtype.name](raw.reshape(blocks, qtype.type_size), dtype).reshape(shape)
+
+
+def _triton_decodes(device: torch.device) -> bool:
+    """Whether Q8_0 takes the Triton decoder here: CUDA with triton, outside torch.compile
+    (compiled graphs trace the torch decoder, which inductor fuses on its own)."""
+    return not torch.compiler.is_compiling() and triton_available(device)
 
 
 # -- the layer ---------------------------------------------------------------------------------

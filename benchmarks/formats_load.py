@@ -446,8 +446,13 @@ def run_example(args: argparse.Namespace) -> dict[str, Any]:
         output, rc = str(exc.stdout or ""), None
     found = re.search(r"time from command to first step: ([0-9.]+) s", output)
     seconds = float(found.group(1)) if found else None
+    stamps = [(float(t), what) for t, what in re.findall(r"^\[\s*([0-9.]+) s\] (.*)$", output,
+                                                         flags=re.MULTILINE)]
+    log(f"example: {'; '.join(f'{what} at {t:.1f} s' for t, what in stamps)}; first step at "
+        f"{seconds} s (cold read {read['seconds']:.1f} s)")
     return {"variant": "example", "status": "ok" if found and rc == 0 else "failed",
-            "returncode": rc, "planned_in_the_run": planned, "first_step_from_start_s": seconds, "cold_read": read,
+            "returncode": rc, "planned_in_the_run": planned,
+            "first_step_from_start_s": seconds, "stamps": stamps, "cold_read": read,
             "child_wall_s": time.perf_counter() - t0, "output_tail": output[-2000:]}
 
 

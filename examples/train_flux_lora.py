@@ -319,6 +319,11 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return max(found, key=lambda p: int(p.name.split("-")[1])) if found else None
 
 
+def stamp(accelerator: Any, what: str) -> None:
+    """One progress line: seconds since the command started, and what is done."""
+    accelerator.print(f"[{time.perf_counter() - STARTED:6.1f} s] {what}")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     from accelerate import Accelerator
@@ -337,8 +342,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.mixed_precision,
                                                                        torch.float32)
 
+    stamp(accelerator, "imports and accelerate")
     vae = AutoencoderKL.from_pretrained(args.pretrained_model_name_or_path, subfolder="vae")
     vae.requires_grad_(False).to(device)
+    stamp(accelerator, "VAE")
     transformer, checkpoint = load_transformer(args, weight_dtype)
     add_lora(transformer, args)
     # LoRA weights train in fp32 (mixed precision computes in bf16/fp16 under autocast).
@@ -367,6 +374,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         host_memory=args.host_memory,
         **({} if saved_plan else {"hardware": args.hardware, "autocast": (
             weight_dtype if weight_dtype != torch.float32 else None)}))
+    stamp(accelerator, "planned and attached (the plan " + ("loaded" if saved_plan else
+                                                             "made here") + ")")
     if args.plan_file and not saved_plan and accelerator.is_main_process:
         fitted.plan.save(args.plan_file)
     accelerator.print(fitted.plan.explain())

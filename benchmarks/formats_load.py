@@ -37,7 +37,10 @@ interpreter, imports, CUDA context included) to the end of its first step agains
 (target <= 1.15 for the bf16 single file; also printed from the start of the load, after the
 imports), and the median
 step after ``--warmup`` against the bf16 child's of the same round (target <= 1.10 for GGUF Q8_0
-and fp8_scaled); the medians and spreads over the rounds at the end.
+and fp8_scaled); the medians and spreads over the rounds at the end. With ``--example``, the
+example from the bf16 file as well: where no plan is saved yet, once planning (and saving its
+plan) and once more loading it, as a user's first and later runs; printed with the times at
+which its imports, VAE and ``fit`` were done.
 
 Run (GPU; diffusers, peft and nothing else beyond vramkit's own needs):
   PYTHONPATH=src python3 benchmarks/formats_load.py --part write --formats bf16,gguf,fp8
@@ -467,8 +470,12 @@ def measure_part(args: argparse.Namespace) -> dict[str, Any]:
     rounds = []
     for i in range(args.rounds):
         children = {variant: run_child(args, variant) for variant in args.formats}
-        if args.example:
-            children["example"] = run_example(args)
+        if args.example:  # a user's first run plans and saves the plan, later runs load it
+            first = run_example(args)
+            if first["planned_in_the_run"]:
+                children["example (planning)"] = first
+                first = run_example(args)
+            children["example (saved plan)"] = first
         bf16 = children.get("bf16", {})
         for variant, r in children.items():
             r["rss_ratio"] = _ratio(r.get("peak_rss"), r.get("file_bytes", 0) + RSS_MARGIN)
@@ -491,9 +498,11 @@ def measure_part(args: argparse.Namespace) -> dict[str, Any]:
         (Path(args.out) / "formats_load.rounds.json").write_text(
             json.dumps(rounds, indent=1, default=str), encoding="utf-8")
     summary = {}
-    for variant in (*args.formats, *(("example",) if args.example else ())):
+    variants = list(dict.fromkeys(v for children in rounds for v in children))
+    for variant in variants:
         def values(key: str, variant: str = variant) -> list[float]:
-            return [r[variant][key] for r in rounds if r[variant].get(key) is not None]
+            return [r[variant][key] for r in rounds
+                    if variant in r and r[variant].get(key) is not None]
 
         summary[variant] = {key: {"median": statistics.median(v), "min": min(v), "max": max(v)}
                             for key in ("rss_ratio", "first_step_over_cold_read",

@@ -14,7 +14,7 @@ from vramkit.errors import ConfigError, PlanError
 from vramkit.offload.swap import SwapConfig
 from vramkit.planning.analysis import analyze
 from vramkit.planning.api import SWAP_TRAINABLE_SLOTS, plan
-from vramkit.planning.machine import machine_for
+from vramkit.planning.machine import DUPLEX_SHARE, machine_for
 from vramkit.planning.planner import swap_state_factor
 
 MiB = 1 << 20
@@ -65,18 +65,23 @@ def test_swapped_blocks_take_their_state_to_the_host_and_bring_slots(cost) -> No
     on_device = (everything - 2 * sum(moved) - 2 * sum(moved) + p.num_slots * 2 * moved[0]
                  + moved[0])
     assert p.peak_breakdown["trainable_and_optimizer"] == on_device
-    # backward copies: weights + state of the (k - R) blocks reloaded, paced by the slots
+    # backward copies: weights + state of the (k - R) blocks reloaded, paced by the slots, at
+    # the share of the bandwidth an upload keeps while the write-backs run the other way
     k, r = len(p.swapped), p.num_slots
-    bw = machine_for("rtx4090").h2d_bytes_per_s
-    per_block = swap_state_factor(r) * (blocks[p.swapped[0]].swapped["bf16"] + 2 * moved[0]) / bw
+    machine = machine_for("rtx4090")
+    bw = machine.h2d_bytes_per_s
+    assert machine.duplex_share == DUPLEX_SHARE
+    per_block = (swap_state_factor(r) * (blocks[p.swapped[0]].swapped["bf16"] + 2 * moved[0])
+                 / (bw * DUPLEX_SHARE))
     assert p.backward.copy_seconds == pytest.approx((k - r) / k * k * per_block)
     # the updated weights and state of every swapped block go back each step on the other
-    # engine: the backward takes at least their time (here the host's pace sets it)
-    d2h = machine_for("rtx4090").d2h_bytes_per_s
-    assert p.backward.seconds >= swap_state_factor(r) * k * 3 * moved[0] / d2h
-    slow = dataclasses.replace(machine_for("rtx4090"), d2h_bytes_per_s=1e8)  # 100 MB/s back
+    # engine: the backward takes at least their time (here the host's pace sets it), and the
+    # last block's write-back follows its own step
+    d2h = machine.d2h_bytes_per_s * DUPLEX_SHARE
+    assert p.backward.seconds >= (swap_state_factor(r) * k + 1) * 3 * moved[0] / d2h
+    slow = dataclasses.replace(machine, d2h_bytes_per_s=1e8, duplex_share=0.5)  # 50 MB/s back
     paced = _plan(cost, 24 * MiB, hardware=slow, num_slots=(p.num_slots,))
-    writeback = swap_state_factor(paced.num_slots) * len(paced.swapped) * 3 * moved[0] / 1e8
+    writeback = (swap_state_factor(paced.num_slots) * len(paced.swapped) + 1) * 3 * moved[0] / 5e7
     assert paced.backward.seconds == pytest.approx(writeback, rel=1e-3)  # + outside blocks
     assert paced.backward.seconds > 10 * p.backward.seconds
     assert p.forward.copy_seconds == pytest.approx(
@@ -200,3 +205,26 @@ def test_fit_plans_full_finetuning_at_its_optimizers_state(cost) -> None:  # typ
             p.optimizer_state_bytes * moved, rel=1e-6)
     finally:
         fitted.detach()
+
+
+def test_a_duplex_share_outside_zero_to_one_is_refused() -> None:
+    machine = machine_for("rtx4090")
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ConfigError, match="duplex_share"):
+            dataclasses.replace(machine, duplex_share=bad)
+    assert dataclasses.replace(machine, duplex_share=1.0).duplex_share == 1.0
+
+
+def test_a_resident_blocks_trainable_weights_are_counted_once(cost) -> None:  # type: ignore[no-untyped-def]
+    # in "trainable and optimizer" (weights, gradients, state), not as frozen weights too
+    blocks = {b.name: b for b in cost.blocks}
+    for budget in (28, 32, 36, 40, 48):
+        p = _plan(cost, budget * MiB, num_slots=(2,))
+        if p.swapped and len(p.swapped) < len(cost.blocks):
+            break
+    else:
+        pytest.fail("no budget left some blocks resident and swapped others")
+    resident = [b for n, b in blocks.items() if n not in p.swapped]
+    assert all(b.adapters for b in resident)
+    assert p.peak_breakdown["resident_weights"] == cost.outside_bytes + sum(
+        b.resident_bytes("bf16") - min(b.adapters, b.swapped["bf16"]) for b in resident)

@@ -35,6 +35,7 @@ def _step(model: torch.nn.Module, batch: dict) -> torch.Tensor:
 def test_the_machine_and_each_kind_of_block_are_measured() -> None:
     machine = measure_machine()
     assert machine.measured and machine.h2d_bytes_per_s > 1e9 and machine.flops_per_s > 1e12
+    assert 0.3 < machine.duplex_share <= 1.0  # both directions at once, measured
     model, config = _dit("meta")
     batch = synthetic_batch(config, 2, device="meta")
     assert all(t.device.type == "meta" for t in batch.values())

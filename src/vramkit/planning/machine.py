@@ -83,6 +83,12 @@ BACKWARD_BYTES = 1.65
 #: Host time the swapper adds per block acquisition (enqueue of a copy and events), seconds:
 #: 0.04-0.06 ms per block on the H200 host (the enqueue column of ``benchmarks/swap.py``).
 SWAP_HOST_SECONDS = 50e-6
+#: Share of each direction's pinned bandwidth kept while host->device and device->host copies
+#: run at once (a full fine-tune's backward uploads weights and optimizer state while it
+#: writes the stepped ones back): 0.90 / 0.93 (up / down) on an H200's PCIe 5 link and
+#: 0.84-0.90 up in four runs of ``benchmarks/swap_full_ft.py``; the smaller share, for a
+#: hardware profile (a measured machine times its own).
+DUPLEX_SHARE = 0.90
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,9 @@ class Machine:
             host-to-device copies run beside it, for blocks the calibration did not time
             (a hardware profile: :data:`COPY_SLOWDOWN`; a measured machine: none, its
             calibration times each kind of block beside copies).
+        duplex_share: the share of each direction's copy bandwidth kept while copies run
+            both ways at once (:data:`DUPLEX_SHARE` for a hardware profile; measured on a
+            measured machine).
         fp8_gemm_flops_per_s / int8_gemm_flops_per_s: the peak an 8-bit GEMM of W8A8 compute
             is timed against, as ``peak_flops_per_s`` is for bf16 (:mod:`vramkit.planning.w8a8`):
             the bf16 peak times the profile's measured ratio where it has one, else the
@@ -123,8 +132,11 @@ class Machine:
     copy_slowdown: tuple[float, float] = (0.0, 0.0)
     fp8_gemm_flops_per_s: float | None = None
     int8_gemm_flops_per_s: float | None = None
+    duplex_share: float = DUPLEX_SHARE
 
     def __post_init__(self) -> None:
+        check_number("Machine.duplex_share", self.duplex_share, minimum=0, maximum=1,
+                     low_open=True)
         for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "flops_per_s",
                      "memory_bandwidth_bytes_per_s"):
             check_number(f"Machine.{name}", getattr(self, name), minimum=0, low_open=True)
@@ -302,6 +314,7 @@ def measure_machine(device: torch.device | None = None) -> Machine:
     torch.cuda.synchronize(device)
     h2d = max(nbytes / timed(lambda: dev.copy_(host, non_blocking=True), 5) for _ in range(3))
     d2h = max(nbytes / timed(lambda: host.copy_(dev, non_blocking=True), 5) for _ in range(3))
+    duplex = _duplex_share(device, host, dev, h2d, d2h)
     a = torch.randn(8192, 3072, device=device, dtype=torch.bfloat16)
     b = torch.randn(3072, 3072, device=device, dtype=torch.bfloat16)
     flops = 2 * 8192 * 3072 * 3072 / timed(lambda: a @ b, 20)
@@ -317,4 +330,32 @@ def measure_machine(device: torch.device | None = None) -> Machine:
                           hint="Plan offline with hardware='<name>' instead.")
     return Machine(name=f"measured: {name}", memory_bytes=int(total), h2d_bytes_per_s=h2d,
                    d2h_bytes_per_s=d2h, flops_per_s=step_flops, fp8_flops_per_s=None,
-                   memory_bandwidth_bytes_per_s=bandwidth, measured=True)
+                   memory_bandwidth_bytes_per_s=bandwidth, measured=True,
+                   duplex_share=duplex)
+
+
+def _duplex_share(device: torch.device, host: torch.Tensor, dev: torch.Tensor, h2d: float,
+                  d2h: float, repeat: int = 5) -> float:
+    """Each direction's bandwidth while both copy at once (two streams, ``repeat`` copies of
+    ``host``'s size each way), as a share of its own alone: the smaller of the two, the best
+    of three rounds, at most 1."""
+    host_b = torch.empty_like(host, pin_memory=True)
+    dev_b = torch.empty_like(dev)
+    up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    best = 0.0
+    for _ in range(3):
+        torch.cuda.synchronize(device)
+        marks = []
+        for stream, dst, src in ((up, dev, host), (down, host_b, dev_b)):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                start.record(stream)
+                for _ in range(repeat):
+                    dst.copy_(src, non_blocking=True)
+                end.record(stream)
+            marks.append((start, end))
+        torch.cuda.synchronize(device)
+        rates = [repeat * host.numel() / (s.elapsed_time(e) / 1000) for s, e in marks]
+        best = max(best, min(rates[0] / h2d, rates[1] / d2h))
+    return min(1.0, best) if math.isfinite(best) and best > 0 else DUPLEX_SHARE

@@ -361,6 +361,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                                 continue  # slots beyond the swapped blocks would hold nothing
                             slots = r * slot if chosen else 0
                             extra: dict[str, Any] = {}
+                            frozen = weights
                             rest = weights + slots + trainable + scratch
                             if swap_trainable and chosen:
                                 # the swapped blocks' parameters, gradients and state leave the
@@ -369,16 +370,26 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                                 # them: the stepper never holds two blocks' at once)
                                 on_device = (trainable - 2 * moved - held + r * state_slot
                                              + grads)
+                                # both directions copy at once in this backward: each at
+                                # its duplex share (the slot factor is the step over that
+                                # duplex bound, as measured); the last block's write-back
+                                # follows its own step
                                 factor = swap_state_factor(r)
+                                up = bw * machine.duplex_share
+                                down = machine.d2h_bytes_per_s * machine.duplex_share
                                 extra = dict(
                                     trainable=on_device, host_state=held,
                                     backward_copy_seconds=[
-                                        factor * (sizes[i] + state_bytes[i]) / bw
+                                        factor * (sizes[i] + state_bytes[i]) / up
                                         if flags[i] else 0.0 for i in range(n)],
                                     backward_copy_bytes=master_bytes + held,
-                                    backward_writeback_seconds=factor * (moved + held)
-                                    / machine.d2h_bytes_per_s)
-                                rest = weights + slots + on_device + scratch
+                                    backward_writeback_seconds=(
+                                        factor * (moved + held) + grads + state_slot) / down)
+                                # the resident blocks' trainable weights are counted in
+                                # on_device (weights, gradients, state), not as frozen too
+                                frozen = weights - sum(
+                                    train_bytes[i] for i in range(n) if not flags[i])
+                                rest = frozen + slots + on_device + scratch
                             smallest = min(smallest, rest + least_activations)
                             if only is not None:
                                 fits = [(min(only.checkpoints, len(act_choices) - 1),
@@ -399,7 +410,7 @@ def search(cost: ModelCost, machine: Machine, budget: int, headroom: int, *,
                                 candidate = pricer.price(Candidate(
                                     chosen=chosen, flags=flags, num_slots=r, sizes=sizes,
                                     copy_seconds=copy_s, master_bytes=master_bytes,
-                                    weights=weights, slot_bytes=slots, scratch=scratch,
+                                    weights=frozen, slot_bytes=slots, scratch=scratch,
                                     dequant=dequant, per_layer=per_layer, swapped_format=fmt_s,
                                     resident_format=fmt_r, together=together, checkpoints=m,
                                     offload=offload, **extra))

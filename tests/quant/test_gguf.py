@@ -53,6 +53,16 @@ def test_decoding_to_a_half_dtype_rounds_once(name: str, dtype: torch.dtype) -> 
                        full.to(dtype))
 
 
+@pytest.mark.parametrize("name", TYPES)
+def test_bytes_at_an_odd_offset_decode_as_the_same_bytes_do_aligned(name: str) -> None:
+    qtype = gguf_quant_type(name)
+    raw = torch.from_numpy(random_blocks(name, 3, seed=4))
+    odd = torch.cat([torch.zeros(1, dtype=torch.uint8), raw.reshape(-1)])[1:]
+    assert odd.storage_offset() == 1
+    shape = (3, qtype.block_size)
+    assert torch.equal(dequantize_gguf(odd, name, shape), dequantize_gguf(raw, name, shape))
+
+
 def test_unknown_and_undecoded_types_are_named() -> None:
     with pytest.raises(QuantizationError, match="unknown GGUF quantization type 999"):
         gguf_quant_type(999)

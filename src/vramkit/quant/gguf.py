@@ -59,8 +59,9 @@ def _half(raw: torch.Tensor) -> torch.Tensor:
     """Little-endian fp16 fields ``[n, 2k]`` -> float32 ``[n, k]``. A column slice of the
     blocks is viewed in place where its strides allow (every block's size is even): one
     kernel, the conversion, instead of a copy and a conversion."""
-    if raw.stride(-1) != 1 or any(st % 2 for st in raw.stride()[:-1]):
-        raw = raw.contiguous()
+    if (raw.stride(-1) != 1 or any(st % 2 for st in raw.stride()[:-1])
+            or raw.storage_offset() % 2):
+        raw = raw.clone(memory_format=torch.contiguous_format)  # (at offset 0: even)
     return raw.view(torch.float16).to(torch.float32)
 
 

@@ -85,10 +85,10 @@ BACKWARD_BYTES = 1.65
 SWAP_HOST_SECONDS = 50e-6
 #: Share of each direction's pinned bandwidth kept while host->device and device->host copies
 #: run at once (a full fine-tune's backward uploads weights and optimizer state while it
-#: writes the stepped ones back): 0.90 / 0.93 (up / down) on an H200's PCIe 5 link and
-#: 0.84-0.90 up in four runs of ``benchmarks/swap_full_ft.py``; the smaller share, for a
-#: hardware profile (a measured machine times its own).
-DUPLEX_SHARE = 0.90
+#: writes the stepped ones back): host->device kept 0.84-0.90 of its rate alone (median 0.88)
+#: in six probes of ``benchmarks/swap_full_ft.py`` on an H200's PCIe 5 link, device->host
+#: 51.1-51.9 GB/s meanwhile. For a hardware profile; a measured machine times its own.
+DUPLEX_SHARE = 0.88
 
 
 @dataclass(frozen=True)

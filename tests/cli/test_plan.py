@@ -399,3 +399,64 @@ def test_subblock_reaches_the_planner_and_the_fit_call(
     assert main(["plan", str(llama_dir), "--budget", "8GiB", "--mode", "infer",
                  "--subblock", "on"]) == 2
     assert "--subblock on applies to training" in capsys.readouterr().err
+
+
+def test_full_fine_tuning_plans_with_trainable_swap_and_the_optimizers_state(
+        llama_dir: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--lora-rank 0 --trainable swap plans full fine-tuning with the swapped blocks' state in
+    host memory, priced at --optimizer-state-bytes; the fit call names the factory it needs."""
+    from vramkit.planning import api
+
+    seen: list[tuple[object, object]] = []
+    real = api.plan
+    monkeypatch.setattr(api, "plan", lambda *a, **kw: seen.append(
+        (kw.get("trainable"), kw.get("optimizer_state_bytes"))) or real(*a, **kw))
+    common = [str(llama_dir), "--lora-rank", "0", "--budget", "320MiB", "--hardware",
+              "rtx4090", "--seq-len", "512", "--trainable", "swap"]
+    adamw = _json(capsys, *common)
+    eight_bit = _json(capsys, *common, "--optimizer-state-bytes", "2")
+    assert seen == [("swap", None), ("swap", 2.0)]
+    for data, per_param in ((adamw, 8.0), (eight_bit, 2.0)):
+        plan = data["plan"]
+        assert plan["trainable"] == "swap" and plan["swapped"]
+        assert plan["optimizer_state_bytes"] == per_param
+        masters = plan["host_breakdown"]["masters"]  # bf16 weights: 2 bytes a parameter
+        assert plan["host_breakdown"]["optimizer_state"] == pytest.approx(
+            masters / 2 * per_param, rel=0.01)
+        assert data["fit_call"].endswith('trainable="swap", optimizer=make_optimizer)')
+    # a saved plan's call still hands fit the factory
+    saved = llama_dir / "ft.json"
+    data = _json(capsys, *common, "--save", str(saved))
+    assert data["fit_call"].endswith(f"plan={json.dumps(str(saved))}, optimizer=make_optimizer)")
+
+
+def test_full_fine_tuning_that_does_not_fit_resident_names_trainable_swap(
+        llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", str(llama_dir), "--lora-rank", "0", "--budget", "320MiB",
+                 "--hardware", "rtx4090", "--seq-len", "512"])
+    captured = capsys.readouterr()
+    check_error(code, captured.out, captured.err, sub="plan", exit_code=1,
+                says=("needs a budget of", "--trainable swap", "--optimizer-state-bytes 2"))
+    # LoRA's own miss says nothing of full fine-tuning
+    code = main(["plan", str(llama_dir), "--budget", "64MiB", "--hardware", "rtx4090"])
+    captured = capsys.readouterr()
+    check_error(code, captured.out, captured.err, sub="plan", exit_code=1,
+                says=("needs a budget of",), not_says=("--trainable",))
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--trainable", "cpu"], ("--trainable", "resident")),
+    (["--optimizer-state-bytes", "two"], ("--optimizer-state-bytes", "AdamW8bit")),
+    (["--optimizer-state-bytes", "0"], ("--optimizer-state-bytes", "> 0")),
+    (["--optimizer-state-bytes", "inf"], ("--optimizer-state-bytes", "> 0")),
+    (["--mode", "infer", "--trainable", "swap"], ("--trainable swap applies to training",)),
+    (["--mode", "infer", "--optimizer-state-bytes", "2"],
+     ("--optimizer-state-bytes applies to training",)),
+])
+def test_full_fine_tuning_flag_errors_exit_2(argv: list[str], says: tuple[str, ...],
+                                             llama_dir: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", str(llama_dir), "--budget", "8GiB", *argv])
+    captured = capsys.readouterr()
+    check_error(code, captured.out, captured.err, sub="plan", exit_code=2, says=says)

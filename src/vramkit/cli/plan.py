@@ -41,7 +41,8 @@ FLAG_NAMES = {"budget": "--budget", "mode": "--mode", "lora_rank": "--lora-rank"
               "host_budget": "--host-budget", "headroom": "--headroom",
               "disk_bytes_per_s": "--disk-speed", "checkpointing": "--checkpointing",
               "host_memory": "--host-memory", "staging_pool": "--staging-pool",
-              "compress": "--compress", "subblock_checkpoint": "--subblock"}
+              "compress": "--compress", "subblock_checkpoint": "--subblock",
+              "trainable": "--trainable", "optimizer_state_bytes": "--optimizer-state-bytes"}
 
 #: ``--subblock`` -> ``plan(subblock_checkpoint=)``.
 _SUBBLOCK = {"auto": "auto", "on": True, "off": False}
@@ -124,6 +125,15 @@ def register(subparsers: Any) -> None:
                              "own as well, so a block's backward rebuilds one part at a time "
                              "(long sequences: video): auto (default: only where nothing "
                              "fits otherwise), on, off")
+    parser.add_argument("--trainable", choices=("resident", "swap"), default="resident",
+                        help="where the trained weights live when training: resident "
+                             "(default: on the GPU with their gradients and optimizer state) "
+                             "or swap (full fine-tuning, with --lora-rank 0: the swapped "
+                             "blocks' weights and optimizer state in pinned host memory, "
+                             "stepped on the GPU in backward)")
+    parser.add_argument("--optimizer-state-bytes", metavar="B", default=None,
+                        help="optimizer state per trained parameter, in bytes (default 8: "
+                             "AdamW's fp32 moments; vramkit's AdamW8bit about 2)")
     parser.add_argument("--headroom", metavar="SIZE|FRACTION", default=None,
                         help="part of the budget kept free (default 8%% + 256 MiB)")
     parser.add_argument("--save", metavar="PATH", default=None,
@@ -185,6 +195,23 @@ def _headroom(text: str | None, budget: int, budget_text: str) -> int | float | 
                           f"{budget_text} ({format_size(budget)})",
                           hint="Keep less free, e.g. --headroom 0.05 or --headroom 1GiB, or "
                                "raise --budget.")
+    return value
+
+
+def _state_bytes(text: str | None) -> float | None:
+    """``--optimizer-state-bytes``: bytes per trained parameter (> 0), or None (the default)."""
+    from vramkit.errors import ConfigError
+
+    if text is None:
+        return None
+    hint = "Give the optimizer's state per parameter in bytes, e.g. 8 (AdamW) or 2 (AdamW8bit)."
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"--optimizer-state-bytes must be a number of bytes, got {text!r}",
+                          hint=hint) from None
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"--optimizer-state-bytes must be > 0, got {text!r}", hint=hint)
     return value
 
 
@@ -251,6 +278,8 @@ def make_plan(args: argparse.Namespace,
         seq_len = _int_flag("--seq-len", args.seq_len, 1, 4096)
         frames = _int_flag("--frames", args.frames, 1, 81)
         allow = _formats(args.allow)
+        state_bytes = _state_bytes(getattr(args, "optimizer_state_bytes", None))
+        trainable = getattr(args, "trainable", "resident")
         # the options the model takes, from its name or config.json: before any work (after
         # each value's own form, as argparse checks a flag's type first)
         target_options(args.model).check(
@@ -274,6 +303,12 @@ def make_plan(args: argparse.Namespace,
             raise ConfigError("--subblock on applies to training",
                               hint="Drop --subblock with --mode infer (inference keeps no "
                                    "activations for a backward).")
+        if args.mode == "infer" and trainable != "resident":
+            raise ConfigError(f"--trainable {trainable} applies to training",
+                              hint="Drop --trainable with --mode infer (nothing trains).")
+        if args.mode == "infer" and state_bytes is not None:
+            raise ConfigError("--optimizer-state-bytes applies to training",
+                              hint="Drop --optimizer-state-bytes with --mode infer.")
         if args.mode == "infer" and args.checkpointing != "auto":
             raise ConfigError(f"--checkpointing {args.checkpointing} applies to training",
                               hint="Drop --checkpointing with --mode infer (inference keeps no "
@@ -300,11 +335,16 @@ def make_plan(args: argparse.Namespace,
                       reserved_bytes=reserved, checkpointing=args.checkpointing,
                       subblock_checkpoint=_SUBBLOCK[getattr(args, "subblock", "auto")],
                       host_memory=args.host_memory, staging_pool=args.staging_pool,
-                      compress=args.compress)
+                      compress=args.compress, trainable=trainable,
+                      optimizer_state_bytes=state_bytes)
     except PlanError as err:  # the hint's Python call, as this command's flag
         hint = re.sub(r"allow_formats=\(([^)]*)\)",
                       lambda m: "--allow " + ",".join(re.findall(r"'(\w+)'", m.group(1))),
                       err.hint or "").replace("checkpointing='auto'", "--checkpointing auto")
+        if lora_rank == 0 and args.mode == "train" and trainable == "resident":
+            hint += (" For full fine-tuning, --trainable swap keeps the swapped blocks' "
+                     "weights and optimizer state in host memory (and --optimizer-state-bytes "
+                     "2 prices an 8-bit AdamW).")
         raise PlanError(err.message, hint=hint, minimum_budget=err.minimum_budget) from None
     return target, result, note
 
@@ -348,6 +388,11 @@ def fit_call(args: argparse.Namespace, saved: str | None) -> str:
         subblock = getattr(args, "subblock", "auto")
         if subblock != "auto":
             arguments.append(f"subblock_checkpoint={_SUBBLOCK[subblock]}")
+        if getattr(args, "trainable", "resident") == "swap":
+            arguments.append('trainable="swap"')
+    if getattr(args, "trainable", "resident") == "swap" and args.mode == "train":
+        # the swapped blocks' optimizers (fit measures their state per parameter itself)
+        arguments.append("optimizer=make_optimizer")
     function = "vramkit.distributed.fit_rank" if args.ddp else "vramkit.fit"
     return f"{function}({', '.join(arguments)})"
 
@@ -380,8 +425,9 @@ def _print_fit_call(call: str, saved: str | None) -> None:
     con = console()
     if saved is not None:
         con.print(f"Saved the plan to {escape(saved)}.")
-    con.print(f"In code (model and inputs: yours, as planned here): {escape(call)}",
-              soft_wrap=True)
+    yours = ("model, inputs and make_optimizer (parameters -> optimizer)"
+             if "make_optimizer" in call else "model and inputs")
+    con.print(f"In code ({yours}: yours, as planned here): {escape(call)}", soft_wrap=True)
     if saved is None:
         con.print("(--save PATH writes this very plan, for plan=PATH.)")
 

@@ -138,3 +138,40 @@ def test_initializations_that_read_the_base_weights_are_refused(
     with pytest.raises(ConfigError, match="needs the base weights") as info:
         load_into(inner, path)
     assert "get_peft_model" in (info.value.hint or "")
+
+
+def test_a_meta_peft_model_planned_and_fitted_from_a_checkpoint_steps_its_first_gradients_right(
+        base: tuple[Stack, Path]) -> None:
+    # vramkit.fit plans a model on meta by tracing its own step there (backward included):
+    # no meta .grad may stay on the adapters, or materializing them (to_empty) made it an
+    # uninitialized one that the first real backward added to (NaN gradients, at random).
+    import vramkit
+
+    reference_base, path = base
+    peft_model, inner = _meta_peft()
+    fitted = vramkit.fit(inner, (_x(),), "64MiB", device="cpu", hardware="rtx4090",
+                         autocast=None, checkpoint=path)
+    assert all(p.grad is None for p in peft_model.parameters())
+    reference = get_peft_model(copy.deepcopy(reference_base).requires_grad_(False),
+                               LoraConfig(r=4, target_modules=["q"]))
+    reference.load_state_dict(_adapters(peft_model), strict=False)
+    for model in (peft_model, reference):
+        model(_x()).square().mean().backward()
+    got = {n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad}
+    want = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    assert got.keys() == want.keys() and got
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-7, msg=name)
+    fitted.detach()
+
+
+def test_a_meta_gradient_on_an_adapter_is_dropped_when_it_is_materialized(
+        base: tuple[Stack, Path]) -> None:
+    _, path = base
+    peft_model, inner = _meta_peft()
+    for p in peft_model.parameters():
+        if p.requires_grad:
+            p.grad = torch.empty_like(p)  # meta, as a traced backward leaves it
+    load_into(inner, path)
+    lora = [p for n, p in peft_model.named_parameters() if "lora_" in n]
+    assert lora and all(p.device.type == "cpu" and p.grad is None for p in lora)

@@ -4,6 +4,8 @@ in the block's backward."""
 
 from __future__ import annotations
 
+import torch
+
 from tests.planning._models import video_inputs, video_parts_model
 from vramkit.offload.subblock import checkpoint_block_parts
 from vramkit.planning import analyze
@@ -35,3 +37,19 @@ def test_the_parts_forward_again_is_priced_in_the_backward() -> None:
         # attn1 and ffn (by the FLOP counter)
         assert b.backward_flops - a.backward_flops > attention
     assert parts.activations.per_block["blocks.1"] < plain.activations.per_block["blocks.1"]
+
+
+def test_planning_a_model_on_meta_leaves_no_gradient_on_it() -> None:
+    # The step is traced on the model itself when it is on meta: its backward's .grad must
+    # go (materialized with the weights, it would be uninitialized memory added to), and a
+    # gradient the model had before stays as it was.
+    from tests.planning._models import inputs, stack
+    from vramkit.planning.api import plan
+
+    model = stack(device="meta")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    kept = torch.empty_like(trainable[0])
+    trainable[0].grad = kept
+    plan(model, inputs(device="meta"), 1 << 30, hardware="rtx4090", autocast=None)
+    assert trainable[0].grad is kept
+    assert all(p.grad is None for p in trainable[1:])

@@ -114,6 +114,9 @@ def init_meta_adapters(module: nn.Module, device: torch.device) -> list[torch.Te
                          "init_lora_weights=True / 'gaussian' / False.")
         for attr, adapter, value in todo:
             if isinstance(value, nn.Module):
+                for p in value.parameters():
+                    if p.grad is not None and p.grad.is_meta:
+                        p.grad = None  # to_empty would make it real and uninitialized
                 value.to_empty(device=device)
                 reset = getattr(value, "reset_parameters", None)
                 if callable(reset):

@@ -421,6 +421,10 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
         found = find_blocks(meta, blocks)
     else:
         meta = model
+    # A model on meta is traced as it is: its backward below must leave no gradient on it
+    # (a meta .grad is carried into the weights' materialization -- to_empty -- as an
+    # uninitialized one, which the first real backward would then add to).
+    had_grad = {id(p) for p in meta.parameters() if p.grad is not None}
     found = list(found)
     names = [n for n, _ in found]
     meta_inputs = to_meta(inputs)
@@ -468,6 +472,9 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
     finally:
         for hook in hooks:
             hook.remove()
+        for p in meta.parameters():
+            if id(p) not in had_grad:
+                p.grad = None
     root = type(meta).__name__
     attention = saved.attention_flops
     estimate = saved.estimate()

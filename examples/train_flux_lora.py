@@ -10,8 +10,8 @@ Inputs:
 
 * ``--pretrained_model_name_or_path``: a local diffusers FLUX folder (``transformer/`` with its
   ``config.json`` and safetensors, ``vae/``); ``--transformer_file`` reads the transformer's
-  weights from one safetensors file instead (diffusers key names; other single-file layouts
-  when ``vramkit.io`` can open them), built from the folder's ``transformer/config.json``.
+  weights from one file instead (diffusers key names, Black Forest Labs' or ComfyUI's layout,
+  fp8_scaled, GGUF), built from the folder's ``transformer/config.json``.
 * ``--instance_data_dir``: images, each with a ``.txt`` caption of the same name (or
   ``--instance_prompt`` for all).
 * Text embeddings are precomputed (no text encoder is loaded): ``--embeddings_file`` (a
@@ -77,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pretrained_model_name_or_path", required=True,
                    help="local diffusers FLUX folder (transformer/, vae/)")
     p.add_argument("--transformer_file", default=None,
-                   help="read the transformer's weights from this single safetensors file")
+                   help="read the transformer's weights from this single file (safetensors "
+                        "in diffusers', BFL's or ComfyUI's layout, fp8_scaled, or GGUF)")
     p.add_argument("--instance_data_dir", required=True,
                    help="images with .txt captions of the same name")
     p.add_argument("--instance_prompt", default=None,
@@ -229,7 +230,13 @@ def sample_sigmas(batch: int, scheme: str, generator: torch.Generator) -> torch.
 
 def load_transformer(args: argparse.Namespace, dtype: torch.dtype) -> tuple[Any, str | None]:
     """The transformer: from the folder, or built on meta for ``--transformer_file`` (which
-    ``vramkit.fit`` then reads straight into place). Returns (model, checkpoint file)."""
+    ``vramkit.fit`` then reads straight into place). Returns (model, checkpoint file).
+
+    A single file may be in diffusers' key names, Black Forest Labs' or ComfyUI's layout, a
+    ComfyUI fp8_scaled file (its fp8 weights stay fp8, as stored) or a GGUF file (Q8_0, Q4_K,
+    ...: its quantized weights stay packed and are decoded on the GPU at each call): the layers
+    whose weights the file keeps packed are replaced before LoRA is added, so LoRA trains on
+    top of them."""
     from diffusers import FluxTransformer2DModel
 
     folder = Path(args.pretrained_model_name_or_path)
@@ -240,39 +247,42 @@ def load_transformer(args: argparse.Namespace, dtype: torch.dtype) -> tuple[Any,
     path = Path(args.transformer_file)
     if not path.is_file():
         raise SystemExit(f"--transformer_file {path} is not a file")
-    check_single_file(path)
+    described = describe_single_file(path)
+    print(f"--transformer_file: {described}")
     config = json.loads((folder / "transformer" / "config.json").read_text())
     config = {k: v for k, v in config.items() if not k.startswith("_")}
     with torch.device("meta"):
         model = FluxTransformer2DModel(**config)
+    from vramkit.io.formats import prepare_module
+    from vramkit.quant import QuantizationConfig
+
+    # GGUF weights become GGUFLinear, fp8_scaled ones fp8 QuantizedLinear (nothing for bf16)
+    prepare_module(model, path, QuantizationConfig("fp8"))
     return (model.to(dtype) if dtype != torch.float32 else model), str(path)
 
 
-def check_single_file(path: Path) -> None:
-    """A single file in diffusers' key names loads through ``vramkit.fit(checkpoint=)``; other
-    layouts (Black Forest Labs' own, ComfyUI's) need ``vramkit.io``'s single-file reader."""
-    import importlib.util
+def describe_single_file(path: Path) -> str:
+    """What the file is (``vramkit.io.formats.detect_format``), or exit with why not."""
+    from vramkit.errors import VramkitError
+    from vramkit.io.formats import detect_format
 
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
-        keys = list(f.keys())
-    diffusers_names = any(k.startswith(("transformer_blocks.", "single_transformer_blocks."))
-                          for k in keys)
-    if not diffusers_names and importlib.util.find_spec("vramkit.io.formats") is None:
-        raise SystemExit(f"{path} is not in diffusers' key names, and this vramkit cannot open "
-                         "other single-file layouts (no vramkit.io.formats): convert it with "
-                         "diffusers (FluxTransformer2DModel.from_single_file(...)."
-                         "save_pretrained(...)) or pass the diffusers folder")
+    try:
+        return detect_format(path).describe()
+    except VramkitError as err:
+        raise SystemExit(f"--transformer_file {path} cannot be read as a checkpoint: "
+                         f"{err.message} ({err.hint})") from None
 
 
 def add_lora(model: Any, args: argparse.Namespace) -> None:
     from peft import LoraConfig
 
+    from vramkit.quant.linear import register_peft_lora
+
     model.requires_grad_(False)
-    model.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.rank,
-                                 init_lora_weights="gaussian",
-                                 target_modules=[m.strip() for m in args.lora_layers.split(",")]))
+    # register_peft_lora: peft adapts vramkit's packed layers (a GGUF or fp8 file's) too
+    model.add_adapter(register_peft_lora(LoraConfig(
+        r=args.rank, lora_alpha=args.rank, init_lora_weights="gaussian",
+        target_modules=[m.strip() for m in args.lora_layers.split(",")])))
 
 
 class LoraState:

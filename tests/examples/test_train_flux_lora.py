@@ -71,3 +71,60 @@ def test_the_weights_start_streaming_before_the_heavy_imports(tmp_path: Path,
     module._prefetch_from_argv(["--pretrained_model_name_or_path=/m", "--cpu"])
     module._prefetch_from_argv(["--transformer_file"])
     assert asked == [str(tmp_path / "t.safetensors"), Path("/m") / "transformer"]
+
+
+def _original_state(tiny: Path) -> dict:
+    """The tiny transformer's weights in Black Forest Labs' own layout (as single files are)."""
+    from safetensors.torch import load_file
+
+    from tests.io._single_files import to_original
+
+    state = load_file(str(tiny / "flux" / "flux-transformer.safetensors"))
+    return to_original("flux", state)
+
+
+@pytest.mark.parametrize("kind", ["gguf", "fp8_scaled"])
+def test_trains_lora_on_a_gguf_or_fp8_scaled_single_file(kind: str, tiny: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    """The files inference tools made popular: a GGUF (Q8_0) and a ComfyUI fp8_scaled
+    transformer, their weights kept packed as stored, LoRA on top; finite losses that move."""
+    import torch
+
+    state = _original_state(tiny)
+    if kind == "gguf":
+        pytest.importorskip("gguf")
+        from tests.io._single_files import write_gguf
+
+        file = tmp_path / "flux-Q8_0.gguf"
+        write_gguf(str(file), state, {n: "Q8_0" for n, t in state.items()
+                                      if n.endswith(".weight") and t.dim() == 2
+                                      and t.shape[1] % 32 == 0})
+        says = "Q8_0 x"
+    else:
+        from safetensors.torch import save_file
+
+        fp8 = {"scaled_fp8": torch.zeros(2, dtype=torch.float8_e4m3fn)}
+        for name, t in state.items():
+            if name.endswith(".weight") and t.dim() == 2:
+                scale = t.abs().max().float() / 448
+                fp8[name] = (t.float() / scale).to(torch.float8_e4m3fn)
+                fp8[name.removesuffix(".weight") + ".scale_weight"] = scale.reshape(())
+            else:
+                fp8[name] = t
+        file = tmp_path / "flux-fp8_scaled.safetensors"
+        save_file(fp8, str(file))
+        says = "fp8_scaled"
+    result = _run(tiny, tmp_path / "out", "--max_train_steps", "3", "--transformer_file",
+                  str(file))
+    assert says in capsys.readouterr().out
+    losses = result["losses"]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_a_file_that_is_no_checkpoint_is_a_clear_exit(tiny: Path, tmp_path: Path) -> None:
+    junk = tmp_path / "notes.safetensors"
+    junk.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header at all")
+    with pytest.raises(SystemExit, match="cannot be read as a checkpoint"):
+        _run(tiny, tmp_path / "out", "--transformer_file", str(junk))

@@ -179,6 +179,33 @@ def test_gguf_lora_trains_on_the_loaded_base(tmp_path: Path) -> None:
     assert attn.to_q.down.grad is not None and attn.to_q.down.grad.abs().sum() > 0
 
 
+def test_a_prepared_model_wrapped_by_peft_loads_its_packed_bases_from_the_file(
+        tmp_path: Path) -> None:
+    """prepare_module first, peft's LoRA added on meta after (as a training script does, the
+    adapters beside the packed bases), then the file loads: the GGUF bytes land in each
+    wrapped layer's base_layer, the same bytes as without LoRA."""
+    peft = pytest.importorskip("peft")
+
+    from vramkit.io.formats import prepare_module
+    from vramkit.quant.gguf import GGUFLinear
+    from vramkit.quant.linear import register_peft_lora
+
+    path, _, _ = _gguf_flux(tmp_path, kinds=("Q8_0",))
+    plain = tiny_flux("meta")
+    load_into(plain, path)
+    model = tiny_flux("meta")
+    assert prepare_module(model, path)  # GGUFLinear in place of the quantized Linear layers
+    model.requires_grad_(False)
+    config = register_peft_lora(peft.LoraConfig(r=2, target_modules=["to_q", "to_k"]))
+    peft.inject_adapter_in_model(config, model)
+    wrapped = model.transformer_blocks[0].attn.to_q
+    assert isinstance(wrapped.base_layer, GGUFLinear)
+    load_into(model, path)
+    want = plain.transformer_blocks[0].attn.to_q.weight_packed
+    assert torch.equal(wrapped.base_layer.weight_packed, want)
+    assert not any(t.is_meta for t in model.state_dict().values())
+
+
 def test_a_truncated_gguf_file_names_the_tensor(tmp_path: Path) -> None:
     path, _, _ = _gguf_flux(tmp_path)
     data = path.read_bytes()

@@ -487,13 +487,14 @@ def _prepare_gguf(module: nn.Module, checkpoint: MappedCheckpoint, prefix: str) 
         if not name.startswith(prefix):
             continue
         key = name[len(prefix):]
-        if key not in state and not isinstance(_owner(module, key), GGUFLinear):
-            continue  # unexpected: the filler reports it
         owner, layer = _linear_of(module, key)
-        current = _owner(module, key)
+        path, current = _base_of(module, owner)
         if isinstance(current, GGUFLinear) and current.qtype.name == kind:
-            checkpoint.rename(name, f"{prefix}{owner}.weight_packed")  # prepared before
+            # prepared before (and perhaps wrapped by peft's LoRA since)
+            checkpoint.rename(name, f"{prefix}{path}.weight_packed")
             continue
+        if key not in state:
+            continue  # unexpected: the filler reports it
         if layer is None:
             # A convolution, an embedding...: decoded as it is read (one tensor at a time).
             logger.info("%s: %s is GGUF %s on a %s: decoded as it loads", checkpoint.source.name,
@@ -536,13 +537,14 @@ def _prepare_fp8(module: nn.Module, checkpoint: MappedCheckpoint, config: Any,
         key = name[len(prefix):]
         entry = checkpoint.entry(name)
         owner, layer = _linear_of(module, key)
-        current = _owner(module, key)
+        path, current = _base_of(module, owner)
         if (isinstance(current, QuantizedLinear) and isinstance(current.quant_config, FP8Config)
                 and current.weight_data.is_meta and entry.dtype_code == "F8_E4M3"
                 and tuple(current.weight_data.shape) == tuple(entry.shape)):
-            # prepared before: its scales were filled then
-            checkpoint.rename(name, f"{prefix}{owner}.weight_data")
-            checkpoint.prefilled.add(f"{owner}.weight_scales")
+            # prepared before (and perhaps wrapped by peft's LoRA since): its scales were
+            # filled then
+            checkpoint.rename(name, f"{prefix}{path}.weight_data")
+            checkpoint.prefilled.add(f"{path}.weight_scales")
             continue
         if layer is None or owner not in selected or entry.dtype_code != "F8_E4M3":
             continue
@@ -560,6 +562,21 @@ def _prepare_fp8(module: nn.Module, checkpoint: MappedCheckpoint, config: Any,
         checkpoint.prefilled.add(f"{owner}.weight_scales")
         replaced.append(owner)
     return replaced
+
+
+def _base_of(module: nn.Module, owner: str) -> tuple[str, Any]:
+    """The layer at ``owner`` and its path, or, where peft's LoRA wraps it (a ``base_layer``
+    beside the adapters), the wrapped layer and ``<owner>.base_layer``."""
+    from torch import nn
+
+    try:
+        layer = module.get_submodule(owner) if owner else module
+    except AttributeError:
+        return owner, None
+    base = getattr(layer, "base_layer", None)
+    if isinstance(base, nn.Module) and hasattr(layer, "lora_A"):
+        return f"{owner}.base_layer" if owner else "base_layer", base
+    return owner, layer
 
 
 def _owner(module: nn.Module, key: str) -> Any:

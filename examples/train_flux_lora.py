@@ -228,7 +228,8 @@ def sample_sigmas(batch: int, scheme: str, generator: torch.Generator) -> torch.
 # -- model --------------------------------------------------------------------------------------
 
 
-def load_transformer(args: argparse.Namespace, dtype: torch.dtype) -> tuple[Any, str | None]:
+def load_transformer(args: argparse.Namespace, dtype: torch.dtype,
+                     say: Any = print) -> tuple[Any, str | None]:
     """The transformer: from the folder, or built on meta for ``--transformer_file`` (which
     ``vramkit.fit`` then reads straight into place). Returns (model, checkpoint file).
 
@@ -236,7 +237,7 @@ def load_transformer(args: argparse.Namespace, dtype: torch.dtype) -> tuple[Any,
     ComfyUI fp8_scaled file (its fp8 weights stay fp8, as stored) or a GGUF file (Q8_0, Q4_K,
     ...: its quantized weights stay packed and are decoded on the GPU at each call): the layers
     whose weights the file keeps packed are replaced before LoRA is added, so LoRA trains on
-    top of them."""
+    top of them. ``say`` prints what the file is (``accelerator.print``: one process)."""
     from diffusers import FluxTransformer2DModel
 
     folder = Path(args.pretrained_model_name_or_path)
@@ -248,7 +249,7 @@ def load_transformer(args: argparse.Namespace, dtype: torch.dtype) -> tuple[Any,
     if not path.is_file():
         raise SystemExit(f"--transformer_file {path} is not a file")
     described = describe_single_file(path)
-    print(f"--transformer_file: {described}")
+    say(f"--transformer_file: {described}")
     config = json.loads((folder / "transformer" / "config.json").read_text())
     config = {k: v for k, v in config.items() if not k.startswith("_")}
     with torch.device("meta"):
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     vae = AutoencoderKL.from_pretrained(args.pretrained_model_name_or_path, subfolder="vae")
     vae.requires_grad_(False).to(device)
     stamp(accelerator, "VAE")
-    transformer, checkpoint = load_transformer(args, weight_dtype)
+    transformer, checkpoint = load_transformer(args, weight_dtype, accelerator.print)
     add_lora(transformer, args)
     # LoRA weights train in fp32 (mixed precision computes in bf16/fp16 under autocast).
     for p in transformer.parameters():

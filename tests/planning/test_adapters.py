@@ -156,3 +156,14 @@ def test_the_plan_says_which_checkpointed_blocks_cannot_be_lean(style: str) -> N
         assert sorted(cost.lean_refused) == [f"blocks.{i}" for i in range(3)]
         assert len(notes) == 1 and notes[0].startswith("3 checkpointed block(s)")
         assert "keep PyTorch's checkpoint" in plan.explain()
+
+
+def test_a_network_beside_a_meta_model_keeps_no_gradient_from_the_trace() -> None:
+    # On meta the model (and its network) is traced as it is: the trace's backward must not
+    # leave .grad on the network's parameters either (materialized, it is uninitialized).
+    with torch.device("meta"):
+        model = _base()
+        net = KohyaLoRANetwork(model, ["q", "o"], rank=4).apply_to()
+    analyze(model, (torch.empty(2, 8, D, device="meta"),), autocast=None, blocks=["blocks.*"])
+    params = list(net.parameters())
+    assert params and all(p.requires_grad and p.grad is None for p in params)

@@ -48,21 +48,28 @@ FLAG_NAMES = {"budget": "--budget", "mode": "--mode", "lora_rank": "--lora-rank"
 _SUBBLOCK = {"auto": "auto", "on": True, "off": False}
 
 
-def _disk_speed(text: str | None) -> float | None:
-    """``--disk-speed``: GB/s (decimal, as disks are rated) -> bytes per second."""
+def _positive(flag: str, text: str, unit: str, hint: str, suffix: str = "") -> float:
+    """A flag's finite number > 0, ``suffix`` (its unit, optional in the text) stripped;
+    ``unit`` names it in the errors."""
     from vramkit.errors import ConfigError
 
+    try:
+        value = float(text.removesuffix(suffix).strip() if suffix else text)
+    except ValueError:
+        raise ConfigError(f"{flag} must be a number of {unit}, got {text!r}",
+                          hint=hint) from None
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"{flag} must be > 0 {unit}, got {text!r}", hint=hint)
+    return value
+
+
+def _disk_speed(text: str | None) -> float | None:
+    """``--disk-speed``: GB/s (decimal, as disks are rated) -> bytes per second."""
     if text is None:
         return None
-    hint = "Give the disk's read speed in GB/s, e.g. --disk-speed 2.5."
-    try:
-        value = float(text.removesuffix("GB/s").strip())
-    except ValueError:
-        raise ConfigError(f"--disk-speed must be a number of GB/s, got {text!r}",
-                          hint=hint) from None
-    if not value > 0 or value == float("inf"):
-        raise ConfigError(f"--disk-speed must be > 0 GB/s, got {text!r}", hint=hint)
-    return value * 1e9
+    return _positive("--disk-speed", text, "GB/s",
+                     "Give the disk's read speed in GB/s, e.g. --disk-speed 2.5.",
+                     suffix="GB/s") * 1e9
 
 
 def register(subparsers: Any) -> None:
@@ -199,20 +206,12 @@ def _headroom(text: str | None, budget: int, budget_text: str) -> int | float | 
 
 
 def _state_bytes(text: str | None) -> float | None:
-    """``--optimizer-state-bytes``: bytes per trained parameter (> 0), or None (the default)."""
-    from vramkit.errors import ConfigError
-
+    """``--optimizer-state-bytes``: bytes per trained parameter, or None (the default)."""
     if text is None:
         return None
-    hint = "Give the optimizer's state per parameter in bytes, e.g. 8 (AdamW) or 2 (AdamW8bit)."
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"--optimizer-state-bytes must be a number of bytes, got {text!r}",
-                          hint=hint) from None
-    if not 0 < value < float("inf"):
-        raise ConfigError(f"--optimizer-state-bytes must be > 0, got {text!r}", hint=hint)
-    return value
+    return _positive("--optimizer-state-bytes", text, "bytes",
+                     "Give the optimizer's state per parameter in bytes, e.g. 8 (AdamW) or 2 "
+                     "(AdamW8bit).")
 
 
 def _formats(text: str) -> tuple[str, ...]:

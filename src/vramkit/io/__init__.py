@@ -47,7 +47,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     ".loader": ("LoadResult", "LoadStats", "MemoryEfficientLoader", "load_into",
                 "stream_weights"),
     ".disk": ("DiskReadResult", "drop_page_cache", "measure_read_bandwidth"),
-    ".adapters": ("adapter_keys", "init_meta_adapters", "peft_base_key"),
+    ".adapters": ("adapter_keys", "base_layer_of", "init_meta_adapters", "peft_base_key"),
     ".adapter_files": ("LORA_LAYOUTS", "LoRAFactors", "adapter_state_dict", "load_adapters",
                        "lora_factors", "save_adapters"),
     ".prefetch": ("PAGE_CACHE_SHARE", "Prefetch", "checkpoint_files", "prefetch_checkpoint"),

@@ -26,7 +26,7 @@ from torch import nn
 
 from vramkit.errors import ConfigError
 
-__all__ = ["adapter_keys", "init_meta_adapters", "peft_base_key"]
+__all__ = ["adapter_keys", "base_layer_of", "init_meta_adapters", "peft_base_key"]
 
 _BASE = ".base_layer."
 _PLAIN_INITS = (True, False, "gaussian")
@@ -38,12 +38,30 @@ def peft_base_key(key: str) -> str:
     return key.replace(_BASE, ".")
 
 
-def _lora_layers(module: nn.Module) -> list[tuple[str, Any]]:
+def _lora_layer_type() -> type | None:
+    """peft's ``LoraLayer``, where peft is imported already (else no module can be one)."""
     peft = sys.modules.get("peft.tuners.lora.layer") or sys.modules.get("peft.tuners.lora")
-    layer_type = getattr(peft, "LoraLayer", None) if peft is not None else None
+    return getattr(peft, "LoraLayer", None) if peft is not None else None
+
+
+def _lora_layers(module: nn.Module) -> list[tuple[str, Any]]:
+    layer_type = _lora_layer_type()
     if layer_type is None:
         return []
     return [(name, m) for name, m in module.named_modules() if isinstance(m, layer_type)]
+
+
+def base_layer_of(module: nn.Module, owner: str) -> tuple[str, Any]:
+    """The layer at ``owner`` in ``module`` and its path, or, where peft's LoRA wraps it, the
+    wrapped layer and ``<owner>.base_layer`` (``None`` and ``owner`` for no such module)."""
+    try:
+        layer = module.get_submodule(owner) if owner else module
+    except AttributeError:
+        return owner, None
+    layer_type = _lora_layer_type()
+    if layer_type is not None and isinstance(layer, layer_type):
+        return f"{owner}{_BASE[:-1]}" if owner else _BASE[1:-1], layer.base_layer
+    return owner, layer
 
 
 def _adapter_modules(layer: Any) -> list[tuple[str, str, nn.Module | nn.Parameter]]:

@@ -479,6 +479,7 @@ def _set(module: nn.Module, name: str, layer: nn.Module) -> None:
 def _prepare_gguf(module: nn.Module, checkpoint: MappedCheckpoint, prefix: str) -> list[str]:
     import torch
 
+    from vramkit.io.adapters import base_layer_of
     from vramkit.quant.gguf import GGUFLinear
 
     replaced = []
@@ -488,7 +489,7 @@ def _prepare_gguf(module: nn.Module, checkpoint: MappedCheckpoint, prefix: str) 
             continue
         key = name[len(prefix):]
         owner, layer = _linear_of(module, key)
-        path, current = _base_of(module, owner)
+        path, current = base_layer_of(module, owner)
         if isinstance(current, GGUFLinear) and current.qtype.name == kind:
             # prepared before (and perhaps wrapped by peft's LoRA since)
             checkpoint.rename(name, f"{prefix}{path}.weight_packed")
@@ -520,6 +521,7 @@ def _prepare_fp8(module: nn.Module, checkpoint: MappedCheckpoint, config: Any,
                  device: Any, prefix: str) -> list[str]:
     import torch
 
+    from vramkit.io.adapters import base_layer_of
     from vramkit.quant.formats import FP8Config, QuantizedTensor
     from vramkit.quant.linear import QuantizedLinear
     from vramkit.quant.model import QuantizationConfig, quantizable_layers, quantized_layer
@@ -537,7 +539,7 @@ def _prepare_fp8(module: nn.Module, checkpoint: MappedCheckpoint, config: Any,
         key = name[len(prefix):]
         entry = checkpoint.entry(name)
         owner, layer = _linear_of(module, key)
-        path, current = _base_of(module, owner)
+        path, current = base_layer_of(module, owner)
         if (isinstance(current, QuantizedLinear) and isinstance(current.quant_config, FP8Config)
                 and current.weight_data.is_meta and entry.dtype_code == "F8_E4M3"
                 and tuple(current.weight_data.shape) == tuple(entry.shape)):
@@ -562,21 +564,6 @@ def _prepare_fp8(module: nn.Module, checkpoint: MappedCheckpoint, config: Any,
         checkpoint.prefilled.add(f"{owner}.weight_scales")
         replaced.append(owner)
     return replaced
-
-
-def _base_of(module: nn.Module, owner: str) -> tuple[str, Any]:
-    """The layer at ``owner`` and its path, or, where peft's LoRA wraps it (a ``base_layer``
-    beside the adapters), the wrapped layer and ``<owner>.base_layer``."""
-    from torch import nn
-
-    try:
-        layer = module.get_submodule(owner) if owner else module
-    except AttributeError:
-        return owner, None
-    base = getattr(layer, "base_layer", None)
-    if isinstance(base, nn.Module) and hasattr(layer, "lora_A"):
-        return f"{owner}.base_layer" if owner else "base_layer", base
-    return owner, layer
 
 
 def _owner(module: nn.Module, key: str) -> Any:

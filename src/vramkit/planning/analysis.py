@@ -229,6 +229,17 @@ def refuse_attached(model: nn.Module) -> None:
                             hint=f"Call {detach} first, then plan or fit the model.")
 
 
+def _reached_tensors(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The parameters (closures' tensors included) and buffers a step of ``model`` reads.
+    Adapters hooked in from outside the model (a kohya-style LoRA network beside it) count:
+    a layer's replaced forward is bound to them."""
+    holders = [model, *outside_modules(model)]
+    params = list(dict.fromkeys((*(p for m in holders for p in m.parameters()),
+                                 *closure_tensors(model))))
+    buffers = list(dict.fromkeys(b for m in holders for b in m.buffers()))
+    return params, buffers
+
+
 def meta_copy(model: nn.Module) -> nn.Module:
     """``model`` itself when it is on the meta device, else a copy whose parameters and buffers
     are meta tensors of the same shapes, dtypes and ``requires_grad`` (no data is copied).
@@ -239,12 +250,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
             (:func:`refuse_attached`).
     """
     refuse_attached(check_model(model))
-    # Adapters hooked in from outside the model (a kohya-style LoRA network beside it) are
-    # copied with it -- a layer's replaced forward is bound to them -- so they go to meta too.
-    holders = [model, *outside_modules(model)]
-    params = list(dict.fromkeys((*(p for m in holders for p in m.parameters()),
-                                 *closure_tensors(model))))
-    buffers = list(dict.fromkeys(b for m in holders for b in m.buffers()))
+    params, buffers = _reached_tensors(model)
     if all(t.device.type == "meta" for t in (*params, *buffers)):
         return model
     memo: dict[int, Any] = {}
@@ -424,7 +430,8 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
     # A model on meta is traced as it is: its backward below must leave no gradient on it
     # (a meta .grad is carried into the weights' materialization -- to_empty -- as an
     # uninitialized one, which the first real backward would then add to).
-    had_grad = {id(p) for p in meta.parameters() if p.grad is not None}
+    traced = _reached_tensors(meta)[0]
+    had_grad = {id(p) for p in traced if p.grad is not None}
     found = list(found)
     names = [n for n, _ in found]
     meta_inputs = to_meta(inputs)
@@ -472,7 +479,7 @@ def analyze(model: nn.Module, inputs: Any, *, mode: str = "train",
     finally:
         for hook in hooks:
             hook.remove()
-        for p in meta.parameters():
+        for p in traced:
             if id(p) not in had_grad:
                 p.grad = None
     root = type(meta).__name__

@@ -17,12 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
+from vramkit._gguf_types import gguf_quant_type
 from vramkit.quant._triton import _Replay
 
-__all__ = ["Q8_0_BLOCK_BYTES", "decode_q8_0"]
+__all__ = ["decode_q8_0"]
 
-Q8_0_BLOCK_BYTES = 34
-_WORDS = Q8_0_BLOCK_BYTES // 2  # half-words per block: the scale and 16 code pairs
+_Q8_0 = gguf_quant_type("Q8_0")  # the file format's table: 32 codes in 34 bytes
+_WORDS = _Q8_0.type_size // 2  # half-words per block: the scale and 16 code pairs
 # Blocks per program (64 blocks = 2,048 outputs) and warps.
 _BLOCK_B = 64
 _WARPS = 4
@@ -59,9 +60,9 @@ def decode_q8_0(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """
     if not raw.is_contiguous() or raw.data_ptr() % 2:
         return None
-    blocks = raw.numel() // Q8_0_BLOCK_BYTES
+    blocks = raw.numel() // _Q8_0.type_size
     words = raw.reshape(-1).view(torch.int16)
-    out = torch.empty((blocks, 32), dtype=dtype, device=raw.device)
+    out = torch.empty((blocks, _Q8_0.block_size), dtype=dtype, device=raw.device)
     if blocks == 0:
         return out
     grid = (triton.cdiv(blocks, _BLOCK_B), 1, 1)
